@@ -1,0 +1,168 @@
+// The private extension radixkv._core: one-line definitions over adapters
+// named Class_Method. Tree logic lives in cpp/; tensor handoff in tensor_view.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "errors.h"
+#include "radixkv/compare.h"
+#include "radixkv/radix_tree.h"
+#include "radixkv/status.h"
+#include "tensor_view.h"
+
+namespace py = pybind11;
+using radixkv::Handle;
+using radixkv::RadixTree;
+using radixkv::bindings::Int32View;
+using radixkv::bindings::NewInt32Tensor;
+using radixkv::bindings::ToInt64;
+
+namespace {
+
+// Inputs at least this long are processed with the GIL released.
+constexpr int64_t kReleaseGilTokens = 1 << 16;
+
+// A tree and the mutex that keeps one thread at a time inside it. The mutex
+// is always taken after the GIL is released and let go before the GIL is
+// taken back, so a thread waiting on it with the GIL held cannot deadlock.
+struct PyRadixTree {
+  explicit PyRadixTree(int64_t page_size) : tree(page_size) {}
+  RadixTree tree;
+  std::mutex mu;
+};
+
+template <typename F>
+auto Locked(PyRadixTree& t, bool release_gil, F&& f) {
+  std::optional<py::gil_scoped_release> nogil;
+  if (release_gil) nogil.emplace();
+  std::lock_guard<std::mutex> guard(t.mu);
+  return f();
+}
+
+std::vector<int32_t>& Scratch() {
+  thread_local std::vector<int32_t> buffer;
+  return buffer;
+}
+
+Handle& AsHandle(py::handle obj) {
+  if (!py::isinstance<Handle>(obj)) {
+    throw py::type_error(std::string("handle must be a RadixCacheHandle from match_prefix, got ") +
+                         Py_TYPE(obj.ptr())->tp_name);
+  }
+  return obj.cast<Handle&>();
+}
+
+py::tuple RadixTree_MatchPrefix(PyRadixTree& t, py::handle input_ids) {
+  Int32View ids(input_ids, "input_ids");
+  std::vector<int32_t>& slots = Scratch();
+  Handle h = Locked(t, ids.size() >= kReleaseGilTokens,
+                    [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), &slots); });
+  return py::make_tuple(py::cast(h), NewInt32Tensor(slots.data(), h.cached_len));
+}
+
+int64_t RadixTree_InsertPrefix(PyRadixTree& t, py::handle input_ids, py::handle indices) {
+  Int32View ids(input_ids, "input_ids");
+  Int32View slots(indices, "indices");
+  if (ids.size() != slots.size()) {
+    throw py::value_error("indices has length " + std::to_string(slots.size()) +
+                          " but input_ids has length " + std::to_string(ids.size()));
+  }
+  return Locked(t, ids.size() >= kReleaseGilTokens,
+                [&] { return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size()); });
+}
+
+void RadixTree_LockHandle(PyRadixTree& t, py::handle handle, bool unlock) {
+  Handle& h = AsHandle(handle);
+  Locked(t, false, [&] { unlock ? t.tree.Unlock(&h) : t.tree.Lock(&h); });
+}
+
+py::object RadixTree_Evict(PyRadixTree& t, py::handle size) {
+  const int64_t n = ToInt64(size, "size");
+  std::vector<int32_t>& slots = Scratch();
+  Locked(t, n >= kReleaseGilTokens, [&] { t.tree.Evict(n, &slots); });
+  return NewInt32Tensor(slots.data(), static_cast<int64_t>(slots.size()));
+}
+
+void RadixTree_Reset(PyRadixTree& t) {
+  Locked(t, true, [&] { t.tree.Reset(); });
+}
+
+void RadixTree_CheckIntegrity(PyRadixTree& t) {
+  Locked(t, true, [&] { t.tree.CheckIntegrity(); });
+}
+
+py::tuple RadixTree_SizeInfo(PyRadixTree& t) {
+  return Locked(t, false, [&] {
+    return py::make_tuple(t.tree.evictable_size(), t.tree.protected_size());
+  });
+}
+
+py::list RadixTree_Dump(PyRadixTree& t) {
+  std::vector<radixkv::NodeInfo> nodes = Locked(t, true, [&] { return t.tree.Dump(); });
+  py::list out;
+  for (const auto& n : nodes) {
+    out.append(py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), n.ref_count,
+                              n.timestamp));
+  }
+  return out;
+}
+
+bool RadixTree_IsValid(PyRadixTree& t, py::handle handle) {
+  const Handle& h = AsHandle(handle);
+  return Locked(t, false, [&] { return t.tree.IsValid(h); });
+}
+
+int64_t Kernel_FirstMismatch(py::handle a, py::handle b) {
+  Int32View x(a, "a");
+  Int32View y(b, "b");
+  const int64_t n = std::min(x.size(), y.size());
+  return static_cast<int64_t>(radixkv::FirstMismatch(x.data(), y.data(), n));
+}
+
+int64_t CheckIds(py::handle values, const char* name) {
+  return Int32View(values, name).size();
+}
+
+py::object Int32Tensor(py::handle values) {
+  Int32View v(values, "values");
+  return NewInt32Tensor(v.data(), v.size());
+}
+
+std::string Handle_Repr(const Handle& h) {
+  return "RadixCacheHandle(cached_len=" + std::to_string(h.cached_len) +
+         ", lock_count=" + std::to_string(h.lock_count) + ")";
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "radixkv native core (private; use the radixkv package)";
+  radixkv::bindings::RegisterErrors(m);
+  m.def("_init_tensor_api", &radixkv::bindings::InitTensorApi, py::arg("tensor_type"),
+        py::arg("api_capsule"));
+  m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
+  m.def("int32_tensor", &Int32Tensor, py::arg("values"));
+  m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));
+
+  py::class_<Handle>(m, "RadixCacheHandle")
+      .def_readonly("cached_len", &Handle::cached_len)
+      .def_readonly("lock_count", &Handle::lock_count)
+      .def("__repr__", &Handle_Repr);
+
+  py::class_<PyRadixTree>(m, "RadixTree")
+      .def(py::init<int64_t>(), py::arg("page_size") = 1)
+      .def_property_readonly("page_size", [](PyRadixTree& t) { return t.tree.page_size(); })
+      .def_property_readonly("num_nodes", [](PyRadixTree& t) { return t.tree.num_nodes(); })
+      .def("match_prefix", &RadixTree_MatchPrefix, py::arg("input_ids"))
+      .def("insert_prefix", &RadixTree_InsertPrefix, py::arg("input_ids"), py::arg("indices"))
+      .def("lock_handle", &RadixTree_LockHandle, py::arg("handle"), py::arg("unlock") = false)
+      .def("evict", &RadixTree_Evict, py::arg("size"))
+      .def("reset", &RadixTree_Reset)
+      .def("size_info", &RadixTree_SizeInfo)
+      .def("check_integrity", &RadixTree_CheckIntegrity)
+      .def("dump", &RadixTree_Dump)
+      .def("is_valid", &RadixTree_IsValid, py::arg("handle"));
+}

@@ -1,0 +1,259 @@
+#include "tensor_view.h"
+
+#include <dlpack/dlpack.h>
+
+#include <cctype>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+namespace radixkv::bindings {
+namespace {
+
+PyTypeObject* g_tensor_type = nullptr;
+const DLPackExchangeAPI* g_api = nullptr;
+
+[[noreturn]] void Raise(PyObject* type, const std::string& message) {
+  PyErr_SetString(type, message.c_str());
+  throw py::error_already_set();
+}
+
+std::string TypeName(py::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
+
+std::string DTypeName(const DLDataType& dtype) {
+  std::string kind;
+  switch (dtype.code) {
+    case kDLInt: kind = "int"; break;
+    case kDLUInt: kind = "uint"; break;
+    case kDLFloat: kind = "float"; break;
+    case kDLBfloat: kind = "bfloat"; break;
+    case kDLComplex: kind = "complex"; break;
+    case kDLBool: return "bool";
+    default: kind = "type code " + std::to_string(dtype.code) + " of ";
+  }
+  std::string name = kind + std::to_string(dtype.bits);
+  if (dtype.lanes != 1) name += "x" + std::to_string(dtype.lanes);
+  return name;
+}
+
+void SetError(void*, const char* kind, const char* message) {
+  PyErr_Format(PyExc_RuntimeError, "%s: %s", kind, message);
+}
+
+template <typename T>
+void Convert(const char* base, int64_t n, int64_t stride_bytes, const char* name,
+             std::vector<int32_t>* out) {
+  out->resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, base + i * stride_bytes, sizeof(T));
+    if constexpr (sizeof(T) >= sizeof(int32_t)) {
+      if (v > static_cast<T>(std::numeric_limits<int32_t>::max()) ||
+          (std::is_signed_v<T> && v < static_cast<T>(std::numeric_limits<int32_t>::min()))) {
+        Raise(PyExc_ValueError, std::string(name) + "[" + std::to_string(i) + "] = " +
+                                    std::to_string(v) + " does not fit in int32");
+      }
+    }
+    (*out)[i] = static_cast<int32_t>(v);
+  }
+}
+
+// Converts `n` integers of `bits` width and signedness at `base` with the
+// given byte stride.
+void ConvertInts(const char* base, int64_t n, int64_t stride_bytes, bool is_signed, int bits,
+                 const char* name, std::vector<int32_t>* out) {
+  switch (bits * (is_signed ? 1 : -1)) {
+    case 8: return Convert<int8_t>(base, n, stride_bytes, name, out);
+    case 16: return Convert<int16_t>(base, n, stride_bytes, name, out);
+    case 32: return Convert<int32_t>(base, n, stride_bytes, name, out);
+    case 64: return Convert<int64_t>(base, n, stride_bytes, name, out);
+    case -8: return Convert<uint8_t>(base, n, stride_bytes, name, out);
+    case -16: return Convert<uint16_t>(base, n, stride_bytes, name, out);
+    case -32: return Convert<uint32_t>(base, n, stride_bytes, name, out);
+    case -64: return Convert<uint64_t>(base, n, stride_bytes, name, out);
+  }
+  Raise(PyExc_TypeError, std::string(name) + " has an unsupported integer width of " +
+                             std::to_string(bits) + " bits");
+}
+
+}  // namespace
+
+void InitTensorApi(py::handle tensor_type, py::handle api_capsule) {
+  auto* api = static_cast<const DLPackExchangeAPI*>(
+      PyCapsule_GetPointer(api_capsule.ptr(), "dlpack_exchange_api"));
+  if (api == nullptr) throw py::error_already_set();
+  if (api->header.version.major != DLPACK_MAJOR_VERSION) {
+    Raise(PyExc_ImportError, "torch's DLPack exchange API has major version " +
+                                 std::to_string(api->header.version.major) + ", expected " +
+                                 std::to_string(DLPACK_MAJOR_VERSION));
+  }
+  g_tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.ptr());
+  Py_INCREF(g_tensor_type);
+  g_api = api;
+}
+
+Int32View::Int32View(py::handle obj, const char* name) {
+  PyObject* o = obj.ptr();
+  if (g_tensor_type != nullptr && PyObject_TypeCheck(o, g_tensor_type)) {
+    DLTensor t;
+    if (g_api->dltensor_from_py_object_no_sync != nullptr) {
+      if (g_api->dltensor_from_py_object_no_sync(o, &t) != 0) throw py::error_already_set();
+      FromDLTensor(t, name);
+    } else {
+      DLManagedTensorVersioned* mt = nullptr;
+      if (g_api->managed_tensor_from_py_object_no_sync(o, &mt) != 0) {
+        throw py::error_already_set();
+      }
+      try {
+        FromDLTensor(mt->dl_tensor, name);
+        if (data_ != nullptr && owned_.empty() && size_ > 0) {
+          owned_.assign(data_, data_ + size_);  // the export dies below
+          data_ = owned_.data();
+        }
+      } catch (...) {
+        if (mt->deleter) mt->deleter(mt);
+        throw;
+      }
+      if (mt->deleter) mt->deleter(mt);
+    }
+  } else if (PyList_Check(o) || PyTuple_Check(o)) {
+    FromSequence(obj, name);
+  } else if (PyObject_CheckBuffer(o)) {
+    FromBuffer(obj, name);
+  } else {
+    Raise(PyExc_TypeError, std::string(name) +
+                               " must be a 1-D integer torch.Tensor, NumPy array or list, got " +
+                               TypeName(obj));
+  }
+}
+
+Int32View::~Int32View() {
+  if (has_buffer_) PyBuffer_Release(&buffer_);
+}
+
+void Int32View::FromDLTensor(const DLTensor& t, const char* name) {
+  if (t.device.device_type != kDLCPU) {
+    Raise(PyExc_TypeError, std::string(name) + " must be a CPU tensor, got a tensor on device type " +
+                               std::to_string(static_cast<int>(t.device.device_type)));
+  }
+  if (t.ndim != 1) {
+    Raise(PyExc_ValueError, std::string(name) + " must be 1-D, got " + std::to_string(t.ndim) +
+                                " dimensions");
+  }
+  const bool is_int = t.dtype.code == kDLInt || t.dtype.code == kDLUInt;
+  if (!is_int || t.dtype.lanes != 1) {
+    Raise(PyExc_TypeError, std::string(name) + " must have an integer dtype, got " +
+                               DTypeName(t.dtype));
+  }
+  size_ = t.shape[0];
+  const int64_t stride = (t.strides == nullptr || size_ <= 1) ? 1 : t.strides[0];
+  const char* base = static_cast<const char*>(t.data) + t.byte_offset;
+  if (t.dtype.code == kDLInt && t.dtype.bits == 32 && stride == 1) {
+    data_ = reinterpret_cast<const int32_t*>(base);
+    return;
+  }
+  ConvertInts(base, size_, stride * (t.dtype.bits / 8), t.dtype.code == kDLInt, t.dtype.bits, name,
+              &owned_);
+  data_ = owned_.data();
+}
+
+void Int32View::FromBuffer(py::handle obj, const char* name) {
+  if (PyObject_GetBuffer(obj.ptr(), &buffer_, PyBUF_STRIDES | PyBUF_FORMAT) != 0) {
+    throw py::error_already_set();
+  }
+  has_buffer_ = true;
+  if (buffer_.ndim != 1) {
+    Raise(PyExc_ValueError, std::string(name) + " must be 1-D, got " +
+                                std::to_string(buffer_.ndim) + " dimensions");
+  }
+  std::string format = buffer_.format ? buffer_.format : "B";
+  if (!format.empty() && (format[0] == '>' || format[0] == '!')) {
+    Raise(PyExc_TypeError, std::string(name) + " must be in native byte order");
+  }
+  if (!format.empty() && (format[0] == '@' || format[0] == '=' || format[0] == '<')) {
+    format = format.substr(1);
+  }
+  const std::string kInts = "bBhHiIlLqQnN";
+  if (format.size() != 1 || kInts.find(format[0]) == std::string::npos) {
+    Raise(PyExc_TypeError, std::string(name) + " must have an integer dtype, got buffer format '" +
+                               format + "'");
+  }
+  const bool is_signed = std::islower(static_cast<unsigned char>(format[0])) != 0;
+  const int bits = static_cast<int>(buffer_.itemsize) * 8;
+  size_ = buffer_.shape[0];
+  const int64_t stride = buffer_.strides ? buffer_.strides[0] : buffer_.itemsize;
+  const char* base = static_cast<const char*>(buffer_.buf);
+  if (is_signed && bits == 32 && (stride == 4 || size_ <= 1)) {
+    data_ = reinterpret_cast<const int32_t*>(base);
+    return;
+  }
+  ConvertInts(base, size_, stride, is_signed, bits, name, &owned_);
+  data_ = owned_.data();
+}
+
+void Int32View::FromSequence(py::handle obj, const char* name) {
+  PyObject* o = obj.ptr();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+  PyObject** items = PySequence_Fast_ITEMS(o);
+  owned_.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = items[i];
+    if (PyBool_Check(item) || !(PyLong_Check(item) || PyIndex_Check(item))) {
+      Raise(PyExc_TypeError, std::string(name) + "[" + std::to_string(i) +
+                                 "] must be an int, got " + Py_TYPE(item)->tp_name);
+    }
+    int overflow = 0;
+    long long v;
+    if (PyLong_Check(item)) {
+      v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    } else {
+      py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item));
+      if (!index) throw py::error_already_set();
+      v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+    }
+    if (overflow != 0 || v > std::numeric_limits<int32_t>::max() ||
+        v < std::numeric_limits<int32_t>::min()) {
+      Raise(PyExc_ValueError, std::string(name) + "[" + std::to_string(i) +
+                                  "] does not fit in int32");
+    }
+    owned_[i] = static_cast<int32_t>(v);
+  }
+  size_ = n;
+  data_ = owned_.data();
+}
+
+py::object NewInt32Tensor(const int32_t* src, int64_t n) {
+  int64_t shape[1] = {n};
+  DLTensor proto{};
+  proto.ndim = 1;
+  proto.shape = shape;
+  proto.dtype = DLDataType{kDLInt, 32, 1};
+  proto.device = DLDevice{kDLCPU, 0};
+  DLManagedTensorVersioned* mt = nullptr;
+  if (g_api->managed_tensor_allocator(&proto, &mt, nullptr, SetError) != 0) {
+    throw py::error_already_set();
+  }
+  if (n > 0) {
+    std::memcpy(static_cast<char*>(mt->dl_tensor.data) + mt->dl_tensor.byte_offset, src,
+                static_cast<size_t>(n) * sizeof(int32_t));
+  }
+  void* out = nullptr;
+  if (g_api->managed_tensor_to_py_object_no_sync(mt, &out) != 0) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));
+}
+
+int64_t ToInt64(py::handle obj, const char* name) {
+  PyObject* o = obj.ptr();
+  if (PyBool_Check(o) || !(PyLong_Check(o) || PyIndex_Check(o))) {
+    Raise(PyExc_TypeError, std::string(name) + " must be an int, got " + TypeName(obj));
+  }
+  py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) Raise(PyExc_ValueError, std::string(name) + " is out of the int64 range");
+  return v;
+}
+
+}  // namespace radixkv::bindings

@@ -1,0 +1,174 @@
+// The radix prefix cache: a compressed trie from token sequences to the KV
+// slot indices that hold their keys and values, with reference counts and
+// exact LRU eviction.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "radixkv/child_map.h"
+#include "radixkv/lru_heap.h"
+
+namespace radixkv {
+
+/// Where the KV data of a node lives. Every node is `kDevice` today; a host
+/// tier moves a node whose device slots were evicted to `kHost` (it keeps a
+/// host copy and stays in the tree) instead of deleting it.
+enum class NodeState : uint8_t { kDevice, kHost };
+
+/// One edge of the radix tree: a run of tokens and the slot of each token.
+/// Nodes are intrusive: each carries its own children, parent link, lock
+/// count, LRU timestamp and heap position. Owned by the `RadixTree`.
+struct Node {
+  Node* parent = nullptr;
+  ChildMap<Node> children;
+  /// `2 * length` int32 values: tokens in [0, length), slots in [length, 2 * length).
+  std::unique_ptr<int32_t[]> data;
+  int64_t length = 0;
+  /// Tokens from the root to the end of this node.
+  int64_t depth = 0;
+  /// Number of locks on this node (locks on any descendant count too).
+  int64_t ref_count = 0;
+  /// Logical time of the last access; never earlier than any child's.
+  uint64_t timestamp = 0;
+  /// Position in the evictable-leaf heap, or -1.
+  int64_t heap_index = -1;
+  /// Index in the tree's node table; reused after the node is freed.
+  uint32_t id = 0;
+  /// Bumped each time the id is freed, so handles to a dead node are detected.
+  uint32_t generation = 0;
+  NodeState state = NodeState::kDevice;
+
+  const int32_t* key() const noexcept { return data.get(); }
+  const int32_t* value() const noexcept { return data.get() + length; }
+  bool is_leaf() const noexcept { return children.empty(); }
+};
+
+/// A reference to the node that ends a matched prefix. Plain data: copying a
+/// handle copies its lock count, so bindings keep one handle object per match.
+struct Handle {
+  /// Identifies the tree that made the handle.
+  uint64_t tree_id = 0;
+  uint32_t node_id = 0;
+  uint32_t generation = 0;
+  /// Tokens from the root to the node: the matched length.
+  int64_t cached_len = 0;
+  /// Locks taken through this handle and not yet released.
+  int64_t lock_count = 0;
+};
+
+/// One node as seen by `RadixTree::Dump`: tokens, slots and bookkeeping.
+struct NodeInfo {
+  int64_t parent = -1;  // index into the dump, -1 for children of the root
+  std::vector<int32_t> key;
+  std::vector<int32_t> value;
+  int64_t ref_count = 0;
+  uint64_t timestamp = 0;
+};
+
+/// The radix tree. Token ids and slot indices are int32; lengths are in
+/// tokens. With `page_size > 1` every node holds whole pages, children are
+/// keyed by their first page, and inputs are rounded down to whole pages.
+///
+/// Every public call advances a logical clock by one tick. A match refreshes
+/// the timestamp of exactly the matched tokens, an insert of every token on
+/// its path. `Evict` removes unlocked leaves oldest first from an indexed heap
+/// in O(k log n) for k nodes, with no scan of the tree.
+///
+/// Not thread-safe: one thread at a time (the bindings hold a mutex).
+class RadixTree {
+ public:
+  /// Throws kInvalidArgument if `page_size < 1`.
+  explicit RadixTree(int64_t page_size = 1);
+  ~RadixTree();
+  RadixTree(const RadixTree&) = delete;
+  RadixTree& operator=(const RadixTree&) = delete;
+
+  int64_t page_size() const noexcept { return page_size_; }
+  uint64_t id() const noexcept { return id_; }
+
+  /// Finds the longest cached prefix of `tokens[0, n)` in whole pages, splits
+  /// the last node if the prefix ends inside it, and replaces `*slots` with the
+  /// slot indices of the prefix. Returns a handle with `cached_len ==
+  /// slots->size()` and no locks. O(n) plus O(log leaves) for the LRU update.
+  Handle MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int32_t>* slots);
+
+  /// Stores `tokens[0, m)` with `slots[0, m)`, m = n rounded down to whole
+  /// pages, where not cached yet. Returns how many leading tokens were cached
+  /// already; their `slots` are ignored and stay the caller's. Throws
+  /// kInvalidArgument, changing nothing, if a slot to be stored is negative,
+  /// repeated, or stored in the tree already.
+  int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n);
+
+  /// Adds one lock on every node from the handle's node to the root.
+  /// Throws kInvalidArgument for a handle of another tree or a freed node.
+  void Lock(Handle* handle);
+  /// Removes one lock taken through `handle`. Throws kInvalidArgument if the
+  /// handle holds no lock or is stale.
+  void Unlock(Handle* handle);
+
+  /// Evicts least recently used unlocked leaves until at least `size` tokens
+  /// are freed and appends their slots to `*slots` (cleared first). Whole
+  /// nodes go. Throws kInvalidArgument for `size < 0` and kOutOfCapacity for
+  /// `size > evictable_size()`, changing nothing.
+  void Evict(int64_t size, std::vector<int32_t>* slots);
+
+  /// Drops every node. Handles made before become stale.
+  void Reset();
+
+  /// Tokens in unlocked nodes (may be evicted).
+  int64_t evictable_size() const noexcept { return evictable_size_; }
+  /// Tokens in locked nodes.
+  int64_t protected_size() const noexcept { return protected_size_; }
+  /// Nodes, the root excluded.
+  int64_t num_nodes() const noexcept { return num_nodes_; }
+  /// Unlocked leaves, i.e. the eviction candidates.
+  int64_t num_evictable_leaves() const noexcept { return static_cast<int64_t>(heap_.size()); }
+  /// Whether `handle` refers to a live node of this tree.
+  bool IsValid(const Handle& handle) const noexcept;
+
+  /// Walks the whole tree and checks every counter and invariant: parent
+  /// links, child keys, lengths and page alignment, depths, lock counts,
+  /// timestamps, heap membership and order, and that no slot is stored twice.
+  /// Throws kIntegrity naming the first violation. O(tokens + nodes).
+  void CheckIntegrity() const;
+
+  /// Every node, parents before children, children in ascending key order.
+  std::vector<NodeInfo> Dump() const;
+
+ private:
+  uint64_t ChildKey(const int32_t* tokens) const noexcept;
+  Node* FindChild(const Node* node, const int32_t* tokens) const noexcept;
+  Node* NewNode(Node* parent, const int32_t* tokens, const int32_t* slots, int64_t length);
+  void FreeNode(Node* node);
+  Node* Split(Node* node, int64_t pos);
+  void Touch(Node* node);
+  Node* Resolve(const Handle& handle, const char* what) const;
+  // Marks slots as stored; on a negative, repeated or stored slot unmarks
+  // what it marked and throws, naming the position `base + i`.
+  void MarkSlots(const int32_t* slots, int64_t n, int64_t base);
+  void UnmarkSlots(const int32_t* slots, int64_t n) noexcept;
+  bool SlotStored(int32_t slot) const noexcept;
+
+  // Walks from the root over whole pages of `tokens[0, n)`. Stops at the
+  // deepest fully matched node `*node`, and reports in `*partial` the child
+  // matched for `*partial_len` tokens but not to its end (or null). Returns
+  // the matched length. Changes nothing.
+  int64_t Walk(const int32_t* tokens, int64_t n, Node** node, Node** partial,
+               int64_t* partial_len) const;
+
+  const int64_t page_size_;
+  const uint64_t id_;
+  uint64_t clock_ = 0;
+  std::vector<std::unique_ptr<Node>> nodes_;  // by id; id 0 is the root
+  Node* root_ = nullptr;
+  std::vector<uint32_t> free_ids_;
+  LruHeap<Node> heap_;
+  std::vector<uint64_t> slot_bits_;  // bit s set <=> slot s is stored in the tree
+  int64_t evictable_size_ = 0;
+  int64_t protected_size_ = 0;
+  int64_t num_nodes_ = 0;
+};
+
+}  // namespace radixkv

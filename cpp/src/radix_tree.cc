@@ -1,0 +1,414 @@
+#include "radixkv/radix_tree.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <utility>
+
+#include "radixkv/compare.h"
+#include "radixkv/status.h"
+
+namespace radixkv {
+namespace {
+
+constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
+constexpr ErrorCode kBroken = ErrorCode::kIntegrity;
+
+std::atomic<uint64_t> next_tree_id{1};
+
+// Hash of one page of tokens. Four independent lanes over 64-bit words keep
+// the multiply chains short for 512-token pages.
+uint64_t HashPage(const int32_t* tokens, int64_t n) noexcept {
+  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  uint64_t lane[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,
+                      0x082EFA98EC4E6C89ull};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      uint64_t w;
+      std::memcpy(&w, tokens + i + 2 * j, sizeof(w));
+      lane[j] = (lane[j] ^ w) * kMul;
+      lane[j] ^= lane[j] >> 29;
+    }
+  }
+  for (; i < n; ++i) lane[0] = ((lane[0] ^ static_cast<uint32_t>(tokens[i])) * kMul) ^ (lane[0] >> 31);
+  uint64_t h = static_cast<uint64_t>(n);
+  for (uint64_t x : lane) h = (h ^ x) * kMul + (h >> 23);
+  return h;
+}
+
+void AppendSlots(const Node* node, std::vector<int32_t>* out) {
+  out->insert(out->end(), node->value(), node->value() + node->length);
+}
+
+}  // namespace
+
+RadixTree::RadixTree(int64_t page_size)
+    : page_size_(page_size), id_(next_tree_id.fetch_add(1, std::memory_order_relaxed)) {
+  RADIXKV_CHECK(page_size >= 1, kInvalid, "page_size must be >= 1, got ", page_size);
+  nodes_.push_back(std::make_unique<Node>());
+  root_ = nodes_[0].get();
+}
+
+RadixTree::~RadixTree() = default;
+
+uint64_t RadixTree::ChildKey(const int32_t* tokens) const noexcept {
+  if (page_size_ == 1) return static_cast<uint32_t>(tokens[0]);
+  return HashPage(tokens, page_size_);
+}
+
+Node* RadixTree::FindChild(const Node* node, const int32_t* tokens) const noexcept {
+  if (page_size_ == 1) {
+    return node->children.Find(ChildKey(tokens), [](const Node*) { return true; });
+  }
+  const size_t bytes = static_cast<size_t>(page_size_) * sizeof(int32_t);
+  return node->children.Find(ChildKey(tokens), [&](const Node* child) {
+    return std::memcmp(child->key(), tokens, bytes) == 0;
+  });
+}
+
+Node* RadixTree::NewNode(Node* parent, const int32_t* tokens, const int32_t* slots,
+                         int64_t length) {
+  Node* node;
+  if (!free_ids_.empty()) {
+    node = nodes_[free_ids_.back()].get();
+    free_ids_.pop_back();
+  } else {
+    nodes_.push_back(std::make_unique<Node>());
+    node = nodes_.back().get();
+    node->id = static_cast<uint32_t>(nodes_.size() - 1);
+  }
+  node->data.reset(new int32_t[2 * length]);
+  std::memcpy(node->data.get(), tokens, length * sizeof(int32_t));
+  std::memcpy(node->data.get() + length, slots, length * sizeof(int32_t));
+  node->length = length;
+  node->parent = parent;
+  node->depth = parent->depth + length;
+  node->ref_count = 0;
+  node->timestamp = clock_;
+  node->heap_index = -1;
+  node->state = NodeState::kDevice;
+  ++num_nodes_;
+  return node;
+}
+
+void RadixTree::FreeNode(Node* node) {
+  node->data.reset();
+  node->children.Clear();
+  node->parent = nullptr;
+  node->length = 0;
+  node->ref_count = 0;
+  ++node->generation;
+  free_ids_.push_back(node->id);
+  --num_nodes_;
+}
+
+Node* RadixTree::Split(Node* node, int64_t pos) {
+  Node* parent = node->parent;
+  const uint64_t key = ChildKey(node->key());
+  Node* prefix = NewNode(parent, node->key(), node->value(), pos);
+  prefix->ref_count = node->ref_count;
+  prefix->timestamp = node->timestamp;
+  parent->children.Replace(key, node, prefix);
+
+  const int64_t rest = node->length - pos;
+  std::unique_ptr<int32_t[]> data(new int32_t[2 * rest]);
+  std::memcpy(data.get(), node->key() + pos, rest * sizeof(int32_t));
+  std::memcpy(data.get() + rest, node->value() + pos, rest * sizeof(int32_t));
+  node->data = std::move(data);
+  node->length = rest;
+  node->parent = prefix;
+  prefix->children.Insert(ChildKey(node->key()), node);
+  return prefix;
+}
+
+void RadixTree::Touch(Node* node) {
+  for (Node* x = node; x != root_; x = x->parent) {
+    x->timestamp = clock_;
+    if (LruHeap<Node>::Contains(x)) heap_.Update(x);
+  }
+}
+
+int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, Node** node, Node** partial,
+                        int64_t* partial_len) const {
+  Node* cur = root_;
+  int64_t pos = 0;
+  *partial = nullptr;
+  *partial_len = 0;
+  while (pos < n) {
+    Node* child = FindChild(cur, tokens + pos);
+    if (child == nullptr) break;
+    const int64_t limit = std::min(child->length, n - pos);
+    int64_t m = static_cast<int64_t>(FirstMismatch(child->key(), tokens + pos, limit));
+    m -= m % page_size_;
+    pos += m;
+    if (m < child->length) {
+      *partial = child;
+      *partial_len = m;
+      break;
+    }
+    cur = child;
+  }
+  *node = cur;
+  return pos;
+}
+
+Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int32_t>* slots) {
+  RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
+  n -= n % page_size_;
+  Node* node;
+  Node* partial;
+  int64_t partial_len;
+  Walk(tokens, n, &node, &partial, &partial_len);
+  ++clock_;
+  if (partial != nullptr) node = Split(partial, partial_len);
+  Touch(node);
+
+  slots->resize(static_cast<size_t>(node->depth));
+  for (const Node* x = node; x != root_; x = x->parent) {
+    std::memcpy(slots->data() + (x->depth - x->length), x->value(),
+                x->length * sizeof(int32_t));
+  }
+  return Handle{id_, node->id, node->generation, node->depth, 0};
+}
+
+bool RadixTree::SlotStored(int32_t slot) const noexcept {
+  const size_t word = static_cast<uint32_t>(slot) >> 6;
+  return word < slot_bits_.size() && ((slot_bits_[word] >> (slot & 63)) & 1);
+}
+
+void RadixTree::MarkSlots(const int32_t* slots, int64_t n, int64_t base) {
+  int32_t max_slot = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    RADIXKV_CHECK(slots[i] >= 0, kInvalid, "indices[", base + i, "] = ", slots[i], " is negative");
+    max_slot = std::max(max_slot, slots[i]);
+  }
+  const size_t words = (static_cast<size_t>(max_slot) >> 6) + 1;
+  if (n > 0 && words > slot_bits_.size()) {
+    slot_bits_.resize(std::max(words, slot_bits_.size() * 2), 0);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t s = slots[i];
+    uint64_t& word = slot_bits_[static_cast<uint32_t>(s) >> 6];
+    const uint64_t bit = uint64_t{1} << (s & 63);
+    if (word & bit) {
+      UnmarkSlots(slots, i);
+      // Repeated within the input, or already owned by the tree?
+      bool repeated = std::find(slots, slots + i, s) != slots + i;
+      throw Error(kInvalid, StrCat("indices[", base + i, "] = ", s,
+                                   repeated ? " appears twice in indices"
+                                            : " is already stored in the cache"));
+    }
+    word |= bit;
+  }
+}
+
+void RadixTree::UnmarkSlots(const int32_t* slots, int64_t n) noexcept {
+  for (int64_t i = 0; i < n; ++i) {
+    slot_bits_[static_cast<uint32_t>(slots[i]) >> 6] &= ~(uint64_t{1} << (slots[i] & 63));
+  }
+}
+
+int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n) {
+  RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
+  n -= n % page_size_;
+  Node* node;
+  Node* partial;
+  int64_t partial_len;
+  const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
+  if (pos < n) {
+    MarkSlots(slots + pos, n - pos, pos);
+  }
+  ++clock_;
+  if (partial != nullptr) node = Split(partial, partial_len);
+  Touch(node);
+  if (pos < n) {
+    if (LruHeap<Node>::Contains(node)) heap_.Erase(node);
+    Node* leaf = NewNode(node, tokens + pos, slots + pos, n - pos);
+    node->children.Insert(ChildKey(leaf->key()), leaf);
+    heap_.Push(leaf);
+    evictable_size_ += leaf->length;
+  }
+  return pos;
+}
+
+Node* RadixTree::Resolve(const Handle& handle, const char* what) const {
+  RADIXKV_CHECK(handle.tree_id == id_, kInvalid, what, " belongs to another cache manager");
+  RADIXKV_CHECK(IsValid(handle), kInvalid, what,
+                " is stale: its node was evicted or the cache was reset");
+  return nodes_[handle.node_id].get();
+}
+
+bool RadixTree::IsValid(const Handle& handle) const noexcept {
+  if (handle.tree_id != id_ || handle.node_id >= nodes_.size()) return false;
+  const Node* node = nodes_[handle.node_id].get();
+  if (node->generation != handle.generation) return false;
+  return node == root_ || (node->parent != nullptr && node->depth == handle.cached_len);
+}
+
+void RadixTree::Lock(Handle* handle) {
+  Node* node = Resolve(*handle, "handle");
+  ++clock_;
+  for (Node* x = node; x != root_; x = x->parent) {
+    if (x->ref_count == 0) {
+      evictable_size_ -= x->length;
+      protected_size_ += x->length;
+      if (LruHeap<Node>::Contains(x)) heap_.Erase(x);
+    }
+    ++x->ref_count;
+  }
+  ++handle->lock_count;
+}
+
+void RadixTree::Unlock(Handle* handle) {
+  Node* node = Resolve(*handle, "handle");
+  RADIXKV_CHECK(handle->lock_count > 0, kInvalid,
+                "handle is not locked: unlock without a matching lock");
+  for (Node* x = node; x != root_; x = x->parent) {
+    RADIXKV_CHECK(x->ref_count > 0, kBroken, "node on the handle's path has no lock to release");
+  }
+  ++clock_;
+  for (Node* x = node; x != root_; x = x->parent) {
+    if (--x->ref_count == 0) {
+      evictable_size_ += x->length;
+      protected_size_ -= x->length;
+      if (x->is_leaf()) heap_.Push(x);
+    }
+  }
+  --handle->lock_count;
+}
+
+void RadixTree::Evict(int64_t size, std::vector<int32_t>* slots) {
+  RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
+  RADIXKV_CHECK(size <= evictable_size_, ErrorCode::kOutOfCapacity, "cannot evict size=", size,
+                " tokens: evictable_size is ", evictable_size_);
+  slots->clear();
+  ++clock_;
+  int64_t freed = 0;
+  while (freed < size) {
+    RADIXKV_CHECK(!heap_.empty(), kBroken, "no evictable leaf left with ", size - freed,
+                  " evictable tokens still counted");
+    Node* x = heap_.Pop();
+    AppendSlots(x, slots);
+    freed += x->length;
+    evictable_size_ -= x->length;
+    Node* parent = x->parent;
+    parent->children.Erase(ChildKey(x->key()), x);
+    UnmarkSlots(x->value(), x->length);
+    FreeNode(x);
+    if (parent != root_ && parent->ref_count == 0 && parent->is_leaf()) heap_.Push(parent);
+  }
+}
+
+void RadixTree::Reset() {
+  for (size_t i = 1; i < nodes_.size(); ++i) {
+    if (nodes_[i]->parent != nullptr) FreeNode(nodes_[i].get());
+  }
+  root_->children.Clear();
+  ++root_->generation;
+  heap_.Clear();
+  slot_bits_.clear();
+  evictable_size_ = 0;
+  protected_size_ = 0;
+  ++clock_;
+}
+
+void RadixTree::CheckIntegrity() const {
+  int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, tokens = 0;
+  std::vector<uint64_t> seen(slot_bits_.size(), 0);
+  std::vector<const Node*> stack{root_};
+  RADIXKV_CHECK(root_->parent == nullptr && root_->length == 0 && root_->depth == 0, kBroken,
+                "root node has a parent or tokens");
+  while (!stack.empty()) {
+    const Node* x = stack.back();
+    stack.pop_back();
+    int64_t child_refs = 0;
+    x->children.ForEach([&](uint64_t key, const Node* child) {
+      RADIXKV_CHECK(child->parent == x, kBroken, "node ", child->id, " has a wrong parent link");
+      RADIXKV_CHECK(child->length > 0 && child->data != nullptr, kBroken, "node ", child->id,
+                    " is empty");
+      RADIXKV_CHECK(ChildKey(child->key()) == key, kBroken, "node ", child->id,
+                    " is filed under a key that is not its first page");
+      child_refs += child->ref_count;
+      stack.push_back(child);
+    });
+    if (x == root_) continue;
+    ++nodes;
+    RADIXKV_CHECK(x->id < nodes_.size() && nodes_[x->id].get() == x, kBroken, "node ", x->id,
+                  " is not in the node table");
+    RADIXKV_CHECK(x->length % page_size_ == 0, kBroken, "node ", x->id, " has length ", x->length,
+                  ", not a multiple of page_size ", page_size_);
+    RADIXKV_CHECK(x->depth == x->parent->depth + x->length, kBroken, "node ", x->id,
+                  " has a wrong depth");
+    RADIXKV_CHECK(x->ref_count >= child_refs, kBroken, "node ", x->id, " has ref_count ",
+                  x->ref_count, " below its children's total ", child_refs);
+    RADIXKV_CHECK(x->parent == root_ || x->timestamp <= x->parent->timestamp, kBroken, "node ",
+                  x->id, " was used later than its parent");
+    const bool evictable_leaf = x->ref_count == 0 && x->is_leaf();
+    const bool in_heap = x->heap_index >= 0;
+    RADIXKV_CHECK(evictable_leaf == in_heap, kBroken, "node ", x->id,
+                  evictable_leaf ? " is an unlocked leaf missing from the LRU heap"
+                                 : " is in the LRU heap but is locked or has children");
+    if (in_heap) {
+      RADIXKV_CHECK(static_cast<size_t>(x->heap_index) < heap_.size() &&
+                        heap_.items()[x->heap_index] == x,
+                    kBroken, "node ", x->id, " has a wrong heap position");
+      ++heap_members;
+    }
+    (x->ref_count == 0 ? evictable : protected_tokens) += x->length;
+    tokens += x->length;
+    for (int64_t i = 0; i < x->length; ++i) {
+      const int32_t s = x->value()[i];
+      RADIXKV_CHECK(s >= 0, kBroken, "node ", x->id, " stores negative slot ", s);
+      const size_t word = static_cast<uint32_t>(s) >> 6;
+      const uint64_t bit = uint64_t{1} << (s & 63);
+      RADIXKV_CHECK(word < seen.size() && (slot_bits_[word] & bit), kBroken, "slot ", s,
+                    " is stored but not marked");
+      RADIXKV_CHECK(!(seen[word] & bit), kBroken, "slot ", s, " is stored twice");
+      seen[word] |= bit;
+    }
+  }
+  int64_t marked = 0;
+  for (uint64_t w : slot_bits_) marked += __builtin_popcountll(w);
+  RADIXKV_CHECK(marked == tokens, kBroken, marked, " slots are marked but ", tokens,
+                " are stored");
+  RADIXKV_CHECK(nodes == num_nodes_, kBroken, "node count ", num_nodes_, " but ", nodes,
+                " reachable");
+  RADIXKV_CHECK(static_cast<size_t>(nodes) + free_ids_.size() + 1 == nodes_.size(), kBroken,
+                "node table leaks ids");
+  RADIXKV_CHECK(evictable == evictable_size_, kBroken, "evictable_size is ", evictable_size_,
+                " but unlocked nodes hold ", evictable);
+  RADIXKV_CHECK(protected_tokens == protected_size_, kBroken, "protected_size is ",
+                protected_size_, " but locked nodes hold ", protected_tokens);
+  RADIXKV_CHECK(heap_members == static_cast<int64_t>(heap_.size()) && heap_.IsValid(), kBroken,
+                "LRU heap is out of order or holds dead nodes");
+}
+
+std::vector<NodeInfo> RadixTree::Dump() const {
+  std::vector<NodeInfo> out;
+  std::vector<std::pair<const Node*, int64_t>> stack{{root_, -1}};
+  while (!stack.empty()) {
+    auto [x, index] = stack.back();
+    stack.pop_back();
+    std::vector<const Node*> children;
+    x->children.ForEach([&](uint64_t, const Node* c) { children.push_back(c); });
+    // Descending, so the stack yields them in ascending key order.
+    std::sort(children.begin(), children.end(), [](const Node* a, const Node* b) {
+      return std::lexicographical_compare(b->key(), b->key() + b->length, a->key(),
+                                          a->key() + a->length);
+    });
+    for (const Node* c : children) {
+      NodeInfo info;
+      info.parent = index;
+      info.key.assign(c->key(), c->key() + c->length);
+      info.value.assign(c->value(), c->value() + c->length);
+      info.ref_count = c->ref_count;
+      info.timestamp = c->timestamp;
+      out.push_back(std::move(info));
+      stack.push_back({c, static_cast<int64_t>(out.size()) - 1});
+    }
+  }
+  return out;
+}
+
+}  // namespace radixkv

@@ -1,0 +1,34 @@
+"""KV-cache managers (prefix caches) and, later, the paged KV pool."""
+
+from __future__ import annotations
+
+import torch
+
+from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
+from radixkv.kvcache.naive_manager import NaiveCacheHandle, NaiveCacheManager
+from radixkv.kvcache.radix_manager import RadixCacheHandle, RadixCacheManager
+
+_MANAGERS = {"naive": NaiveCacheManager, "radix": RadixCacheManager}
+
+
+def create_cache_manager(
+    device: torch.device | str, type: str, page_size: int = 1
+) -> BaseCacheManager:
+    """A cache manager of `type` ("naive" or "radix") on `device`."""
+    try:
+        cls = _MANAGERS[type]
+    except (KeyError, TypeError):
+        raise ValueError(f"type must be one of {sorted(_MANAGERS)}, got {type!r}") from None
+    return cls(device=device, page_size=page_size)
+
+
+__all__ = [
+    "BaseCacheHandle",
+    "BaseCacheManager",
+    "NaiveCacheHandle",
+    "NaiveCacheManager",
+    "RadixCacheHandle",
+    "RadixCacheManager",
+    "SizeInfo",
+    "create_cache_manager",
+]

@@ -1,0 +1,61 @@
+"""The cache-manager contract shared by every prefix cache."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple, Tuple
+
+import torch
+
+
+class SizeInfo(NamedTuple):
+    """Cached tokens, split by whether they may be evicted."""
+
+    evictable_size: int
+    protected_size: int
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+
+class BaseCacheHandle(ABC):
+    """The result of a match: names the cached prefix. Opaque but for its length."""
+
+    @property
+    @abstractmethod
+    def cached_len(self) -> int:
+        """Matched tokens."""
+
+
+class BaseCacheManager(ABC):
+    """A prefix cache from token ids to KV slot indices. Lengths are in tokens."""
+
+    @abstractmethod
+    def match_prefix(self, input_ids) -> Tuple[BaseCacheHandle, torch.Tensor]:
+        """Longest cached prefix of `input_ids` in whole pages: a handle and its slots (int32)."""
+
+    @abstractmethod
+    def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+        """Add (or with `unlock`, remove) one lock on the handle's prefix."""
+
+    @abstractmethod
+    def insert_prefix(self, input_ids, indices) -> int:
+        """Cache what is new of `input_ids`; return how many leading tokens were cached already."""
+
+    @abstractmethod
+    def evict(self, size: int) -> torch.Tensor:
+        """Free at least `size` unlocked tokens, least recently used first; return their slots."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop everything cached. Earlier handles become invalid."""
+
+    @property
+    @abstractmethod
+    def size_info(self) -> SizeInfo:
+        """Evictable and protected token counts."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Walk all state and raise `radixkv.IntegrityError` on any broken invariant."""

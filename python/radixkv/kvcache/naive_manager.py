@@ -1,0 +1,96 @@
+"""A cache that caches nothing: every request computes its whole prompt."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from radixkv import _core
+from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
+
+
+class NaiveCacheHandle(BaseCacheHandle):
+    """Always an empty match; counts its locks so an unmatched unlock raises."""
+
+    __slots__ = ("_owner", "lock_count")
+
+    def __init__(self, owner: "NaiveCacheManager"):
+        self._owner = owner
+        self.lock_count = 0
+
+    @property
+    def cached_len(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return f"NaiveCacheHandle(cached_len=0, lock_count={self.lock_count})"
+
+
+class NaiveCacheManager(BaseCacheManager):
+    """The baseline: never matches, stores nothing, has nothing to evict."""
+
+    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1):
+        if isinstance(page_size, bool) or not isinstance(page_size, int):
+            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.device = torch.device(device)
+        self.page_size = page_size
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int32, device=self.device)
+
+    def match_prefix(self, input_ids) -> Tuple[NaiveCacheHandle, torch.Tensor]:
+        _core.check_ids(_host(input_ids), "input_ids")
+        return NaiveCacheHandle(self), self._empty()
+
+    def lock_handle(self, handle: NaiveCacheHandle, unlock: bool = False) -> None:
+        if not isinstance(handle, NaiveCacheHandle):
+            raise TypeError(
+                f"handle must be a NaiveCacheHandle from match_prefix, got {type(handle).__name__}"
+            )
+        if handle._owner is not self:
+            raise ValueError("handle belongs to another cache manager")
+        if unlock:
+            if handle.lock_count == 0:
+                raise ValueError("handle is not locked: unlock without a matching lock")
+            handle.lock_count -= 1
+        else:
+            handle.lock_count += 1
+
+    def insert_prefix(self, input_ids, indices) -> int:
+        n = _core.check_ids(_host(input_ids), "input_ids")
+        m = _core.check_ids(_host(indices), "indices")
+        if n != m:
+            raise ValueError(f"indices has length {m} but input_ids has length {n}")
+        # Nothing is stored, so every slot stays the caller's to free.
+        return n
+
+    def evict(self, size: int) -> torch.Tensor:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"size must be an int, got {type(size).__name__}")
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
+        if size > 0:
+            raise _core.OutOfCapacityError(
+                f"cannot evict size={size} tokens: evictable_size is 0 (NaiveCacheManager "
+                "caches nothing)"
+            )
+        return self._empty()
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(0, 0)
+
+    def check_integrity(self) -> None:
+        pass
+
+
+def _host(values):
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return values.cpu()
+    return values

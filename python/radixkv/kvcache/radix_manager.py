@@ -1,0 +1,85 @@
+"""The radix prefix cache: a thin front for the native tree in radixkv._core."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from radixkv import _core
+from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
+
+RadixCacheHandle = _core.RadixCacheHandle
+BaseCacheHandle.register(RadixCacheHandle)
+
+
+def _to_host(values):
+    """Device tensors are read on the host; everything else passes unchanged."""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return values.cpu()
+    return values
+
+
+class RadixCacheManager(BaseCacheManager):
+    """Shares the KV slots of common prefixes between requests.
+
+    Every method is one call into the native tree, which checks its inputs and
+    raises before changing anything. On a CPU manager the tree's methods are
+    bound directly, so a call costs no Python frame; on an accelerator the
+    results are copied to the device and device inputs are read on the host.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1):
+        if isinstance(page_size, bool) or not isinstance(page_size, int):
+            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self._tree = _core.RadixTree(page_size)
+        if self.device.type == "cpu":
+            self.match_prefix = self._tree.match_prefix
+            self.insert_prefix = self._tree.insert_prefix
+            self.lock_handle = self._tree.lock_handle
+            self.evict = self._tree.evict
+
+    def match_prefix(self, input_ids) -> Tuple[RadixCacheHandle, torch.Tensor]:
+        handle, indices = self._tree.match_prefix(_to_host(input_ids))
+        return handle, indices.to(self.device, non_blocking=True)
+
+    def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:
+        self._tree.lock_handle(handle, unlock)
+
+    def insert_prefix(self, input_ids, indices) -> int:
+        return self._tree.insert_prefix(_to_host(input_ids), _to_host(indices))
+
+    def evict(self, size: int) -> torch.Tensor:
+        return self._tree.evict(size).to(self.device, non_blocking=True)
+
+    def reset(self) -> None:
+        self._tree.reset()
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(*self._tree.size_info())
+
+    def check_integrity(self) -> None:
+        self._tree.check_integrity()
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root excluded."""
+        return self._tree.num_nodes
+
+    def is_valid(self, handle: RadixCacheHandle) -> bool:
+        """Whether `handle` still names a live node of this cache."""
+        return self._tree.is_valid(handle)
+
+    def dump(self) -> List[Tuple[int, List[int], List[int], int, int]]:
+        """Every node as (parent, tokens, slots, ref_count, timestamp).
+
+        Parents come before children and siblings in ascending token order;
+        `parent` indexes this list, -1 for children of the root. For tests and
+        debugging: it copies the whole tree.
+        """
+        return self._tree.dump()
