@@ -10,6 +10,7 @@
 #include "errors.h"
 #include "radixkv/compare.h"
 #include "radixkv/radix_tree.h"
+#include "radixkv/slot_set.h"
 #include "radixkv/status.h"
 #include "tensor_view.h"
 
@@ -126,6 +127,24 @@ int64_t CheckIds(py::handle values, const char* name) {
   return Int32View(values, name).size();
 }
 
+// The checks insert_prefix applies to all of its indices, for managers that
+// store nothing: no negative and no repeated slot.
+int64_t CheckSlots(py::handle values, const char* name) {
+  Int32View v(values, name);
+  const int64_t neg = radixkv::FindNegative(v.data(), v.size());
+  if (neg >= 0) {
+    throw py::value_error(std::string(name) + "[" + std::to_string(neg) +
+                          "] = " + std::to_string(v.data()[neg]) + " is negative");
+  }
+  thread_local radixkv::SlotSet scratch;
+  const int64_t rep = radixkv::FindRepeat(v.data(), v.size(), &scratch);
+  if (rep >= 0) {
+    throw py::value_error(std::string(name) + "[" + std::to_string(rep) +
+                          "] = " + std::to_string(v.data()[rep]) + " appears twice in " + name);
+  }
+  return v.size();
+}
+
 py::object Int32Tensor(py::handle values) {
   Int32View v(values, "values");
   return NewInt32Tensor(v.data(), v.size());
@@ -146,6 +165,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
   m.def("int32_tensor", &Int32Tensor, py::arg("values"));
   m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));
+  m.def("check_slots", &CheckSlots, py::arg("values"), py::arg("name"));
 
   py::class_<Handle>(m, "RadixCacheHandle")
       .def_readonly("cached_len", &Handle::cached_len)

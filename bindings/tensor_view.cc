@@ -37,6 +37,13 @@ std::string DTypeName(const DLDataType& dtype) {
   return name;
 }
 
+// Torch refuses to export some tensors (meta, sparse, ...): say which argument.
+[[noreturn]] void RaiseUnreadable(const char* name) {
+  py::error_already_set cause;
+  Raise(PyExc_TypeError, std::string(name) + " must be a dense CPU tensor (" +
+                             cause.what() + ")");
+}
+
 void SetError(void*, const char* kind, const char* message) {
   PyErr_Format(PyExc_RuntimeError, "%s: %s", kind, message);
 }
@@ -98,13 +105,11 @@ Int32View::Int32View(py::handle obj, const char* name) {
   if (g_tensor_type != nullptr && PyObject_TypeCheck(o, g_tensor_type)) {
     DLTensor t;
     if (g_api->dltensor_from_py_object_no_sync != nullptr) {
-      if (g_api->dltensor_from_py_object_no_sync(o, &t) != 0) throw py::error_already_set();
+      if (g_api->dltensor_from_py_object_no_sync(o, &t) != 0) RaiseUnreadable(name);
       FromDLTensor(t, name);
     } else {
       DLManagedTensorVersioned* mt = nullptr;
-      if (g_api->managed_tensor_from_py_object_no_sync(o, &mt) != 0) {
-        throw py::error_already_set();
-      }
+      if (g_api->managed_tensor_from_py_object_no_sync(o, &mt) != 0) RaiseUnreadable(name);
       try {
         FromDLTensor(mt->dl_tensor, name);
         if (data_ != nullptr && owned_.empty() && size_ > 0) {

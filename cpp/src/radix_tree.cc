@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "radixkv/compare.h"
+#include "radixkv/slot_set.h"
 #include "radixkv/status.h"
 
 namespace radixkv {
@@ -86,7 +87,6 @@ Node* RadixTree::NewNode(Node* parent, const int32_t* tokens, const int32_t* slo
   node->depth = parent->depth + length;
   node->ref_count = 0;
   node->timestamp = clock_;
-  node->heap_index = -1;
   node->state = NodeState::kDevice;
   ++num_nodes_;
   return node;
@@ -125,7 +125,7 @@ Node* RadixTree::Split(Node* node, int64_t pos) {
 void RadixTree::Touch(Node* node) {
   for (Node* x = node; x != root_; x = x->parent) {
     x->timestamp = clock_;
-    if (LruHeap<Node>::Contains(x)) heap_.Update(x);
+    if (InHeap(x)) heap_.Update(x->id, clock_);
   }
 }
 
@@ -172,61 +172,32 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int3
   return Handle{id_, node->id, node->generation, node->depth, 0};
 }
 
-bool RadixTree::SlotStored(int32_t slot) const noexcept {
-  const size_t word = static_cast<uint32_t>(slot) >> 6;
-  return word < slot_bits_.size() && ((slot_bits_[word] >> (slot & 63)) & 1);
-}
-
-void RadixTree::MarkSlots(const int32_t* slots, int64_t n, int64_t base) {
-  int32_t max_slot = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    RADIXKV_CHECK(slots[i] >= 0, kInvalid, "indices[", base + i, "] = ", slots[i], " is negative");
-    max_slot = std::max(max_slot, slots[i]);
-  }
-  const size_t words = (static_cast<size_t>(max_slot) >> 6) + 1;
-  if (n > 0 && words > slot_bits_.size()) {
-    slot_bits_.resize(std::max(words, slot_bits_.size() * 2), 0);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t s = slots[i];
-    uint64_t& word = slot_bits_[static_cast<uint32_t>(s) >> 6];
-    const uint64_t bit = uint64_t{1} << (s & 63);
-    if (word & bit) {
-      UnmarkSlots(slots, i);
-      // Repeated within the input, or already owned by the tree?
-      bool repeated = std::find(slots, slots + i, s) != slots + i;
-      throw Error(kInvalid, StrCat("indices[", base + i, "] = ", s,
-                                   repeated ? " appears twice in indices"
-                                            : " is already stored in the cache"));
-    }
-    word |= bit;
-  }
-}
-
-void RadixTree::UnmarkSlots(const int32_t* slots, int64_t n) noexcept {
-  for (int64_t i = 0; i < n; ++i) {
-    slot_bits_[static_cast<uint32_t>(slots[i]) >> 6] &= ~(uint64_t{1} << (slots[i] & 63));
-  }
-}
-
 int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
+  // All of `slots` is checked, the cached part and a partial last page too:
+  // the caller frees its own copies of those, so a bad one is a bug either way.
+  const int64_t neg = FindNegative(slots, n);
+  RADIXKV_CHECK(neg < 0, kInvalid, "indices[", neg, "] = ", neg < 0 ? 0 : slots[neg],
+                " is negative");
+  const int64_t rep = FindRepeat(slots, n, &scratch_);
+  RADIXKV_CHECK(rep < 0, kInvalid, "indices[", rep, "] = ", rep < 0 ? 0 : slots[rep],
+                " appears twice in indices");
   n -= n % page_size_;
   Node* node;
   Node* partial;
   int64_t partial_len;
   const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
-  if (pos < n) {
-    MarkSlots(slots + pos, n - pos, pos);
-  }
+  const int64_t stored = stored_.AddAll(slots + pos, n - pos);
+  RADIXKV_CHECK(stored < 0, kInvalid, "indices[", pos + stored, "] = ",
+                stored < 0 ? 0 : slots[pos + stored], " is already stored in the cache");
   ++clock_;
   if (partial != nullptr) node = Split(partial, partial_len);
   Touch(node);
   if (pos < n) {
-    if (LruHeap<Node>::Contains(node)) heap_.Erase(node);
+    if (InHeap(node)) heap_.Erase(node->id);
     Node* leaf = NewNode(node, tokens + pos, slots + pos, n - pos);
     node->children.Insert(ChildKey(leaf->key()), leaf);
-    heap_.Push(leaf);
+    heap_.Push(leaf->id, leaf->timestamp);
     evictable_size_ += leaf->length;
   }
   return pos;
@@ -253,7 +224,7 @@ void RadixTree::Lock(Handle* handle) {
     if (x->ref_count == 0) {
       evictable_size_ -= x->length;
       protected_size_ += x->length;
-      if (LruHeap<Node>::Contains(x)) heap_.Erase(x);
+      if (InHeap(x)) heap_.Erase(x->id);
     }
     ++x->ref_count;
   }
@@ -272,7 +243,7 @@ void RadixTree::Unlock(Handle* handle) {
     if (--x->ref_count == 0) {
       evictable_size_ += x->length;
       protected_size_ -= x->length;
-      if (x->is_leaf()) heap_.Push(x);
+      if (x->is_leaf()) heap_.Push(x->id, x->timestamp);
     }
   }
   --handle->lock_count;
@@ -288,15 +259,23 @@ void RadixTree::Evict(int64_t size, std::vector<int32_t>* slots) {
   while (freed < size) {
     RADIXKV_CHECK(!heap_.empty(), kBroken, "no evictable leaf left with ", size - freed,
                   " evictable tokens still counted");
-    Node* x = heap_.Pop();
+    Node* x = nodes_[heap_.Pop()].get();
+    if (!heap_.empty()) {
+      // Overlap the next victim's cache misses with the work on this one.
+      const Node* next = nodes_[heap_.top()].get();
+      __builtin_prefetch(next);
+      __builtin_prefetch(next->data.get());
+    }
     AppendSlots(x, slots);
     freed += x->length;
     evictable_size_ -= x->length;
     Node* parent = x->parent;
     parent->children.Erase(ChildKey(x->key()), x);
-    UnmarkSlots(x->value(), x->length);
+    stored_.RemoveAll(x->value(), x->length);
     FreeNode(x);
-    if (parent != root_ && parent->ref_count == 0 && parent->is_leaf()) heap_.Push(parent);
+    if (parent != root_ && parent->ref_count == 0 && parent->is_leaf()) {
+      heap_.Push(parent->id, parent->timestamp);
+    }
   }
 }
 
@@ -307,7 +286,7 @@ void RadixTree::Reset() {
   root_->children.Clear();
   ++root_->generation;
   heap_.Clear();
-  slot_bits_.clear();
+  stored_.Clear();
   evictable_size_ = 0;
   protected_size_ = 0;
   ++clock_;
@@ -315,7 +294,7 @@ void RadixTree::Reset() {
 
 void RadixTree::CheckIntegrity() const {
   int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, tokens = 0;
-  std::vector<uint64_t> seen(slot_bits_.size(), 0);
+  SlotSet seen;
   std::vector<const Node*> stack{root_};
   RADIXKV_CHECK(root_->parent == nullptr && root_->length == 0 && root_->depth == 0, kBroken,
                 "root node has a parent or tokens");
@@ -345,31 +324,29 @@ void RadixTree::CheckIntegrity() const {
     RADIXKV_CHECK(x->parent == root_ || x->timestamp <= x->parent->timestamp, kBroken, "node ",
                   x->id, " was used later than its parent");
     const bool evictable_leaf = x->ref_count == 0 && x->is_leaf();
-    const bool in_heap = x->heap_index >= 0;
+    const bool in_heap = InHeap(x);
     RADIXKV_CHECK(evictable_leaf == in_heap, kBroken, "node ", x->id,
                   evictable_leaf ? " is an unlocked leaf missing from the LRU heap"
                                  : " is in the LRU heap but is locked or has children");
     if (in_heap) {
-      RADIXKV_CHECK(static_cast<size_t>(x->heap_index) < heap_.size() &&
-                        heap_.items()[x->heap_index] == x,
-                    kBroken, "node ", x->id, " has a wrong heap position");
+      const size_t pos = static_cast<size_t>(heap_.PositionOf(x->id));
+      RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) == x->timestamp, kBroken,
+                    "node ", x->id, " has a wrong heap position or key");
       ++heap_members;
     }
     (x->ref_count == 0 ? evictable : protected_tokens) += x->length;
     tokens += x->length;
+    const int64_t neg = FindNegative(x->value(), x->length);
+    RADIXKV_CHECK(neg < 0, kBroken, "node ", x->id, " stores a negative slot");
     for (int64_t i = 0; i < x->length; ++i) {
-      const int32_t s = x->value()[i];
-      RADIXKV_CHECK(s >= 0, kBroken, "node ", x->id, " stores negative slot ", s);
-      const size_t word = static_cast<uint32_t>(s) >> 6;
-      const uint64_t bit = uint64_t{1} << (s & 63);
-      RADIXKV_CHECK(word < seen.size() && (slot_bits_[word] & bit), kBroken, "slot ", s,
+      RADIXKV_CHECK(stored_.Contains(x->value()[i]), kBroken, "slot ", x->value()[i],
                     " is stored but not marked");
-      RADIXKV_CHECK(!(seen[word] & bit), kBroken, "slot ", s, " is stored twice");
-      seen[word] |= bit;
     }
+    const int64_t twice = seen.AddAll(x->value(), x->length);
+    RADIXKV_CHECK(twice < 0, kBroken, "slot ", twice < 0 ? 0 : x->value()[twice],
+                  " is stored twice");
   }
-  int64_t marked = 0;
-  for (uint64_t w : slot_bits_) marked += __builtin_popcountll(w);
+  const int64_t marked = stored_.Count();
   RADIXKV_CHECK(marked == tokens, kBroken, marked, " slots are marked but ", tokens,
                 " are stored");
   RADIXKV_CHECK(nodes == num_nodes_, kBroken, "node count ", num_nodes_, " but ", nodes,
@@ -392,11 +369,11 @@ std::vector<NodeInfo> RadixTree::Dump() const {
     stack.pop_back();
     std::vector<const Node*> children;
     x->children.ForEach([&](uint64_t, const Node* c) { children.push_back(c); });
-    // Descending, so the stack yields them in ascending key order.
     std::sort(children.begin(), children.end(), [](const Node* a, const Node* b) {
-      return std::lexicographical_compare(b->key(), b->key() + b->length, a->key(),
-                                          a->key() + a->length);
+      return std::lexicographical_compare(a->key(), a->key() + a->length, b->key(),
+                                          b->key() + b->length);
     });
+    const size_t first = out.size();
     for (const Node* c : children) {
       NodeInfo info;
       info.parent = index;
@@ -405,7 +382,10 @@ std::vector<NodeInfo> RadixTree::Dump() const {
       info.ref_count = c->ref_count;
       info.timestamp = c->timestamp;
       out.push_back(std::move(info));
-      stack.push_back({c, static_cast<int64_t>(out.size()) - 1});
+    }
+    // Pushed in reverse, so the smallest child's subtree is listed first.
+    for (size_t k = children.size(); k-- > 0;) {
+      stack.push_back({children[k], static_cast<int64_t>(first + k)});
     }
   }
   return out;

@@ -12,7 +12,8 @@ namespace radixkv {
 /// different pages can collide); `Find` asks a predicate which one is meant.
 /// Linear probing with backward-shift deletion, so there are no tombstones.
 /// Empty until the first insert; capacity grows in powers of two and keeps
-/// the load at or below 3/4. Find, Insert and Erase are O(1) expected.
+/// the load at or below 1/2 (short probe runs). Find, Insert and Erase are
+/// O(1) expected.
 template <typename T>
 class ChildMap {
  public:
@@ -36,7 +37,7 @@ class ChildMap {
 
   /// Adds `value` under `key`. The caller guarantees it is not present.
   void Insert(uint64_t key, T* value) {
-    if ((size_ + 1) * 4 > capacity_ * 3) Grow();
+    if ((size_ + 1) * 2 > capacity_) Grow();
     Place(key, value);
     ++size_;
   }

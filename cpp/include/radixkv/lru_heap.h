@@ -1,92 +1,111 @@
-// Indexed binary min-heap of tree nodes ordered by their LRU timestamp.
+// Indexed 4-ary min-heap of node ids ordered by LRU timestamp.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace radixkv {
 
-/// A min-heap of `T*` keyed on `T::timestamp` (uint64). Each element stores
-/// its own position in `T::heap_index` (-1 when absent), so `Erase` and
-/// `Update` of an arbitrary element cost O(log n) with no search.
-/// The heap does not own its elements.
-template <typename T>
+/// A min-heap of ids (uint32, dense from 0) keyed on a uint64 timestamp. The
+/// heap keeps each id's position in a dense array of its own, so `Erase` and
+/// `Update` of any member cost O(log n) with no search, and a sift touches
+/// only two contiguous arrays, never the elements themselves. 4-ary, so the
+/// siblings compared at each level share one cache line.
 class LruHeap {
  public:
+  static constexpr int32_t kAbsent = -1;
+
   bool empty() const noexcept { return items_.empty(); }
   size_t size() const noexcept { return items_.size(); }
-  /// The element with the smallest timestamp. Requires `!empty()`.
-  T* top() const noexcept { return items_.front(); }
-  static bool Contains(const T* x) noexcept { return x->heap_index >= 0; }
+  /// The id with the smallest key. Requires `!empty()`.
+  uint32_t top() const noexcept { return items_.front().id; }
+  bool Contains(uint32_t id) const noexcept { return id < pos_.size() && pos_[id] != kAbsent; }
+  /// The id and key at heap position `i` (for integrity checks).
+  uint32_t IdAt(size_t i) const noexcept { return items_[i].id; }
+  uint64_t KeyAt(size_t i) const noexcept { return items_[i].key; }
+  /// Heap position of `id`, or kAbsent.
+  int32_t PositionOf(uint32_t id) const noexcept {
+    return id < pos_.size() ? pos_[id] : kAbsent;
+  }
 
-  /// Adds `x`, which must not be in the heap. O(log n).
-  void Push(T* x) {
-    x->heap_index = static_cast<int64_t>(items_.size());
-    items_.push_back(x);
+  /// Adds `id`, which must not be in the heap, with `key`. O(log n).
+  void Push(uint32_t id, uint64_t key) {
+    if (id >= pos_.size()) pos_.resize(std::max<size_t>(id + 1, pos_.size() * 2), kAbsent);
+    items_.push_back(Entry{key, id});
     SiftUp(items_.size() - 1);
   }
 
-  /// Removes and returns the smallest element. Requires `!empty()`. O(log n).
-  T* Pop() {
-    T* x = items_.front();
-    Erase(x);
-    return x;
+  /// Removes and returns the id with the smallest key. Requires `!empty()`.
+  uint32_t Pop() {
+    const uint32_t id = items_.front().id;
+    Erase(id);
+    return id;
   }
 
-  /// Removes `x`, which must be in the heap. O(log n).
-  void Erase(T* x) {
-    size_t i = static_cast<size_t>(x->heap_index);
-    T* last = items_.back();
+  /// Removes `id`, which must be in the heap. O(log n).
+  void Erase(uint32_t id) {
+    const size_t i = static_cast<size_t>(pos_[id]);
+    const Entry last = items_.back();
     items_.pop_back();
-    x->heap_index = -1;
-    if (last == x) return;
+    pos_[id] = kAbsent;
+    if (last.id == id) return;
     items_[i] = last;
-    last->heap_index = static_cast<int64_t>(i);
     Restore(i);
   }
 
-  /// Restores order after `x->timestamp` changed. O(log n).
-  void Update(T* x) { Restore(static_cast<size_t>(x->heap_index)); }
+  /// Gives `id`, which must be in the heap, a new key. O(log n).
+  void Update(uint32_t id, uint64_t key) {
+    const size_t i = static_cast<size_t>(pos_[id]);
+    items_[i].key = key;
+    Restore(i);
+  }
 
   void Clear() noexcept {
-    for (T* x : items_) x->heap_index = -1;
+    for (const Entry& e : items_) pos_[e.id] = kAbsent;
     items_.clear();
   }
 
-  /// The elements in heap order (for integrity checks).
-  const std::vector<T*>& items() const noexcept { return items_; }
-
-  /// True when every parent is no later than its children and every index is
+  /// True when no key is smaller than its parent's and every position is
   /// consistent. O(n).
   bool IsValid() const noexcept {
+    size_t present = 0;
+    for (int32_t p : pos_) present += p != kAbsent;
+    if (present != items_.size()) return false;
     for (size_t i = 0; i < items_.size(); ++i) {
-      if (items_[i]->heap_index != static_cast<int64_t>(i)) return false;
-      if (i > 0 && Less(items_[i], items_[(i - 1) / 2])) return false;
+      if (PositionOf(items_[i].id) != static_cast<int32_t>(i)) return false;
+      if (i > 0 && items_[i].key < items_[Parent(i)].key) return false;
     }
     return true;
   }
 
  private:
-  static bool Less(const T* a, const T* b) noexcept { return a->timestamp < b->timestamp; }
+  static constexpr size_t kArity = 4;
+  struct Entry {
+    uint64_t key;
+    uint32_t id;
+  };
+
+  static size_t Parent(size_t i) noexcept { return (i - 1) / kArity; }
 
   void Restore(size_t i) {
-    if (i > 0 && Less(items_[i], items_[(i - 1) / 2])) {
+    if (i > 0 && items_[i].key < items_[Parent(i)].key) {
       SiftUp(i);
     } else {
       SiftDown(i);
     }
   }
 
-  void Place(size_t i, T* x) {
-    items_[i] = x;
-    x->heap_index = static_cast<int64_t>(i);
+  void Place(size_t i, const Entry& e) noexcept {
+    items_[i] = e;
+    pos_[e.id] = static_cast<int32_t>(i);
   }
 
   void SiftUp(size_t i) {
-    T* x = items_[i];
+    const Entry x = items_[i];
     while (i > 0) {
-      size_t parent = (i - 1) / 2;
-      if (!Less(x, items_[parent])) break;
+      const size_t parent = Parent(i);
+      if (!(x.key < items_[parent].key)) break;
       Place(i, items_[parent]);
       i = parent;
     }
@@ -94,20 +113,25 @@ class LruHeap {
   }
 
   void SiftDown(size_t i) {
-    T* x = items_[i];
+    const Entry x = items_[i];
     const size_t n = items_.size();
     while (true) {
-      size_t child = 2 * i + 1;
-      if (child >= n) break;
-      if (child + 1 < n && Less(items_[child + 1], items_[child])) ++child;
-      if (!Less(items_[child], x)) break;
-      Place(i, items_[child]);
-      i = child;
+      const size_t first = kArity * i + 1;
+      if (first >= n) break;
+      const size_t end = first + kArity < n ? first + kArity : n;
+      size_t best = first;
+      for (size_t c = first + 1; c < end; ++c) {
+        if (items_[c].key < items_[best].key) best = c;
+      }
+      if (!(items_[best].key < x.key)) break;
+      Place(i, items_[best]);
+      i = best;
     }
     Place(i, x);
   }
 
-  std::vector<T*> items_;
+  std::vector<Entry> items_;
+  std::vector<int32_t> pos_;  // by id
 };
 
 }  // namespace radixkv

@@ -9,6 +9,7 @@
 
 #include "radixkv/child_map.h"
 #include "radixkv/lru_heap.h"
+#include "radixkv/slot_set.h"
 
 namespace radixkv {
 
@@ -32,8 +33,6 @@ struct Node {
   int64_t ref_count = 0;
   /// Logical time of the last access; never earlier than any child's.
   uint64_t timestamp = 0;
-  /// Position in the evictable-leaf heap, or -1.
-  int64_t heap_index = -1;
   /// Index in the tree's node table; reused after the node is freed.
   uint32_t id = 0;
   /// Bumped each time the id is freed, so handles to a dead node are detected.
@@ -97,8 +96,8 @@ class RadixTree {
   /// Stores `tokens[0, m)` with `slots[0, m)`, m = n rounded down to whole
   /// pages, where not cached yet. Returns how many leading tokens were cached
   /// already; their `slots` are ignored and stay the caller's. Throws
-  /// kInvalidArgument, changing nothing, if a slot to be stored is negative,
-  /// repeated, or stored in the tree already.
+  /// kInvalidArgument, changing nothing, if any of `slots[0, n)` is negative
+  /// or repeated, or a slot to be stored is in the tree already.
   int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n);
 
   /// Adds one lock on every node from the handle's node to the root.
@@ -144,12 +143,8 @@ class RadixTree {
   void FreeNode(Node* node);
   Node* Split(Node* node, int64_t pos);
   void Touch(Node* node);
+  bool InHeap(const Node* node) const noexcept { return heap_.Contains(node->id); }
   Node* Resolve(const Handle& handle, const char* what) const;
-  // Marks slots as stored; on a negative, repeated or stored slot unmarks
-  // what it marked and throws, naming the position `base + i`.
-  void MarkSlots(const int32_t* slots, int64_t n, int64_t base);
-  void UnmarkSlots(const int32_t* slots, int64_t n) noexcept;
-  bool SlotStored(int32_t slot) const noexcept;
 
   // Walks from the root over whole pages of `tokens[0, n)`. Stops at the
   // deepest fully matched node `*node`, and reports in `*partial` the child
@@ -164,8 +159,9 @@ class RadixTree {
   std::vector<std::unique_ptr<Node>> nodes_;  // by id; id 0 is the root
   Node* root_ = nullptr;
   std::vector<uint32_t> free_ids_;
-  LruHeap<Node> heap_;
-  std::vector<uint64_t> slot_bits_;  // bit s set <=> slot s is stored in the tree
+  LruHeap heap_;  // unlocked leaves by id, oldest first
+  SlotSet stored_;   // the slots stored in the tree
+  SlotSet scratch_;  // working memory for input checks, empty between calls
   int64_t evictable_size_ = 0;
   int64_t protected_size_ = 0;
   int64_t num_nodes_ = 0;

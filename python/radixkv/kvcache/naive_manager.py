@@ -61,7 +61,7 @@ class NaiveCacheManager(BaseCacheManager):
 
     def insert_prefix(self, input_ids, indices) -> int:
         n = _core.check_ids(_host(input_ids), "input_ids")
-        m = _core.check_ids(_host(indices), "indices")
+        m = _core.check_slots(_host(indices), "indices")
         if n != m:
             raise ValueError(f"indices has length {m} but input_ids has length {n}")
         # Nothing is stored, so every slot stays the caller's to free.
