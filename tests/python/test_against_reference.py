@@ -1,0 +1,327 @@
+"""Random operations on RadixCacheManager and the model in reference.py, compared step by step.
+
+Every return value (cached_len, indices, insert results, evicted slots in
+order, raised error types), size_info, num_nodes, handle state and the whole
+tree (dump: keys, slots, ref counts, LRU timestamps) must agree after every
+step, and check_integrity() must pass after every step.
+
+The long runs compare the dump with sibling order factored out (see
+reference.canonical), so that they test the tree's content; the exact order of
+dump() rows is compared by test_dump_order_matches_reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import radixkv
+from radixkv.kvcache import RadixCacheManager, SizeInfo
+from reference import RefOutOfCapacity, ReferenceRadixCache, canonical
+
+PAGE_SIZES = [1, 2, 4, 16]
+
+
+def _as_torch64(v):
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def _as_torch_strided(v):
+    base = torch.zeros(2 * len(v), dtype=torch.int32)
+    base[::2] = torch.tensor(v, dtype=torch.int32)
+    return base[::2]
+
+
+def _as_numpy_reversed(v):
+    return np.array(v[::-1], dtype=np.int64)[::-1]
+
+
+INPUT_FORMS = [list, tuple, _as_torch64, lambda v: torch.tensor(v, dtype=torch.int32),
+               lambda v: np.array(v, dtype=np.int32), _as_torch_strided, _as_numpy_reversed]
+
+
+class Driver:
+    """Applies the same random operation to the native manager and the model."""
+
+    def __init__(self, page_size: int, seed: int, strict_dump: bool = False):
+        self.p = page_size
+        self.rng = random.Random(seed)
+        self.native = RadixCacheManager("cpu", page_size)
+        self.ref = ReferenceRadixCache(page_size)
+        self.strict_dump = strict_dump
+        self.held = []  # (native handle, model handle)
+        self.history = []  # recent token sequences, to share prefixes with
+        self.free_slots = []  # slots handed back by evict / not stored by insert
+        self.next_slot = 0
+        self.cap = 128 * page_size if page_size > 1 else 300
+        # A small pool of pages, with near-duplicates that differ in one token
+        # (first, middle or last), so walks stop inside pages and at page ends.
+        alphabet = 3
+        base = [[self.rng.randrange(alphabet) for _ in range(self.p)] for _ in range(3)]
+        pool = [list(x) for x in base]
+        if self.p > 1:
+            for b in base:
+                for pos in (0, self.p // 2, self.p - 1):
+                    v = list(b)
+                    v[pos] = (v[pos] + 1) % alphabet
+                    pool.append(v)
+        self.pages = pool
+        self.counts = {}
+
+    # -- inputs ------------------------------------------------------------------
+    def tokens(self):
+        r = self.rng
+        if self.history and r.random() < 0.65:
+            src = r.choice(self.history)
+            cut = r.randrange(len(src) + 1)
+            out = list(src[:cut])
+        else:
+            out = []
+        if r.random() < 0.04:
+            n_pages = r.randrange(8, 40 if self.p == 1 else 12)  # long keys
+        else:
+            n_pages = r.randrange(0, 5)
+        for _ in range(n_pages):
+            out.extend(r.choice(self.pages))
+        if self.p > 1 and r.random() < 0.3:
+            out.extend(r.randrange(3) for _ in range(r.randrange(1, self.p)))  # ragged tail
+        if out:
+            self.history.append(out)
+            if len(self.history) > 40:
+                self.history.pop(self.rng.randrange(len(self.history)))
+        return out
+
+    def fresh_slots(self, n):
+        out = []
+        self.rng.shuffle(self.free_slots)
+        while len(out) < n and self.free_slots:
+            out.append(self.free_slots.pop())
+        while len(out) < n:
+            if self.rng.random() < 0.002:
+                self.next_slot += self.rng.randrange(1, 5000)  # sparse, growing slot bitmap
+            out.append(self.next_slot)
+            self.next_slot += 1
+        return out
+
+    def form(self, v):
+        return self.rng.choice(INPUT_FORMS)(v)
+
+    def stored_slots(self):
+        return [s for _, _, value, _, _ in self.ref.dump() for s in value]
+
+    # -- operations ----------------------------------------------------------------
+    def op_match(self):
+        ids = self.tokens()
+        h, idx = self.native.match_prefix(self.form(ids))
+        rh, ridx = self.ref.match_prefix(ids)
+        assert idx.dtype == torch.int32 and idx.dim() == 1
+        assert h.cached_len == rh.cached_len == len(idx), (h.cached_len, rh.cached_len)
+        assert idx.tolist() == ridx
+        if self.rng.random() < 0.6:
+            self.keep(h, rh)
+        return ids, idx.tolist()
+
+    def keep(self, h, rh):
+        self.held.append((h, rh))
+        if len(self.held) > 24:
+            # Forget a handle that holds no lock (or is stale), never leak locks.
+            idle = [i for i, (_, r) in enumerate(self.held)
+                    if r.lock_count == 0 or not self.ref.is_valid(r)]
+            if idle:
+                self.held.pop(self.rng.choice(idle))
+
+    def op_insert(self):
+        r = self.rng
+        if r.random() < 0.3:
+            # The usual flow: match, then insert the matched slots plus new ones.
+            ids, prefix = self.op_match()
+            ids = ids + self.tokens()[: r.randrange(0, 4 * self.p + 1)]
+            new = self.fresh_slots(len(ids) - len(prefix))
+            slots = prefix + new
+            n_own = len(prefix)
+        else:
+            ids = self.tokens()
+            slots = self.fresh_slots(len(ids))
+            n_own = 0
+        got = self.native.insert_prefix(self.form(ids), self.form(slots))
+        want = self.ref.insert_prefix(ids, slots)
+        assert type(got) is int
+        assert got == want
+        assert got >= n_own
+        n = len(ids) - len(ids) % self.p
+        # Slots the tree did not keep go back to the caller's free list.
+        self.free_slots.extend(slots[n_own:got] + slots[n:])
+
+    def op_lock(self):
+        live = [(h, rh) for h, rh in self.held if self.ref.is_valid(rh)]
+        if not live:
+            return self.op_match()
+        h, rh = self.rng.choice(live)
+        self.native.lock_handle(h)
+        self.ref.lock_handle(rh)
+
+    def op_unlock(self):
+        locked = [(h, rh) for h, rh in self.held if rh.lock_count > 0 and self.ref.is_valid(rh)]
+        if not locked:
+            return self.op_lock()
+        h, rh = self.rng.choice(locked)
+        self.native.lock_handle(h, unlock=True)
+        self.ref.lock_handle(rh, True)
+
+    def op_evict(self):
+        r = self.rng
+        evictable = self.ref.size_info()[0]
+        x = r.random()
+        if x < 0.08:
+            size = 0
+        elif x < 0.11:
+            size = evictable
+        elif x < 0.18:
+            size = evictable + r.randrange(1, 3 * self.p + 2)
+        else:
+            size = r.randrange(0, min(evictable, 6 * self.p) + 1)
+        if size > evictable:
+            with pytest.raises(radixkv.OutOfCapacityError) as e:
+                self.native.evict(size)
+            assert str(size) in str(e.value) and str(evictable) in str(e.value)
+            with pytest.raises(RefOutOfCapacity):
+                self.ref.evict(size)
+            self.count("evict_refused")
+            return
+        out = self.native.evict(size)
+        want = self.ref.evict(size)
+        assert out.dtype == torch.int32 and out.dim() == 1
+        assert out.tolist() == want
+        assert len(want) >= size
+        self.free_slots.extend(want)
+
+    def op_reset(self):
+        self.free_slots.extend(self.stored_slots())
+        self.native.reset()
+        self.ref.reset()
+
+    def op_invalid(self):
+        """A call that must raise and change nothing (the clock included: later
+        timestamps are compared with the model's, which did not tick)."""
+        r = self.rng
+        choice = r.randrange(4)
+        if choice == 0:
+            stale = [(h, rh) for h, rh in self.held if not self.ref.is_valid(rh)]
+            if stale:
+                h, rh = r.choice(stale)
+                with pytest.raises(ValueError, match="handle"):
+                    self.native.lock_handle(h, unlock=r.random() < 0.5)
+                self.count("stale_handle")
+                return
+        if choice == 1:
+            idle = [(h, rh) for h, rh in self.held
+                    if rh.lock_count == 0 and self.ref.is_valid(rh)]
+            if idle:
+                h, rh = r.choice(idle)
+                with pytest.raises(ValueError, match="handle"):
+                    self.native.lock_handle(h, unlock=True)
+                self.count("unlock_unlocked")
+                return
+        stored = self.stored_slots()
+        if choice == 2 and stored:
+            # An uncached sequence whose new part repeats a slot the tree holds.
+            ids = [-1 - r.randrange(1000)] * self.p + self.tokens()
+            slots = self.fresh_slots(len(ids))
+            n = len(ids) - len(ids) % self.p
+            k = r.randrange(n)
+            self.free_slots.extend(slots)
+            slots[k] = r.choice(stored)
+            with pytest.raises(ValueError, match="indices"):
+                self.native.insert_prefix(self.form(ids), self.form(slots))
+            with pytest.raises(ValueError):
+                self.ref.insert_prefix(ids, slots)
+            self.count("slot_stored")
+            return
+        with pytest.raises(ValueError, match="size"):
+            self.native.evict(-r.randrange(1, 10))
+        self.count("evict_negative")
+
+    def count(self, name):
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    # -- the loop ----------------------------------------------------------------
+    def step(self):
+        r = self.rng
+        evictable, protected = self.ref.size_info()
+        if evictable + protected > self.cap and r.random() < 0.5:
+            name = "evict" if evictable > 0 and r.random() < 0.7 else "unlock"
+        elif protected > self.cap // 2 and r.random() < 0.5:
+            name = "unlock"
+        else:
+            name = r.choices(
+                ["match", "insert", "lock", "unlock", "evict", "invalid", "reset"],
+                weights=[26, 32, 12, 12, 9, 6, 0.25],
+            )[0]
+        self.count(name)
+        getattr(self, "op_" + name)()
+        self.compare()
+
+    def compare(self):
+        native, ref = self.native, self.ref
+        assert native.size_info == SizeInfo(*ref.size_info())
+        assert native.num_nodes == ref.num_nodes
+        dump, ref_dump = native.dump(), ref.dump()
+        if self.strict_dump:
+            assert dump == ref_dump
+        else:
+            assert canonical(dump) == canonical(ref_dump)
+        for h, rh in self.held:
+            assert native.is_valid(h) == ref.is_valid(rh)
+            assert h.lock_count == rh.lock_count
+            assert h.cached_len == rh.cached_len
+        native.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_operations_match_reference(page_size, seed):
+    d = Driver(page_size, seed=1000 * page_size + seed)
+    steps = 4000
+    for i in range(steps):
+        try:
+            d.step()
+        except AssertionError as e:
+            raise AssertionError(f"step {i} (page_size={page_size}, seed={seed}): {e}") from e
+    # The run must have exercised what it claims to.
+    c = d.counts
+    for name in ("match", "insert", "lock", "unlock", "evict", "reset", "evict_refused",
+                 "stale_handle", "unlock_unlocked", "slot_stored", "evict_negative"):
+        assert c.get(name, 0) > 0, (name, c)
+    assert d.ref.clock > steps // 2
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_random_operations_build_deep_trees(page_size):
+    """Sanity check of the generator: splits and sharing really happen."""
+    d = Driver(page_size, seed=7 + page_size)
+    max_nodes = max_depth_nodes = 0
+    for _ in range(600):
+        d.step()
+        dump = d.native.dump()
+        max_nodes = max(max_nodes, len(dump))
+        depth = {}
+        for i, row in enumerate(dump):
+            depth[i] = depth.get(row[0], 0) + 1
+        max_depth_nodes = max([max_depth_nodes] + list(depth.values()))
+    assert max_nodes >= 10
+    assert max_depth_nodes >= 4
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_dump_order_matches_reference(page_size):
+    """dump() rows in exactly the model's order: parents first, the children of a
+    node together and in ascending key order, the stack order of RadixTree::Dump."""
+    d = Driver(page_size, seed=99 + page_size, strict_dump=True)
+    for i in range(300):
+        try:
+            d.step()
+        except AssertionError as e:
+            raise AssertionError(f"step {i} (page_size={page_size}): {e}") from e
