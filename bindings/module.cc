@@ -9,6 +9,7 @@
 
 #include "errors.h"
 #include "radixkv/compare.h"
+#include "radixkv/page_allocator.h"
 #include "radixkv/radix_tree.h"
 #include "radixkv/slot_set.h"
 #include "radixkv/status.h"
@@ -116,6 +117,44 @@ bool RadixTree_IsValid(PyRadixTree& t, py::handle handle) {
   return Locked(t, false, [&] { return t.tree.IsValid(h); });
 }
 
+// The allocator runs with the GIL held; the tree's mutex is taken only to
+// read its stored slots.
+const radixkv::SlotSet* CachedSlots(py::handle tree, std::unique_lock<std::mutex>* guard) {
+  if (tree.is_none()) return nullptr;
+  if (!py::isinstance<PyRadixTree>(tree)) {
+    throw py::type_error(std::string("tree must be a radixkv._core.RadixTree or None, got ") +
+                         Py_TYPE(tree.ptr())->tp_name);
+  }
+  PyRadixTree& t = tree.cast<PyRadixTree&>();
+  *guard = std::unique_lock<std::mutex>(t.mu);
+  return &t.tree.stored_slots();
+}
+
+py::object PageAllocator_Allocate(radixkv::PageAllocator& a, py::handle num_tokens) {
+  std::vector<int32_t>& slots = Scratch();
+  a.Allocate(ToInt64(num_tokens, "num_tokens"), &slots);
+  return NewInt32Tensor(slots.data(), static_cast<int64_t>(slots.size()));
+}
+
+void PageAllocator_Free(radixkv::PageAllocator& a, py::handle indices, py::handle tree) {
+  Int32View v(indices, "indices");
+  std::unique_lock<std::mutex> guard;
+  a.Free(v.data(), v.size(), CachedSlots(tree, &guard));
+}
+
+void PageAllocator_CheckOwned(radixkv::PageAllocator& a, py::handle indices,
+                              const std::string& name, py::handle tree) {
+  Int32View v(indices, name.c_str());
+  std::unique_lock<std::mutex> guard;
+  a.CheckOwned(v.data(), v.size(), name.c_str(), CachedSlots(tree, &guard));
+}
+
+void PageAllocator_CheckDisjoint(radixkv::PageAllocator& a, py::handle tree) {
+  std::unique_lock<std::mutex> guard;
+  const radixkv::SlotSet* cached = CachedSlots(tree, &guard);
+  a.CheckDisjoint(cached != nullptr ? *cached : radixkv::SlotSet());
+}
+
 int64_t Kernel_FirstMismatch(py::handle a, py::handle b) {
   Int32View x(a, "a");
   Int32View y(b, "b");
@@ -185,4 +224,15 @@ PYBIND11_MODULE(_core, m) {
       .def("check_integrity", &RadixTree_CheckIntegrity)
       .def("dump", &RadixTree_Dump)
       .def("is_valid", &RadixTree_IsValid, py::arg("handle"));
+
+  py::class_<radixkv::PageAllocator>(m, "PageAllocator")
+      .def(py::init<int64_t, int64_t>(), py::arg("num_pages"), py::arg("page_size") = 1)
+      .def_property_readonly("num_pages", &radixkv::PageAllocator::num_pages)
+      .def_property_readonly("page_size", &radixkv::PageAllocator::page_size)
+      .def_property_readonly("num_free_pages", &radixkv::PageAllocator::num_free_pages)
+      .def("allocate", &PageAllocator_Allocate, py::arg("num_tokens"))
+      .def("free", &PageAllocator_Free, py::arg("indices"), py::arg("tree") = py::none())
+      .def("check_owned", &PageAllocator_CheckOwned, py::arg("indices"), py::arg("name"),
+           py::arg("tree") = py::none())
+      .def("check_disjoint", &PageAllocator_CheckDisjoint, py::arg("tree") = py::none());
 }

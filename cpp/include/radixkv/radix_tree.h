@@ -124,6 +124,8 @@ class RadixTree {
   int64_t num_nodes() const noexcept { return num_nodes_; }
   /// Unlocked leaves, i.e. the eviction candidates.
   int64_t num_evictable_leaves() const noexcept { return static_cast<int64_t>(heap_.size()); }
+  /// The slots stored in the tree.
+  const SlotSet& stored_slots() const noexcept { return stored_; }
   /// Whether `handle` refers to a live node of this tree.
   bool IsValid(const Handle& handle) const noexcept;
 

@@ -48,6 +48,10 @@ class BaseCacheManager(ABC):
         """Free at least `size` unlocked tokens, least recently used first; return their slots."""
 
     @abstractmethod
+    def is_valid(self, handle: BaseCacheHandle) -> bool:
+        """Whether `handle` came from this manager and still names cached tokens."""
+
+    @abstractmethod
     def reset(self) -> None:
         """Drop everything cached. Earlier handles become invalid."""
 

@@ -64,8 +64,9 @@ class NaiveCacheManager(BaseCacheManager):
         m = _core.check_slots(_host(indices), "indices")
         if n != m:
             raise ValueError(f"indices has length {m} but input_ids has length {n}")
-        # Nothing is stored, so every slot stays the caller's to free.
-        return n
+        # Nothing is stored: report the whole pages as "cached already", so the
+        # caller frees its copies of them, as it frees a partial last page.
+        return n - n % self.page_size
 
     def evict(self, size: int) -> torch.Tensor:
         if isinstance(size, bool) or not isinstance(size, int):
@@ -78,6 +79,9 @@ class NaiveCacheManager(BaseCacheManager):
                 "caches nothing)"
             )
         return self._empty()
+
+    def is_valid(self, handle) -> bool:
+        return isinstance(handle, NaiveCacheHandle) and handle._owner is self
 
     def reset(self) -> None:
         pass

@@ -1,0 +1,54 @@
+// The free pages of a paged KV pool.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "radixkv/slot_set.h"
+
+namespace radixkv {
+
+/// Owns the free pages of a pool of `num_pages` pages of `page_size` token
+/// slots; slot `s` belongs to page `s / page_size`. Pages leave through
+/// `Allocate` and come back through `Free`, always whole: a page's slots are
+/// `page * page_size + [0, page_size)` in that order. Freed pages are handed
+/// out again first (LIFO keeps recently used memory warm). O(1) per page.
+class PageAllocator {
+ public:
+  /// Throws kInvalidArgument unless `num_pages >= 0`, `page_size >= 1` and
+  /// every slot fits in int32.
+  PageAllocator(int64_t num_pages, int64_t page_size);
+
+  int64_t num_pages() const noexcept { return num_pages_; }
+  int64_t page_size() const noexcept { return page_size_; }
+  int64_t num_free_pages() const noexcept { return static_cast<int64_t>(free_.size()); }
+  bool IsFree(int64_t page) const noexcept { return is_free_[page] != 0; }
+
+  /// Takes ceil(`num_tokens` / page_size) pages and writes all their slots
+  /// to `slots` (resized). Throws kInvalidArgument for a negative count and
+  /// kOutOfCapacity, taking nothing, when too few pages are free.
+  void Allocate(int64_t num_tokens, std::vector<int32_t>* slots);
+
+  /// Returns the pages whose slots are `slots[0, n)`. Throws kInvalidArgument,
+  /// freeing nothing, unless `n` covers whole pages in order, every page is
+  /// in range and allocated, no page repeats, and (when `cached` is given) no
+  /// slot is in `cached`.
+  void Free(const int32_t* slots, int64_t n, const SlotSet* cached = nullptr);
+
+  /// Throws kInvalidArgument, naming `name`, unless `slots[0, n)` are whole
+  /// pages in order that are allocated and (when given) not in `cached`.
+  void CheckOwned(const int32_t* slots, int64_t n, const char* name,
+                  const SlotSet* cached = nullptr) const;
+
+  /// Throws kIntegrity if a free page has a slot in `cached`, or the free
+  /// list and the free flags disagree. O(num_pages).
+  void CheckDisjoint(const SlotSet& cached) const;
+
+ private:
+  const int64_t num_pages_;
+  const int64_t page_size_;
+  std::vector<int32_t> free_;     // stack of free page ids
+  std::vector<uint8_t> is_free_;  // by page id
+};
+
+}  // namespace radixkv

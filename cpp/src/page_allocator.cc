@@ -1,0 +1,100 @@
+#include "radixkv/page_allocator.h"
+
+#include <limits>
+
+#include "radixkv/status.h"
+
+namespace radixkv {
+namespace {
+constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
+}  // namespace
+
+PageAllocator::PageAllocator(int64_t num_pages, int64_t page_size)
+    : num_pages_(num_pages), page_size_(page_size) {
+  RADIXKV_CHECK(num_pages >= 0, kInvalid, "num_pages must be >= 0, got ", num_pages);
+  RADIXKV_CHECK(page_size >= 1, kInvalid, "page_size must be >= 1, got ", page_size);
+  RADIXKV_CHECK(num_pages <= std::numeric_limits<int32_t>::max() / page_size, kInvalid,
+                "num_pages * page_size = ", num_pages, " * ", page_size,
+                " slots do not fit in int32");
+  free_.resize(static_cast<size_t>(num_pages));
+  // Top of the stack is page 0, so a fresh pool hands out pages in order.
+  for (int64_t i = 0; i < num_pages; ++i) free_[i] = static_cast<int32_t>(num_pages - 1 - i);
+  is_free_.assign(static_cast<size_t>(num_pages), 1);
+}
+
+void PageAllocator::Allocate(int64_t num_tokens, std::vector<int32_t>* slots) {
+  RADIXKV_CHECK(num_tokens >= 0, kInvalid, "num_tokens must be >= 0, got ", num_tokens);
+  const int64_t pages = (num_tokens + page_size_ - 1) / page_size_;
+  RADIXKV_CHECK(pages <= num_free_pages(), ErrorCode::kOutOfCapacity, "cannot allocate ",
+                num_tokens, " tokens (", pages, " pages): only ", num_free_pages(),
+                " pages are free");
+  slots->resize(static_cast<size_t>(pages * page_size_));
+  int32_t* out = slots->data();
+  for (int64_t p = 0; p < pages; ++p) {
+    const int32_t page = free_.back();
+    free_.pop_back();
+    is_free_[page] = 0;
+    const int32_t base = static_cast<int32_t>(page * page_size_);
+    for (int64_t j = 0; j < page_size_; ++j) *out++ = base + static_cast<int32_t>(j);
+  }
+}
+
+void PageAllocator::CheckOwned(const int32_t* slots, int64_t n, const char* name,
+                               const SlotSet* cached) const {
+  RADIXKV_CHECK(n % page_size_ == 0, kInvalid, name, " has length ", n,
+                ", not a whole number of pages of ", page_size_);
+  for (int64_t i = 0; i < n; i += page_size_) {
+    const int64_t s = slots[i];
+    RADIXKV_CHECK(s >= 0 && s < num_pages_ * page_size_, kInvalid, name, "[", i, "] = ", s,
+                  " is out of range [0, ", num_pages_ * page_size_, ")");
+    RADIXKV_CHECK(s % page_size_ == 0, kInvalid, name, "[", i, "] = ", s,
+                  " does not start a page of ", page_size_);
+    for (int64_t j = 1; j < page_size_; ++j) {
+      RADIXKV_CHECK(slots[i + j] == s + j, kInvalid, name, "[", i + j, "] = ", slots[i + j],
+                    " breaks page ", s / page_size_, ": expected slot ", s + j);
+    }
+    RADIXKV_CHECK(!is_free_[s / page_size_], kInvalid, name, "[", i, "] = ", s, " is in page ",
+                  s / page_size_, ", which is free (not allocated)");
+    if (cached != nullptr) {
+      RADIXKV_CHECK(!cached->Contains(static_cast<int32_t>(s)), kInvalid, name, "[", i, "] = ",
+                    s, " is owned by the prefix cache");
+    }
+  }
+}
+
+void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached) {
+  CheckOwned(slots, n, "indices", cached);
+  // Mark as we go so a repeated page is caught; undo on failure.
+  int64_t i = 0;
+  for (; i < n; i += page_size_) {
+    const int32_t page = static_cast<int32_t>(slots[i] / page_size_);
+    if (is_free_[page]) break;
+    is_free_[page] = 1;
+  }
+  if (i < n) {
+    for (int64_t k = 0; k < i; k += page_size_) is_free_[slots[k] / page_size_] = 0;
+    throw Error(kInvalid, StrCat("indices[", i, "] = ", slots[i], " repeats page ",
+                                 slots[i] / page_size_));
+  }
+  for (int64_t k = 0; k < n; k += page_size_) {
+    free_.push_back(static_cast<int32_t>(slots[k] / page_size_));
+  }
+}
+
+void PageAllocator::CheckDisjoint(const SlotSet& cached) const {
+  int64_t flagged = 0;
+  for (int64_t p = 0; p < num_pages_; ++p) flagged += is_free_[p];
+  RADIXKV_CHECK(flagged == num_free_pages(), ErrorCode::kIntegrity, flagged,
+                " pages are flagged free but the free list holds ", num_free_pages());
+  for (int32_t page : free_) {
+    RADIXKV_CHECK(is_free_[page], ErrorCode::kIntegrity, "page ", page,
+                  " is on the free list but not flagged free");
+    for (int64_t j = 0; j < page_size_; ++j) {
+      const int32_t s = static_cast<int32_t>(page * page_size_ + j);
+      RADIXKV_CHECK(!cached.Contains(s), ErrorCode::kIntegrity, "page ", page,
+                    " is both free and cached (slot ", s, ")");
+    }
+  }
+}
+
+}  // namespace radixkv

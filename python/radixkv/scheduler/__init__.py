@@ -1,0 +1,6 @@
+"""Scheduler-side memory management: pages for requests, prefix caching."""
+
+from radixkv.scheduler.cache import CacheManager
+from radixkv.scheduler.req_to_token import ReqToTokenPool
+
+__all__ = ["CacheManager", "ReqToTokenPool"]
