@@ -74,28 +74,40 @@ class CacheManager:
         """Tokens that `allocate` can serve: free plus evictable."""
         return self._pages.num_free_pages * self.page_size + self.manager.size_info.evictable_size
 
-    def allocate(self, num_tokens: int) -> torch.Tensor:
-        """Slots of ceil(num_tokens / page_size) pages, evicting only what is missing.
+    def make_room(self, num_tokens: int) -> int:
+        """Evict just enough that `allocate(num_tokens)` needs no eviction.
 
-        Raises `radixkv.OutOfCapacityError`, changing nothing, when even
-        evicting every unlocked cached page would not make room.
+        Returns the tokens evicted (whole cache nodes, so possibly more than
+        missing). Raises `radixkv.OutOfCapacityError`, changing nothing, when
+        even evicting every unlocked cached page would not make room.
         """
         n = _check_count(num_tokens, "num_tokens")
         if n < 0:
             raise ValueError(f"num_tokens must be >= 0, got {n}")
         pages = -(-n // self.page_size)
         missing = pages - self._pages.num_free_pages
-        if missing > 0:
-            evictable = self.manager.size_info.evictable_size
-            if missing * self.page_size > evictable:
-                raise _core.OutOfCapacityError(
-                    f"cannot allocate num_tokens={n} ({pages} pages): "
-                    f"{self._pages.num_free_pages} pages are free and "
-                    f"{evictable // self.page_size} evictable"
-                )
-            self._pages.free(_host(self.manager.evict(missing * self.page_size)))
-        slots = self._pages.allocate(n)
-        self._held_pages += pages
+        if missing <= 0:
+            return 0
+        evictable = self.manager.size_info.evictable_size
+        if missing * self.page_size > evictable:
+            raise _core.OutOfCapacityError(
+                f"cannot allocate num_tokens={n} ({pages} pages): "
+                f"{self._pages.num_free_pages} pages are free and "
+                f"{evictable // self.page_size} evictable"
+            )
+        evicted = _host(self.manager.evict(missing * self.page_size))
+        self._pages.free(evicted)
+        return len(evicted)
+
+    def allocate(self, num_tokens: int) -> torch.Tensor:
+        """Slots of ceil(num_tokens / page_size) pages, evicting only what is missing.
+
+        Raises `radixkv.OutOfCapacityError`, changing nothing, when even
+        evicting every unlocked cached page would not make room.
+        """
+        self.make_room(num_tokens)
+        slots = self._pages.allocate(num_tokens)
+        self._held_pages += len(slots) // self.page_size
         return slots if self.device.type == "cpu" else slots.to(self.device, non_blocking=True)
 
     def free(self, indices) -> None:
