@@ -1,0 +1,272 @@
+"""Prefix-cache microbenchmarks: radixkv against the peers, in one process.
+
+Workloads (page size 1, token ids below 32,000, fixed seed):
+  match      match of a cached 1,024-token sequence, with its indices tensor,
+             in a tree of 1,000 sequences sharing a 512-token prefix
+  split      match that diverges inside a node (each query splits once)
+  insert     insert of a new 1,024-token sequence sharing the 512 prefix
+  lock       a lock + unlock pair on a matched handle
+  evict@N    evict 1,024 tokens (8 leaves) from a tree of N unlocked leaves
+             (a shared 512-token prefix with N unique 128-token suffixes);
+             the evicted leaves are put back between samples, untimed
+Prints a table of medians (microseconds) with ratios peer/radixkv, then one
+JSON line per case. Peers get their keys in their own native form, converted
+outside the timed region (their best case); radixkv takes the torch tensors.
+Peers that are not installed are skipped with a note; bench/PEERS.md says how
+to install them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+from radixkv.kvcache import RadixCacheManager
+
+VOCAB = 32000
+PREFIX = 512
+SEQ = 1024
+SUFFIX_EVICT = 128
+
+
+class RadixkvCache:
+    """radixkv behind the same adapter shape as bench/python/peers.py."""
+
+    name = "radixkv"
+
+    def __init__(self, page_size: int = 1):
+        m = RadixCacheManager("cpu", page_size)
+        self.manager = m
+        self.insert = m.insert_prefix
+        self.match = m.match_prefix
+        self.lock = m.lock_handle
+        self.unlock = lambda h: m.lock_handle(h, True)
+        self.evict_raw = m.evict
+        self.evict = lambda n: int(m.evict(n).numel())
+        self.evictable_size = lambda: m.size_info.evictable_size
+
+    @staticmethod
+    def prepare(tokens):
+        return tokens
+
+
+def load_peers() -> Dict[str, Callable]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import peers
+    except Exception as e:  # the adapter module itself failed
+        print(f"note: peers unavailable ({type(e).__name__}: {e})")
+        return {}
+    return peers.available_peers()
+
+
+def now_ns() -> int:
+    return time.perf_counter_ns()
+
+
+def median_us(samples_ns: List[float]) -> float:
+    return statistics.median(samples_ns) / 1e3
+
+
+class Workload:
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.g = g
+        self.prefix = torch.randint(0, VOCAB, (PREFIX,), generator=g, dtype=torch.int32)
+
+    def sequence(self, n_unique: int) -> torch.Tensor:
+        return torch.cat([self.prefix, torch.randint(0, VOCAB, (n_unique,), generator=self.g,
+                                                     dtype=torch.int32)])
+
+
+def build(cache, seqs: List[torch.Tensor], first_slot: int = 0) -> int:
+    slot = first_slot
+    for s in seqs:
+        n = len(s)
+        cache.insert(s, torch.arange(slot, slot + n, dtype=torch.int32))
+        slot += n
+    return slot
+
+
+def bench_core(factory, name: str, reps: int, seed: int) -> Dict[str, float]:
+    """match, split, insert, lock on the 1,000-sequence tree."""
+    w = Workload(seed)
+    seqs = [w.sequence(SEQ - PREFIX) for _ in range(1000)]
+    cache = factory()
+    slot = build(cache, seqs)
+    out: Dict[str, float] = {}
+
+    prepare = cache.prepare
+    query = prepare(seqs[len(seqs) // 2])
+    match = cache.match
+    handle, indices = match(query)
+    assert indices.numel() == SEQ, f"{name}: match returned {indices.numel()} slots"
+    batch = 50
+    samples = []
+    for _ in range(reps):
+        t0 = now_ns()
+        for _ in range(batch):
+            match(query)
+        samples.append((now_ns() - t0) / batch)
+    out["match"] = median_us(samples)
+
+    lock, unlock = cache.lock, cache.unlock
+    samples = []
+    for _ in range(reps):
+        t0 = now_ns()
+        for _ in range(batch):
+            lock(handle)
+            unlock(handle)
+        samples.append((now_ns() - t0) / batch)
+    out["lock"] = median_us(samples)
+
+    # Each query diverges inside the unique part of a different sequence.
+    gen = torch.Generator().manual_seed(seed + 1)
+    queries = []
+    for s in seqs:
+        cut = PREFIX + 1 + int(torch.randint(0, SEQ - PREFIX - 2, (1,), generator=gen))
+        q = s.clone()
+        q[cut] = (int(q[cut]) + 1) % VOCAB
+        queries.append(prepare(q))
+    samples = []
+    for q in queries:
+        t0 = now_ns()
+        _, idx = match(q)
+        samples.append(now_ns() - t0)
+    out["split"] = median_us(samples)
+
+    fresh = [prepare(w.sequence(SEQ - PREFIX)) for _ in range(min(reps * 2, 1000))]
+    insert = cache.insert
+    samples = []
+    for s in fresh:
+        slots = torch.arange(slot, slot + SEQ, dtype=torch.int32)
+        slot += SEQ
+        t0 = now_ns()
+        insert(s, slots)
+        samples.append(now_ns() - t0)
+    out["insert"] = median_us(samples)
+    return out
+
+
+def bench_evict(factory, name: str, leaves: int, reps: int, seed: int) -> float:
+    w = Workload(seed)
+    cache = factory()
+    prepare = cache.prepare
+    suffix = torch.randint(0, VOCAB, (leaves, SUFFIX_EVICT), generator=w.g, dtype=torch.int32)
+    seqs = [prepare(torch.cat([w.prefix, suffix[i]])) for i in range(leaves)]
+    build(cache, seqs)
+    evict = getattr(cache, "evict_raw", cache.evict)
+    # The oldest leaves go first, so re-inserting them (untimed) restores the tree.
+    order = iter(range(reps * 64))
+    samples = []
+    cursor = 0
+    for _ in range(reps):
+        t0 = now_ns()
+        evict(1024)
+        samples.append(now_ns() - t0)
+        k = 1024 // SUFFIX_EVICT
+        back = seqs[cursor:cursor + k]
+        cursor = (cursor + k) % leaves
+        for s in back:
+            start = (leaves + next(order)) * (PREFIX + SUFFIX_EVICT)
+            cache.insert(s, torch.arange(start, start + len(s), dtype=torch.int32))
+    del cache
+    gc.collect()
+    return median_us(samples)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bytes_per_token(tokens: int = 1 << 20) -> float:
+    """RSS growth per cached token over `tokens` tokens in 1,024-token sequences."""
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, VOCAB, (SEQ,), generator=g, dtype=torch.int32)
+            for _ in range(tokens // SEQ)]
+    slots = [torch.arange(i * SEQ, (i + 1) * SEQ, dtype=torch.int32) for i in range(len(seqs))]
+    gc.collect()
+    before = rss_bytes()
+    m = RadixCacheManager("cpu", 1)
+    for s, v in zip(seqs, slots):
+        m.insert_prefix(s, v)
+    after = rss_bytes()
+    # Random sequences may share a few leading tokens, so count what is stored.
+    return (after - before) / m.size_info.total_size
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--reps", type=int, default=300, help="samples per case (default 300)")
+    p.add_argument("--leaves", type=int, nargs="+", default=[10_000, 1_000_000],
+                   help="tree sizes for the evict cases")
+    p.add_argument("--peer-max-leaves", type=int, default=100_000,
+                   help="skip peers on evict trees larger than this")
+    p.add_argument("--no-peers", action="store_true", help="radixkv only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory-only", action="store_true",
+                   help="print bytes per cached token and exit (run in a fresh process)")
+    args = p.parse_args(argv)
+    if args.memory_only:
+        print(f"{bytes_per_token():.3f}")
+        return 0
+
+    impls: Dict[str, Callable] = {"radixkv": RadixkvCache}
+    if not args.no_peers:
+        impls.update(load_peers())
+
+    results: Dict[str, Dict[str, float]] = {}
+    for name, factory in impls.items():
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        r = bench_core(factory, name, args.reps, args.seed)
+        for leaves in args.leaves:
+            if name != "radixkv" and leaves > args.peer_max_leaves:
+                continue
+            reps = args.reps if name == "radixkv" else max(5, min(args.reps, 2_000_000 // leaves))
+            r[f"evict@{leaves}"] = bench_evict(factory, name, leaves, reps, args.seed)
+        results[name] = r
+        gc.collect()
+
+    cases = list(results["radixkv"].keys())
+    names = list(results.keys())
+    header = f"{'case':<16}" + "".join(f"{n:>16}" for n in names)
+    print("\nmedian microseconds per operation (ratio = peer / radixkv)")
+    print(header)
+    for case in cases:
+        row = f"{case:<16}"
+        for n in names:
+            v = results[n].get(case)
+            if v is None:
+                row += f"{'-':>16}"
+            elif n == "radixkv":
+                row += f"{v:>16.3f}"
+            else:
+                row += f"{v:>9.2f} ({v / results['radixkv'][case]:>4.1f}x)"
+        print(row)
+    # A fresh process, so memory freed by the runs above cannot hide growth.
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-only"],
+                         check=True, capture_output=True, text=True).stdout
+    bpt = float(out.strip().splitlines()[-1])
+    print(f"\nradixkv memory: {bpt:.1f} bytes per cached token (RSS growth over 1M tokens)")
+    for n in names:
+        for case, v in results[n].items():
+            base = results["radixkv"].get(case)
+            print(json.dumps({"bench": "radix", "impl": n, "case": case, "median_us": round(v, 4),
+                              "ratio_vs_radixkv": round(v / base, 2) if base else None}))
+    print(json.dumps({"bench": "radix", "impl": "radixkv", "case": "bytes_per_token",
+                      "value": round(bpt, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
