@@ -1,0 +1,157 @@
+#include "radixkv/page_allocator.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "radixkv/slot_set.h"
+#include "radixkv/status.h"
+
+namespace radixkv {
+namespace {
+
+ErrorCode CodeOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  ADD_FAILURE() << "no radixkv::Error thrown";
+  return ErrorCode::kIntegrity;
+}
+
+TEST(PageAllocator, HandsOutWholePagesInOrder) {
+  PageAllocator a(4, 3);
+  std::vector<int32_t> slots;
+  a.Allocate(4, &slots);  // rounds up to two pages
+  EXPECT_EQ(slots, (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(a.num_free_pages(), 2);
+  a.Allocate(0, &slots);
+  EXPECT_TRUE(slots.empty());
+  EXPECT_EQ(a.num_free_pages(), 2);
+}
+
+TEST(PageAllocator, FreedPagesComeBackFirst) {
+  PageAllocator a(4, 2);
+  std::vector<int32_t> slots;
+  a.Allocate(8, &slots);
+  std::vector<int32_t> page2{4, 5};
+  a.Free(page2.data(), 2);
+  a.Allocate(1, &slots);
+  EXPECT_EQ(slots, page2);
+}
+
+TEST(PageAllocator, OutOfCapacityTakesNothing) {
+  PageAllocator a(2, 2);
+  std::vector<int32_t> slots{7};
+  EXPECT_EQ(CodeOf([&] { a.Allocate(5, &slots); }), ErrorCode::kOutOfCapacity);
+  EXPECT_EQ(a.num_free_pages(), 2);
+  EXPECT_EQ(CodeOf([&] { a.Allocate(-1, &slots); }), ErrorCode::kInvalidArgument);
+}
+
+TEST(PageAllocator, FreeRejectsBadPagesAndChangesNothing) {
+  PageAllocator a(4, 2);
+  std::vector<int32_t> slots;
+  a.Allocate(4, &slots);  // pages 0 and 1
+  const std::vector<std::vector<int32_t>> bad = {
+      {0},           // not a whole page
+      {1, 2},        // not page-aligned
+      {0, 2},        // not consecutive
+      {4, 5},        // page 2 is free
+      {-2, -1},      // out of range
+      {8, 9},        // out of range
+      {0, 1, 0, 1},  // repeated page
+  };
+  for (const auto& b : bad) {
+    EXPECT_EQ(CodeOf([&] { a.Free(b.data(), static_cast<int64_t>(b.size())); }),
+              ErrorCode::kInvalidArgument);
+    EXPECT_EQ(a.num_free_pages(), 2);
+  }
+  SlotSet cached;
+  std::vector<int32_t> page0{0, 1};
+  ASSERT_EQ(cached.AddAll(page0.data(), 2), -1);
+  EXPECT_EQ(CodeOf([&] { a.Free(page0.data(), 2, &cached); }), ErrorCode::kInvalidArgument);
+  a.Free(page0.data(), 2);
+  EXPECT_EQ(a.num_free_pages(), 3);
+}
+
+TEST(PageAllocator, CheckDisjointFindsAPageBothFreeAndCached) {
+  PageAllocator a(3, 2);
+  SlotSet cached;
+  a.CheckDisjoint(cached);
+  std::vector<int32_t> slot{3};
+  cached.AddAll(slot.data(), 1);  // page 1 is free but "cached"
+  EXPECT_EQ(CodeOf([&] { a.CheckDisjoint(cached); }), ErrorCode::kIntegrity);
+}
+
+TEST(PageAllocator, RandomAllocateFreeKeepsEveryPageOnce) {
+  std::mt19937 rng(7);
+  for (int64_t page_size : {1, 4, 16}) {
+    PageAllocator a(64, page_size);
+    std::vector<std::vector<int32_t>> held;
+    for (int step = 0; step < 5000; ++step) {
+      if (held.empty() || rng() % 2) {
+        int64_t n = rng() % (3 * page_size + 1);
+        std::vector<int32_t> slots;
+        try {
+          a.Allocate(n, &slots);
+        } catch (const Error& e) {
+          ASSERT_EQ(e.code(), ErrorCode::kOutOfCapacity);
+          continue;
+        }
+        held.push_back(slots);
+      } else {
+        size_t k = rng() % held.size();
+        a.Free(held[k].data(), static_cast<int64_t>(held[k].size()));
+        held.erase(held.begin() + k);
+      }
+      std::set<int32_t> pages;
+      int64_t count = 0;
+      for (const auto& h : held) {
+        for (size_t i = 0; i < h.size(); i += page_size) {
+          pages.insert(h[i] / page_size);
+          ++count;
+        }
+      }
+      ASSERT_EQ(static_cast<int64_t>(pages.size()), count) << "a page was handed out twice";
+      ASSERT_EQ(a.num_free_pages() + count, 64);
+      for (int32_t p : pages) ASSERT_FALSE(a.IsFree(p));
+    }
+  }
+}
+
+TEST(SlotSet, AddAllIsAllOrNothing) {
+  SlotSet s;
+  std::vector<int32_t> a{1, 2, 3, 200};
+  EXPECT_EQ(s.AddAll(a.data(), 4), -1);
+  EXPECT_EQ(s.Count(), 4);
+  std::vector<int32_t> b{5, 6, 200, 7};
+  EXPECT_EQ(s.AddAll(b.data(), 4), 2);  // 200 is present
+  EXPECT_EQ(s.Count(), 4);
+  EXPECT_FALSE(s.Contains(5));
+  std::vector<int32_t> c{9, 64, 9};
+  EXPECT_EQ(s.AddAll(c.data(), 3), 2);  // repeats within the run
+  EXPECT_EQ(s.Count(), 4);
+  s.RemoveAll(a.data(), 4);
+  EXPECT_EQ(s.Count(), 0);
+}
+
+TEST(SlotSet, FindRepeatAndNegative) {
+  SlotSet scratch;
+  std::vector<int32_t> x{3, 1, 4, 1, 5};
+  EXPECT_EQ(FindRepeat(x.data(), 5, &scratch), 3);
+  EXPECT_EQ(scratch.Count(), 0);
+  std::vector<int32_t> y{3, 1, 4, 100000};
+  EXPECT_EQ(FindRepeat(y.data(), 4, &scratch), -1);
+  EXPECT_EQ(scratch.Count(), 0);
+  std::vector<int32_t> z{0, 2, -5};
+  EXPECT_EQ(FindNegative(z.data(), 3), 2);
+  EXPECT_EQ(FindNegative(y.data(), 4), -1);
+}
+
+}  // namespace
+}  // namespace radixkv
