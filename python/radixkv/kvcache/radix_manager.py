@@ -72,8 +72,8 @@ class RadixCacheManager(BaseCacheManager):
         return self._tree.num_nodes
 
     def is_valid(self, handle: RadixCacheHandle) -> bool:
-        """Whether `handle` still names a live node of this cache."""
-        return self._tree.is_valid(handle)
+        """Whether `handle` came from this cache and still names a live node."""
+        return isinstance(handle, RadixCacheHandle) and self._tree.is_valid(handle)
 
     def dump(self) -> List[Tuple[int, List[int], List[int], int, int]]:
         """Every node as (parent, tokens, slots, ref_count, timestamp).
