@@ -1,5 +1,5 @@
 // Walk, split and evict on trees of 1k to 1M leaves. Each tree is a shared
-// 512-token prefix with one unique 64-token suffix per leaf (page size 1).
+// 512-token prefix with one unique 128-token suffix per leaf (page size 1).
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -14,7 +14,7 @@
 namespace {
 
 constexpr int64_t kPrefix = 512;
-constexpr int64_t kSuffix = 64;
+constexpr int64_t kSuffix = 128;
 constexpr int32_t kVocab = 32000;
 
 struct Fixture {
@@ -63,24 +63,30 @@ void BM_Walk(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
 }
 
-// Matches that end inside a leaf, each at a new offset, so every one splits.
+// Matches that end inside a leaf: each leaf is split once, mid-suffix; when
+// every leaf has been split, a fresh tree is built (untimed).
 void BM_Split(benchmark::State& state) {
-  Fixture& f = TreeOf(state.range(0));
+  const int64_t leaves = state.range(0);
+  auto tree = std::make_unique<Fixture>();
   std::vector<int32_t> slots;
   size_t i = 0;
-  int64_t offset = 1;
   for (auto _ : state) {
-    const auto& s = f.seqs[i];
-    auto h = f.tree->MatchPrefix(s.data(), kPrefix + offset, &slots);
-    benchmark::DoNotOptimize(h);
-    if (++i == f.seqs.size()) {
-      i = 0;
-      if (++offset == kSuffix) offset = 1;
+    if (i == 0) {
+      state.PauseTiming();
+      Fixture& shared = TreeOf(leaves);
+      tree = std::make_unique<Fixture>();
+      tree->tree = std::make_unique<radixkv::RadixTree>(1);
+      for (const auto& s : shared.seqs) tree->Insert(s);
+      state.ResumeTiming();
     }
+    const auto& s = TreeOf(leaves).seqs[i];
+    auto h = tree->tree->MatchPrefix(s.data(), kPrefix + kSuffix / 2, &slots);
+    benchmark::DoNotOptimize(h);
+    if (++i == TreeOf(leaves).seqs.size()) i = 0;
   }
 }
 
-// Evicts 1,024 tokens (16 leaves), then puts them back untimed.
+// Evicts 1,024 tokens (8 leaves), then puts them back untimed.
 void BM_Evict(benchmark::State& state) {
   Fixture& f = TreeOf(state.range(0));
   std::vector<int32_t> slots;
