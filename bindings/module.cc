@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "kernels.h"
 #include "radixkv/compare.h"
 #include "radixkv/page_allocator.h"
 #include "radixkv/radix_tree.h"
@@ -199,6 +200,7 @@ std::string Handle_Repr(const Handle& h) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "radixkv native core (private; use the radixkv package)";
   radixkv::bindings::RegisterErrors(m);
+  radixkv::bindings::RegisterKernels(m);
   m.def("_init_tensor_api", &radixkv::bindings::InitTensorApi, py::arg("tensor_type"),
         py::arg("api_capsule"));
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));

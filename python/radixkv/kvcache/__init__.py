@@ -1,10 +1,23 @@
-"""KV-cache managers (prefix caches) and, later, the paged KV pool."""
+"""KV-cache managers (prefix caches) and the paged KV pool."""
 
 from __future__ import annotations
 
 import torch
 
-from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
+from radixkv.kvcache.base import (
+    BaseCacheHandle,
+    BaseCacheManager,
+    BaseKVCache,
+    KVCacheLayout,
+    KVCacheType,
+    SizeInfo,
+)
+from radixkv.kvcache.mha_pool import (
+    MHAKVCache,
+    create_kvcache,
+    kv_bytes_per_page,
+    num_pages_for_memory,
+)
 from radixkv.kvcache.naive_manager import NaiveCacheHandle, NaiveCacheManager
 from radixkv.kvcache.radix_manager import RadixCacheHandle, RadixCacheManager
 
@@ -25,10 +38,17 @@ def create_cache_manager(
 __all__ = [
     "BaseCacheHandle",
     "BaseCacheManager",
+    "BaseKVCache",
+    "KVCacheLayout",
+    "KVCacheType",
+    "MHAKVCache",
     "NaiveCacheHandle",
     "NaiveCacheManager",
     "RadixCacheHandle",
     "RadixCacheManager",
     "SizeInfo",
     "create_cache_manager",
+    "create_kvcache",
+    "kv_bytes_per_page",
+    "num_pages_for_memory",
 ]

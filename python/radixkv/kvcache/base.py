@@ -63,3 +63,59 @@ class BaseCacheManager(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Walk all state and raise `radixkv.IntegrityError` on any broken invariant."""
+
+
+# --- the paged KV pool -------------------------------------------------------------
+
+import enum  # noqa: E402
+
+
+class KVCacheLayout(enum.Enum):
+    """How a pool orders its one buffer. Either way `k_cache(layer)` is a
+    `[num_pages, page_size, local_kv_heads, head_dim]` view."""
+
+    LayerFirst = "layer_first"
+    """Storage `[2, num_layers, num_pages, page_size, H, D]`: each layer's cache is contiguous."""
+    PageFirst = "page_first"
+    """Storage `[2, num_pages, num_layers, page_size, H, D]`: each page's layers are together."""
+
+
+class KVCacheType(enum.Enum):
+    """What a pool stores per token and layer."""
+
+    MHA = "mha"
+    """A key and a value of `[local_kv_heads, head_dim]` per token (MHA and GQA)."""
+
+
+class BaseKVCache(ABC):
+    """A preallocated KV pool: per layer, a key and a value cache indexed by token slot."""
+
+    @abstractmethod
+    def k_cache(self, index: int) -> torch.Tensor:
+        """Layer `index`'s key cache, a view `[num_pages, page_size, local_kv_heads, head_dim]`."""
+
+    @abstractmethod
+    def v_cache(self, index: int) -> torch.Tensor:
+        """Layer `index`'s value cache, shaped like `k_cache(index)`."""
+
+    @abstractmethod
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+    ) -> None:
+        """Write `k[i], v[i]` (`[n, local_kv_heads, head_dim]`) to token slot `out_loc[i]`
+        of layer `layer_id`."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the pool lives."""
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """Element type of the caches."""
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int:
+        """Layers in the pool."""

@@ -1,0 +1,86 @@
+// The private extension radixkv._cuda: the CUDA kernels, built only with CUDA
+// and linked with the static CUDA runtime, so `import radixkv` never needs
+// libcudart. Arguments are checked by kernels.cc, exactly as on the CPU.
+#include <cuda_runtime_api.h>
+#include <pybind11/pybind11.h>
+
+#include "compare.cuh"
+#include "kernels.h"
+#include "radixkv/status.h"
+#include "store.cuh"
+
+namespace py = pybind11;
+using radixkv::bindings::CheckCompareArgs;
+using radixkv::bindings::CheckStoreArgs;
+using radixkv::bindings::CurrentStream;
+
+namespace {
+
+void CheckCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(e) + " (" +
+                             cudaGetErrorString(e) + ")");
+  }
+}
+
+// Makes `device` current for the launch and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    CheckCuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ == device) {
+      previous_ = -1;
+    } else {
+      CheckCuda(cudaSetDevice(device), "cudaSetDevice");
+    }
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+void Kernel_StoreCache(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
+                       py::handle v) {
+  const radixkv::bindings::StoreArgs a = CheckStoreArgs(k_cache, v_cache, out_loc, k, v, kDLCUDA);
+  if (a.params.num_tokens == 0) return;
+  DeviceGuard guard(a.device.device_id);
+  auto stream = static_cast<cudaStream_t>(CurrentStream(a.device));
+  CheckCuda(radixkv::cuda::LaunchStore(a.params, stream), "store_cache launch");
+}
+
+void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle key_lens,
+                                 py::handle out) {
+  const radixkv::bindings::CompareArgs a = CheckCompareArgs(query, keys, key_lens, out, kDLCUDA);
+  if (a.num_keys == 0) return;
+  DeviceGuard guard(a.device.device_id);
+  auto stream = static_cast<cudaStream_t>(CurrentStream(a.device));
+  const radixkv::cuda::CompareBatch c{a.query,    a.query_len, a.keys,     a.key_stride, a.key_cols,
+                                      a.key_lens, a.len_type,  a.num_keys, a.out};
+  CheckCuda(radixkv::cuda::LaunchFirstMismatchBatched(c, stream), "first_mismatch_batched launch");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "radixkv CUDA kernels (private; use radixkv.kernel)";
+  radixkv::bindings::InitKernelTensorApi();
+  // This module throws radixkv::Error from its own copy of the checks.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const radixkv::Error& e) {
+      PyErr_SetString(
+          e.code() == radixkv::ErrorCode::kWrongType ? PyExc_TypeError : PyExc_ValueError,
+          e.what());
+    }
+  });
+  m.def("store_cache", &Kernel_StoreCache, py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("out_loc"), py::arg("k"), py::arg("v"));
+  m.def("first_mismatch_batched", &Kernel_FirstMismatchBatched, py::arg("query"), py::arg("keys"),
+        py::arg("key_lens"), py::arg("out"));
+}

@@ -1,0 +1,30 @@
+// The KV store on the CPU: scatter rows of k and v into token slots of the
+// caches. The CUDA twin is cuda/store.cuh; both take a StoreParams
+// (store_index.h) and share its index arithmetic.
+#pragma once
+
+#include <cstdint>
+
+#include "radixkv/store_index.h"
+
+namespace radixkv {
+
+/// Position of the first of `indices[0, n)` outside `[0, num_slots)`, or -1
+/// when all are in range. O(n), vectorized.
+int64_t FindSlotOutOfRange(const void* indices, IndexType type, int64_t n,
+                           int64_t num_slots) noexcept;
+
+/// For every token i < p.num_tokens, copies row i of k and of v into row
+/// `indices[i]` of k_cache and of v_cache. Checks every slot first: when one is
+/// out of range nothing is written and its position is returned; otherwise
+/// returns -1 after the copy. Any row size, alignment and dtype width (the
+/// copy is bytewise); rows of k and v may be strided, the caches paged. Of
+/// tokens sharing a slot, one row wins (which one is unspecified).
+///
+/// Speed (bench/README.md): a batch writing 1 MiB or more whose cache rows are
+/// whole 64-byte lines is streamed past the cache (AVX2 non-temporal stores)
+/// on one thread; other large batches are split over up to `max_threads`
+/// threads, at least 2 MiB written each. O(num_tokens * row bytes).
+int64_t StoreRows(const StoreParams& p, int max_threads = 1) noexcept;
+
+}  // namespace radixkv

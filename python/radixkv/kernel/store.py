@@ -1,0 +1,142 @@
+"""The KV store: scatter rows of k and v into token slots of two caches."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from radixkv import _core
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_cuda_module = None
+_cuda_tried = False
+
+
+def _cuda():
+    """radixkv._cuda, imported on first use; None when it was not built."""
+    global _cuda_module, _cuda_tried
+    if not _cuda_tried:
+        try:
+            from radixkv import _cuda as module
+        except ImportError:
+            module = None
+        _cuda_module, _cuda_tried = module, True
+    return _cuda_module
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA kernels were built (`radixkv._cuda` imports). Says nothing
+    about a GPU being present: see `torch.cuda.is_available()` for that."""
+    return _cuda() is not None
+
+
+def store_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    check_bounds: Optional[bool] = None,
+) -> None:
+    """Write `k[i]` and `v[i]` to token slot `out_loc[i]` of `k_cache` and `v_cache`.
+
+    The caches are `[num_pages, page_size, H, D]` (any strides but a contiguous
+    last dimension; slot `s` is page `s // page_size`, row `s % page_size`) or
+    `[num_slots, H, D]`; `k` and `v` are `[n, H, D]` with the caches' dtype, and
+    their rows may be strided (slices of a fused qkv output); `out_loc` is 1-D
+    int32 or int64 of length n. All five on one device. Of tokens sharing a
+    slot, one row wins. Equivalent to `k_cache.view(-1, H, D)[out_loc] = k`
+    (and the same for v) for a contiguous cache.
+
+    Bad arguments raise TypeError (type, dtype, device) or ValueError (shape,
+    stride, slot) naming the argument, with nothing written. Slots are always
+    checked on the CPU. On CUDA the kernel runs on torch's current stream
+    without synchronizing, and an out-of-range slot is skipped (never written)
+    rather than raised, unless `check_bounds=True`, which checks all slots
+    first at the cost of one synchronization. Where no native kernel exists
+    (other devices, or CUDA when `radixkv._cuda` was not built) the store runs
+    as torch indexing and always checks slots first.
+    """
+    if getattr(k_cache, "is_cuda", False):
+        module = _cuda()
+        if module is None:
+            return _store_torch(k_cache, v_cache, out_loc, k, v)
+        if check_bounds:
+            _check_slots(k_cache, out_loc)
+        return module.store_cache(k_cache, v_cache, out_loc, k, v)
+    if getattr(k_cache, "is_cpu", True):
+        return _core.store_cache(k_cache, v_cache, out_loc, k, v)
+    return _store_torch(k_cache, v_cache, out_loc, k, v)
+
+
+def _num_slots(cache: torch.Tensor) -> int:
+    return cache.shape[0] * cache.shape[1] if cache.dim() == 4 else cache.shape[0]
+
+
+def _check_slots(k_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
+    """Raise ValueError naming the first slot of `out_loc` outside the cache
+    (synchronizes). Leaves malformed arguments to the kernel's checks."""
+    if not (
+        isinstance(out_loc, torch.Tensor)
+        and out_loc.dim() == 1
+        and out_loc.dtype in _INDEX_DTYPES
+        and out_loc.device == k_cache.device
+        and k_cache.dim() in (3, 4)
+        and out_loc.numel() > 0
+    ):
+        return
+    num_slots = _num_slots(k_cache)
+    bad = (out_loc < 0) | (out_loc >= num_slots)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"out_loc[{i}] = {int(out_loc[i])} is out of range for a cache of {num_slots} slots"
+        )
+
+
+def _store_torch(k_cache, v_cache, out_loc, k, v) -> None:
+    """The same store through torch indexing, for devices without a native kernel."""
+    names = ("k_cache", "v_cache", "out_loc", "k", "v")
+    args = (k_cache, v_cache, out_loc, k, v)
+    for name, t in zip(names, args):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != k_cache.device:
+            raise TypeError(f"{name} must be on {k_cache.device} like k_cache, got {t.device}")
+    if k_cache.dim() not in (3, 4):
+        raise ValueError(
+            "k_cache must have shape [num_pages, page_size, heads, head_dim] or "
+            f"[num_slots, heads, head_dim], got {list(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache has shape {list(v_cache.shape)} but k_cache has shape {list(k_cache.shape)}"
+        )
+    for name, t in (("v_cache", v_cache), ("k", k), ("v", v)):
+        if t.dtype != k_cache.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but k_cache has dtype {k_cache.dtype}")
+    row = tuple(k_cache.shape[-2:])
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != row:
+            raise ValueError(
+                f"{name} must have shape [num_tokens, {row[0]}, {row[1]}], got {list(t.shape)}"
+            )
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v has {v.shape[0]} tokens but k has {k.shape[0]}")
+    if out_loc.dim() != 1:
+        raise ValueError(f"out_loc must be 1-D, got shape {list(out_loc.shape)}")
+    if out_loc.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"out_loc must have dtype int32 or int64, got {out_loc.dtype}")
+    if out_loc.shape[0] != k.shape[0]:
+        raise ValueError(f"out_loc has length {out_loc.shape[0]} but k has {k.shape[0]} tokens")
+    _check_slots(k_cache, out_loc)
+    loc = out_loc.long()
+    if k_cache.dim() == 4:
+        page = k_cache.shape[1]
+        k_cache[loc // page, loc % page] = k
+        v_cache[loc // page, loc % page] = v
+    else:
+        k_cache[loc] = k
+        v_cache[loc] = v

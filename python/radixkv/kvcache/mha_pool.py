@@ -1,0 +1,310 @@
+"""The MHA KV pool: one preallocated buffer, a paged key and value view per layer."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Optional, Union
+
+import torch
+
+from radixkv import _core
+from radixkv.kernel import store_cache
+from radixkv.kvcache.base import BaseKVCache, KVCacheLayout, KVCacheType
+
+_FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + tuple(
+    getattr(torch, name) for name in _FLOAT8 if hasattr(torch, name)
+)
+"""Element types a pool may store: float32, float16, bfloat16 and the float8 kinds torch has."""
+
+DTypeLike = Union[torch.dtype, str]
+
+
+def _count(value, name: str, minimum: int = 1) -> int:
+    """`value` as an int >= `minimum`; TypeError or ValueError naming `name` otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _dtype(dtype: DTypeLike) -> torch.dtype:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"dtype must be one of {names}, got {dtype!r}")
+    return dtype
+
+
+def _layout(kv_layout) -> KVCacheLayout:
+    try:
+        return KVCacheLayout(kv_layout)
+    except ValueError:
+        choices = ", ".join(f"KVCacheLayout.{m.name}" for m in KVCacheLayout)
+        raise ValueError(f"kv_layout must be one of {choices}, got {kv_layout!r}") from None
+
+
+def resolve_tp_size(tp_size: Optional[int] = None) -> int:
+    """`tp_size`, or when it is None the `torch.distributed` world size if a
+    process group is initialised, else 1."""
+    if tp_size is not None:
+        return _count(tp_size, "tp_size")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: Optional[int] = None) -> int:
+    """KV heads held by one tensor-parallel rank: `num_kv_heads // tp_size`, which
+    must divide evenly (ValueError otherwise)."""
+    num_kv_heads = _count(num_kv_heads, "num_kv_heads")
+    tp = resolve_tp_size(tp_size)
+    if num_kv_heads % tp != 0:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} does not divide evenly over tp_size={tp} ranks"
+        )
+    return num_kv_heads // tp
+
+
+def kv_bytes_per_page(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: DTypeLike,
+    page_size: int = 1,
+    tp_size: Optional[int] = None,
+) -> int:
+    """Bytes one page takes in an MHA pool on one rank: keys and values of
+    `page_size` tokens in every layer."""
+    heads = local_kv_heads(num_kv_heads, tp_size)
+    item = _dtype(dtype).itemsize
+    return (
+        2
+        * _count(num_layers, "num_layers")
+        * _count(page_size, "page_size")
+        * heads
+        * _count(head_dim, "head_dim")
+        * item
+    )
+
+
+def num_pages_for_memory(
+    memory_bytes: int,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: DTypeLike,
+    page_size: int = 1,
+    tp_size: Optional[int] = None,
+) -> int:
+    """The most pages an MHA pool can have within `memory_bytes` on one rank
+    (for example the free accelerator memory times a fraction, minus what the
+    model needs). Raises ValueError when not even one page fits."""
+    memory_bytes = _count(memory_bytes, "memory_bytes", minimum=0)
+    per_page = kv_bytes_per_page(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        page_size=page_size,
+        tp_size=tp_size,
+    )
+    pages = memory_bytes // per_page
+    if pages < 1:
+        raise ValueError(f"memory_bytes={memory_bytes} cannot hold one page of {per_page} bytes")
+    return pages
+
+
+class MHAKVCache(BaseKVCache):
+    """Keys and values of every layer in one preallocated, zero-filled buffer.
+
+    Storage is `[2, num_layers, num_pages, page_size, H, D]` (LayerFirst) or
+    `[2, num_pages, num_layers, page_size, H, D]` (PageFirst), with
+    `H = local_kv_heads = num_kv_heads // tp_size`; `tp_size=None` takes the
+    `torch.distributed` world size when a process group is initialised, else 1.
+    Token slot `s` is row `s % page_size` of page `s // page_size`.
+
+    `store_kv` runs the native CPU kernel on the CPU and the CUDA kernel on CUDA
+    (torch indexing elsewhere). Slots are checked on the CPU; on CUDA an
+    out-of-range slot is skipped unless `check_bounds=True` (one sync a call).
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        num_layers: int,
+        head_dim: int,
+        num_pages: int,
+        dtype: DTypeLike,
+        kv_layout: KVCacheLayout = KVCacheLayout.LayerFirst,
+        device: Union[torch.device, str] = "cpu",
+        page_size: int = 1,
+        tp_size: Optional[int] = None,
+        *,
+        check_bounds: bool = False,
+    ) -> None:
+        self._num_kv_heads = _count(num_kv_heads, "num_kv_heads")
+        self._num_layers = _count(num_layers, "num_layers")
+        self._head_dim = _count(head_dim, "head_dim")
+        self._num_pages = _count(num_pages, "num_pages")
+        self._page_size = _count(page_size, "page_size")
+        self._tp_size = resolve_tp_size(tp_size)
+        self._local_kv_heads = local_kv_heads(self._num_kv_heads, self._tp_size)
+        self._kv_layout = _layout(kv_layout)
+        dtype = _dtype(dtype)
+
+        L, P, S, H, D = (
+            self._num_layers,
+            self._num_pages,
+            self._page_size,
+            self._local_kv_heads,
+            self._head_dim,
+        )
+        if self._kv_layout is KVCacheLayout.LayerFirst:
+            self._kv_buffer = torch.zeros((2, L, P, S, H, D), dtype=dtype, device=device)
+            view = self._kv_buffer
+        else:
+            self._kv_buffer = torch.zeros((2, P, L, S, H, D), dtype=dtype, device=device)
+            view = self._kv_buffer.permute(0, 2, 1, 3, 4, 5)
+        self._k_layers = view[0].unbind(0)
+        self._v_layers = view[1].unbind(0)
+        self._device = self._kv_buffer.device
+        if self._device.type == "cpu":
+            self._store = _core.store_cache
+        else:
+            self._store = functools.partial(store_cache, check_bounds=check_bounds)
+
+    def _layer(self, index, name: str) -> int:
+        if type(index) is not int:
+            if isinstance(index, bool):
+                raise TypeError(f"{name} must be an int, got bool")
+            try:
+                index = operator.index(index)
+            except TypeError:
+                raise TypeError(f"{name} must be an int, got {type(index).__name__}") from None
+        if not 0 <= index < self._num_layers:
+            raise ValueError(f"{name}={index} is out of range for {self._num_layers} layers")
+        return index
+
+    def k_cache(self, index: int) -> torch.Tensor:
+        return self._k_layers[self._layer(index, "index")]
+
+    def v_cache(self, index: int) -> torch.Tensor:
+        return self._v_layers[self._layer(index, "index")]
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+    ) -> None:
+        i = self._layer(layer_id, "layer_id")
+        self._store(self._k_layers[i], self._v_layers[i], out_loc, k, v)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._kv_buffer.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer: `num_pages * page_size`."""
+        return self._num_pages * self._page_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads of the whole model (all ranks)."""
+        return self._num_kv_heads
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads stored on this rank."""
+        return self._local_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp_size
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        return self._kv_layout
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        """The one buffer behind every view, in storage order (see the class doc)."""
+        return self._kv_buffer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer."""
+        return self._kv_buffer.numel() * self._kv_buffer.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"MHAKVCache(num_layers={self._num_layers}, num_pages={self._num_pages}, "
+            f"page_size={self._page_size}, local_kv_heads={self._local_kv_heads}, "
+            f"head_dim={self._head_dim}, dtype={self.dtype}, "
+            f"kv_layout={self._kv_layout.name}, device={self._device})"
+        )
+
+
+def create_kvcache(
+    num_layers: int,
+    num_kv_heads: int,
+    num_pages: int,
+    head_dim: int,
+    dtype: DTypeLike,
+    device: Union[torch.device, str] = "cpu",
+    page_size: int = 1,
+    cache_layout: KVCacheLayout = KVCacheLayout.LayerFirst,
+    cache_type: KVCacheType = KVCacheType.MHA,
+    tp_size: Optional[int] = None,
+    *,
+    check_bounds: bool = False,
+) -> BaseKVCache:
+    """A KV pool of `cache_type` (only `KVCacheType.MHA` so far) laid out as
+    `cache_layout`; the other arguments are MHAKVCache's."""
+    try:
+        cache_type = KVCacheType(cache_type)
+    except ValueError:
+        raise ValueError(f"cache_type must be a KVCacheType, got {cache_type!r}") from None
+    if cache_type is KVCacheType.MHA:
+        return MHAKVCache(
+            num_kv_heads=num_kv_heads,
+            num_layers=num_layers,
+            head_dim=head_dim,
+            num_pages=num_pages,
+            dtype=dtype,
+            kv_layout=cache_layout,
+            device=device,
+            page_size=page_size,
+            tp_size=tp_size,
+            check_bounds=check_bounds,
+        )
+    raise ValueError(f"cache_type {cache_type} is not supported yet")

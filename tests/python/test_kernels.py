@@ -1,0 +1,367 @@
+"""radixkv.kernel: store_cache and first-mismatch, on every device, against plain
+torch / Python references; their torch fallbacks; the optional _cuda extension."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from radixkv import kernel
+from radixkv.kernel import compare as compare_mod
+from radixkv.kernel import store as store_mod
+
+HAS_GPU = torch.cuda.is_available()
+CUDA = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine (torch.cuda)")
+)
+DEVICES = ["cpu", CUDA]
+
+
+def rand_bytes(shape, dtype, g):
+    shape = tuple(shape)
+    raw = torch.randint(
+        0, 256, shape[:-1] + (shape[-1] * dtype.itemsize,), dtype=torch.uint8, generator=g
+    )
+    return raw.view(dtype)
+
+
+def b(t):
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+# --- store_cache -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16, torch.bfloat16, torch.uint8],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
+@pytest.mark.parametrize("head_dim", [1, 3, 80, 100, 256])
+def test_store_cache_flat_cache(device, dtype, head_dim):
+    """A [num_slots, H, D] cache, the shape mini-SGLang's store takes."""
+    g = torch.Generator().manual_seed(head_dim)
+    H, S, n = 3, 50, 20
+    kc = rand_bytes((S, H, head_dim), dtype, g).to(device)
+    vc = rand_bytes((S, H, head_dim), dtype, g).to(device)
+    k = rand_bytes((n, H, head_dim), dtype, g).to(device)
+    v = rand_bytes((n, H, head_dim), dtype, g).to(device)
+    loc = torch.randperm(S, generator=g)[:n].to(device)
+    ek, ev = b(kc), b(vc)
+    ek.view(S, H, -1)[loc.cpu()] = b(k)
+    ev.view(S, H, -1)[loc.cpu()] = b(v)
+    kernel.store_cache(kc, vc, loc, k, v)
+    assert torch.equal(b(kc), ek) and torch.equal(b(vc), ev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_cache_padded_heads_and_paged_cache(device):
+    """Cache heads that do not follow each other (a view into a wider buffer) and
+    pages that are not adjacent: the kernel's generic path."""
+    g = torch.Generator().manual_seed(5)
+    P, page, H, D, n = 6, 4, 3, 10, 17
+    big = rand_bytes((P, 2, page, H, D + 6), torch.float16, g).to(device)
+    kc, vc = big[:, 0, :, :, :D], big[:, 1, :, :, 3 : 3 + D]
+    k = rand_bytes((n, H, D), torch.float16, g).to(device)
+    v = rand_bytes((n, H, D), torch.float16, g).to(device)
+    loc = torch.randperm(P * page, generator=g)[:n].to(torch.int32).to(device)
+    before = b(big).clone()
+    ref = big.clone()
+    l64 = loc.long()
+    ref[l64 // page, 0, l64 % page, :, :D] = k
+    ref[l64 // page, 1, l64 % page, :, 3 : 3 + D] = v
+    kernel.store_cache(kc, vc, loc, k, v)
+    assert torch.equal(b(big), b(ref))
+    assert not torch.equal(b(big), before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_cache_error_names_each_argument(device):
+    kc = torch.zeros(8, 2, 4, device=device)
+    k = torch.ones(3, 2, 4, device=device)
+    loc = torch.tensor([0, 1, 2], device=device)
+    args = dict(k_cache=kc, v_cache=kc.clone(), out_loc=loc, k=k, v=k)
+    cases = [
+        (dict(k_cache=kc.view(8, 8)), ValueError, r"^k_cache must have shape"),
+        (dict(k_cache=torch.zeros(8, 2, 4, 1, 1, device=device)), ValueError, r"^k_cache"),
+        (
+            dict(v_cache=torch.zeros(9, 2, 4, device=device)),
+            ValueError,
+            r"^v_cache has shape \[9, 2, 4\] but k_cache has shape \[8, 2, 4\]",
+        ),
+        (dict(v_cache=kc.half()), TypeError, r"^v_cache has dtype float16"),
+        (
+            dict(k_cache=torch.zeros(8, 2, 8, device=device)[:, :, ::2]),
+            ValueError,
+            r"^k_cache must have a contiguous last dimension",
+        ),
+        (dict(k_cache="cache"), TypeError, r"^k_cache must be a torch\.Tensor, got str"),
+        (dict(v=None), TypeError, r"^v must be a torch\.Tensor, got NoneType"),
+        (dict(out_loc=loc.view(3, 1)), ValueError, r"^out_loc must be 1-D"),
+    ]
+    for bad, exc, pattern in cases:
+        before = (kc.clone(), args["v_cache"].clone())
+        with pytest.raises(exc, match=pattern):
+            kernel.store_cache(**{**args, **bad})
+        assert torch.equal(kc, before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+def test_store_cache_non_contiguous_out_loc_names_it():
+    kc = torch.zeros(8, 2, 4)
+    k = torch.ones(3, 2, 4)
+    loc = torch.tensor([0, 9, 1, 9, 2, 9])[::2]
+    with pytest.raises(ValueError, match=r"^out_loc must have a contiguous last dimension"):
+        kernel.store_cache(kc, kc.clone(), loc, k, k)
+    kernel.store_cache(kc, kc.clone(), loc.contiguous(), k, k)
+    assert kc[:3].eq(1).all() and kc[3:].eq(0).all()
+
+
+def test_store_cache_cpu_rejects_out_of_range_with_value():
+    kc = torch.zeros(8, 1, 4)
+    k = torch.ones(2, 1, 4)
+    for loc, msg in (
+        ([3, 8], r"out_loc\[1\] = 8 is out of range for a cache of 8 slots"),
+        ([-3, 1], r"out_loc\[0\] = -3 is out of range"),
+    ):
+        for dtype in (torch.int32, torch.int64):
+            with pytest.raises(ValueError, match=msg):
+                kernel.store_cache(kc, kc, torch.tensor(loc, dtype=dtype), k, k)
+            assert kc.eq(0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_cache_duplicate_slots_take_one_of_the_rows(device):
+    kc = torch.zeros(4, 1, 2, device=device)
+    vc = torch.zeros(4, 1, 2, device=device)
+    k = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]]], device=device)
+    kernel.store_cache(kc, vc, torch.tensor([3, 3], device=device), k, -k)
+    assert kc[3].tolist() in ([[1.0, 1.0]], [[2.0, 2.0]])
+    assert kc[3].tolist() == (-vc[3]).tolist()
+
+
+def test_store_torch_fallback_matches_native():
+    """The torch path used where no native kernel exists (CUDA without _cuda, other
+    devices), run here on CPU tensors against the native CPU kernel."""
+    g = torch.Generator().manual_seed(3)
+    for shape in ((5, 16, 2, 24), (80, 2, 24)):
+        kc = rand_bytes(shape, torch.bfloat16, g)
+        vc = rand_bytes(shape, torch.bfloat16, g)
+        k = rand_bytes((30, 2, 24), torch.bfloat16, g)
+        v = rand_bytes((30, 2, 24), torch.bfloat16, g)
+        loc = torch.randperm(80, generator=g)[:30]
+        kn, vn = kc.clone(), vc.clone()
+        kernel.store_cache(kn, vn, loc, k, v)
+        store_mod._store_torch(kc, vc, loc.int(), k, v)
+        assert torch.equal(b(kc), b(kn)) and torch.equal(b(vc), b(vn))
+    with pytest.raises(ValueError, match=r"^out_loc\[0\] = 80 is out of range"):
+        store_mod._store_torch(kc, vc, torch.tensor([80]), k[:1], v[:1])
+    with pytest.raises(TypeError, match=r"^k has dtype"):
+        store_mod._store_torch(kc, vc, loc, k.float(), v)
+    with pytest.raises(ValueError, match=r"^out_loc has length"):
+        store_mod._store_torch(kc, vc, loc[:3], k, v)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+def test_store_cache_runs_on_the_current_stream():
+    g = torch.Generator().manual_seed(1)
+    kc = torch.zeros(4096, 8, 128, dtype=torch.bfloat16, device="cuda")
+    vc = torch.zeros_like(kc)
+    k = rand_bytes((2048, 8, 128), torch.bfloat16, g).cuda()
+    v = rand_bytes((2048, 8, 128), torch.bfloat16, g).cuda()
+    loc = torch.randperm(4096, generator=g)[:2048].cuda()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernel.store_cache(kc, vc, loc, k, v)
+    s.synchronize()
+    assert torch.equal(b(kc[loc]), b(k)) and torch.equal(b(vc[loc]), b(v))
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+def test_store_cache_cuda_uses_the_native_kernel_when_built():
+    if not kernel.cuda_available():
+        pytest.skip("radixkv._cuda was not built (no nvcc at build time)")
+    kc = torch.zeros(4, 1, 2, device="cuda")
+    with pytest.raises(TypeError, match=r"^k must be on cuda:0 like k_cache, got cpu"):
+        kernel.store_cache(
+            kc,
+            kc,
+            torch.tensor([0], device="cuda"),
+            torch.ones(1, 1, 2),
+            torch.ones(1, 1, 2, device="cuda"),
+        )
+
+
+# --- the _cuda extension without a GPU ------------------------------------------------------
+
+
+def test_import_radixkv_does_not_load_cuda_extension():
+    code = (
+        "import sys, radixkv, radixkv.kvcache, radixkv.kernel; "
+        "assert 'radixkv._cuda' not in sys.modules, 'imported _cuda'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cuda_available_is_a_bool():
+    assert isinstance(kernel.cuda_available(), bool)
+
+
+def test_cuda_extension_checks_arguments_like_the_cpu():
+    """_cuda shares the argument checks; it can be exercised without a GPU."""
+    if not kernel.cuda_available():
+        pytest.skip("radixkv._cuda was not built (no nvcc at build time)")
+    from radixkv import _cuda
+
+    kc = torch.zeros(8, 2, 4)
+    k = torch.ones(3, 2, 4)
+    with pytest.raises(TypeError, match=r"^k_cache must be a CUDA tensor, got one on cpu"):
+        _cuda.store_cache(kc, kc, torch.tensor([0, 1, 2]), k, k)
+    with pytest.raises(TypeError, match=r"^k_cache must be a torch\.Tensor"):
+        _cuda.store_cache([0], kc, torch.tensor([0, 1, 2]), k, k)
+    q = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"^query must be a CUDA tensor"):
+        _cuda.first_mismatch_batched(q, q.view(1, 4), None, q[:1])
+
+
+# --- first mismatch --------------------------------------------------------------------------
+
+
+def test_first_mismatch_cpu():
+    assert kernel.first_mismatch([1, 2, 3], [1, 2, 4]) == 2
+    assert kernel.first_mismatch([1, 2, 3], [1, 2]) == 2
+    assert (
+        kernel.first_mismatch(
+            torch.arange(100, dtype=torch.int32), torch.arange(100, dtype=torch.int64)
+        )
+        == 100
+    )
+    with pytest.raises(TypeError, match="^a"):
+        kernel.first_mismatch(torch.zeros(3), [0, 0, 0])
+
+
+def reference_batched(query, keys, key_lens):
+    out = []
+    q = query.tolist()
+    for row, n in zip(keys.tolist(), key_lens):
+        n = min(len(q), max(0, min(n, len(row))))
+        i = 0
+        while i < n and q[i] == row[i]:
+            i += 1
+        out.append(i)
+    return out
+
+
+def batched_case(g, B, L, Lq, device, misaligned=False, padded=False):
+    query = torch.randint(0, 3, (Lq + 1,), generator=g, dtype=torch.int32)
+    query = query[1:] if misaligned else query[:Lq]
+    keys = query[: min(L, Lq)].repeat(B, 1)
+    if keys.shape[1] < L:
+        keys = torch.cat(
+            [keys, torch.randint(0, 3, (B, L - keys.shape[1]), generator=g, dtype=torch.int32)],
+            dim=1,
+        )
+    # Put one mismatch at a random place in most rows, none in some.
+    for r in range(B):
+        if r % 4 and L:
+            c = int(torch.randint(0, L, (1,), generator=g))
+            keys[r, c] += 1
+    if padded:  # rows strided: a slice of a wider tensor
+        wide = torch.randint(0, 3, (B, L + 5), generator=g, dtype=torch.int32)
+        wide[:, :L] = keys
+        keys = wide[:, :L]
+    return query.to(device), keys.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "B,L,Lq",
+    [
+        (1, 1, 1),
+        (7, 200, 200),
+        (33, 1000, 700),
+        (5, 64, 1500),
+        (64, 129, 129),
+        (3, 0, 5),
+        (0, 8, 8),
+        (10, 300, 0),
+    ],
+)
+@pytest.mark.parametrize("layout", ["plain", "misaligned", "padded"])
+def test_first_mismatch_batched(device, B, L, Lq, layout):
+    g = torch.Generator().manual_seed(B * 1000 + L)
+    query, keys = batched_case(
+        g, B, L, Lq, device, misaligned=layout == "misaligned", padded=layout == "padded"
+    )
+    got = kernel.first_mismatch_batched(query, keys)
+    assert got.dtype == torch.int32 and got.device == query.device
+    assert got.tolist() == reference_batched(query.cpu(), keys.cpu(), [L] * B)
+    lens = torch.randint(0, L + 1, (B,), generator=g)
+    for lens_t in (lens, lens.int()):
+        got = kernel.first_mismatch_batched(query, keys, lens_t.to(device))
+        assert got.tolist() == reference_batched(query.cpu(), keys.cpu(), lens.tolist())
+    out = torch.full((B,), -5, dtype=torch.int32, device=device)
+    assert kernel.first_mismatch_batched(query, keys, out=out) is out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_mismatch_batched_errors(device):
+    q = torch.zeros(8, dtype=torch.int32, device=device)
+    keys = torch.zeros(3, 8, dtype=torch.int32, device=device)
+    cases = [
+        (dict(query=q.long()), TypeError, r"^query must have dtype int32, got int64"),
+        (dict(keys=keys.float()), TypeError, r"^keys must have dtype int32"),
+        (dict(query=q.view(2, 4)), ValueError, r"^query must be 1-D"),
+        (dict(keys=q), ValueError, r"^keys must be 2-D"),
+        (
+            dict(key_lens=torch.zeros(2, dtype=torch.int32, device=device)),
+            ValueError,
+            r"^key_lens must have shape \[3\]",
+        ),
+        (dict(key_lens=torch.zeros(3, device=device)), TypeError, r"^key_lens must have dtype"),
+        (
+            dict(out=torch.zeros(3, dtype=torch.int32, device=device)[:2]),
+            ValueError,
+            r"^out must have shape \[3\]",
+        ),
+        (
+            dict(keys=torch.zeros(3, 16, dtype=torch.int32, device=device)[:, ::2]),
+            ValueError,
+            r"^keys must have a contiguous last dimension",
+        ),
+        (dict(query=[0] * 8), TypeError, r"^query must be a torch\.Tensor"),
+    ]
+    for bad, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            kernel.first_mismatch_batched(**{**dict(query=q, keys=keys), **bad})
+
+
+def test_first_mismatch_batched_cpu_rejects_bad_lengths():
+    q = torch.zeros(8, dtype=torch.int32)
+    keys = torch.zeros(3, 8, dtype=torch.int32)
+    for lens in ([1, 9, 0], [1, -1, 0]):
+        with pytest.raises(ValueError, match=r"^key_lens\[1\] = -?\d+ is outside \[0, 8\]"):
+            kernel.first_mismatch_batched(q, keys, torch.tensor(lens))
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+def test_first_mismatch_batched_cuda_clamps_lengths():
+    q = torch.zeros(8, dtype=torch.int32, device="cuda")
+    keys = torch.zeros(3, 8, dtype=torch.int32, device="cuda")
+    got = kernel.first_mismatch_batched(q, keys, torch.tensor([1, 9, -1], device="cuda"))
+    assert got.tolist() == [1, 8, 0]
+
+
+def test_first_mismatch_torch_fallback_matches_native():
+    g = torch.Generator().manual_seed(11)
+    for B, L, Lq in ((9, 50, 40), (4, 10, 30), (3, 0, 4), (2, 5, 0)):
+        query, keys = batched_case(g, B, L, Lq, "cpu")
+        lens = torch.randint(0, L + 1, (B,), generator=g)
+        for key_lens in (None, lens):
+            out = torch.empty(B, dtype=torch.int32)
+            compare_mod._first_mismatch_torch(query, keys, key_lens, out)
+            assert out.tolist() == kernel.first_mismatch_batched(query, keys, key_lens).tolist()
