@@ -30,8 +30,14 @@ def test_radix_manager_survives_concurrent_threads():
                 m.insert_prefix(ids, torch.arange(base, base + ids.numel(), dtype=torch.int32))
                 h, idx = m.match_prefix(ids)
                 assert idx.numel() == h.cached_len
-                m.lock_handle(h)
-                m.lock_handle(h, unlock=True)
+                try:
+                    m.lock_handle(h)
+                except ValueError as e:
+                    # Match and lock are two calls: another thread may evict
+                    # the matched node in between, and the lock says so.
+                    assert "stale" in str(e)
+                else:
+                    m.lock_handle(h, unlock=True)
                 if i % 4 == 3:
                     evictable = m.size_info.evictable_size
                     if evictable:

@@ -1,0 +1,159 @@
+"""The replay's hit rate: the exact optimum when unbounded, exact LRU when not."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reference import ReferenceRadixCache
+from radixkv.replay import (
+    Request,
+    TokenMaker,
+    chat_sessions,
+    load_mooncake,
+    optimal_hit_tokens,
+    pages_for_all,
+    replay,
+)
+from radixkv.replay.traces import max_hash_id
+
+TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces",
+                     "mooncake_fast25_conversation_trace.jsonl")
+
+
+def _reference_replay(requests, block, page, capacity_pages):
+    """The replay's request flow over the pure-Python reference cache and a
+    plain free-page list: (hit tokens, evicted tokens)."""
+    cache = ReferenceRadixCache(page)
+    tokens = TokenMaker(block, max_hash_id(requests))
+    free = list(range(capacity_pages))
+
+    def take(n):
+        pages = -(-n // page)
+        missing = pages - len(free)
+        evicted = 0
+        if missing > 0:
+            out = cache.evict(missing * page)
+            evicted = len(out)
+            free.extend(s // page for s in out[::page])
+        got = [free.pop() for _ in range(pages)]
+        return [p * page + j for p in got for j in range(page)], evicted
+
+    hit_total = evicted_total = 0
+    for r in requests:
+        ids = tokens.prompt(r).tolist()
+        handle, cached = cache.match_prefix(ids[:-1])
+        cache.lock_handle(handle)
+        hit = handle.cached_len
+        own, ev1 = take(r.input_length - hit)
+        spare = len(own) - (r.input_length - hit)
+        ev2 = 0
+        if r.output_length > spare:
+            more, ev2 = take(r.output_length - spare)
+            own += more
+        full = ids + tokens.output(r.output_length).tolist()
+        indices = cached + own
+        n = len(full)
+        in_cache = cache.insert_prefix(full, indices[:n])
+        for s in indices[hit:in_cache:page] + indices[n - n % page::page]:
+            free.append(s // page)
+        cache.lock_handle(handle, unlock=True)
+        hit_total += hit
+        evicted_total += ev1 + ev2
+    return hit_total, evicted_total
+
+
+@pytest.mark.parametrize("block,page", [(16, 16), (8, 8), (8, 4), (4, 1)])
+def test_unbounded_capacity_reaches_the_optimum(block, page):
+    requests = chat_sessions(120, block, seed=block + page)
+    r = replay(requests, block_size=block, page_size=page, store=False)
+    assert r.evicted_tokens == 0
+    if page == block:
+        assert r.hit_tokens == optimal_hit_tokens(requests, block)
+    else:
+        # Smaller pages can only match more of each block, never less.
+        assert r.hit_tokens >= optimal_hit_tokens(requests, block)
+    assert r.hit_tokens > 0 and r.requests == len(requests)
+
+
+@pytest.mark.parametrize("block,page,fraction", [(16, 16, 8), (16, 16, 32), (8, 4, 16),
+                                                 (4, 1, 64)])
+def test_finite_capacity_follows_exact_lru(block, page, fraction):
+    requests = chat_sessions(30, block, seed=fraction)
+    capacity = max(pages_for_all(requests, page) // fraction,
+                   max(-(-(r.input_length + r.output_length) // page) for r in requests))
+    r = replay(requests, block_size=block, page_size=page, capacity_pages=capacity, store=False)
+    assert r.evicted_tokens > 0, "the capacity should force evictions"
+    assert (r.hit_tokens, r.evicted_tokens) == _reference_replay(requests, block, page, capacity)
+
+
+def test_naive_policy_never_hits():
+    requests = chat_sessions(40, 16, seed=3)
+    r = replay(requests, block_size=16, page_size=16, policy="naive", store=False)
+    assert r.hit_tokens == 0 and r.computed_tokens == r.input_tokens
+
+
+def test_requests_larger_than_the_pool_are_skipped():
+    requests = chat_sessions(20, 16, seed=4)
+    biggest = max(-(-(r.input_length + r.output_length) // 16) for r in requests)
+    r = replay(requests, block_size=16, page_size=16, capacity_pages=biggest - 1, store=False)
+    assert r.skipped_requests >= 1
+    assert r.requests + r.skipped_requests == len(requests)
+
+
+def test_store_writes_the_computed_tokens():
+    requests = chat_sessions(20, 16, seed=5)
+    r = replay(requests, block_size=16, page_size=16, store=True)
+    assert r.stored_tokens == r.computed_tokens + r.output_tokens
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason=f"Mooncake trace not found at {TRACE}")
+def test_mooncake_prefix_reaches_the_optimum():
+    requests = load_mooncake(TRACE)[:1500]
+    r = replay(requests, block_size=512, page_size=512, store=False)
+    assert r.hit_tokens == optimal_hit_tokens(requests, 512)
+    assert 0 < r.token_hit_rate < 1
+
+
+def test_cli_json_and_sweep(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--sessions", "30",
+                          "--no-store", "--json"], check=True, capture_output=True, text=True)
+    report = json.loads(out.stdout)
+    for key in ("requests", "input_tokens", "hit_tokens", "token_hit_rate", "evicted_tokens",
+                "wall_s", "requests_per_s", "latency_us"):
+        assert key in report
+    assert report["hit_tokens"] == report["optimal_hit_tokens"]
+    for op in ("match", "allocate", "insert", "evict"):
+        assert op in report["latency_us"]
+    subprocess.run([sys.executable, "-m", "radixkv", "replay", "--sessions", "30", "--no-store",
+                    "--sweep", "3", "--out", str(tmp_path)], check=True, capture_output=True)
+    sweep = json.loads((tmp_path / "replay_sweep.json").read_text())
+    rates = [p["token_hit_rate"] for p in sweep["points"]]
+    assert len(rates) == 3 and rates[-1] >= rates[0]
+    assert (tmp_path / "replay_sweep.png").stat().st_size > 1000
+
+
+def test_cli_rejects_bad_arguments():
+    bad = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--kv", "1,x,8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--kv" in bad.stderr
+
+
+def test_load_mooncake_names_the_bad_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+                 '{"timestamp": 1, "input_length": 5}\n')
+    with pytest.raises(ValueError, match=":2:"):
+        load_mooncake(str(p))
+
+
+def test_token_maker_materialises_blocks_and_fresh_tails():
+    maker = TokenMaker(4, 10)
+    assert maker.prompt(Request(0, 5, 1, [1, 2])).tolist() == [4, 5, 6, 7, 8]
+    # A prompt longer than its blocks gets fresh tokens; outputs never repeat.
+    tail = maker.prompt(Request(0, 6, 1, [1])).tolist()
+    assert tail[:4] == [4, 5, 6, 7] and min(tail[4:]) >= 1 << 30
+    assert set(maker.output(3).tolist()).isdisjoint(tail)
