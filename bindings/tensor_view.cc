@@ -37,6 +37,15 @@ std::string DTypeName(const DLDataType& dtype) {
   return name;
 }
 
+// Slot indices are int32, so no input can usefully be longer; refusing here
+// also keeps a stride-0 view of 2**40 elements from being copied out.
+void CheckLength(int64_t n, const char* name) {
+  if (n > std::numeric_limits<int32_t>::max()) {
+    Raise(PyExc_ValueError, std::string(name) + " has " + std::to_string(n) +
+                                " elements, more than the 2**31 - 1 supported");
+  }
+}
+
 // Torch refuses to export some tensors (meta, sparse, ...): say which argument.
 [[noreturn]] void RaiseUnreadable(const char* name) {
   py::error_already_set cause;
@@ -152,6 +161,7 @@ void Int32View::FromDLTensor(const DLTensor& t, const char* name) {
                                DTypeName(t.dtype));
   }
   size_ = t.shape[0];
+  CheckLength(size_, name);
   const int64_t stride = (t.strides == nullptr || size_ <= 1) ? 1 : t.strides[0];
   const char* base = static_cast<const char*>(t.data) + t.byte_offset;
   if (t.dtype.code == kDLInt && t.dtype.bits == 32 && stride == 1) {
@@ -187,6 +197,7 @@ void Int32View::FromBuffer(py::handle obj, const char* name) {
   const bool is_signed = std::islower(static_cast<unsigned char>(format[0])) != 0;
   const int bits = static_cast<int>(buffer_.itemsize) * 8;
   size_ = buffer_.shape[0];
+  CheckLength(size_, name);
   const int64_t stride = buffer_.strides ? buffer_.strides[0] : buffer_.itemsize;
   const char* base = static_cast<const char*>(buffer_.buf);
   if (is_signed && bits == 32 && (stride == 4 || size_ <= 1)) {
@@ -200,6 +211,7 @@ void Int32View::FromBuffer(py::handle obj, const char* name) {
 void Int32View::FromSequence(py::handle obj, const char* name) {
   PyObject* o = obj.ptr();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+  CheckLength(n, name);
   PyObject** items = PySequence_Fast_ITEMS(o);
   owned_.resize(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {

@@ -14,6 +14,9 @@ from radixkv.replay.workloads import chat_sessions
 
 MOONCAKE_BLOCK = 512
 BUILTIN_BLOCK = 16
+# The built-in workload's default pool: about a fifth of its tokens, so LRU
+# eviction is part of the default run.
+BUILTIN_CAPACITY_TOKENS = 1 << 18
 
 
 def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
@@ -22,7 +25,8 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
                    "multi-turn chat workload")
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--capacity-tokens", type=int, help="KV pool size in tokens "
-                     "(rounded up to pages; default: room for every token, no eviction)")
+                     "(rounded up to pages; default for a trace: room for every token, no "
+                     f"eviction; built in: {BUILTIN_CAPACITY_TOKENS:,})")
     cap.add_argument("--capacity-pages", type=int, help="KV pool size in pages")
     p.add_argument("--block-size", type=int, help=f"tokens per trace block (default "
                    f"{MOONCAKE_BLOCK} for a trace file, {BUILTIN_BLOCK} built in)")
@@ -122,6 +126,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "radixkv replay") -> int:
         capacity = args.capacity_pages
     elif args.capacity_tokens is not None:
         capacity = -(-args.capacity_tokens // page)
+    elif not args.trace:
+        capacity = -(-BUILTIN_CAPACITY_TOKENS // page)
     else:
         capacity = unbounded
     if capacity < 1:
