@@ -148,7 +148,8 @@ Int32View::~Int32View() {
 
 void Int32View::FromDLTensor(const DLTensor& t, const char* name) {
   if (t.device.device_type != kDLCPU) {
-    Raise(PyExc_TypeError, std::string(name) + " must be a CPU tensor, got a tensor on device type " +
+    Raise(PyExc_TypeError, std::string(name) +
+                               " must be a CPU tensor, got a tensor on device type " +
                                std::to_string(static_cast<int>(t.device.device_type)));
   }
   if (t.ndim != 1) {

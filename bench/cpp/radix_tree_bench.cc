@@ -96,11 +96,13 @@ void BM_Evict(benchmark::State& state) {
     f.tree->Evict(1024, &slots);
     auto t1 = std::chrono::steady_clock::now();
     state.SetIterationTime(std::chrono::duration<double>(t1 - t0).count());
-    // Put 16 fresh leaves back under the prefix, reusing the freed slots (the
-    // prefix part of `tail` is cached, so its slots are ignored).
+    // Put 8 fresh leaves back under the prefix, reusing the freed slots (the
+    // prefix part of `tail` is cached: its slots are the tree's own).
     for (size_t k = 0; k + kSuffix <= slots.size(); k += kSuffix) {
       std::vector<int32_t> s(f.seqs[0].begin(), f.seqs[0].begin() + kPrefix);
-      std::vector<int32_t> tail(kPrefix, 0);
+      // The first sequence stored the prefix with slots [0, kPrefix).
+      std::vector<int32_t> tail(kPrefix);
+      for (int64_t j = 0; j < kPrefix; ++j) tail[j] = static_cast<int32_t>(j);
       for (int64_t j = 0; j < kSuffix; ++j) s.push_back(kVocab + (unique++ % (1 << 30)));
       tail.insert(tail.end(), slots.begin() + k, slots.begin() + k + kSuffix);
       f.tree->InsertPrefix(s.data(), tail.data(), static_cast<int64_t>(s.size()));

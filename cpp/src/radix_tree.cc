@@ -32,7 +32,9 @@ uint64_t HashPage(const int32_t* tokens, int64_t n) noexcept {
       lane[j] ^= lane[j] >> 29;
     }
   }
-  for (; i < n; ++i) lane[0] = ((lane[0] ^ static_cast<uint32_t>(tokens[i])) * kMul) ^ (lane[0] >> 31);
+  for (; i < n; ++i) {
+    lane[0] = ((lane[0] ^ static_cast<uint32_t>(tokens[i])) * kMul) ^ (lane[0] >> 31);
+  }
   uint64_t h = static_cast<uint64_t>(n);
   for (uint64_t x : lane) h = (h ^ x) * kMul + (h >> 23);
   return h;
