@@ -185,8 +185,8 @@ int64_t CheckSlots(py::handle values, const char* name) {
   return v.size();
 }
 
-py::object Int32Tensor(py::handle values) {
-  Int32View v(values, "values");
+py::object Int32Tensor(py::handle values, const std::string& name) {
+  Int32View v(values, name.c_str());
   return NewInt32Tensor(v.data(), v.size());
 }
 
@@ -204,7 +204,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("_init_tensor_api", &radixkv::bindings::InitTensorApi, py::arg("tensor_type"),
         py::arg("api_capsule"));
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
-  m.def("int32_tensor", &Int32Tensor, py::arg("values"));
+  m.def("int32_tensor", &Int32Tensor, py::arg("values"), py::arg("name") = "values");
   m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));
   m.def("check_slots", &CheckSlots, py::arg("values"), py::arg("name"));
 

@@ -267,7 +267,10 @@ int64_t ToInt64(py::handle obj, const char* name) {
     Raise(PyExc_TypeError, std::string(name) + " must be an int, got " + TypeName(obj));
   }
   py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(o));
-  if (!index) throw py::error_already_set();
+  if (!index) {
+    PyErr_Clear();  // e.g. a tensor of several elements: say which argument
+    Raise(PyExc_TypeError, std::string(name) + " must be an int, got " + TypeName(obj));
+  }
   int overflow = 0;
   long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (overflow != 0) Raise(PyExc_ValueError, std::string(name) + " is out of the int64 range");

@@ -7,6 +7,7 @@ from typing import Tuple
 import torch
 
 from radixkv import _core
+from radixkv._checks import as_int, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 
@@ -31,8 +32,7 @@ class NaiveCacheManager(BaseCacheManager):
     """The baseline: never matches, stores nothing, has nothing to evict."""
 
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1):
-        if isinstance(page_size, bool) or not isinstance(page_size, int):
-            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+        page_size = as_int(page_size, "page_size")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.device = torch.device(device)
@@ -42,7 +42,7 @@ class NaiveCacheManager(BaseCacheManager):
         return torch.empty(0, dtype=torch.int32, device=self.device)
 
     def match_prefix(self, input_ids) -> Tuple[NaiveCacheHandle, torch.Tensor]:
-        _core.check_ids(_host(input_ids), "input_ids")
+        _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
         return NaiveCacheHandle(self), self._empty()
 
     def lock_handle(self, handle: NaiveCacheHandle, unlock: bool = False) -> None:
@@ -60,8 +60,8 @@ class NaiveCacheManager(BaseCacheManager):
             handle.lock_count += 1
 
     def insert_prefix(self, input_ids, indices) -> int:
-        n = _core.check_ids(_host(input_ids), "input_ids")
-        m = _core.check_slots(_host(indices), "indices")
+        n = _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
+        m = _core.check_slots(to_host(indices, "indices", self.device), "indices")
         if n != m:
             raise ValueError(f"indices has length {m} but input_ids has length {n}")
         # Nothing is stored: report the whole pages as "cached already", so the
@@ -69,8 +69,7 @@ class NaiveCacheManager(BaseCacheManager):
         return n - n % self.page_size
 
     def evict(self, size: int) -> torch.Tensor:
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"size must be an int, got {type(size).__name__}")
+        size = as_int(size, "size")
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         if size > 0:
@@ -93,8 +92,3 @@ class NaiveCacheManager(BaseCacheManager):
     def check_integrity(self) -> None:
         pass
 
-
-def _host(values):
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        return values.cpu()
-    return values

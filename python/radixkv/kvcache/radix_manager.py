@@ -7,17 +7,11 @@ from typing import List, Tuple
 import torch
 
 from radixkv import _core
+from radixkv._checks import as_int, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 RadixCacheHandle = _core.RadixCacheHandle
 BaseCacheHandle.register(RadixCacheHandle)
-
-
-def _to_host(values):
-    """Device tensors are read on the host; everything else passes unchanged."""
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        return values.cpu()
-    return values
 
 
 class RadixCacheManager(BaseCacheManager):
@@ -30,8 +24,7 @@ class RadixCacheManager(BaseCacheManager):
     """
 
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1):
-        if isinstance(page_size, bool) or not isinstance(page_size, int):
-            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+        page_size = as_int(page_size, "page_size")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.device = torch.device(device)
@@ -44,14 +37,15 @@ class RadixCacheManager(BaseCacheManager):
             self.evict = self._tree.evict
 
     def match_prefix(self, input_ids) -> Tuple[RadixCacheHandle, torch.Tensor]:
-        handle, indices = self._tree.match_prefix(_to_host(input_ids))
+        handle, indices = self._tree.match_prefix(to_host(input_ids, "input_ids", self.device))
         return handle, indices.to(self.device, non_blocking=True)
 
     def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:
         self._tree.lock_handle(handle, unlock)
 
     def insert_prefix(self, input_ids, indices) -> int:
-        return self._tree.insert_prefix(_to_host(input_ids), _to_host(indices))
+        return self._tree.insert_prefix(to_host(input_ids, "input_ids", self.device),
+                                        to_host(indices, "indices", self.device))
 
     def evict(self, size: int) -> torch.Tensor:
         return self._tree.evict(size).to(self.device, non_blocking=True)

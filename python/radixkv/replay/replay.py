@@ -130,6 +130,21 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
     prompt and output and release the request's pages and lock. A request
     larger than the whole pool is skipped and counted.
     """
+    # The replay is one thread driving the cache, like a scheduler. torch's
+    # intra-op threads would only spin between the small tensor ops here
+    # and take the second core from the driver.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _replay(requests, block_size=block_size, page_size=page_size,
+                       capacity_pages=capacity_pages, policy=policy, kv=kv, store=store,
+                       progress=progress, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, store, progress,
+            seed) -> ReplayResult:
     if capacity_pages is None:
         capacity_pages = pages_for_all(requests, page_size)
     tokens = TokenMaker(block_size, max_hash_id(requests))

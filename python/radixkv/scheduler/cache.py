@@ -7,19 +7,8 @@ from typing import Tuple
 import torch
 
 from radixkv import _core
+from radixkv._checks import as_int, int32_tensor, to_host
 from radixkv.kvcache import BaseCacheHandle, RadixCacheManager, create_cache_manager
-
-
-def _host(values):
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        return values.cpu()
-    return values
-
-
-def _check_count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
 
 
 class CacheManager:
@@ -41,8 +30,8 @@ class CacheManager:
 
     def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
                  device: torch.device | str = "cpu"):
-        _check_count(num_pages, "num_pages")
-        _check_count(page_size, "page_size")
+        num_pages = as_int(num_pages, "num_pages")
+        page_size = as_int(page_size, "page_size")
         self._pages = _core.PageAllocator(num_pages, page_size)
         self.manager = create_cache_manager(device, type, page_size)
         self.device = torch.device(device)
@@ -56,10 +45,10 @@ class CacheManager:
 
     def match_req(self, input_ids) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Match `input_ids[:-1]`: the last token is always computed."""
-        n = _core.check_ids(_host(input_ids), "input_ids")
-        if n == 0:
+        ids = int32_tensor(input_ids, "input_ids", self.device)
+        if len(ids) == 0:
             raise ValueError("input_ids must hold at least one token")
-        return self.manager.match_prefix(input_ids[: n - 1])
+        return self.manager.match_prefix(ids[:-1])
 
     def lock(self, handle: BaseCacheHandle) -> None:
         self.manager.lock_handle(handle, unlock=False)
@@ -81,7 +70,7 @@ class CacheManager:
         missing). Raises `radixkv.OutOfCapacityError`, changing nothing, when
         even evicting every unlocked cached page would not make room.
         """
-        n = _check_count(num_tokens, "num_tokens")
+        n = as_int(num_tokens, "num_tokens")
         if n < 0:
             raise ValueError(f"num_tokens must be >= 0, got {n}")
         pages = -(-n // self.page_size)
@@ -95,7 +84,7 @@ class CacheManager:
                 f"{self._pages.num_free_pages} pages are free and "
                 f"{evictable // self.page_size} evictable"
             )
-        evicted = _host(self.manager.evict(missing * self.page_size))
+        evicted = self.manager.evict(missing * self.page_size).cpu()
         self._pages.free(evicted)
         return len(evicted)
 
@@ -112,16 +101,21 @@ class CacheManager:
 
     def free(self, indices) -> None:
         """Return pages a request holds (whole pages, not cached ones)."""
-        indices = _host(indices)
+        indices = to_host(indices, "indices", self.device)
         self._pages.free(indices, self._tree)
         self._held_pages -= len(indices) // self.page_size
 
     # -- finishing requests -----------------------------------------------------
 
-    def _check_request(self, old_handle, input_ids, indices) -> Tuple[int, int]:
-        """Checks before anything changes; returns (len(input_ids), cached_len)."""
-        n = _core.check_ids(input_ids, "input_ids")
-        m = _core.check_ids(indices, "indices")
+    def _check_request(self, old_handle, input_ids, indices):
+        """Checks everything before anything changes.
+
+        Returns (input_ids, indices, n, cached_len) with both sequences as
+        CPU int32 tensors.
+        """
+        ids = int32_tensor(input_ids, "input_ids", self.device)
+        idx = int32_tensor(indices, "indices", self.device)
+        n, m = len(ids), len(idx)
         whole = -(-n // self.page_size) * self.page_size
         if m != whole:
             raise ValueError(
@@ -137,8 +131,11 @@ class CacheManager:
         cached = old_handle.cached_len
         if cached > n:
             raise ValueError(f"old_handle covers {cached} tokens but input_ids has only {n}")
-        self._pages.check_owned(indices[cached:], "indices", self._tree)
-        return n, cached
+        slots = self.num_pages * self.page_size
+        if m and (int(idx.min()) < 0 or int(idx.max()) >= slots):
+            raise ValueError(f"indices holds slots outside [0, {slots})")
+        self._pages.check_owned(idx[cached:], "indices", self._tree)
+        return ids, idx, n, cached
 
     def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices) -> None:
         """Cache a finished request's tokens and return every page it held.
@@ -147,8 +144,7 @@ class CacheManager:
         tokens someone else cached meanwhile, and its partial last page, are
         freed; then its lock is released.
         """
-        input_ids, indices = _host(input_ids), _host(indices)
-        n, cached = self._check_request(old_handle, input_ids, indices)
+        input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
         full = n - n % self.page_size
         in_cache = self.manager.insert_prefix(input_ids, indices[:n])
         self._pages.free(indices[cached:in_cache])
@@ -166,8 +162,7 @@ class CacheManager:
         part, then its own slots. Its copies of tokens that were cached
         meanwhile are freed, so it never keeps a slot that was just freed.
         """
-        input_ids, indices = _host(input_ids), _host(indices)
-        n, cached = self._check_request(old_handle, input_ids, indices)
+        input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
         in_cache = self.manager.insert_prefix(input_ids, indices[:n])
         new_handle, tree_indices = self.manager.match_prefix(input_ids)
         now_cached = new_handle.cached_len
@@ -175,10 +170,7 @@ class CacheManager:
         self.lock(new_handle)
         self.unlock(old_handle)
         self._held_pages -= (now_cached - cached) // self.page_size
-        own = indices[now_cached:]
-        if not isinstance(own, torch.Tensor):
-            own = torch.as_tensor(own, dtype=torch.int32)
-        new_indices = torch.cat([tree_indices.cpu(), own.to(torch.int32)])
+        new_indices = torch.cat([tree_indices.cpu(), indices[now_cached:]])
         return new_handle, new_indices.to(self.device, non_blocking=True)
 
     # -- checks -----------------------------------------------------------------

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from typing import List
 
-import numpy as np
 import torch
 
-
-def _index(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return int(value)
+from radixkv._checks import as_int as _index
+from radixkv._checks import int32_tensor
 
 
 class ReqToTokenPool:
@@ -42,7 +38,8 @@ class ReqToTokenPool:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         if count > len(self._free):
-            raise RuntimeError(f"cannot allocate {count} request rows: {len(self._free)} free")
+            raise RuntimeError(f"cannot allocate count={count} request rows: "
+                               f"{len(self._free)} free")
         rows = [self._free.pop() for _ in range(count)]
         for r in rows:
             self._live[r] = True
@@ -56,6 +53,11 @@ class ReqToTokenPool:
 
     def free(self, rows) -> None:
         """Return rows; each must be allocated and listed once."""
+        try:
+            rows = list(rows)
+        except TypeError:
+            raise TypeError(f"rows must be a sequence of ints, got {type(rows).__name__}") \
+                from None
         rows = [self._check_row(r, "rows: row") for r in rows]
         if len(set(rows)) != len(rows):
             raise ValueError("rows lists a row twice")
@@ -67,21 +69,12 @@ class ReqToTokenPool:
         """`table[row, start:start + len(values)] = values` (1-D integer slots)."""
         row = self._check_row(row)
         start = _index(start, "start")
-        if not isinstance(values, torch.Tensor):
-            try:
-                values = torch.as_tensor(np.asarray(values))
-            except (TypeError, ValueError) as e:
-                raise TypeError(f"values must be a 1-D integer tensor, array or list ({e})") \
-                    from None
-        if values.dim() != 1:
-            raise ValueError(f"values must be 1-D, got shape {tuple(values.shape)}")
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise TypeError(f"values must have an integer dtype, got {values.dtype}")
-        n = int(values.shape[0])
+        values = int32_tensor(values, "values", self.table.device)
+        n = len(values)
         if start < 0 or start + n > self.table.shape[1]:
             raise ValueError(
                 f"start={start} with {n} values exceeds max_context_len={self.table.shape[1]}"
             )
-        if n and (int(values.min()) < 0 or int(values.max()) > 2**31 - 1):
-            raise ValueError("values must be slot indices in [0, 2**31)")
-        self.table[row, start:start + n] = values.to(self.table.device, torch.int32)
+        if n and int(values.min()) < 0:
+            raise ValueError("values must be slot indices >= 0")
+        self.table[row, start:start + n] = values.to(self.table.device)

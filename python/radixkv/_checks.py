@@ -1,0 +1,36 @@
+"""Argument checks shared by the Python front ends; the native core checks the rest."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from radixkv import _core
+
+
+def as_int(value, name: str) -> int:
+    """`value` as an int: Python and NumPy integers, not bools or floats."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def to_host(values, name: str, device: torch.device):
+    """Inputs are read on the host. A manager on an accelerator takes tensors
+    on any real device (they are copied to the host); a CPU manager takes CPU
+    tensors only. Meta tensors have no data and are refused everywhere."""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        if device.type == "cpu" or values.device.type == "meta":
+            where = "a CPU tensor" if device.type == "cpu" else f"a CPU or {device.type} tensor"
+            raise TypeError(f"{name} must be {where}, got a tensor on {values.device}")
+        return values.cpu()
+    return values
+
+
+def int32_tensor(values, name: str, device: torch.device) -> torch.Tensor:
+    """A checked 1-D int32 CPU tensor holding `values` (any 1-D integer input)."""
+    return _core.int32_tensor(to_host(values, name, device), name)
