@@ -68,7 +68,6 @@ void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle k
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "radixkv CUDA kernels (private; use radixkv.kernel)";
-  radixkv::bindings::InitKernelTensorApi();
   // This module throws radixkv::Error from its own copy of the checks.
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {

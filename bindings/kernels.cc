@@ -1,5 +1,7 @@
 #include "kernels.h"
 
+#include "torch_api.h"
+
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -22,53 +24,7 @@ namespace py = pybind11;
 namespace radixkv::bindings {
 namespace {
 
-PyTypeObject* g_tensor_type = nullptr;
-const DLPackExchangeAPI* g_api = nullptr;
-
 constexpr int kMaxDims = 8;
-
-std::string DTypeName(const DLDataType& d) {
-  if (d.lanes != 1) return "a vector dtype";
-  switch (d.code) {
-    case kDLInt:
-      return "int" + std::to_string(d.bits);
-    case kDLUInt:
-      return "uint" + std::to_string(d.bits);
-    case kDLFloat:
-      return "float" + std::to_string(d.bits);
-    case kDLBfloat:
-      return "bfloat" + std::to_string(d.bits);
-    case kDLBool:
-      return "bool";
-    case kDLComplex:
-      return "complex" + std::to_string(d.bits);
-    case kDLFloat8_e4m3fn:
-      return "float8_e4m3fn";
-    case kDLFloat8_e4m3fnuz:
-      return "float8_e4m3fnuz";
-    case kDLFloat8_e5m2:
-      return "float8_e5m2";
-    case kDLFloat8_e5m2fnuz:
-      return "float8_e5m2fnuz";
-    case kDLFloat8_e8m0fnu:
-      return "float8_e8m0fnu";
-    default:
-      return "dtype code " + std::to_string(d.code) + " of " + std::to_string(d.bits) + " bits";
-  }
-}
-
-std::string DeviceName(const DLDevice& d) {
-  switch (d.device_type) {
-    case kDLCPU:
-      return "cpu";
-    case kDLCUDA:
-      return "cuda:" + std::to_string(d.device_id);
-    case kDLMetal:
-      return "mps";
-    default:
-      return "device type " + std::to_string(static_cast<int>(d.device_type));
-  }
-}
 
 const char* DeviceTypeName(DLDeviceType t) { return t == kDLCUDA ? "CUDA" : "CPU"; }
 
@@ -86,15 +42,9 @@ class Tensor {
  public:
   Tensor(py::handle obj, const char* name) : name_(name) {
     PyObject* o = obj.ptr();
-    KERNEL_CHECK_TYPE(g_tensor_type != nullptr && PyObject_TypeCheck(o, g_tensor_type), name,
-                      " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
-    DLTensor t;
-    if (g_api->dltensor_from_py_object_no_sync != nullptr) {
-      if (g_api->dltensor_from_py_object_no_sync(o, &t) != 0) RaiseUnreadable();
-    } else {
-      if (g_api->managed_tensor_from_py_object_no_sync(o, &owner_) != 0) RaiseUnreadable();
-      t = owner_->dl_tensor;
-    }
+    KERNEL_CHECK_TYPE(IsTorchTensor(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
+    view_.emplace(o, name);
+    const DLTensor& t = view_->get();
     ndim_ = t.ndim;
     KERNEL_CHECK_VALUE(ndim_ <= kMaxDims, name, " has ", ndim_, " dimensions, too many");
     int64_t expected = 1;
@@ -106,9 +56,6 @@ class Tensor {
     dtype_ = t.dtype;
     device_ = t.device;
     data_ = static_cast<char*>(t.data) + t.byte_offset;
-  }
-  ~Tensor() {
-    if (owner_ != nullptr && owner_->deleter != nullptr) owner_->deleter(owner_);
   }
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
@@ -155,14 +102,6 @@ class Tensor {
   }
 
  private:
-  [[noreturn]] void RaiseUnreadable() {
-    py::error_already_set cause;
-    std::string why = py::str(cause.value());
-    why = why.substr(0, why.find('\n'));  // torch appends a C++ backtrace
-    throw Error(ErrorCode::kWrongType,
-                StrCat(name_, " must be a dense tensor that DLPack can export (", why, ")"));
-  }
-
   const char* name_;
   int ndim_ = 0;
   int64_t shape_[kMaxDims] = {};
@@ -170,7 +109,7 @@ class Tensor {
   DLDataType dtype_{};
   DLDevice device_{};
   char* data_ = nullptr;
-  DLManagedTensorVersioned* owner_ = nullptr;
+  std::optional<TorchTensorView> view_;
 };
 
 // The layout of a cache: [num_pages, page_size, H, D] or [num_slots, H, D].
@@ -231,22 +170,6 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
 }
 
 }  // namespace
-
-void InitKernelTensorApi() {
-  if (g_api != nullptr) return;
-  py::object tensor_type = py::module_::import("torch").attr("Tensor");
-  py::object capsule = tensor_type.attr("__dlpack_c_exchange_api__");
-  auto* api = static_cast<const DLPackExchangeAPI*>(
-      PyCapsule_GetPointer(capsule.ptr(), "dlpack_exchange_api"));
-  if (api == nullptr) throw py::error_already_set();
-  if (api->header.version.major != DLPACK_MAJOR_VERSION) {
-    throw py::import_error("torch's DLPack exchange API has major version " +
-                           std::to_string(api->header.version.major) + ", expected " +
-                           std::to_string(DLPACK_MAJOR_VERSION));
-  }
-  g_tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.release().ptr());
-  g_api = api;
-}
 
 StoreArgs CheckStoreArgs(py::handle k_cache_obj, py::handle v_cache_obj, py::handle out_loc_obj,
                          py::handle k_obj, py::handle v_obj, DLDeviceType device_type) {
@@ -350,14 +273,13 @@ CompareArgs CheckCompareArgs(py::handle query_obj, py::handle keys_obj, py::hand
 void* CurrentStream(const DLDevice& device) {
   void* stream = nullptr;
   if (device.device_type == kDLCPU) return nullptr;
-  if (g_api->current_work_stream(device.device_type, device.device_id, &stream) != 0) {
+  if (TorchApi().current_work_stream(device.device_type, device.device_id, &stream) != 0) {
     throw py::error_already_set();
   }
   return stream;
 }
 
 void RegisterKernels(py::module_& m) {
-  InitKernelTensorApi();
   m.def("store_cache", &StoreCacheCpu, py::arg("k_cache"), py::arg("v_cache"), py::arg("out_loc"),
         py::arg("k"), py::arg("v"));
   m.def("first_mismatch_batched", &FirstMismatchBatchedCpu, py::arg("query"), py::arg("keys"),

@@ -64,12 +64,8 @@ CompareArgs CheckCompareArgs(pybind11::handle query, pybind11::handle keys,
 /// exchange API's `current_work_stream`. Raises on failure.
 void* CurrentStream(const DLDevice& device);
 
-/// Reads torch.Tensor's exchange API; the other functions need it. Called at
-/// module import.
-void InitKernelTensorApi();
-
 /// Registers the CPU kernels on `_core`: `store_cache` and
-/// `first_mismatch_batched` (and calls InitKernelTensorApi).
+/// `first_mismatch_batched`.
 void RegisterKernels(pybind11::module_& m);
 
 }  // namespace radixkv::bindings

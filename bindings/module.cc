@@ -201,8 +201,6 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "radixkv native core (private; use the radixkv package)";
   radixkv::bindings::RegisterErrors(m);
   radixkv::bindings::RegisterKernels(m);
-  m.def("_init_tensor_api", &radixkv::bindings::InitTensorApi, py::arg("tensor_type"),
-        py::arg("api_capsule"));
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
   m.def("int32_tensor", &Int32Tensor, py::arg("values"), py::arg("name") = "values");
   m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));

@@ -1,5 +1,7 @@
 #include "tensor_view.h"
 
+#include "torch_api.h"
+
 #include <dlpack/dlpack.h>
 
 #include <cctype>
@@ -11,31 +13,12 @@
 namespace radixkv::bindings {
 namespace {
 
-PyTypeObject* g_tensor_type = nullptr;
-const DLPackExchangeAPI* g_api = nullptr;
-
 [[noreturn]] void Raise(PyObject* type, const std::string& message) {
   PyErr_SetString(type, message.c_str());
   throw py::error_already_set();
 }
 
 std::string TypeName(py::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
-
-std::string DTypeName(const DLDataType& dtype) {
-  std::string kind;
-  switch (dtype.code) {
-    case kDLInt: kind = "int"; break;
-    case kDLUInt: kind = "uint"; break;
-    case kDLFloat: kind = "float"; break;
-    case kDLBfloat: kind = "bfloat"; break;
-    case kDLComplex: kind = "complex"; break;
-    case kDLBool: return "bool";
-    default: kind = "type code " + std::to_string(dtype.code) + " of ";
-  }
-  std::string name = kind + std::to_string(dtype.bits);
-  if (dtype.lanes != 1) name += "x" + std::to_string(dtype.lanes);
-  return name;
-}
 
 // Slot indices are int32, so no input can usefully be longer; refusing here
 // also keeps a stride-0 view of 2**40 elements from being copied out.
@@ -44,13 +27,6 @@ void CheckLength(int64_t n, const char* name) {
     Raise(PyExc_ValueError, std::string(name) + " has " + std::to_string(n) +
                                 " elements, more than the 2**31 - 1 supported");
   }
-}
-
-// Torch refuses to export some tensors (meta, sparse, ...): say which argument.
-[[noreturn]] void RaiseUnreadable(const char* name) {
-  py::error_already_set cause;
-  Raise(PyExc_TypeError, std::string(name) + " must be a dense CPU tensor (" +
-                             cause.what() + ")");
 }
 
 void SetError(void*, const char* kind, const char* message) {
@@ -95,42 +71,11 @@ void ConvertInts(const char* base, int64_t n, int64_t stride_bytes, bool is_sign
 
 }  // namespace
 
-void InitTensorApi(py::handle tensor_type, py::handle api_capsule) {
-  auto* api = static_cast<const DLPackExchangeAPI*>(
-      PyCapsule_GetPointer(api_capsule.ptr(), "dlpack_exchange_api"));
-  if (api == nullptr) throw py::error_already_set();
-  if (api->header.version.major != DLPACK_MAJOR_VERSION) {
-    Raise(PyExc_ImportError, "torch's DLPack exchange API has major version " +
-                                 std::to_string(api->header.version.major) + ", expected " +
-                                 std::to_string(DLPACK_MAJOR_VERSION));
-  }
-  g_tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.ptr());
-  Py_INCREF(g_tensor_type);
-  g_api = api;
-}
-
 Int32View::Int32View(py::handle obj, const char* name) {
   PyObject* o = obj.ptr();
-  if (g_tensor_type != nullptr && PyObject_TypeCheck(o, g_tensor_type)) {
-    DLTensor t;
-    if (g_api->dltensor_from_py_object_no_sync != nullptr) {
-      if (g_api->dltensor_from_py_object_no_sync(o, &t) != 0) RaiseUnreadable(name);
-      FromDLTensor(t, name);
-    } else {
-      DLManagedTensorVersioned* mt = nullptr;
-      if (g_api->managed_tensor_from_py_object_no_sync(o, &mt) != 0) RaiseUnreadable(name);
-      try {
-        FromDLTensor(mt->dl_tensor, name);
-        if (data_ != nullptr && owned_.empty() && size_ > 0) {
-          owned_.assign(data_, data_ + size_);  // the export dies below
-          data_ = owned_.data();
-        }
-      } catch (...) {
-        if (mt->deleter) mt->deleter(mt);
-        throw;
-      }
-      if (mt->deleter) mt->deleter(mt);
-    }
+  if (IsTorchTensor(o)) {
+    TorchTensorView t(o, name);
+    FromDLTensor(t.get(), name);
   } else if (PyList_Check(o) || PyTuple_Check(o)) {
     FromSequence(obj, name);
   } else if (PyObject_CheckBuffer(o)) {
@@ -249,7 +194,7 @@ py::object NewInt32Tensor(const int32_t* src, int64_t n) {
   proto.dtype = DLDataType{kDLInt, 32, 1};
   proto.device = DLDevice{kDLCPU, 0};
   DLManagedTensorVersioned* mt = nullptr;
-  if (g_api->managed_tensor_allocator(&proto, &mt, nullptr, SetError) != 0) {
+  if (TorchApi().managed_tensor_allocator(&proto, &mt, nullptr, SetError) != 0) {
     throw py::error_already_set();
   }
   if (n > 0) {
@@ -257,7 +202,7 @@ py::object NewInt32Tensor(const int32_t* src, int64_t n) {
                 static_cast<size_t>(n) * sizeof(int32_t));
   }
   void* out = nullptr;
-  if (g_api->managed_tensor_to_py_object_no_sync(mt, &out) != 0) throw py::error_already_set();
+  if (TorchApi().managed_tensor_to_py_object_no_sync(mt, &out) != 0) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));
 }
 

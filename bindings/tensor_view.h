@@ -18,10 +18,6 @@ namespace radixkv::bindings {
 
 namespace py = pybind11;
 
-/// Registers torch.Tensor and its `__dlpack_c_exchange_api__` capsule. Must
-/// be called once before any other function here.
-void InitTensorApi(py::handle tensor_type, py::handle api_capsule);
-
 /// A read-only 1-D int32 view of a Python input. Keeps whatever it borrows
 /// alive (a buffer export) until destroyed.
 class Int32View {
