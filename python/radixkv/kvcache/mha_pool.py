@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Optional, Union
 
 import torch
 
 from radixkv import _core
+from radixkv._checks import as_int
 from radixkv.kernel import store_cache
 from radixkv.kvcache.base import BaseKVCache, KVCacheLayout, KVCacheType
 
@@ -23,12 +23,7 @@ DTypeLike = Union[torch.dtype, str]
 
 def _count(value, name: str, minimum: int = 1) -> int:
     """`value` as an int >= `minimum`; TypeError or ValueError naming `name` otherwise."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    value = as_int(value, name)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -185,13 +180,8 @@ class MHAKVCache(BaseKVCache):
             self._store = functools.partial(store_cache, check_bounds=check_bounds)
 
     def _layer(self, index, name: str) -> int:
-        if type(index) is not int:
-            if isinstance(index, bool):
-                raise TypeError(f"{name} must be an int, got bool")
-            try:
-                index = operator.index(index)
-            except TypeError:
-                raise TypeError(f"{name} must be an int, got {type(index).__name__}") from None
+        if type(index) is not int:  # the common case skips the call
+            index = as_int(index, name)
         if not 0 <= index < self._num_layers:
             raise ValueError(f"{name}={index} is out of range for {self._num_layers} layers")
         return index
