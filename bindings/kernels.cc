@@ -163,7 +163,11 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
   std::optional<py::gil_scoped_release> nogil;
   if (a.num_keys * std::min(a.query_len, a.key_cols) >= (int64_t{1} << 16)) nogil.emplace();
   for (int64_t b = 0; b < a.num_keys; ++b) {
-    const int64_t len = a.key_lens != nullptr ? LoadSlot(a.key_lens, a.len_type, b) : a.key_cols;
+    // Loaded again without the GIL: clamp, in case another thread changed it.
+    int64_t len = a.key_cols;
+    if (a.key_lens != nullptr) {
+      len = std::clamp<int64_t>(LoadSlot(a.key_lens, a.len_type, b), 0, a.key_cols);
+    }
     const size_t n = static_cast<size_t>(std::min(a.query_len, len));
     a.out[b] = static_cast<int32_t>(FirstMismatch(a.query, a.keys + b * a.key_stride, n));
   }

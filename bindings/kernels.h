@@ -36,8 +36,9 @@ StoreArgs CheckStoreArgs(pybind11::handle k_cache, pybind11::handle v_cache,
 
 /// The checked arguments of a batched first-mismatch: `out[b]` receives the
 /// first i < min(query_len, len_b) with `query[i] != keys[b * key_stride + i]`,
-/// else that minimum; `len_b` is `key_lens[b]` (clamped to [0, key_cols]) or
-/// `key_cols` when `key_lens` is null.
+/// else that minimum; `len_b` is `key_lens[b]` or `key_cols` when `key_lens`
+/// is null (a length outside [0, key_cols] raises on the CPU and is clamped on
+/// CUDA, where checking would need a sync).
 struct CompareArgs {
   const int32_t* query;
   int64_t query_len;

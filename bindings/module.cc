@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <mutex>
+#include <utility>
 #include <optional>
 #include <vector>
 
@@ -28,21 +29,34 @@ namespace {
 // Inputs at least this long are processed with the GIL released.
 constexpr int64_t kReleaseGilTokens = 1 << 16;
 
-// A tree and the mutex that keeps one thread at a time inside it. The mutex
-// is always taken after the GIL is released and let go before the GIL is
-// taken back, so a thread waiting on it with the GIL held cannot deadlock.
+// A tree and the mutex that keeps one thread at a time inside it.
 struct PyRadixTree {
   explicit PyRadixTree(int64_t page_size) : tree(page_size) {}
   RadixTree tree;
   std::mutex mu;
 };
 
-template <typename F>
-auto Locked(PyRadixTree& t, bool release_gil, F&& f) {
-  std::optional<py::gil_scoped_release> nogil;
-  if (release_gil) nogil.emplace();
+// Runs `f` holding the tree's mutex. A thread never blocks on the mutex while
+// it holds the GIL: it tries once, and if another thread is inside the tree
+// (or the call is long) it lets the GIL go first, so Python threads keep
+// running while it waits. Before letting the GIL go, `own` copies whatever
+// `f` reads from Python objects, which other threads may then change. `f`
+// itself never touches Python.
+template <typename F, typename Own>
+auto Locked(PyRadixTree& t, bool release_gil, F&& f, Own&& own) {
+  if (!release_gil && t.mu.try_lock()) {
+    std::lock_guard<std::mutex> guard(t.mu, std::adopt_lock);
+    return f();
+  }
+  own();
+  py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> guard(t.mu);
   return f();
+}
+
+template <typename F>
+auto Locked(PyRadixTree& t, bool release_gil, F&& f) {
+  return Locked(t, release_gil, std::forward<F>(f), [] {});
 }
 
 std::vector<int32_t>& Scratch() {
@@ -61,9 +75,13 @@ Handle& AsHandle(py::handle obj) {
 py::tuple RadixTree_MatchPrefix(PyRadixTree& t, py::handle input_ids) {
   Int32View ids(input_ids, "input_ids");
   std::vector<int32_t>& slots = Scratch();
-  Handle h = Locked(t, ids.size() >= kReleaseGilTokens,
-                    [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), &slots); });
-  return py::make_tuple(py::cast(h), NewInt32Tensor(slots.data(), h.cached_len));
+  Handle h = Locked(
+      t, ids.size() >= kReleaseGilTokens,
+      [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), &slots); }, [&] { ids.Own(); });
+  // The tensor first: making the handle object may run Python code that
+  // calls back into this thread's scratch buffer.
+  py::object indices = NewInt32Tensor(slots.data(), h.cached_len);
+  return py::make_tuple(py::cast(h), std::move(indices));
 }
 
 int64_t RadixTree_InsertPrefix(PyRadixTree& t, py::handle input_ids, py::handle indices) {
@@ -73,8 +91,13 @@ int64_t RadixTree_InsertPrefix(PyRadixTree& t, py::handle input_ids, py::handle 
     throw py::value_error("indices has length " + std::to_string(slots.size()) +
                           " but input_ids has length " + std::to_string(ids.size()));
   }
-  return Locked(t, ids.size() >= kReleaseGilTokens,
-                [&] { return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size()); });
+  return Locked(
+      t, ids.size() >= kReleaseGilTokens,
+      [&] { return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size()); },
+      [&] {
+        ids.Own();
+        slots.Own();
+      });
 }
 
 void RadixTree_LockHandle(PyRadixTree& t, py::handle handle, bool unlock) {
@@ -98,9 +121,17 @@ void RadixTree_CheckIntegrity(PyRadixTree& t) {
 }
 
 py::tuple RadixTree_SizeInfo(PyRadixTree& t) {
-  return Locked(t, false, [&] {
-    return py::make_tuple(t.tree.evictable_size(), t.tree.protected_size());
+  auto sizes = Locked(t, false, [&] {
+    return std::make_pair(t.tree.evictable_size(), t.tree.protected_size());
   });
+  return py::make_tuple(sizes.first, sizes.second);
+}
+
+py::object RadixTree_HandleSlots(PyRadixTree& t, py::handle handle) {
+  const Handle& h = AsHandle(handle);
+  std::vector<int32_t>& slots = Scratch();
+  Locked(t, false, [&] { t.tree.HandleSlots(h, &slots); });
+  return NewInt32Tensor(slots.data(), static_cast<int64_t>(slots.size()));
 }
 
 py::list RadixTree_Dump(PyRadixTree& t) {
@@ -118,8 +149,8 @@ bool RadixTree_IsValid(PyRadixTree& t, py::handle handle) {
   return Locked(t, false, [&] { return t.tree.IsValid(h); });
 }
 
-// The allocator runs with the GIL held; the tree's mutex is taken only to
-// read its stored slots.
+// The allocator runs with the GIL held (its callers are one scheduler
+// thread); the tree's mutex is taken only to read the tree's stored slots.
 const radixkv::SlotSet* CachedSlots(py::handle tree, std::unique_lock<std::mutex>* guard) {
   if (tree.is_none()) return nullptr;
   if (!py::isinstance<PyRadixTree>(tree)) {
@@ -127,7 +158,13 @@ const radixkv::SlotSet* CachedSlots(py::handle tree, std::unique_lock<std::mutex
                          Py_TYPE(tree.ptr())->tp_name);
   }
   PyRadixTree& t = tree.cast<PyRadixTree&>();
-  *guard = std::unique_lock<std::mutex>(t.mu);
+  // As in Locked: never block on the mutex holding the GIL. Taking the GIL
+  // back while holding the mutex is safe, since no GIL holder waits for it.
+  *guard = std::unique_lock<std::mutex>(t.mu, std::try_to_lock);
+  if (!guard->owns_lock()) {
+    py::gil_scoped_release nogil;
+    guard->lock();
+  }
   return &t.tree.stored_slots();
 }
 
@@ -169,19 +206,10 @@ int64_t CheckIds(py::handle values, const char* name) {
 
 // The checks insert_prefix applies to all of its indices, for managers that
 // store nothing: no negative and no repeated slot.
-int64_t CheckSlots(py::handle values, const char* name) {
-  Int32View v(values, name);
-  const int64_t neg = radixkv::FindNegative(v.data(), v.size());
-  if (neg >= 0) {
-    throw py::value_error(std::string(name) + "[" + std::to_string(neg) +
-                          "] = " + std::to_string(v.data()[neg]) + " is negative");
-  }
+int64_t CheckSlots(py::handle values, const std::string& name) {
+  Int32View v(values, name.c_str());
   thread_local radixkv::SlotSet scratch;
-  const int64_t rep = radixkv::FindRepeat(v.data(), v.size(), &scratch);
-  if (rep >= 0) {
-    throw py::value_error(std::string(name) + "[" + std::to_string(rep) +
-                          "] = " + std::to_string(v.data()[rep]) + " appears twice in " + name);
-  }
+  radixkv::CheckSlots(v.data(), v.size(), name.c_str(), &scratch);
   return v.size();
 }
 
@@ -223,7 +251,8 @@ PYBIND11_MODULE(_core, m) {
       .def("size_info", &RadixTree_SizeInfo)
       .def("check_integrity", &RadixTree_CheckIntegrity)
       .def("dump", &RadixTree_Dump)
-      .def("is_valid", &RadixTree_IsValid, py::arg("handle"));
+      .def("is_valid", &RadixTree_IsValid, py::arg("handle"))
+      .def("handle_slots", &RadixTree_HandleSlots, py::arg("handle"));
 
   py::class_<radixkv::PageAllocator>(m, "PageAllocator")
       .def(py::init<int64_t, int64_t>(), py::arg("num_pages"), py::arg("page_size") = 1)

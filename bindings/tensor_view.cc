@@ -87,15 +87,16 @@ Int32View::Int32View(py::handle obj, const char* name) {
   }
 }
 
-Int32View::~Int32View() {
-  if (has_buffer_) PyBuffer_Release(&buffer_);
+void Int32View::Own() {
+  if (data_ == nullptr || data_ == owned_.data()) return;
+  owned_.assign(data_, data_ + size_);
+  data_ = owned_.data();
 }
 
 void Int32View::FromDLTensor(const DLTensor& t, const char* name) {
   if (t.device.device_type != kDLCPU) {
-    Raise(PyExc_TypeError, std::string(name) +
-                               " must be a CPU tensor, got a tensor on device type " +
-                               std::to_string(static_cast<int>(t.device.device_type)));
+    Raise(PyExc_TypeError,
+          std::string(name) + " must be a CPU tensor, got a tensor on " + DeviceName(t.device));
   }
   if (t.ndim != 1) {
     Raise(PyExc_ValueError, std::string(name) + " must be 1-D, got " + std::to_string(t.ndim) +
@@ -120,15 +121,16 @@ void Int32View::FromDLTensor(const DLTensor& t, const char* name) {
 }
 
 void Int32View::FromBuffer(py::handle obj, const char* name) {
-  if (PyObject_GetBuffer(obj.ptr(), &buffer_, PyBUF_STRIDES | PyBUF_FORMAT) != 0) {
+  if (PyObject_GetBuffer(obj.ptr(), &buffer_.view, PyBUF_STRIDES | PyBUF_FORMAT) != 0) {
     throw py::error_already_set();
   }
-  has_buffer_ = true;
-  if (buffer_.ndim != 1) {
+  buffer_.held = true;
+  const Py_buffer& view = buffer_.view;
+  if (view.ndim != 1) {
     Raise(PyExc_ValueError, std::string(name) + " must be 1-D, got " +
-                                std::to_string(buffer_.ndim) + " dimensions");
+                                std::to_string(view.ndim) + " dimensions");
   }
-  std::string format = buffer_.format ? buffer_.format : "B";
+  std::string format = view.format ? view.format : "B";
   if (!format.empty() && (format[0] == '>' || format[0] == '!')) {
     Raise(PyExc_TypeError, std::string(name) + " must be in native byte order");
   }
@@ -141,11 +143,11 @@ void Int32View::FromBuffer(py::handle obj, const char* name) {
                                format + "'");
   }
   const bool is_signed = std::islower(static_cast<unsigned char>(format[0])) != 0;
-  const int bits = static_cast<int>(buffer_.itemsize) * 8;
-  size_ = buffer_.shape[0];
+  const int bits = static_cast<int>(view.itemsize) * 8;
+  size_ = view.shape[0];
   CheckLength(size_, name);
-  const int64_t stride = buffer_.strides ? buffer_.strides[0] : buffer_.itemsize;
-  const char* base = static_cast<const char*>(buffer_.buf);
+  const int64_t stride = view.strides ? view.strides[0] : view.itemsize;
+  const char* base = static_cast<const char*>(view.buf);
   if (is_signed && bits == 32 && (stride == 4 || size_ <= 1)) {
     data_ = reinterpret_cast<const int32_t*>(base);
     return;
@@ -155,7 +157,12 @@ void Int32View::FromBuffer(py::handle obj, const char* name) {
 }
 
 void Int32View::FromSequence(py::handle obj, const char* name) {
-  PyObject* o = obj.ptr();
+  // A list is read from a tuple snapshot: an item's __index__ may change it.
+  py::object snapshot = PyList_Check(obj.ptr())
+                            ? py::reinterpret_steal<py::object>(PyList_AsTuple(obj.ptr()))
+                            : py::reinterpret_borrow<py::object>(obj);
+  if (!snapshot) throw py::error_already_set();
+  PyObject* o = snapshot.ptr();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
   CheckLength(n, name);
   PyObject** items = PySequence_Fast_ITEMS(o);

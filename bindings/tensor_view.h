@@ -18,20 +18,23 @@ namespace radixkv::bindings {
 
 namespace py = pybind11;
 
-/// A read-only 1-D int32 view of a Python input. Keeps whatever it borrows
-/// alive (a buffer export) until destroyed.
+/// A read-only 1-D int32 view of a Python input, valid while the input object
+/// lives and nobody changes it: hold the GIL while reading it, or call `Own()`
+/// first. A buffer export is released when the view dies.
 class Int32View {
  public:
   /// Reads `obj`; `name` is the argument name used in error messages.
   /// Raises TypeError for a non-integer dtype, a non-CPU tensor or another
   /// type, ValueError for a rank other than 1 or a value outside int32.
   Int32View(py::handle obj, const char* name);
-  ~Int32View();
   Int32View(const Int32View&) = delete;
   Int32View& operator=(const Int32View&) = delete;
 
   const int32_t* data() const noexcept { return data_; }
   int64_t size() const noexcept { return size_; }
+  /// Copies borrowed data into the view, so it can be read without the GIL
+  /// whatever other threads do to the input.
+  void Own();
 
  private:
   void FromDLTensor(const DLTensor& t, const char* name);
@@ -41,8 +44,14 @@ class Int32View {
   const int32_t* data_ = nullptr;
   int64_t size_ = 0;
   std::vector<int32_t> owned_;
-  Py_buffer buffer_{};
-  bool has_buffer_ = false;
+  // Released by its destructor, which also runs when the constructor throws.
+  struct Buffer {
+    Py_buffer view{};
+    bool held = false;
+    ~Buffer() {
+      if (held) PyBuffer_Release(&view);
+    }
+  } buffer_;
 };
 
 /// A new 1-D torch int32 CPU tensor holding `n` values copied from `src`.

@@ -24,7 +24,7 @@ PageAllocator::PageAllocator(int64_t num_pages, int64_t page_size)
 
 void PageAllocator::Allocate(int64_t num_tokens, std::vector<int32_t>* slots) {
   RADIXKV_CHECK(num_tokens >= 0, kInvalid, "num_tokens must be >= 0, got ", num_tokens);
-  const int64_t pages = (num_tokens + page_size_ - 1) / page_size_;
+  const int64_t pages = num_tokens / page_size_ + (num_tokens % page_size_ != 0);
   RADIXKV_CHECK(pages <= num_free_pages(), ErrorCode::kOutOfCapacity, "cannot allocate ",
                 num_tokens, " tokens (", pages, " pages): only ", num_free_pages(),
                 " pages are free");

@@ -72,19 +72,20 @@ Node* RadixTree::FindChild(const Node* node, const int32_t* tokens) const noexce
 
 Node* RadixTree::NewNode(Node* parent, const int32_t* tokens, const int32_t* slots,
                          int64_t length) {
-  Node* node;
-  if (!free_ids_.empty()) {
-    node = nodes_[free_ids_.back()].get();
-    free_ids_.pop_back();
-  } else {
+  // Allocate first: if memory runs out, nothing has changed.
+  std::unique_ptr<int32_t[]> data(new int32_t[2 * length]);
+  if (free_ids_.empty()) {
     nodes_.push_back(std::make_unique<Node>());
-    node = nodes_.back().get();
-    node->id = static_cast<uint32_t>(nodes_.size() - 1);
+    nodes_.back()->id = static_cast<uint32_t>(nodes_.size() - 1);
+    free_ids_.push_back(nodes_.back()->id);
   }
-  node->data.reset(new int32_t[2 * length]);
-  std::memcpy(node->data.get(), tokens, length * sizeof(int32_t));
-  std::memcpy(node->data.get() + length, slots, length * sizeof(int32_t));
+  Node* node = nodes_[free_ids_.back()].get();
+  free_ids_.pop_back();
+  std::memcpy(data.get(), tokens, length * sizeof(int32_t));
+  std::memcpy(data.get() + length, slots, length * sizeof(int32_t));
+  node->data = std::move(data);
   node->length = length;
+  node->child_key = ChildKey(tokens);
   node->parent = parent;
   node->depth = parent->depth + length;
   node->ref_count = 0;
@@ -106,21 +107,22 @@ void RadixTree::FreeNode(Node* node) {
 }
 
 Node* RadixTree::Split(Node* node, int64_t pos) {
+  // Allocate both halves before relinking anything.
+  const int64_t rest = node->length - pos;
+  std::unique_ptr<int32_t[]> data(new int32_t[2 * rest]);
   Node* parent = node->parent;
-  const uint64_t key = ChildKey(node->key());
   Node* prefix = NewNode(parent, node->key(), node->value(), pos);
   prefix->ref_count = node->ref_count;
   prefix->timestamp = node->timestamp;
-  parent->children.Replace(key, node, prefix);
+  parent->children.Replace(node->child_key, node, prefix);
 
-  const int64_t rest = node->length - pos;
-  std::unique_ptr<int32_t[]> data(new int32_t[2 * rest]);
   std::memcpy(data.get(), node->key() + pos, rest * sizeof(int32_t));
   std::memcpy(data.get() + rest, node->value() + pos, rest * sizeof(int32_t));
   node->data = std::move(data);
   node->length = rest;
+  node->child_key = ChildKey(node->key());
   node->parent = prefix;
-  prefix->children.Insert(ChildKey(node->key()), node);
+  prefix->children.Insert(node->child_key, node);
   return prefix;
 }
 
@@ -166,11 +168,7 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int3
   if (partial != nullptr) node = Split(partial, partial_len);
   Touch(node);
 
-  slots->resize(static_cast<size_t>(node->depth));
-  for (const Node* x = node; x != root_; x = x->parent) {
-    std::memcpy(slots->data() + (x->depth - x->length), x->value(),
-                x->length * sizeof(int32_t));
-  }
+  CopyPathSlots(node, slots);
   return Handle{id_, node->id, node->generation, node->depth, 0};
 }
 
@@ -178,12 +176,7 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   // All of `slots` is checked, the cached part and a partial last page too:
   // the caller frees its own copies of those, so a bad one is a bug either way.
-  const int64_t neg = FindNegative(slots, n);
-  RADIXKV_CHECK(neg < 0, kInvalid, "indices[", neg, "] = ", neg < 0 ? 0 : slots[neg],
-                " is negative");
-  const int64_t rep = FindRepeat(slots, n, &scratch_);
-  RADIXKV_CHECK(rep < 0, kInvalid, "indices[", rep, "] = ", rep < 0 ? 0 : slots[rep],
-                " appears twice in indices");
+  CheckSlots(slots, n, "indices", &scratch_);
   n -= n % page_size_;
   Node* node;
   Node* partial;
@@ -192,13 +185,20 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   const int64_t stored = stored_.AddAll(slots + pos, n - pos);
   RADIXKV_CHECK(stored < 0, kInvalid, "indices[", pos + stored, "] = ",
                 stored < 0 ? 0 : slots[pos + stored], " is already stored in the cache");
+  Node* leaf = nullptr;
+  try {
+    if (partial != nullptr) node = Split(partial, partial_len);
+    if (pos < n) leaf = NewNode(node, tokens + pos, slots + pos, n - pos);
+  } catch (...) {  // out of memory: a split changes nothing cached, the marks go
+    stored_.RemoveAll(slots + pos, n - pos);
+    throw;
+  }
   ++clock_;
-  if (partial != nullptr) node = Split(partial, partial_len);
   Touch(node);
-  if (pos < n) {
+  if (leaf != nullptr) {
+    leaf->timestamp = clock_;
     if (InHeap(node)) heap_.Erase(node->id);
-    Node* leaf = NewNode(node, tokens + pos, slots + pos, n - pos);
-    node->children.Insert(ChildKey(leaf->key()), leaf);
+    node->children.Insert(leaf->child_key, leaf);
     heap_.Push(leaf->id, leaf->timestamp);
     evictable_size_ += leaf->length;
   }
@@ -213,10 +213,22 @@ Node* RadixTree::Resolve(const Handle& handle, const char* what) const {
 }
 
 bool RadixTree::IsValid(const Handle& handle) const noexcept {
-  if (handle.tree_id != id_ || handle.node_id >= nodes_.size()) return false;
-  const Node* node = nodes_[handle.node_id].get();
-  if (node->generation != handle.generation) return false;
-  return node == root_ || (node->parent != nullptr && node->depth == handle.cached_len);
+  // Freeing a node bumps its generation, so a matching generation means the
+  // node is the one the handle was made for, still in the tree.
+  return handle.tree_id == id_ && handle.node_id < nodes_.size() &&
+         nodes_[handle.node_id]->generation == handle.generation;
+}
+
+void RadixTree::CopyPathSlots(const Node* node, std::vector<int32_t>* slots) const {
+  slots->resize(static_cast<size_t>(node->depth));
+  for (const Node* x = node; x != root_; x = x->parent) {
+    std::memcpy(slots->data() + (x->depth - x->length), x->value(),
+                x->length * sizeof(int32_t));
+  }
+}
+
+void RadixTree::HandleSlots(const Handle& handle, std::vector<int32_t>* slots) const {
+  CopyPathSlots(Resolve(handle, "handle"), slots);
 }
 
 void RadixTree::Lock(Handle* handle) {
@@ -272,7 +284,7 @@ void RadixTree::Evict(int64_t size, std::vector<int32_t>* slots) {
     freed += x->length;
     evictable_size_ -= x->length;
     Node* parent = x->parent;
-    parent->children.Erase(ChildKey(x->key()), x);
+    parent->children.Erase(x->child_key, x);
     stored_.RemoveAll(x->value(), x->length);
     FreeNode(x);
     if (parent != root_ && parent->ref_count == 0 && parent->is_leaf()) {
@@ -308,7 +320,8 @@ void RadixTree::CheckIntegrity() const {
       RADIXKV_CHECK(child->parent == x, kBroken, "node ", child->id, " has a wrong parent link");
       RADIXKV_CHECK(child->length > 0 && child->data != nullptr, kBroken, "node ", child->id,
                     " is empty");
-      RADIXKV_CHECK(ChildKey(child->key()) == key, kBroken, "node ", child->id,
+      RADIXKV_CHECK(ChildKey(child->key()) == key && child->child_key == key, kBroken, "node ",
+                    child->id,
                     " is filed under a key that is not its first page");
       child_refs += child->ref_count;
       stack.push_back(child);

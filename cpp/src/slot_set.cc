@@ -1,5 +1,7 @@
 #include "radixkv/slot_set.h"
 
+#include "radixkv/status.h"
+
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -131,6 +133,15 @@ int64_t FindRepeat(const int32_t* slots, int64_t n, SlotSet* scratch) {
   const int64_t at = scratch->AddAll(slots, n);
   if (at < 0) scratch->RemoveAll(slots, n);
   return at;
+}
+
+void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch) {
+  const int64_t neg = FindNegative(slots, n);
+  RADIXKV_CHECK(neg < 0, ErrorCode::kInvalidArgument, name, "[", neg, "] = ",
+                neg < 0 ? 0 : slots[neg], " is negative");
+  const int64_t rep = FindRepeat(slots, n, scratch);
+  RADIXKV_CHECK(rep < 0, ErrorCode::kInvalidArgument, name, "[", rep, "] = ",
+                rep < 0 ? 0 : slots[rep], " appears twice in ", name);
 }
 
 }  // namespace radixkv

@@ -19,6 +19,14 @@ def as_int(value, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def as_count(value, name: str, minimum: int = 1) -> int:
+    """`value` as an int >= `minimum`; TypeError or ValueError naming `name` otherwise."""
+    value = as_int(value, name)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def to_host(values, name: str, device: torch.device):
     """Inputs are read on the host. A manager on an accelerator takes tensors
     on any real device (they are copied to the host); a CPU manager takes CPU

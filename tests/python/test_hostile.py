@@ -1154,3 +1154,54 @@ def test_first_mismatch_batched_bad(kind):
         kernel.first_mismatch_batched(**args)
     if out_before is not None:
         assert args["out"].tolist() == out_before
+
+
+# -- regressions from review --------------------------------------------------
+
+
+def test_rejected_buffer_input_releases_its_export():
+    import array
+
+    from radixkv.kvcache import RadixCacheManager
+
+    buf = array.array("d", [1.0, 2.0])
+    with pytest.raises(TypeError, match="input_ids"):
+        RadixCacheManager().match_prefix(buf)
+    buf.append(3.0)  # a leaked buffer export would make this raise BufferError
+
+
+def test_list_changed_by_index_during_conversion_is_read_from_a_snapshot():
+    from radixkv.kvcache import RadixCacheManager
+
+    ids = [1, 2, 3]
+
+    class Shrinks:
+        def __index__(self):
+            ids.clear()
+            return 7
+
+    ids.insert(1, Shrinks())
+    handle, indices = RadixCacheManager().match_prefix(ids)
+    assert handle.cached_len == 0 and indices.numel() == 0
+
+
+def test_cached_part_of_indices_must_be_the_caches_own_slots():
+    from radixkv.scheduler import CacheManager
+
+    cm = CacheManager(16, page_size=1)
+    first = [1, 2, 3, 4]
+    h, c = cm.match_req(first)
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, first, torch.cat([c, cm.allocate(4)]))
+    h, c = cm.match_req(first + [5])
+    cm.lock(h)
+    assert h.cached_len == 4
+    own = cm.allocate(1)
+    free_pages = sorted(set(range(16)) - set(c.tolist()) - set(own.tolist()))
+    forged = torch.tensor(free_pages[:4] + own.tolist(), dtype=torch.int32)
+    before = (cm._pages.num_free_pages, cm.held_pages, cm.manager.dump())
+    with pytest.raises(ValueError, match="indices"):
+        cm.free_and_cache_finished_req(h, first + [5], forged)
+    assert (cm._pages.num_free_pages, cm.held_pages, cm.manager.dump()) == before
+    cm.free_and_cache_finished_req(h, first + [5], torch.cat([c, own]))
+    cm.check_integrity()

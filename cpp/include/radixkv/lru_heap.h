@@ -11,8 +11,9 @@ namespace radixkv {
 /// A min-heap of ids (uint32, dense from 0) keyed on a uint64 timestamp. The
 /// heap keeps each id's position in a dense array of its own, so `Erase` and
 /// `Update` of any member cost O(log n) with no search, and a sift touches
-/// only two contiguous arrays, never the elements themselves. 4-ary, so the
-/// siblings compared at each level share one cache line.
+/// only two contiguous arrays, never the elements themselves. 4-ary: half the
+/// levels of a binary heap, and the four siblings compared at each level are
+/// 64 contiguous bytes (at most two cache lines).
 class LruHeap {
  public:
   static constexpr int32_t kAbsent = -1;

@@ -13,9 +13,10 @@
 
 namespace radixkv {
 
-/// Where the KV data of a node lives. Every node is `kDevice` today; a host
-/// tier moves a node whose device slots were evicted to `kHost` (it keeps a
-/// host copy and stays in the tree) instead of deleting it.
+/// Where the KV data of a node lives. Every node is `kDevice` today: the
+/// field is the hook for a host tier, which will move a node whose device
+/// slots were evicted to `kHost` (it keeps a host copy and stays in the tree)
+/// instead of deleting it.
 enum class NodeState : uint8_t { kDevice, kHost };
 
 /// One edge of the radix tree: a run of tokens and the slot of each token.
@@ -33,6 +34,9 @@ struct Node {
   int64_t ref_count = 0;
   /// Logical time of the last access; never earlier than any child's.
   uint64_t timestamp = 0;
+  /// The key this node is filed under in its parent's children (its first
+  /// token, or the hash of its first page), kept so eviction need not rehash.
+  uint64_t child_key = 0;
   /// Index in the tree's node table; reused after the node is freed.
   uint32_t id = 0;
   /// Bumped each time the id is freed, so handles to a dead node are detected.
@@ -126,6 +130,9 @@ class RadixTree {
   int64_t num_evictable_leaves() const noexcept { return static_cast<int64_t>(heap_.size()); }
   /// The slots stored in the tree.
   const SlotSet& stored_slots() const noexcept { return stored_; }
+  /// Replaces `*slots` with the slots of the handle's prefix (cached_len of
+  /// them). Throws kInvalidArgument for a foreign or stale handle.
+  void HandleSlots(const Handle& handle, std::vector<int32_t>* slots) const;
   /// Whether `handle` refers to a live node of this tree.
   bool IsValid(const Handle& handle) const noexcept;
 
@@ -141,12 +148,14 @@ class RadixTree {
  private:
   uint64_t ChildKey(const int32_t* tokens) const noexcept;
   Node* FindChild(const Node* node, const int32_t* tokens) const noexcept;
+  // A node holding a copy of `tokens` and `slots`, not yet linked to `parent`.
   Node* NewNode(Node* parent, const int32_t* tokens, const int32_t* slots, int64_t length);
   void FreeNode(Node* node);
   Node* Split(Node* node, int64_t pos);
   void Touch(Node* node);
   bool InHeap(const Node* node) const noexcept { return heap_.Contains(node->id); }
   Node* Resolve(const Handle& handle, const char* what) const;
+  void CopyPathSlots(const Node* node, std::vector<int32_t>* slots) const;
 
   // Walks from the root over whole pages of `tokens[0, n)`. Stops at the
   // deepest fully matched node `*node`, and reports in `*partial` the child

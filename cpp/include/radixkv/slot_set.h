@@ -38,6 +38,11 @@ class SlotSet {
 /// Returns the position of the first negative slot in `slots[0, n)`, or -1.
 int64_t FindNegative(const int32_t* slots, int64_t n) noexcept;
 
+/// Throws kInvalidArgument naming `name` ("indices[3] = -1 is negative",
+/// "indices[7] = 12 appears twice in indices") unless every one of
+/// `slots[0, n)` is >= 0 and distinct. `scratch` as for FindRepeat.
+void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch);
+
 /// Returns the position of the first slot of `slots[0, n)` that repeats an
 /// earlier one, or -1. Slots must be >= 0. `scratch` is working memory, empty
 /// again on return. O(n + max slot / 64).

@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch
 
 from radixkv import _core
+from radixkv._checks import as_count as _count
 from radixkv._checks import as_int
 from radixkv.kernel import store_cache
 from radixkv.kvcache.base import BaseKVCache, KVCacheLayout, KVCacheType
@@ -19,14 +20,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + tuple(
 """Element types a pool may store: float32, float16, bfloat16 and the float8 kinds torch has."""
 
 DTypeLike = Union[torch.dtype, str]
-
-
-def _count(value, name: str, minimum: int = 1) -> int:
-    """`value` as an int >= `minimum`; TypeError or ValueError naming `name` otherwise."""
-    value = as_int(value, name)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _dtype(dtype: DTypeLike) -> torch.dtype:

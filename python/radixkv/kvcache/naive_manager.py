@@ -7,7 +7,7 @@ from typing import Tuple
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_int, to_host
+from radixkv._checks import as_count, as_int, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 
@@ -32,9 +32,7 @@ class NaiveCacheManager(BaseCacheManager):
     """The baseline: never matches, stores nothing, has nothing to evict."""
 
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1):
-        page_size = as_int(page_size, "page_size")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        page_size = as_count(page_size, "page_size")
         self.device = torch.device(device)
         self.page_size = page_size
 

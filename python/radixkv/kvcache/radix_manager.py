@@ -7,7 +7,7 @@ from typing import List, Tuple
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_int, to_host
+from radixkv._checks import as_count, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 RadixCacheHandle = _core.RadixCacheHandle
@@ -24,9 +24,7 @@ class RadixCacheManager(BaseCacheManager):
     """
 
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1):
-        page_size = as_int(page_size, "page_size")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        page_size = as_count(page_size, "page_size")
         self.device = torch.device(device)
         self.page_size = page_size
         self._tree = _core.RadixTree(page_size)

@@ -66,10 +66,10 @@ class TokenMaker:
         self._fresh = OUTPUT_TOKEN_BASE
 
     def _fresh_tokens(self, n: int) -> torch.Tensor:
+        if self._fresh + n > 2**31:
+            self._fresh = OUTPUT_TOKEN_BASE  # wrap: ids this old are long evicted
         start = self._fresh
         self._fresh += n
-        if self._fresh >= 2**31:
-            self._fresh = OUTPUT_TOKEN_BASE  # wrap: ids this old are long evicted
         return torch.arange(start, start + n, dtype=torch.int32)
 
     def prompt(self, req: Request) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Tuple
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_int, int32_tensor, to_host
+from radixkv._checks import as_count, as_int, int32_tensor, to_host
 from radixkv.kvcache import BaseCacheHandle, RadixCacheManager, create_cache_manager
 
 
@@ -30,8 +30,8 @@ class CacheManager:
 
     def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
                  device: torch.device | str = "cpu"):
-        num_pages = as_int(num_pages, "num_pages")
-        page_size = as_int(page_size, "page_size")
+        num_pages = as_count(num_pages, "num_pages", minimum=0)
+        page_size = as_count(page_size, "page_size")
         self._pages = _core.PageAllocator(num_pages, page_size)
         self.manager = create_cache_manager(device, type, page_size)
         self.device = torch.device(device)
@@ -131,9 +131,11 @@ class CacheManager:
         cached = old_handle.cached_len
         if cached > n:
             raise ValueError(f"old_handle covers {cached} tokens but input_ids has only {n}")
-        slots = self.num_pages * self.page_size
-        if m and (int(idx.min()) < 0 or int(idx.max()) >= slots):
-            raise ValueError(f"indices holds slots outside [0, {slots})")
+        if cached and not torch.equal(idx[:cached], self._tree.handle_slots(old_handle)):
+            # Anything else there would be stored (or freed) as if it were the
+            # cache's: a page could end up both free and cached.
+            raise ValueError(f"indices[:{cached}] must be the cache's slots that match_req "
+                             "returned with old_handle")
         self._pages.check_owned(idx[cached:], "indices", self._tree)
         return ids, idx, n, cached
 
