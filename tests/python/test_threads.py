@@ -15,6 +15,15 @@ from radixkv.scheduler import CacheManager
 LONG = 70_000  # above the length at which the native calls release the GIL
 
 
+def _run_in_threads(worker, count):
+    """Runs worker(0) .. worker(count - 1) in threads at once and waits for all."""
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_radix_manager_survives_concurrent_threads():
     m = RadixCacheManager("cpu", 1)
     errors = []
@@ -48,11 +57,7 @@ def test_radix_manager_survives_concurrent_threads():
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_in_threads(worker, 4)
     assert not errors, errors
     m.check_integrity()
     info = m.size_info
@@ -80,11 +85,7 @@ def test_cache_manager_serialised_by_a_lock_stays_consistent():
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_in_threads(worker, 4)
     assert not errors, errors
     cm.check_integrity()
     assert cm.held_pages == 0
