@@ -22,14 +22,13 @@ PageAllocator::PageAllocator(int64_t num_pages, int64_t page_size)
   is_free_.assign(static_cast<size_t>(num_pages), 1);
 }
 
-void PageAllocator::Allocate(int64_t num_tokens, std::vector<int32_t>* slots) {
+void PageAllocator::Allocate(int64_t num_tokens, SlotSink sink) {
   RADIXKV_CHECK(num_tokens >= 0, kInvalid, "num_tokens must be >= 0, got ", num_tokens);
   const int64_t pages = num_tokens / page_size_ + (num_tokens % page_size_ != 0);
   RADIXKV_CHECK(pages <= num_free_pages(), ErrorCode::kOutOfCapacity, "cannot allocate ",
                 num_tokens, " tokens (", pages, " pages): only ", num_free_pages(),
                 " pages are free");
-  slots->resize(static_cast<size_t>(pages * page_size_));
-  int32_t* out = slots->data();
+  int32_t* out = sink(pages * page_size_);
   for (int64_t p = 0; p < pages; ++p) {
     const int32_t page = free_.back();
     free_.pop_back();

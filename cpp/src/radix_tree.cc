@@ -40,17 +40,26 @@ uint64_t HashPage(const int32_t* tokens, int64_t n) noexcept {
   return h;
 }
 
-void AppendSlots(const Node* node, std::vector<int32_t>* out) {
-  out->insert(out->end(), node->value(), node->value() + node->length);
+// A node's storage: `length` tokens, then their slots.
+std::unique_ptr<int32_t[]> NewData(const int32_t* tokens, const int32_t* slots, int64_t length) {
+  std::unique_ptr<int32_t[]> data(new int32_t[2 * length]);
+  std::memcpy(data.get(), tokens, length * sizeof(int32_t));
+  std::memcpy(data.get() + length, slots, length * sizeof(int32_t));
+  return data;
 }
 
 }  // namespace
 
-RadixTree::RadixTree(int64_t page_size)
-    : page_size_(page_size), id_(next_tree_id.fetch_add(1, std::memory_order_relaxed)) {
+RadixTree::RadixTree(int64_t page_size, int64_t max_slots)
+    : page_size_(page_size),
+      max_slots_(max_slots),
+      id_(next_tree_id.fetch_add(1, std::memory_order_relaxed)) {
   RADIXKV_CHECK(page_size >= 1, kInvalid, "page_size must be >= 1, got ", page_size);
+  RADIXKV_CHECK(max_slots == kAnySlot || (max_slots >= 0 && max_slots <= (int64_t{1} << 31)),
+                kInvalid, "max_slots must be in [0, 2**31], got ", max_slots);
   nodes_.push_back(std::make_unique<Node>());
   root_ = nodes_[0].get();
+  ReserveNodes(0);
 }
 
 RadixTree::~RadixTree() = default;
@@ -70,22 +79,27 @@ Node* RadixTree::FindChild(const Node* node, const int32_t* tokens) const noexce
   });
 }
 
-Node* RadixTree::NewNode(Node* parent, const int32_t* tokens, const int32_t* slots,
-                         int64_t length) {
-  // Allocate first: if memory runs out, nothing has changed.
-  std::unique_ptr<int32_t[]> data(new int32_t[2 * length]);
-  if (free_ids_.empty()) {
-    nodes_.push_back(std::make_unique<Node>());
-    nodes_.back()->id = static_cast<uint32_t>(nodes_.size() - 1);
+void RadixTree::ReserveNodes(size_t k) {
+  // Room first, so that every node, once made, can be a heap member and have
+  // its id freed without allocating.
+  const size_t want = nodes_.size() + (k > free_ids_.size() ? k - free_ids_.size() : 0);
+  heap_.Reserve(want);
+  if (free_ids_.capacity() < want) free_ids_.reserve(std::max(want, 2 * free_ids_.capacity()));
+  while (free_ids_.size() < k) {
+    auto node = std::make_unique<Node>();
+    node->id = static_cast<uint32_t>(nodes_.size());
+    nodes_.push_back(std::move(node));  // on failure the new node is simply dropped
     free_ids_.push_back(nodes_.back()->id);
   }
+}
+
+Node* RadixTree::TakeNode(Node* parent, std::unique_ptr<int32_t[]> data,
+                          int64_t length) noexcept {
   Node* node = nodes_[free_ids_.back()].get();
   free_ids_.pop_back();
-  std::memcpy(data.get(), tokens, length * sizeof(int32_t));
-  std::memcpy(data.get() + length, slots, length * sizeof(int32_t));
   node->data = std::move(data);
   node->length = length;
-  node->child_key = ChildKey(tokens);
+  node->child_key = ChildKey(node->key());
   node->parent = parent;
   node->depth = parent->depth + length;
   node->ref_count = 0;
@@ -95,38 +109,45 @@ Node* RadixTree::NewNode(Node* parent, const int32_t* tokens, const int32_t* slo
   return node;
 }
 
-void RadixTree::FreeNode(Node* node) {
+void RadixTree::FreeNode(Node* node) noexcept {
   node->data.reset();
   node->children.Clear();
   node->parent = nullptr;
+  node->next = nullptr;
   node->length = 0;
   node->ref_count = 0;
   ++node->generation;
-  free_ids_.push_back(node->id);
+  free_ids_.push_back(node->id);  // room reserved by ReserveNodes
   --num_nodes_;
 }
 
-Node* RadixTree::Split(Node* node, int64_t pos) {
-  // Allocate both halves before relinking anything.
-  const int64_t rest = node->length - pos;
-  std::unique_ptr<int32_t[]> data(new int32_t[2 * rest]);
+void RadixTree::PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPlan* plan) {
+  plan->node = node;
+  plan->pos = pos;
+  plan->prefix = NewData(node->key(), node->value(), pos);
+  plan->suffix = NewData(node->key() + pos, node->value() + pos, node->length - pos);
+  plan->prefix_children.Reserve(children);
+}
+
+Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
+  Node* node = plan->node;
+  const int64_t pos = plan->pos;
   Node* parent = node->parent;
-  Node* prefix = NewNode(parent, node->key(), node->value(), pos);
+  Node* prefix = TakeNode(parent, std::move(plan->prefix), pos);
   prefix->ref_count = node->ref_count;
   prefix->timestamp = node->timestamp;
+  prefix->children = std::move(plan->prefix_children);
   parent->children.Replace(node->child_key, node, prefix);
 
-  std::memcpy(data.get(), node->key() + pos, rest * sizeof(int32_t));
-  std::memcpy(data.get() + rest, node->value() + pos, rest * sizeof(int32_t));
-  node->data = std::move(data);
-  node->length = rest;
+  node->data = std::move(plan->suffix);
+  node->length -= pos;
   node->child_key = ChildKey(node->key());
   node->parent = prefix;
-  prefix->children.Insert(node->child_key, node);
+  prefix->children.Insert(node->child_key, node);  // room reserved
   return prefix;
 }
 
-void RadixTree::Touch(Node* node) {
+void RadixTree::Touch(Node* node) noexcept {
   for (Node* x = node; x != root_; x = x->parent) {
     x->timestamp = clock_;
     if (InHeap(x)) heap_.Update(x->id, clock_);
@@ -157,26 +178,32 @@ int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, Node** node, Node** pa
   return pos;
 }
 
-Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int32_t>* slots) {
+Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
   Node* partial;
   int64_t partial_len;
-  Walk(tokens, n, &node, &partial, &partial_len);
+  const int64_t matched = Walk(tokens, n, &node, &partial, &partial_len);
+  SplitPlan split;
+  if (partial != nullptr) {
+    ReserveNodes(1);
+    PrepareSplit(partial, partial_len, 1, &split);
+  }
+  int32_t* slots = out(matched);
+  // Nothing below allocates or throws.
   ++clock_;
-  if (partial != nullptr) node = Split(partial, partial_len);
+  if (partial != nullptr) node = CommitSplit(&split);
   Touch(node);
-
   CopyPathSlots(node, slots);
-  return Handle{id_, node->id, node->generation, node->depth, 0};
+  return Handle{id_, node->generation, node->id, node->depth, 0};
 }
 
 int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   // All of `slots` is checked, the cached part and a partial last page too:
   // the caller frees its own copies of those, so a bad one is a bug either way.
-  CheckSlots(slots, n, "indices", &scratch_);
+  CheckSlots(slots, n, "indices", &scratch_, max_slots_);
   n -= n % page_size_;
   Node* node;
   Node* partial;
@@ -185,18 +212,25 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   const int64_t stored = stored_.AddAll(slots + pos, n - pos);
   RADIXKV_CHECK(stored < 0, kInvalid, "indices[", pos + stored, "] = ",
                 stored < 0 ? 0 : slots[pos + stored], " is already stored in the cache");
-  Node* leaf = nullptr;
+  SplitPlan split;
+  std::unique_ptr<int32_t[]> leaf_data;
   try {
-    if (partial != nullptr) node = Split(partial, partial_len);
-    if (pos < n) leaf = NewNode(node, tokens + pos, slots + pos, n - pos);
-  } catch (...) {  // out of memory: a split changes nothing cached, the marks go
+    ReserveNodes((partial != nullptr) + (pos < n));
+    if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + (pos < n), &split);
+    if (pos < n) {
+      leaf_data = NewData(tokens + pos, slots + pos, n - pos);
+      if (partial == nullptr) node->children.Reserve(node->children.size() + 1);
+    }
+  } catch (...) {
     stored_.RemoveAll(slots + pos, n - pos);
     throw;
   }
+  // Nothing below allocates or throws.
   ++clock_;
+  if (partial != nullptr) node = CommitSplit(&split);
   Touch(node);
-  if (leaf != nullptr) {
-    leaf->timestamp = clock_;
+  if (leaf_data) {
+    Node* leaf = TakeNode(node, std::move(leaf_data), n - pos);
     if (InHeap(node)) heap_.Erase(node->id);
     node->children.Insert(leaf->child_key, leaf);
     heap_.Push(leaf->id, leaf->timestamp);
@@ -219,16 +253,15 @@ bool RadixTree::IsValid(const Handle& handle) const noexcept {
          nodes_[handle.node_id]->generation == handle.generation;
 }
 
-void RadixTree::CopyPathSlots(const Node* node, std::vector<int32_t>* slots) const {
-  slots->resize(static_cast<size_t>(node->depth));
+void RadixTree::CopyPathSlots(const Node* node, int32_t* out) const noexcept {
   for (const Node* x = node; x != root_; x = x->parent) {
-    std::memcpy(slots->data() + (x->depth - x->length), x->value(),
-                x->length * sizeof(int32_t));
+    std::memcpy(out + (x->depth - x->length), x->value(), x->length * sizeof(int32_t));
   }
 }
 
-void RadixTree::HandleSlots(const Handle& handle, std::vector<int32_t>* slots) const {
-  CopyPathSlots(Resolve(handle, "handle"), slots);
+void RadixTree::HandleSlots(const Handle& handle, SlotSink out) const {
+  const Node* node = Resolve(handle, "handle");
+  CopyPathSlots(node, out(node->depth));
 }
 
 void RadixTree::Lock(Handle* handle) {
@@ -257,22 +290,39 @@ void RadixTree::Unlock(Handle* handle) {
     if (--x->ref_count == 0) {
       evictable_size_ += x->length;
       protected_size_ -= x->length;
-      if (x->is_leaf()) heap_.Push(x->id, x->timestamp);
+      if (x->is_leaf()) heap_.Push(x->id, x->timestamp);  // room reserved
     }
   }
   --handle->lock_count;
 }
 
-void RadixTree::Evict(int64_t size, std::vector<int32_t>* slots) {
+int64_t RadixTree::Evict(int64_t size, SlotSink out) {
   RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
   RADIXKV_CHECK(size <= evictable_size_, ErrorCode::kOutOfCapacity, "cannot evict size=", size,
                 " tokens: evictable_size is ", evictable_size_);
-  slots->clear();
-  ++clock_;
+  // Unlink the victims, oldest first, keeping their storage and their
+  // parents' tables, so they can be put back if `out` fails.
+  Node* victims = nullptr;
+  auto put_back = [&]() noexcept {
+    // Most recent first: each victim goes back under its parent, which stops
+    // being a leaf.
+    for (Node* x = victims; x != nullptr;) {
+      Node* parent = x->parent;
+      Node* next = x->next;
+      if (InHeap(parent)) heap_.Erase(parent->id);
+      parent->children.Insert(x->child_key, x);  // the kept table has room
+      heap_.Push(x->id, x->timestamp);
+      x->next = nullptr;
+      x = next;
+    }
+  };
   int64_t freed = 0;
   while (freed < size) {
-    RADIXKV_CHECK(!heap_.empty(), kBroken, "no evictable leaf left with ", size - freed,
-                  " evictable tokens still counted");
+    if (heap_.empty()) {
+      put_back();
+      throw Error(kBroken, StrCat("no evictable leaf left with ", size - freed,
+                                  " evictable tokens still counted"));
+    }
     Node* x = nodes_[heap_.Pop()].get();
     if (!heap_.empty()) {
       // Overlap the next victim's cache misses with the work on this one.
@@ -280,17 +330,37 @@ void RadixTree::Evict(int64_t size, std::vector<int32_t>* slots) {
       __builtin_prefetch(next);
       __builtin_prefetch(next->data.get());
     }
-    AppendSlots(x, slots);
-    freed += x->length;
-    evictable_size_ -= x->length;
     Node* parent = x->parent;
-    parent->children.Erase(x->child_key, x);
-    stored_.RemoveAll(x->value(), x->length);
-    FreeNode(x);
+    parent->children.Erase(x->child_key, x, /*keep_table=*/true);
+    x->next = victims;
+    victims = x;
+    freed += x->length;
     if (parent != root_ && parent->ref_count == 0 && parent->is_leaf()) {
       heap_.Push(parent->id, parent->timestamp);
     }
   }
+  int32_t* slots;
+  try {
+    slots = out(freed);
+  } catch (...) {
+    put_back();
+    throw;
+  }
+  // Commit: the slots in eviction order (the list is newest first).
+  ++clock_;
+  int64_t end = freed;
+  for (Node* x = victims; x != nullptr;) {
+    Node* parent = x->parent;
+    Node* next = x->next;
+    end -= x->length;
+    std::memcpy(slots + end, x->value(), x->length * sizeof(int32_t));
+    evictable_size_ -= x->length;
+    stored_.RemoveAll(x->value(), x->length);
+    if (parent->children.empty()) parent->children.Clear();
+    FreeNode(x);
+    x = next;
+  }
+  return freed;
 }
 
 void RadixTree::Reset() {
@@ -351,8 +421,9 @@ void RadixTree::CheckIntegrity() const {
     }
     (x->ref_count == 0 ? evictable : protected_tokens) += x->length;
     tokens += x->length;
-    const int64_t neg = FindNegative(x->value(), x->length);
-    RADIXKV_CHECK(neg < 0, kBroken, "node ", x->id, " stores a negative slot");
+    const int64_t bad = FindOutOfRange(x->value(), x->length, max_slots_);
+    RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores slot ",
+                  bad < 0 ? 0 : x->value()[bad], ", outside [0, max_slots)");
     for (int64_t i = 0; i < x->length; ++i) {
       RADIXKV_CHECK(stored_.Contains(x->value()[i]), kBroken, "slot ", x->value()[i],
                     " is stored but not marked");
@@ -374,6 +445,8 @@ void RadixTree::CheckIntegrity() const {
                 protected_size_, " but locked nodes hold ", protected_tokens);
   RADIXKV_CHECK(heap_members == static_cast<int64_t>(heap_.size()) && heap_.IsValid(), kBroken,
                 "LRU heap is out of order or holds dead nodes");
+  RADIXKV_CHECK(heap_.room() >= nodes_.size() && free_ids_.capacity() >= nodes_.size(), kBroken,
+                "room reserved for heap members or free ids is below the node count");
 }
 
 std::vector<NodeInfo> RadixTree::Dump() const {

@@ -3,6 +3,7 @@
 #include "radixkv/status.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -44,7 +45,8 @@ int64_t RunEnd(const int32_t* slots, int64_t i, int64_t n) noexcept {
   return j;
 }
 
-// Calls fn(i, lo, hi) for each maximal run slots[i, ...) = [lo, hi).
+// Calls fn(i, lo, hi) for each maximal run slots[i, ...) = [lo, hi); stops
+// early, returning false, when fn does.
 template <typename Fn>
 bool ForEachRun(const int32_t* slots, int64_t n, Fn fn) {
   for (int64_t i = 0; i < n;) {
@@ -55,58 +57,115 @@ bool ForEachRun(const int32_t* slots, int64_t n, Fn fn) {
   return true;
 }
 
+constexpr int kWordShift = SlotSet::kChunkShift - 6;  // words per chunk, log2
+
 }  // namespace
 
-void SlotSet::Reserve(int32_t max_slot) {
-  const size_t words = (static_cast<size_t>(max_slot) >> 6) + 1;
-  if (words > words_.size()) words_.resize(std::max(words, words_.size() * 2), 0);
+void SlotSet::FreeChunk(size_t c) noexcept {
+  chunks_[c].reset();
+  if (c + 1 != chunks_.size()) return;
+  while (!chunks_.empty() && !chunks_.back()) chunks_.pop_back();
+  if (chunks_.capacity() > 2 * chunks_.size() + 16) chunks_.shrink_to_fit();
+}
+
+void SlotSet::EnsureChunks(const int32_t* slots, int64_t n) {
+  try {
+    ForEachRun(slots, n, [&](int64_t, int64_t lo, int64_t hi) {
+      const size_t last = static_cast<size_t>((hi - 1) >> kChunkShift);
+      if (last >= chunks_.size()) chunks_.resize(last + 1);
+      for (size_t c = static_cast<size_t>(lo >> kChunkShift); c <= last; ++c) {
+        if (!chunks_[c]) chunks_[c] = std::make_unique<Chunk>();
+      }
+      return true;
+    });
+  } catch (...) {
+    ReleaseEmpty(slots, n);
+    throw;
+  }
+}
+
+void SlotSet::ReleaseEmpty(const int32_t* slots, int64_t n) noexcept {
+  ForEachRun(slots, n, [&](int64_t, int64_t lo, int64_t hi) {
+    const size_t last = std::min(static_cast<size_t>((hi - 1) >> kChunkShift), chunks_.size());
+    for (size_t c = static_cast<size_t>(lo >> kChunkShift); c <= last && c < chunks_.size();
+         ++c) {
+      if (chunks_[c] && chunks_[c]->count == 0) FreeChunk(c);
+    }
+    return true;
+  });
 }
 
 // Slots come mostly in runs of consecutive values (pages, nodes, fresh
 // allocations), so both loops work a run at a time, a word at a time.
 int64_t SlotSet::AddAll(const int32_t* slots, int64_t n) {
   if (n == 0) return -1;
-  int64_t top = 0;
-  ForEachRun(slots, n, [&](int64_t, int64_t, int64_t hi) {
-    top = std::max(top, hi);
-    return true;
-  });
-  Reserve(static_cast<int32_t>(top - 1));
-  int64_t found = -1;
+  EnsureChunks(slots, n);  // the only allocation: nothing can fail after it
+  int64_t found = -1, failed_run = 0;
   ForEachRun(slots, n, [&](int64_t i, int64_t lo, int64_t hi) {
     for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
-      if (const uint64_t hit = words_[w] & RangeMask(w, lo, hi)) {
-        RemoveAll(slots, i);
+      const uint64_t* word = &ChunkOf(w)->words[w & ((1 << kWordShift) - 1)];
+      if (const uint64_t hit = *word & RangeMask(w, lo, hi)) {
         found = i + ((w << 6) + __builtin_ctzll(hit) - lo);
+        failed_run = i;
         return false;
       }
     }
-    for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) words_[w] |= RangeMask(w, lo, hi);
+    for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
+      const uint64_t mask = RangeMask(w, lo, hi);
+      Chunk* chunk = ChunkOf(w);
+      chunk->words[w & ((1 << kWordShift) - 1)] |= mask;
+      chunk->count += __builtin_popcountll(mask);
+    }
     return true;
   });
+  if (found >= 0) {
+    RemoveAll(slots, failed_run);  // the runs before the failing one were added
+    ReleaseEmpty(slots, n);        // chunks made for the rest are empty
+  }
   return found;
 }
 
 void SlotSet::RemoveAll(const int32_t* slots, int64_t n) noexcept {
   ForEachRun(slots, n, [&](int64_t, int64_t lo, int64_t hi) {
-    for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) words_[w] &= ~RangeMask(w, lo, hi);
+    for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
+      const size_t c = static_cast<size_t>(w >> kWordShift);
+      Chunk* chunk = c < chunks_.size() ? chunks_[c].get() : nullptr;
+      if (chunk == nullptr) continue;  // not present (a caller's bug; nothing to do)
+      uint64_t& word = chunk->words[w & ((1 << kWordShift) - 1)];
+      const uint64_t mask = word & RangeMask(w, lo, hi);
+      word &= ~mask;
+      chunk->count -= __builtin_popcountll(mask);
+      if (chunk->count == 0) FreeChunk(c);
+    }
     return true;
   });
 }
 
 int64_t SlotSet::Count() const noexcept {
   int64_t count = 0;
-  for (uint64_t w : words_) count += __builtin_popcountll(w);
+  for (const auto& c : chunks_) count += c ? c->count : 0;
   return count;
 }
 
-int64_t FindNegative(const int32_t* slots, int64_t n) noexcept {
-  // A branch-free minimum first (it vectorizes); the search only on failure.
-  int32_t low = 0;
-  for (int64_t i = 0; i < n; ++i) low = std::min(low, slots[i]);
-  if (low >= 0) return -1;
+size_t SlotSet::MemoryBytes() const noexcept {
+  size_t bytes = chunks_.capacity() * sizeof(chunks_[0]);
+  for (const auto& c : chunks_) bytes += c ? sizeof(Chunk) : 0;
+  return bytes;
+}
+
+void SlotSet::Clear() noexcept { std::vector<std::unique_ptr<Chunk>>().swap(chunks_); }
+
+int64_t FindOutOfRange(const int32_t* slots, int64_t n, int64_t limit) noexcept {
+  // Negative slots wrap to huge unsigned values, so one comparison tests both
+  // ends; a branch-free pass first (it vectorizes), the search only on failure.
+  const uint32_t bound = limit >= 0 && limit <= std::numeric_limits<int32_t>::max()
+                             ? static_cast<uint32_t>(limit)
+                             : uint32_t{1} << 31;
+  uint32_t high = 0;
+  for (int64_t i = 0; i < n; ++i) high = std::max(high, static_cast<uint32_t>(slots[i]));
+  if (n == 0 || high < bound) return -1;
   for (int64_t i = 0; i < n; ++i) {
-    if (slots[i] < 0) return i;
+    if (static_cast<uint32_t>(slots[i]) >= bound) return i;
   }
   return -1;
 }
@@ -116,18 +175,16 @@ int64_t FindRepeat(const int32_t* slots, int64_t n, SlotSet* scratch) {
   // runs; many, or an overlap, go through the bitmap, which also finds the
   // position of the first repeat.
   constexpr size_t kMaxRuns = 64;
-  thread_local std::vector<std::pair<int64_t, int64_t>> runs;
-  runs.clear();
+  std::pair<int64_t, int64_t> runs[kMaxRuns + 1];
+  size_t count = 0;
   const bool few = ForEachRun(slots, n, [&](int64_t, int64_t lo, int64_t hi) {
-    runs.emplace_back(lo, hi);
-    return runs.size() <= kMaxRuns;
+    runs[count++] = {lo, hi};
+    return count <= kMaxRuns;
   });
   if (few) {
-    std::sort(runs.begin(), runs.end());
+    std::sort(runs, runs + count);
     bool overlap = false;
-    for (size_t k = 1; k < runs.size() && !overlap; ++k) {
-      overlap = runs[k].first < runs[k - 1].second;
-    }
+    for (size_t k = 1; k < count && !overlap; ++k) overlap = runs[k].first < runs[k - 1].second;
     if (!overlap) return -1;
   }
   const int64_t at = scratch->AddAll(slots, n);
@@ -135,10 +192,15 @@ int64_t FindRepeat(const int32_t* slots, int64_t n, SlotSet* scratch) {
   return at;
 }
 
-void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch) {
-  const int64_t neg = FindNegative(slots, n);
-  RADIXKV_CHECK(neg < 0, ErrorCode::kInvalidArgument, name, "[", neg, "] = ",
-                neg < 0 ? 0 : slots[neg], " is negative");
+void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch,
+                int64_t limit) {
+  const int64_t bad = FindOutOfRange(slots, n, limit);
+  if (bad >= 0) {
+    RADIXKV_CHECK(slots[bad] >= 0, ErrorCode::kInvalidArgument, name, "[", bad, "] = ",
+                  slots[bad], " is negative");
+    throw Error(ErrorCode::kInvalidArgument,
+                StrCat(name, "[", bad, "] = ", slots[bad], " is out of range [0, ", limit, ")"));
+  }
   const int64_t rep = FindRepeat(slots, n, scratch);
   RADIXKV_CHECK(rep < 0, ErrorCode::kInvalidArgument, name, "[", rep, "] = ",
                 rep < 0 ? 0 : slots[rep], " appears twice in ", name);

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <thread>
 #include <vector>
+
+#include "radixkv/slot_set.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -167,18 +170,62 @@ int64_t FindSlotOutOfRange(const void* indices, IndexType type, int64_t n,
   return FindOutOfRangeT(static_cast<const int64_t*>(indices), n, num_slots);
 }
 
-int64_t StoreRows(const StoreParams& params, int max_threads) noexcept {
-  const int64_t bad =
-      FindSlotOutOfRange(params.indices, params.index_type, params.num_tokens, params.num_slots);
-  if (bad >= 0) return bad;
+namespace {
+
+// Position of the first index of `idx[0, n)` (all in [0, num_slots)) that
+// repeats an earlier one, or -1.
+int64_t FindRepeatedSlot(const void* idx, IndexType type, int64_t n, int64_t num_slots) {
+  SlotSet scratch;
+  if (type == IndexType::kInt32) {
+    return FindRepeat(static_cast<const int32_t*>(idx), n, &scratch);
+  }
+  const auto* wide = static_cast<const int64_t*>(idx);
+  if (num_slots <= int64_t{std::numeric_limits<int32_t>::max()} + 1) {
+    std::vector<int32_t> narrow(wide, wide + n);
+    return FindRepeat(narrow.data(), n, &scratch);
+  }
+  std::vector<std::pair<int64_t, int64_t>> sorted(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) sorted[i] = {wide[i], i};
+  std::sort(sorted.begin(), sorted.end());
+  int64_t first = -1;
+  for (int64_t i = 1; i < n; ++i) {
+    if (sorted[i].first == sorted[i - 1].first && (first < 0 || sorted[i].second < first)) {
+      first = sorted[i].second;
+    }
+  }
+  return first;
+}
+
+}  // namespace
+
+StoreCheck StoreRows(const StoreParams& params, int max_threads) {
+  // One read of every index, into memory no one else can change.
+  const size_t width = params.index_type == IndexType::kInt32 ? 4 : 8;
+  std::vector<char> indices(static_cast<size_t>(params.num_tokens) * width);
+  if (!indices.empty()) std::memcpy(indices.data(), params.indices, indices.size());
+  StoreCheck check;
+  check.position =
+      FindSlotOutOfRange(indices.data(), params.index_type, params.num_tokens, params.num_slots);
+  if (check.position < 0) {
+    check.position =
+        FindRepeatedSlot(indices.data(), params.index_type, params.num_tokens, params.num_slots);
+    if (check.position >= 0) check.kind = StoreCheck::kRepeated;
+  } else {
+    check.kind = StoreCheck::kOutOfRange;
+  }
+  if (check.position >= 0) {
+    check.slot = LoadSlot(indices.data(), params.index_type, check.position);
+    return check;
+  }
   StoreParams p = params;
+  p.indices = indices.data();
   SimplifyStore(&p);
   const int64_t written = 2 * p.num_tokens * p.heads * p.head_bytes;
 #if RADIXKV_STREAM_STORES
   if (written >= kStreamBytes && LinesAligned(p) && HasAvx2()) {
     StoreRange(p, 0, p.num_tokens, StreamingCopy{});
     _mm_sfence();  // order the streamed lines before anything the caller does next
-    return -1;
+    return check;
   }
 #endif
   const int threads = static_cast<int>(
@@ -188,7 +235,7 @@ int64_t StoreRows(const StoreParams& params, int max_threads) noexcept {
   } else {
     StoreRange(p, 0, p.num_tokens, CachedCopy{});
   }
-  return -1;
+  return check;
 }
 
 }  // namespace radixkv

@@ -149,8 +149,8 @@ TEST(SlotSet, FindRepeatAndNegative) {
   EXPECT_EQ(FindRepeat(y.data(), 4, &scratch), -1);
   EXPECT_EQ(scratch.Count(), 0);
   std::vector<int32_t> z{0, 2, -5};
-  EXPECT_EQ(FindNegative(z.data(), 3), 2);
-  EXPECT_EQ(FindNegative(y.data(), 4), -1);
+  EXPECT_EQ(FindOutOfRange(z.data(), 3), 2);
+  EXPECT_EQ(FindOutOfRange(y.data(), 4), -1);
 }
 
 }  // namespace

@@ -671,6 +671,47 @@ TEST(RadixTreeTest, HandleOfEvictedNodeIsStale) {
   EXPECT_EQ(tree.protected_size(), 0);
 }
 
+// A hot node id is freed and reused once per insert/evict cycle. With 32-bit
+// generations a stale handle became valid again after 2^32 cycles (an hour
+// at a million operations a second) and unlocked someone else's prefix; 64
+// bits take centuries. The cycles below show the id really is reused.
+TEST(RadixTreeTest, GenerationsOfAHotIdNeverWrapToAStaleHandle) {
+  EXPECT_EQ(sizeof(Handle{}.generation), 8u);
+  EXPECT_EQ(sizeof(Node{}.generation), 8u);
+  RadixTree tree;
+  Insert(&tree, {1, 2}, {0, 1});
+  MatchResult first = Match(&tree, {1, 2});
+  for (int cycle = 0; cycle < 100000; ++cycle) {
+    Evict(&tree, 2);
+    Insert(&tree, {1, 2}, {0, 1});
+    MatchResult now = Match(&tree, {1, 2});
+    ASSERT_EQ(now.handle.node_id, first.handle.node_id);
+    ASSERT_EQ(now.handle.generation, first.handle.generation + cycle + 1);
+    ASSERT_FALSE(tree.IsValid(first.handle));
+  }
+  EXPECT_INVALID(tree.Unlock(&first.handle));
+}
+
+TEST(RadixTreeTest, MaxSlotsBoundsEverySlot) {
+  RadixTree tree(2, 8);
+  EXPECT_INVALID(Insert(&tree, {1, 2, 3, 4}, {4, 5, 6, 8}));
+  EXPECT_EQ(tree.evictable_size(), 0);
+  EXPECT_EQ(Insert(&tree, {1, 2, 3, 4}, {4, 5, 6, 7}), 0);
+  EXPECT_INVALID(RadixTree(1, -2));
+  EXPECT_INVALID(RadixTree(1, (int64_t{1} << 31) + 1));
+  RadixTree any(1, RadixTree::kAnySlot);
+  EXPECT_EQ(Insert(&any, {1}, {2147483647}), 0);
+}
+
+TEST(RadixTreeTest, StoredSlotsMemoryFollowsWhatIsStored) {
+  RadixTree tree;
+  Insert(&tree, {1, 2}, {3, 2147483646});
+  EXPECT_LT(tree.stored_slots().MemoryBytes(), size_t{1} << 20);
+  Evict(&tree, 2);
+  EXPECT_EQ(tree.stored_slots().MemoryBytes(), 0u);
+  tree.CheckIntegrity();
+}
+
 TEST(RadixTreeTest, HandleOfAnotherTreeIsRejected) {
   RadixTree a, b;
   Insert(&a, {1, 2}, {0, 1});

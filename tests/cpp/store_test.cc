@@ -280,7 +280,7 @@ TEST(StoreRowsTest, MatchesReferenceOnRandomLayouts) {
     Problem pr = RandomProblem(rng, trial % 50, trial % 2 == 0);
     std::vector<uint8_t> expected[2];
     pr.Expected(expected);
-    ASSERT_EQ(StoreRows(pr.Params()), -1);
+    ASSERT_EQ(StoreRows(pr.Params()).kind, StoreCheck::kOk);
     for (int s = 0; s < 2; ++s) ASSERT_EQ(pr.dst[s], expected[s]) << "trial " << trial;
   }
 }
@@ -318,7 +318,7 @@ TEST(StoreRowsTest, LargeBatchesMatchReference) {
       for (int threads : {1, 2, 3}) {
         pr.dst[0] = before[0];
         pr.dst[1] = before[1];
-        ASSERT_EQ(StoreRows(pr.Params(), threads), -1);
+        ASSERT_EQ(StoreRows(pr.Params(), threads).kind, StoreCheck::kOk);
         for (int s = 0; s < 2; ++s) {
           ASSERT_TRUE(pr.dst[s] == expected[s])
               << "head_bytes " << head_bytes << " line_aligned " << line_aligned << " side " << s
@@ -340,7 +340,10 @@ TEST(StoreRowsTest, OutOfRangeSlotWritesNothing) {
         pr.idx32[bad_at] = static_cast<int32_t>(value);
         pr.idx64[bad_at] = value;
         const std::vector<uint8_t> before[2] = {pr.dst[0], pr.dst[1]};
-        EXPECT_EQ(StoreRows(pr.Params()), bad_at);
+        const StoreCheck check = StoreRows(pr.Params());
+        EXPECT_EQ(check.kind, StoreCheck::kOutOfRange);
+        EXPECT_EQ(check.position, bad_at);
+        EXPECT_EQ(check.slot, value);
         EXPECT_EQ(pr.dst[0], before[0]);
         EXPECT_EQ(pr.dst[1], before[1]);
       }
@@ -353,7 +356,69 @@ TEST(StoreRowsTest, Int64SlotsBeyondInt32AreOutOfRange) {
   Problem pr = RandomProblem(rng, 10, true);
   pr.index_type = IndexType::kInt64;
   pr.idx64[9] = (int64_t{1} << 32) + 1;  // would wrap to slot 1 if truncated
-  EXPECT_EQ(StoreRows(pr.Params()), 9);
+  EXPECT_EQ(StoreRows(pr.Params()).position, 9);
+}
+
+TEST(StoreRowsTest, RepeatedSlotWritesNothing) {
+  std::mt19937_64 rng(8);
+  for (IndexType type : {IndexType::kInt32, IndexType::kInt64}) {
+    for (int64_t n : {2, 100, 5000}) {
+      Problem pr = RandomProblem(rng, n, true);
+      pr.index_type = type;
+      pr.idx32[n - 1] = pr.idx32[n / 2 - 1];
+      pr.idx64[n - 1] = pr.idx64[n / 2 - 1];
+      const std::vector<uint8_t> before[2] = {pr.dst[0], pr.dst[1]};
+      const StoreCheck check = StoreRows(pr.Params());
+      EXPECT_EQ(check.kind, StoreCheck::kRepeated);
+      EXPECT_EQ(check.position, n - 1);
+      EXPECT_EQ(check.slot, pr.idx64[n - 1]);
+      EXPECT_EQ(pr.dst[0], before[0]);
+      EXPECT_EQ(pr.dst[1], before[1]);
+    }
+  }
+}
+
+// The indices live inside the cache they are stored into: storing token 0
+// rewrites token 1's index. Each index is read once, before anything is
+// written, so token 1 goes where its index said at the start, never out of
+// bounds.
+TEST(StoreRowsTest, IndicesAliasingTheCacheAreReadOnce) {
+  for (IndexType type : {IndexType::kInt32, IndexType::kInt64}) {
+    const int64_t width = type == IndexType::kInt32 ? 4 : 8;
+    const int64_t row = 16, num_slots = 8;
+    std::vector<uint8_t> kc(num_slots * row, 0), vc(num_slots * row, 0);
+    // Slot 0's row holds the two indices; token 0's k row is all 0xFF, which
+    // written into slot 0 turns index 1 into -1 (int32) or -1 (int64).
+    void* indices = kc.data();
+    if (type == IndexType::kInt32) {
+      const int32_t idx[2] = {0, 5};
+      std::memcpy(indices, idx, sizeof(idx));
+    } else {
+      const int64_t idx[2] = {0, 5};
+      std::memcpy(indices, idx, sizeof(idx));
+    }
+    std::vector<uint8_t> k(2 * row, 0xFF), v(2 * row, 0x11);
+    StoreParams p{};
+    p.src[0] = k.data();
+    p.src[1] = v.data();
+    p.dst[0] = kc.data();
+    p.dst[1] = vc.data();
+    for (int s = 0; s < 2; ++s) {
+      p.src_layout[s] = RowLayout{1, row, row, row};
+      p.dst_layout[s] = RowLayout{1, row, row, row};
+    }
+    p.heads = 1;
+    p.head_bytes = row;
+    p.indices = indices;
+    p.index_type = type;
+    p.num_tokens = 2;
+    p.num_slots = num_slots;
+    ASSERT_EQ(StoreRows(p).kind, StoreCheck::kOk) << width;
+    for (int64_t b = 0; b < row; ++b) {
+      EXPECT_EQ(kc[5 * row + b], 0xFF) << "token 1 went to slot 5, as read at the start";
+      EXPECT_EQ(vc[5 * row + b], 0x11);
+    }
+  }
 }
 
 TEST(StoreRowsTest, EmptyBatchIsANoOp) {
@@ -363,7 +428,7 @@ TEST(StoreRowsTest, EmptyBatchIsANoOp) {
   p.num_tokens = 0;
   p.num_slots = 0;
   p.index_type = IndexType::kInt32;
-  EXPECT_EQ(StoreRows(p), -1);
+  EXPECT_EQ(StoreRows(p).kind, StoreCheck::kOk);
 }
 
 TEST(FindSlotOutOfRangeTest, FirstBadPosition) {

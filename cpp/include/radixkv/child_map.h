@@ -20,6 +20,15 @@ class ChildMap {
   ChildMap() = default;
   ChildMap(const ChildMap&) = delete;
   ChildMap& operator=(const ChildMap&) = delete;
+  /// Takes `other`'s table (entries and room); `other` is left empty.
+  ChildMap& operator=(ChildMap&& other) noexcept {
+    slots_ = std::move(other.slots_);
+    capacity_ = other.capacity_;
+    size_ = other.size_;
+    other.capacity_ = 0;
+    other.size_ = 0;
+    return *this;
+  }
 
   uint32_t size() const noexcept { return size_; }
   bool empty() const noexcept { return size_ == 0; }
@@ -36,14 +45,27 @@ class ChildMap {
   }
 
   /// Adds `value` under `key`. The caller guarantees it is not present.
+  /// Allocates only when the map holds `Reserve`d room for fewer entries;
+  /// throws std::bad_alloc, changing nothing, when that allocation fails.
   void Insert(uint64_t key, T* value) {
-    if ((size_ + 1) * 2 > capacity_) Grow();
+    Reserve(size_ + 1);
     Place(key, value);
     ++size_;
   }
 
+  /// Makes room for `n` entries, so inserts up to that many never allocate.
+  /// Throws std::bad_alloc, changing nothing.
+  void Reserve(uint32_t n) {
+    if (uint64_t{n} * 2 <= capacity_) return;
+    uint32_t capacity = capacity_ == 0 ? 4 : capacity_;
+    while (uint64_t{n} * 2 > capacity) capacity *= 2;
+    Rehash(capacity);
+  }
+
   /// Removes the entry holding exactly `value` under `key`; false if absent.
-  bool Erase(uint64_t key, const T* value) noexcept {
+  /// An emptied map frees its table unless `keep_table` (so the entry can be
+  /// put back without allocating).
+  bool Erase(uint64_t key, const T* value, bool keep_table = false) noexcept {
     if (size_ == 0) return false;
     uint32_t i = Slot(key);
     for (;; i = (i + 1) & mask()) {
@@ -63,7 +85,7 @@ class ChildMap {
     }
     slots_[hole] = Entry{};
     --size_;
-    if (size_ == 0) Release();
+    if (size_ == 0 && !keep_table) Release();
     return true;
   }
 
@@ -76,6 +98,9 @@ class ChildMap {
       }
     }
   }
+
+  /// Entries the table has room for before the next allocation.
+  uint32_t room() const noexcept { return capacity_ / 2; }
 
   /// Calls `fn(key, value)` for every entry, in slot order.
   template <typename Fn>
@@ -108,11 +133,14 @@ class ChildMap {
     slots_[i] = Entry{key, value};
   }
 
-  void Grow() {
-    uint32_t old_capacity = capacity_;
+  // Moves every entry into a new table of `capacity` slots. The new table is
+  // allocated before the old one is touched, so a failure changes nothing.
+  void Rehash(uint32_t capacity) {
+    std::unique_ptr<Entry[]> table(new Entry[capacity]);
     std::unique_ptr<Entry[]> old = std::move(slots_);
-    capacity_ = old_capacity == 0 ? 4 : old_capacity * 2;
-    slots_.reset(new Entry[capacity_]);
+    const uint32_t old_capacity = capacity_;
+    slots_ = std::move(table);
+    capacity_ = capacity;
     for (uint32_t i = 0; i < old_capacity; ++i) {
       if (old[i].value != nullptr) Place(old[i].key, old[i].value);
     }

@@ -31,7 +31,19 @@ class LruHeap {
     return id < pos_.size() ? pos_[id] : kAbsent;
   }
 
+  /// Makes room for every id below `ids` to be a member at once, so `Push`
+  /// of such ids never allocates. Throws std::bad_alloc; a failure changes no
+  /// member.
+  void Reserve(size_t ids) {
+    if (items_.capacity() < ids) items_.reserve(std::max(ids, 2 * items_.capacity()));
+    if (pos_.size() < ids) pos_.resize(std::max(ids, 2 * pos_.size()), kAbsent);
+  }
+
+  /// Ids below this many can be pushed without allocating.
+  size_t room() const noexcept { return std::min(items_.capacity(), pos_.size()); }
+
   /// Adds `id`, which must not be in the heap, with `key`. O(log n).
+  /// Allocates only past the room made by `Reserve`.
   void Push(uint32_t id, uint64_t key) {
     if (id >= pos_.size()) pos_.resize(std::max<size_t>(id + 1, pos_.size() * 2), kAbsent);
     items_.push_back(Entry{key, id});

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "radixkv/slot_set.h"
+#include "radixkv/slot_sink.h"
 
 namespace radixkv {
 
@@ -25,9 +26,13 @@ class PageAllocator {
   bool IsFree(int64_t page) const noexcept { return is_free_[page] != 0; }
 
   /// Takes ceil(`num_tokens` / page_size) pages and writes all their slots
-  /// to `slots` (resized). Throws kInvalidArgument for a negative count and
-  /// kOutOfCapacity, taking nothing, when too few pages are free.
-  void Allocate(int64_t num_tokens, std::vector<int32_t>* slots);
+  /// to `out(pages * page_size)`. Throws kInvalidArgument for a negative count
+  /// and kOutOfCapacity when too few pages are free; then, and when `out`
+  /// throws, it takes nothing.
+  void Allocate(int64_t num_tokens, SlotSink out);
+  void Allocate(int64_t num_tokens, std::vector<int32_t>* slots) {
+    Allocate(num_tokens, SlotSink::Into(slots));
+  }
 
   /// Returns the pages whose slots are `slots[0, n)`. Throws kInvalidArgument,
   /// freeing nothing, unless `n` covers whole pages in order, every page is

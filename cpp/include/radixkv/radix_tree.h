@@ -10,6 +10,7 @@
 #include "radixkv/child_map.h"
 #include "radixkv/lru_heap.h"
 #include "radixkv/slot_set.h"
+#include "radixkv/slot_sink.h"
 
 namespace radixkv {
 
@@ -37,11 +38,15 @@ struct Node {
   /// The key this node is filed under in its parent's children (its first
   /// token, or the hash of its first page), kept so eviction need not rehash.
   uint64_t child_key = 0;
+  /// Bumped each time the id is freed, so handles to a dead node are
+  /// detected. 64 bits: a hot id recycled a billion times a second would take
+  /// centuries to wrap around to a stale handle's value.
+  uint64_t generation = 0;
   /// Index in the tree's node table; reused after the node is freed.
   uint32_t id = 0;
-  /// Bumped each time the id is freed, so handles to a dead node are detected.
-  uint32_t generation = 0;
   NodeState state = NodeState::kDevice;
+  /// Scratch link used while a call is under way (Evict's list of victims).
+  Node* next = nullptr;
 
   const int32_t* key() const noexcept { return data.get(); }
   const int32_t* value() const noexcept { return data.get() + length; }
@@ -53,8 +58,8 @@ struct Node {
 struct Handle {
   /// Identifies the tree that made the handle.
   uint64_t tree_id = 0;
+  uint64_t generation = 0;
   uint32_t node_id = 0;
-  uint32_t generation = 0;
   /// Tokens from the root to the node: the matched length.
   int64_t cached_len = 0;
   /// Locks taken through this handle and not yet released.
@@ -79,11 +84,19 @@ struct NodeInfo {
 /// its path. `Evict` removes unlocked leaves oldest first from an indexed heap
 /// in O(k log n) for k nodes, with no scan of the tree.
 ///
+/// Failures change nothing: every call checks its inputs and allocates what
+/// it needs (node storage, table and heap room, the result's buffer) before
+/// it changes the tree, so an invalid argument or a failed allocation leaves
+/// the tree exactly as it was.
+///
 /// Not thread-safe: one thread at a time (the bindings hold a mutex).
 class RadixTree {
  public:
-  /// Throws kInvalidArgument if `page_size < 1`.
-  explicit RadixTree(int64_t page_size = 1);
+  /// Slots must be below `max_slots` (the pool's size); kAnySlot allows
+  /// every int32 slot >= 0. Throws kInvalidArgument if `page_size < 1` or
+  /// `max_slots` is neither kAnySlot nor in [0, 2^31].
+  static constexpr int64_t kAnySlot = -1;
+  explicit RadixTree(int64_t page_size = 1, int64_t max_slots = kAnySlot);
   ~RadixTree();
   RadixTree(const RadixTree&) = delete;
   RadixTree& operator=(const RadixTree&) = delete;
@@ -91,17 +104,24 @@ class RadixTree {
   int64_t page_size() const noexcept { return page_size_; }
   uint64_t id() const noexcept { return id_; }
 
+  int64_t max_slots() const noexcept { return max_slots_; }
+
   /// Finds the longest cached prefix of `tokens[0, n)` in whole pages, splits
-  /// the last node if the prefix ends inside it, and replaces `*slots` with the
-  /// slot indices of the prefix. Returns a handle with `cached_len ==
-  /// slots->size()` and no locks. O(n) plus O(log leaves) for the LRU update.
-  Handle MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int32_t>* slots);
+  /// the last node if the prefix ends inside it, and writes the slot indices
+  /// of the prefix to `out(cached_len)`. Returns a handle with no locks.
+  /// O(n) plus O(log leaves) for the LRU update.
+  Handle MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out);
+  /// The same, replacing `*slots` with the prefix's slots.
+  Handle MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int32_t>* slots) {
+    return MatchPrefix(tokens, n, SlotSink::Into(slots));
+  }
 
   /// Stores `tokens[0, m)` with `slots[0, m)`, m = n rounded down to whole
   /// pages, where not cached yet. Returns how many leading tokens were cached
   /// already; their `slots` are ignored and stay the caller's. Throws
-  /// kInvalidArgument, changing nothing, if any of `slots[0, n)` is negative
-  /// or repeated, or a slot to be stored is in the tree already.
+  /// kInvalidArgument, changing nothing, if any of `slots[0, n)` is negative,
+  /// not below `max_slots`, or repeated, or a slot to be stored is in the tree
+  /// already.
   int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n);
 
   /// Adds one lock on every node from the handle's node to the root.
@@ -112,10 +132,13 @@ class RadixTree {
   void Unlock(Handle* handle);
 
   /// Evicts least recently used unlocked leaves until at least `size` tokens
-  /// are freed and appends their slots to `*slots` (cleared first). Whole
-  /// nodes go. Throws kInvalidArgument for `size < 0` and kOutOfCapacity for
-  /// `size > evictable_size()`, changing nothing.
-  void Evict(int64_t size, std::vector<int32_t>* slots);
+  /// are freed and writes their slots, in eviction order, to `out(count)`;
+  /// returns the count. Whole nodes go. Throws kInvalidArgument for
+  /// `size < 0` and kOutOfCapacity for `size > evictable_size()`, changing
+  /// nothing; if `out` throws, the victims are put back and nothing changed.
+  int64_t Evict(int64_t size, SlotSink out);
+  /// The same, replacing `*slots` with the freed slots.
+  void Evict(int64_t size, std::vector<int32_t>* slots) { Evict(size, SlotSink::Into(slots)); }
 
   /// Drops every node. Handles made before become stale.
   void Reset();
@@ -130,32 +153,52 @@ class RadixTree {
   int64_t num_evictable_leaves() const noexcept { return static_cast<int64_t>(heap_.size()); }
   /// The slots stored in the tree.
   const SlotSet& stored_slots() const noexcept { return stored_; }
-  /// Replaces `*slots` with the slots of the handle's prefix (cached_len of
-  /// them). Throws kInvalidArgument for a foreign or stale handle.
-  void HandleSlots(const Handle& handle, std::vector<int32_t>* slots) const;
+  /// Writes the slots of the handle's prefix to `out(cached_len)`. Throws
+  /// kInvalidArgument for a foreign or stale handle.
+  void HandleSlots(const Handle& handle, SlotSink out) const;
+  void HandleSlots(const Handle& handle, std::vector<int32_t>* slots) const {
+    HandleSlots(handle, SlotSink::Into(slots));
+  }
   /// Whether `handle` refers to a live node of this tree.
   bool IsValid(const Handle& handle) const noexcept;
 
   /// Walks the whole tree and checks every counter and invariant: parent
   /// links, child keys, lengths and page alignment, depths, lock counts,
-  /// timestamps, heap membership and order, and that no slot is stored twice.
-  /// Throws kIntegrity naming the first violation. O(tokens + nodes).
+  /// timestamps, heap membership and order, that no slot is stored twice or
+  /// out of range, and that the room reserved for node ids, heap members and
+  /// free ids covers every node (so commits never allocate). Throws
+  /// kIntegrity naming the first violation. O(tokens + nodes).
   void CheckIntegrity() const;
 
   /// Every node, parents before children, children in ascending key order.
   std::vector<NodeInfo> Dump() const;
 
  private:
+  // What a split of `node` at `pos` needs, allocated before anything changes.
+  struct SplitPlan {
+    Node* node = nullptr;
+    int64_t pos = 0;
+    std::unique_ptr<int32_t[]> prefix, suffix;
+    ChildMap<Node> prefix_children;  // with room for the suffix and a new leaf
+  };
+
   uint64_t ChildKey(const int32_t* tokens) const noexcept;
   Node* FindChild(const Node* node, const int32_t* tokens) const noexcept;
-  // A node holding a copy of `tokens` and `slots`, not yet linked to `parent`.
-  Node* NewNode(Node* parent, const int32_t* tokens, const int32_t* slots, int64_t length);
-  void FreeNode(Node* node);
-  Node* Split(Node* node, int64_t pos);
-  void Touch(Node* node);
+  // Ensures `k` free node ids, with heap room and free-list room for every
+  // node. Throws std::bad_alloc; what it adds is free, so nothing visible
+  // changes.
+  void ReserveNodes(size_t k);
+  // A node from the free ids holding `data` (`length` tokens, then slots),
+  // linked to `parent` by its parent pointer only. Needs a reserved id.
+  Node* TakeNode(Node* parent, std::unique_ptr<int32_t[]> data, int64_t length) noexcept;
+  void FreeNode(Node* node) noexcept;
+  void PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPlan* plan);
+  // Splits as planned (needs one reserved id) and returns the prefix node.
+  Node* CommitSplit(SplitPlan* plan) noexcept;
+  void Touch(Node* node) noexcept;
   bool InHeap(const Node* node) const noexcept { return heap_.Contains(node->id); }
   Node* Resolve(const Handle& handle, const char* what) const;
-  void CopyPathSlots(const Node* node, std::vector<int32_t>* slots) const;
+  void CopyPathSlots(const Node* node, int32_t* out) const noexcept;
 
   // Walks from the root over whole pages of `tokens[0, n)`. Stops at the
   // deepest fully matched node `*node`, and reports in `*partial` the child
@@ -165,6 +208,7 @@ class RadixTree {
                int64_t* partial_len) const;
 
   const int64_t page_size_;
+  const int64_t max_slots_;
   const uint64_t id_;
   uint64_t clock_ = 0;
   std::vector<std::unique_ptr<Node>> nodes_;  // by id; id 0 is the root

@@ -1,51 +1,88 @@
-// A set of KV slot indices as a growable bitmap.
+// A set of KV slot indices: a bitmap in chunks that exist only while they hold a slot.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace radixkv {
 
-/// Slot indices (int32, >= 0) as one bit each, growing to the largest slot
-/// added. Operations over a run of slots gather the bits that share a 64-bit
-/// word, so the consecutive slots of a page or a node cost one access per word.
+/// Slot indices (int32, >= 0) as one bit each. The bits live in chunks of
+/// `kChunkSlots` slots (8 KiB each), allocated when a slot of the chunk is
+/// added and freed when its last slot goes, so memory follows what is stored:
+/// one slot near 2^31 costs one chunk and a table of chunk pointers, and
+/// nothing after it is removed. Operations over a run of slots gather the bits
+/// that share a 64-bit word, so the consecutive slots of a page or a node cost
+/// one access per word.
 class SlotSet {
  public:
+  static constexpr int kChunkShift = 16;
+  static constexpr int64_t kChunkSlots = int64_t{1} << kChunkShift;
+
+  SlotSet() = default;
+  SlotSet(const SlotSet&) = delete;
+  SlotSet& operator=(const SlotSet&) = delete;
+
   bool Contains(int32_t slot) const noexcept {
-    const size_t w = static_cast<uint32_t>(slot) >> 6;
-    return slot >= 0 && w < words_.size() && ((words_[w] >> (slot & 63)) & 1);
+    if (slot < 0) return false;
+    const size_t c = static_cast<size_t>(slot) >> kChunkShift;
+    if (c >= chunks_.size() || !chunks_[c]) return false;
+    const uint32_t bit = static_cast<uint32_t>(slot) & (kChunkSlots - 1);
+    return (chunks_[c]->words[bit >> 6] >> (bit & 63)) & 1;
   }
 
   /// Adds `slots[0, n)`, which must be >= 0. If one is present already (or
   /// repeats within the run) nothing is added and its position is returned;
-  /// otherwise returns -1.
+  /// otherwise returns -1. Throws std::bad_alloc, changing nothing, when a
+  /// chunk cannot be allocated.
   int64_t AddAll(const int32_t* slots, int64_t n);
 
-  /// Removes `slots[0, n)`; each must be present.
+  /// Removes `slots[0, n)`; each must be present. Frees chunks that empty.
   void RemoveAll(const int32_t* slots, int64_t n) noexcept;
 
-  /// Number of slots in the set. O(capacity / 64).
+  /// Number of slots in the set. O(chunks).
   int64_t Count() const noexcept;
 
-  void Clear() noexcept { words_.clear(); }
+  /// Bytes held: the chunks and the chunk table.
+  size_t MemoryBytes() const noexcept;
+
+  /// Removes everything and frees all memory.
+  void Clear() noexcept;
 
  private:
-  void Reserve(int32_t max_slot);
-  std::vector<uint64_t> words_;
+  struct Chunk {
+    uint64_t words[kChunkSlots / 64] = {};
+    int64_t count = 0;
+  };
+
+  Chunk* ChunkOf(int64_t word) const noexcept { return chunks_[word >> (kChunkShift - 6)].get(); }
+  void FreeChunk(size_t c) noexcept;
+  // Allocates the chunks `slots[0, n)` fall in. Throws, freeing what it made.
+  void EnsureChunks(const int32_t* slots, int64_t n);
+  // Frees the empty chunks that `slots[0, n)` fall in.
+  void ReleaseEmpty(const int32_t* slots, int64_t n) noexcept;
+
+  std::vector<std::unique_ptr<Chunk>> chunks_;  // by slot >> kChunkShift
 };
 
-/// Returns the position of the first negative slot in `slots[0, n)`, or -1.
-int64_t FindNegative(const int32_t* slots, int64_t n) noexcept;
+/// Returns the position of the first slot of `slots[0, n)` outside `[0,
+/// limit)`, or -1. A negative `limit` means no upper bound (only negatives
+/// count). One vectorized pass when all are in range.
+int64_t FindOutOfRange(const int32_t* slots, int64_t n, int64_t limit = -1) noexcept;
 
 /// Throws kInvalidArgument naming `name` ("indices[3] = -1 is negative",
-/// "indices[7] = 12 appears twice in indices") unless every one of
-/// `slots[0, n)` is >= 0 and distinct. `scratch` as for FindRepeat.
-void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch);
+/// "indices[3] = 9 is out of range [0, 8)", "indices[7] = 12 appears twice in
+/// indices") unless every one of `slots[0, n)` is in `[0, limit)` and they are
+/// distinct. A negative `limit` means no upper bound. `scratch` as for
+/// FindRepeat.
+void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch,
+                int64_t limit = -1);
 
 /// Returns the position of the first slot of `slots[0, n)` that repeats an
 /// earlier one, or -1. Slots must be >= 0. `scratch` is working memory, empty
-/// again on return. O(n + max slot / 64).
+/// again on return (also when it throws std::bad_alloc). O(n) for inputs made
+/// of few runs of consecutive slots, O(n + chunks touched * 8 KiB) otherwise.
 int64_t FindRepeat(const int32_t* slots, int64_t n, SlotSet* scratch);
 
 }  // namespace radixkv

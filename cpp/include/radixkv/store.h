@@ -14,17 +14,28 @@ namespace radixkv {
 int64_t FindSlotOutOfRange(const void* indices, IndexType type, int64_t n,
                            int64_t num_slots) noexcept;
 
+/// What a store found wrong with its indices.
+struct StoreCheck {
+  enum Kind { kOk, kOutOfRange, kRepeated };
+  Kind kind = kOk;
+  int64_t position = -1;  ///< the first bad index
+  int64_t slot = 0;       ///< its value
+};
+
 /// For every token i < p.num_tokens, copies row i of k and of v into row
-/// `indices[i]` of k_cache and of v_cache. Checks every slot first: when one is
-/// out of range nothing is written and its position is returned; otherwise
-/// returns -1 after the copy. Any row size, alignment and dtype width (the
-/// copy is bytewise); rows of k and v may be strided, the caches paged. Of
-/// tokens sharing a slot, one row wins (which one is unspecified).
+/// `indices[i]` of k_cache and of v_cache. Each index is read exactly once,
+/// into memory of the store's own, and what was read is checked and then
+/// used: indices that alias a cache, or that another thread changes during
+/// the call, can never make it write out of bounds. When an index is out of
+/// range or repeats an earlier one, nothing is written and the first such is
+/// reported. Any row size, alignment and dtype width (the copy is bytewise);
+/// rows of k and v may be strided, the caches paged. Throws std::bad_alloc
+/// (nothing written) when the indices cannot be copied.
 ///
 /// Speed (bench/README.md): a batch writing 1 MiB or more whose cache rows are
 /// whole 64-byte lines is streamed past the cache (AVX2 non-temporal stores)
 /// on one thread; other large batches are split over up to `max_threads`
 /// threads, at least 2 MiB written each. O(num_tokens * row bytes).
-int64_t StoreRows(const StoreParams& p, int max_threads = 1) noexcept;
+StoreCheck StoreRows(const StoreParams& p, int max_threads = 1);
 
 }  // namespace radixkv

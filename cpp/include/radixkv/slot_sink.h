@@ -1,0 +1,40 @@
+// Where a call that returns slots writes them.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace radixkv {
+
+/// Where a call writes the slots it returns. Called at most once, with the
+/// number of slots, before the call changes anything; returns a buffer of
+/// that many int32. It may throw (a failed allocation, say), and then the call
+/// changes nothing. A non-owning reference to a callable, like a function_ref:
+/// it must outlive the call it is passed to.
+class SlotSink {
+ public:
+  template <typename F,
+            typename = std::enable_if_t<!std::is_same_v<std::decay_t<F>, SlotSink>>>
+  SlotSink(F&& f) noexcept  // NOLINT(google-explicit-constructor)
+      : ctx_(const_cast<void*>(static_cast<const void*>(&f))),
+        fn_([](void* ctx, int64_t n) -> int32_t* {
+          return (*static_cast<std::remove_reference_t<F>*>(ctx))(n);
+        }) {}
+
+  int32_t* operator()(int64_t n) const { return fn_(ctx_, n); }
+
+  /// A sink that resizes `*out` to the count and writes there.
+  static auto Into(std::vector<int32_t>* out) {
+    return [out](int64_t n) {
+      out->resize(static_cast<size_t>(n));
+      return out->data();
+    };
+  }
+
+ private:
+  void* ctx_;
+  int32_t* (*fn_)(void*, int64_t);
+};
+
+}  // namespace radixkv
