@@ -4,6 +4,8 @@
 #include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
 
+#include <optional>
+
 #include "compare.cuh"
 #include "kernels.h"
 #include "radixkv/status.h"
@@ -11,8 +13,11 @@
 
 namespace py = pybind11;
 using radixkv::bindings::CheckCompareArgs;
-using radixkv::bindings::CheckStoreArgs;
+using radixkv::bindings::CheckStoreTensors;
 using radixkv::bindings::CurrentStream;
+using radixkv::bindings::MarkWritten;
+using radixkv::bindings::SetStoreIndices;
+using radixkv::bindings::Tensor;
 
 namespace {
 
@@ -44,24 +49,38 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
+// The GIL is held throughout: the launch is asynchronous, and torch's stream
+// order keeps the tensors' memory alive for the kernel.
 void Kernel_StoreCache(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
                        py::handle v) {
-  const radixkv::bindings::StoreArgs a = CheckStoreArgs(k_cache, v_cache, out_loc, k, v, kDLCUDA);
-  if (a.params.num_tokens == 0) return;
-  DeviceGuard guard(a.device.device_id);
-  auto stream = static_cast<cudaStream_t>(CurrentStream(a.device));
-  CheckCuda(radixkv::cuda::LaunchStore(a.params, stream), "store_cache launch");
+  Tensor kc(k_cache, "k_cache", true), vc(v_cache, "v_cache", true), loc(out_loc, "out_loc");
+  Tensor kt(k, "k"), vt(v, "v");
+  for (Tensor* t : {&kc, &vc, &loc, &kt, &vt}) t->View();
+  radixkv::StoreParams p = CheckStoreTensors(kc, vc, kt, vt, kDLCUDA);
+  SetStoreIndices(&p, loc, kc);
+  if (p.num_tokens == 0) return;
+  DeviceGuard guard(kc.device().device_id);
+  auto stream = static_cast<cudaStream_t>(CurrentStream(kc.device()));
+  CheckCuda(radixkv::cuda::LaunchStore(p, stream), "store_cache launch");
+  MarkWritten(k_cache, v_cache);
 }
 
 void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle key_lens,
                                  py::handle out) {
-  const radixkv::bindings::CompareArgs a = CheckCompareArgs(query, keys, key_lens, out, kDLCUDA);
+  Tensor q(query, "query"), ks(keys, "keys"), o(out, "out", true);
+  std::optional<Tensor> lens;
+  if (!key_lens.is_none()) lens.emplace(key_lens, "key_lens");
+  for (Tensor* t : {&q, &ks, &o}) t->View();
+  if (lens) lens->View();
+  const radixkv::bindings::CompareArgs a =
+      CheckCompareArgs(q, ks, lens ? &*lens : nullptr, o, kDLCUDA);
   if (a.num_keys == 0) return;
   DeviceGuard guard(a.device.device_id);
   auto stream = static_cast<cudaStream_t>(CurrentStream(a.device));
   const radixkv::cuda::CompareBatch c{a.query,    a.query_len, a.keys,     a.key_stride, a.key_cols,
                                       a.key_lens, a.len_type,  a.num_keys, a.out};
   CheckCuda(radixkv::cuda::LaunchFirstMismatchBatched(c, stream), "first_mismatch_batched launch");
+  MarkWritten(out);
 }
 
 }  // namespace

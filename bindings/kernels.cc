@@ -1,5 +1,6 @@
 #include "kernels.h"
 
+#include "tensor_view.h"
 #include "torch_api.h"
 
 #include <algorithm>
@@ -24,8 +25,6 @@ namespace py = pybind11;
 namespace radixkv::bindings {
 namespace {
 
-constexpr int kMaxDims = 8;
-
 const char* DeviceTypeName(DLDeviceType t) { return t == kDLCUDA ? "CUDA" : "CPU"; }
 
 bool SameDType(const DLDataType& a, const DLDataType& b) {
@@ -36,81 +35,13 @@ bool IsIndexDType(const DLDataType& d) {
   return d.code == kDLInt && d.lanes == 1 && (d.bits == 32 || d.bits == 64);
 }
 
-// A torch tensor viewed through DLPack for the length of one call; the caller
-// keeps the Python object (and so the memory) alive.
-class Tensor {
- public:
-  Tensor(py::handle obj, const char* name) : name_(name) {
-    PyObject* o = obj.ptr();
-    KERNEL_CHECK_TYPE(IsTorchTensor(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
-    view_.emplace(o, name);
-    const DLTensor& t = view_->get();
-    ndim_ = t.ndim;
-    KERNEL_CHECK_VALUE(ndim_ <= kMaxDims, name, " has ", ndim_, " dimensions, too many");
-    int64_t expected = 1;
-    for (int d = ndim_ - 1; d >= 0; --d) {
-      shape_[d] = t.shape[d];
-      strides_[d] = t.strides != nullptr ? t.strides[d] : expected;
-      expected *= shape_[d];
-    }
-    dtype_ = t.dtype;
-    device_ = t.device;
-    data_ = static_cast<char*>(t.data) + t.byte_offset;
-  }
-  Tensor(const Tensor&) = delete;
-  Tensor& operator=(const Tensor&) = delete;
-
-  const char* name() const { return name_; }
-  int ndim() const { return ndim_; }
-  int64_t size(int d) const { return shape_[d]; }
-  int64_t stride(int d) const { return strides_[d]; }
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int d = 0; d < ndim_; ++d) n *= shape_[d];
-    return n;
-  }
-  const DLDataType& dtype() const { return dtype_; }
-  int64_t elem_bytes() const { return dtype_.bits / 8; }
-  const DLDevice& device() const { return device_; }
-  char* data() const { return data_; }
-
-  std::string ShapeString() const {
-    std::string s = "[";
-    for (int d = 0; d < ndim_; ++d) s += (d ? ", " : "") + std::to_string(shape_[d]);
-    return s + "]";
-  }
-
-  // The last dimension is contiguous (or too short for it to matter).
-  bool LastContiguous() const {
-    return ndim_ == 0 || shape_[ndim_ - 1] <= 1 || strides_[ndim_ - 1] == 1;
-  }
-
-  void CheckDevice(DLDeviceType type) const {
-    KERNEL_CHECK_TYPE(device_.device_type == type, name_, " must be a ", DeviceTypeName(type),
-                      " tensor, got one on ", DeviceName(device_));
-  }
-  void CheckSameDevice(const Tensor& ref) const {
-    KERNEL_CHECK_TYPE(device_.device_type == ref.device_.device_type &&
-                          device_.device_id == ref.device_.device_id,
-                      name_, " must be on ", DeviceName(ref.device_), " like ", ref.name_, ", got ",
-                      DeviceName(device_));
-  }
-  void CheckLastContiguous() const {
-    KERNEL_CHECK_VALUE(LastContiguous(), name_,
-                       " must have a contiguous last dimension (stride 1), got stride ",
-                       strides_[ndim_ - 1], "; pass ", name_, ".contiguous()");
-  }
-
- private:
-  const char* name_;
-  int ndim_ = 0;
-  int64_t shape_[kMaxDims] = {};
-  int64_t strides_[kMaxDims] = {};
-  DLDataType dtype_{};
-  DLDevice device_{};
-  char* data_ = nullptr;
-  std::optional<TorchTensorView> view_;
-};
+bool RequiresGrad(PyObject* o) {
+  py::object flag = py::reinterpret_steal<py::object>(PyObject_GetAttrString(o, "requires_grad"));
+  if (!flag) throw py::error_already_set();
+  const int truth = PyObject_IsTrue(flag.ptr());
+  if (truth < 0) throw py::error_already_set();
+  return truth != 0;
+}
 
 // The layout of a cache: [num_pages, page_size, H, D] or [num_slots, H, D].
 RowLayout CacheLayout(const Tensor& c) {
@@ -134,24 +65,47 @@ constexpr unsigned kMaxStoreThreads = 2;
 
 void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
                    py::handle v) {
-  const StoreArgs args = CheckStoreArgs(k_cache, v_cache, out_loc, k, v, kDLCPU);
-  const StoreParams& p = args.params;
-  int64_t bad;
+  // Step one for every argument (out_loc may be any 1-D integer input), then
+  // step two: from here on no Python code runs until the store is done.
+  Int32View loc(out_loc, "out_loc");
+  Tensor kc(k_cache, "k_cache", true), vc(v_cache, "v_cache", true), kt(k, "k"), vt(v, "v");
+  Tensor* tensors[4] = {&kc, &vc, &kt, &vt};
+  FinishViews(loc);
+  for (Tensor* t : tensors) t->View();
+  StoreParams p = CheckStoreTensors(kc, vc, kt, vt, kDLCPU);
+  SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
+  StoreCheck check;
   if (4 * p.num_tokens * p.heads * p.head_bytes >= kReleaseGilBytes) {
+    // Other threads run while the rows are copied: own everything first.
     static const int threads =
         static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, kMaxStoreThreads));
+    loc.Own();
+    for (Tensor* t : tensors) t->Pin();
+    for (Tensor* t : tensors) t->View();
+    p = CheckStoreTensors(kc, vc, kt, vt, kDLCPU);
+    SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
     py::gil_scoped_release nogil;
-    bad = StoreRows(p, threads);
+    check = StoreRows(p, threads);
   } else {
-    bad = StoreRows(p);
+    check = StoreRows(p);
   }
-  KERNEL_CHECK_VALUE(bad < 0, "out_loc[", bad, "] = ", LoadSlot(p.indices, p.index_type, bad),
-                     " is out of range for a cache of ", p.num_slots, " slots");
+  if (check.kind != StoreCheck::kOk) {
+    RaiseBadIndex(check.position, check.slot, check.kind == StoreCheck::kRepeated, p.num_slots);
+  }
+  MarkWritten(kc.object(), vc.object());
 }
 
 void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_lens,
                              py::handle out) {
-  const CompareArgs a = CheckCompareArgs(query, keys, key_lens, out, kDLCPU);
+  Tensor q(query, "query"), k(keys, "keys"), o(out, "out", true);
+  std::optional<Tensor> lens;
+  if (!key_lens.is_none()) lens.emplace(key_lens, "key_lens");
+  auto view_all = [&] {
+    for (Tensor* t : {&q, &k, &o}) t->View();
+    if (lens) lens->View();
+    return CheckCompareArgs(q, k, lens ? &*lens : nullptr, o, kDLCPU);
+  };
+  CompareArgs a = view_all();
   for (int64_t b = 0; b < a.num_keys; ++b) {
     int64_t len = a.key_cols;
     if (a.key_lens != nullptr) {
@@ -161,9 +115,14 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
     }
   }
   std::optional<py::gil_scoped_release> nogil;
-  if (a.num_keys * std::min(a.query_len, a.key_cols) >= (int64_t{1} << 16)) nogil.emplace();
+  if (a.num_keys * std::min(a.query_len, a.key_cols) >= (int64_t{1} << 16)) {
+    for (Tensor* t : {&q, &k, &o}) t->Pin();
+    if (lens) lens->Pin();
+    a = view_all();
+    nogil.emplace();
+  }
   for (int64_t b = 0; b < a.num_keys; ++b) {
-    // Loaded again without the GIL: clamp, in case another thread changed it.
+    // Loaded again (maybe without the GIL): clamp, in case it changed.
     int64_t len = a.key_cols;
     if (a.key_lens != nullptr) {
       len = std::clamp<int64_t>(LoadSlot(a.key_lens, a.len_type, b), 0, a.key_cols);
@@ -171,17 +130,75 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
     const size_t n = static_cast<size_t>(std::min(a.query_len, len));
     a.out[b] = static_cast<int32_t>(FirstMismatch(a.query, a.keys + b * a.key_stride, n));
   }
+  nogil.reset();
+  MarkWritten(o.object());
 }
 
 }  // namespace
 
-StoreArgs CheckStoreArgs(py::handle k_cache_obj, py::handle v_cache_obj, py::handle out_loc_obj,
-                         py::handle k_obj, py::handle v_obj, DLDeviceType device_type) {
-  Tensor kc(k_cache_obj, "k_cache"), vc(v_cache_obj, "v_cache");
-  Tensor loc(out_loc_obj, "out_loc"), k(k_obj, "k"), v(v_obj, "v");
+Tensor::Tensor(py::handle obj, const char* name, bool written) : obj_(obj), name_(name) {
+  PyObject* o = obj.ptr();
+  KERNEL_CHECK_TYPE(IsTorchTensor(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
+  // torch's DLPack export ignores the bit: the memory holds -x for x.
+  KERNEL_CHECK_VALUE(!IsNegView(o), name, " is a lazy negation (its negative bit is set): pass ",
+                     name, ".resolve_neg()");
+  KERNEL_CHECK_VALUE(!written || !RequiresGrad(o), name,
+                     " requires grad, and a KV cache is written in place: pass ", name,
+                     ".detach() (or create it with requires_grad=False)");
+}
 
+void Tensor::View() {
+  TorchTensorView view(object().ptr(), name_);
+  const DLTensor& t = view.get();
+  ndim_ = t.ndim;
+  KERNEL_CHECK_VALUE(ndim_ <= kMaxDims, name_, " has ", ndim_, " dimensions, too many");
+  int64_t expected = 1;
+  for (int d = ndim_ - 1; d >= 0; --d) {
+    shape_[d] = t.shape[d];
+    strides_[d] = t.strides != nullptr ? t.strides[d] : expected;
+    expected *= shape_[d];
+  }
+  dtype_ = t.dtype;
+  device_ = t.device;
+  data_ = static_cast<char*>(t.data) + t.byte_offset;
+}
+
+void Tensor::Pin() {
+  // detach() makes a new tensor sharing the storage: the storage lives as
+  // long as the alias, even if the caller's tensor is given another one.
+  pinned_ = py::reinterpret_borrow<py::object>(obj_).attr("detach")();
+  KERNEL_CHECK_TYPE(IsTorchTensor(pinned_.ptr()), name_, ".detach() did not return a tensor");
+}
+
+std::string Tensor::ShapeString() const {
+  std::string s = "[";
+  for (int d = 0; d < ndim_; ++d) s += (d ? ", " : "") + std::to_string(shape_[d]);
+  return s + "]";
+}
+
+void Tensor::CheckDevice(DLDeviceType type) const {
+  KERNEL_CHECK_TYPE(device_.device_type == type, name_, " must be a ", DeviceTypeName(type),
+                    " tensor, got one on ", DeviceName(device_));
+}
+
+void Tensor::CheckSameDevice(const Tensor& ref) const {
+  KERNEL_CHECK_TYPE(device_.device_type == ref.device_.device_type &&
+                        device_.device_id == ref.device_.device_id,
+                    name_, " must be on ", DeviceName(ref.device_), " like ", ref.name_, ", got ",
+                    DeviceName(device_));
+}
+
+void Tensor::CheckLastContiguous() const {
+  // The last dimension is contiguous (or too short for it to matter).
+  const bool ok = ndim_ == 0 || shape_[ndim_ - 1] <= 1 || strides_[ndim_ - 1] == 1;
+  KERNEL_CHECK_VALUE(ok, name_, " must have a contiguous last dimension (stride 1), got stride ",
+                     strides_[ndim_ - 1], "; pass ", name_, ".contiguous()");
+}
+
+StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& k,
+                              const Tensor& v, DLDeviceType device_type) {
   kc.CheckDevice(device_type);
-  for (const Tensor* t : {&vc, &loc, &k, &v}) t->CheckSameDevice(kc);
+  for (const Tensor* t : {&vc, &k, &v}) t->CheckSameDevice(kc);
 
   KERNEL_CHECK_VALUE(kc.ndim() == 3 || kc.ndim() == 4,
                      "k_cache must have shape [num_pages, page_size, heads, head_dim] or "
@@ -192,6 +209,8 @@ StoreArgs CheckStoreArgs(py::handle k_cache_obj, py::handle v_cache_obj, py::han
   const DLDataType& dt = kc.dtype();
   KERNEL_CHECK_TYPE(dt.lanes == 1 && dt.bits % 8 == 0 && dt.bits > 0, "k_cache has dtype ",
                     DTypeName(dt), ", which is not whole bytes");
+  KERNEL_CHECK_TYPE(dt.code != kDLComplex, "k_cache has dtype ", DTypeName(dt),
+                    ": complex K/V is not supported");
   for (const Tensor* t : {&vc, &k, &v}) {
     KERNEL_CHECK_TYPE(SameDType(t->dtype(), dt), t->name(), " has dtype ", DTypeName(t->dtype()),
                       " but k_cache has dtype ", DTypeName(dt));
@@ -204,15 +223,9 @@ StoreArgs CheckStoreArgs(py::handle k_cache_obj, py::handle v_cache_obj, py::han
                        t->ShapeString(), " but the cache rows are [", heads, ", ", head_dim, "]");
   }
   KERNEL_CHECK_VALUE(v.size(0) == k.size(0), "v has ", v.size(0), " tokens but k has ", k.size(0));
-  KERNEL_CHECK_VALUE(loc.ndim() == 1, "out_loc must be 1-D, got shape ", loc.ShapeString());
-  KERNEL_CHECK_TYPE(IsIndexDType(loc.dtype()), "out_loc must have dtype int32 or int64, got ",
-                    DTypeName(loc.dtype()));
-  KERNEL_CHECK_VALUE(loc.size(0) == k.size(0), "out_loc has length ", loc.size(0), " but k has ",
-                     k.size(0), " tokens");
-  for (const Tensor* t : {&kc, &vc, &k, &v, &loc}) t->CheckLastContiguous();
+  for (const Tensor* t : {&kc, &vc, &k, &v}) t->CheckLastContiguous();
 
-  StoreArgs a{};
-  StoreParams& p = a.params;
+  StoreParams p{};
   p.src[0] = k.data();
   p.src[1] = v.data();
   p.dst[0] = kc.data();
@@ -223,20 +236,52 @@ StoreArgs CheckStoreArgs(py::handle k_cache_obj, py::handle v_cache_obj, py::han
   p.dst_layout[1] = CacheLayout(vc);
   p.heads = heads;
   p.head_bytes = head_dim * kc.elem_bytes();
-  p.indices = loc.data();
-  p.index_type = loc.dtype().bits == 32 ? IndexType::kInt32 : IndexType::kInt64;
   p.num_tokens = k.size(0);
   p.num_slots = kc.ndim() == 4 ? kc.size(0) * kc.size(1) : kc.size(0);
-  a.device = kc.device();
-  return a;
+  return p;
 }
 
-CompareArgs CheckCompareArgs(py::handle query_obj, py::handle keys_obj, py::handle key_lens_obj,
-                             py::handle out_obj, DLDeviceType device_type) {
-  Tensor q(query_obj, "query"), keys(keys_obj, "keys"), out(out_obj, "out");
-  std::optional<Tensor> lens;
-  if (!key_lens_obj.is_none()) lens.emplace(key_lens_obj, "key_lens");
+void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n) {
+  KERNEL_CHECK_VALUE(n == p->num_tokens, "out_loc has length ", n, " but k has ", p->num_tokens,
+                     " tokens");
+  p->indices = data;
+  p->index_type = type;
+}
 
+void SetStoreIndices(StoreParams* p, const Tensor& loc, const Tensor& k_cache) {
+  loc.CheckSameDevice(k_cache);
+  KERNEL_CHECK_VALUE(loc.ndim() == 1, "out_loc must be 1-D, got shape ", loc.ShapeString());
+  KERNEL_CHECK_TYPE(IsIndexDType(loc.dtype()), "out_loc must have dtype int32 or int64, got ",
+                    DTypeName(loc.dtype()));
+  loc.CheckLastContiguous();
+  SetStoreIndices(p, loc.data(),
+                  loc.dtype().bits == 32 ? IndexType::kInt32 : IndexType::kInt64, loc.size(0));
+}
+
+void RaiseBadIndex(int64_t position, int64_t slot, bool repeated, int64_t num_slots) {
+  if (repeated) {
+    throw Error(ErrorCode::kInvalidArgument,
+                StrCat("out_loc[", position, "] = ", slot,
+                       " repeats an earlier slot of out_loc: each token needs its own slot"));
+  }
+  throw Error(ErrorCode::kInvalidArgument, StrCat("out_loc[", position, "] = ", slot,
+                                                  " is out of range for a cache of ", num_slots,
+                                                  " slots"));
+}
+
+void MarkWritten(py::handle a, py::handle b) {
+  static PyObject* increment = [] {
+    py::object f = py::module_::import("torch._C").attr("_increment_version");
+    return f.release().ptr();  // lives as long as torch, that is, the process
+  }();
+  py::tuple tensors = b ? py::tuple(py::make_tuple(a, b)) : py::tuple(py::make_tuple(a));
+  py::object r = py::reinterpret_steal<py::object>(
+      PyObject_CallFunctionObjArgs(increment, tensors.ptr(), nullptr));
+  if (!r) throw py::error_already_set();
+}
+
+CompareArgs CheckCompareArgs(const Tensor& q, const Tensor& keys, const Tensor* lens,
+                             const Tensor& out, DLDeviceType device_type) {
   q.CheckDevice(device_type);
   keys.CheckSameDevice(q);
   out.CheckSameDevice(q);

@@ -4,6 +4,13 @@
 // and `_cuda` (bindings/cuda_module.cc), which share these checks so a bad
 // argument reads the same on every device. Tensors are read through torch's
 // DLPack C exchange API (no libtorch link, no copy, no sync).
+//
+// As for Int32View (tensor_view.h), every tensor is first asked what may run
+// Python code (torch's lazy-negation and requires_grad queries), and only then
+// are all of them borrowed, so no Python code runs between borrowing memory
+// and using it. A call that lets the GIL go first `Pin`s its tensors: it
+// views aliases of its own (`detach()`), which keep the memory alive whatever
+// other threads do to the tensors they were given.
 #pragma once
 
 #include <Python.h>
@@ -11,28 +18,84 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include "radixkv/store_index.h"
+#include "torch_api.h"
 
 namespace radixkv::bindings {
 
-/// The checked arguments of a store: the kernel parameters and the device
-/// they live on.
-struct StoreArgs {
-  StoreParams params;
-  DLDevice device;
+constexpr int kMaxDims = 8;
+
+/// A torch tensor argument of a kernel, viewed in two steps.
+class Tensor {
+ public:
+  /// Step one: checks `obj` is a torch tensor and refuses a lazy negation
+  /// (`is_neg()`), and, when `written`, a tensor that requires grad. Runs
+  /// torch's queries (Python code for subclasses and torch function modes).
+  Tensor(pybind11::handle obj, const char* name, bool written = false);
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+
+  /// Step two: borrows the memory through DLPack (no Python code runs).
+  void View();
+  /// Replaces the view by one of an alias this object owns (Python code runs:
+  /// call `View` on every tensor of the call again afterwards).
+  void Pin();
+
+  pybind11::handle object() const { return pinned_ ? pinned_ : obj_; }
+  const char* name() const { return name_; }
+  int ndim() const { return ndim_; }
+  int64_t size(int d) const { return shape_[d]; }
+  int64_t stride(int d) const { return strides_[d]; }
+  const DLDataType& dtype() const { return dtype_; }
+  int64_t elem_bytes() const { return dtype_.bits / 8; }
+  const DLDevice& device() const { return device_; }
+  char* data() const { return data_; }
+  std::string ShapeString() const;
+  void CheckDevice(DLDeviceType type) const;
+  void CheckSameDevice(const Tensor& ref) const;
+  void CheckLastContiguous() const;
+
+ private:
+  pybind11::handle obj_;
+  pybind11::object pinned_;
+  const char* name_;
+  int ndim_ = 0;
+  int64_t shape_[kMaxDims] = {};
+  int64_t strides_[kMaxDims] = {};
+  DLDataType dtype_{};
+  DLDevice device_{};
+  char* data_ = nullptr;
 };
 
-/// Checks `store_cache(k_cache, v_cache, out_loc, k, v)` (see
-/// radixkv.kernel.store_cache) and returns what the kernels take. All five
-/// must be torch tensors on one device of type `device_type`; the caches
-/// `[num_pages, page_size, H, D]` or `[num_slots, H, D]`, `k` and `v`
-/// `[n, H, D]` with the caches' dtype, `out_loc` 1-D int32/int64 of length n;
-/// every last dimension contiguous. Raises TypeError (type, dtype, device) or
+/// Checks the data tensors of `store_cache(k_cache, v_cache, out_loc, k, v)`
+/// (see radixkv.kernel.store_cache), which must have been `View`ed: all on
+/// one device of type `device_type`, the caches `[num_pages, page_size, H,
+/// D]` or `[num_slots, H, D]`, `k` and `v` `[n, H, D]` with the caches' dtype
+/// (not complex), every last dimension contiguous. Returns the kernel
+/// parameters, indices left unset. Raises TypeError (type, dtype, device) or
 /// ValueError (shape, stride) naming the argument. Reads no tensor data.
-StoreArgs CheckStoreArgs(pybind11::handle k_cache, pybind11::handle v_cache,
-                         pybind11::handle out_loc, pybind11::handle k, pybind11::handle v,
-                         DLDeviceType device_type);
+StoreParams CheckStoreTensors(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k,
+                              const Tensor& v, DLDeviceType device_type);
+
+/// Sets the indices of `p`: `n` slots of `type` at `data`; raises ValueError
+/// unless `n` equals the tokens of `k`.
+void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n);
+
+/// Checks a device `out_loc` tensor (1-D int32/int64, on `k_cache`'s device,
+/// contiguous) and sets it as the indices of `p`.
+void SetStoreIndices(StoreParams* p, const Tensor& out_loc, const Tensor& k_cache);
+
+/// Raises ValueError naming out_loc for a bad index found by a store.
+[[noreturn]] void RaiseBadIndex(int64_t position, int64_t slot, bool repeated,
+                                int64_t num_slots);
+
+/// Tells autograd that `a` and `b` were written in place (bumps their
+/// version counters; a no-op for inference tensors), as torch's own in-place
+/// ops do.
+void MarkWritten(pybind11::handle a, pybind11::handle b = pybind11::handle());
 
 /// The checked arguments of a batched first-mismatch: `out[b]` receives the
 /// first i < min(query_len, len_b) with `query[i] != keys[b * key_stride + i]`,
@@ -52,14 +115,13 @@ struct CompareArgs {
   DLDevice device;
 };
 
-/// Checks `first_mismatch_batched(query, keys, key_lens, out)`: int32 `query`
-/// 1-D, int32 `keys` 2-D `[B, L]` with contiguous rows, `key_lens` None or 1-D
-/// int32/int64 of length B, int32 `out` 1-D contiguous of length B, all on one
-/// device of type `device_type`. Raises TypeError or ValueError naming the
-/// argument.
-CompareArgs CheckCompareArgs(pybind11::handle query, pybind11::handle keys,
-                             pybind11::handle key_lens, pybind11::handle out,
-                             DLDeviceType device_type);
+/// Checks `first_mismatch_batched(query, keys, key_lens, out)` from `View`ed
+/// tensors: int32 `query` 1-D, int32 `keys` 2-D `[B, L]` with contiguous rows,
+/// `key_lens` None or 1-D int32/int64 of length B, int32 `out` 1-D contiguous
+/// of length B, all on one device of type `device_type`. Raises TypeError or
+/// ValueError naming the argument.
+CompareArgs CheckCompareArgs(const Tensor& query, const Tensor& keys, const Tensor* key_lens,
+                             const Tensor& out, DLDeviceType device_type);
 
 /// Torch's current work stream on `device` (nullptr on the CPU), through the
 /// exchange API's `current_work_stream`. Raises on failure.

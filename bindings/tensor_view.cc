@@ -33,58 +33,105 @@ void SetError(void*, const char* kind, const char* message) {
   PyErr_Format(PyExc_RuntimeError, "%s: %s", kind, message);
 }
 
+// The Python error being raised, as "Type: message" (its first line).
+std::string CurrentError() {
+  py::error_already_set e;
+  std::string text = py::str(e.type().attr("__name__")).cast<std::string>() + ": " +
+                     py::str(e.value()).cast<std::string>();
+  e.restore();
+  return text.substr(0, text.find('\n'));
+}
+
+// Raises `type` with `message`, chained to the Python error being raised.
+[[noreturn]] void RaiseFrom(PyObject* type, const std::string& message) {
+  py::raise_from(type, message.c_str());
+  throw py::error_already_set();
+}
+
 template <typename T>
-void Convert(const char* base, int64_t n, int64_t stride_bytes, const char* name,
+void Convert(const char* base, int64_t n, int64_t stride_bytes, bool negate, const char* name,
              std::vector<int32_t>* out) {
   out->resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
-    T v;
-    std::memcpy(&v, base + i * stride_bytes, sizeof(T));
-    if constexpr (sizeof(T) >= sizeof(int32_t)) {
-      if (v > static_cast<T>(std::numeric_limits<int32_t>::max()) ||
-          (std::is_signed_v<T> && v < static_cast<T>(std::numeric_limits<int32_t>::min()))) {
-        Raise(PyExc_ValueError, std::string(name) + "[" + std::to_string(i) + "] = " +
-                                    std::to_string(v) + " does not fit in int32");
+    T raw;
+    std::memcpy(&raw, base + i * stride_bytes, sizeof(T));
+    bool fits = true;
+    int64_t v = 0;
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
+      fits = raw <= static_cast<T>(std::numeric_limits<int64_t>::max());
+    }
+    if (fits) {
+      v = static_cast<int64_t>(raw);
+      if (negate) {
+        fits = v != std::numeric_limits<int64_t>::min();
+        v = fits ? -v : 0;
       }
+      fits = fits && v >= std::numeric_limits<int32_t>::min() &&
+             v <= std::numeric_limits<int32_t>::max();
+    }
+    if (!fits) {
+      Raise(PyExc_ValueError, std::string(name) + "[" + std::to_string(i) + "] = " +
+                                  (negate ? "-" : "") + std::to_string(raw) +
+                                  " does not fit in int32");
     }
     (*out)[i] = static_cast<int32_t>(v);
   }
 }
 
 // Converts `n` integers of `bits` width and signedness at `base` with the
-// given byte stride.
+// given byte stride, negating them when `negate`.
 void ConvertInts(const char* base, int64_t n, int64_t stride_bytes, bool is_signed, int bits,
-                 const char* name, std::vector<int32_t>* out) {
+                 bool negate, const char* name, std::vector<int32_t>* out) {
   switch (bits * (is_signed ? 1 : -1)) {
-    case 8: return Convert<int8_t>(base, n, stride_bytes, name, out);
-    case 16: return Convert<int16_t>(base, n, stride_bytes, name, out);
-    case 32: return Convert<int32_t>(base, n, stride_bytes, name, out);
-    case 64: return Convert<int64_t>(base, n, stride_bytes, name, out);
-    case -8: return Convert<uint8_t>(base, n, stride_bytes, name, out);
-    case -16: return Convert<uint16_t>(base, n, stride_bytes, name, out);
-    case -32: return Convert<uint32_t>(base, n, stride_bytes, name, out);
-    case -64: return Convert<uint64_t>(base, n, stride_bytes, name, out);
+    case 8: return Convert<int8_t>(base, n, stride_bytes, negate, name, out);
+    case 16: return Convert<int16_t>(base, n, stride_bytes, negate, name, out);
+    case 32: return Convert<int32_t>(base, n, stride_bytes, negate, name, out);
+    case 64: return Convert<int64_t>(base, n, stride_bytes, negate, name, out);
+    case -8: return Convert<uint8_t>(base, n, stride_bytes, negate, name, out);
+    case -16: return Convert<uint16_t>(base, n, stride_bytes, negate, name, out);
+    case -32: return Convert<uint32_t>(base, n, stride_bytes, negate, name, out);
+    case -64: return Convert<uint64_t>(base, n, stride_bytes, negate, name, out);
   }
   Raise(PyExc_TypeError, std::string(name) + " has an unsupported integer width of " +
                              std::to_string(bits) + " bits");
 }
 
+bool CallPredicate(PyObject* o, const char* method) {
+  py::object result = py::reinterpret_steal<py::object>(PyObject_CallMethod(o, method, nullptr));
+  if (!result) throw py::error_already_set();
+  const int truth = PyObject_IsTrue(result.ptr());
+  if (truth < 0) throw py::error_already_set();
+  return truth != 0;
+}
+
 }  // namespace
 
-Int32View::Int32View(py::handle obj, const char* name) {
+bool IsNegView(PyObject* o) { return CallPredicate(o, "is_neg"); }
+
+Int32View::Int32View(py::handle obj, const char* name) : name_(name) {
   PyObject* o = obj.ptr();
   if (IsTorchTensor(o)) {
-    TorchTensorView t(o, name);
-    FromDLTensor(t.get(), name);
-  } else if (PyList_Check(o) || PyTuple_Check(o)) {
-    FromSequence(obj, name);
+    tensor_ = o;
+    negated_ = IsNegView(o);
+    return;
+  }
+  finished_ = true;
+  if (PyList_Check(o) || PyTuple_Check(o)) {
+    FromSequence(obj);
   } else if (PyObject_CheckBuffer(o)) {
-    FromBuffer(obj, name);
+    FromBuffer(obj);
   } else {
     Raise(PyExc_TypeError, std::string(name) +
                                " must be a 1-D integer torch.Tensor, NumPy array or list, got " +
                                TypeName(obj));
   }
+}
+
+void Int32View::Finish() {
+  if (finished_) return;
+  finished_ = true;
+  TorchTensorView t(tensor_, name_);
+  FromDLTensor(t.get());
 }
 
 void Int32View::Own() {
@@ -93,7 +140,8 @@ void Int32View::Own() {
   data_ = owned_.data();
 }
 
-void Int32View::FromDLTensor(const DLTensor& t, const char* name) {
+void Int32View::FromDLTensor(const DLTensor& t) {
+  const char* name = name_;
   if (t.device.device_type != kDLCPU) {
     Raise(PyExc_TypeError,
           std::string(name) + " must be a CPU tensor, got a tensor on " + DeviceName(t.device));
@@ -111,18 +159,21 @@ void Int32View::FromDLTensor(const DLTensor& t, const char* name) {
   CheckLength(size_, name);
   const int64_t stride = (t.strides == nullptr || size_ <= 1) ? 1 : t.strides[0];
   const char* base = static_cast<const char*>(t.data) + t.byte_offset;
-  if (t.dtype.code == kDLInt && t.dtype.bits == 32 && stride == 1) {
+  if (t.dtype.code == kDLInt && t.dtype.bits == 32 && stride == 1 && !negated_) {
     data_ = reinterpret_cast<const int32_t*>(base);
     return;
   }
-  ConvertInts(base, size_, stride * (t.dtype.bits / 8), t.dtype.code == kDLInt, t.dtype.bits, name,
-              &owned_);
+  ConvertInts(base, size_, stride * (t.dtype.bits / 8), t.dtype.code == kDLInt, t.dtype.bits,
+              negated_, name, &owned_);
   data_ = owned_.data();
 }
 
-void Int32View::FromBuffer(py::handle obj, const char* name) {
+void Int32View::FromBuffer(py::handle obj) {
+  const char* name = name_;
   if (PyObject_GetBuffer(obj.ptr(), &buffer_.view, PyBUF_STRIDES | PyBUF_FORMAT) != 0) {
-    throw py::error_already_set();
+    // NumPy refuses to export some dtypes (datetime64, say): name the argument.
+    RaiseFrom(PyExc_TypeError, std::string(name) + " must have an integer dtype: its buffer "
+                                   "could not be read (" + CurrentError() + ")");
   }
   buffer_.held = true;
   const Py_buffer& view = buffer_.view;
@@ -152,11 +203,12 @@ void Int32View::FromBuffer(py::handle obj, const char* name) {
     data_ = reinterpret_cast<const int32_t*>(base);
     return;
   }
-  ConvertInts(base, size_, stride, is_signed, bits, name, &owned_);
+  ConvertInts(base, size_, stride, is_signed, bits, /*negate=*/false, name, &owned_);
   data_ = owned_.data();
 }
 
-void Int32View::FromSequence(py::handle obj, const char* name) {
+void Int32View::FromSequence(py::handle obj) {
+  const char* name = name_;
   // A list is read from a tuple snapshot: an item's __index__ may change it.
   py::object snapshot = PyList_Check(obj.ptr())
                             ? py::reinterpret_steal<py::object>(PyList_AsTuple(obj.ptr()))
@@ -169,9 +221,9 @@ void Int32View::FromSequence(py::handle obj, const char* name) {
   owned_.resize(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = items[i];
+    const std::string where = std::string(name) + "[" + std::to_string(i) + "]";
     if (PyBool_Check(item) || !(PyLong_Check(item) || PyIndex_Check(item))) {
-      Raise(PyExc_TypeError, std::string(name) + "[" + std::to_string(i) +
-                                 "] must be an int, got " + Py_TYPE(item)->tp_name);
+      Raise(PyExc_TypeError, where + " must be an int, got " + Py_TYPE(item)->tp_name);
     }
     int overflow = 0;
     long long v;
@@ -179,13 +231,15 @@ void Int32View::FromSequence(py::handle obj, const char* name) {
       v = PyLong_AsLongLongAndOverflow(item, &overflow);
     } else {
       py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item));
-      if (!index) throw py::error_already_set();
+      if (!index) {
+        RaiseFrom(PyExc_TypeError, where + " could not be read as an int: its __index__ raised " +
+                                       CurrentError());
+      }
       v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
     }
     if (overflow != 0 || v > std::numeric_limits<int32_t>::max() ||
         v < std::numeric_limits<int32_t>::min()) {
-      Raise(PyExc_ValueError, std::string(name) + "[" + std::to_string(i) +
-                                  "] does not fit in int32");
+      Raise(PyExc_ValueError, where + " does not fit in int32");
     }
     owned_[i] = static_cast<int32_t>(v);
   }
@@ -193,7 +247,7 @@ void Int32View::FromSequence(py::handle obj, const char* name) {
   data_ = owned_.data();
 }
 
-py::object NewInt32Tensor(const int32_t* src, int64_t n) {
+py::object NewInt32Tensor(int64_t n, int32_t** data) {
   int64_t shape[1] = {n};
   DLTensor proto{};
   proto.ndim = 1;
@@ -204,13 +258,40 @@ py::object NewInt32Tensor(const int32_t* src, int64_t n) {
   if (TorchApi().managed_tensor_allocator(&proto, &mt, nullptr, SetError) != 0) {
     throw py::error_already_set();
   }
-  if (n > 0) {
-    std::memcpy(static_cast<char*>(mt->dl_tensor.data) + mt->dl_tensor.byte_offset, src,
-                static_cast<size_t>(n) * sizeof(int32_t));
-  }
+  *data = reinterpret_cast<int32_t*>(static_cast<char*>(mt->dl_tensor.data) +
+                                     mt->dl_tensor.byte_offset);
   void* out = nullptr;
-  if (TorchApi().managed_tensor_to_py_object_no_sync(mt, &out) != 0) throw py::error_already_set();
+  if (TorchApi().managed_tensor_to_py_object_no_sync(mt, &out) != 0) {
+    if (mt->deleter != nullptr) mt->deleter(mt);  // still ours: torch did not take it
+    throw py::error_already_set();
+  }
   return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));
+}
+
+py::object NewInt32Tensor(const int32_t* src, int64_t n) {
+  int32_t* data = nullptr;
+  py::object t = NewInt32Tensor(n, &data);
+  if (n > 0) std::memcpy(data, src, static_cast<size_t>(n) * sizeof(int32_t));
+  return t;
+}
+
+int32_t* TensorSink::operator()(int64_t n) {
+  int32_t* data = nullptr;
+  if (PyGILState_Check()) {
+    tensor_ = NewInt32Tensor(n, &data);
+  } else {
+    py::gil_scoped_acquire gil;
+    tensor_ = NewInt32Tensor(n, &data);
+  }
+  return data;
+}
+
+py::object TensorSink::take() {
+  if (!tensor_) {
+    int32_t* unused;
+    return NewInt32Tensor(0, &unused);
+  }
+  return std::move(tensor_);
 }
 
 int64_t ToInt64(py::handle obj, const char* name) {

@@ -5,4 +5,9 @@ import torch as _torch  # noqa: F401  (the extension reads its DLPack exchange A
 from radixkv._core import IntegrityError, OutOfCapacityError
 
 __version__ = "0.1.0"
-__all__ = ["IntegrityError", "OutOfCapacityError", "__version__"]
+
+# The subpackages are light (no extension beyond _core): `import radixkv` gives them all.
+from radixkv import kernel, kvcache, scheduler  # noqa: E402
+
+__all__ = ["IntegrityError", "OutOfCapacityError", "__version__", "kernel", "kvcache",
+           "scheduler"]

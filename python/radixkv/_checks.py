@@ -27,6 +27,16 @@ def as_count(value, name: str, minimum: int = 1) -> int:
     return value
 
 
+def as_max_slots(value) -> int:
+    """`max_slots` for the native tree: None (any slot) becomes -1."""
+    if value is None:
+        return -1
+    value = as_int(value, "max_slots")
+    if not 0 <= value <= 2**31:
+        raise ValueError(f"max_slots must be in [0, 2**31] or None, got {value}")
+    return value
+
+
 def to_host(values, name: str, device: torch.device):
     """Inputs are read on the host. A manager on an accelerator takes tensors
     on any real device (they are copied to the host); a CPU manager takes CPU

@@ -1004,9 +1004,15 @@ STORE_BAD = {
     "k_None": (lambda c, k, v: dict(k=None), TypeError, "k"),
     "k_last_dim_strided": (lambda c, k, v: dict(k=torch.cat([k, k], 2)[..., ::2]),
                            ValueError, "k"),
-    "out_loc_list": (lambda c, k, v: dict(out_loc=list(STORE_LOC)), TypeError, "out_loc"),
-    "out_loc_numpy": (lambda c, k, v: dict(out_loc=np.array(STORE_LOC)), TypeError, "out_loc"),
     "out_loc_None": (lambda c, k, v: dict(out_loc=None), TypeError, "out_loc"),
+    "out_loc_float": (lambda c, k, v: dict(out_loc=torch.tensor(STORE_LOC).float()), TypeError,
+                      "out_loc"),
+    "out_loc_repeats": (lambda c, k, v: dict(out_loc=torch.tensor(STORE_LOC[:-1] + STORE_LOC[:1])),
+                        ValueError, "out_loc"),
+    "k_neg_view": (lambda c, k, v: dict(k=torch._neg_view(k)), ValueError, "k"),
+    # conj().imag of a complex tensor is a lazy negation too
+    "v_conj_imag": (lambda c, k, v: dict(v=torch.complex(v.float(), v.float()).conj().imag),
+                    ValueError, "v"),
 }
 STORE_CACHE_BAD = {
     "k_cache_meta": (lambda c, k, v: dict(k_cache=c.k_cache(1).to("meta")), TypeError,
@@ -1020,11 +1026,42 @@ STORE_CACHE_BAD = {
     "k_cache_2d": (lambda c, k, v: dict(k_cache=c.kv_buffer.view(16, -1)), ValueError,
                    "k_cache"),
     "k_cache_numpy": (lambda c, k, v: dict(k_cache=c.k_cache(1).numpy()), TypeError, "k_cache"),
+    "k_cache_neg_view": (lambda c, k, v: dict(k_cache=torch._neg_view(c.k_cache(1))), ValueError,
+                         "k_cache"),
+    "v_cache_requires_grad": (lambda c, k, v: dict(v_cache=c.v_cache(1).clone().requires_grad_()),
+                              ValueError, "v_cache"),
+    "k_cache_complex": (lambda c, k, v: dict(
+        k_cache=torch.zeros(c.k_cache(1).shape[:-1] + (4,), dtype=torch.complex64),
+        v_cache=torch.zeros(c.k_cache(1).shape[:-1] + (4,), dtype=torch.complex64)),
+        TypeError, "k_cache"),
 }
 STORE_PARAMS = [pytest.param(e, p, case, id=f"{e}-p{p}-{case}")
                 for e in ("store_kv", "store_cache") for p in P_VALUES
                 for case in sorted(STORE_BAD) + (sorted(STORE_CACHE_BAD)
                                                  if e == "store_cache" else [])]
+
+
+@pytest.mark.parametrize("entry", ["store_kv", "store_cache"])
+@pytest.mark.parametrize("p", P_VALUES)
+@pytest.mark.parametrize("form", ["list", "numpy", "int16", "uint8", "strided"])
+def test_store_takes_any_integer_out_loc_on_cpu(entry, p, form):
+    """On the CPU, out_loc is read like every other index input (README): any
+    1-D integer tensor, NumPy array or list, all storing the same rows."""
+    c, k, v = kv_pool(p)
+    ref, _, _ = kv_pool(p)
+    loc = {
+        "list": list(STORE_LOC),
+        "numpy": np.array(STORE_LOC),
+        "int16": torch.tensor(STORE_LOC, dtype=torch.int16),
+        "uint8": torch.tensor(STORE_LOC, dtype=torch.uint8),
+        "strided": torch.tensor([x for s in STORE_LOC for x in (s, -9)])[::2],
+    }[form]
+    ref.store_kv(k, v, torch.tensor(STORE_LOC), 1)
+    if entry == "store_kv":
+        c.store_kv(k, v, loc, 1)
+    else:
+        kernel.store_cache(c.k_cache(1), c.v_cache(1), loc, k, v)
+    assert kv_state(c) == kv_state(ref)
 
 
 @pytest.mark.parametrize("entry, p, case", STORE_PARAMS)

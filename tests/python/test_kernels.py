@@ -110,13 +110,11 @@ def test_store_cache_error_names_each_argument(device):
         assert torch.equal(kc, before[0]) and torch.equal(args["v_cache"], before[1])
 
 
-def test_store_cache_non_contiguous_out_loc_names_it():
+def test_store_cache_non_contiguous_out_loc_is_read_on_cpu():
     kc = torch.zeros(8, 2, 4)
     k = torch.ones(3, 2, 4)
     loc = torch.tensor([0, 9, 1, 9, 2, 9])[::2]
-    with pytest.raises(ValueError, match=r"^out_loc must have a contiguous last dimension"):
-        kernel.store_cache(kc, kc.clone(), loc, k, k)
-    kernel.store_cache(kc, kc.clone(), loc.contiguous(), k, k)
+    kernel.store_cache(kc, kc.clone(), loc, k, k)
     assert kc[:3].eq(1).all() and kc[3:].eq(0).all()
 
 
@@ -134,13 +132,15 @@ def test_store_cache_cpu_rejects_out_of_range_with_value():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_store_cache_duplicate_slots_take_one_of_the_rows(device):
+def test_store_cache_refuses_repeated_slots(device):
+    """Two tokens for one slot is a scheduler bug; which row would win is not
+    defined (torch's index_put_ says the same), so the store refuses it."""
     kc = torch.zeros(4, 1, 2, device=device)
     vc = torch.zeros(4, 1, 2, device=device)
-    k = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]]], device=device)
-    kernel.store_cache(kc, vc, torch.tensor([3, 3], device=device), k, -k)
-    assert kc[3].tolist() in ([[1.0, 1.0]], [[2.0, 2.0]])
-    assert kc[3].tolist() == (-vc[3]).tolist()
+    k = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]], [[3.0, 3.0]]], device=device)
+    with pytest.raises(ValueError, match=r"^out_loc\[2\] = 3 repeats an earlier slot"):
+        kernel.store_cache(kc, vc, torch.tensor([3, 1, 3], device=device), k, -k)
+    assert kc.eq(0).all() and vc.eq(0).all()
 
 
 def test_store_torch_fallback_matches_native():

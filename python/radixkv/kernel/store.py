@@ -25,10 +25,14 @@ def _cuda():
     return _cuda_module
 
 
-def cuda_available() -> bool:
-    """Whether the CUDA kernels were built (`radixkv._cuda` imports). Says nothing
-    about a GPU being present: see `torch.cuda.is_available()` for that."""
+def cuda_built() -> bool:
+    """Whether the CUDA kernels were built (`radixkv._cuda` imports), GPU or not."""
     return _cuda() is not None
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA kernels can run here: they were built and torch sees a GPU."""
+    return cuda_built() and torch.cuda.is_available()
 
 
 def store_cache(
@@ -38,32 +42,43 @@ def store_cache(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    check_bounds: Optional[bool] = None,
+    check_bounds: bool = True,
 ) -> None:
     """Write `k[i]` and `v[i]` to token slot `out_loc[i]` of `k_cache` and `v_cache`.
 
     The caches are `[num_pages, page_size, H, D]` (any strides but a contiguous
     last dimension; slot `s` is page `s // page_size`, row `s % page_size`) or
     `[num_slots, H, D]`; `k` and `v` are `[n, H, D]` with the caches' dtype, and
-    their rows may be strided (slices of a fused qkv output); `out_loc` is 1-D
-    int32 or int64 of length n. All five on one device. Of tokens sharing a
-    slot, one row wins. Equivalent to `k_cache.view(-1, H, D)[out_loc] = k`
-    (and the same for v) for a contiguous cache.
+    their rows may be strided (slices of a fused qkv output); `out_loc` has
+    length n: on the CPU any 1-D integer tensor, NumPy array or list, on a
+    device a 1-D int32 or int64 tensor there (a list or array is moved there).
+    The caches, k and v on one device. Equivalent to
+    `k_cache.view(-1, H, D)[out_loc] = k` (and the same for v) for a
+    contiguous cache, and like torch's in-place ops it bumps the caches'
+    version counters.
 
     Bad arguments raise TypeError (type, dtype, device) or ValueError (shape,
-    stride, slot) naming the argument, with nothing written. Slots are always
-    checked on the CPU. On CUDA the kernel runs on torch's current stream
-    without synchronizing, and an out-of-range slot is skipped (never written)
-    rather than raised, unless `check_bounds=True`, which checks all slots
-    first at the cost of one synchronization. Where no native kernel exists
-    (other devices, or CUDA when `radixkv._cuda` was not built) the store runs
-    as torch indexing and always checks slots first.
+    stride, slot) naming the argument, with nothing written: a slot out of
+    range or used twice in out_loc (which row would win is not defined), a
+    cache that requires grad, a tensor that is a lazy negation. On the CPU
+    every slot is read once and checked before anything is written. On CUDA
+    the kernel runs on torch's current stream; checking the slots first costs
+    one synchronization, which `check_bounds=False` skips (for CUDA graph
+    capture or an engine that guarantees its slots): the kernel then skips an
+    out-of-range slot (never writes it) and does not look for repeats. Where
+    no native kernel exists (other devices, or CUDA when `radixkv._cuda` was
+    not built) the store runs as torch indexing and always checks first.
     """
     if getattr(k_cache, "is_cuda", False):
+        if not isinstance(out_loc, torch.Tensor):
+            out_loc = _core.int32_tensor(out_loc, "out_loc").to(k_cache.device)
         module = _cuda()
         if module is None:
             return _store_torch(k_cache, v_cache, out_loc, k, v)
         if check_bounds:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("store_cache cannot check slots while a CUDA graph is being "
+                                   "captured (it would synchronize): pass check_bounds=False")
             _check_slots(k_cache, out_loc)
         return module.store_cache(k_cache, v_cache, out_loc, k, v)
     if getattr(k_cache, "is_cpu", True):
@@ -76,8 +91,9 @@ def _num_slots(cache: torch.Tensor) -> int:
 
 
 def _check_slots(k_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
-    """Raise ValueError naming the first slot of `out_loc` outside the cache
-    (synchronizes). Leaves malformed arguments to the kernel's checks."""
+    """Raise ValueError naming the first slot of `out_loc` outside the cache, or
+    the first that repeats an earlier one (synchronizes). Leaves malformed
+    arguments to the kernel's checks."""
     if not (
         isinstance(out_loc, torch.Tensor)
         and out_loc.dim() == 1
@@ -93,6 +109,15 @@ def _check_slots(k_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
         i = int(bad.nonzero()[0, 0])
         raise ValueError(
             f"out_loc[{i}] = {int(out_loc[i])} is out of range for a cache of {num_slots} slots"
+        )
+    order = torch.argsort(out_loc, stable=True)
+    ranked = out_loc[order]
+    same = ranked[1:] == ranked[:-1]
+    if bool(same.any()):
+        i = int(order[1:][same].min())
+        raise ValueError(
+            f"out_loc[{i}] = {int(out_loc[i])} repeats an earlier slot of out_loc: each token "
+            "needs its own slot"
         )
 
 
@@ -131,6 +156,10 @@ def _store_torch(k_cache, v_cache, out_loc, k, v) -> None:
         raise TypeError(f"out_loc must have dtype int32 or int64, got {out_loc.dtype}")
     if out_loc.shape[0] != k.shape[0]:
         raise ValueError(f"out_loc has length {out_loc.shape[0]} but k has {k.shape[0]} tokens")
+    if k_cache.requires_grad or v_cache.requires_grad:
+        name = "k_cache" if k_cache.requires_grad else "v_cache"
+        raise ValueError(f"{name} requires grad, and a KV cache is written in place: pass "
+                         f"{name}.detach()")
     _check_slots(k_cache, out_loc)
     loc = out_loc.long()
     if k_cache.dim() == 4:

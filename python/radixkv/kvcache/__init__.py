@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from radixkv.kvcache.base import (
@@ -25,14 +27,15 @@ _MANAGERS = {"naive": NaiveCacheManager, "radix": RadixCacheManager}
 
 
 def create_cache_manager(
-    device: torch.device | str, type: str, page_size: int = 1
+    device: torch.device | str, type: str, page_size: int = 1, max_slots: Optional[int] = None
 ) -> BaseCacheManager:
-    """A cache manager of `type` ("naive" or "radix") on `device`."""
+    """A cache manager of `type` ("naive" or "radix") on `device`; `max_slots`
+    bounds the slots it accepts (the pool's size; None: any)."""
     try:
         cls = _MANAGERS[type]
     except (KeyError, TypeError):
         raise ValueError(f"type must be one of {sorted(_MANAGERS)}, got {type!r}") from None
-    return cls(device=device, page_size=page_size)
+    return cls(device=device, page_size=page_size, max_slots=max_slots)
 
 
 __all__ = [

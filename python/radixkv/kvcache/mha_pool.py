@@ -123,8 +123,10 @@ class MHAKVCache(BaseKVCache):
     Token slot `s` is row `s % page_size` of page `s // page_size`.
 
     `store_kv` runs the native CPU kernel on the CPU and the CUDA kernel on CUDA
-    (torch indexing elsewhere). Slots are checked on the CPU; on CUDA an
-    out-of-range slot is skipped unless `check_bounds=True` (one sync a call).
+    (torch indexing elsewhere); see `radixkv.kernel.store_cache`. A slot out of
+    range or used twice raises, with nothing written; on CUDA that check costs
+    one synchronization a call, which `check_bounds=False` skips (the kernel
+    then skips out-of-range slots silently).
     """
 
     def __init__(
@@ -139,7 +141,7 @@ class MHAKVCache(BaseKVCache):
         page_size: int = 1,
         tp_size: Optional[int] = None,
         *,
-        check_bounds: bool = False,
+        check_bounds: bool = True,
     ) -> None:
         self._num_kv_heads = _count(num_kv_heads, "num_kv_heads")
         self._num_layers = _count(num_layers, "num_layers")
@@ -269,7 +271,7 @@ def create_kvcache(
     cache_type: KVCacheType = KVCacheType.MHA,
     tp_size: Optional[int] = None,
     *,
-    check_bounds: bool = False,
+    check_bounds: bool = True,
 ) -> BaseKVCache:
     """A KV pool of `cache_type` (only `KVCacheType.MHA` so far) laid out as
     `cache_layout`; the other arguments are MHAKVCache's."""

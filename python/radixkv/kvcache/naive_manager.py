@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_count, as_int, to_host
+from radixkv._checks import as_count, as_int, as_max_slots, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 
@@ -31,10 +31,12 @@ class NaiveCacheHandle(BaseCacheHandle):
 class NaiveCacheManager(BaseCacheManager):
     """The baseline: never matches, stores nothing, has nothing to evict."""
 
-    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1):
+    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
+                 max_slots: Optional[int] = None):
         page_size = as_count(page_size, "page_size")
         self.device = torch.device(device)
         self.page_size = page_size
+        self._max_slots = as_max_slots(max_slots)
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int32, device=self.device)
@@ -59,7 +61,8 @@ class NaiveCacheManager(BaseCacheManager):
 
     def insert_prefix(self, input_ids, indices) -> int:
         n = _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
-        m = _core.check_slots(to_host(indices, "indices", self.device), "indices")
+        m = _core.check_slots(to_host(indices, "indices", self.device), "indices",
+                              self._max_slots)
         if n != m:
             raise ValueError(f"indices has length {m} but input_ids has length {n}")
         # Nothing is stored: report the whole pages as "cached already", so the
@@ -76,6 +79,11 @@ class NaiveCacheManager(BaseCacheManager):
                 "caches nothing)"
             )
         return self._empty()
+
+    @property
+    def max_slots(self) -> Optional[int]:
+        """Slots must be below this (None: any int32 slot >= 0)."""
+        return None if self._max_slots < 0 else self._max_slots
 
     def is_valid(self, handle) -> bool:
         return isinstance(handle, NaiveCacheHandle) and handle._owner is self

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_count, to_host
+from radixkv._checks import as_count, as_max_slots, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 RadixCacheHandle = _core.RadixCacheHandle
@@ -21,13 +21,18 @@ class RadixCacheManager(BaseCacheManager):
     raises before changing anything. On a CPU manager the tree's methods are
     bound directly, so a call costs no Python frame; on an accelerator the
     results are copied to the device and device inputs are read on the host.
+
+    `max_slots` is the size of the KV pool the slots index, when known: a slot
+    at or past it is refused. None accepts any int32 slot >= 0 (memory still
+    follows the slots stored, never the largest value seen).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1):
+    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
+                 max_slots: Optional[int] = None):
         page_size = as_count(page_size, "page_size")
         self.device = torch.device(device)
         self.page_size = page_size
-        self._tree = _core.RadixTree(page_size)
+        self._tree = _core.RadixTree(page_size, as_max_slots(max_slots))
         if self.device.type == "cpu":
             self.match_prefix = self._tree.match_prefix
             self.insert_prefix = self._tree.insert_prefix
@@ -57,6 +62,12 @@ class RadixCacheManager(BaseCacheManager):
 
     def check_integrity(self) -> None:
         self._tree.check_integrity()
+
+    @property
+    def max_slots(self) -> Optional[int]:
+        """Slots must be below this (None: any int32 slot >= 0)."""
+        limit = self._tree.max_slots
+        return None if limit < 0 else limit
 
     @property
     def num_nodes(self) -> int:

@@ -33,7 +33,8 @@ class CacheManager:
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
         self._pages = _core.PageAllocator(num_pages, page_size)
-        self.manager = create_cache_manager(device, type, page_size)
+        self.manager = create_cache_manager(device, type, page_size,
+                                            max_slots=num_pages * page_size)
         self.device = torch.device(device)
         self.page_size = page_size
         self.num_pages = num_pages
