@@ -9,8 +9,13 @@ from typing import List, Optional
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"replay": "replay a trace or the built-in workload through the cache"}
+    if argv and argv[0] in ("-V", "--version"):
+        from radixkv import __version__
+
+        print(f"radixkv {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: radixkv COMMAND [options]\n\ncommands:")
+        print("usage: radixkv [--version] COMMAND [options]\n\ncommands:")
         for name, what in commands.items():
             print(f"  {name:<8} {what}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -136,10 +138,110 @@ def test_cli_json_and_sweep(tmp_path):
     assert (tmp_path / "replay_sweep.png").stat().st_size > 1000
 
 
+def run_cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "radixkv", *args], capture_output=True,
+                          text=True, **kwargs)
+
+
+def one_error_line(result, *words):
+    """A user mistake: exit 2, no traceback, one `error:` line naming `words`."""
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
 def test_cli_rejects_bad_arguments():
-    bad = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--kv", "1,x,8"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "--kv" in bad.stderr
+    one_error_line(run_cli("replay", "--kv", "1,x,8"), "--kv")
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--page-size", "0"], ["--page-size", ">= 1"]),
+    (["--block-size", "0"], ["--block-size"]),
+    (["--limit", "-5"], ["--limit"]),
+    (["--sweep", "0"], ["--sweep"]),
+    (["--capacity-tokens", "0"], ["--capacity-tokens"]),
+    (["--sessions", "x"], ["--sessions"]),
+    (["--kv", "1,1,8,int8"], ["--kv", "int8"]),
+    (["--kv", "1,1,8,nonsense"], ["--kv"]),
+    (["--capacity-pages", "1", "--no-store"], ["every request was skipped"]),
+])
+def test_cli_user_mistakes_get_one_error_line(args, words):
+    one_error_line(run_cli("replay", "--sessions", "5", *args), *words)
+
+
+def test_cli_trace_file_mistakes_name_the_file_and_line(tmp_path):
+    one_error_line(run_cli("replay", str(tmp_path / "missing.jsonl")), "missing.jsonl")
+    one_error_line(run_cli("replay", str(tmp_path)), "directory")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+                   '{"timestamp": 1, "input_len')  # cut off mid-line
+    one_error_line(run_cli("replay", str(bad)), "bad.jsonl:2")
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    one_error_line(run_cli("replay", str(binary)), "binary.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    one_error_line(run_cli("replay", str(empty)), "no requests")
+
+
+def test_cli_sweep_checks_out_before_replaying(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    started = time.perf_counter()
+    one_error_line(run_cli("replay", "--sweep", "3", "--out", str(blocker / "sub")), "--out")
+    assert time.perf_counter() - started < 30
+
+
+def test_cli_warns_when_the_block_size_disagrees(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": i, "input_length": 1000, "output_length": 4,
+             "hash_ids": [3 * i, 3 * i + 1]} for i in range(20)]  # 512-token blocks
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    r = run_cli("replay", str(trace), "--block-size", "256", "--no-store")
+    assert r.returncode == 0
+    assert "warning: --block-size 256 disagrees with the trace" in r.stderr
+    assert "512" in r.stderr
+    assert "warning" not in run_cli("replay", str(trace), "--no-store").stderr
+
+
+def test_cli_optimum_is_over_the_requests_replayed(tmp_path):
+    """With a pool too small for the long requests, the optimum shown is that of
+    the requests actually replayed, never above 100% of their tokens."""
+    r = json.loads(run_cli("replay", "--sessions", "60", "--capacity-tokens", "400", "--no-store",
+                           "--json", check=True).stdout)
+    assert r["skipped_requests"] > 0 and r["requests"] > 0
+    assert r["optimal_hit_tokens"] <= r["input_tokens"]
+    assert r["hit_tokens"] <= r["optimal_hit_tokens"]
+
+
+def test_cli_ctrl_c_prints_the_partial_result():
+    p = subprocess.Popen([sys.executable, "-m", "radixkv", "replay", "--sessions", "50000",
+                          "--no-store", "--capacity-tokens", "100000000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "token hit rate" in out and "Traceback" not in err
+    assert "interrupted: the figures cover the first" in err
+
+
+def test_version_flag():
+    r = run_cli("--version", check=True)
+    assert r.stdout.strip().startswith("radixkv ")
+
+
+def test_default_trace_pool_is_sized_by_what_an_unbounded_cache_uses():
+    requests = chat_sessions(60, 16, seed=9)
+    r = replay(requests, block_size=16, page_size=16, store=False)
+    assert 0 < r.peak_pages < pages_for_all(requests, 16)
+    again = replay(requests, block_size=16, page_size=16, capacity_pages=r.peak_pages,
+                   store=True)
+    assert again.evicted_tokens == 0 and again.hit_tokens == r.hit_tokens
+    assert again.pool_bytes == r.peak_pages * 16 * 32  # 1 layer, 1 head of 8 fp16, K and V
 
 
 def test_load_mooncake_names_the_bad_line(tmp_path):

@@ -6,10 +6,11 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+import tempfile
+from typing import List, NoReturn, Optional, Sequence
 
 from radixkv.replay.replay import KVShape, ReplayResult, pages_for_all, replay
-from radixkv.replay.traces import load_mooncake, optimal_hit_tokens
+from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
 
 MOONCAKE_BLOCK = 512
@@ -17,48 +18,78 @@ BUILTIN_BLOCK = 16
 # The built-in workload's default pool: about a fifth of its tokens, so LRU
 # eviction is part of the default run.
 BUILTIN_CAPACITY_TOKENS = 1 << 18
+# Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one `error:` line and exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not the whole usage
+        raise UsageError(message)
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = _Parser(prog=prog, description=__doc__)
+    positive = _int_at_least(1)
     p.add_argument("trace", nargs="?", help="Mooncake-format JSONL trace; omitted: built-in "
                    "multi-turn chat workload")
     cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-tokens", type=int, help="KV pool size in tokens "
-                     "(rounded up to pages; default for a trace: room for every token, no "
-                     f"eviction; built in: {BUILTIN_CAPACITY_TOKENS:,})")
-    cap.add_argument("--capacity-pages", type=int, help="KV pool size in pages")
-    p.add_argument("--block-size", type=int, help=f"tokens per trace block (default "
+    cap.add_argument("--capacity-tokens", type=positive, help="KV pool size in tokens "
+                     "(rounded up to pages; default for a trace: the pages an unbounded cache "
+                     f"uses, no eviction; built in: {BUILTIN_CAPACITY_TOKENS:,})")
+    cap.add_argument("--capacity-pages", type=positive, help="KV pool size in pages")
+    p.add_argument("--block-size", type=positive, help=f"tokens per trace block (default "
                    f"{MOONCAKE_BLOCK} for a trace file, {BUILTIN_BLOCK} built in)")
-    p.add_argument("--page-size", type=int, help="KV page size (default: the block size)")
+    p.add_argument("--page-size", type=positive, help="KV page size (default: the block size)")
     p.add_argument("--policy", choices=["radix", "naive"], default="radix")
     p.add_argument("--kv", default="1,1,8,float16", metavar="L,H,D[,DTYPE]",
                    help="model shape of the KV pool: layers, kv heads, head dim, dtype "
                    "(default 1,1,8,float16)")
     p.add_argument("--no-store", action="store_true", help="skip storing K/V into the pool")
-    p.add_argument("--limit", type=int, help="replay only the first N requests")
-    p.add_argument("--sessions", type=int, default=400, help="built-in workload: sessions")
+    p.add_argument("--limit", type=positive, help="replay only the first N requests")
+    p.add_argument("--sessions", type=positive, default=400, help="built-in workload: sessions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--sweep", type=int, nargs="?", const=8, metavar="N",
+    p.add_argument("--sweep", type=positive, nargs="?", const=8, metavar="N",
                    help="replay at N capacities (unbounded / 2^k) and write a hit-rate plot")
     p.add_argument("--out", default=".", help="directory for --sweep's JSON and PNG")
     return p
 
 
-def _table(r: ReplayResult, optimum: Optional[int]) -> str:
+def _table(r: ReplayResult, kv: KVShape) -> str:
+    pct = lambda x: f"{100 * x / r.input_tokens:.2f}%" if r.input_tokens else "-"  # noqa: E731
+    pool = (f"{kv} x {r.capacity_tokens:,} slots = {r.pool_bytes / 2**20:,.1f} MiB"
+            if r.pool_bytes else "not stored (--no-store)")
     lines = [
         f"policy {r.policy}, page size {r.page_size}, capacity {r.capacity_tokens:,} tokens",
         f"  requests        {r.requests:>14,}   (skipped, larger than the pool: "
         f"{r.skipped_requests})",
         f"  input tokens    {r.input_tokens:>14,}",
-        f"  hit tokens      {r.hit_tokens:>14,}   token hit rate {100 * r.token_hit_rate:.2f}%"
-        + (f" (unbounded optimum {100 * optimum / r.input_tokens:.2f}%)"
-           if optimum is not None and r.input_tokens else ""),
+        f"  hit tokens      {r.hit_tokens:>14,}   token hit rate {pct(r.hit_tokens)}"
+        + (f" (unbounded optimum {pct(r.optimal_hit_tokens)})"
+           if r.optimal_hit_tokens is not None else ""),
         f"  computed tokens {r.computed_tokens:>14,}",
         f"  output tokens   {r.output_tokens:>14,}",
         f"  evicted tokens  {r.evicted_tokens:>14,}",
         f"  K/V stored      {r.stored_tokens:>14,} tokens",
+        f"  K/V pool        {pool}",
+        f"  peak pages      {r.peak_pages:>14,}",
         f"  wall time       {r.wall_s:>14.3f} s    {r.requests / max(r.wall_s, 1e-9):,.0f} "
         "requests/s",
         "  latency (us)         p50        p99      count",
@@ -79,7 +110,7 @@ def _plot(points: List[dict], path: str, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         print("note: matplotlib is not installed; no plot written "
-              "(pip install matplotlib)", file=sys.stderr)
+              "(pip install 'radixkv[plot]')", file=sys.stderr)
         return False
     xs = [p["capacity_tokens"] for p in points]
     ys = [100 * p["token_hit_rate"] for p in points]
@@ -96,12 +127,65 @@ def _plot(points: List[dict], path: str, title: str) -> bool:
     return True
 
 
-def main(argv: Optional[List[str]] = None, prog: str = "radixkv replay") -> int:
-    args = build_parser(prog).parse_args(argv)
+def _load_trace(path: str) -> List[Request]:
+    try:
+        return load_mooncake(path)
+    except FileNotFoundError:
+        raise UsageError(f"trace {path}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"trace {path}: is a directory, not a JSONL file") from None
+    except PermissionError:
+        raise UsageError(f"trace {path}: permission denied") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"trace {path}: not a text file ({e.reason})") from None
+    except ValueError as e:  # load_mooncake names the file and the line
+        raise UsageError(str(e)) from None
+
+
+def _check_block_size(requests: Sequence[Request], block: int) -> Optional[str]:
+    """A warning when most requests' hash ids do not cover their prompt in
+    blocks of `block` tokens (the trace was made with another block size)."""
+    def fits(b: int) -> float:
+        named = [r for r in requests if r.hash_ids]
+        ok = sum(len(r.hash_ids) == -(-r.input_length // b) for r in named)
+        return ok / len(named) if named else 1.0
+
+    if fits(block) >= 0.9:
+        return None
+    best = max((2**k for k in range(4, 14)), key=fits)
+    hint = f"; blocks of {best} fit {100 * fits(best):.0f}%" if fits(best) > fits(block) else ""
+    return (f"warning: --block-size {block} disagrees with the trace: only "
+            f"{100 * fits(block):.0f}% of its requests have ceil(input_length / {block}) hash "
+            f"ids{hint}")
+
+
+def _check_out_dir(path: str) -> None:
+    """--out must be a directory we can write, before any replay runs."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _write_json(path: str, data: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+    except OSError as e:
+        raise UsageError(f"--out: cannot write {path} ({e.strerror or e})") from None
+
+
+def _run(args) -> int:
     if args.trace:
-        requests = load_mooncake(args.trace)
+        requests = _load_trace(args.trace)
         block = args.block_size or MOONCAKE_BLOCK
         name = os.path.basename(args.trace)
+        if args.block_size:
+            warning = _check_block_size(requests, block)
+            if warning:
+                print(warning, file=sys.stderr)
     else:
         block = args.block_size or BUILTIN_BLOCK
         requests = chat_sessions(args.sessions, block, args.seed)
@@ -109,64 +193,86 @@ def main(argv: Optional[List[str]] = None, prog: str = "radixkv replay") -> int:
     if args.limit is not None:
         requests = requests[: args.limit]
     if not requests:
-        print("error: the trace has no requests", file=sys.stderr)
-        return 2
+        raise UsageError(f"{name} has no requests")
     page = args.page_size or block
-    for flag, v in (("--page-size", page), ("--block-size", block)):
-        if v < 1:
-            print(f"error: {flag} must be >= 1, got {v}", file=sys.stderr)
-            return 2
     try:
         kv = KVShape.parse(args.kv)
-    except (ValueError, AttributeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    unbounded = pages_for_all(requests, page)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.sweep:
+        _check_out_dir(args.out)
+
     if args.capacity_pages is not None:
         capacity = args.capacity_pages
     elif args.capacity_tokens is not None:
         capacity = -(-args.capacity_tokens // page)
     elif not args.trace:
         capacity = -(-BUILTIN_CAPACITY_TOKENS // page)
+    elif args.no_store:
+        capacity = pages_for_all(requests, page)
     else:
-        capacity = unbounded
-    if capacity < 1:
-        print("error: the capacity must be at least one page", file=sys.stderr)
-        return 2
-    optimum = optimal_hit_tokens(requests, block) if page == block else None
+        # Room for every token at once would be far more than an unbounded
+        # cache ever uses: a bookkeeping-only pass measures what it does use.
+        dry = replay(requests, block_size=block, page_size=page, policy=args.policy,
+                     store=False)
+        if dry.interrupted:
+            raise KeyboardInterrupt
+        capacity = max(1, dry.peak_pages)
     common = dict(block_size=block, page_size=page, policy=args.policy, kv=kv,
-                  store=not args.no_store, seed=args.seed)
+                  store=not args.no_store, seed=args.seed, progress=sys.stderr.isatty())
+
+    def check(r: ReplayResult) -> None:
+        if r.requests == 0 and not r.interrupted:
+            raise UsageError(
+                f"every request was skipped: the largest needs "
+                f"{max(-(-(q.input_length + q.output_length) // page) for q in requests):,} pages "
+                f"but the pool has {r.capacity_tokens // page:,}: raise --capacity-tokens")
 
     if args.sweep:
         points = []
         for k in range(args.sweep):
             pages = max(1, capacity >> (args.sweep - 1 - k))
-            r = replay(requests, capacity_pages=pages, progress=sys.stderr.isatty(), **common)
+            r = replay(requests, capacity_pages=pages, **common)
             points.append(r.to_json())
             if not args.json:
                 print(f"capacity {r.capacity_tokens:>14,} tokens: hit rate "
                       f"{100 * r.token_hit_rate:6.2f}%  evicted {r.evicted_tokens:,}  "
-                      f"{r.wall_s:.2f} s")
-        os.makedirs(args.out, exist_ok=True)
+                      f"skipped {r.skipped_requests:,}  {r.wall_s:.2f} s")
+            if r.interrupted:
+                break
         json_path = os.path.join(args.out, "replay_sweep.json")
-        with open(json_path, "w") as f:
-            json.dump({"trace": name, "points": points}, f, indent=1)
+        _write_json(json_path, {"trace": name, "points": points})
         png = os.path.join(args.out, "replay_sweep.png")
         plotted = _plot(points, png, f"{name}: {args.policy}, page {page}")
         if args.json:
             print(json.dumps({"trace": name, "points": points}))
         else:
             print(f"wrote {json_path}" + (f" and {png}" if plotted else ""))
-        return 0
+        return INTERRUPTED if points and points[-1]["interrupted"] else 0
 
-    r = replay(requests, capacity_pages=capacity, progress=sys.stderr.isatty(), **common)
+    r = replay(requests, capacity_pages=capacity, **common)
+    check(r)
     out = r.to_json()
     out["trace"] = name
-    if optimum is not None:
-        out["optimal_hit_tokens"] = optimum
     if args.json:
         print(json.dumps(out))
     else:
         print(f"replay of {name}")
-        print(_table(r, optimum))
+        print(_table(r, kv))
+    if r.interrupted:
+        print(f"interrupted: the figures cover the first {r.requests + r.skipped_requests:,} "
+              f"of {len(requests):,} requests", file=sys.stderr)
+        return INTERRUPTED
     return 0
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "radixkv replay") -> int:
+    try:
+        args = build_parser(prog).parse_args(argv)
+        return _run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # outside a replay (loading the trace, say)
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED

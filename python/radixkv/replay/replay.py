@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from radixkv.replay.traces import Request, TokenMaker, max_hash_id
+from radixkv.replay.traces import Request, TokenMaker, max_hash_id, optimal_hit_tokens
 from radixkv.scheduler import CacheManager
 
 
@@ -32,10 +32,19 @@ class KVShape:
             layers, heads, dim = (int(p) for p in parts[:3])
         except ValueError:
             raise ValueError(f"--kv sizes must be integers, got {text!r}") from None
-        dtype = getattr(torch, parts[3]) if len(parts) == 4 else torch.float16
-        if not isinstance(dtype, torch.dtype) or min(layers, heads, dim) < 1:
-            raise ValueError(f"--kv must name positive sizes and a torch dtype, got {text!r}")
+        from radixkv.kvcache.mha_pool import SUPPORTED_DTYPES
+
+        dtype = getattr(torch, parts[3].strip(), None) if len(parts) == 4 else torch.float16
+        if min(layers, heads, dim) < 1:
+            raise ValueError(f"--kv sizes must be >= 1, got {text!r}")
+        if dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise ValueError(f"--kv dtype must be one of {names}, got {parts[3]!r}")
         return cls(layers, heads, dim, dtype)
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.num_layers},{self.num_kv_heads},{self.head_dim},{dtype}"
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
@@ -56,6 +65,15 @@ class ReplayResult:
     stored_tokens: int = 0
     wall_s: float = 0.0
     latency_us: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    # The unbounded optimum over the requests replayed (None when pages and
+    # trace blocks differ, where the block-level optimum does not apply).
+    optimal_hit_tokens: Optional[int] = None
+    # Most pages in use at once (cached or held by the request in flight).
+    peak_pages: int = 0
+    # Bytes of the K/V pool stores went to (0 when storing is off).
+    pool_bytes: int = 0
+    # Stopped early (Ctrl-C): the figures cover the requests replayed so far.
+    interrupted: bool = False
 
     @property
     def token_hit_rate(self) -> float:
@@ -78,6 +96,10 @@ class ReplayResult:
             "wall_s": round(self.wall_s, 4),
             "requests_per_s": round(self.requests / self.wall_s, 1) if self.wall_s else None,
             "latency_us": self.latency_us,
+            "optimal_hit_tokens": self.optimal_hit_tokens,
+            "peak_pages": self.peak_pages,
+            "pool_bytes": self.pool_bytes,
+            "interrupted": self.interrupted,
         }
 
 
@@ -128,7 +150,8 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
     computed tokens into an MHAKVCache, then decode the output (allocating
     more pages when the last one fills, storing its K/V), and finally cache
     prompt and output and release the request's pages and lock. A request
-    larger than the whole pool is skipped and counted.
+    larger than the whole pool is skipped and counted. Ctrl-C stops after the
+    request in flight; the result covers what was replayed (`interrupted`).
     """
     # The replay is one thread driving the cache, like a scheduler. torch's
     # intra-op threads would only spin between the small tensor ops here
@@ -167,69 +190,81 @@ def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, stor
         result.stored_tokens += n
 
     result = ReplayResult(policy, page_size, capacity_pages * page_size)
+    result.pool_bytes = pool.nbytes if pool is not None else 0
     lat: Dict[str, List[int]] = {"match": [], "allocate": [], "insert": [], "evict": []}
     clock = time.perf_counter_ns
     bar = _Progress(len(requests), progress)
+    replayed: List[Request] = []
     t_start = time.perf_counter()
-    for i, req in enumerate(requests):
-        bar.update(i)
-        total = req.input_length + req.output_length
-        if -(-total // page_size) > capacity_pages:
-            result.skipped_requests += 1
-            continue
-        ids = tokens.prompt(req)
+    try:
+        for i, req in enumerate(requests):
+            bar.update(i)
+            total = req.input_length + req.output_length
+            if -(-total // page_size) > capacity_pages:
+                result.skipped_requests += 1
+                continue
+            ids = tokens.prompt(req)
 
-        t0 = clock()
-        handle, cached = cm.match_req(ids)
-        lat["match"].append(clock() - t0)
-        cm.lock(handle)
-        hit = handle.cached_len
-
-        # Prefill: everything after the match, the last prompt token included.
-        t0 = clock()
-        evicted = cm.make_room(req.input_length - hit)
-        t1 = clock()
-        own = cm.allocate(req.input_length - hit)
-        t2 = clock()
-        if evicted:
-            lat["evict"].append(t1 - t0)
-            result.evicted_tokens += evicted
-        lat["allocate"].append(t2 - t0)
-        if store:
-            store_kv(own[: req.input_length - hit])
-
-        # Decode: the last page's spare slots first, then new pages.
-        out = req.output_length
-        spare = own.numel() - (req.input_length - hit)
-        if out > spare:
             t0 = clock()
-            evicted = cm.make_room(out - spare)
+            handle, cached = cm.match_req(ids)
+            lat["match"].append(clock() - t0)
+            cm.lock(handle)
+            hit = handle.cached_len
+
+            # Prefill: everything after the match, the last prompt token included.
+            t0 = clock()
+            evicted = cm.make_room(req.input_length - hit)
             t1 = clock()
-            more = cm.allocate(out - spare)
+            own = cm.allocate(req.input_length - hit)
             t2 = clock()
             if evicted:
                 lat["evict"].append(t1 - t0)
                 result.evicted_tokens += evicted
             lat["allocate"].append(t2 - t0)
-            own = torch.cat([own, more])
-        if store and out:
-            start = req.input_length - hit
-            store_kv(own[start:start + out])
+            if store:
+                store_kv(own[: req.input_length - hit])
 
-        full_ids = torch.cat([ids, tokens.output(out)]) if out else ids
-        t0 = clock()
-        cm.free_and_cache_finished_req(handle, full_ids, torch.cat([cached, own]))
-        lat["insert"].append(clock() - t0)
+            # Decode: the last page's spare slots first, then new pages.
+            out = req.output_length
+            spare = own.numel() - (req.input_length - hit)
+            if out > spare:
+                t0 = clock()
+                evicted = cm.make_room(out - spare)
+                t1 = clock()
+                more = cm.allocate(out - spare)
+                t2 = clock()
+                if evicted:
+                    lat["evict"].append(t1 - t0)
+                    result.evicted_tokens += evicted
+                lat["allocate"].append(t2 - t0)
+                own = torch.cat([own, more])
+            if store and out:
+                start = req.input_length - hit
+                store_kv(own[start:start + out])
+            result.peak_pages = max(result.peak_pages, capacity_pages - cm.free_pages)
 
-        result.requests += 1
-        result.input_tokens += req.input_length
-        result.hit_tokens += hit
-        result.computed_tokens += req.input_length - hit
-        result.output_tokens += out
+            full_ids = torch.cat([ids, tokens.output(out)]) if out else ids
+            t0 = clock()
+            cm.free_and_cache_finished_req(handle, full_ids, torch.cat([cached, own]))
+            lat["insert"].append(clock() - t0)
+
+            replayed.append(req)
+            result.requests += 1
+            result.input_tokens += req.input_length
+            result.hit_tokens += hit
+            result.computed_tokens += req.input_length - hit
+            result.output_tokens += out
+    except KeyboardInterrupt:
+        # A request interrupted half-way holds pages and a lock: the figures
+        # stop at the last finished request, and the pool's check is skipped.
+        result.interrupted = True
     result.wall_s = time.perf_counter() - t_start
     bar.close()
-    cm.check_integrity()
-    if cm.held_pages != 0:
-        raise RuntimeError(f"replay leaked {cm.held_pages} pages")
+    if not result.interrupted:
+        cm.check_integrity()
+        if cm.held_pages != 0:
+            raise RuntimeError(f"replay leaked {cm.held_pages} pages")
+    if page_size == block_size:
+        result.optimal_hit_tokens = optimal_hit_tokens(replayed, block_size)
     result.latency_us = {k: _percentiles(v) for k, v in lat.items()}
     return result

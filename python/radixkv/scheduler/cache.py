@@ -60,6 +60,11 @@ class CacheManager:
     # -- pages ------------------------------------------------------------------
 
     @property
+    def free_pages(self) -> int:
+        """Pages neither cached nor held by a request."""
+        return self._pages.num_free_pages
+
+    @property
     def available_size(self) -> int:
         """Tokens that `allocate` can serve: free plus evictable."""
         return self._pages.num_free_pages * self.page_size + self.manager.size_info.evictable_size
