@@ -40,15 +40,49 @@ uint64_t HashPage(const int32_t* tokens, int64_t n) noexcept {
   return h;
 }
 
-// A node's storage: `length` tokens, then their slots.
-std::unique_ptr<int32_t[]> NewData(const int32_t* tokens, const int32_t* slots, int64_t length) {
-  std::unique_ptr<int32_t[]> data(new int32_t[2 * length]);
-  std::memcpy(data.get(), tokens, length * sizeof(int32_t));
-  std::memcpy(data.get() + length, slots, length * sizeof(int32_t));
-  return data;
-}
+size_t StorageBytes(int64_t length) { return static_cast<size_t>(2 * length) * sizeof(int32_t); }
 
 }  // namespace
+
+RadixTree::Storage::Storage(NodeArena* arena, const int32_t* tokens, const int32_t* slots,
+                            int64_t length)
+    : arena_(arena), block_(arena->Allocate(StorageBytes(length))), capacity_(length) {
+  auto* data = static_cast<int32_t*>(block_.data);
+  std::memcpy(data, tokens, length * sizeof(int32_t));
+  std::memcpy(data + length, slots, length * sizeof(int32_t));
+}
+
+RadixTree::Storage& RadixTree::Storage::operator=(Storage&& other) noexcept {
+  Free();
+  arena_ = other.arena_;
+  block_ = other.block_;
+  capacity_ = other.capacity_;
+  other.block_ = NodeArena::Block{};
+  return *this;
+}
+
+RadixTree::Storage RadixTree::Storage::Adopt(NodeArena* arena, Node* node) noexcept {
+  Storage s;
+  s.arena_ = arena;
+  s.block_ = NodeArena::Block{node->data, node->data_slab};
+  s.capacity_ = node->capacity;
+  node->data = nullptr;
+  node->data_slab = nullptr;
+  return s;
+}
+
+void RadixTree::Storage::MoveTo(Node* node, int64_t length) noexcept {
+  node->data = static_cast<int32_t*>(block_.data);
+  node->data_slab = block_.slab;
+  node->capacity = capacity_;
+  node->length = length;
+  block_ = NodeArena::Block{};
+}
+
+void RadixTree::Storage::Free() noexcept {
+  if (block_.data != nullptr) arena_->Free(block_, StorageBytes(capacity_));
+  block_ = NodeArena::Block{};
+}
 
 RadixTree::RadixTree(int64_t page_size, int64_t max_slots)
     : page_size_(page_size),
@@ -62,7 +96,16 @@ RadixTree::RadixTree(int64_t page_size, int64_t max_slots)
   ReserveNodes(0);
 }
 
-RadixTree::~RadixTree() = default;
+RadixTree::~RadixTree() {
+  for (size_t i = 1; i < nodes_.size(); ++i) FreeStorage(nodes_[i].get());
+}
+
+void RadixTree::FreeStorage(Node* node) noexcept {
+  if (node->data == nullptr) return;
+  arena_.Free(NodeArena::Block{node->data, node->data_slab}, StorageBytes(node->capacity));
+  node->data = nullptr;
+  node->data_slab = nullptr;
+}
 
 uint64_t RadixTree::ChildKey(const int32_t* tokens) const noexcept {
   if (page_size_ == 1) return static_cast<uint32_t>(tokens[0]);
@@ -93,12 +136,10 @@ void RadixTree::ReserveNodes(size_t k) {
   }
 }
 
-Node* RadixTree::TakeNode(Node* parent, std::unique_ptr<int32_t[]> data,
-                          int64_t length) noexcept {
+Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length) noexcept {
   Node* node = nodes_[free_ids_.back()].get();
   free_ids_.pop_back();
-  node->data = std::move(data);
-  node->length = length;
+  data.MoveTo(node, length);
   node->child_key = ChildKey(node->key());
   node->parent = parent;
   node->depth = parent->depth + length;
@@ -110,7 +151,7 @@ Node* RadixTree::TakeNode(Node* parent, std::unique_ptr<int32_t[]> data,
 }
 
 void RadixTree::FreeNode(Node* node) noexcept {
-  node->data.reset();
+  FreeStorage(node);
   node->children.Clear();
   node->parent = nullptr;
   node->next = nullptr;
@@ -124,23 +165,36 @@ void RadixTree::FreeNode(Node* node) noexcept {
 void RadixTree::PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPlan* plan) {
   plan->node = node;
   plan->pos = pos;
-  plan->prefix = NewData(node->key(), node->value(), pos);
-  plan->suffix = NewData(node->key() + pos, node->value() + pos, node->length - pos);
+  const int64_t rest = node->length - pos;
+  plan->smaller = pos <= rest ? Storage(&arena_, node->key(), node->value(), pos)
+                              : Storage(&arena_, node->key() + pos, node->value() + pos, rest);
   plan->prefix_children.Reserve(children);
 }
 
 Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   Node* node = plan->node;
-  const int64_t pos = plan->pos;
+  const int64_t pos = plan->pos, len = node->length, rest = len - pos;
   Node* parent = node->parent;
-  Node* prefix = TakeNode(parent, std::move(plan->prefix), pos);
+  Node* prefix;
+  if (pos <= rest) {
+    // The suffix keeps the block: its tokens and slots move to the front.
+    prefix = TakeNode(parent, std::move(plan->smaller), pos);
+    std::memmove(node->data, node->data + pos, rest * sizeof(int32_t));
+    std::memmove(node->data + rest, node->data + len + pos, rest * sizeof(int32_t));
+    node->length = rest;
+  } else {
+    // The prefix takes the block: its tokens stay, its slots move down.
+    Storage suffix = std::move(plan->smaller);
+    prefix = TakeNode(parent, Storage::Adopt(&arena_, node), pos);
+    std::memmove(prefix->data + pos, prefix->data + len, pos * sizeof(int32_t));
+    suffix.MoveTo(node, rest);
+  }
   prefix->ref_count = node->ref_count;
   prefix->timestamp = node->timestamp;
   prefix->children = std::move(plan->prefix_children);
   parent->children.Replace(node->child_key, node, prefix);
 
-  node->data = std::move(plan->suffix);
-  node->length -= pos;
+  node->depth = prefix->depth + rest;
   node->child_key = ChildKey(node->key());
   node->parent = prefix;
   prefix->children.Insert(node->child_key, node);  // room reserved
@@ -148,10 +202,9 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
 }
 
 void RadixTree::Touch(Node* node) noexcept {
-  for (Node* x = node; x != root_; x = x->parent) {
-    x->timestamp = clock_;
-    if (InHeap(x)) heap_.Update(x->id, clock_);
-  }
+  // The heap is not updated here: a leaf's key there may fall behind its
+  // timestamp, and Evict puts it right when it reaches the top (see Evict).
+  for (Node* x = node; x != root_; x = x->parent) x->timestamp = clock_;
 }
 
 int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, Node** node, Node** partial,
@@ -203,26 +256,33 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   // All of `slots` is checked, the cached part and a partial last page too:
   // the caller frees its own copies of those, so a bad one is a bug either way.
-  CheckSlots(slots, n, "indices", &scratch_, max_slots_);
+  runs_.Assign(slots, n);
+  struct ShrinkRuns {
+    SlotRuns& runs;
+    ~ShrinkRuns() { runs.Shrink(); }
+  } shrink{runs_};
+  CheckSlots(runs_, slots, "indices", &scratch_, max_slots_);
   n -= n % page_size_;
   Node* node;
   Node* partial;
   int64_t partial_len;
   const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
-  const int64_t stored = stored_.AddAll(slots + pos, n - pos);
-  RADIXKV_CHECK(stored < 0, kInvalid, "indices[", pos + stored, "] = ",
-                stored < 0 ? 0 : slots[pos + stored], " is already stored in the cache");
+  runs_.DropBefore(pos);
+  runs_.DropAfter(n);
+  const int64_t stored = stored_.AddAll(runs_);
+  RADIXKV_CHECK(stored < 0, kInvalid, "indices[", stored, "] = ", stored < 0 ? 0 : slots[stored],
+                " is already stored in the cache");
   SplitPlan split;
-  std::unique_ptr<int32_t[]> leaf_data;
+  Storage leaf_data;
   try {
     ReserveNodes((partial != nullptr) + (pos < n));
     if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + (pos < n), &split);
     if (pos < n) {
-      leaf_data = NewData(tokens + pos, slots + pos, n - pos);
+      leaf_data = Storage(&arena_, tokens + pos, slots + pos, n - pos);
       if (partial == nullptr) node->children.Reserve(node->children.size() + 1);
     }
   } catch (...) {
-    stored_.RemoveAll(slots + pos, n - pos);
+    stored_.RemoveAll(runs_);
     throw;
   }
   // Nothing below allocates or throws.
@@ -323,12 +383,20 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
       throw Error(kBroken, StrCat("no evictable leaf left with ", size - freed,
                                   " evictable tokens still counted"));
     }
-    Node* x = nodes_[heap_.Pop()].get();
+    Node* x = nodes_[heap_.top()].get();
+    if (heap_.KeyAt(0) != x->timestamp) {
+      // Touched since it was keyed: every key is at most its leaf's
+      // timestamp, so a top whose key is current is the least recently used
+      // leaf. Re-key this one and look again.
+      heap_.Update(x->id, x->timestamp);
+      continue;
+    }
+    heap_.Pop();
     if (!heap_.empty()) {
       // Overlap the next victim's cache misses with the work on this one.
       const Node* next = nodes_[heap_.top()].get();
       __builtin_prefetch(next);
-      __builtin_prefetch(next->data.get());
+      __builtin_prefetch(next->data);
     }
     Node* parent = x->parent;
     parent->children.Erase(x->child_key, x, /*keep_table=*/true);
@@ -415,7 +483,7 @@ void RadixTree::CheckIntegrity() const {
                                  : " is in the LRU heap but is locked or has children");
     if (in_heap) {
       const size_t pos = static_cast<size_t>(heap_.PositionOf(x->id));
-      RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) == x->timestamp, kBroken,
+      RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) <= x->timestamp, kBroken,
                     "node ", x->id, " has a wrong heap position or key");
       ++heap_members;
     }

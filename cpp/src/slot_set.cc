@@ -24,12 +24,13 @@ uint64_t RangeMask(int64_t w, int64_t lo, int64_t hi) noexcept {
 }
 
 // The end of the run of consecutive slots that starts at `slots[i]`: the
-// first j with slots[j] != slots[i] + (j - i). Four at a time with SSE2.
+// first j with slots[j] != slots[i] + (j - i). Four at a time with SSE2; the
+// arithmetic wraps (unsigned), like the vector lanes.
 int64_t RunEnd(const int32_t* slots, int64_t i, int64_t n) noexcept {
-  const int32_t offset = slots[i] - static_cast<int32_t>(i);  // slots[j] - j on the run
+  const uint32_t offset = static_cast<uint32_t>(slots[i]) - static_cast<uint32_t>(i);
   int64_t j = i + 1;
 #if defined(__SSE2__)
-  const __m128i want = _mm_set1_epi32(offset);
+  const __m128i want = _mm_set1_epi32(static_cast<int32_t>(offset));
   const __m128i step = _mm_set1_epi32(4);
   __m128i index = _mm_setr_epi32(static_cast<int32_t>(j), static_cast<int32_t>(j + 1),
                                  static_cast<int32_t>(j + 2), static_cast<int32_t>(j + 3));
@@ -41,11 +42,11 @@ int64_t RunEnd(const int32_t* slots, int64_t i, int64_t n) noexcept {
     index = _mm_add_epi32(index, step);
   }
 #endif
-  while (j < n && slots[j] - static_cast<int32_t>(j) == offset) ++j;
+  while (j < n && static_cast<uint32_t>(slots[j]) - static_cast<uint32_t>(j) == offset) ++j;
   return j;
 }
 
-// Calls fn(i, lo, hi) for each maximal run slots[i, ...) = [lo, hi); stops
+// Calls fn(at, lo, hi) for each maximal run slots[at, ...) = [lo, hi); stops
 // early, returning false, when fn does.
 template <typename Fn>
 bool ForEachRun(const int32_t* slots, int64_t n, Fn fn) {
@@ -57,9 +58,60 @@ bool ForEachRun(const int32_t* slots, int64_t n, Fn fn) {
   return true;
 }
 
+// The same over runs found before.
+template <typename Fn>
+bool ForEachRun(const SlotRuns& runs, Fn fn) {
+  for (const SlotRun& r : runs) {
+    if (!fn(r.at, r.lo, r.hi)) return false;
+  }
+  return true;
+}
+
 constexpr int kWordShift = SlotSet::kChunkShift - 6;  // words per chunk, log2
+constexpr int64_t kWordMask = (int64_t{1} << kWordShift) - 1;
 
 }  // namespace
+
+void SlotRuns::Assign(const int32_t* slots, int64_t n) {
+  runs_.clear();
+  ForEachRun(slots, n, [&](int64_t at, int64_t lo, int64_t hi) {
+    runs_.push_back(SlotRun{lo, hi, at});
+    return true;
+  });
+}
+
+void SlotRuns::DropBefore(int64_t from) {
+  size_t first = 0;
+  while (first < runs_.size() && runs_[first].at + (runs_[first].hi - runs_[first].lo) <= from) {
+    ++first;
+  }
+  runs_.erase(runs_.begin(), runs_.begin() + static_cast<std::ptrdiff_t>(first));
+  if (!runs_.empty() && runs_[0].at < from) {
+    runs_[0].lo += from - runs_[0].at;
+    runs_[0].at = from;
+  }
+}
+
+void SlotRuns::DropAfter(int64_t to) {
+  while (!runs_.empty() && runs_.back().at >= to) runs_.pop_back();
+  if (!runs_.empty() && runs_.back().at + (runs_.back().hi - runs_.back().lo) > to) {
+    runs_.back().hi = runs_.back().lo + (to - runs_.back().at);
+  }
+}
+
+void SlotRuns::Shrink() {
+  if (runs_.capacity() > 4096) std::vector<SlotRun>().swap(runs_);
+}
+
+int64_t SlotRuns::FindOutOfRange(int64_t limit) const noexcept {
+  const int64_t bound = limit >= 0 ? limit : int64_t{1} << 31;
+  for (const SlotRun& r : runs_) {
+    // A run rises by one a slot, so its first slot is its smallest.
+    if (r.lo < 0) return r.at;
+    if (r.hi > bound) return r.at + std::max<int64_t>(0, bound - r.lo);
+  }
+  return -1;
+}
 
 void SlotSet::FreeChunk(size_t c) noexcept {
   chunks_[c].reset();
@@ -68,9 +120,22 @@ void SlotSet::FreeChunk(size_t c) noexcept {
   if (chunks_.capacity() > 2 * chunks_.size() + 16) chunks_.shrink_to_fit();
 }
 
-void SlotSet::EnsureChunks(const int32_t* slots, int64_t n) {
+// Slots come mostly in runs of consecutive values, so every loop works a run
+// at a time, a word at a time.
+template <typename ForEachRunFn>
+int64_t SlotSet::AddRuns(ForEachRunFn for_each_run) {
+  auto release_empty = [&] {
+    for_each_run([&](int64_t, int64_t lo, int64_t hi) {
+      for (size_t c = static_cast<size_t>(lo >> kChunkShift);
+           c <= static_cast<size_t>((hi - 1) >> kChunkShift) && c < chunks_.size(); ++c) {
+        if (chunks_[c] && chunks_[c]->count == 0) FreeChunk(c);
+      }
+      return true;
+    });
+  };
+  // The only allocation, before anything is added.
   try {
-    ForEachRun(slots, n, [&](int64_t, int64_t lo, int64_t hi) {
+    for_each_run([&](int64_t, int64_t lo, int64_t hi) {
       const size_t last = static_cast<size_t>((hi - 1) >> kChunkShift);
       if (last >= chunks_.size()) chunks_.resize(last + 1);
       for (size_t c = static_cast<size_t>(lo >> kChunkShift); c <= last; ++c) {
@@ -79,59 +144,47 @@ void SlotSet::EnsureChunks(const int32_t* slots, int64_t n) {
       return true;
     });
   } catch (...) {
-    ReleaseEmpty(slots, n);
+    release_empty();
     throw;
   }
-}
-
-void SlotSet::ReleaseEmpty(const int32_t* slots, int64_t n) noexcept {
-  ForEachRun(slots, n, [&](int64_t, int64_t lo, int64_t hi) {
-    const size_t last = std::min(static_cast<size_t>((hi - 1) >> kChunkShift), chunks_.size());
-    for (size_t c = static_cast<size_t>(lo >> kChunkShift); c <= last && c < chunks_.size();
-         ++c) {
-      if (chunks_[c] && chunks_[c]->count == 0) FreeChunk(c);
-    }
-    return true;
-  });
-}
-
-// Slots come mostly in runs of consecutive values (pages, nodes, fresh
-// allocations), so both loops work a run at a time, a word at a time.
-int64_t SlotSet::AddAll(const int32_t* slots, int64_t n) {
-  if (n == 0) return -1;
-  EnsureChunks(slots, n);  // the only allocation: nothing can fail after it
-  int64_t found = -1, failed_run = 0;
-  ForEachRun(slots, n, [&](int64_t i, int64_t lo, int64_t hi) {
+  int64_t found = -1;
+  size_t added = 0;
+  for_each_run([&](int64_t at, int64_t lo, int64_t hi) {
     for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
-      const uint64_t* word = &ChunkOf(w)->words[w & ((1 << kWordShift) - 1)];
-      if (const uint64_t hit = *word & RangeMask(w, lo, hi)) {
-        found = i + ((w << 6) + __builtin_ctzll(hit) - lo);
-        failed_run = i;
+      const uint64_t word = chunks_[w >> kWordShift]->words[w & kWordMask];
+      if (const uint64_t hit = word & RangeMask(w, lo, hi)) {
+        found = at + ((w << 6) + __builtin_ctzll(hit) - lo);
         return false;
       }
     }
     for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
-      const uint64_t mask = RangeMask(w, lo, hi);
-      Chunk* chunk = ChunkOf(w);
-      chunk->words[w & ((1 << kWordShift) - 1)] |= mask;
-      chunk->count += __builtin_popcountll(mask);
+      Chunk* chunk = chunks_[w >> kWordShift].get();
+      chunk->words[w & kWordMask] |= RangeMask(w, lo, hi);
+      chunk->count += std::min(hi, (w + 1) << 6) - std::max(lo, w << 6);
     }
+    ++added;
     return true;
   });
   if (found >= 0) {
-    RemoveAll(slots, failed_run);  // the runs before the failing one were added
-    ReleaseEmpty(slots, n);        // chunks made for the rest are empty
+    // Take back the runs added before the failing one; chunks made for the
+    // rest are empty.
+    size_t k = 0;
+    RemoveRuns([&](auto fn) { for_each_run([&](int64_t at, int64_t lo, int64_t hi) {
+      return k++ < added && fn(at, lo, hi);
+    }); });
+    release_empty();
   }
   return found;
 }
 
-void SlotSet::RemoveAll(const int32_t* slots, int64_t n) noexcept {
-  ForEachRun(slots, n, [&](int64_t, int64_t lo, int64_t hi) {
+template <typename ForEachRunFn>
+void SlotSet::RemoveRuns(ForEachRunFn for_each_run) noexcept {
+  for_each_run([&](int64_t, int64_t lo, int64_t hi) {
     for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
       const size_t c = static_cast<size_t>(w >> kWordShift);
       Chunk* chunk = c < chunks_.size() ? chunks_[c].get() : nullptr;
       if (chunk == nullptr) continue;  // not present (a caller's bug; nothing to do)
-      uint64_t& word = chunk->words[w & ((1 << kWordShift) - 1)];
+      uint64_t& word = chunk->words[w & kWordMask];
       const uint64_t mask = word & RangeMask(w, lo, hi);
       word &= ~mask;
       chunk->count -= __builtin_popcountll(mask);
@@ -139,6 +192,22 @@ void SlotSet::RemoveAll(const int32_t* slots, int64_t n) noexcept {
     }
     return true;
   });
+}
+
+int64_t SlotSet::AddAll(const int32_t* slots, int64_t n) {
+  return AddRuns([&](auto fn) { return ForEachRun(slots, n, fn); });
+}
+
+int64_t SlotSet::AddAll(const SlotRuns& runs) {
+  return AddRuns([&](auto fn) { return ForEachRun(runs, fn); });
+}
+
+void SlotSet::RemoveAll(const int32_t* slots, int64_t n) noexcept {
+  RemoveRuns([&](auto fn) { return ForEachRun(slots, n, fn); });
+}
+
+void SlotSet::RemoveAll(const SlotRuns& runs) noexcept {
+  RemoveRuns([&](auto fn) { return ForEachRun(runs, fn); });
 }
 
 int64_t SlotSet::Count() const noexcept {
@@ -170,40 +239,49 @@ int64_t FindOutOfRange(const int32_t* slots, int64_t n, int64_t limit) noexcept 
   return -1;
 }
 
-int64_t FindRepeat(const int32_t* slots, int64_t n, SlotSet* scratch) {
-  // Few runs of consecutive slots (the usual case) are checked by sorting the
-  // runs; many, or an overlap, go through the bitmap, which also finds the
-  // position of the first repeat.
+int64_t FindRepeat(const SlotRuns& runs, SlotSet* scratch) {
+  // Few runs (the usual case) are checked by sorting them; many, or an
+  // overlap, go through the bitmap, which also finds the first repeat.
   constexpr size_t kMaxRuns = 64;
-  std::pair<int64_t, int64_t> runs[kMaxRuns + 1];
-  size_t count = 0;
-  const bool few = ForEachRun(slots, n, [&](int64_t, int64_t lo, int64_t hi) {
-    runs[count++] = {lo, hi};
-    return count <= kMaxRuns;
-  });
-  if (few) {
-    std::sort(runs, runs + count);
+  if (runs.size() <= kMaxRuns) {
+    std::pair<int64_t, int64_t> sorted[kMaxRuns];
+    size_t count = 0;
+    for (const SlotRun& r : runs) sorted[count++] = {r.lo, r.hi};
+    std::sort(sorted, sorted + count);
     bool overlap = false;
-    for (size_t k = 1; k < count && !overlap; ++k) overlap = runs[k].first < runs[k - 1].second;
+    for (size_t k = 1; k < count && !overlap; ++k) overlap = sorted[k].first < sorted[k - 1].second;
     if (!overlap) return -1;
   }
-  const int64_t at = scratch->AddAll(slots, n);
-  if (at < 0) scratch->RemoveAll(slots, n);
+  const int64_t at = scratch->AddAll(runs);
+  if (at < 0) scratch->RemoveAll(runs);
   return at;
 }
 
-void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch,
+int64_t FindRepeat(const int32_t* slots, int64_t n, SlotSet* scratch) {
+  SlotRuns runs;
+  runs.Assign(slots, n);
+  return FindRepeat(runs, scratch);
+}
+
+void CheckSlots(const SlotRuns& runs, const int32_t* slots, const char* name, SlotSet* scratch,
                 int64_t limit) {
-  const int64_t bad = FindOutOfRange(slots, n, limit);
+  const int64_t bad = runs.FindOutOfRange(limit);
   if (bad >= 0) {
     RADIXKV_CHECK(slots[bad] >= 0, ErrorCode::kInvalidArgument, name, "[", bad, "] = ",
                   slots[bad], " is negative");
     throw Error(ErrorCode::kInvalidArgument,
                 StrCat(name, "[", bad, "] = ", slots[bad], " is out of range [0, ", limit, ")"));
   }
-  const int64_t rep = FindRepeat(slots, n, scratch);
+  const int64_t rep = FindRepeat(runs, scratch);
   RADIXKV_CHECK(rep < 0, ErrorCode::kInvalidArgument, name, "[", rep, "] = ",
                 rep < 0 ? 0 : slots[rep], " appears twice in ", name);
+}
+
+void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch,
+                int64_t limit) {
+  SlotRuns runs;
+  runs.Assign(slots, n);
+  CheckSlots(runs, slots, name, scratch, limit);
 }
 
 }  // namespace radixkv

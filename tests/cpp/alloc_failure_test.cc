@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <numeric>
 #include <random>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "radixkv/child_map.h"
+#include "radixkv/node_arena.h"
 #include "radixkv/page_allocator.h"
 #include "radixkv/radix_tree.h"
 #include "radixkv/slot_set.h"
@@ -25,23 +27,36 @@ namespace {
 thread_local int64_t g_fail_in = -1;
 thread_local int64_t g_allocations = 0;
 
-void* Allocate(std::size_t size) {
+void* Allocate(std::size_t size, std::size_t align = alignof(std::max_align_t)) {
   if (g_fail_in >= 0) {
     ++g_allocations;
     if (g_fail_in-- == 0) throw std::bad_alloc();
   }
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
+  size = size == 0 ? 1 : size;
+  void* p = align <= alignof(std::max_align_t) ? std::malloc(size)
+                                               : std::aligned_alloc(align, (size + align - 1) / align * align);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
 }
 
 }  // namespace
 
 void* operator new(std::size_t size) { return Allocate(size); }
 void* operator new[](std::size_t size) { return Allocate(size); }
+void* operator new(std::size_t size, std::align_val_t a) {
+  return Allocate(size, static_cast<std::size_t>(a));
+}
+void* operator new[](std::size_t size, std::align_val_t a) {
+  return Allocate(size, static_cast<std::size_t>(a));
+}
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace radixkv {
 namespace {
@@ -200,6 +215,23 @@ TEST(AllocFailureTest, FailedEvictionOutputPutsTheVictimsBack) {
   tree.Evict(30, &out);
   EXPECT_EQ(out.size(), 30u);
   EXPECT_NO_THROW(tree.CheckIntegrity());
+}
+
+TEST(AllocFailureTest, NodeArenaChangesNothingOnFailure) {
+  NodeArena arena;
+  std::vector<NodeArena::Block> blocks;
+  for (size_t bytes : {8, 100, 4096, 5000, 300000, 5000000}) {
+    const size_t before = arena.reserved_bytes();
+    NodeArena::Block b;
+    const int failures =
+        FailEachAllocation([&] { b = arena.Allocate(bytes); },
+                           [&](int64_t) { ASSERT_EQ(arena.reserved_bytes(), before); });
+    EXPECT_GE(failures, 1) << bytes;
+    blocks.push_back(b);
+    std::memset(b.data, 0xAB, bytes);
+  }
+  size_t i = 0;
+  for (size_t bytes : {8, 100, 4096, 5000, 300000, 5000000}) arena.Free(blocks[i++], bytes);
 }
 
 TEST(AllocFailureTest, SlotSetAddAllChangesNothingOnFailure) {

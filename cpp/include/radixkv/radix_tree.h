@@ -9,6 +9,7 @@
 
 #include "radixkv/child_map.h"
 #include "radixkv/lru_heap.h"
+#include "radixkv/node_arena.h"
 #include "radixkv/slot_set.h"
 #include "radixkv/slot_sink.h"
 
@@ -26,8 +27,12 @@ enum class NodeState : uint8_t { kDevice, kHost };
 struct Node {
   Node* parent = nullptr;
   ChildMap<Node> children;
-  /// `2 * length` int32 values: tokens in [0, length), slots in [length, 2 * length).
-  std::unique_ptr<int32_t[]> data;
+  /// `2 * length` int32 values: tokens in [0, length), slots in [length, 2 * length),
+  /// in a block of the tree's NodeArena (`data_slab` is its slab) with room
+  /// for `capacity` tokens (a split may leave a node in a larger block).
+  int32_t* data = nullptr;
+  NodeArena::Slab* data_slab = nullptr;
+  int64_t capacity = 0;
   int64_t length = 0;
   /// Tokens from the root to the end of this node.
   int64_t depth = 0;
@@ -48,8 +53,8 @@ struct Node {
   /// Scratch link used while a call is under way (Evict's list of victims).
   Node* next = nullptr;
 
-  const int32_t* key() const noexcept { return data.get(); }
-  const int32_t* value() const noexcept { return data.get() + length; }
+  const int32_t* key() const noexcept { return data; }
+  const int32_t* value() const noexcept { return data + length; }
   bool is_leaf() const noexcept { return children.empty(); }
 };
 
@@ -82,7 +87,10 @@ struct NodeInfo {
 /// Every public call advances a logical clock by one tick. A match refreshes
 /// the timestamp of exactly the matched tokens, an insert of every token on
 /// its path. `Evict` removes unlocked leaves oldest first from an indexed heap
-/// in O(k log n) for k nodes, with no scan of the tree.
+/// in O(k log n) for k nodes, with no scan of the tree. A refresh only writes
+/// the timestamps (O(path)): a leaf's key in the heap may lag behind, and
+/// Evict re-keys a lagging leaf when it reaches the top, which keeps the order
+/// exact and costs each refreshed leaf at most one O(log n) fix.
 ///
 /// Failures change nothing: every call checks its inputs and allocates what
 /// it needs (node storage, table and heap room, the result's buffer) before
@@ -174,11 +182,34 @@ class RadixTree {
   std::vector<NodeInfo> Dump() const;
 
  private:
-  // What a split of `node` at `pos` needs, allocated before anything changes.
+  // A block of node storage owned until it is given to a node (or freed).
+  class Storage {
+   public:
+    Storage() = default;
+    Storage(NodeArena* arena, const int32_t* tokens, const int32_t* slots, int64_t length);
+    Storage(Storage&& other) noexcept { *this = std::move(other); }
+    Storage& operator=(Storage&& other) noexcept;
+    ~Storage() { Free(); }
+    explicit operator bool() const noexcept { return block_.data != nullptr; }
+    // Takes `node`'s block (the node is left without one).
+    static Storage Adopt(NodeArena* arena, Node* node) noexcept;
+    // Gives the block, holding `length` tokens, to `node`, which holds none.
+    void MoveTo(Node* node, int64_t length) noexcept;
+    void Free() noexcept;
+
+   private:
+    NodeArena* arena_ = nullptr;
+    NodeArena::Block block_;
+    int64_t capacity_ = 0;  // tokens
+  };
+
+  // What a split of `node` at `pos` needs, allocated before anything changes:
+  // the larger part keeps the node's block (its data moved in place), the
+  // smaller gets a new one.
   struct SplitPlan {
     Node* node = nullptr;
     int64_t pos = 0;
-    std::unique_ptr<int32_t[]> prefix, suffix;
+    Storage smaller;
     ChildMap<Node> prefix_children;  // with room for the suffix and a new leaf
   };
 
@@ -190,8 +221,9 @@ class RadixTree {
   void ReserveNodes(size_t k);
   // A node from the free ids holding `data` (`length` tokens, then slots),
   // linked to `parent` by its parent pointer only. Needs a reserved id.
-  Node* TakeNode(Node* parent, std::unique_ptr<int32_t[]> data, int64_t length) noexcept;
+  Node* TakeNode(Node* parent, Storage data, int64_t length) noexcept;
   void FreeNode(Node* node) noexcept;
+  void FreeStorage(Node* node) noexcept;
   void PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPlan* plan);
   // Splits as planned (needs one reserved id) and returns the prefix node.
   Node* CommitSplit(SplitPlan* plan) noexcept;
@@ -211,12 +243,14 @@ class RadixTree {
   const int64_t max_slots_;
   const uint64_t id_;
   uint64_t clock_ = 0;
+  NodeArena arena_;  // node storage; declared first so it outlives the nodes
   std::vector<std::unique_ptr<Node>> nodes_;  // by id; id 0 is the root
   Node* root_ = nullptr;
   std::vector<uint32_t> free_ids_;
   LruHeap heap_;  // unlocked leaves by id, oldest first
   SlotSet stored_;   // the slots stored in the tree
   SlotSet scratch_;  // working memory for input checks, empty between calls
+  SlotRuns runs_;    // the runs of an insert's slots, found once per call
   int64_t evictable_size_ = 0;
   int64_t protected_size_ = 0;
   int64_t num_nodes_ = 0;

@@ -1,4 +1,5 @@
-// A set of KV slot indices: a bitmap in chunks that exist only while they hold a slot.
+// Sets of KV slot indices: runs of consecutive slots, and a bitmap in chunks
+// that exist only while they hold a slot.
 #pragma once
 
 #include <cstddef>
@@ -7,6 +8,41 @@
 #include <vector>
 
 namespace radixkv {
+
+/// A run of consecutive slots in an input: `slots[at, at + (hi - lo))` are
+/// `lo, lo + 1, ..., hi - 1`.
+struct SlotRun {
+  int64_t lo;
+  int64_t hi;
+  int64_t at;
+};
+
+/// The maximal runs of consecutive slots of an input, found in one pass
+/// (vectorized). Slots come mostly in runs (pages, nodes, fresh allocations),
+/// so every later check and bitmap update works a run at a time instead of
+/// going over the input again. Reusable across calls.
+class SlotRuns {
+ public:
+  /// Splits `slots[0, n)` into runs.
+  void Assign(const int32_t* slots, int64_t n);
+  /// Keeps only the runs of `slots[from, n)` (trimming the one holding `from`).
+  void DropBefore(int64_t from);
+  /// Keeps only the runs of `slots[0, to)` (trimming the one holding `to`).
+  void DropAfter(int64_t to);
+  /// Frees memory a large input left behind.
+  void Shrink();
+
+  const SlotRun* begin() const noexcept { return runs_.data(); }
+  const SlotRun* end() const noexcept { return runs_.data() + runs_.size(); }
+  size_t size() const noexcept { return runs_.size(); }
+
+  /// Position of the first slot outside `[0, limit)` (`limit` < 0: no upper
+  /// bound), or -1.
+  int64_t FindOutOfRange(int64_t limit) const noexcept;
+
+ private:
+  std::vector<SlotRun> runs_;
+};
 
 /// Slot indices (int32, >= 0) as one bit each. The bits live in chunks of
 /// `kChunkSlots` slots (8 KiB each), allocated when a slot of the chunk is
@@ -37,9 +73,13 @@ class SlotSet {
   /// otherwise returns -1. Throws std::bad_alloc, changing nothing, when a
   /// chunk cannot be allocated.
   int64_t AddAll(const int32_t* slots, int64_t n);
+  /// The same for the slots of `runs` (positions as in their input).
+  int64_t AddAll(const SlotRuns& runs);
 
-  /// Removes `slots[0, n)`; each must be present. Frees chunks that empty.
+  /// Removes `slots[0, n)` (or those of `runs`); each must be present. Frees
+  /// chunks that empty.
   void RemoveAll(const int32_t* slots, int64_t n) noexcept;
+  void RemoveAll(const SlotRuns& runs) noexcept;
 
   /// Number of slots in the set. O(chunks).
   int64_t Count() const noexcept;
@@ -56,12 +96,11 @@ class SlotSet {
     int64_t count = 0;
   };
 
-  Chunk* ChunkOf(int64_t word) const noexcept { return chunks_[word >> (kChunkShift - 6)].get(); }
+  template <typename ForEachRun>
+  int64_t AddRuns(ForEachRun for_each_run);
+  template <typename ForEachRun>
+  void RemoveRuns(ForEachRun for_each_run) noexcept;
   void FreeChunk(size_t c) noexcept;
-  // Allocates the chunks `slots[0, n)` fall in. Throws, freeing what it made.
-  void EnsureChunks(const int32_t* slots, int64_t n);
-  // Frees the empty chunks that `slots[0, n)` fall in.
-  void ReleaseEmpty(const int32_t* slots, int64_t n) noexcept;
 
   std::vector<std::unique_ptr<Chunk>> chunks_;  // by slot >> kChunkShift
 };
@@ -74,15 +113,19 @@ int64_t FindOutOfRange(const int32_t* slots, int64_t n, int64_t limit = -1) noex
 /// Throws kInvalidArgument naming `name` ("indices[3] = -1 is negative",
 /// "indices[3] = 9 is out of range [0, 8)", "indices[7] = 12 appears twice in
 /// indices") unless every one of `slots[0, n)` is in `[0, limit)` and they are
-/// distinct. A negative `limit` means no upper bound. `scratch` as for
-/// FindRepeat.
+/// distinct. A negative `limit` means no upper bound. `runs` must hold the
+/// runs of `slots[0, n)`; `scratch` as for FindRepeat.
+void CheckSlots(const SlotRuns& runs, const int32_t* slots, const char* name, SlotSet* scratch,
+                int64_t limit = -1);
+/// The same, finding the runs itself.
 void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch,
                 int64_t limit = -1);
 
-/// Returns the position of the first slot of `slots[0, n)` that repeats an
-/// earlier one, or -1. Slots must be >= 0. `scratch` is working memory, empty
-/// again on return (also when it throws std::bad_alloc). O(n) for inputs made
-/// of few runs of consecutive slots, O(n + chunks touched * 8 KiB) otherwise.
+/// Returns the position of the first slot that repeats an earlier one, or
+/// -1. Slots must be >= 0. `scratch` is working memory, empty again on return
+/// (also when it throws std::bad_alloc). O(runs log runs) for inputs made of
+/// few runs, O(n + chunks touched * 8 KiB) otherwise.
+int64_t FindRepeat(const SlotRuns& runs, SlotSet* scratch);
 int64_t FindRepeat(const int32_t* slots, int64_t n, SlotSet* scratch);
 
 }  // namespace radixkv
