@@ -20,6 +20,17 @@ PyObject* NewError(pybind11::module_& m, const char* name, const char* doc) {
 
 }  // namespace
 
+void SetError(const Error& e) {
+  PyObject* type = PyExc_RuntimeError;
+  switch (e.code()) {
+    case ErrorCode::kInvalidArgument: type = PyExc_ValueError; break;
+    case ErrorCode::kWrongType: type = PyExc_TypeError; break;
+    case ErrorCode::kOutOfCapacity: type = g_out_of_capacity; break;
+    case ErrorCode::kIntegrity: type = g_integrity; break;
+  }
+  PyErr_SetString(type, e.what());
+}
+
 void RegisterErrors(pybind11::module_& m) {
   g_out_of_capacity = NewError(m, "OutOfCapacityError",
                                "Asked to evict or allocate more than the cache can free.");
@@ -28,14 +39,7 @@ void RegisterErrors(pybind11::module_& m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      PyObject* type = PyExc_RuntimeError;
-      switch (e.code()) {
-        case ErrorCode::kInvalidArgument: type = PyExc_ValueError; break;
-        case ErrorCode::kWrongType: type = PyExc_TypeError; break;
-        case ErrorCode::kOutOfCapacity: type = g_out_of_capacity; break;
-        case ErrorCode::kIntegrity: type = g_integrity; break;
-      }
-      PyErr_SetString(type, e.what());
+      SetError(e);
     }
   });
 }

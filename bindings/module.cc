@@ -1,14 +1,19 @@
 // The private extension radixkv._core: one-line definitions over adapters
 // named Class_Method. Tree logic lives in cpp/; tensor handoff in tensor_view.
+// The tree and its handles are CPython types with vectorcall methods
+// (fast_call.h); the rest is pybind11.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <structmember.h>
 
+#include <cstddef>
 #include <mutex>
-#include <utility>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "errors.h"
+#include "fast_call.h"
 #include "kernels.h"
 #include "radixkv/compare.h"
 #include "radixkv/page_allocator.h"
@@ -20,11 +25,16 @@
 namespace py = pybind11;
 using radixkv::Handle;
 using radixkv::RadixTree;
+using radixkv::bindings::Boxed;
+using radixkv::bindings::FastMethod;
 using radixkv::bindings::FinishViews;
 using radixkv::bindings::Int32View;
-using radixkv::bindings::TensorSink;
+using radixkv::bindings::NewBoxed;
 using radixkv::bindings::NewInt32Tensor;
+using radixkv::bindings::Params;
+using radixkv::bindings::TensorSink;
 using radixkv::bindings::ToInt64;
+using radixkv::bindings::Unbox;
 
 namespace {
 
@@ -61,104 +71,155 @@ auto Locked(PyRadixTree& t, bool release_gil, F&& f) {
   return Locked(t.mu, release_gil, std::forward<F>(f), [] {});
 }
 
-Handle& AsHandle(py::handle obj) {
-  if (!py::isinstance<Handle>(obj)) {
+PyTypeObject* g_tree_type = nullptr;
+PyTypeObject* g_handle_type = nullptr;
+
+Handle& AsHandle(PyObject* obj) {
+  if (Py_TYPE(obj) != g_handle_type) {
     throw py::type_error(std::string("handle must be a RadixCacheHandle from match_prefix, got ") +
-                         Py_TYPE(obj.ptr())->tp_name);
+                         Py_TYPE(obj)->tp_name);
   }
-  return obj.cast<Handle&>();
+  return Unbox<Handle>(obj);
 }
 
-py::tuple RadixTree_MatchPrefix(PyRadixTree& t, py::handle input_ids) {
-  Int32View ids(input_ids, "input_ids");
+py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
+  Int32View ids(a[0], "input_ids");
   FinishViews(ids);
   // The handle object is made before the match, so nothing can fail after it.
-  py::object handle = py::cast(Handle{});
+  py::object handle = NewBoxed<Handle>(g_handle_type);
   TensorSink indices;
-  Handle h = Locked(
+  Unbox<Handle>(handle.ptr()) = Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
       [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), indices); }, [&] { ids.Own(); });
-  handle.cast<Handle&>() = h;
   return py::make_tuple(std::move(handle), indices.take());
 }
 
-int64_t RadixTree_InsertPrefix(PyRadixTree& t, py::handle input_ids, py::handle indices) {
-  Int32View ids(input_ids, "input_ids");
-  Int32View slots(indices, "indices");
+py::object RadixTree_InsertPrefix(PyRadixTree& t, PyObject* const* a) {
+  Int32View ids(a[0], "input_ids");
+  Int32View slots(a[1], "indices");
   FinishViews(ids, slots);
   if (ids.size() != slots.size()) {
     throw py::value_error("indices has length " + std::to_string(slots.size()) +
                           " but input_ids has length " + std::to_string(ids.size()));
   }
-  return Locked(
+  return py::int_(Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
       [&] { return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size()); },
       [&] {
         ids.Own();
         slots.Own();
-      });
+      }));
 }
 
-void RadixTree_LockHandle(PyRadixTree& t, py::handle handle, bool unlock) {
-  Handle& h = AsHandle(handle);
+py::object RadixTree_LockHandle(PyRadixTree& t, PyObject* const* a) {
+  Handle& h = AsHandle(a[0]);
+  bool unlock = false;
+  if (a[1] != nullptr) {
+    const int truth = PyObject_IsTrue(a[1]);
+    if (truth < 0) throw py::error_already_set();
+    unlock = truth != 0;
+  }
   Locked(t, false, [&] { unlock ? t.tree.Unlock(&h) : t.tree.Lock(&h); });
+  return py::none();
 }
 
-py::object RadixTree_Evict(PyRadixTree& t, py::handle size) {
-  const int64_t n = ToInt64(size, "size");
+py::object RadixTree_Evict(PyRadixTree& t, PyObject* const* a) {
+  const int64_t n = ToInt64(a[0], "size");
   TensorSink slots;
   Locked(t, n >= kReleaseGilTokens, [&] { t.tree.Evict(n, slots); });
   return slots.take();
 }
 
-void RadixTree_Reset(PyRadixTree& t) {
+py::object RadixTree_Reset(PyRadixTree& t, PyObject* const*) {
   Locked(t, true, [&] { t.tree.Reset(); });
+  return py::none();
 }
 
-void RadixTree_CheckIntegrity(PyRadixTree& t) {
+py::object RadixTree_CheckIntegrity(PyRadixTree& t, PyObject* const*) {
   Locked(t, true, [&] { t.tree.CheckIntegrity(); });
+  return py::none();
 }
 
-py::tuple RadixTree_SizeInfo(PyRadixTree& t) {
+py::object RadixTree_SizeInfo(PyRadixTree& t, PyObject* const*) {
   auto sizes = Locked(t, false, [&] {
     return std::make_pair(t.tree.evictable_size(), t.tree.protected_size());
   });
   return py::make_tuple(sizes.first, sizes.second);
 }
 
-int64_t RadixTree_NumNodes(PyRadixTree& t) {
-  return Locked(t, false, [&] { return t.tree.num_nodes(); });
-}
-
-py::object RadixTree_HandleSlots(PyRadixTree& t, py::handle handle) {
-  const Handle& h = AsHandle(handle);
+py::object RadixTree_HandleSlots(PyRadixTree& t, PyObject* const* a) {
+  const Handle& h = AsHandle(a[0]);
   TensorSink slots;
   Locked(t, false, [&] { t.tree.HandleSlots(h, slots); });
   return slots.take();
 }
 
-py::list RadixTree_Dump(PyRadixTree& t) {
+py::object RadixTree_Dump(PyRadixTree& t, PyObject* const*) {
   std::vector<radixkv::NodeInfo> nodes = Locked(t, true, [&] { return t.tree.Dump(); });
   py::list out;
   for (const auto& n : nodes) {
     out.append(py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), n.ref_count,
                               n.timestamp));
   }
-  return out;
+  return std::move(out);
 }
 
-bool RadixTree_IsValid(PyRadixTree& t, py::handle handle) {
-  const Handle& h = AsHandle(handle);
-  return Locked(t, false, [&] { return t.tree.IsValid(h); });
+py::object RadixTree_IsValid(PyRadixTree& t, PyObject* const* a) {
+  const Handle& h = AsHandle(a[0]);
+  return py::bool_(Locked(t, false, [&] { return t.tree.IsValid(h); }));
+}
+
+PyObject* RadixTree_New(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"page_size", "max_slots", nullptr};
+  long long page_size = 1, max_slots = RadixTree::kAnySlot;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|LL:RadixTree", const_cast<char**>(names),
+                                   &page_size, &max_slots)) {
+    return nullptr;
+  }
+  try {
+    return NewBoxed<PyRadixTree>(type, page_size, max_slots).release().ptr();
+  } catch (...) {
+    radixkv::bindings::SetErrorFromException();
+    return nullptr;
+  }
+}
+
+template <typename F>
+PyObject* Getter(PyObject* self, F f) {
+  try {
+    return f(Unbox<PyRadixTree>(self)).release().ptr();
+  } catch (...) {
+    radixkv::bindings::SetErrorFromException();
+    return nullptr;
+  }
+}
+
+PyObject* RadixTree_PageSize(PyObject* self, void*) {
+  return Getter(self, [](PyRadixTree& t) { return py::int_(t.tree.page_size()); });
+}
+PyObject* RadixTree_MaxSlots(PyObject* self, void*) {
+  return Getter(self, [](PyRadixTree& t) { return py::int_(t.tree.max_slots()); });
+}
+PyObject* RadixTree_NumNodes(PyObject* self, void*) {
+  return Getter(self, [](PyRadixTree& t) {
+    return py::int_(Locked(t, false, [&] { return t.tree.num_nodes(); }));
+  });
+}
+
+PyObject* Handle_Repr(PyObject* self) {
+  const Handle& h = Unbox<Handle>(self);
+  return PyUnicode_FromFormat("RadixCacheHandle(cached_len=%lld, lock_count=%lld)",
+                              static_cast<long long>(h.cached_len),
+                              static_cast<long long>(h.lock_count));
 }
 
 PyRadixTree* AsTree(py::handle tree) {
   if (tree.is_none()) return nullptr;
-  if (!py::isinstance<PyRadixTree>(tree)) {
+  if (Py_TYPE(tree.ptr()) != g_tree_type) {
     throw py::type_error(std::string("tree must be a radixkv._core.RadixTree or None, got ") +
                          Py_TYPE(tree.ptr())->tp_name);
   }
-  return &tree.cast<PyRadixTree&>();
+  return &Unbox<PyRadixTree>(tree.ptr());
 }
 
 // Runs `f(cached)` with the tree's stored slots (null without a tree), holding
@@ -237,11 +298,6 @@ py::object Int32Tensor(py::handle values, const std::string& name) {
   return NewInt32Tensor(v.data(), v.size());
 }
 
-std::string Handle_Repr(const Handle& h) {
-  return "RadixCacheHandle(cached_len=" + std::to_string(h.cached_len) +
-         ", lock_count=" + std::to_string(h.lock_count) + ")";
-}
-
 constexpr const char* kMatchDoc =
     "match_prefix(input_ids) -> (handle, indices)\n\n"
     "Longest cached prefix of input_ids in whole pages: a handle (cached_len\n"
@@ -264,6 +320,75 @@ constexpr const char* kEvictDoc =
     "return their slots in eviction order. Raises OutOfCapacityError,\n"
     "changing nothing, when size exceeds the evictable size.";
 
+constexpr Params kIds{"match_prefix", {"input_ids"}, 1, 1};
+constexpr Params kInsert{"insert_prefix", {"input_ids", "indices"}, 2, 2};
+constexpr Params kLock{"lock_handle", {"handle", "unlock"}, 2, 1};
+constexpr Params kSize{"evict", {"size"}, 1, 1};
+constexpr Params kHandle{"handle", {"handle"}, 1, 1};
+constexpr Params kNone{"method", {}, 0, 0};
+
+template <py::object (*Impl)(PyRadixTree&, PyObject* const*), const Params& P>
+constexpr PyCFunction Fast() {
+  return reinterpret_cast<PyCFunction>(
+      reinterpret_cast<void (*)()>(&FastMethod<PyRadixTree, Impl, P>));
+}
+constexpr int kFastCall = METH_FASTCALL | METH_KEYWORDS;
+
+PyMethodDef kTreeMethods[] = {
+    {"match_prefix", Fast<RadixTree_MatchPrefix, kIds>(), kFastCall, kMatchDoc},
+    {"insert_prefix", Fast<RadixTree_InsertPrefix, kInsert>(), kFastCall, kInsertDoc},
+    {"lock_handle", Fast<RadixTree_LockHandle, kLock>(), kFastCall, kLockDoc},
+    {"evict", Fast<RadixTree_Evict, kSize>(), kFastCall, kEvictDoc},
+    {"reset", Fast<RadixTree_Reset, kNone>(), kFastCall, "Drop every node."},
+    {"size_info", Fast<RadixTree_SizeInfo, kNone>(), kFastCall, "(evictable, protected) tokens."},
+    {"check_integrity", Fast<RadixTree_CheckIntegrity, kNone>(), kFastCall,
+     "Walk the tree and raise IntegrityError on a broken invariant."},
+    {"dump", Fast<RadixTree_Dump, kNone>(), kFastCall,
+     "Every node as (parent, tokens, slots, ref_count, timestamp)."},
+    {"is_valid", Fast<RadixTree_IsValid, kHandle>(), kFastCall,
+     "Whether handle names a live node of this tree."},
+    {"handle_slots", Fast<RadixTree_HandleSlots, kHandle>(), kFastCall,
+     "The slots of the handle's prefix."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef kTreeProperties[] = {
+    {"page_size", RadixTree_PageSize, nullptr, "Tokens per page.", nullptr},
+    {"max_slots", RadixTree_MaxSlots, nullptr, "Slots must be below this (-1: any).", nullptr},
+    {"num_nodes", RadixTree_NumNodes, nullptr, "Nodes, the root excluded.", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kTreeSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(RadixTree_New)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(radixkv::bindings::DeallocBoxed<PyRadixTree>)},
+    {Py_tp_methods, kTreeMethods},
+    {Py_tp_getset, kTreeProperties},
+    {Py_tp_doc, const_cast<char*>("RadixTree(page_size=1, max_slots=-1): the native radix tree "
+                                  "and the mutex that keeps one thread at a time in it.")},
+    {0, nullptr},
+};
+PyType_Spec kTreeSpec{"radixkv._core.RadixTree", sizeof(Boxed<PyRadixTree>), 0,
+                      Py_TPFLAGS_DEFAULT, kTreeSlots};
+
+constexpr Py_ssize_t kHandleAt = offsetof(Boxed<Handle>, value);
+PyMemberDef kHandleMembers[] = {
+    {"cached_len", T_LONGLONG, kHandleAt + offsetof(Handle, cached_len), READONLY,
+     "Tokens from the root to the handle's node: the matched length."},
+    {"lock_count", T_LONGLONG, kHandleAt + offsetof(Handle, lock_count), READONLY,
+     "Locks taken through this handle and not yet released."},
+    {nullptr, 0, 0, 0, nullptr},
+};
+PyType_Slot kHandleSlots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(radixkv::bindings::DeallocBoxed<Handle>)},
+    {Py_tp_members, kHandleMembers},
+    {Py_tp_repr, reinterpret_cast<void*>(Handle_Repr)},
+    {Py_tp_doc, const_cast<char*>("The result of a match: names the matched prefix.")},
+    {0, nullptr},
+};
+PyType_Spec kHandleSpec{"radixkv._core.RadixCacheHandle", sizeof(Boxed<Handle>), 0,
+                        Py_TPFLAGS_DEFAULT, kHandleSlots};
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -275,29 +400,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));
   m.def("check_slots", &CheckSlots, py::arg("values"), py::arg("name"), py::arg("limit") = -1);
 
-  py::class_<Handle>(m, "RadixCacheHandle")
-      .def_readonly("cached_len", &Handle::cached_len)
-      .def_readonly("lock_count", &Handle::lock_count)
-      .def("__repr__", &Handle_Repr);
-
-  py::class_<PyRadixTree>(m, "RadixTree")
-      .def(py::init<int64_t, int64_t>(), py::arg("page_size") = 1,
-           py::arg("max_slots") = RadixTree::kAnySlot)
-      .def_property_readonly("page_size", [](PyRadixTree& t) { return t.tree.page_size(); })
-      .def_property_readonly("max_slots", [](PyRadixTree& t) { return t.tree.max_slots(); })
-      .def_property_readonly("num_nodes", &RadixTree_NumNodes)
-      .def("match_prefix", &RadixTree_MatchPrefix, py::arg("input_ids"), kMatchDoc)
-      .def("insert_prefix", &RadixTree_InsertPrefix, py::arg("input_ids"), py::arg("indices"),
-           kInsertDoc)
-      .def("lock_handle", &RadixTree_LockHandle, py::arg("handle"), py::arg("unlock") = false,
-           kLockDoc)
-      .def("evict", &RadixTree_Evict, py::arg("size"), kEvictDoc)
-      .def("reset", &RadixTree_Reset)
-      .def("size_info", &RadixTree_SizeInfo)
-      .def("check_integrity", &RadixTree_CheckIntegrity)
-      .def("dump", &RadixTree_Dump)
-      .def("is_valid", &RadixTree_IsValid, py::arg("handle"))
-      .def("handle_slots", &RadixTree_HandleSlots, py::arg("handle"));
+  g_handle_type = radixkv::bindings::AddType(m, &kHandleSpec);
+  g_tree_type = radixkv::bindings::AddType(m, &kTreeSpec);
 
   py::class_<radixkv::PageAllocator>(m, "PageAllocator")
       .def(py::init<int64_t, int64_t>(), py::arg("num_pages"), py::arg("page_size") = 1)

@@ -5,6 +5,8 @@
 #include <dlpack/dlpack.h>
 
 #include <cctype>
+#include <cstdlib>
+#include <new>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -96,17 +98,23 @@ void ConvertInts(const char* base, int64_t n, int64_t stride_bytes, bool is_sign
                              std::to_string(bits) + " bits");
 }
 
-bool CallPredicate(PyObject* o, const char* method) {
-  py::object result = py::reinterpret_steal<py::object>(PyObject_CallMethod(o, method, nullptr));
-  if (!result) throw py::error_already_set();
-  const int truth = PyObject_IsTrue(result.ptr());
+}  // namespace
+
+bool IsNegView(PyObject* o) {
+  static PyObject* name = PyUnicode_InternFromString("is_neg");  // lives with the module
+  PyObject* args[2] = {nullptr, o};  // args[0] is room the callee may use
+  PyObject* result =
+      PyObject_VectorcallMethod(name, args + 1, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  if (result == nullptr) throw py::error_already_set();
+  if (result == Py_False || result == Py_True) {
+    Py_DECREF(result);
+    return result == Py_True;
+  }
+  const int truth = PyObject_IsTrue(result);
+  Py_DECREF(result);
   if (truth < 0) throw py::error_already_set();
   return truth != 0;
 }
-
-}  // namespace
-
-bool IsNegView(PyObject* o) { return CallPredicate(o, "is_neg"); }
 
 Int32View::Int32View(py::handle obj, const char* name) : name_(name) {
   PyObject* o = obj.ptr();
@@ -247,22 +255,43 @@ void Int32View::FromSequence(py::handle obj) {
   data_ = owned_.data();
 }
 
+namespace {
+
+// One allocation holds a result tensor's DLPack header and its data, which
+// torch adopts (one TensorImpl, no copy) and frees through the deleter.
+struct Int32Block {
+  DLManagedTensorVersioned managed;
+  int64_t shape[1];
+};
+constexpr size_t kDataOffset = (sizeof(Int32Block) + 63) / 64 * 64;
+
+void FreeBlock(DLManagedTensorVersioned* self) { std::free(self->manager_ctx); }
+
+}  // namespace
+
 py::object NewInt32Tensor(int64_t n, int32_t** data) {
-  int64_t shape[1] = {n};
-  DLTensor proto{};
-  proto.ndim = 1;
-  proto.shape = shape;
-  proto.dtype = DLDataType{kDLInt, 32, 1};
-  proto.device = DLDevice{kDLCPU, 0};
-  DLManagedTensorVersioned* mt = nullptr;
-  if (TorchApi().managed_tensor_allocator(&proto, &mt, nullptr, SetError) != 0) {
-    throw py::error_already_set();
-  }
-  *data = reinterpret_cast<int32_t*>(static_cast<char*>(mt->dl_tensor.data) +
-                                     mt->dl_tensor.byte_offset);
+  const size_t bytes = kDataOffset + static_cast<size_t>(n) * sizeof(int32_t);
+  void* raw = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (raw == nullptr) throw std::bad_alloc();
+  auto* block = new (raw) Int32Block{};
+  block->shape[0] = n;
+  DLManagedTensorVersioned& mt = block->managed;
+  mt.version = DLPackVersion{DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
+  mt.manager_ctx = raw;
+  mt.deleter = FreeBlock;
+  mt.flags = 0;
+  DLTensor& t = mt.dl_tensor;
+  t.data = static_cast<char*>(raw) + kDataOffset;
+  t.device = DLDevice{kDLCPU, 0};
+  t.ndim = 1;
+  t.dtype = DLDataType{kDLInt, 32, 1};
+  t.shape = block->shape;
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  *data = static_cast<int32_t*>(t.data);
   void* out = nullptr;
-  if (TorchApi().managed_tensor_to_py_object_no_sync(mt, &out) != 0) {
-    if (mt->deleter != nullptr) mt->deleter(mt);  // still ours: torch did not take it
+  if (TorchApi().managed_tensor_to_py_object_no_sync(&mt, &out) != 0) {
+    std::free(raw);  // still ours: torch did not take it
     throw py::error_already_set();
   }
   return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));

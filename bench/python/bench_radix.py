@@ -6,6 +6,13 @@ Workloads (page size 1, token ids below 32,000, fixed seed):
   split      match that diverges inside a node (each query splits once)
   insert     insert of a new 1,024-token sequence sharing the 512 prefix
   lock       a lock + unlock pair on a matched handle
+  match_many match of a different cached sequence each time: 2,000 matches
+             cycling over 1,000 distinct 1,024-token sequences in shuffled order
+             (cold caches, as a scheduler sees them)
+  insert_many insert of 2,000 new 1,024-token sequences whose first 512
+             indices are the cached prefix's own slots (what a scheduler passes)
+  lock_call  lock_handle(h) then lock_handle(h, unlock=True), called the way
+             users call them (radixkv; the peers through their adapters)
   evict@N    evict 1,024 tokens (8 leaves) from a tree of N unlocked leaves
              (a shared 512-token prefix with N unique 128-token suffixes);
              the evicted leaves are put back between samples, untimed
@@ -157,6 +164,68 @@ def bench_core(factory, name: str, reps: int, seed: int) -> Dict[str, float]:
     return out
 
 
+def bench_realistic(factory, name: str, seed: int, distinct: int = 1000,
+                    calls: int = 2000, batch: int = 20) -> Dict[str, float]:
+    """The access patterns of a scheduler: many distinct requests, many inserts.
+    Each sample is the mean over `batch` consecutive calls on different
+    sequences, so the timer's own cost stays out of the way."""
+    w = Workload(seed + 2)
+    seqs = [w.sequence(SEQ - PREFIX) for _ in range(distinct)]
+    cache = factory()
+    slot = build(cache, seqs)
+    prefix_slots = torch.arange(0, PREFIX, dtype=torch.int32)  # the first sequence's prefix
+    prepare, match, insert = cache.prepare, cache.match, cache.insert
+    gen = torch.Generator().manual_seed(seed + 3)
+    order = torch.cat([torch.randperm(distinct, generator=gen)
+                       for _ in range(-(-calls // distinct))])[:calls].tolist()
+    queries = [prepare(seqs[i]) for i in order]
+    out: Dict[str, float] = {}
+    samples = []
+    for b in range(0, calls, batch):
+        chunk = queries[b:b + batch]
+        t0 = now_ns()
+        for q in chunk:
+            match(q)
+        samples.append((now_ns() - t0) / len(chunk))
+    out["match_many"] = median_us(samples)
+
+    fresh = [prepare(w.sequence(SEQ - PREFIX)) for _ in range(calls)]
+    slot_lists = []
+    for _ in range(calls):
+        slot_lists.append(torch.cat([prefix_slots,
+                                     torch.arange(slot, slot + SEQ - PREFIX, dtype=torch.int32)]))
+        slot += SEQ - PREFIX
+    samples = []
+    for b in range(0, calls, batch):
+        t0 = now_ns()
+        for s, v in zip(fresh[b:b + batch], slot_lists[b:b + batch]):
+            insert(s, v)
+        samples.append((now_ns() - t0) / batch)
+    out["insert_many"] = median_us(samples)
+
+    handle, _ = match(queries[0])
+    manager = getattr(cache, "manager", None)
+    samples = []
+    if isinstance(manager, RadixCacheManager):
+        lock_handle = manager.lock_handle
+        for _ in range(calls // batch):
+            t0 = now_ns()
+            for _ in range(batch):
+                lock_handle(handle)
+                lock_handle(handle, unlock=True)
+            samples.append((now_ns() - t0) / batch)
+    else:
+        lock, unlock = cache.lock, cache.unlock
+        for _ in range(calls // batch):
+            t0 = now_ns()
+            for _ in range(batch):
+                lock(handle)
+                unlock(handle)
+            samples.append((now_ns() - t0) / batch)
+    out["lock_call"] = median_us(samples)
+    return out
+
+
 def bench_evict(factory, name: str, leaves: int, reps: int, seed: int) -> float:
     w = Workload(seed)
     cache = factory()
@@ -229,6 +298,7 @@ def main(argv=None) -> int:
     for name, factory in impls.items():
         print(f"running {name} ...", file=sys.stderr, flush=True)
         r = bench_core(factory, name, args.reps, args.seed)
+        r.update(bench_realistic(factory, name, args.seed))
         for leaves in args.leaves:
             if name != "radixkv" and leaves > args.peer_max_leaves:
                 continue
