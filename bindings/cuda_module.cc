@@ -53,7 +53,8 @@ class DeviceGuard {
 // order keeps the tensors' memory alive for the kernel.
 void Kernel_StoreCache(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
                        py::handle v) {
-  Tensor kc(k_cache, "k_cache", true), vc(v_cache, "v_cache", true), loc(out_loc, "out_loc");
+  Tensor kc(k_cache, "k_cache", Tensor::kWritten), vc(v_cache, "v_cache", Tensor::kWritten);
+  Tensor loc(out_loc, "out_loc");
   Tensor kt(k, "k"), vt(v, "v");
   for (Tensor* t : {&kc, &vc, &loc, &kt, &vt}) t->View();
   radixkv::StoreParams p = CheckStoreTensors(kc, vc, kt, vt, kDLCUDA);
@@ -67,7 +68,7 @@ void Kernel_StoreCache(py::handle k_cache, py::handle v_cache, py::handle out_lo
 
 void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle key_lens,
                                  py::handle out) {
-  Tensor q(query, "query"), ks(keys, "keys"), o(out, "out", true);
+  Tensor q(query, "query"), ks(keys, "keys"), o(out, "out", Tensor::kWritten);
   std::optional<Tensor> lens;
   if (!key_lens.is_none()) lens.emplace(key_lens, "key_lens");
   for (Tensor* t : {&q, &ks, &o}) t->View();

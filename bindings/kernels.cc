@@ -36,9 +36,11 @@ bool IsIndexDType(const DLDataType& d) {
 }
 
 bool RequiresGrad(PyObject* o) {
-  py::object flag = py::reinterpret_steal<py::object>(PyObject_GetAttrString(o, "requires_grad"));
-  if (!flag) throw py::error_already_set();
-  const int truth = PyObject_IsTrue(flag.ptr());
+  static PyObject* name = PyUnicode_InternFromString("requires_grad");  // lives with the module
+  PyObject* flag = PyObject_GetAttr(o, name);
+  if (flag == nullptr) throw py::error_already_set();
+  const int truth = flag == Py_False ? 0 : flag == Py_True ? 1 : PyObject_IsTrue(flag);
+  Py_DECREF(flag);
   if (truth < 0) throw py::error_already_set();
   return truth != 0;
 }
@@ -64,11 +66,13 @@ constexpr int64_t kReleaseGilBytes = int64_t{1} << 20;
 constexpr unsigned kMaxStoreThreads = 2;
 
 void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
-                   py::handle v) {
+                   py::handle v, bool pool_views) {
   // Step one for every argument (out_loc may be any 1-D integer input), then
   // step two: from here on no Python code runs until the store is done.
   Int32View loc(out_loc, "out_loc");
-  Tensor kc(k_cache, "k_cache", true), vc(v_cache, "v_cache", true), kt(k, "k"), vt(v, "v");
+  const Tensor::Checks cache_checks = pool_views ? Tensor::kTrusted : Tensor::kWritten;
+  Tensor kc(k_cache, "k_cache", cache_checks), vc(v_cache, "v_cache", cache_checks);
+  Tensor kt(k, "k"), vt(v, "v");
   Tensor* tensors[4] = {&kc, &vc, &kt, &vt};
   FinishViews(loc);
   for (Tensor* t : tensors) t->View();
@@ -97,7 +101,7 @@ void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, p
 
 void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_lens,
                              py::handle out) {
-  Tensor q(query, "query"), k(keys, "keys"), o(out, "out", true);
+  Tensor q(query, "query"), k(keys, "keys"), o(out, "out", Tensor::kWritten);
   std::optional<Tensor> lens;
   if (!key_lens.is_none()) lens.emplace(key_lens, "key_lens");
   auto view_all = [&] {
@@ -136,13 +140,14 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
 
 }  // namespace
 
-Tensor::Tensor(py::handle obj, const char* name, bool written) : obj_(obj), name_(name) {
+Tensor::Tensor(py::handle obj, const char* name, Checks checks) : obj_(obj), name_(name) {
   PyObject* o = obj.ptr();
   KERNEL_CHECK_TYPE(IsTorchTensor(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
+  if (checks == kTrusted) return;
   // torch's DLPack export ignores the bit: the memory holds -x for x.
   KERNEL_CHECK_VALUE(!IsNegView(o), name, " is a lazy negation (its negative bit is set): pass ",
                      name, ".resolve_neg()");
-  KERNEL_CHECK_VALUE(!written || !RequiresGrad(o), name,
+  KERNEL_CHECK_VALUE(checks != kWritten || !RequiresGrad(o), name,
                      " requires grad, and a KV cache is written in place: pass ", name,
                      ".detach() (or create it with requires_grad=False)");
 }
@@ -274,10 +279,12 @@ void MarkWritten(py::handle a, py::handle b) {
     py::object f = py::module_::import("torch._C").attr("_increment_version");
     return f.release().ptr();  // lives as long as torch, that is, the process
   }();
-  py::tuple tensors = b ? py::tuple(py::make_tuple(a, b)) : py::tuple(py::make_tuple(a));
-  py::object r = py::reinterpret_steal<py::object>(
-      PyObject_CallFunctionObjArgs(increment, tensors.ptr(), nullptr));
-  if (!r) throw py::error_already_set();
+  PyObject* tensors = b ? PyTuple_Pack(2, a.ptr(), b.ptr()) : PyTuple_Pack(1, a.ptr());
+  if (tensors == nullptr) throw py::error_already_set();
+  PyObject* r = PyObject_Vectorcall(increment, &tensors, 1, nullptr);
+  Py_DECREF(tensors);
+  if (r == nullptr) throw py::error_already_set();
+  Py_DECREF(r);
 }
 
 CompareArgs CheckCompareArgs(const Tensor& q, const Tensor& keys, const Tensor* lens,
@@ -330,7 +337,7 @@ void* CurrentStream(const DLDevice& device) {
 
 void RegisterKernels(py::module_& m) {
   m.def("store_cache", &StoreCacheCpu, py::arg("k_cache"), py::arg("v_cache"), py::arg("out_loc"),
-        py::arg("k"), py::arg("v"));
+        py::arg("k"), py::arg("v"), py::arg("pool_views") = false);
   m.def("first_mismatch_batched", &FirstMismatchBatchedCpu, py::arg("query"), py::arg("keys"),
         py::arg("key_lens"), py::arg("out"));
 }

@@ -31,10 +31,14 @@ constexpr int kMaxDims = 8;
 /// A torch tensor argument of a kernel, viewed in two steps.
 class Tensor {
  public:
-  /// Step one: checks `obj` is a torch tensor and refuses a lazy negation
-  /// (`is_neg()`), and, when `written`, a tensor that requires grad. Runs
-  /// torch's queries (Python code for subclasses and torch function modes).
-  Tensor(pybind11::handle obj, const char* name, bool written = false);
+  /// What step one asks torch about the tensor: whether it is a lazy
+  /// negation (read), and also whether it requires grad (written); nothing for
+  /// the views a pool made of its own buffer (trusted: MHAKVCache's caches).
+  enum Checks { kRead, kWritten, kTrusted };
+  /// Step one: checks `obj` is a torch tensor and refuses what `checks` asks
+  /// about. Runs torch's queries (Python code for subclasses and torch
+  /// function modes).
+  Tensor(pybind11::handle obj, const char* name, Checks checks = kRead);
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
 

@@ -72,9 +72,10 @@ constexpr int64_t kWordMask = (int64_t{1} << kWordShift) - 1;
 
 }  // namespace
 
-void SlotRuns::Assign(const int32_t* slots, int64_t n) {
+bool SlotRuns::Assign(const int32_t* slots, int64_t n, size_t max_runs) {
   runs_.clear();
-  ForEachRun(slots, n, [&](int64_t at, int64_t lo, int64_t hi) {
+  return ForEachRun(slots, n, [&](int64_t at, int64_t lo, int64_t hi) {
+    if (max_runs > 0 && runs_.size() == max_runs) return false;
     runs_.push_back(SlotRun{lo, hi, at});
     return true;
   });

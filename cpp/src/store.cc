@@ -172,53 +172,86 @@ int64_t FindSlotOutOfRange(const void* indices, IndexType type, int64_t n,
 
 namespace {
 
+// Position of the first of `idx[0, n)` that repeats an earlier one, or -1,
+// with an open-addressing set of the slots seen (a table of >= 2n keys;
+// `kEmpty` is no slot). O(n), whatever the slots' range.
+template <typename Key>
+int64_t FirstRepeatHashed(const void* idx, IndexType type, int64_t n) {
+  constexpr Key kEmpty = ~Key{0};
+  int shift = 64;
+  size_t capacity = 1;
+  while (capacity < static_cast<size_t>(2 * n)) {
+    capacity <<= 1;
+    --shift;
+  }
+  std::vector<Key> table(capacity, kEmpty);
+  const size_t mask = capacity - 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const Key slot = static_cast<Key>(LoadSlot(idx, type, i));
+    size_t h = static_cast<size_t>((static_cast<uint64_t>(slot) * 0x9E3779B97F4A7C15ull) >> shift);
+    while (table[h] != kEmpty) {
+      if (table[h] == slot) return i;
+      h = (h + 1) & mask;
+    }
+    table[h] = slot;
+  }
+  return -1;
+}
+
 // Position of the first index of `idx[0, n)` (all in [0, num_slots)) that
 // repeats an earlier one, or -1.
 int64_t FindRepeatedSlot(const void* idx, IndexType type, int64_t n, int64_t num_slots) {
-  SlotSet scratch;
+  if (n <= 32) {  // a decode step's few tokens: comparing is cheaper than any set
+    for (int64_t i = 1; i < n; ++i) {
+      for (int64_t j = 0; j < i; ++j) {
+        if (LoadSlot(idx, type, i) == LoadSlot(idx, type, j)) return i;
+      }
+    }
+    return -1;
+  }
   if (type == IndexType::kInt32) {
-    return FindRepeat(static_cast<const int32_t*>(idx), n, &scratch);
-  }
-  const auto* wide = static_cast<const int64_t*>(idx);
-  if (num_slots <= int64_t{std::numeric_limits<int32_t>::max()} + 1) {
-    std::vector<int32_t> narrow(wide, wide + n);
-    return FindRepeat(narrow.data(), n, &scratch);
-  }
-  std::vector<std::pair<int64_t, int64_t>> sorted(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) sorted[i] = {wide[i], i};
-  std::sort(sorted.begin(), sorted.end());
-  int64_t first = -1;
-  for (int64_t i = 1; i < n; ++i) {
-    if (sorted[i].first == sorted[i - 1].first && (first < 0 || sorted[i].second < first)) {
-      first = sorted[i].second;
+    // Slots from a page allocator come in few runs, checked by sorting them.
+    SlotRuns runs;
+    if (runs.Assign(static_cast<const int32_t*>(idx), n, 64)) {
+      SlotSet scratch;
+      return FindRepeat(runs, &scratch);
     }
   }
-  return first;
+  if (num_slots <= int64_t{1} << 31) return FirstRepeatHashed<uint32_t>(idx, type, n);
+  return FirstRepeatHashed<uint64_t>(idx, type, n);
 }
 
 }  // namespace
 
 StoreCheck StoreRows(const StoreParams& params, int max_threads) {
-  // One read of every index, into memory no one else can change.
+  // One read of every index, into memory no one else can change (on the
+  // stack for a small batch).
   const size_t width = params.index_type == IndexType::kInt32 ? 4 : 8;
-  std::vector<char> indices(static_cast<size_t>(params.num_tokens) * width);
-  if (!indices.empty()) std::memcpy(indices.data(), params.indices, indices.size());
+  const size_t bytes = static_cast<size_t>(params.num_tokens) * width;
+  alignas(8) char small[512];
+  std::vector<char> large;
+  char* indices = small;
+  if (bytes > sizeof(small)) {
+    large.resize(bytes);
+    indices = large.data();
+  }
+  if (bytes > 0) std::memcpy(indices, params.indices, bytes);
   StoreCheck check;
   check.position =
-      FindSlotOutOfRange(indices.data(), params.index_type, params.num_tokens, params.num_slots);
+      FindSlotOutOfRange(indices, params.index_type, params.num_tokens, params.num_slots);
   if (check.position < 0) {
     check.position =
-        FindRepeatedSlot(indices.data(), params.index_type, params.num_tokens, params.num_slots);
+        FindRepeatedSlot(indices, params.index_type, params.num_tokens, params.num_slots);
     if (check.position >= 0) check.kind = StoreCheck::kRepeated;
   } else {
     check.kind = StoreCheck::kOutOfRange;
   }
   if (check.position >= 0) {
-    check.slot = LoadSlot(indices.data(), params.index_type, check.position);
+    check.slot = LoadSlot(indices, params.index_type, check.position);
     return check;
   }
   StoreParams p = params;
-  p.indices = indices.data();
+  p.indices = indices;
   SimplifyStore(&p);
   const int64_t written = 2 * p.num_tokens * p.heads * p.head_bytes;
 #if RADIXKV_STREAM_STORES

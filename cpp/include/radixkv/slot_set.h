@@ -23,8 +23,10 @@ struct SlotRun {
 /// going over the input again. Reusable across calls.
 class SlotRuns {
  public:
-  /// Splits `slots[0, n)` into runs.
-  void Assign(const int32_t* slots, int64_t n);
+  /// Splits `slots[0, n)` into runs. With `max_runs` > 0, stops and returns
+  /// false as soon as there would be more than that many (the runs are then
+  /// incomplete); returns true otherwise.
+  bool Assign(const int32_t* slots, int64_t n, size_t max_runs = 0);
   /// Keeps only the runs of `slots[from, n)` (trimming the one holding `from`).
   void DropBefore(int64_t from);
   /// Keeps only the runs of `slots[0, to)` (trimming the one holding `to`).

@@ -191,7 +191,12 @@ class MHAKVCache(BaseKVCache):
         self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
     ) -> None:
         i = self._layer(layer_id, "layer_id")
-        self._store(self._k_layers[i], self._v_layers[i], out_loc, k, v)
+        if self._store is _core.store_cache:
+            # The caches are this pool's own views (no grad, no lazy negation):
+            # the kernel checks only k, v and out_loc (pool_views, positional).
+            _core.store_cache(self._k_layers[i], self._v_layers[i], out_loc, k, v, True)
+        else:
+            self._store(self._k_layers[i], self._v_layers[i], out_loc, k, v)
 
     @property
     def device(self) -> torch.device:
