@@ -56,6 +56,7 @@ void Kernel_StoreCache(py::handle k_cache, py::handle v_cache, py::handle out_lo
   Tensor kc(k_cache, "k_cache", Tensor::kWritten), vc(v_cache, "v_cache", Tensor::kWritten);
   Tensor loc(out_loc, "out_loc");
   Tensor kt(k, "k"), vt(v, "v");
+  for (Tensor* t : {&kc, &vc, &loc, &kt, &vt}) t->Check();
   for (Tensor* t : {&kc, &vc, &loc, &kt, &vt}) t->View();
   radixkv::StoreParams p = CheckStoreTensors(kc, vc, kt, vt, kDLCUDA);
   SetStoreIndices(&p, loc, kc);
@@ -71,6 +72,8 @@ void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle k
   Tensor q(query, "query"), ks(keys, "keys"), o(out, "out", Tensor::kWritten);
   std::optional<Tensor> lens;
   if (!key_lens.is_none()) lens.emplace(key_lens, "key_lens");
+  for (Tensor* t : {&q, &ks, &o}) t->Check();
+  if (lens) lens->Check();
   for (Tensor* t : {&q, &ks, &o}) t->View();
   if (lens) lens->View();
   const radixkv::bindings::CompareArgs a =

@@ -23,9 +23,11 @@ bool Fail(const Params& p, const std::string& message) {
 
 bool BindArgs(const Params& p, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames,
               PyObject** out) {
+  if (nargs > p.count && p.count == 0) return Fail(p, "takes no arguments");
   if (nargs > p.count) {
-    return Fail(p, "takes at most " + std::to_string(p.count) + " arguments (" +
-                       std::to_string(nargs) + " given)");
+    return Fail(p, "takes at most " + std::to_string(p.count) +
+                       (p.count == 1 ? " argument (" : " arguments (") + std::to_string(nargs) +
+                       " given)");
   }
   for (Py_ssize_t i = 0; i < nargs; ++i) out[i] = args[i];
   const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
@@ -36,9 +38,11 @@ bool BindArgs(const Params& p, PyObject* const* args, Py_ssize_t nargs, PyObject
       if (NameIs(key, p.names[i])) slot = i;
     }
     if (slot < 0) {
-      const char* text = PyUnicode_AsUTF8(key);
-      return Fail(p, std::string("got an unexpected keyword argument '") +
-                         (text != nullptr ? text : "?") + "'");
+      py::object repr = py::reinterpret_steal<py::object>(PyObject_Repr(key));
+      const char* text = repr ? PyUnicode_AsUTF8(repr.ptr()) : nullptr;
+      PyErr_Clear();
+      return Fail(p, std::string("got an unexpected keyword argument ") +
+                         (text != nullptr ? text : "(unprintable)"));
     }
     if (out[slot] != nullptr) {
       return Fail(p, std::string("got multiple values for argument '") + p.names[slot] + "'");

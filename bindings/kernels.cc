@@ -74,6 +74,7 @@ void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, p
   Tensor kc(k_cache, "k_cache", cache_checks), vc(v_cache, "v_cache", cache_checks);
   Tensor kt(k, "k"), vt(v, "v");
   Tensor* tensors[4] = {&kc, &vc, &kt, &vt};
+  for (Tensor* t : tensors) t->Check();
   FinishViews(loc);
   for (Tensor* t : tensors) t->View();
   StoreParams p = CheckStoreTensors(kc, vc, kt, vt, kDLCPU);
@@ -85,6 +86,7 @@ void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, p
         static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, kMaxStoreThreads));
     loc.Own();
     for (Tensor* t : tensors) t->Pin();
+    for (Tensor* t : tensors) t->Check();
     for (Tensor* t : tensors) t->View();
     p = CheckStoreTensors(kc, vc, kt, vt, kDLCPU);
     SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
@@ -105,6 +107,8 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
   std::optional<Tensor> lens;
   if (!key_lens.is_none()) lens.emplace(key_lens, "key_lens");
   auto view_all = [&] {
+    for (Tensor* t : {&q, &k, &o}) t->Check();
+    if (lens) lens->Check();
     for (Tensor* t : {&q, &k, &o}) t->View();
     if (lens) lens->View();
     return CheckCompareArgs(q, k, lens ? &*lens : nullptr, o, kDLCPU);
@@ -140,15 +144,20 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
 
 }  // namespace
 
-Tensor::Tensor(py::handle obj, const char* name, Checks checks) : obj_(obj), name_(name) {
+Tensor::Tensor(py::handle obj, const char* name, Checks checks)
+    : obj_(obj), name_(name), checks_(checks) {
   PyObject* o = obj.ptr();
   KERNEL_CHECK_TYPE(IsTorchTensor(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
-  if (checks == kTrusted) return;
+}
+
+void Tensor::Check() {
+  if (checks_ == kTrusted) return;
+  PyObject* o = object().ptr();
   // torch's DLPack export ignores the bit: the memory holds -x for x.
-  KERNEL_CHECK_VALUE(!IsNegView(o), name, " is a lazy negation (its negative bit is set): pass ",
-                     name, ".resolve_neg()");
-  KERNEL_CHECK_VALUE(checks != kWritten || !RequiresGrad(o), name,
-                     " requires grad, and a KV cache is written in place: pass ", name,
+  KERNEL_CHECK_VALUE(!IsNegView(o), name_, " is a lazy negation (its negative bit is set): pass ",
+                     name_, ".resolve_neg()");
+  KERNEL_CHECK_VALUE(checks_ != kWritten || !RequiresGrad(o), name_,
+                     " requires grad, and a KV cache is written in place: pass ", name_,
                      ".detach() (or create it with requires_grad=False)");
 }
 
@@ -165,6 +174,8 @@ void Tensor::View() {
   }
   dtype_ = t.dtype;
   device_ = t.device;
+  KERNEL_CHECK_TYPE(t.data != nullptr || expected == 0, name_,
+                    " has no data (a fake tensor, or one whose storage was freed)");
   data_ = static_cast<char*>(t.data) + t.byte_offset;
 }
 
@@ -173,6 +184,22 @@ void Tensor::Pin() {
   // long as the alias, even if the caller's tensor is given another one.
   pinned_ = py::reinterpret_borrow<py::object>(obj_).attr("detach")();
   KERNEL_CHECK_TYPE(IsTorchTensor(pinned_.ptr()), name_, ".detach() did not return a tensor");
+}
+
+std::pair<const char*, const char*> Tensor::Extent() const {
+  int64_t lo = 0, hi = 0;  // bytes from data_, of the lowest and one past the highest element
+  for (int d = 0; d < ndim_; ++d) {
+    if (shape_[d] == 0) return {data_, data_};
+    const int64_t span = (shape_[d] - 1) * strides_[d] * elem_bytes();
+    (span < 0 ? lo : hi) += span;
+  }
+  return {data_ + lo, data_ + hi + elem_bytes()};
+}
+
+bool Tensor::Overlaps(const Tensor& other) const {
+  const auto [a0, a1] = Extent();
+  const auto [b0, b1] = other.Extent();
+  return a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1;
 }
 
 std::string Tensor::ShapeString() const {
@@ -229,6 +256,18 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
   }
   KERNEL_CHECK_VALUE(v.size(0) == k.size(0), "v has ", v.size(0), " tokens but k has ", k.size(0));
   for (const Tensor* t : {&kc, &vc, &k, &v}) t->CheckLastContiguous();
+  for (const Tensor* c : {&kc, &vc}) {
+    for (int d = 0; d < c->ndim(); ++d) {
+      KERNEL_CHECK_VALUE(c->stride(d) != 0 || c->size(d) <= 1, c->name(), " has stride 0 in dimension ",
+                         d, ": an expanded tensor would write one place many times");
+    }
+  }
+  for (const Tensor* x : {&k, &v}) {
+    for (const Tensor* c : {&kc, &vc}) {
+      KERNEL_CHECK_VALUE(!x->Overlaps(*c), x->name(), " lies in the memory of ", c->name(),
+                         ": the store would overwrite rows it has yet to read");
+    }
+  }
 
   StoreParams p{};
   p.src[0] = k.data();

@@ -6,11 +6,14 @@
 // DLPack C exchange API (no libtorch link, no copy, no sync).
 //
 // As for Int32View (tensor_view.h), every tensor is first asked what may run
-// Python code (torch's lazy-negation and requires_grad queries), and only then
-// are all of them borrowed, so no Python code runs between borrowing memory
-// and using it. A call that lets the GIL go first `Pin`s its tensors: it
-// views aliases of its own (`detach()`), which keep the memory alive whatever
-// other threads do to the tensors they were given.
+// Python code (torch's lazy-negation and requires_grad queries: `Check`), and
+// only then are all of them borrowed (`View`), so no Python code runs between
+// borrowing memory and using it. A call that lets the GIL go first `Pin`s its
+// tensors: it views aliases of its own (`detach()`), which keep the storage
+// alive when another thread gives the tensors it was passed new storage
+// (`set_`). Resizing a storage in use is a race with every reader, torch's own
+// ops included, and is not guarded against; nor is a tensor subclass whose
+// torch function code changes the other arguments while they are checked.
 #pragma once
 
 #include <Python.h>
@@ -20,6 +23,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "radixkv/store_index.h"
 #include "torch_api.h"
@@ -35,14 +39,16 @@ class Tensor {
   /// negation (read), and also whether it requires grad (written); nothing for
   /// the views a pool made of its own buffer (trusted: MHAKVCache's caches).
   enum Checks { kRead, kWritten, kTrusted };
-  /// Step one: checks `obj` is a torch tensor and refuses what `checks` asks
-  /// about. Runs torch's queries (Python code for subclasses and torch
-  /// function modes).
+  /// Checks `obj` is a torch tensor (no Python code runs).
   Tensor(pybind11::handle obj, const char* name, Checks checks = kRead);
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
 
+  /// Step one: refuses what `checks` asks about. Runs torch's queries
+  /// (Python code for subclasses and torch function modes).
+  void Check();
   /// Step two: borrows the memory through DLPack (no Python code runs).
+  /// Raises TypeError for a tensor with elements but no data (a fake tensor).
   void View();
   /// Replaces the view by one of an alias this object owns (Python code runs:
   /// call `View` on every tensor of the call again afterwards).
@@ -58,6 +64,10 @@ class Tensor {
   const DLDevice& device() const { return device_; }
   char* data() const { return data_; }
   std::string ShapeString() const;
+  /// The bytes the tensor's elements span, [first, last + 1).
+  std::pair<const char*, const char*> Extent() const;
+  /// Whether the spans of the two tensors' elements meet.
+  bool Overlaps(const Tensor& other) const;
   void CheckDevice(DLDeviceType type) const;
   void CheckSameDevice(const Tensor& ref) const;
   void CheckLastContiguous() const;
@@ -66,6 +76,7 @@ class Tensor {
   pybind11::handle obj_;
   pybind11::object pinned_;
   const char* name_;
+  Checks checks_;
   int ndim_ = 0;
   int64_t shape_[kMaxDims] = {};
   int64_t strides_[kMaxDims] = {};
@@ -78,8 +89,10 @@ class Tensor {
 /// (see radixkv.kernel.store_cache), which must have been `View`ed: all on
 /// one device of type `device_type`, the caches `[num_pages, page_size, H,
 /// D]` or `[num_slots, H, D]`, `k` and `v` `[n, H, D]` with the caches' dtype
-/// (not complex), every last dimension contiguous. Returns the kernel
-/// parameters, indices left unset. Raises TypeError (type, dtype, device) or
+/// (not complex), every last dimension contiguous, no cache dimension of
+/// stride 0 (an expanded tensor writes one place many times), and neither k
+/// nor v in the memory of a cache. Returns the kernel parameters, indices
+/// left unset. Raises TypeError (type, dtype, device) or
 /// ValueError (shape, stride) naming the argument. Reads no tensor data.
 StoreParams CheckStoreTensors(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k,
                               const Tensor& v, DLDeviceType device_type);

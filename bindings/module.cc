@@ -53,7 +53,8 @@ struct PyRadixTree {
 // long) it lets the GIL go first, so Python threads keep running while it
 // waits. Before letting the GIL go, `own` copies whatever `f` reads from
 // Python objects, which other threads may then change or free. `f` itself
-// touches no Python object (a TensorSink takes the GIL back on its own).
+// runs no Python code (results go to a TensorSink, made a tensor afterwards),
+// so nothing under the mutex can re-enter the tree.
 template <typename F, typename Own>
 auto Locked(std::mutex& mu, bool release_gil, F&& f, Own&& own) {
   if (!release_gil && mu.try_lock()) {
@@ -84,9 +85,10 @@ Handle& AsHandle(PyObject* obj) {
 
 py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
-  FinishViews(ids);
-  // The handle object is made before the match, so nothing can fail after it.
+  // The handle object is made before the match, so nothing can fail after it,
+  // and before `ids` is borrowed, since making an object may run Python code.
   py::object handle = NewBoxed<Handle>(g_handle_type);
+  FinishViews(ids);
   TensorSink indices;
   Unbox<Handle>(handle.ptr()) = Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
@@ -171,13 +173,16 @@ py::object RadixTree_IsValid(PyRadixTree& t, PyObject* const* a) {
 
 PyObject* RadixTree_New(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"page_size", "max_slots", nullptr};
-  long long page_size = 1, max_slots = RadixTree::kAnySlot;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|LL:RadixTree", const_cast<char**>(names),
+  PyObject* page_size = nullptr;
+  PyObject* max_slots = nullptr;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OO:RadixTree", const_cast<char**>(names),
                                    &page_size, &max_slots)) {
     return nullptr;
   }
   try {
-    return NewBoxed<PyRadixTree>(type, page_size, max_slots).release().ptr();
+    const int64_t p = page_size != nullptr ? ToInt64(page_size, "page_size") : 1;
+    const int64_t m = max_slots != nullptr ? ToInt64(max_slots, "max_slots") : RadixTree::kAnySlot;
+    return NewBoxed<PyRadixTree>(type, p, m).release().ptr();
   } catch (...) {
     radixkv::bindings::SetErrorFromException();
     return nullptr;
@@ -222,14 +227,22 @@ PyRadixTree* AsTree(py::handle tree) {
   return &Unbox<PyRadixTree>(tree.ptr());
 }
 
-// Runs `f(cached)` with the tree's stored slots (null without a tree), holding
-// the tree's mutex as Locked does. The allocator itself runs with the GIL
-// held (its callers are one scheduler thread).
+// Runs `f(cached)` with the tree's stored slots (null without a tree),
+// holding the tree's mutex, and the GIL: the allocator is guarded by the GIL
+// alone (other calls use it without a tree). As in Locked, a thread never
+// waits for the mutex holding the GIL; it takes the GIL back once it has the
+// mutex, which is safe since no thread waits for the mutex holding the GIL.
 template <typename F, typename Own>
 auto WithCachedSlots(py::handle tree, F&& f, Own&& own) {
   PyRadixTree* t = AsTree(tree);
   if (t == nullptr) return f(nullptr);
-  return Locked(t->mu, false, [&] { return f(&t->tree.stored_slots()); }, own);
+  std::unique_lock<std::mutex> guard(t->mu, std::try_to_lock);
+  if (!guard.owns_lock()) {
+    own();
+    py::gil_scoped_release nogil;
+    guard.lock();
+  }
+  return f(&t->tree.stored_slots());
 }
 
 py::object PageAllocator_Allocate(radixkv::PageAllocator& a, py::handle num_tokens) {
@@ -324,8 +337,12 @@ constexpr Params kIds{"match_prefix", {"input_ids"}, 1, 1};
 constexpr Params kInsert{"insert_prefix", {"input_ids", "indices"}, 2, 2};
 constexpr Params kLock{"lock_handle", {"handle", "unlock"}, 2, 1};
 constexpr Params kSize{"evict", {"size"}, 1, 1};
-constexpr Params kHandle{"handle", {"handle"}, 1, 1};
-constexpr Params kNone{"method", {}, 0, 0};
+constexpr Params kIsValid{"is_valid", {"handle"}, 1, 1};
+constexpr Params kSlotsOfHandle{"handle_slots", {"handle"}, 1, 1};
+constexpr Params kReset{"reset", {}, 0, 0};
+constexpr Params kSizeInfo{"size_info", {}, 0, 0};
+constexpr Params kCheck{"check_integrity", {}, 0, 0};
+constexpr Params kDump{"dump", {}, 0, 0};
 
 template <py::object (*Impl)(PyRadixTree&, PyObject* const*), const Params& P>
 constexpr PyCFunction Fast() {
@@ -339,15 +356,16 @@ PyMethodDef kTreeMethods[] = {
     {"insert_prefix", Fast<RadixTree_InsertPrefix, kInsert>(), kFastCall, kInsertDoc},
     {"lock_handle", Fast<RadixTree_LockHandle, kLock>(), kFastCall, kLockDoc},
     {"evict", Fast<RadixTree_Evict, kSize>(), kFastCall, kEvictDoc},
-    {"reset", Fast<RadixTree_Reset, kNone>(), kFastCall, "Drop every node."},
-    {"size_info", Fast<RadixTree_SizeInfo, kNone>(), kFastCall, "(evictable, protected) tokens."},
-    {"check_integrity", Fast<RadixTree_CheckIntegrity, kNone>(), kFastCall,
+    {"reset", Fast<RadixTree_Reset, kReset>(), kFastCall, "Drop every node."},
+    {"size_info", Fast<RadixTree_SizeInfo, kSizeInfo>(), kFastCall,
+     "(evictable, protected) tokens."},
+    {"check_integrity", Fast<RadixTree_CheckIntegrity, kCheck>(), kFastCall,
      "Walk the tree and raise IntegrityError on a broken invariant."},
-    {"dump", Fast<RadixTree_Dump, kNone>(), kFastCall,
+    {"dump", Fast<RadixTree_Dump, kDump>(), kFastCall,
      "Every node as (parent, tokens, slots, ref_count, timestamp)."},
-    {"is_valid", Fast<RadixTree_IsValid, kHandle>(), kFastCall,
+    {"is_valid", Fast<RadixTree_IsValid, kIsValid>(), kFastCall,
      "Whether handle names a live node of this tree."},
-    {"handle_slots", Fast<RadixTree_HandleSlots, kHandle>(), kFastCall,
+    {"handle_slots", Fast<RadixTree_HandleSlots, kSlotsOfHandle>(), kFastCall,
      "The slots of the handle's prefix."},
     {nullptr, nullptr, 0, nullptr},
 };
@@ -387,7 +405,7 @@ PyType_Slot kHandleSlots[] = {
     {0, nullptr},
 };
 PyType_Spec kHandleSpec{"radixkv._core.RadixCacheHandle", sizeof(Boxed<Handle>), 0,
-                        Py_TPFLAGS_DEFAULT, kHandleSlots};
+                        Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, kHandleSlots};
 
 }  // namespace
 

@@ -57,26 +57,23 @@ void Convert(const char* base, int64_t n, int64_t stride_bytes, bool negate, con
   for (int64_t i = 0; i < n; ++i) {
     T raw;
     std::memcpy(&raw, base + i * stride_bytes, sizeof(T));
-    bool fits = true;
-    int64_t v = 0;
-    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
-      fits = raw <= static_cast<T>(std::numeric_limits<int64_t>::max());
+    if (negate) {
+      // What torch's resolve_neg() gives: negation in the dtype, wrapping.
+      using U = std::make_unsigned_t<T>;
+      raw = static_cast<T>(static_cast<U>(U{0} - static_cast<U>(raw)));
     }
-    if (fits) {
-      v = static_cast<int64_t>(raw);
-      if (negate) {
-        fits = v != std::numeric_limits<int64_t>::min();
-        v = fits ? -v : 0;
-      }
-      fits = fits && v >= std::numeric_limits<int32_t>::min() &&
-             v <= std::numeric_limits<int32_t>::max();
+    bool fits = true;
+    if constexpr (std::is_unsigned_v<T>) {
+      fits = raw <= static_cast<T>(std::numeric_limits<int32_t>::max());
+    } else {
+      fits = raw >= std::numeric_limits<int32_t>::min() &&
+             raw <= std::numeric_limits<int32_t>::max();
     }
     if (!fits) {
       Raise(PyExc_ValueError, std::string(name) + "[" + std::to_string(i) + "] = " +
-                                  (negate ? "-" : "") + std::to_string(raw) +
-                                  " does not fit in int32");
+                                  std::to_string(raw) + " does not fit in int32");
     }
-    (*out)[i] = static_cast<int32_t>(v);
+    (*out)[i] = static_cast<int32_t>(raw);
   }
 }
 
@@ -120,7 +117,6 @@ Int32View::Int32View(py::handle obj, const char* name) : name_(name) {
   PyObject* o = obj.ptr();
   if (IsTorchTensor(o)) {
     tensor_ = o;
-    negated_ = IsNegView(o);
     return;
   }
   finished_ = true;
@@ -138,8 +134,9 @@ Int32View::Int32View(py::handle obj, const char* name) : name_(name) {
 void Int32View::Finish() {
   if (finished_) return;
   finished_ = true;
+  const bool negated = IsNegView(tensor_);
   TorchTensorView t(tensor_, name_);
-  FromDLTensor(t.get());
+  FromDLTensor(t.get(), negated);
 }
 
 void Int32View::Own() {
@@ -148,7 +145,7 @@ void Int32View::Own() {
   data_ = owned_.data();
 }
 
-void Int32View::FromDLTensor(const DLTensor& t) {
+void Int32View::FromDLTensor(const DLTensor& t, bool negated) {
   const char* name = name_;
   if (t.device.device_type != kDLCPU) {
     Raise(PyExc_TypeError,
@@ -165,14 +162,18 @@ void Int32View::FromDLTensor(const DLTensor& t) {
   }
   size_ = t.shape[0];
   CheckLength(size_, name);
+  if (size_ > 0 && t.data == nullptr) {
+    Raise(PyExc_TypeError, std::string(name) + " has no data (a fake tensor, or one whose "
+                                               "storage was freed)");
+  }
   const int64_t stride = (t.strides == nullptr || size_ <= 1) ? 1 : t.strides[0];
   const char* base = static_cast<const char*>(t.data) + t.byte_offset;
-  if (t.dtype.code == kDLInt && t.dtype.bits == 32 && stride == 1 && !negated_) {
+  if (t.dtype.code == kDLInt && t.dtype.bits == 32 && stride == 1 && !negated) {
     data_ = reinterpret_cast<const int32_t*>(base);
     return;
   }
   ConvertInts(base, size_, stride * (t.dtype.bits / 8), t.dtype.code == kDLInt, t.dtype.bits,
-              negated_, name, &owned_);
+              negated, name, &owned_);
   data_ = owned_.data();
 }
 
@@ -259,69 +260,68 @@ namespace {
 
 // One allocation holds a result tensor's DLPack header and its data, which
 // torch adopts (one TensorImpl, no copy) and frees through the deleter.
-struct Int32Block {
+struct Int32Header {
   DLManagedTensorVersioned managed;
   int64_t shape[1];
 };
-constexpr size_t kDataOffset = (sizeof(Int32Block) + 63) / 64 * 64;
+constexpr size_t kDataOffset = (sizeof(Int32Header) + 63) / 64 * 64;
 
 void FreeBlock(DLManagedTensorVersioned* self) { std::free(self->manager_ctx); }
 
 }  // namespace
 
-py::object NewInt32Tensor(int64_t n, int32_t** data) {
+Int32Block::Int32Block(int64_t n) {
   const size_t bytes = kDataOffset + static_cast<size_t>(n) * sizeof(int32_t);
-  void* raw = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (raw == nullptr) throw std::bad_alloc();
-  auto* block = new (raw) Int32Block{};
+  raw_ = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (raw_ == nullptr) throw std::bad_alloc();
+  auto* block = new (raw_) Int32Header{};
   block->shape[0] = n;
   DLManagedTensorVersioned& mt = block->managed;
   mt.version = DLPackVersion{DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
-  mt.manager_ctx = raw;
+  mt.manager_ctx = raw_;
   mt.deleter = FreeBlock;
   mt.flags = 0;
   DLTensor& t = mt.dl_tensor;
-  t.data = static_cast<char*>(raw) + kDataOffset;
+  t.data = static_cast<char*>(raw_) + kDataOffset;
   t.device = DLDevice{kDLCPU, 0};
   t.ndim = 1;
   t.dtype = DLDataType{kDLInt, 32, 1};
   t.shape = block->shape;
   t.strides = nullptr;
   t.byte_offset = 0;
-  *data = static_cast<int32_t*>(t.data);
+  data_ = static_cast<int32_t*>(t.data);
+}
+
+Int32Block& Int32Block::operator=(Int32Block&& other) noexcept {
+  std::free(raw_);
+  raw_ = other.raw_;
+  data_ = other.data_;
+  other.raw_ = nullptr;
+  other.data_ = nullptr;
+  return *this;
+}
+
+Int32Block::~Int32Block() { std::free(raw_); }
+
+py::object Int32Block::ToTensor() {
+  if (raw_ == nullptr) *this = Int32Block(0);
   void* out = nullptr;
-  if (TorchApi().managed_tensor_to_py_object_no_sync(&mt, &out) != 0) {
-    std::free(raw);  // still ours: torch did not take it
-    throw py::error_already_set();
+  auto* mt = &static_cast<Int32Header*>(raw_)->managed;
+  if (TorchApi().managed_tensor_to_py_object_no_sync(mt, &out) != 0) {
+    throw py::error_already_set();  // the block is still ours: the destructor frees it
   }
+  raw_ = nullptr;  // torch's now: it frees it through the deleter
+  data_ = nullptr;
   return py::reinterpret_steal<py::object>(static_cast<PyObject*>(out));
 }
 
 py::object NewInt32Tensor(const int32_t* src, int64_t n) {
-  int32_t* data = nullptr;
-  py::object t = NewInt32Tensor(n, &data);
-  if (n > 0) std::memcpy(data, src, static_cast<size_t>(n) * sizeof(int32_t));
-  return t;
+  Int32Block block(n);
+  if (n > 0) std::memcpy(block.data(), src, static_cast<size_t>(n) * sizeof(int32_t));
+  return block.ToTensor();
 }
 
-int32_t* TensorSink::operator()(int64_t n) {
-  int32_t* data = nullptr;
-  if (PyGILState_Check()) {
-    tensor_ = NewInt32Tensor(n, &data);
-  } else {
-    py::gil_scoped_acquire gil;
-    tensor_ = NewInt32Tensor(n, &data);
-  }
-  return data;
-}
-
-py::object TensorSink::take() {
-  if (!tensor_) {
-    int32_t* unused;
-    return NewInt32Tensor(0, &unused);
-  }
-  return std::move(tensor_);
-}
+py::object TensorSink::take() { return block_.ToTensor(); }
 
 int64_t ToInt64(py::handle obj, const char* name) {
   PyObject* o = obj.ptr();

@@ -11,10 +11,12 @@
 // view is made in two steps. The constructor does everything that can run
 // Python code: it converts lists and tuples, exports buffers (an export pins
 // the memory until it is released), and asks torch whether a tensor has its
-// lazy negation bit set. `Finish` then borrows tensor memory through DLPack,
-// which runs no Python code. An adapter constructs every view of a call
+// `Finish` then asks torch about a tensor's lazy negation bit and borrows its
+// memory through DLPack, which runs no Python code for a plain tensor. An adapter constructs every view of a call
 // first, then finishes them all (`FinishViews`), and from then on runs no
 // Python code until it has used them, or calls `Own` before it lets the GIL go.
+// Results are built the same way: into an Int32Block (no Python code), made a
+// tensor only once the core call is over.
 #pragma once
 
 #include <Python.h>
@@ -38,24 +40,26 @@ class Int32View {
   Int32View(const Int32View&) = delete;
   Int32View& operator=(const Int32View&) = delete;
 
-  /// Step two: borrows (or, when it is not contiguous int32 or is a lazy
-  /// negation, converts) a torch tensor's memory. Raises as the constructor.
+  /// Step two: asks torch whether a tensor is a lazy negation, then borrows
+  /// (or, when it is not contiguous int32 or is a lazy negation, converts) its
+  /// memory. For a plain torch.Tensor no Python code runs here (a subclass's
+  /// __torch_function__ or a torch function mode would, and is the caller's
+  /// own). Raises as the constructor.
   void Finish();
 
   const int32_t* data() const noexcept { return data_; }
   int64_t size() const noexcept { return size_; }
   /// Copies borrowed data into the view, so it can be read without the GIL
-  /// whatever other threads do to the input.
+  /// whatever other threads do to the input (short of resizing its storage).
   void Own();
 
  private:
-  void FromDLTensor(const DLTensor& t);
+  void FromDLTensor(const DLTensor& t, bool negated);
   void FromBuffer(py::handle obj);
   void FromSequence(py::handle obj);
 
   const char* name_;
   PyObject* tensor_ = nullptr;  // a torch tensor to borrow in Finish (the call's argument)
-  bool negated_ = false;        // the tensor's lazy negation bit
   bool finished_ = false;
   const int32_t* data_ = nullptr;
   int64_t size_ = 0;
@@ -76,25 +80,47 @@ void FinishViews(Views&... views) {
   (views.Finish(), ...);
 }
 
-/// A new 1-D torch int32 CPU tensor of `n` elements; `*data` receives where
-/// to write them. Needs the GIL.
-py::object NewInt32Tensor(int64_t n, int32_t** data);
+/// An int32 buffer allocated without running Python code (so it can be
+/// filled while a tree's mutex is held, or from memory borrowed from an
+/// argument), later given to torch as a 1-D int32 CPU tensor without a copy.
+/// Freed by its destructor unless it became a tensor.
+class Int32Block {
+ public:
+  Int32Block() = default;
+  /// Room for `n` values. Throws std::bad_alloc.
+  explicit Int32Block(int64_t n);
+  Int32Block(Int32Block&& other) noexcept { *this = std::move(other); }
+  Int32Block& operator=(Int32Block&& other) noexcept;
+  ~Int32Block();
+  int32_t* data() const noexcept { return data_; }
+  /// The tensor; torch takes the block. Needs the GIL (Python code may run).
+  py::object ToTensor();
 
-/// A new 1-D torch int32 CPU tensor holding `n` values copied from `src`.
+ private:
+  void* raw_ = nullptr;
+  int32_t* data_ = nullptr;
+};
+
+/// A new 1-D torch int32 CPU tensor holding `n` values copied from `src`
+/// (copied before any Python code runs). Needs the GIL.
 py::object NewInt32Tensor(const int32_t* src, int64_t n);
 
-/// A SlotSink (radixkv/slot_sink.h) that writes into a new torch int32
-/// tensor. It may be called without the GIL (a call that let it go): it takes
-/// the GIL back for the allocation, which is safe while holding a tree's
-/// mutex, since no thread waits for that mutex holding the GIL.
+/// A SlotSink (radixkv/slot_sink.h) that writes into an Int32Block: it runs
+/// no Python code, so it may be called holding a tree's mutex, with or
+/// without the GIL. `take()` makes the tensor afterwards.
 class TensorSink {
  public:
-  int32_t* operator()(int64_t n);
-  /// The tensor (an empty one if the sink was never called). Needs the GIL.
+  int32_t* operator()(int64_t n) {
+    block_ = Int32Block(n);
+    return block_.data();
+  }
+  /// The tensor (an empty one if the sink was never called). Call it after
+  /// the core call returned and any mutex was released: it runs Python code.
   py::object take();
 
  private:
-  py::object tensor_;
+  Int32Block block_;
+  bool called_ = false;
 };
 
 /// Reads a Python int (or an object with `__index__`, bools excluded) as

@@ -330,3 +330,191 @@ def test_bound_methods_carry_docstrings():
     for name in ("match_prefix", "insert_prefix", "lock_handle", "evict"):
         doc = getattr(m, name).__doc__ or ""
         assert name in doc and len(doc) > 80, (name, doc)
+
+
+# --- found by review: Python code run inside a call, and the allocator's guard ---------
+
+
+def _in_subprocess(code: str, timeout: float = 120):
+    """Runs `code` in a fresh interpreter (a hang or a crash is a failure, not the
+    end of the test run) and returns its stdout."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_finalizer_unlocking_during_a_match_does_not_deadlock():
+    """A request object in a reference cycle unlocks its handle in __del__; the
+    garbage collector may run it while a match builds its result tensor. Nothing
+    runs Python code while the tree's mutex is held, so the unlock goes through."""
+    out = _in_subprocess("""
+import gc, torch
+from radixkv.kvcache import RadixCacheManager
+gc.set_threshold(50, 1, 1)   # collect often
+cm = RadixCacheManager(page_size=1)
+cm.insert_prefix(torch.arange(64, dtype=torch.int32), torch.arange(64, dtype=torch.int32))
+class Request:
+    def __init__(self, ids):
+        self.handle, self.cached = cm.match_prefix(ids)
+        cm.lock_handle(self.handle)
+        self.callbacks = [self.on_done]   # a bound method: a reference cycle
+    def on_done(self): pass
+    def __del__(self):
+        cm.lock_handle(self.handle, unlock=True)
+ids = torch.arange(32, dtype=torch.int32)
+for i in range(30000):
+    Request(ids)
+gc.collect()
+cm.check_integrity()
+print("done", cm.size_info.protected_size)
+""", timeout=90)
+    assert out.strip() == "done 0"
+
+
+def test_finalizer_freeing_the_input_of_int32_tensor():
+    out = _in_subprocess("""
+import gc, torch
+from radixkv import _core
+gc.set_threshold(1, 1, 1)
+src = torch.arange(1 << 24, dtype=torch.int32)   # 64 MB: unmapped when freed
+class Freer:
+    def __del__(self):
+        src.set_(torch.empty(0, dtype=torch.int32))
+for _ in range(3):
+    a = Freer(); b = [a]; a.cycle = b; del a, b
+    out = _core.int32_tensor(src, "v")
+print("ok", out.numel())
+""")
+    assert out.startswith("ok")
+
+
+def test_finalizer_allocating_during_allocate_keeps_the_pages_right():
+    out = _in_subprocess("""
+import gc, torch
+from radixkv import _core
+alloc = _core.PageAllocator(8, 1)
+gc.set_threshold(1, 1, 1)
+class Greedy:
+    def __del__(self):
+        try:
+            alloc.allocate(8)
+        except RuntimeError:
+            pass
+got = []
+for _ in range(4):
+    a = Greedy(); b = [a]; a.cycle = b; del a, b
+    try:
+        got.append(alloc.allocate(4).tolist())
+    except RuntimeError:
+        pass
+alloc.check_disjoint(None)
+print("free", alloc.num_free_pages, "held", sum(len(g) for g in got))
+""")
+    free, held = int(out.split()[1]), int(out.split()[3])
+    assert 0 <= free <= 8 and held <= 8
+
+
+def test_free_with_a_busy_tree_runs_the_allocator_under_the_gil():
+    """free(indices, tree) waits for a busy tree; while it waits other threads use
+    the same allocator (holding only the GIL). It must take the GIL back before
+    touching the allocator: no page handed out twice, the free list consistent."""
+    tree = _core.RadixTree(1)
+    alloc = _core.PageAllocator(400_000, 1)
+    for i in range(100):
+        s = alloc.allocate(1000)
+        tree.insert_prefix(torch.arange(1000, dtype=torch.int32) + i * 100_000, s)
+    stop = time.time() + 6
+    errors = []
+
+    def busy():
+        while time.time() < stop:
+            tree.check_integrity()
+
+    def churn(use_tree):
+        a = alloc.allocate(100_000)
+        while time.time() < stop:
+            try:
+                alloc.free(a, tree if use_tree else None)
+                a = alloc.allocate(100_000)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+                return
+
+    threads = [threading.Thread(target=busy), threading.Thread(target=churn, args=(True,)),
+               threading.Thread(target=churn, args=(False,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    alloc.check_disjoint(tree)
+
+
+@pytest.mark.parametrize("entry", ["int32_tensor", "match_prefix", "store_cache"])
+def test_fake_tensors_are_refused(entry):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ids = torch.arange(8, dtype=torch.int32)
+        rows = torch.ones(2, 1, 4)
+    with pytest.raises(TypeError, match="has no data"):
+        if entry == "int32_tensor":
+            _core.int32_tensor(ids, "ids")
+        elif entry == "match_prefix":
+            RadixCacheManager("cpu", 1).match_prefix(ids)
+        else:
+            kc = torch.zeros(4, 1, 4)
+            kernel.store_cache(kc, kc.clone(), [0, 1], rows, torch.ones(2, 1, 4))
+
+
+def test_negative_bit_set_by_a_later_argument_is_read():
+    """A list item's __index__ gives `ids` its negative bit after `ids` was
+    looked at: the bit is read when ids is borrowed, after every conversion, so
+    the tree stores what ids then reads."""
+    m = RadixCacheManager("cpu", 1)
+    ids = torch.tensor([5, 6, 7], dtype=torch.int32)
+
+    class Flip:
+        def __index__(self):
+            torch._C._set_neg(ids, True)
+            return 10
+
+    m.insert_prefix(ids, [Flip(), 11, 12])
+    assert m.match_prefix(ids)[0].cached_len == 3
+    assert m.dump()[0][1] == [-5, -6, -7]
+
+
+def test_negative_view_wraps_like_torch():
+    x = torch._neg_view(torch.tensor([-128, 5], dtype=torch.int8))
+    assert _core.int32_tensor(x, "x").tolist() == x.resolve_neg().tolist() == [-128, -5]
+
+
+def test_store_refuses_overlap_and_expanded_caches():
+    c = torch.zeros(8, 1, 4)
+    with pytest.raises(ValueError, match="^k lies in the memory of k_cache"):
+        kernel.store_cache(c, torch.zeros(8, 1, 4), [5, 6], c[:2], torch.ones(2, 1, 4))
+    wide = torch.zeros(1, 1, 4).expand(8, 1, 4)
+    with pytest.raises(ValueError, match="^k_cache has stride 0"):
+        kernel.store_cache(wide, torch.zeros(8, 1, 4), [0], torch.ones(1, 1, 4),
+                           torch.ones(1, 1, 4))
+    assert c.eq(0).all()
+
+
+def test_fast_methods_name_themselves_in_argument_errors():
+    t = _core.RadixTree(1)
+    with pytest.raises(TypeError, match=r"^reset\(\) takes no arguments"):
+        t.reset(1)
+    with pytest.raises(TypeError, match=r"^handle_slots\(\) missing required argument 'handle'"):
+        t.handle_slots()
+    with pytest.raises(TypeError, match=r"^match_prefix\(\) takes at most 1 argument \(2"):
+        t.match_prefix([1], [2])
+    with pytest.raises(TypeError, match="page_size must be an int"):
+        _core.RadixTree(True)
+    with pytest.raises(ValueError, match="page_size is out of the int64 range"):
+        _core.RadixTree(2**70)
+    with pytest.raises(TypeError):
+        _core.RadixCacheHandle()
