@@ -40,16 +40,26 @@ uint64_t HashPage(const int32_t* tokens, int64_t n) noexcept {
   return h;
 }
 
-size_t StorageBytes(int64_t length) { return static_cast<size_t>(2 * length) * sizeof(int32_t); }
+size_t StorageBytes(int64_t length, bool slots_only) {
+  return static_cast<size_t>(slots_only ? length : 2 * length) * sizeof(int32_t);
+}
 
 }  // namespace
 
+// --- storage -------------------------------------------------------------------
+
 RadixTree::Storage::Storage(NodeArena* arena, const int32_t* tokens, const int32_t* slots,
                             int64_t length)
-    : arena_(arena), block_(arena->Allocate(StorageBytes(length))), capacity_(length) {
+    : arena_(arena),
+      block_(arena->Allocate(StorageBytes(length, tokens == nullptr))),
+      capacity_(length),
+      slots_only_(tokens == nullptr) {
   auto* data = static_cast<int32_t*>(block_.data);
-  std::memcpy(data, tokens, length * sizeof(int32_t));
-  std::memcpy(data + length, slots, length * sizeof(int32_t));
+  if (tokens != nullptr) {
+    std::memcpy(data, tokens, length * sizeof(int32_t));
+    data += length;
+  }
+  std::memcpy(data, slots, length * sizeof(int32_t));
 }
 
 RadixTree::Storage& RadixTree::Storage::operator=(Storage&& other) noexcept {
@@ -57,17 +67,26 @@ RadixTree::Storage& RadixTree::Storage::operator=(Storage&& other) noexcept {
   arena_ = other.arena_;
   block_ = other.block_;
   capacity_ = other.capacity_;
+  slots_only_ = other.slots_only_;
   other.block_ = NodeArena::Block{};
   return *this;
 }
 
-RadixTree::Storage RadixTree::Storage::Adopt(NodeArena* arena, Node* node) noexcept {
+RadixTree::Storage RadixTree::Storage::Adopt(NodeArena* arena, Node* node, bool host) noexcept {
   Storage s;
   s.arena_ = arena;
-  s.block_ = NodeArena::Block{node->data, node->data_slab};
-  s.capacity_ = node->capacity;
-  node->data = nullptr;
-  node->data_slab = nullptr;
+  s.slots_only_ = host;
+  if (host) {
+    s.block_ = NodeArena::Block{node->host, node->host_slab};
+    s.capacity_ = node->host_capacity;
+    node->host = nullptr;
+    node->host_slab = nullptr;
+  } else {
+    s.block_ = NodeArena::Block{node->data, node->data_slab};
+    s.capacity_ = node->capacity;
+    node->data = nullptr;
+    node->data_slab = nullptr;
+  }
   return s;
 }
 
@@ -79,10 +98,19 @@ void RadixTree::Storage::MoveTo(Node* node, int64_t length) noexcept {
   block_ = NodeArena::Block{};
 }
 
-void RadixTree::Storage::Free() noexcept {
-  if (block_.data != nullptr) arena_->Free(block_, StorageBytes(capacity_));
+void RadixTree::Storage::MoveToHost(Node* node) noexcept {
+  node->host = static_cast<int32_t*>(block_.data);
+  node->host_slab = block_.slab;
+  node->host_capacity = capacity_;
   block_ = NodeArena::Block{};
 }
+
+void RadixTree::Storage::Free() noexcept {
+  if (block_.data != nullptr) arena_->Free(block_, StorageBytes(capacity_, slots_only_));
+  block_ = NodeArena::Block{};
+}
+
+// --- nodes -----------------------------------------------------------------------
 
 RadixTree::RadixTree(int64_t page_size, int64_t max_slots)
     : page_size_(page_size),
@@ -97,14 +125,25 @@ RadixTree::RadixTree(int64_t page_size, int64_t max_slots)
 }
 
 RadixTree::~RadixTree() {
-  for (size_t i = 1; i < nodes_.size(); ++i) FreeStorage(nodes_[i].get());
+  for (size_t i = 1; i < nodes_.size(); ++i) {
+    FreeStorage(nodes_[i].get());
+    FreeHost(nodes_[i].get());
+  }
 }
 
 void RadixTree::FreeStorage(Node* node) noexcept {
   if (node->data == nullptr) return;
-  arena_.Free(NodeArena::Block{node->data, node->data_slab}, StorageBytes(node->capacity));
+  arena_.Free(NodeArena::Block{node->data, node->data_slab}, StorageBytes(node->capacity, false));
   node->data = nullptr;
   node->data_slab = nullptr;
+}
+
+void RadixTree::FreeHost(Node* node) noexcept {
+  if (node->host == nullptr) return;
+  arena_.Free(NodeArena::Block{node->host, node->host_slab},
+              StorageBytes(node->host_capacity, true));
+  node->host = nullptr;
+  node->host_slab = nullptr;
 }
 
 uint64_t RadixTree::ChildKey(const int32_t* tokens) const noexcept {
@@ -123,10 +162,11 @@ Node* RadixTree::FindChild(const Node* node, const int32_t* tokens) const noexce
 }
 
 void RadixTree::ReserveNodes(size_t k) {
-  // Room first, so that every node, once made, can be a heap member and have
-  // its id freed without allocating.
+  // Room first, so that every node, once made, can be a member of both heaps
+  // and have its id freed without allocating.
   const size_t want = nodes_.size() + (k > free_ids_.size() ? k - free_ids_.size() : 0);
   heap_.Reserve(want);
+  host_heap_.Reserve(want);
   if (free_ids_.capacity() < want) free_ids_.reserve(std::max(want, 2 * free_ids_.capacity()));
   while (free_ids_.size() < k) {
     auto node = std::make_unique<Node>();
@@ -145,13 +185,16 @@ Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length) noexcept {
   node->depth = parent->depth + length;
   node->ref_count = 0;
   node->timestamp = clock_;
-  node->state = NodeState::kDevice;
+  node->device_children = node->host_children = node->hits = 0;
+  node->on_device = false;  // the caller puts it on the device (SetOnDevice)
+  node->backing_up = node->loading = false;
   ++num_nodes_;
   return node;
 }
 
 void RadixTree::FreeNode(Node* node) noexcept {
   FreeStorage(node);
+  FreeHost(node);
   node->children.Clear();
   node->parent = nullptr;
   node->next = nullptr;
@@ -162,35 +205,105 @@ void RadixTree::FreeNode(Node* node) noexcept {
   --num_nodes_;
 }
 
+void RadixTree::SetOnDevice(Node* x, bool on) noexcept {
+  if (x->on_device == on) return;
+  x->on_device = on;
+  const int64_t d = on ? 1 : -1;
+  x->parent->device_children += static_cast<uint32_t>(d);
+  (x->ref_count > 0 ? protected_size_ : evictable_size_) += d * x->length;
+  if (x->has_host()) host_only_size_ -= d * x->length;
+}
+
+void RadixTree::CountHost(Node* x, int64_t sign) noexcept {
+  host_size_ += sign * x->length;
+  if (!x->on_device) host_only_size_ += sign * x->length;
+}
+
+void RadixTree::Refresh(Node* x) noexcept {
+  if (x == root_) return;
+  const bool device = DeviceEvictable(x);
+  if (device != heap_.Contains(x->id)) {
+    device ? heap_.Push(x->id, x->timestamp) : heap_.Erase(x->id);  // room reserved
+  }
+  // A node leaves the host heap before it loses its host copy, so one
+  // without a copy is not there (and a tree without a host tier pays nothing).
+  if (!x->has_host()) return;
+  const bool host = HostEvictable(x);
+  if (host != host_heap_.Contains(x->id)) {
+    host ? host_heap_.Push(x->id, x->timestamp) : host_heap_.Erase(x->id);
+  }
+}
+
+void RadixTree::LockPath(Node* node, int64_t delta) noexcept {
+  for (Node* x = node; x != root_; x = x->parent) {
+    const bool was = x->ref_count > 0;
+    x->ref_count += delta;
+    const bool is = x->ref_count > 0;
+    if (was == is) continue;
+    if (x->on_device) {
+      const int64_t moved = is ? x->length : -x->length;
+      evictable_size_ -= moved;
+      protected_size_ += moved;
+    }
+    Refresh(x);
+  }
+}
+
+Node* RadixTree::DeviceEnd(Node* x) const noexcept {
+  while (x != root_ && !x->on_device) x = x->parent;
+  return x;
+}
+
 void RadixTree::PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPlan* plan) {
   plan->node = node;
   plan->pos = pos;
   const int64_t rest = node->length - pos;
-  plan->smaller = pos <= rest ? Storage(&arena_, node->key(), node->value(), pos)
-                              : Storage(&arena_, node->key() + pos, node->value() + pos, rest);
+  const bool front = pos <= rest;  // the smaller part is the prefix
+  plan->smaller = front ? Storage(&arena_, node->key(), node->value(), pos)
+                        : Storage(&arena_, node->key() + pos, node->value() + pos, rest);
+  if (node->has_host()) {
+    plan->smaller_host = front ? Storage(&arena_, nullptr, node->host, pos)
+                               : Storage(&arena_, nullptr, node->host + pos, rest);
+  }
   plan->prefix_children.Reserve(children);
 }
 
 Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   Node* node = plan->node;
   const int64_t pos = plan->pos, len = node->length, rest = len - pos;
+  const bool host = node->has_host();
   Node* parent = node->parent;
   Node* prefix;
   if (pos <= rest) {
-    // The suffix keeps the block: its tokens and slots move to the front.
+    // The suffix keeps the blocks: its tokens and slots move to the front.
     prefix = TakeNode(parent, std::move(plan->smaller), pos);
     std::memmove(node->data, node->data + pos, rest * sizeof(int32_t));
     std::memmove(node->data + rest, node->data + len + pos, rest * sizeof(int32_t));
+    if (host) {
+      plan->smaller_host.MoveToHost(prefix);
+      std::memmove(node->host, node->host + pos, rest * sizeof(int32_t));
+    }
     node->length = rest;
   } else {
-    // The prefix takes the block: its tokens stay, its slots move down.
+    // The prefix takes the blocks: its tokens stay, its slots move down.
     Storage suffix = std::move(plan->smaller);
-    prefix = TakeNode(parent, Storage::Adopt(&arena_, node), pos);
+    prefix = TakeNode(parent, Storage::Adopt(&arena_, node, false), pos);
     std::memmove(prefix->data + pos, prefix->data + len, pos * sizeof(int32_t));
     suffix.MoveTo(node, rest);
+    if (host) {
+      Storage::Adopt(&arena_, node, true).MoveToHost(prefix);
+      plan->smaller_host.MoveToHost(node);
+    }
   }
+  // The prefix holds what the node held, tier state included.
   prefix->ref_count = node->ref_count;
   prefix->timestamp = node->timestamp;
+  prefix->hits = node->hits;
+  prefix->on_device = node->on_device;
+  prefix->backing_up = node->backing_up;
+  prefix->loading = node->loading;
+  prefix->device_children = node->on_device;
+  prefix->host_children = node->has_host() || node->backing_up;
   prefix->children = std::move(plan->prefix_children);
   parent->children.Replace(node->child_key, node, prefix);
 
@@ -198,12 +311,13 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   node->child_key = ChildKey(node->key());
   node->parent = prefix;
   prefix->children.Insert(node->child_key, node);  // room reserved
+  Refresh(prefix);
   return prefix;
 }
 
 void RadixTree::Touch(Node* node) noexcept {
-  // The heap is not updated here: a leaf's key there may fall behind its
-  // timestamp, and Evict puts it right when it reaches the top (see Evict).
+  // The heaps are not updated here: a leaf's key there may fall behind its
+  // timestamp, and eviction puts it right when it reaches the top.
   for (Node* x = node; x != root_; x = x->parent) x->timestamp = clock_;
 }
 
@@ -231,6 +345,8 @@ int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, Node** node, Node** pa
   return pos;
 }
 
+// --- match, insert, locks ------------------------------------------------------
+
 Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
@@ -243,13 +359,26 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out) {
     ReserveNodes(1);
     PrepareSplit(partial, partial_len, 1, &split);
   }
-  int32_t* slots = out(matched);
+  // The device part: the path is on the device down to some node, then host only.
+  const int64_t device_len =
+      partial != nullptr && partial->on_device ? matched : DeviceEnd(node)->depth;
+  int32_t* slots = out(device_len);
   // Nothing below allocates or throws.
   ++clock_;
-  if (partial != nullptr) node = CommitSplit(&split);
-  Touch(node);
-  CopyPathSlots(node, slots);
-  return Handle{id_, node->generation, node->id, node->depth, 0};
+  Node* end = partial != nullptr ? CommitSplit(&split) : node;
+  Touch(end);
+  for (Node* x = end; x != root_; x = x->parent) ++x->hits;
+  Node* device_end = DeviceEnd(end);
+  CopyPathSlots(device_end, slots);
+  Handle h;
+  h.tree_id = id_;
+  h.generation = device_end->generation;
+  h.node_id = device_end->id;
+  h.cached_len = device_end->depth;
+  h.host_generation = end->generation;
+  h.host_node_id = end->id;
+  h.host_hit_len = end->depth - device_end->depth;
+  return h;
 }
 
 int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n) {
@@ -267,7 +396,19 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   Node* partial;
   int64_t partial_len;
   const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
-  runs_.DropBefore(pos);
+  // Host-only nodes on the path take the caller's slots: from the device end
+  // on, every slot goes to the tree.
+  const int64_t device_len =
+      partial != nullptr && partial->on_device ? pos : DeviceEnd(node)->depth;
+  for (Node* x = node; x != root_ && !x->on_device; x = x->parent) {
+    RADIXKV_CHECK(!x->loading, kInvalid,
+                  "input_ids runs through a prefix whose load from host is in flight: wait for "
+                  "it (loading_check) before inserting");
+  }
+  RADIXKV_CHECK(partial == nullptr || !partial->loading, kInvalid,
+                "input_ids runs through a prefix whose load from host is in flight: wait for it "
+                "(loading_check) before inserting");
+  runs_.DropBefore(device_len);
   runs_.DropAfter(n);
   const int64_t stored = stored_.AddAll(runs_);
   RADIXKV_CHECK(stored < 0, kInvalid, "indices[", stored, "] = ", stored < 0 ? 0 : slots[stored],
@@ -288,15 +429,22 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   // Nothing below allocates or throws.
   ++clock_;
   if (partial != nullptr) node = CommitSplit(&split);
+  for (Node* x = node; x != root_ && !x->on_device; x = x->parent) {
+    const int64_t start = x->depth - x->length;
+    std::memcpy(x->data + x->length, slots + start, x->length * sizeof(int32_t));
+    SetOnDevice(x, true);
+    Refresh(x);
+    Refresh(x->parent);
+  }
   Touch(node);
   if (leaf_data) {
     Node* leaf = TakeNode(node, std::move(leaf_data), n - pos);
-    if (InHeap(node)) heap_.Erase(node->id);
     node->children.Insert(leaf->child_key, leaf);
-    heap_.Push(leaf->id, leaf->timestamp);
-    evictable_size_ += leaf->length;
+    SetOnDevice(leaf, true);
+    Refresh(leaf);
+    Refresh(node);
   }
-  return pos;
+  return device_len;
 }
 
 Node* RadixTree::Resolve(const Handle& handle, const char* what) const {
@@ -321,20 +469,15 @@ void RadixTree::CopyPathSlots(const Node* node, int32_t* out) const noexcept {
 
 void RadixTree::HandleSlots(const Handle& handle, SlotSink out) const {
   const Node* node = Resolve(handle, "handle");
+  RADIXKV_CHECK(node == root_ || node->on_device, kInvalid,
+                "handle's prefix is not on the device (its load from host did not finish)");
   CopyPathSlots(node, out(node->depth));
 }
 
 void RadixTree::Lock(Handle* handle) {
   Node* node = Resolve(*handle, "handle");
   ++clock_;
-  for (Node* x = node; x != root_; x = x->parent) {
-    if (x->ref_count == 0) {
-      evictable_size_ -= x->length;
-      protected_size_ += x->length;
-      if (InHeap(x)) heap_.Erase(x->id);
-    }
-    ++x->ref_count;
-  }
+  LockPath(node, +1);
   ++handle->lock_count;
 }
 
@@ -346,32 +489,28 @@ void RadixTree::Unlock(Handle* handle) {
     RADIXKV_CHECK(x->ref_count > 0, kBroken, "node on the handle's path has no lock to release");
   }
   ++clock_;
-  for (Node* x = node; x != root_; x = x->parent) {
-    if (--x->ref_count == 0) {
-      evictable_size_ += x->length;
-      protected_size_ -= x->length;
-      if (x->is_leaf()) heap_.Push(x->id, x->timestamp);  // room reserved
-    }
-  }
+  LockPath(node, -1);
   --handle->lock_count;
 }
+
+// --- device eviction -------------------------------------------------------------
 
 int64_t RadixTree::Evict(int64_t size, SlotSink out) {
   RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
   RADIXKV_CHECK(size <= evictable_size_, ErrorCode::kOutOfCapacity, "cannot evict size=", size,
                 " tokens: evictable_size is ", evictable_size_);
-  // Unlink the victims, oldest first, keeping their storage and their
-  // parents' tables, so they can be put back if `out` fails.
+  // Take the victims, oldest first, keeping their storage and their parents'
+  // tables, so they can be put back if `out` fails. A victim with a host copy
+  // stays in the tree, host only; one without is unlinked (deleted at commit).
   Node* victims = nullptr;
   auto put_back = [&]() noexcept {
-    // Most recent first: each victim goes back under its parent, which stops
-    // being a leaf.
-    for (Node* x = victims; x != nullptr;) {
+    for (Node* x = victims; x != nullptr;) {  // most recent first
       Node* parent = x->parent;
       Node* next = x->next;
-      if (InHeap(parent)) heap_.Erase(parent->id);
-      parent->children.Insert(x->child_key, x);  // the kept table has room
-      heap_.Push(x->id, x->timestamp);
+      if (!x->has_host()) parent->children.Insert(x->child_key, x);  // the kept table has room
+      SetOnDevice(x, true);
+      Refresh(x);
+      Refresh(parent);
       x->next = nullptr;
       x = next;
     }
@@ -399,13 +538,13 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
       __builtin_prefetch(next->data);
     }
     Node* parent = x->parent;
-    parent->children.Erase(x->child_key, x, /*keep_table=*/true);
+    if (!x->has_host()) parent->children.Erase(x->child_key, x, /*keep_table=*/true);
+    SetOnDevice(x, false);
+    Refresh(x);
+    Refresh(parent);
     x->next = victims;
     victims = x;
     freed += x->length;
-    if (parent != root_ && parent->ref_count == 0 && parent->is_leaf()) {
-      heap_.Push(parent->id, parent->timestamp);
-    }
   }
   int32_t* slots;
   try {
@@ -420,12 +559,14 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
   for (Node* x = victims; x != nullptr;) {
     Node* parent = x->parent;
     Node* next = x->next;
+    x->next = nullptr;
     end -= x->length;
     std::memcpy(slots + end, x->value(), x->length * sizeof(int32_t));
-    evictable_size_ -= x->length;
     stored_.RemoveAll(x->value(), x->length);
-    if (parent->children.empty()) parent->children.Clear();
-    FreeNode(x);
+    if (!x->has_host()) {
+      if (parent->children.empty()) parent->children.Clear();
+      FreeNode(x);
+    }
     x = next;
   }
   return freed;
@@ -436,17 +577,32 @@ void RadixTree::Reset() {
     if (nodes_[i]->parent != nullptr) FreeNode(nodes_[i].get());
   }
   root_->children.Clear();
+  root_->device_children = root_->host_children = 0;
   ++root_->generation;
   heap_.Clear();
+  host_heap_.Clear();
   stored_.Clear();
-  evictable_size_ = 0;
-  protected_size_ = 0;
+  stored_host_.Clear();
+  evictable_size_ = protected_size_ = 0;
+  host_size_ = host_only_size_ = backing_up_size_ = loading_size_ = 0;
   ++clock_;
 }
 
+TierSizes RadixTree::tier_sizes() const noexcept {
+  TierSizes s;
+  s.device_evictable = evictable_size_;
+  s.device_protected = protected_size_;
+  s.host = host_size_;
+  s.host_only = host_only_size_;
+  s.backing_up = backing_up_size_;
+  s.loading = loading_size_;
+  return s;
+}
+
 void RadixTree::CheckIntegrity() const {
-  int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, tokens = 0;
-  SlotSet seen;
+  int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, host_members = 0;
+  int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0;
+  SlotSet seen, seen_host;
   std::vector<const Node*> stack{root_};
   RADIXKV_CHECK(root_->parent == nullptr && root_->length == 0 && root_->depth == 0, kBroken,
                 "root node has a parent or tokens");
@@ -454,67 +610,124 @@ void RadixTree::CheckIntegrity() const {
     const Node* x = stack.back();
     stack.pop_back();
     int64_t child_refs = 0;
+    uint32_t device_children = 0, host_children = 0;
     x->children.ForEach([&](uint64_t key, const Node* child) {
       RADIXKV_CHECK(child->parent == x, kBroken, "node ", child->id, " has a wrong parent link");
       RADIXKV_CHECK(child->length > 0 && child->data != nullptr, kBroken, "node ", child->id,
                     " is empty");
       RADIXKV_CHECK(ChildKey(child->key()) == key && child->child_key == key, kBroken, "node ",
-                    child->id,
-                    " is filed under a key that is not its first page");
+                    child->id, " is filed under a key that is not its first page");
       child_refs += child->ref_count;
+      device_children += child->on_device;
+      host_children += child->has_host() || child->backing_up;
       stack.push_back(child);
     });
+    RADIXKV_CHECK(device_children == x->device_children && host_children == x->host_children,
+                  kBroken, "node ", x->id, " counts ", x->device_children, " device and ",
+                  x->host_children, " host children but has ", device_children, " and ",
+                  host_children);
     if (x == root_) continue;
     ++nodes;
     RADIXKV_CHECK(x->id < nodes_.size() && nodes_[x->id].get() == x, kBroken, "node ", x->id,
                   " is not in the node table");
     RADIXKV_CHECK(x->length % page_size_ == 0, kBroken, "node ", x->id, " has length ", x->length,
                   ", not a multiple of page_size ", page_size_);
+    RADIXKV_CHECK(x->length <= x->capacity && (!x->has_host() || x->length <= x->host_capacity),
+                  kBroken, "node ", x->id, " is longer than its storage");
     RADIXKV_CHECK(x->depth == x->parent->depth + x->length, kBroken, "node ", x->id,
                   " has a wrong depth");
     RADIXKV_CHECK(x->ref_count >= child_refs, kBroken, "node ", x->id, " has ref_count ",
                   x->ref_count, " below its children's total ", child_refs);
     RADIXKV_CHECK(x->parent == root_ || x->timestamp <= x->parent->timestamp, kBroken, "node ",
                   x->id, " was used later than its parent");
-    const bool evictable_leaf = x->ref_count == 0 && x->is_leaf();
-    const bool in_heap = InHeap(x);
-    RADIXKV_CHECK(evictable_leaf == in_heap, kBroken, "node ", x->id,
-                  evictable_leaf ? " is an unlocked leaf missing from the LRU heap"
-                                 : " is in the LRU heap but is locked or has children");
-    if (in_heap) {
+    // The tiers: every node is somewhere, and each tier is closed toward the root.
+    RADIXKV_CHECK(x->on_device || x->has_host(), kBroken, "node ", x->id,
+                  " is neither on the device nor in host memory");
+    RADIXKV_CHECK(!x->on_device || x->parent == root_ || x->parent->on_device, kBroken, "node ",
+                  x->id, " is on the device but its parent is not");
+    RADIXKV_CHECK(!x->has_host() || x->parent == root_ || x->parent->has_host(), kBroken,
+                  "node ", x->id, " has a host copy but its parent has none");
+    RADIXKV_CHECK(!x->backing_up || (x->on_device && !x->has_host()), kBroken, "node ", x->id,
+                  " is being backed up but is not on the device without a host copy");
+    RADIXKV_CHECK(!x->loading || (!x->on_device && x->has_host()), kBroken, "node ", x->id,
+                  " is loading but is not host only");
+    RADIXKV_CHECK(!x->backing_up || x->ref_count > 0, kBroken, "node ", x->id,
+                  " is being backed up without a pin");
+    const bool device_leaf = DeviceEvictable(x);
+    RADIXKV_CHECK(device_leaf == heap_.Contains(x->id), kBroken, "node ", x->id,
+                  device_leaf ? " may be evicted from the device but is not in its heap"
+                              : " is in the device heap but may not be evicted");
+    if (device_leaf) {
       const size_t pos = static_cast<size_t>(heap_.PositionOf(x->id));
       RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) <= x->timestamp, kBroken,
-                    "node ", x->id, " has a wrong heap position or key");
+                    "node ", x->id, " has a wrong device heap position or key");
       ++heap_members;
     }
-    (x->ref_count == 0 ? evictable : protected_tokens) += x->length;
-    tokens += x->length;
-    const int64_t bad = FindOutOfRange(x->value(), x->length, max_slots_);
-    RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores slot ",
-                  bad < 0 ? 0 : x->value()[bad], ", outside [0, max_slots)");
-    for (int64_t i = 0; i < x->length; ++i) {
-      RADIXKV_CHECK(stored_.Contains(x->value()[i]), kBroken, "slot ", x->value()[i],
-                    " is stored but not marked");
+    const bool host_leaf = HostEvictable(x);
+    RADIXKV_CHECK(host_leaf == host_heap_.Contains(x->id), kBroken, "node ", x->id,
+                  host_leaf ? " may be evicted from host but is not in its heap"
+                            : " is in the host heap but may not be evicted");
+    if (host_leaf) {
+      const size_t pos = static_cast<size_t>(host_heap_.PositionOf(x->id));
+      RADIXKV_CHECK(host_heap_.IdAt(pos) == x->id && host_heap_.KeyAt(pos) <= x->timestamp,
+                    kBroken, "node ", x->id, " has a wrong host heap position or key");
+      ++host_members;
     }
-    const int64_t twice = seen.AddAll(x->value(), x->length);
-    RADIXKV_CHECK(twice < 0, kBroken, "slot ", twice < 0 ? 0 : x->value()[twice],
-                  " is stored twice");
+    if (x->on_device) {
+      (x->ref_count == 0 ? evictable : protected_tokens) += x->length;
+      device_tokens += x->length;
+      const int64_t bad = FindOutOfRange(x->value(), x->length, max_slots_);
+      RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores slot ",
+                    bad < 0 ? 0 : x->value()[bad], ", outside [0, max_slots)");
+      for (int64_t i = 0; i < x->length; ++i) {
+        RADIXKV_CHECK(stored_.Contains(x->value()[i]), kBroken, "slot ", x->value()[i],
+                      " is stored but not marked");
+      }
+      const int64_t twice = seen.AddAll(x->value(), x->length);
+      RADIXKV_CHECK(twice < 0, kBroken, "slot ", twice < 0 ? 0 : x->value()[twice],
+                    " is stored twice");
+    }
+    if (x->has_host()) {
+      host_tokens += x->length;
+      host_only += x->on_device ? 0 : x->length;
+      const int64_t bad = FindOutOfRange(x->host, x->length);
+      RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores a negative host slot");
+      for (int64_t i = 0; i < x->length; ++i) {
+        RADIXKV_CHECK(stored_host_.Contains(x->host[i]), kBroken, "host slot ", x->host[i],
+                      " is stored but not marked");
+      }
+      const int64_t twice = seen_host.AddAll(x->host, x->length);
+      RADIXKV_CHECK(twice < 0, kBroken, "host slot ", twice < 0 ? 0 : x->host[twice],
+                    " is stored twice");
+    }
+    backing_up += x->backing_up ? x->length : 0;
+    loading += x->loading ? x->length : 0;
   }
-  const int64_t marked = stored_.Count();
-  RADIXKV_CHECK(marked == tokens, kBroken, marked, " slots are marked but ", tokens,
-                " are stored");
+  RADIXKV_CHECK(stored_.Count() == device_tokens, kBroken, stored_.Count(),
+                " device slots are marked but ", device_tokens, " are stored");
+  RADIXKV_CHECK(stored_host_.Count() == host_tokens, kBroken, stored_host_.Count(),
+                " host slots are marked but ", host_tokens, " are stored");
   RADIXKV_CHECK(nodes == num_nodes_, kBroken, "node count ", num_nodes_, " but ", nodes,
                 " reachable");
   RADIXKV_CHECK(static_cast<size_t>(nodes) + free_ids_.size() + 1 == nodes_.size(), kBroken,
                 "node table leaks ids");
   RADIXKV_CHECK(evictable == evictable_size_, kBroken, "evictable_size is ", evictable_size_,
-                " but unlocked nodes hold ", evictable);
+                " but unlocked device nodes hold ", evictable);
   RADIXKV_CHECK(protected_tokens == protected_size_, kBroken, "protected_size is ",
-                protected_size_, " but locked nodes hold ", protected_tokens);
+                protected_size_, " but locked device nodes hold ", protected_tokens);
+  RADIXKV_CHECK(host_tokens == host_size_ && host_only == host_only_size_, kBroken,
+                "host sizes are ", host_size_, " and ", host_only_size_, " host only, but nodes hold ",
+                host_tokens, " and ", host_only);
+  RADIXKV_CHECK(backing_up == backing_up_size_ && loading == loading_size_, kBroken,
+                "copies in flight are counted as ", backing_up_size_, " backing up and ",
+                loading_size_, " loading, but nodes hold ", backing_up, " and ", loading);
   RADIXKV_CHECK(heap_members == static_cast<int64_t>(heap_.size()) && heap_.IsValid(), kBroken,
-                "LRU heap is out of order or holds dead nodes");
-  RADIXKV_CHECK(heap_.room() >= nodes_.size() && free_ids_.capacity() >= nodes_.size(), kBroken,
-                "room reserved for heap members or free ids is below the node count");
+                "device LRU heap is out of order or holds dead nodes");
+  RADIXKV_CHECK(host_members == static_cast<int64_t>(host_heap_.size()) && host_heap_.IsValid(),
+                kBroken, "host LRU heap is out of order or holds dead nodes");
+  RADIXKV_CHECK(heap_.room() >= nodes_.size() && host_heap_.room() >= nodes_.size() &&
+                    free_ids_.capacity() >= nodes_.size(),
+                kBroken, "room reserved for heap members or free ids is below the node count");
 }
 
 std::vector<NodeInfo> RadixTree::Dump() const {
@@ -534,7 +747,8 @@ std::vector<NodeInfo> RadixTree::Dump() const {
       NodeInfo info;
       info.parent = index;
       info.key.assign(c->key(), c->key() + c->length);
-      info.value.assign(c->value(), c->value() + c->length);
+      if (c->on_device) info.value.assign(c->value(), c->value() + c->length);
+      if (c->has_host()) info.host_value.assign(c->host, c->host + c->length);
       info.ref_count = c->ref_count;
       info.timestamp = c->timestamp;
       out.push_back(std::move(info));

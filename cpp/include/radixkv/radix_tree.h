@@ -1,6 +1,6 @@
 // The radix prefix cache: a compressed trie from token sequences to the KV
-// slot indices that hold their keys and values, with reference counts and
-// exact LRU eviction.
+// slot indices that hold their keys and values, on the device and in host
+// memory, with reference counts and exact LRU eviction on both tiers.
 #pragma once
 
 #include <cstdint>
@@ -15,67 +15,119 @@
 
 namespace radixkv {
 
-/// Where the KV data of a node lives. Every node is `kDevice` today: the
-/// field is the hook for a host tier, which will move a node whose device
-/// slots were evicted to `kHost` (it keeps a host copy and stays in the tree)
-/// instead of deleting it.
-enum class NodeState : uint8_t { kDevice, kHost };
+/// Where a node's K/V is: on the device, in host memory, or both.
+enum class NodeState : uint8_t { kDevice, kHost, kDeviceAndHost };
 
-/// One edge of the radix tree: a run of tokens and the slot of each token.
-/// Nodes are intrusive: each carries its own children, parent link, lock
-/// count, LRU timestamp and heap position. Owned by the `RadixTree`.
+/// One edge of the radix tree: a run of tokens, the device slot of each token
+/// while the node is on the device, and its host slot while it has a host
+/// copy. Nodes are intrusive: each carries its own children, parent link,
+/// lock count, LRU timestamp, tier state and heap positions. Owned by the
+/// `RadixTree`.
 struct Node {
+  // The fields a walk and an eviction touch come first (one cache line).
   Node* parent = nullptr;
   ChildMap<Node> children;
-  /// `2 * length` int32 values: tokens in [0, length), slots in [length, 2 * length),
-  /// in a block of the tree's NodeArena (`data_slab` is its slab) with room
-  /// for `capacity` tokens (a split may leave a node in a larger block).
+  /// `2 * length` int32 values: tokens in [0, length), device slots in
+  /// [length, 2 * length) (meaningful while `on_device`), in a block of the
+  /// tree's NodeArena (`data_slab` is its slab) with room for `capacity`
+  /// tokens (a split may leave a node in a larger block).
   int32_t* data = nullptr;
-  NodeArena::Slab* data_slab = nullptr;
-  int64_t capacity = 0;
   int64_t length = 0;
   /// Tokens from the root to the end of this node.
   int64_t depth = 0;
-  /// Number of locks on this node (locks on any descendant count too).
+  /// Number of locks on this node (locks on any descendant count too), by
+  /// requests and by copies in flight that read its device pages.
   int64_t ref_count = 0;
   /// Logical time of the last access; never earlier than any child's.
   uint64_t timestamp = 0;
   /// The key this node is filed under in its parent's children (its first
   /// token, or the hash of its first page), kept so eviction need not rehash.
   uint64_t child_key = 0;
+  /// `length` host slots while the node has a host copy, else null; a block
+  /// with room for `host_capacity` slots.
+  int32_t* host = nullptr;
+  /// Index in the tree's node table; reused after the node is freed.
+  uint32_t id = 0;
+  /// Children on the device, and children with a host copy or one being made.
+  uint32_t device_children = 0;
+  uint32_t host_children = 0;
+  /// Matches that reached this node (write_through_selective backs up a
+  /// node on its second hit).
+  uint32_t hits = 0;
+  bool on_device = true;
+  /// A backup of this node to host is in flight (its device pages are read).
+  bool backing_up = false;
+  /// A load of this host-only node to the device is in flight.
+  bool loading = false;
   /// Bumped each time the id is freed, so handles to a dead node are
   /// detected. 64 bits: a hot id recycled a billion times a second would take
   /// centuries to wrap around to a stale handle's value.
   uint64_t generation = 0;
-  /// Index in the tree's node table; reused after the node is freed.
-  uint32_t id = 0;
-  NodeState state = NodeState::kDevice;
+  NodeArena::Slab* data_slab = nullptr;
+  NodeArena::Slab* host_slab = nullptr;
+  int64_t capacity = 0;
+  int64_t host_capacity = 0;
   /// Scratch link used while a call is under way (Evict's list of victims).
   Node* next = nullptr;
 
   const int32_t* key() const noexcept { return data; }
   const int32_t* value() const noexcept { return data + length; }
   bool is_leaf() const noexcept { return children.empty(); }
+  bool has_host() const noexcept { return host != nullptr; }
+  NodeState state() const noexcept {
+    return !has_host() ? NodeState::kDevice
+                       : on_device ? NodeState::kDeviceAndHost : NodeState::kHost;
+  }
 };
 
 /// A reference to the node that ends a matched prefix. Plain data: copying a
 /// handle copies its lock count, so bindings keep one handle object per match.
+/// The match's device part ends at `node_id` (`cached_len` tokens, whose
+/// slots the match returned); a part held only in host memory may follow, up
+/// to `host_node_id` (`host_hit_len` more tokens), which LoadBack brings to
+/// the device.
 struct Handle {
   /// Identifies the tree that made the handle.
   uint64_t tree_id = 0;
   uint64_t generation = 0;
   uint32_t node_id = 0;
-  /// Tokens from the root to the node: the matched length.
+  /// Tokens from the root to the node: the matched length on the device.
   int64_t cached_len = 0;
   /// Locks taken through this handle and not yet released.
   int64_t lock_count = 0;
+  uint64_t host_generation = 0;
+  uint32_t host_node_id = 0;
+  /// Matched tokens after `cached_len` that only host memory holds.
+  int64_t host_hit_len = 0;
+};
+
+/// A copy between the tiers in flight: the tokens at depths [start, end) of
+/// the path that ends at node `node_id` (which splits do not change: a split
+/// keeps the deeper part in the node).
+struct TierCopy {
+  uint32_t node_id = 0;
+  uint64_t generation = 0;
+  int64_t start = 0;
+  int64_t end = 0;
+  int64_t length() const noexcept { return end - start; }
+};
+
+/// Token counts of the two tiers.
+struct TierSizes {
+  int64_t device_evictable = 0;  ///< on the device, unlocked
+  int64_t device_protected = 0;  ///< on the device, locked (by requests or copies)
+  int64_t host = 0;              ///< with a host copy
+  int64_t host_only = 0;         ///< with a host copy and not on the device
+  int64_t backing_up = 0;        ///< on the device, a backup in flight
+  int64_t loading = 0;           ///< host only, a load in flight
 };
 
 /// One node as seen by `RadixTree::Dump`: tokens, slots and bookkeeping.
 struct NodeInfo {
   int64_t parent = -1;  // index into the dump, -1 for children of the root
   std::vector<int32_t> key;
-  std::vector<int32_t> value;
+  std::vector<int32_t> value;       // device slots, empty when not on the device
+  std::vector<int32_t> host_value;  // host slots, empty without a host copy
   int64_t ref_count = 0;
   uint64_t timestamp = 0;
 };
@@ -84,13 +136,25 @@ struct NodeInfo {
 /// tokens. With `page_size > 1` every node holds whole pages, children are
 /// keyed by their first page, and inputs are rounded down to whole pages.
 ///
+/// Two tiers: a node's K/V is on the device (its device slots), in host
+/// memory (its host slots), or both. Device-resident nodes are root-closed (a
+/// node on the device has its parent on the device), and so are nodes with a
+/// host copy. A match returns the device part and reports the host-only part
+/// after it; eviction frees device slots (a node with a host copy stays, host
+/// only; one without is deleted) or host slots (a node also on the device
+/// stays, device only; a host-only one is deleted), each tier in exact LRU
+/// order on one clock. The tree holds the tier state only: copies between the
+/// tiers are made elsewhere (CacheController), between BeginBackup and
+/// FinishBackup, BeginLoad and FinishLoad, and a node's state changes only
+/// when a copy finishes.
+///
 /// Every public call advances a logical clock by one tick. A match refreshes
 /// the timestamp of exactly the matched tokens, an insert of every token on
-/// its path. `Evict` removes unlocked leaves oldest first from an indexed heap
-/// in O(k log n) for k nodes, with no scan of the tree. A refresh only writes
-/// the timestamps (O(path)): a leaf's key in the heap may lag behind, and
-/// Evict re-keys a lagging leaf when it reaches the top, which keeps the order
-/// exact and costs each refreshed leaf at most one O(log n) fix.
+/// its path. Eviction removes leaves oldest first from an indexed heap per
+/// tier in O(k log n) for k nodes, with no scan of the tree. A refresh only
+/// writes the timestamps (O(path)): a leaf's key in a heap may lag behind,
+/// and eviction re-keys a lagging leaf when it reaches the top, which keeps
+/// the order exact and costs each refreshed leaf at most one O(log n) fix.
 ///
 /// Failures change nothing: every call checks its inputs and allocates what
 /// it needs (node storage, table and heap room, the result's buffer) before
@@ -110,26 +174,29 @@ class RadixTree {
   RadixTree& operator=(const RadixTree&) = delete;
 
   int64_t page_size() const noexcept { return page_size_; }
+  int64_t max_slots() const noexcept { return max_slots_; }
   uint64_t id() const noexcept { return id_; }
 
-  int64_t max_slots() const noexcept { return max_slots_; }
-
-  /// Finds the longest cached prefix of `tokens[0, n)` in whole pages, splits
-  /// the last node if the prefix ends inside it, and writes the slot indices
-  /// of the prefix to `out(cached_len)`. Returns a handle with no locks.
-  /// O(n) plus O(log leaves) for the LRU update.
+  /// Finds the longest cached prefix of `tokens[0, n)` in whole pages, on
+  /// either tier, splits the last node if the prefix ends inside it, and
+  /// writes the device slots of its device part to `out(cached_len)`. Returns
+  /// a handle with no locks; `host_hit_len` counts the host-only tokens after
+  /// the device part. Counts a hit on every matched node. O(n) plus O(log
+  /// leaves) for the LRU update.
   Handle MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out);
   /// The same, replacing `*slots` with the prefix's slots.
   Handle MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int32_t>* slots) {
     return MatchPrefix(tokens, n, SlotSink::Into(slots));
   }
 
-  /// Stores `tokens[0, m)` with `slots[0, m)`, m = n rounded down to whole
-  /// pages, where not cached yet. Returns how many leading tokens were cached
-  /// already; their `slots` are ignored and stay the caller's. Throws
+  /// Stores `tokens[0, m)` with the device slots `slots[0, m)`, m = n rounded
+  /// down to whole pages, where not on the device yet: host-only nodes on the
+  /// path take the caller's slots (they are the tree's from then on), the
+  /// rest becomes a new leaf. Returns how many leading tokens were on the
+  /// device already; their `slots` are ignored and stay the caller's. Throws
   /// kInvalidArgument, changing nothing, if any of `slots[0, n)` is negative,
   /// not below `max_slots`, or repeated, or a slot to be stored is in the tree
-  /// already.
+  /// already, or the path has a load in flight (match and load it first).
   int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n);
 
   /// Adds one lock on every node from the handle's node to the root.
@@ -139,30 +206,44 @@ class RadixTree {
   /// handle holds no lock or is stale.
   void Unlock(Handle* handle);
 
-  /// Evicts least recently used unlocked leaves until at least `size` tokens
-  /// are freed and writes their slots, in eviction order, to `out(count)`;
-  /// returns the count. Whole nodes go. Throws kInvalidArgument for
-  /// `size < 0` and kOutOfCapacity for `size > evictable_size()`, changing
-  /// nothing; if `out` throws, the victims are put back and nothing changed.
+  /// Evicts least recently used unlocked device leaves until at least `size`
+  /// tokens are freed and writes their device slots, in eviction order, to
+  /// `out(count)`; returns the count. Whole nodes go: one with a host copy
+  /// stays in the tree, host only; one without is deleted. Throws
+  /// kInvalidArgument for `size < 0` and kOutOfCapacity for `size` beyond what
+  /// can be freed, changing nothing; if `out` throws, nothing changed either.
   int64_t Evict(int64_t size, SlotSink out);
   /// The same, replacing `*slots` with the freed slots.
   void Evict(int64_t size, std::vector<int32_t>* slots) { Evict(size, SlotSink::Into(slots)); }
 
-  /// Drops every node. Handles made before become stale.
+  /// Evicts least recently used host copies until at least `size` host slots
+  /// are freed and writes them to `out(count)`; returns the count. Candidates
+  /// are nodes with a host copy and no child with one (or a backup in
+  /// flight), no load in flight: a host-only one is deleted, one also on the
+  /// device keeps its device slots. Throws kOutOfCapacity, changing nothing,
+  /// when `size` cannot be freed.
+  int64_t EvictHost(int64_t size, SlotSink out);
+
+  /// Drops every node. Handles made before become stale. Copies in flight
+  /// must be finished (or abandoned by the caller) first.
   void Reset();
 
-  /// Tokens in unlocked nodes (may be evicted).
+  /// Tokens in unlocked device nodes (may be evicted).
   int64_t evictable_size() const noexcept { return evictable_size_; }
-  /// Tokens in locked nodes.
+  /// Tokens in locked device nodes.
   int64_t protected_size() const noexcept { return protected_size_; }
+  /// Both tiers' token counts. O(1).
+  TierSizes tier_sizes() const noexcept;
   /// Nodes, the root excluded.
   int64_t num_nodes() const noexcept { return num_nodes_; }
-  /// Unlocked leaves, i.e. the eviction candidates.
+  /// Unlocked device leaves, i.e. the device eviction candidates.
   int64_t num_evictable_leaves() const noexcept { return static_cast<int64_t>(heap_.size()); }
-  /// The slots stored in the tree.
+  /// The device slots stored in the tree, and the host slots.
   const SlotSet& stored_slots() const noexcept { return stored_; }
-  /// Writes the slots of the handle's prefix to `out(cached_len)`. Throws
-  /// kInvalidArgument for a foreign or stale handle.
+  const SlotSet& stored_host_slots() const noexcept { return stored_host_; }
+  /// Writes the device slots of the handle's prefix to `out(cached_len)`.
+  /// Throws kInvalidArgument for a foreign or stale handle, or one whose
+  /// prefix is not on the device.
   void HandleSlots(const Handle& handle, SlotSink out) const;
   void HandleSlots(const Handle& handle, std::vector<int32_t>* slots) const {
     HandleSlots(handle, SlotSink::Into(slots));
@@ -170,12 +251,51 @@ class RadixTree {
   /// Whether `handle` refers to a live node of this tree.
   bool IsValid(const Handle& handle) const noexcept;
 
+  // --- copies between the tiers -------------------------------------------------
+
+  /// The nodes of the path of `tokens[0, n)` (whole pages, as far as it is on
+  /// the device) that a backup should copy to host: those without a host copy
+  /// or one in flight, from the first such down to the deepest node matched
+  /// with at least `min_hits` hits (1: every node on the path). Returns false
+  /// when there is none. Changes nothing.
+  bool FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits, TierCopy* copy) const;
+  /// The nodes of `copy`'s range, which must be on the device with no host
+  /// copy and no backup in flight: pins them (their device pages may not go)
+  /// and writes their device slots, the copy's source, to `out`.
+  void BeginBackup(const TierCopy& copy, SlotSink out);
+  /// Ends a backup: when `ok`, the nodes take the host slots `host[0,
+  /// copy.length())` (those whose parent has no host copy do not: a parent
+  /// whose own backup failed cuts its subtree off); unpins them. Writes to
+  /// `rejected` the host slots not taken (all of them when not `ok`, or when
+  /// the copy's node is gone, which only Reset does); returns how many.
+  int64_t FinishBackup(const TierCopy& copy, const int32_t* host, bool ok, SlotSink rejected);
+
+  /// The host-only part of `handle`'s match, as a copy (empty when none),
+  /// starting at the deepest node now on the device. Throws kInvalidArgument
+  /// for a stale handle, or one whose host part has a load in flight.
+  TierCopy FindLoad(const Handle& handle) const;
+  /// Starts loading `copy` (from FindLoad): marks its nodes loading (not
+  /// evictable from host), writes their host slots (the copy's source) to
+  /// `out`, and sets `*loaded` to a new handle for the whole match, with one
+  /// lock (its nodes are on the device once FinishLoad succeeds).
+  void BeginLoad(const TierCopy& copy, SlotSink out, Handle* loaded);
+  /// Ends a load: when `ok`, the nodes take the device slots `device[0,
+  /// copy.length())` and are on the device; either way they are no longer
+  /// loading. Returns false (taking nothing) when the copy's node is gone.
+  bool FinishLoad(const TierCopy& copy, const int32_t* device, bool ok);
+
+  /// Device leaves that the next `Evict(size)` would take and that have no
+  /// host copy (their end nodes as copies, oldest first): under write_back
+  /// they are backed up before eviction. Changes nothing visible.
+  std::vector<TierCopy> EvictionCandidatesWithoutHost(int64_t size);
+
   /// Walks the whole tree and checks every counter and invariant: parent
   /// links, child keys, lengths and page alignment, depths, lock counts,
-  /// timestamps, heap membership and order, that no slot is stored twice or
-  /// out of range, and that the room reserved for node ids, heap members and
-  /// free ids covers every node (so commits never allocate). Throws
-  /// kIntegrity naming the first violation. O(tokens + nodes).
+  /// timestamps, both tiers' root-closure and counts, heap membership and
+  /// order for both tiers, that no device or host slot is stored twice or out
+  /// of range, and that the room reserved for node ids, heap members and free
+  /// ids covers every node (so commits never allocate). Throws kIntegrity
+  /// naming the first violation. O(tokens + nodes).
   void CheckIntegrity() const;
 
   /// Every node, parents before children, children in ascending key order.
@@ -186,30 +306,34 @@ class RadixTree {
   class Storage {
    public:
     Storage() = default;
+    // `length` tokens then their slots, or with `tokens` null only `length`
+    // slots (a host slot array).
     Storage(NodeArena* arena, const int32_t* tokens, const int32_t* slots, int64_t length);
     Storage(Storage&& other) noexcept { *this = std::move(other); }
     Storage& operator=(Storage&& other) noexcept;
     ~Storage() { Free(); }
     explicit operator bool() const noexcept { return block_.data != nullptr; }
-    // Takes `node`'s block (the node is left without one).
-    static Storage Adopt(NodeArena* arena, Node* node) noexcept;
-    // Gives the block, holding `length` tokens, to `node`, which holds none.
+    // Takes `node`'s data block (or its host block).
+    static Storage Adopt(NodeArena* arena, Node* node, bool host) noexcept;
+    // Gives the block to `node` as its data (`length` tokens) or host slots.
     void MoveTo(Node* node, int64_t length) noexcept;
+    void MoveToHost(Node* node) noexcept;
     void Free() noexcept;
 
    private:
     NodeArena* arena_ = nullptr;
     NodeArena::Block block_;
     int64_t capacity_ = 0;  // tokens
+    bool slots_only_ = false;
   };
 
   // What a split of `node` at `pos` needs, allocated before anything changes:
-  // the larger part keeps the node's block (its data moved in place), the
-  // smaller gets a new one.
+  // the larger part keeps the node's blocks (its data moved in place), the
+  // smaller gets new ones.
   struct SplitPlan {
     Node* node = nullptr;
     int64_t pos = 0;
-    Storage smaller;
+    Storage smaller, smaller_host;
     ChildMap<Node> prefix_children;  // with room for the suffix and a new leaf
   };
 
@@ -224,13 +348,35 @@ class RadixTree {
   Node* TakeNode(Node* parent, Storage data, int64_t length) noexcept;
   void FreeNode(Node* node) noexcept;
   void FreeStorage(Node* node) noexcept;
+  void FreeHost(Node* node) noexcept;
   void PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPlan* plan);
   // Splits as planned (needs one reserved id) and returns the prefix node.
   Node* CommitSplit(SplitPlan* plan) noexcept;
   void Touch(Node* node) noexcept;
-  bool InHeap(const Node* node) const noexcept { return heap_.Contains(node->id); }
+  // Adds `delta` locks on every node from `node` to the root.
+  void LockPath(Node* node, int64_t delta) noexcept;
+  // Puts `x` into, or takes it out of, each tier's heap to match its state.
+  void Refresh(Node* x) noexcept;
+  bool DeviceEvictable(const Node* x) const noexcept {
+    return x->on_device && x->ref_count == 0 && x->device_children == 0;
+  }
+  bool HostEvictable(const Node* x) const noexcept {
+    return x->has_host() && x->host_children == 0 && !x->loading &&
+           (x->on_device || x->ref_count == 0);
+  }
+  // Sets whether `x` is on the device (or has host storage), keeping the
+  // parent's child counts and the size counters right.
+  void SetOnDevice(Node* x, bool on) noexcept;
+  void CountHost(Node* x, int64_t sign) noexcept;
   Node* Resolve(const Handle& handle, const char* what) const;
+  Node* ResolveCopy(const TierCopy& copy) const noexcept;
+  // The deepest node on the device from `x` up (the root at worst).
+  Node* DeviceEnd(Node* x) const noexcept;
   void CopyPathSlots(const Node* node, int32_t* out) const noexcept;
+  // Calls fn(node, offset) for the nodes of `copy`, deepest first; `offset`
+  // is where the node's tokens start within the copy.
+  template <typename Fn>
+  void ForEachInCopy(Node* end, const TierCopy& copy, Fn fn) const;
 
   // Walks from the root over whole pages of `tokens[0, n)`. Stops at the
   // deepest fully matched node `*node`, and reports in `*partial` the child
@@ -247,12 +393,18 @@ class RadixTree {
   std::vector<std::unique_ptr<Node>> nodes_;  // by id; id 0 is the root
   Node* root_ = nullptr;
   std::vector<uint32_t> free_ids_;
-  LruHeap heap_;  // unlocked leaves by id, oldest first
-  SlotSet stored_;   // the slots stored in the tree
-  SlotSet scratch_;  // working memory for input checks, empty between calls
-  SlotRuns runs_;    // the runs of an insert's slots, found once per call
+  LruHeap heap_;       // device leaves that may be evicted, oldest first
+  LruHeap host_heap_;  // host copies that may be evicted, oldest first
+  SlotSet stored_;       // the device slots stored in the tree
+  SlotSet stored_host_;  // the host slots
+  SlotSet scratch_;      // working memory for input checks, empty between calls
+  SlotRuns runs_;        // the runs of an insert's slots, found once per call
   int64_t evictable_size_ = 0;
   int64_t protected_size_ = 0;
+  int64_t host_size_ = 0;
+  int64_t host_only_size_ = 0;
+  int64_t backing_up_size_ = 0;
+  int64_t loading_size_ = 0;
   int64_t num_nodes_ = 0;
 };
 

@@ -1,0 +1,377 @@
+// The tree's host tier: host eviction and the state changes around copies
+// between the tiers (the copies themselves are the CacheController's).
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "radixkv/radix_tree.h"
+#include "radixkv/status.h"
+
+namespace radixkv {
+namespace {
+constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
+constexpr ErrorCode kBroken = ErrorCode::kIntegrity;
+}  // namespace
+
+template <typename Fn>
+void RadixTree::ForEachInCopy(Node* end, const TierCopy& copy, Fn fn) const {
+  for (Node* x = end; x != root_ && x->depth > copy.start; x = x->parent) {
+    fn(x, x->depth - x->length - copy.start);
+  }
+}
+
+Node* RadixTree::ResolveCopy(const TierCopy& copy) const noexcept {
+  if (copy.node_id >= nodes_.size()) return nullptr;
+  Node* node = nodes_[copy.node_id].get();
+  if (node->generation != copy.generation || node->parent == nullptr ||
+      node->depth != copy.end) {
+    return nullptr;
+  }
+  return node;
+}
+
+// --- host eviction -----------------------------------------------------------------
+
+int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
+  RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
+  // As Evict: take the victims first, put them back if `size` cannot be
+  // reached or `out` fails. A victim also on the device keeps its node; a
+  // host-only one (which has no children) is unlinked and deleted at commit.
+  Node* victims = nullptr;
+  auto put_back = [&]() noexcept {
+    for (Node* x = victims; x != nullptr;) {
+      Node* parent = x->parent;
+      Node* next = x->next;
+      if (!x->on_device) parent->children.Insert(x->child_key, x);  // the kept table has room
+      ++parent->host_children;
+      CountHost(x, +1);
+      host_heap_.Push(x->id, x->timestamp);
+      Refresh(parent);
+      x->next = nullptr;
+      x = next;
+    }
+  };
+  int64_t freed = 0;
+  while (freed < size) {
+    if (host_heap_.empty()) {
+      const int64_t short_by = size - freed;
+      put_back();
+      throw Error(ErrorCode::kOutOfCapacity,
+                  StrCat("cannot evict size=", size, " host tokens: ", short_by,
+                         " more are held by copies in flight or their descendants"));
+    }
+    Node* x = nodes_[host_heap_.top()].get();
+    if (host_heap_.KeyAt(0) != x->timestamp) {
+      host_heap_.Update(x->id, x->timestamp);  // lagging key: see Evict
+      continue;
+    }
+    host_heap_.Pop();
+    Node* parent = x->parent;
+    if (!x->on_device) parent->children.Erase(x->child_key, x, /*keep_table=*/true);
+    --parent->host_children;
+    CountHost(x, -1);
+    Refresh(parent);
+    x->next = victims;
+    victims = x;
+    freed += x->length;
+  }
+  int32_t* slots;
+  try {
+    slots = out(freed);
+  } catch (...) {
+    put_back();
+    throw;
+  }
+  ++clock_;
+  int64_t end = freed;
+  for (Node* x = victims; x != nullptr;) {
+    Node* parent = x->parent;
+    Node* next = x->next;
+    x->next = nullptr;
+    end -= x->length;
+    std::memcpy(slots + end, x->host, x->length * sizeof(int32_t));
+    stored_host_.RemoveAll(x->host, x->length);
+    FreeHost(x);
+    if (x->on_device) {
+      Refresh(x);
+    } else {
+      if (parent->children.empty()) parent->children.Clear();
+      FreeNode(x);
+    }
+    x = next;
+  }
+  return freed;
+}
+
+// --- backups: device to host ---------------------------------------------------------
+
+bool RadixTree::FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits,
+                           TierCopy* copy) const {
+  RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
+  n -= n % page_size_;
+  Node* node;
+  Node* partial;
+  int64_t partial_len;
+  Walk(tokens, n, &node, &partial, &partial_len);
+  // The deepest node on the device with enough hits, fully matched.
+  Node* end = DeviceEnd(node);
+  while (end != root_ && end->hits < min_hits) end = end->parent;
+  if (end == root_ || end->has_host() || end->backing_up) return false;
+  Node* top = end;
+  while (top->parent != root_ && !top->parent->has_host() && !top->parent->backing_up) {
+    top = top->parent;
+  }
+  copy->node_id = end->id;
+  copy->generation = end->generation;
+  copy->start = top->depth - top->length;
+  copy->end = end->depth;
+  return true;
+}
+
+void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
+  Node* end = ResolveCopy(copy);
+  RADIXKV_CHECK(end != nullptr && copy.start < copy.end, kInvalid,
+                "backup is stale: its node was evicted or the cache was reset");
+  Node* top = end;
+  ForEachInCopy(end, copy, [&](Node* x, int64_t) {
+    RADIXKV_CHECK(x->on_device && !x->has_host() && !x->backing_up, kInvalid, "node ", x->id,
+                  " cannot be backed up: it is not on the device, or has a host copy or one "
+                  "in flight");
+    top = x;
+  });
+  RADIXKV_CHECK(top->depth - top->length == copy.start, kInvalid,
+                "backup range does not start at a node");
+  Node* above = top->parent;
+  RADIXKV_CHECK(above == root_ || above->has_host() || above->backing_up, kInvalid,
+                "backup must start where the path's host copy ends (its parent has none)");
+  int32_t* slots = out(copy.length());
+  // Nothing below allocates or throws.
+  ++clock_;
+  ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
+    std::memcpy(slots + offset, x->value(), x->length * sizeof(int32_t));
+    x->backing_up = true;
+    ++x->parent->host_children;
+    backing_up_size_ += x->length;
+    Refresh(x->parent);
+  });
+  LockPath(end, +1);  // its device pages are being read: a pin, like a lock
+}
+
+int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool ok,
+                                SlotSink rejected) {
+  Node* end = ResolveCopy(copy);
+  if (end == nullptr) {  // only Reset frees a node with a backup in flight
+    int32_t* out = rejected(copy.length());
+    std::memcpy(out, host, copy.length() * sizeof(int32_t));
+    return copy.length();
+  }
+  // Top down: a node takes its host slots only if its parent has a host copy
+  // by then, so a failed parent cuts off the nodes below it.
+  std::vector<Node*> nodes;
+  ForEachInCopy(end, copy, [&](Node* x, int64_t) { nodes.push_back(x); });
+  std::reverse(nodes.begin(), nodes.end());
+  std::vector<char> take(nodes.size(), 0);
+  std::vector<Storage> blocks(nodes.size());
+  int64_t kept = 0;
+  for (size_t k = 0; k < nodes.size(); ++k) {
+    Node* x = nodes[k];
+    RADIXKV_CHECK(x->backing_up, kBroken, "node ", x->id, " finishes a backup it did not start");
+    const bool parent_has = x->parent == root_ || x->parent->has_host() ||
+                            (k > 0 && x->parent == nodes[k - 1] && take[k - 1]);
+    take[k] = ok && parent_has;
+    if (take[k]) {
+      blocks[k] = Storage(&arena_, nullptr, host + (x->depth - x->length - copy.start), x->length);
+      kept += x->length;
+    }
+  }
+  // The host slots taken must be new to the tree (checked before anything changes).
+  size_t added = 0;
+  for (; added < nodes.size(); ++added) {
+    if (!take[added]) continue;
+    Node* x = nodes[added];
+    const int32_t* h = host + (x->depth - x->length - copy.start);
+    const int64_t twice = stored_host_.AddAll(h, x->length);
+    if (twice >= 0) break;
+  }
+  if (added < nodes.size()) {
+    for (size_t k = 0; k < added; ++k) {
+      if (take[k]) {
+        Node* x = nodes[k];
+        stored_host_.RemoveAll(host + (x->depth - x->length - copy.start), x->length);
+      }
+    }
+    throw Error(kBroken, "a backup's host slots are already stored in the cache");
+  }
+  const int64_t refused = copy.length() - kept;
+  int32_t* out = nullptr;
+  try {
+    out = rejected(refused);
+  } catch (...) {
+    for (size_t k = 0; k < nodes.size(); ++k) {
+      if (take[k]) {
+        Node* x = nodes[k];
+        stored_host_.RemoveAll(host + (x->depth - x->length - copy.start), x->length);
+      }
+    }
+    throw;
+  }
+  // Nothing below allocates or throws.
+  ++clock_;
+  int64_t written = 0;
+  for (size_t k = 0; k < nodes.size(); ++k) {
+    Node* x = nodes[k];
+    x->backing_up = false;
+    backing_up_size_ -= x->length;
+    if (take[k]) {
+      blocks[k].MoveToHost(x);  // the parent already counts it (backing up)
+      CountHost(x, +1);
+    } else {
+      --x->parent->host_children;
+      std::memcpy(out + written, host + (x->depth - x->length - copy.start),
+                  x->length * sizeof(int32_t));
+      written += x->length;
+    }
+  }
+  LockPath(end, -1);
+  for (Node* x : nodes) {
+    Refresh(x);
+    Refresh(x->parent);
+  }
+  return refused;
+}
+
+// --- loads: host to device -------------------------------------------------------------
+
+TierCopy RadixTree::FindLoad(const Handle& handle) const {
+  RADIXKV_CHECK(handle.tree_id == id_, kInvalid, "handle belongs to another cache manager");
+  RADIXKV_CHECK(handle.host_node_id < nodes_.size() &&
+                    nodes_[handle.host_node_id]->generation == handle.host_generation,
+                kInvalid, "handle is stale: its host part was evicted or the cache was reset");
+  Node* end = nodes_[handle.host_node_id].get();
+  Node* device_end = DeviceEnd(end);
+  for (Node* x = end; x != device_end; x = x->parent) {
+    RADIXKV_CHECK(!x->loading, kInvalid,
+                  "handle's host part is already being loaded: wait for it (loading_check) and "
+                  "match again");
+  }
+  TierCopy copy;
+  copy.node_id = end->id;
+  copy.generation = end->generation;
+  copy.start = device_end->depth;
+  copy.end = end->depth;
+  return copy;
+}
+
+void RadixTree::BeginLoad(const TierCopy& copy, SlotSink out, Handle* loaded) {
+  Node* end = ResolveCopy(copy);
+  RADIXKV_CHECK(end != nullptr, kInvalid,
+                "load is stale: its node was evicted or the cache was reset");
+  RADIXKV_CHECK(DeviceEnd(end)->depth == copy.start, kInvalid,
+                "load does not start where the path's device part ends: match again");
+  ForEachInCopy(end, copy, [&](Node* x, int64_t) {
+    RADIXKV_CHECK(!x->on_device && x->has_host() && !x->loading, kInvalid, "node ", x->id,
+                  " cannot be loaded: it is on the device, has no host copy, or is loading");
+  });
+  int32_t* slots = out(copy.length());
+  // Nothing below allocates or throws.
+  ++clock_;
+  ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
+    std::memcpy(slots + offset, x->host, x->length * sizeof(int32_t));
+    x->loading = true;
+    loading_size_ += x->length;
+    Refresh(x);
+  });
+  Touch(end);
+  LockPath(end, +1);
+  Handle h;
+  h.tree_id = id_;
+  h.generation = end->generation;
+  h.node_id = end->id;
+  h.cached_len = end->depth;
+  h.lock_count = 1;
+  h.host_generation = end->generation;
+  h.host_node_id = end->id;
+  h.host_hit_len = 0;
+  *loaded = h;
+}
+
+bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok) {
+  Node* end = ResolveCopy(copy);
+  if (end == nullptr) return false;
+  std::vector<Node*> nodes;
+  ForEachInCopy(end, copy, [&](Node* x, int64_t) { nodes.push_back(x); });
+  for (Node* x : nodes) {
+    RADIXKV_CHECK(x->loading, kBroken, "node ", x->id, " finishes a load it did not start");
+  }
+  if (ok) {
+    SlotSet& s = stored_;
+    size_t added = 0;
+    for (; added < nodes.size(); ++added) {
+      Node* x = nodes[added];
+      if (s.AddAll(device + (x->depth - x->length - copy.start), x->length) >= 0) break;
+    }
+    if (added < nodes.size()) {
+      for (size_t k = 0; k < added; ++k) {
+        Node* x = nodes[k];
+        s.RemoveAll(device + (x->depth - x->length - copy.start), x->length);
+      }
+      throw Error(kBroken, "a load's device slots are already stored in the cache");
+    }
+  }
+  // Nothing below allocates or throws. Top down, so each node's parent is on
+  // the device before it is.
+  ++clock_;
+  for (size_t k = nodes.size(); k-- > 0;) {
+    Node* x = nodes[k];
+    x->loading = false;
+    loading_size_ -= x->length;
+    if (ok) {
+      std::memcpy(x->data + x->length, device + (x->depth - x->length - copy.start),
+                  x->length * sizeof(int32_t));
+      SetOnDevice(x, true);
+    }
+    Refresh(x);
+    Refresh(x->parent);
+  }
+  return true;
+}
+
+std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size) {
+  // Pop the leaves Evict would take first, note those without a host copy,
+  // and put every one back (the same keys: nothing visible changes).
+  std::vector<uint32_t> popped;
+  std::vector<TierCopy> out;
+  int64_t covered = 0;
+  while (covered < size && !heap_.empty()) {
+    Node* x = nodes_[heap_.top()].get();
+    if (heap_.KeyAt(0) != x->timestamp) {
+      heap_.Update(x->id, x->timestamp);
+      continue;
+    }
+    heap_.Pop();
+    popped.push_back(x->id);
+    covered += x->length;
+    if (x->has_host() || x->backing_up) continue;
+    // Up to the path's host copy, or to a node an earlier copy covers (which
+    // is begun first, so this one's parent is backing up by then).
+    Node* top = x;
+    auto covered_already = [&](const Node* n) {
+      for (const TierCopy& c : out) {
+        for (Node* y = nodes_[c.node_id].get(); y != root_ && y->depth > c.start; y = y->parent) {
+          if (y == n) return true;
+        }
+      }
+      return false;
+    };
+    while (top->parent != root_ && !top->parent->has_host() && !top->parent->backing_up &&
+           !covered_already(top->parent)) {
+      top = top->parent;
+    }
+    out.push_back(TierCopy{x->id, x->generation, top->depth - top->length, x->depth});
+  }
+  for (uint32_t id : popped) heap_.Push(id, nodes_[id]->timestamp);
+  return out;
+}
+
+}  // namespace radixkv

@@ -1,0 +1,58 @@
+#include "radixkv/transfer.h"
+
+#include <cstring>
+
+namespace radixkv {
+namespace {
+
+// Whether tokens [i, i + page) map whole pages onto whole pages.
+bool WholePage(const TransferParams& p, int64_t i, int64_t page) noexcept {
+  if (i + page > p.num_tokens) return false;
+  const int32_t s = p.src_slots[i], d = p.dst_slots[i];
+  if (s % page != 0 || d % page != 0) return false;
+  for (int64_t j = 1; j < page; ++j) {
+    if (p.src_slots[i + j] != s + j || p.dst_slots[i + j] != d + j) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int64_t FindTransferSlotOutOfRange(const TransferParams& p) noexcept {
+  const auto src_limit = static_cast<uint64_t>(p.src.num_slots);
+  const auto dst_limit = static_cast<uint64_t>(p.dst.num_slots);
+  for (int64_t i = 0; i < p.num_tokens; ++i) {
+    if (static_cast<uint64_t>(static_cast<int64_t>(p.src_slots[i])) >= src_limit ||
+        static_cast<uint64_t>(static_cast<int64_t>(p.dst_slots[i])) >= dst_limit) {
+      return i;
+    }
+  }
+  return -1;
+}
+
+int64_t TransferRows(const TransferParams& p) noexcept {
+  const int64_t bad = FindTransferSlotOutOfRange(p);
+  if (bad >= 0) return bad;
+  const size_t row = static_cast<size_t>(p.row_bytes);
+  // Pages move as runs when both pools use the same page size and keep a
+  // page's rows together (the common case: slots come from page allocators).
+  const bool by_page = p.src.page_size == p.dst.page_size && p.src.page_size > 1 &&
+                       RowsContiguousInPage(p.src, p.row_bytes) &&
+                       RowsContiguousInPage(p.dst, p.row_bytes);
+  const int64_t page = p.src.page_size;
+  for (int64_t i = 0; i < p.num_tokens;) {
+    const int64_t run = by_page && WholePage(p, i, page) ? page : 1;
+    const int64_t s = p.src_slots[i], d = p.dst_slots[i];
+    // Side, then layer: a host page holds [side][layer] regions in that order.
+    for (int64_t side = 0; side < 2; ++side) {
+      for (int64_t layer = p.layer_begin; layer < p.layer_end; ++layer) {
+        std::memcpy(p.dst.base + PoolRowOffset(p.dst, side, layer, d),
+                    p.src.base + PoolRowOffset(p.src, side, layer, s), row * run);
+      }
+    }
+    i += run;
+  }
+  return -1;
+}
+
+}  // namespace radixkv

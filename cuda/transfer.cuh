@@ -1,0 +1,20 @@
+// The K/V transfer on a CUDA device, the twin of cpp/include/radixkv/transfer.h.
+// Framework-free: raw pointers in TransferParams, a stream, an error code back.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "radixkv/transfer_index.h"
+
+namespace radixkv::cuda {
+
+/// Enqueues the transfer of `p` on `stream` and returns at once. One group of
+/// up to 32 threads copies a row with the widest aligned vector (16 bytes for
+/// rows that are a multiple of 16, as every MHA and MLA row in bf16 or fp8
+/// is); the grid is capped at `max_blocks` blocks of 256 threads so a copy
+/// running beside the forward pass takes few SMs. Pools may be device or
+/// pinned host memory (a host pool is read or written through UVA). A token
+/// whose slots are out of range is skipped. Returns the launch error.
+cudaError_t LaunchTransfer(const TransferParams& p, cudaStream_t stream, int max_blocks = 16);
+
+}  // namespace radixkv::cuda

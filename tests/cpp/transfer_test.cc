@@ -1,0 +1,163 @@
+// The K/V transfer between pools: the CPU copy (transfer.h) and the CUDA
+// kernel's per-row body run on the host (transfer_index.h), against a plain
+// byte-by-byte copy written from the layout definitions.
+#include "radixkv/transfer.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "radixkv/transfer_index.h"
+
+namespace radixkv {
+namespace {
+
+enum class Kind { kLayerFirst, kPageFirst, kHostPageFirst };
+
+// A pool's bytes and its layout: L layers, P pages of S slots, rows of R bytes.
+struct Pool {
+  std::vector<uint8_t> bytes;
+  PoolLayout layout{};
+
+  Pool(Kind kind, int64_t L, int64_t P, int64_t S, int64_t R) : bytes(2 * L * P * S * R) {
+    PoolLayout& l = layout;
+    l.base = reinterpret_cast<char*>(bytes.data());
+    l.row_stride = R;
+    l.page_size = S;
+    l.num_slots = P * S;
+    switch (kind) {
+      case Kind::kLayerFirst:  // [2, L, P, S, R]
+        l.side_stride = L * P * S * R;
+        l.layer_stride = P * S * R;
+        l.page_stride = S * R;
+        break;
+      case Kind::kPageFirst:  // [2, P, L, S, R]
+        l.side_stride = P * L * S * R;
+        l.layer_stride = S * R;
+        l.page_stride = L * S * R;
+        break;
+      case Kind::kHostPageFirst:  // [P, 2, L, S, R]
+        l.page_stride = 2 * L * S * R;
+        l.side_stride = L * S * R;
+        l.layer_stride = S * R;
+        break;
+    }
+  }
+  uint8_t* Row(int64_t side, int64_t layer, int64_t slot, int64_t R) {
+    (void)R;
+    return bytes.data() + PoolRowOffset(layout, side, layer, slot);
+  }
+};
+
+// Slots for n tokens: whole pages in random page order (what page
+// allocators hand out), or, when `scattered`, any distinct slots.
+std::vector<int32_t> Slots(std::mt19937& rng, int64_t n, int64_t pages, int64_t S,
+                           bool scattered) {
+  std::vector<int32_t> out;
+  if (scattered) {
+    std::vector<int32_t> all(pages * S);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    out.assign(all.begin(), all.begin() + n);
+    return out;
+  }
+  std::vector<int32_t> order(pages);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (int64_t i = 0; i < n; ++i) out.push_back(static_cast<int32_t>(order[i / S] * S + i % S));
+  return out;
+}
+
+struct Case {
+  Kind src_kind, dst_kind;
+  int64_t L, S, R, n;
+  bool scattered;
+  int64_t layer_begin, layer_end;
+};
+
+void RunCase(const Case& c, std::mt19937& rng, bool emulate_kernel) {
+  const int64_t P = (c.n + c.S - 1) / c.S + 3;
+  Pool src(c.src_kind, c.L, P, c.S, c.R), dst(c.dst_kind, c.L, P, c.S, c.R);
+  for (auto& b : src.bytes) b = static_cast<uint8_t>(rng());
+  for (auto& b : dst.bytes) b = static_cast<uint8_t>(rng());
+  const std::vector<int32_t> s = Slots(rng, c.n, P, c.S, c.scattered);
+  const std::vector<int32_t> d = Slots(rng, c.n, P, c.S, c.scattered);
+  Pool expected = dst;
+  expected.layout.base = reinterpret_cast<char*>(expected.bytes.data());
+  for (int64_t i = 0; i < c.n; ++i) {
+    for (int64_t side = 0; side < 2; ++side) {
+      for (int64_t layer = c.layer_begin; layer < c.layer_end; ++layer) {
+        std::memcpy(expected.Row(side, layer, d[i], c.R), src.Row(side, layer, s[i], c.R), c.R);
+      }
+    }
+  }
+  TransferParams p{src.layout, dst.layout, c.R, c.L, s.data(), d.data(), c.n, c.layer_begin,
+                   c.layer_end};
+  if (emulate_kernel) {
+    // The CUDA kernel's body with 16-byte vectors and 8 lanes a row.
+    struct alignas(16) V16 { uint32_t w[4]; };
+    ASSERT_EQ(TransferVectorBytes(p) % 16, 0);
+    const int64_t rows = c.n * 2 * (c.layer_end - c.layer_begin);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t lane = 0; lane < 8; ++lane) TransferRowPart<V16>(p, r, lane, 8);
+    }
+  } else {
+    ASSERT_EQ(TransferRows(p), -1);
+  }
+  ASSERT_TRUE(dst.bytes == expected.bytes);
+}
+
+TEST(TransferTest, EveryLayoutPairPageSizeAndLayerRange) {
+  std::mt19937 rng(1);
+  const Kind kinds[] = {Kind::kLayerFirst, Kind::kPageFirst, Kind::kHostPageFirst};
+  for (Kind a : kinds) {
+    for (Kind b : kinds) {
+      for (int64_t S : {1, 4, 16}) {
+        for (bool scattered : {false, true}) {
+          for (int64_t R : {16, 48, 100}) {
+            RunCase({a, b, 3, S, R, 37, scattered, 0, 3}, rng, false);  // backup: every layer
+            RunCase({a, b, 3, S, R, 37, scattered, 1, 2}, rng, false);  // load: one layer
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(TransferTest, KernelRowBodyMatches) {
+  std::mt19937 rng(2);
+  const Kind kinds[] = {Kind::kLayerFirst, Kind::kPageFirst, Kind::kHostPageFirst};
+  for (Kind a : kinds) {
+    for (Kind b : kinds) {
+      for (int64_t S : {1, 16}) {
+        RunCase({a, b, 2, S, 64, 50, false, 0, 2}, rng, true);
+        RunCase({a, b, 2, S, 576, 20, true, 1, 2}, rng, true);  // an MLA fp8 row: 576 B
+      }
+    }
+  }
+}
+
+TEST(TransferTest, OutOfRangeSlotCopiesNothing) {
+  std::mt19937 rng(3);
+  Pool src(Kind::kLayerFirst, 2, 4, 4, 16), dst(Kind::kHostPageFirst, 2, 4, 4, 16);
+  for (auto& b : src.bytes) b = static_cast<uint8_t>(rng());
+  const std::vector<uint8_t> before = dst.bytes;
+  std::vector<int32_t> s{0, 1, 2}, d{4, 16, 5};  // 16 is past the 16 slots of dst
+  TransferParams p{src.layout, dst.layout, 16, 2, s.data(), d.data(), 3, 0, 2};
+  EXPECT_EQ(TransferRows(p), 1);
+  EXPECT_EQ(dst.bytes, before);
+  d[1] = -1;
+  EXPECT_EQ(TransferRows(p), 1);
+  d[1] = 6;
+  s[2] = 16;
+  EXPECT_EQ(TransferRows(p), 2);
+  EXPECT_EQ(dst.bytes, before);
+}
+
+}  // namespace
+}  // namespace radixkv
