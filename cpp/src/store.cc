@@ -217,6 +217,24 @@ int64_t FindRepeatedSlot(const void* idx, IndexType type, int64_t n, int64_t num
       return FindRepeat(runs, &scratch);
     }
   }
+  // Slots spread over a range not much wider than the batch: a bitmap of
+  // the range (a few bits per token, scanned in order); wider: a hash set.
+  int64_t lo = LoadSlot(idx, type, 0), hi = lo;
+  for (int64_t i = 1; i < n; ++i) {
+    const int64_t s = LoadSlot(idx, type, i);
+    lo = std::min(lo, s);
+    hi = std::max(hi, s);
+  }
+  if (hi - lo < 64 * n) {
+    std::vector<uint64_t> seen(static_cast<size_t>((hi - lo) / 64 + 1), 0);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t bit = static_cast<uint64_t>(LoadSlot(idx, type, i) - lo);
+      uint64_t& word = seen[bit >> 6];
+      if ((word >> (bit & 63)) & 1) return i;
+      word |= uint64_t{1} << (bit & 63);
+    }
+    return -1;
+  }
   if (num_slots <= int64_t{1} << 31) return FirstRepeatHashed<uint32_t>(idx, type, n);
   return FirstRepeatHashed<uint64_t>(idx, type, n);
 }
