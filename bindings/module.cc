@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "controller.h"
 #include "errors.h"
 #include "fast_call.h"
 #include "kernels.h"
@@ -74,6 +75,13 @@ auto Locked(PyRadixTree& t, bool release_gil, F&& f) {
 
 PyTypeObject* g_tree_type = nullptr;
 PyTypeObject* g_handle_type = nullptr;
+
+bool Truth(PyObject* o, bool absent) {
+  if (o == nullptr) return absent;
+  const int truth = PyObject_IsTrue(o);
+  if (truth < 0) throw py::error_already_set();
+  return truth != 0;
+}
 
 Handle& AsHandle(PyObject* obj) {
   if (Py_TYPE(obj) != g_handle_type) {
@@ -156,13 +164,124 @@ py::object RadixTree_HandleSlots(PyRadixTree& t, PyObject* const* a) {
   return slots.take();
 }
 
-py::object RadixTree_Dump(PyRadixTree& t, PyObject* const*) {
+py::object RadixTree_Dump(PyRadixTree& t, PyObject* const* a) {
+  const bool tiers = Truth(a[0], false);
   std::vector<radixkv::NodeInfo> nodes = Locked(t, true, [&] { return t.tree.Dump(); });
   py::list out;
   for (const auto& n : nodes) {
-    out.append(py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), n.ref_count,
-                              n.timestamp));
+    if (tiers) {
+      out.append(py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value),
+                                py::cast(n.host_value), n.ref_count, n.timestamp));
+    } else {
+      out.append(py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), n.ref_count,
+                                n.timestamp));
+    }
   }
+  return std::move(out);
+}
+
+// --- the host tier ------------------------------------------------------------------
+// A TierCopy crosses to Python as a tuple (node_id, generation, start, end).
+
+py::object CopyTuple(const radixkv::TierCopy& c) {
+  return py::make_tuple(c.node_id, c.generation, c.start, c.end);
+}
+
+radixkv::TierCopy AsCopy(PyObject* o) {
+  if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 4) {
+    throw py::type_error(std::string("copy must be a tuple (node_id, generation, start, end) "
+                                     "from find_backup or find_load, got ") +
+                         Py_TYPE(o)->tp_name);
+  }
+  radixkv::TierCopy c;
+  const int64_t id = ToInt64(PyTuple_GET_ITEM(o, 0), "copy[0]");
+  if (id < 0 || id > UINT32_MAX) throw py::value_error("copy[0] is not a node id");
+  c.node_id = static_cast<uint32_t>(id);
+  c.generation = static_cast<uint64_t>(ToInt64(PyTuple_GET_ITEM(o, 1), "copy[1]"));
+  c.start = ToInt64(PyTuple_GET_ITEM(o, 2), "copy[2]");
+  c.end = ToInt64(PyTuple_GET_ITEM(o, 3), "copy[3]");
+  if (c.start < 0 || c.end < c.start) throw py::value_error("copy has a bad range");
+  return c;
+}
+
+py::object RadixTree_TierSizes(PyRadixTree& t, PyObject* const*) {
+  const radixkv::TierSizes z = Locked(t, false, [&] { return t.tree.tier_sizes(); });
+  return py::make_tuple(z.device_evictable, z.device_protected, z.host, z.host_only,
+                        z.backing_up, z.loading);
+}
+
+py::object RadixTree_EvictHost(PyRadixTree& t, PyObject* const* a) {
+  const int64_t n = ToInt64(a[0], "size");
+  TensorSink slots;
+  Locked(t, false, [&] { t.tree.EvictHost(n, slots); });
+  return slots.take();
+}
+
+py::object RadixTree_FindBackup(PyRadixTree& t, PyObject* const* a) {
+  Int32View ids(a[0], "input_ids");
+  const int64_t min_hits = a[1] != nullptr ? ToInt64(a[1], "min_hits") : 0;
+  if (min_hits < 0 || min_hits > UINT32_MAX) throw py::value_error("min_hits is out of range");
+  FinishViews(ids);
+  radixkv::TierCopy c;
+  const bool found = Locked(
+      t.mu, ids.size() >= kReleaseGilTokens,
+      [&] { return t.tree.FindBackup(ids.data(), ids.size(), static_cast<uint32_t>(min_hits), &c); },
+      [&] { ids.Own(); });
+  return found ? CopyTuple(c) : py::none();
+}
+
+py::object RadixTree_BeginBackup(PyRadixTree& t, PyObject* const* a) {
+  const radixkv::TierCopy c = AsCopy(a[0]);
+  TensorSink slots;
+  Locked(t, false, [&] { t.tree.BeginBackup(c, slots); });
+  return slots.take();
+}
+
+py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
+  const radixkv::TierCopy c = AsCopy(a[0]);
+  const bool ok = Truth(a[2], true);
+  Int32View host(a[1], "host_slots");
+  FinishViews(host);
+  if (host.size() != c.length()) {
+    throw py::value_error("host_slots has length " + std::to_string(host.size()) +
+                          " but the copy covers " + std::to_string(c.length()) + " tokens");
+  }
+  TensorSink rejected;
+  Locked(t, false, [&] { t.tree.FinishBackup(c, host.data(), ok, rejected); });
+  return rejected.take();
+}
+
+py::object RadixTree_FindLoad(PyRadixTree& t, PyObject* const* a) {
+  const Handle& h = AsHandle(a[0]);
+  return CopyTuple(Locked(t, false, [&] { return t.tree.FindLoad(h); }));
+}
+
+py::object RadixTree_BeginLoad(PyRadixTree& t, PyObject* const* a) {
+  const radixkv::TierCopy c = AsCopy(a[0]);
+  py::object handle = NewBoxed<Handle>(g_handle_type);
+  TensorSink host;
+  Locked(t, false, [&] { t.tree.BeginLoad(c, host, &Unbox<Handle>(handle.ptr())); });
+  return py::make_tuple(std::move(handle), host.take());
+}
+
+py::object RadixTree_FinishLoad(PyRadixTree& t, PyObject* const* a) {
+  const radixkv::TierCopy c = AsCopy(a[0]);
+  const bool ok = Truth(a[2], true);
+  Int32View device(a[1], "device_slots");
+  FinishViews(device);
+  if (device.size() != c.length()) {
+    throw py::value_error("device_slots has length " + std::to_string(device.size()) +
+                          " but the copy covers " + std::to_string(c.length()) + " tokens");
+  }
+  return py::bool_(Locked(t, false, [&] { return t.tree.FinishLoad(c, device.data(), ok); }));
+}
+
+py::object RadixTree_EvictionCandidatesWithoutHost(PyRadixTree& t, PyObject* const* a) {
+  const int64_t n = ToInt64(a[0], "size");
+  std::vector<radixkv::TierCopy> copies =
+      Locked(t, false, [&] { return t.tree.EvictionCandidatesWithoutHost(n); });
+  py::list out;
+  for (const radixkv::TierCopy& c : copies) out.append(CopyTuple(c));
   return std::move(out);
 }
 
@@ -213,6 +332,12 @@ PyObject* RadixTree_NumNodes(PyObject* self, void*) {
 
 PyObject* Handle_Repr(PyObject* self) {
   const Handle& h = Unbox<Handle>(self);
+  if (h.host_hit_len > 0) {
+    return PyUnicode_FromFormat(
+        "RadixCacheHandle(cached_len=%lld, host_hit_len=%lld, lock_count=%lld)",
+        static_cast<long long>(h.cached_len), static_cast<long long>(h.host_hit_len),
+        static_cast<long long>(h.lock_count));
+  }
   return PyUnicode_FromFormat("RadixCacheHandle(cached_len=%lld, lock_count=%lld)",
                               static_cast<long long>(h.cached_len),
                               static_cast<long long>(h.lock_count));
@@ -342,7 +467,16 @@ constexpr Params kSlotsOfHandle{"handle_slots", {"handle"}, 1, 1};
 constexpr Params kReset{"reset", {}, 0, 0};
 constexpr Params kSizeInfo{"size_info", {}, 0, 0};
 constexpr Params kCheck{"check_integrity", {}, 0, 0};
-constexpr Params kDump{"dump", {}, 0, 0};
+constexpr Params kDump{"dump", {"tiers"}, 1, 0};
+constexpr Params kTierSizes{"tier_sizes", {}, 0, 0};
+constexpr Params kEvictHost{"evict_host", {"size"}, 1, 1};
+constexpr Params kFindBackup{"find_backup", {"input_ids", "min_hits"}, 2, 1};
+constexpr Params kBeginBackup{"begin_backup", {"copy"}, 1, 1};
+constexpr Params kFinishBackup{"finish_backup", {"copy", "host_slots", "ok"}, 3, 2};
+constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
+constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
+constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
+constexpr Params kCandidates{"eviction_candidates_without_host", {"size"}, 1, 1};
 
 template <py::object (*Impl)(PyRadixTree&, PyObject* const*), const Params& P>
 constexpr PyCFunction Fast() {
@@ -362,7 +496,27 @@ PyMethodDef kTreeMethods[] = {
     {"check_integrity", Fast<RadixTree_CheckIntegrity, kCheck>(), kFastCall,
      "Walk the tree and raise IntegrityError on a broken invariant."},
     {"dump", Fast<RadixTree_Dump, kDump>(), kFastCall,
-     "Every node as (parent, tokens, slots, ref_count, timestamp)."},
+     "Every node as (parent, tokens, slots, ref_count, timestamp); with tiers=True as\n"
+     "(parent, tokens, device_slots, host_slots, ref_count, timestamp)."},
+    {"tier_sizes", Fast<RadixTree_TierSizes, kTierSizes>(), kFastCall,
+     "(device_evictable, device_protected, host, host_only, backing_up, loading) tokens."},
+    {"evict_host", Fast<RadixTree_EvictHost, kEvictHost>(), kFastCall,
+     "evict_host(size) -> host slots freed, least recently used host copies first."},
+    {"find_backup", Fast<RadixTree_FindBackup, kFindBackup>(), kFastCall,
+     "find_backup(input_ids, min_hits=0) -> copy or None: what a backup of the path needs."},
+    {"begin_backup", Fast<RadixTree_BeginBackup, kBeginBackup>(), kFastCall,
+     "begin_backup(copy) -> device slots: pins the nodes until finish_backup."},
+    {"finish_backup", Fast<RadixTree_FinishBackup, kFinishBackup>(), kFastCall,
+     "finish_backup(copy, host_slots, ok=True) -> host slots not taken."},
+    {"find_load", Fast<RadixTree_FindLoad, kFindLoad>(), kFastCall,
+     "find_load(handle) -> copy: the host-only part of the handle's match."},
+    {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,
+     "begin_load(copy) -> (locked handle for the whole match, host slots)."},
+    {"finish_load", Fast<RadixTree_FinishLoad, kFinishLoad>(), kFastCall,
+     "finish_load(copy, device_slots, ok=True) -> False if the copy's node is gone."},
+    {"eviction_candidates_without_host",
+     Fast<RadixTree_EvictionCandidatesWithoutHost, kCandidates>(), kFastCall,
+     "The device leaves evict(size) would take that have no host copy, as backups."},
     {"is_valid", Fast<RadixTree_IsValid, kIsValid>(), kFastCall,
      "Whether handle names a live node of this tree."},
     {"handle_slots", Fast<RadixTree_HandleSlots, kSlotsOfHandle>(), kFastCall,
@@ -395,6 +549,8 @@ PyMemberDef kHandleMembers[] = {
      "Tokens from the root to the handle's node: the matched length."},
     {"lock_count", T_LONGLONG, kHandleAt + offsetof(Handle, lock_count), READONLY,
      "Locks taken through this handle and not yet released."},
+    {"host_hit_len", T_LONGLONG, kHandleAt + offsetof(Handle, host_hit_len), READONLY,
+     "Matched tokens after cached_len that only host memory holds (load_back brings them)."},
     {nullptr, 0, 0, 0, nullptr},
 };
 PyType_Slot kHandleSlots[] = {
@@ -413,6 +569,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "radixkv native core (private; use the radixkv package)";
   radixkv::bindings::RegisterErrors(m);
   radixkv::bindings::RegisterKernels(m);
+  radixkv::bindings::RegisterController(m);
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
   m.def("int32_tensor", &Int32Tensor, py::arg("values"), py::arg("name") = "values");
   m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));

@@ -223,6 +223,9 @@ class RadixTree {
   /// device keeps its device slots. Throws kOutOfCapacity, changing nothing,
   /// when `size` cannot be freed.
   int64_t EvictHost(int64_t size, SlotSink out);
+  void EvictHost(int64_t size, std::vector<int32_t>* slots) {
+    EvictHost(size, SlotSink::Into(slots));
+  }
 
   /// Drops every node. Handles made before become stale. Copies in flight
   /// must be finished (or abandoned by the caller) first.
@@ -263,6 +266,9 @@ class RadixTree {
   /// copy and no backup in flight: pins them (their device pages may not go)
   /// and writes their device slots, the copy's source, to `out`.
   void BeginBackup(const TierCopy& copy, SlotSink out);
+  void BeginBackup(const TierCopy& copy, std::vector<int32_t>* device) {
+    BeginBackup(copy, SlotSink::Into(device));
+  }
   /// Ends a backup: when `ok`, the nodes take the host slots `host[0,
   /// copy.length())` (those whose parent has no host copy do not: a parent
   /// whose own backup failed cuts its subtree off); unpins them. Writes to
@@ -279,6 +285,9 @@ class RadixTree {
   /// `out`, and sets `*loaded` to a new handle for the whole match, with one
   /// lock (its nodes are on the device once FinishLoad succeeds).
   void BeginLoad(const TierCopy& copy, SlotSink out, Handle* loaded);
+  void BeginLoad(const TierCopy& copy, std::vector<int32_t>* host, Handle* loaded) {
+    BeginLoad(copy, SlotSink::Into(host), loaded);
+  }
   /// Ends a load: when `ok`, the nodes take the device slots `device[0,
   /// copy.length())` and are on the device; either way they are no longer
   /// loading. Returns false (taking nothing) when the copy's node is gone.

@@ -1,0 +1,141 @@
+#include "controller.h"
+
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+#include "radixkv/cache_controller.h"
+#include "radixkv/transfer_index.h"
+#include "tensor_view.h"
+
+namespace py = pybind11;
+
+namespace radixkv::bindings {
+namespace {
+
+// A pool's layout from Python: its buffer tensor (any shape; only the base
+// address matters) and (side, layer, page, row) strides in bytes, the page
+// size and the slot count. The controller's thread copies into the buffer,
+// so this keeps an alias of its own (`detach()`) alive: the storage stays
+// whatever is done to the tensor it was given.
+struct Pool {
+  py::object alias;
+  PoolLayout layout{};
+};
+
+Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name) {
+  if (strides.size() != 6) {
+    throw py::value_error(std::string(name) + "_layout must be (side_stride, layer_stride, "
+                          "page_stride, row_stride, page_size, num_slots)");
+  }
+  Pool p;
+  Tensor t(buffer, name, Tensor::kWritten);
+  t.Pin();
+  t.Check();
+  t.View();
+  if (t.device().device_type != kDLCPU) {
+    throw py::type_error(std::string(name) + " must be a CPU tensor for the CPU copy engine");
+  }
+  p.alias = py::reinterpret_borrow<py::object>(t.object());
+  p.layout = PoolLayout{t.data(), strides[0], strides[1], strides[2], strides[3], strides[4],
+                        strides[5]};
+  if (p.layout.page_size < 1 || p.layout.num_slots < 0) {
+    throw py::value_error(std::string(name) + "_layout has a bad page size or slot count");
+  }
+  return p;
+}
+
+std::vector<int32_t> Slots(py::handle obj, const char* name) {
+  Int32View v(obj, name);
+  FinishViews(v);
+  return std::vector<int32_t>(v.data(), v.data() + v.size());
+}
+
+py::list Acks(const std::vector<CopyAck>& acks) {
+  py::list out;
+  for (const CopyAck& a : acks) out.append(py::make_tuple(a.id, a.ok));
+  return out;
+}
+
+class PyController {
+ public:
+  PyController(py::handle device, const std::vector<int64_t>& device_layout, py::handle host,
+               const std::vector<int64_t>& host_layout, int64_t row_bytes, int64_t layers,
+               bool manual)
+      : device_(ReadPool(device, device_layout, "device")),
+        host_(ReadPool(host, host_layout, "host")) {
+    if (row_bytes < 1 || layers < 1) throw py::value_error("row_bytes and layers must be >= 1");
+    c_ = std::make_unique<CacheController>(
+        MakeCpuCopyEngine(device_.layout, host_.layout, row_bytes, layers), manual);
+  }
+  PyController(int64_t layers, bool manual) {
+    if (layers < 1) throw py::value_error("layers must be >= 1");
+    c_ = std::make_unique<CacheController>(MakeNullCopyEngine(layers), manual);
+  }
+
+  uint64_t Backup(py::handle device, py::handle host) {
+    std::vector<int32_t> d = Slots(device, "device_slots"), h = Slots(host, "host_slots");
+    if (d.size() != h.size()) throw py::value_error("device_slots and host_slots differ in length");
+    return c_->Backup(std::move(d), std::move(h));
+  }
+  uint64_t Load(py::handle host, py::handle device) {
+    std::vector<int32_t> h = Slots(host, "host_slots"), d = Slots(device, "device_slots");
+    if (d.size() != h.size()) throw py::value_error("device_slots and host_slots differ in length");
+    return c_->Load(std::move(h), std::move(d));
+  }
+  void StartLoading() { c_->StartLoading(); }
+  void WaitLayer(py::handle layer) {
+    const int64_t l = ToInt64(layer, "layer");
+    if (l < 0 || l >= c_->num_layers()) {
+      throw py::value_error("layer=" + std::to_string(l) + " is out of range for " +
+                            std::to_string(c_->num_layers()) + " layers");
+    }
+    py::gil_scoped_release nogil;
+    c_->WaitLayer(l);
+  }
+  void Drain() {
+    py::gil_scoped_release nogil;
+    c_->Drain();
+  }
+  py::list TakeBackupAcks() { return Acks(c_->TakeBackupAcks()); }
+  py::list TakeLoadAcks() { return Acks(c_->TakeLoadAcks()); }
+  bool Complete(uint64_t id, bool ok) {
+    py::gil_scoped_release nogil;
+    return c_->Complete(id, ok);
+  }
+  int64_t InFlight() const { return c_->in_flight(); }
+  std::vector<uint64_t> Waiting() const { return c_->Waiting(); }
+  int64_t NumLayers() const { return c_->num_layers(); }
+
+ private:
+  Pool device_, host_;  // declared first: destroyed after the controller's thread stops
+  std::unique_ptr<CacheController> c_;
+};
+
+}  // namespace
+
+void RegisterController(py::module_& m) {
+  py::class_<PyController>(m, "CacheController")
+      .def(py::init<py::handle, const std::vector<int64_t>&, py::handle,
+                    const std::vector<int64_t>&, int64_t, int64_t, bool>(),
+           py::arg("device"), py::arg("device_layout"), py::arg("host"), py::arg("host_layout"),
+           py::arg("row_bytes"), py::arg("layers"), py::arg("manual") = false)
+      .def(py::init<int64_t, bool>(), py::arg("layers"), py::arg("manual") = false)
+      .def("backup", &PyController::Backup, py::arg("device_slots"), py::arg("host_slots"))
+      .def("load", &PyController::Load, py::arg("host_slots"), py::arg("device_slots"))
+      .def("start_loading", &PyController::StartLoading)
+      .def("wait_layer", &PyController::WaitLayer, py::arg("layer"))
+      .def("drain", &PyController::Drain)
+      .def("take_backup_acks", &PyController::TakeBackupAcks)
+      .def("take_load_acks", &PyController::TakeLoadAcks)
+      .def("complete", &PyController::Complete, py::arg("id"), py::arg("ok") = true)
+      .def_property_readonly("in_flight", &PyController::InFlight)
+      .def_property_readonly("num_layers", &PyController::NumLayers)
+      .def("waiting", &PyController::Waiting);
+}
+
+}  // namespace radixkv::bindings

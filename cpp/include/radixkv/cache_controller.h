@@ -1,0 +1,156 @@
+// The copy controller of the host tier: queues of backups (device to host)
+// and loads (host to device), run off the scheduler's thread, and their
+// acknowledgements.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "radixkv/transfer_index.h"
+
+namespace radixkv {
+
+/// One copy between the tiers: the rows of `src` slots to `dst` slots, in
+/// every layer (a backup) or layer by layer (a load). The controller owns
+/// the slot lists.
+struct CopyJob {
+  enum class Kind : uint8_t { kBackup, kLoad };
+  uint64_t id = 0;
+  Kind kind = Kind::kBackup;
+  std::vector<int32_t> src;
+  std::vector<int32_t> dst;
+  /// Engine-defined state, e.g. the CUDA events the copy waits for.
+  std::shared_ptr<void> fence;
+};
+
+/// A finished copy: its id and whether it succeeded.
+struct CopyAck {
+  uint64_t id = 0;
+  bool ok = false;
+};
+
+/// How copies are made. The CPU engine copies with memcpy on the
+/// controller's thread; a CUDA engine queues kernels on its copy streams.
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+  /// Layers in both pools.
+  virtual int64_t num_layers() const = 0;
+  /// On the scheduler's thread, when `job` is queued: captures what the copy
+  /// must wait for (on CUDA, an event on the current stream: the forward pass
+  /// that writes the rows a backup reads, or still reads the pages a load
+  /// writes). Nothing on the CPU.
+  virtual void Fence(CopyJob* job) { (void)job; }
+  /// On the controller's thread: copies layers [begin, end) of `job` and
+  /// returns once they are in place (CPU), or queued behind the job's fence
+  /// with an event recorded after them (CUDA). False if the copy failed.
+  virtual bool CopyLayers(CopyJob* job, int64_t begin, int64_t end) = 0;
+  /// On the controller's thread: waits until every copy of `job` is done
+  /// (nothing on the CPU; an event sync on CUDA). False if one failed.
+  virtual bool Finish(CopyJob* job) { (void)job; return true; }
+  /// On the scheduler's thread, after `Ready` reported layer `layer` of the
+  /// loads queued so far: nothing on the CPU; on CUDA, makes the current
+  /// stream wait for that layer's copies.
+  virtual void AfterLayer(int64_t layer) { (void)layer; }
+};
+
+/// The CPU engine: memcpy of whole pages (TransferRows) between the device
+/// pool `device` and the host pool `host`, on the controller's thread.
+std::unique_ptr<CopyEngine> MakeCpuCopyEngine(const PoolLayout& device, const PoolLayout& host,
+                                              int64_t row_bytes, int64_t layers);
+/// An engine for bookkeeping without pools: every copy succeeds at once.
+std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers);
+
+/// Runs the copies of the host tier. Backups and loads queue up and run in
+/// order on one controller thread (or, in manual mode, when the caller says
+/// so); each finished copy leaves an acknowledgement the scheduler drains.
+/// Loads are grouped: `StartLoading` turns the loads queued since the last
+/// call into one batch, copied layer by layer, so `WaitLayer(i)` returns as
+/// soon as layer i of every request in the batch is in place, while later
+/// layers are still being copied. The controller never touches the radix
+/// tree: the scheduler applies acknowledgements to it (RadixTree's
+/// FinishBackup, FinishLoad).
+///
+/// Thread-safe: the queue functions may be called from any thread, the
+/// controller's own thread runs the copies.
+class CacheController {
+ public:
+  /// `manual`: no thread; copies run only through `Complete` (a test decides
+  /// when each finishes, and whether it fails) or `WaitLayer`/`Drain`.
+  CacheController(std::unique_ptr<CopyEngine> engine, bool manual);
+  ~CacheController();
+  CacheController(const CacheController&) = delete;
+  CacheController& operator=(const CacheController&) = delete;
+
+  /// Queues a backup of the rows of device slots `device` to host slots
+  /// `host` (every layer). Returns its id.
+  uint64_t Backup(std::vector<int32_t> device, std::vector<int32_t> host);
+  /// Queues a load of host slots `host` to device slots `device`. It runs
+  /// with the next batch (`StartLoading`). Returns its id.
+  uint64_t Load(std::vector<int32_t> host, std::vector<int32_t> device);
+  /// Makes the loads queued so far one batch and hands it to the thread.
+  void StartLoading();
+  /// Blocks until layer `layer` of every load queued before the call is in
+  /// place (starting the pending batch first); on CUDA also makes the
+  /// current stream wait for it. In manual mode, runs the loads queued so
+  /// far (they succeed). Throws std::out_of_range for a layer outside the
+  /// pools.
+  void WaitLayer(int64_t layer);
+  /// Blocks until every copy queued before the call has finished (manual
+  /// mode: runs them, and they succeed).
+  void Drain();
+
+  /// The acknowledgements of finished backups (or loads) since the last
+  /// call, in the order the copies finished.
+  std::vector<CopyAck> TakeBackupAcks();
+  std::vector<CopyAck> TakeLoadAcks();
+
+  /// Manual mode: runs copy `id` now (when `ok`) or fails it, and leaves its
+  /// acknowledgement. Returns false if no such copy is waiting (a load in a
+  /// started batch runs with the batch: `WaitLayer`, `Drain`).
+  bool Complete(uint64_t id, bool ok);
+  /// Copies queued or running, not yet acknowledged.
+  int64_t in_flight() const;
+  /// The ids of the copies waiting (manual mode), oldest first.
+  std::vector<uint64_t> Waiting() const;
+
+  int64_t num_layers() const { return engine_->num_layers(); }
+
+ private:
+  struct Batch {
+    uint64_t seq = 0;             // batches are numbered from 1
+    std::vector<uint64_t> ids;    // its loads
+    CopyJob merged;               // their slots, one after the other
+  };
+  void Run();
+  void RunBackup(CopyJob* job, std::unique_lock<std::mutex>* lock);
+  void RunBatch(Batch* batch, std::unique_lock<std::mutex>* lock);
+  void StartLoadingLocked();
+  bool BatchHasLayer(uint64_t seq, int64_t layer) const;
+
+  std::unique_ptr<CopyEngine> engine_;
+  const bool manual_;
+  mutable std::mutex mu_;
+  std::condition_variable work_;   // the thread waits for work
+  std::condition_variable done_;   // waiters wait for progress
+  std::deque<std::unique_ptr<CopyJob>> backups_;  // queued, oldest first
+  std::vector<std::unique_ptr<CopyJob>> pending_loads_;  // not in a batch yet
+  std::deque<Batch> batches_;      // started, oldest first
+  uint64_t next_id_ = 1;
+  uint64_t last_batch_ = 0;        // the last batch started
+  uint64_t running_batch_ = 0;     // the batch being copied (0: none)
+  int64_t running_layers_ = 0;     // its layers in place
+  uint64_t finished_batch_ = 0;    // batches fully done: 1 .. finished_batch_
+  int64_t running_ = 0;            // copies taken off the queues, not acknowledged yet
+  std::vector<CopyAck> backup_acks_, load_acks_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace radixkv

@@ -1,0 +1,287 @@
+#include "radixkv/cache_controller.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "radixkv/transfer.h"
+
+namespace radixkv {
+namespace {
+
+// The CPU engine: memcpy of page runs (transfer.cc) on the controller's thread.
+class CpuCopyEngine final : public CopyEngine {
+ public:
+  CpuCopyEngine(const PoolLayout& device, const PoolLayout& host, int64_t row_bytes,
+                int64_t layers)
+      : device_(device), host_(host), row_bytes_(row_bytes), layers_(layers) {}
+  int64_t num_layers() const override { return layers_; }
+  bool CopyLayers(CopyJob* job, int64_t begin, int64_t end) override {
+    const bool backup = job->kind == CopyJob::Kind::kBackup;
+    TransferParams p{backup ? device_ : host_, backup ? host_ : device_, row_bytes_, layers_,
+                     job->src.data(), job->dst.data(), static_cast<int64_t>(job->src.size()),
+                     begin, end};
+    return TransferRows(p) < 0;
+  }
+
+ private:
+  PoolLayout device_, host_;
+  int64_t row_bytes_, layers_;
+};
+
+// Bookkeeping only: no pools, every copy succeeds at once.
+class NullCopyEngine final : public CopyEngine {
+ public:
+  explicit NullCopyEngine(int64_t layers) : layers_(layers) {}
+  int64_t num_layers() const override { return layers_; }
+  bool CopyLayers(CopyJob*, int64_t, int64_t) override { return true; }
+
+ private:
+  int64_t layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<CopyEngine> MakeCpuCopyEngine(const PoolLayout& device, const PoolLayout& host,
+                                              int64_t row_bytes, int64_t layers) {
+  return std::make_unique<CpuCopyEngine>(device, host, row_bytes, layers);
+}
+
+std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers) {
+  return std::make_unique<NullCopyEngine>(layers);
+}
+
+CacheController::CacheController(std::unique_ptr<CopyEngine> engine, bool manual)
+    : engine_(std::move(engine)), manual_(manual) {
+  if (!manual_) thread_ = std::thread([this] { Run(); });
+}
+
+CacheController::~CacheController() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_t> host) {
+  auto job = std::make_unique<CopyJob>();
+  job->kind = CopyJob::Kind::kBackup;
+  job->src = std::move(device);
+  job->dst = std::move(host);
+  engine_->Fence(job.get());
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    id = job->id = next_id_++;
+    backups_.push_back(std::move(job));
+  }
+  work_.notify_one();
+  return id;
+}
+
+uint64_t CacheController::Load(std::vector<int32_t> host, std::vector<int32_t> device) {
+  auto job = std::make_unique<CopyJob>();
+  job->kind = CopyJob::Kind::kLoad;
+  job->src = std::move(host);
+  job->dst = std::move(device);
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = job->id = next_id_++;
+  pending_loads_.push_back(std::move(job));
+  return id;
+}
+
+void CacheController::StartLoadingLocked() {
+  if (pending_loads_.empty()) return;
+  // One job for the whole batch, fenced here on the scheduler's thread:
+  // layer i of every load, then layer i + 1.
+  Batch batch;
+  batch.seq = ++last_batch_;
+  batch.merged.kind = CopyJob::Kind::kLoad;
+  for (const auto& job : pending_loads_) {
+    batch.merged.src.insert(batch.merged.src.end(), job->src.begin(), job->src.end());
+    batch.merged.dst.insert(batch.merged.dst.end(), job->dst.begin(), job->dst.end());
+    batch.ids.push_back(job->id);
+  }
+  pending_loads_.clear();
+  engine_->Fence(&batch.merged);
+  batches_.push_back(std::move(batch));
+}
+
+void CacheController::StartLoading() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    StartLoadingLocked();
+  }
+  work_.notify_one();
+}
+
+bool CacheController::BatchHasLayer(uint64_t seq, int64_t layer) const {
+  return finished_batch_ >= seq || (running_batch_ == seq && running_layers_ > layer);
+}
+
+void CacheController::WaitLayer(int64_t layer) {
+  if (layer < 0 || layer >= engine_->num_layers()) {
+    throw std::out_of_range("layer " + std::to_string(layer) + " is outside [0, " +
+                            std::to_string(engine_->num_layers()) + ")");
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  StartLoadingLocked();
+  const uint64_t target = last_batch_;
+  if (manual_) {
+    while (!batches_.empty() && batches_.front().seq <= target) {
+      Batch batch = std::move(batches_.front());
+      batches_.pop_front();
+      RunBatch(&batch, &lock);
+    }
+  } else {
+    work_.notify_one();
+    done_.wait(lock, [&] { return target == 0 || BatchHasLayer(target, layer); });
+  }
+  lock.unlock();
+  if (target != 0) engine_->AfterLayer(layer);
+}
+
+void CacheController::Drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  StartLoadingLocked();
+  if (manual_) {
+    while (!batches_.empty()) {
+      Batch batch = std::move(batches_.front());
+      batches_.pop_front();
+      RunBatch(&batch, &lock);
+    }
+    while (!backups_.empty()) {
+      std::unique_ptr<CopyJob> job = std::move(backups_.front());
+      backups_.pop_front();
+      RunBackup(job.get(), &lock);
+    }
+    return;
+  }
+  const uint64_t batch = last_batch_;
+  const uint64_t last_id = next_id_ - 1;
+  work_.notify_one();
+  done_.wait(lock, [&] {
+    if (finished_batch_ < batch) return false;
+    for (const auto& job : backups_) {
+      if (job->id <= last_id) return false;
+    }
+    return running_ == 0;
+  });
+}
+
+void CacheController::RunBackup(CopyJob* job, std::unique_lock<std::mutex>* lock) {
+  ++running_;
+  lock->unlock();
+  bool ok = engine_->CopyLayers(job, 0, engine_->num_layers());
+  ok = engine_->Finish(job) && ok;
+  lock->lock();
+  --running_;
+  backup_acks_.push_back(CopyAck{job->id, ok});
+  done_.notify_all();
+}
+
+void CacheController::RunBatch(Batch* batch, std::unique_lock<std::mutex>* lock) {
+  running_batch_ = batch->seq;
+  running_layers_ = 0;
+  running_ += static_cast<int64_t>(batch->ids.size());
+  lock->unlock();
+  bool ok = true;
+  for (int64_t layer = 0; layer < engine_->num_layers(); ++layer) {
+    ok = engine_->CopyLayers(&batch->merged, layer, layer + 1) && ok;
+    lock->lock();
+    running_layers_ = layer + 1;
+    lock->unlock();
+    done_.notify_all();
+  }
+  ok = engine_->Finish(&batch->merged) && ok;
+  lock->lock();
+  running_ -= static_cast<int64_t>(batch->ids.size());
+  for (uint64_t id : batch->ids) load_acks_.push_back(CopyAck{id, ok});
+  finished_batch_ = batch->seq;
+  running_batch_ = 0;
+  done_.notify_all();
+}
+
+void CacheController::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    work_.wait(lock, [&] { return stop_ || !batches_.empty() || !backups_.empty(); });
+    if (stop_) return;
+    // Loads first: a forward pass waits for them, layer by layer.
+    if (!batches_.empty()) {
+      Batch batch = std::move(batches_.front());
+      batches_.pop_front();
+      RunBatch(&batch, &lock);
+    } else {
+      std::unique_ptr<CopyJob> job = std::move(backups_.front());
+      backups_.pop_front();
+      RunBackup(job.get(), &lock);
+    }
+  }
+}
+
+std::vector<CopyAck> CacheController::TakeBackupAcks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(backup_acks_, {});
+}
+
+std::vector<CopyAck> CacheController::TakeLoadAcks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(load_acks_, {});
+}
+
+bool CacheController::Complete(uint64_t id, bool ok) {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_ptr<CopyJob> job;
+  for (auto it = backups_.begin(); it != backups_.end() && !job; ++it) {
+    if ((*it)->id == id) {
+      job = std::move(*it);
+      backups_.erase(it);
+      break;
+    }
+  }
+  for (auto it = pending_loads_.begin(); it != pending_loads_.end() && !job; ++it) {
+    if ((*it)->id == id) {
+      job = std::move(*it);
+      pending_loads_.erase(it);
+      break;
+    }
+  }
+  if (!job) return false;  // unknown, or in a started batch (it runs with the batch)
+  ++running_;
+  lock.unlock();
+  bool copied = true;
+  if (ok) {
+    engine_->Fence(job.get());
+    copied = engine_->CopyLayers(job.get(), 0, engine_->num_layers());
+    copied = engine_->Finish(job.get()) && copied;
+  }
+  lock.lock();
+  --running_;
+  auto& acks = job->kind == CopyJob::Kind::kBackup ? backup_acks_ : load_acks_;
+  acks.push_back(CopyAck{id, ok && copied});
+  done_.notify_all();
+  return true;
+}
+
+int64_t CacheController::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = static_cast<int64_t>(backups_.size() + pending_loads_.size()) + running_;
+  for (const Batch& b : batches_) n += static_cast<int64_t>(b.ids.size());
+  return n;
+}
+
+std::vector<uint64_t> CacheController::Waiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> ids;
+  for (const auto& job : backups_) ids.push_back(job->id);
+  for (const Batch& b : batches_) ids.insert(ids.end(), b.ids.begin(), b.ids.end());
+  for (const auto& job : pending_loads_) ids.push_back(job->id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+}  // namespace radixkv

@@ -1,0 +1,207 @@
+// The copy controller: its thread, its batches of loads copied layer by
+// layer, its acknowledgements, and manual mode (a test decides when each copy
+// finishes). Also run under ThreadSanitizer in CI (.ci/test).
+#include "radixkv/cache_controller.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "radixkv/transfer_index.h"
+
+namespace radixkv {
+namespace {
+
+// Two small pools, layer_first on the "device" and page_first on the host:
+// L layers of P pages of S slots, rows of R bytes.
+struct Pools {
+  static constexpr int64_t L = 3, P = 8, S = 4, R = 16;
+  std::vector<uint8_t> device, host;
+  PoolLayout d{}, h{};
+
+  Pools() : device(2 * L * P * S * R), host(2 * L * P * S * R) {
+    d = PoolLayout{reinterpret_cast<char*>(device.data()), L * P * S * R, P * S * R, S * R, R, S,
+                   P * S};
+    h = PoolLayout{reinterpret_cast<char*>(host.data()), L * S * R, S * R, 2 * L * S * R, R, S,
+                   P * S};
+    for (size_t i = 0; i < device.size(); ++i) device[i] = static_cast<uint8_t>(i * 7 + 1);
+  }
+  const uint8_t* Row(const PoolLayout& l, int64_t side, int64_t layer, int64_t slot) const {
+    return reinterpret_cast<const uint8_t*>(l.base + PoolRowOffset(l, side, layer, slot));
+  }
+  bool SameRows(int64_t dslot, int64_t hslot, int64_t layers = L) const {
+    for (int64_t side = 0; side < 2; ++side) {
+      for (int64_t layer = 0; layer < layers; ++layer) {
+        if (std::memcmp(Row(d, side, layer, dslot), Row(h, side, layer, hslot), R) != 0) {
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+};
+
+std::vector<int32_t> Page(int32_t page) {
+  std::vector<int32_t> v(Pools::S);
+  std::iota(v.begin(), v.end(), page * static_cast<int32_t>(Pools::S));
+  return v;
+}
+
+TEST(CacheControllerTest, ThreadedBackupsCopyEveryLayerAndAck) {
+  Pools pools;
+  CacheController c(MakeCpuCopyEngine(pools.d, pools.h, Pools::R, Pools::L), false);
+  const uint64_t a = c.Backup(Page(1), Page(5));
+  const uint64_t b = c.Backup(Page(2), Page(0));
+  c.Drain();
+  std::vector<CopyAck> acks = c.TakeBackupAcks();
+  ASSERT_EQ(acks.size(), 2u);
+  EXPECT_EQ(acks[0].id, a);
+  EXPECT_EQ(acks[1].id, b);
+  EXPECT_TRUE(acks[0].ok && acks[1].ok);
+  for (int32_t i = 0; i < Pools::S; ++i) {
+    EXPECT_TRUE(pools.SameRows(1 * Pools::S + i, 5 * Pools::S + i));
+    EXPECT_TRUE(pools.SameRows(2 * Pools::S + i, 0 * Pools::S + i));
+  }
+  EXPECT_TRUE(c.TakeBackupAcks().empty());
+  EXPECT_EQ(c.in_flight(), 0);
+}
+
+TEST(CacheControllerTest, LoadsRunAsOneBatchAndAckEach) {
+  Pools pools;
+  for (size_t i = 0; i < pools.host.size(); ++i) pools.host[i] = static_cast<uint8_t>(i * 3 + 2);
+  CacheController c(MakeCpuCopyEngine(pools.d, pools.h, Pools::R, Pools::L), false);
+  const uint64_t a = c.Load(Page(3), Page(6));
+  const uint64_t b = c.Load(Page(4), Page(7));
+  EXPECT_EQ(c.in_flight(), 2);
+  c.WaitLayer(Pools::L - 1);
+  c.Drain();
+  std::vector<CopyAck> acks = c.TakeLoadAcks();
+  ASSERT_EQ(acks.size(), 2u);
+  EXPECT_EQ(std::set<uint64_t>({acks[0].id, acks[1].id}), std::set<uint64_t>({a, b}));
+  for (int32_t i = 0; i < Pools::S; ++i) {
+    EXPECT_TRUE(pools.SameRows(6 * Pools::S + i, 3 * Pools::S + i));
+    EXPECT_TRUE(pools.SameRows(7 * Pools::S + i, 4 * Pools::S + i));
+  }
+  EXPECT_THROW(c.WaitLayer(Pools::L), std::out_of_range);
+}
+
+// An engine whose layers after the first wait for the test to let them go.
+class GatedEngine final : public CopyEngine {
+ public:
+  int64_t num_layers() const override { return 4; }
+  bool CopyLayers(CopyJob*, int64_t begin, int64_t) override {
+    if (begin > 0) {
+      while (!open.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    done.fetch_add(1);
+    return !fail.load();
+  }
+  std::atomic<bool> open{false}, fail{false};
+  std::atomic<int> done{0};
+};
+
+TEST(CacheControllerTest, LayerZeroIsReadyWhileTheLastLayerStillLoads) {
+  auto engine = std::make_unique<GatedEngine>();
+  GatedEngine* e = engine.get();
+  CacheController c(std::move(engine), false);
+  c.Load(Page(0), Page(1));
+  c.WaitLayer(0);  // returns although layers 1..3 are held back
+  EXPECT_EQ(e->done.load(), 1);
+  EXPECT_EQ(c.in_flight(), 1);
+  EXPECT_TRUE(c.TakeLoadAcks().empty());
+  e->open = true;
+  c.WaitLayer(3);
+  c.Drain();
+  EXPECT_EQ(e->done.load(), 4);
+  ASSERT_EQ(c.TakeLoadAcks().size(), 1u);
+}
+
+TEST(CacheControllerTest, FailedCopiesAckNotOk) {
+  auto engine = std::make_unique<GatedEngine>();
+  engine->open = true;
+  engine->fail = true;
+  CacheController c(std::move(engine), false);
+  c.Backup(Page(0), Page(1));
+  c.Load(Page(2), Page(3));
+  c.Drain();
+  std::vector<CopyAck> b = c.TakeBackupAcks(), l = c.TakeLoadAcks();
+  ASSERT_EQ(b.size(), 1u);
+  ASSERT_EQ(l.size(), 1u);
+  EXPECT_FALSE(b[0].ok);
+  EXPECT_FALSE(l[0].ok);
+}
+
+TEST(CacheControllerTest, ManualModeRunsWhatTheTestSays) {
+  Pools pools;
+  CacheController c(MakeCpuCopyEngine(pools.d, pools.h, Pools::R, Pools::L), true);
+  const uint64_t a = c.Backup(Page(1), Page(2));
+  const uint64_t b = c.Backup(Page(3), Page(4));
+  const uint64_t l = c.Load(Page(5), Page(6));
+  EXPECT_EQ(c.Waiting(), std::vector<uint64_t>({a, b, l}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_TRUE(c.TakeBackupAcks().empty());  // nothing runs by itself
+  const std::vector<uint8_t> host_before = pools.host;
+  EXPECT_TRUE(c.Complete(b, false));  // fails: nothing copied
+  EXPECT_EQ(pools.host, host_before);
+  EXPECT_TRUE(c.Complete(a, true));
+  EXPECT_TRUE(pools.SameRows(1 * Pools::S, 2 * Pools::S));
+  EXPECT_FALSE(c.Complete(a, true));  // already done
+  std::vector<CopyAck> acks = c.TakeBackupAcks();
+  ASSERT_EQ(acks.size(), 2u);
+  EXPECT_EQ(acks[0].id, b);
+  EXPECT_FALSE(acks[0].ok);
+  EXPECT_EQ(acks[1].id, a);
+  EXPECT_TRUE(acks[1].ok);
+  c.Drain();  // runs the load
+  ASSERT_EQ(c.TakeLoadAcks().size(), 1u);
+  EXPECT_EQ(c.in_flight(), 0);
+}
+
+TEST(CacheControllerTest, ManyThreadsQueueingAtOnce) {
+  CacheController c(MakeNullCopyEngine(2), false);
+  std::vector<std::thread> threads;
+  std::atomic<int> queued{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        if (i % 3 == 0) {
+          c.Load({t, i}, {i, t});
+          if (i % 9 == 0) c.WaitLayer(1);
+        } else {
+          c.Backup({t}, {i});
+        }
+        queued.fetch_add(1);
+      }
+    });
+  }
+  std::set<uint64_t> seen;
+  while (queued.load() < 800 || c.in_flight() > 0) {
+    c.StartLoading();
+    for (const CopyAck& a : c.TakeBackupAcks()) EXPECT_TRUE(seen.insert(a.id).second);
+    for (const CopyAck& a : c.TakeLoadAcks()) EXPECT_TRUE(seen.insert(a.id).second);
+  }
+  for (std::thread& t : threads) t.join();
+  c.Drain();
+  for (const CopyAck& a : c.TakeBackupAcks()) EXPECT_TRUE(seen.insert(a.id).second);
+  for (const CopyAck& a : c.TakeLoadAcks()) EXPECT_TRUE(seen.insert(a.id).second);
+  EXPECT_EQ(seen.size(), 800u);
+}
+
+TEST(CacheControllerTest, DestroyedWithCopiesQueued) {
+  auto engine = std::make_unique<GatedEngine>();
+  engine->open = true;
+  {
+    CacheController c(std::move(engine), false);
+    for (int i = 0; i < 50; ++i) c.Backup({i}, {i});
+  }  // must not hang or crash
+  SUCCEED();
+}
+
+}  // namespace
+}  // namespace radixkv
