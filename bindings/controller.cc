@@ -101,6 +101,10 @@ class PyController {
     py::gil_scoped_release nogil;
     c_->Drain();
   }
+  void WaitLoads() {
+    py::gil_scoped_release nogil;
+    c_->WaitLoads();
+  }
   py::list TakeBackupAcks() { return Acks(c_->TakeBackupAcks()); }
   py::list TakeLoadAcks() { return Acks(c_->TakeLoadAcks()); }
   bool Complete(uint64_t id, bool ok) {
@@ -130,6 +134,7 @@ void RegisterController(py::module_& m) {
       .def("start_loading", &PyController::StartLoading)
       .def("wait_layer", &PyController::WaitLayer, py::arg("layer"))
       .def("drain", &PyController::Drain)
+      .def("wait_loads", &PyController::WaitLoads)
       .def("take_backup_acks", &PyController::TakeBackupAcks)
       .def("take_load_acks", &PyController::TakeLoadAcks)
       .def("complete", &PyController::Complete, py::arg("id"), py::arg("ok") = true)

@@ -358,7 +358,7 @@ PyRadixTree* AsTree(py::handle tree) {
 // waits for the mutex holding the GIL; it takes the GIL back once it has the
 // mutex, which is safe since no thread waits for the mutex holding the GIL.
 template <typename F, typename Own>
-auto WithCachedSlots(py::handle tree, F&& f, Own&& own) {
+auto WithCachedSlots(py::handle tree, bool host, F&& f, Own&& own) {
   PyRadixTree* t = AsTree(tree);
   if (t == nullptr) return f(nullptr);
   std::unique_lock<std::mutex> guard(t->mu, std::try_to_lock);
@@ -367,7 +367,7 @@ auto WithCachedSlots(py::handle tree, F&& f, Own&& own) {
     py::gil_scoped_release nogil;
     guard.lock();
   }
-  return f(&t->tree.stored_slots());
+  return f(host ? &t->tree.stored_host_slots() : &t->tree.stored_slots());
 }
 
 py::object PageAllocator_Allocate(radixkv::PageAllocator& a, py::handle num_tokens) {
@@ -376,29 +376,30 @@ py::object PageAllocator_Allocate(radixkv::PageAllocator& a, py::handle num_toke
   return slots.take();
 }
 
-void PageAllocator_Free(radixkv::PageAllocator& a, py::handle indices, py::handle tree) {
+void PageAllocator_Free(radixkv::PageAllocator& a, py::handle indices, py::handle tree,
+                       bool host) {
   Int32View v(indices, "indices");
   FinishViews(v);
   WithCachedSlots(
-      tree, [&](const radixkv::SlotSet* cached) { a.Free(v.data(), v.size(), cached); },
+      tree, host, [&](const radixkv::SlotSet* cached) { a.Free(v.data(), v.size(), cached); },
       [&] { v.Own(); });
 }
 
 void PageAllocator_CheckOwned(radixkv::PageAllocator& a, py::handle indices,
-                              const std::string& name, py::handle tree) {
+                              const std::string& name, py::handle tree, bool host) {
   Int32View v(indices, name.c_str());
   FinishViews(v);
   WithCachedSlots(
-      tree,
+      tree, host,
       [&](const radixkv::SlotSet* cached) {
         a.CheckOwned(v.data(), v.size(), name.c_str(), cached);
       },
       [&] { v.Own(); });
 }
 
-void PageAllocator_CheckDisjoint(radixkv::PageAllocator& a, py::handle tree) {
+void PageAllocator_CheckDisjoint(radixkv::PageAllocator& a, py::handle tree, bool host) {
   WithCachedSlots(
-      tree,
+      tree, host,
       [&](const radixkv::SlotSet* cached) {
         static const radixkv::SlotSet kNone;
         a.CheckDisjoint(cached != nullptr ? *cached : kNone);
@@ -584,8 +585,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("page_size", &radixkv::PageAllocator::page_size)
       .def_property_readonly("num_free_pages", &radixkv::PageAllocator::num_free_pages)
       .def("allocate", &PageAllocator_Allocate, py::arg("num_tokens"))
-      .def("free", &PageAllocator_Free, py::arg("indices"), py::arg("tree") = py::none())
+      .def("free", &PageAllocator_Free, py::arg("indices"), py::arg("tree") = py::none(),
+           py::arg("host") = false)
       .def("check_owned", &PageAllocator_CheckOwned, py::arg("indices"), py::arg("name"),
-           py::arg("tree") = py::none())
-      .def("check_disjoint", &PageAllocator_CheckDisjoint, py::arg("tree") = py::none());
+           py::arg("tree") = py::none(), py::arg("host") = false)
+      .def("check_disjoint", &PageAllocator_CheckDisjoint, py::arg("tree") = py::none(),
+           py::arg("host") = false);
 }

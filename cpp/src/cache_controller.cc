@@ -131,11 +131,7 @@ void CacheController::WaitLayer(int64_t layer) {
   StartLoadingLocked();
   const uint64_t target = last_batch_;
   if (manual_) {
-    while (!batches_.empty() && batches_.front().seq <= target) {
-      Batch batch = std::move(batches_.front());
-      batches_.pop_front();
-      RunBatch(&batch, &lock);
-    }
+    RunBatchesLocked(target, &lock);
   } else {
     work_.notify_one();
     done_.wait(lock, [&] { return target == 0 || BatchHasLayer(target, layer); });
@@ -144,15 +140,31 @@ void CacheController::WaitLayer(int64_t layer) {
   if (target != 0) engine_->AfterLayer(layer);
 }
 
+void CacheController::RunBatchesLocked(uint64_t upto, std::unique_lock<std::mutex>* lock) {
+  while (!batches_.empty() && batches_.front().seq <= upto) {
+    Batch batch = std::move(batches_.front());
+    batches_.pop_front();
+    RunBatch(&batch, lock);
+  }
+}
+
+void CacheController::WaitLoads() {
+  std::unique_lock<std::mutex> lock(mu_);
+  StartLoadingLocked();
+  const uint64_t target = last_batch_;
+  if (manual_) {
+    RunBatchesLocked(target, &lock);
+    return;
+  }
+  work_.notify_one();
+  done_.wait(lock, [&] { return finished_batch_ >= target; });
+}
+
 void CacheController::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
   StartLoadingLocked();
   if (manual_) {
-    while (!batches_.empty()) {
-      Batch batch = std::move(batches_.front());
-      batches_.pop_front();
-      RunBatch(&batch, &lock);
-    }
+    RunBatchesLocked(last_batch_, &lock);
     while (!backups_.empty()) {
       std::unique_ptr<CopyJob> job = std::move(backups_.front());
       backups_.pop_front();

@@ -91,6 +91,24 @@ TEST(CacheControllerTest, LoadsRunAsOneBatchAndAckEach) {
   EXPECT_THROW(c.WaitLayer(Pools::L), std::out_of_range);
 }
 
+TEST(CacheControllerTest, WaitLoadsLeavesEveryLoadAcknowledgedAndBackupsAlone) {
+  Pools pools;
+  for (bool manual : {false, true}) {
+    CacheController c(MakeCpuCopyEngine(pools.d, pools.h, Pools::R, Pools::L), manual);
+    const uint64_t backup = c.Backup(Page(0), Page(1));
+    const uint64_t load = c.Load(Page(2), Page(3));
+    c.WaitLoads();
+    std::vector<CopyAck> acks = c.TakeLoadAcks();
+    ASSERT_EQ(acks.size(), 1u);
+    EXPECT_EQ(acks[0].id, load);
+    EXPECT_TRUE(acks[0].ok);
+    if (manual) EXPECT_EQ(c.Waiting(), std::vector<uint64_t>({backup}));
+    c.Drain();
+    EXPECT_EQ(c.TakeBackupAcks().size(), 1u);
+    EXPECT_EQ(c.in_flight(), 0);
+  }
+}
+
 // An engine whose layers after the first wait for the test to let them go.
 class GatedEngine final : public CopyEngine {
  public:

@@ -102,6 +102,10 @@ class CacheController {
   /// far (they succeed). Throws std::out_of_range for a layer outside the
   /// pools.
   void WaitLayer(int64_t layer);
+  /// Blocks until every load queued before the call is acknowledged
+  /// (starting the pending batch first; manual mode: runs them, and they
+  /// succeed). Backups are left alone.
+  void WaitLoads();
   /// Blocks until every copy queued before the call has finished (manual
   /// mode: runs them, and they succeed).
   void Drain();
@@ -133,6 +137,7 @@ class CacheController {
   void RunBatch(Batch* batch, std::unique_lock<std::mutex>* lock);
   void StartLoadingLocked();
   bool BatchHasLayer(uint64_t seq, int64_t layer) const;
+  void RunBatchesLocked(uint64_t upto, std::unique_lock<std::mutex>* lock);
 
   std::unique_ptr<CopyEngine> engine_;
   const bool manual_;

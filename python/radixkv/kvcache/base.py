@@ -27,6 +27,11 @@ class BaseCacheHandle(ABC):
     def cached_len(self) -> int:
         """Matched tokens."""
 
+    @property
+    def host_hit_len(self) -> int:
+        """Matched tokens after `cached_len` that only the host tier holds."""
+        return 0
+
 
 class BaseCacheManager(ABC):
     """A prefix cache from token ids to KV slot indices. Lengths are in tokens."""
@@ -119,3 +124,27 @@ class BaseKVCache(ABC):
     @abstractmethod
     def num_layers(self) -> int:
         """Layers in the pool."""
+
+
+class CopyLayout(NamedTuple):
+    """Where a pool's rows lie, in bytes from its buffer's first element: row
+    (side, layer, slot) starts at `side * side_stride + layer * layer_stride +
+    (slot // page_size) * page_stride + (slot % page_size) * row_stride`.
+    Handed to the native copy engine."""
+
+    side_stride: int
+    layer_stride: int
+    page_stride: int
+    row_stride: int
+    page_size: int
+    num_slots: int
+
+
+def copy_layout(view: torch.Tensor, page_size: int) -> CopyLayout:
+    """The CopyLayout of a pool whose logical view is `[2, L, P, S, H, D]`
+    (each row, `[H, D]`, contiguous)."""
+    item = view.element_size()
+    if view.stride(5) != 1 or view.stride(4) != view.shape[5]:
+        raise ValueError("a pool's rows must be contiguous [heads, head_dim] blocks")
+    side, layer, page, row = (view.stride(i) * item for i in range(4))
+    return CopyLayout(side, layer, page, row, page_size, view.shape[2] * page_size)

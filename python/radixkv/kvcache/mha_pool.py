@@ -11,7 +11,7 @@ from radixkv import _core
 from radixkv._checks import as_count as _count
 from radixkv._checks import as_int
 from radixkv.kernel import store_cache
-from radixkv.kvcache.base import BaseKVCache, KVCacheLayout, KVCacheType
+from radixkv.kvcache.base import BaseKVCache, CopyLayout, KVCacheLayout, KVCacheType, copy_layout
 
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + tuple(
@@ -166,8 +166,12 @@ class MHAKVCache(BaseKVCache):
         else:
             self._kv_buffer = torch.zeros((2, P, L, S, H, D), dtype=dtype, device=device)
             view = self._kv_buffer.permute(0, 2, 1, 3, 4, 5)
+        self._view = view  # [2, L, P, S, H, D] whatever the layout
         self._k_layers = view[0].unbind(0)
         self._v_layers = view[1].unbind(0)
+        # Set by a CacheManager with a host tier: waits until loads from host
+        # have put layer i in place (see CacheManager.wait_layer).
+        self._layer_wait = None
         self._device = self._kv_buffer.device
         if self._device.type == "cpu":
             self._store = _core.store_cache
@@ -182,10 +186,20 @@ class MHAKVCache(BaseKVCache):
         return index
 
     def k_cache(self, index: int) -> torch.Tensor:
-        return self._k_layers[self._layer(index, "index")]
+        index = self._layer(index, "index")
+        if self._layer_wait is not None:
+            self._layer_wait(index)
+        return self._k_layers[index]
 
     def v_cache(self, index: int) -> torch.Tensor:
-        return self._v_layers[self._layer(index, "index")]
+        index = self._layer(index, "index")
+        if self._layer_wait is not None:
+            self._layer_wait(index)
+        return self._v_layers[index]
+
+    def copy_layout(self) -> CopyLayout:
+        """Where this pool's rows lie, for the copy engine of a host tier."""
+        return copy_layout(self._view, self._page_size)
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int

@@ -12,12 +12,14 @@ from typing import List, NoReturn, Optional, Sequence
 from radixkv.replay.replay import KVShape, ReplayResult, pages_for_all, replay
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
+from radixkv.scheduler.host_tier import WRITE_POLICIES
 
 MOONCAKE_BLOCK = 512
 BUILTIN_BLOCK = 16
-# The built-in workload's default pool: about a fifth of its tokens, so LRU
-# eviction is part of the default run.
-BUILTIN_CAPACITY_TOKENS = 1 << 18
+# The built-in workload's default device pool: a small one (its prompts hold
+# 1.2M tokens), so LRU eviction and the host tier, twice as large by default,
+# are part of the default run.
+BUILTIN_CAPACITY_TOKENS = 1 << 15
 # Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
 INTERRUPTED = 130
 
@@ -58,6 +60,13 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
                    f"{MOONCAKE_BLOCK} for a trace file, {BUILTIN_BLOCK} built in)")
     p.add_argument("--page-size", type=positive, help="KV page size (default: the block size)")
     p.add_argument("--policy", choices=["radix", "naive"], default="radix")
+    p.add_argument("--host-capacity-tokens", type=_int_at_least(0), metavar="N",
+                   help="host-memory tier (L2) in tokens, rounded up to pages; 0: none "
+                   "(default for a trace: 0; built in: twice the device pool). More than the "
+                   "trace holds is an unbounded host, allocated only as large as it is used")
+    p.add_argument("--write-policy", choices=list(WRITE_POLICIES), default="write_through",
+                   help="when a node is copied to host: when inserted (write_through), on its "
+                   "second hit (write_through_selective), when evicted (write_back)")
     p.add_argument("--kv", default="1,1,8,float16", metavar="L,H,D[,DTYPE]",
                    help="model shape of the KV pool: layers, kv heads, head dim, dtype "
                    "(default 1,1,8,float16)")
@@ -84,6 +93,21 @@ def _table(r: ReplayResult, kv: KVShape) -> str:
         f"  hit tokens      {r.hit_tokens:>14,}   token hit rate {pct(r.hit_tokens)}"
         + (f" (unbounded optimum {pct(r.optimal_hit_tokens)})"
            if r.optimal_hit_tokens is not None else ""),
+    ]
+    if r.host_capacity_tokens:
+        host_pool = (f"{r.host_pool_bytes / 2**20:,.1f} MiB" if r.host_pool_bytes
+                     else "not stored (--no-store)")
+        lines += [
+            f"    on device     {r.device_hit_tokens:>14,}   {pct(r.device_hit_tokens)}",
+            f"    on host       {r.host_hit_tokens:>14,}   {pct(r.host_hit_tokens)}",
+            f"  host tier       {r.host_capacity_tokens:>14,} tokens, {r.write_policy}, "
+            f"{host_pool}",
+            f"    backed up     {r.backed_up_tokens:>14,}",
+            f"    loaded back   {r.loaded_back_tokens:>14,}   K/V mismatches {r.kv_mismatches}"
+            + (f", failed loads {r.failed_loads}" if r.failed_loads else ""),
+            f"    host evicted  {r.host_evicted_tokens:>14,}",
+        ]
+    lines += [
         f"  computed tokens {r.computed_tokens:>14,}",
         f"  output tokens   {r.output_tokens:>14,}",
         f"  evicted tokens  {r.evicted_tokens:>14,}",
@@ -113,11 +137,18 @@ def _plot(points: List[dict], path: str, title: str) -> bool:
               "(pip install 'radixkv[plot]')", file=sys.stderr)
         return False
     xs = [p["capacity_tokens"] for p in points]
-    ys = [100 * p["token_hit_rate"] for p in points]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, ys, marker="o")
+    if any(p["host_capacity_tokens"] for p in points):
+        device = [100 * p["device_hit_rate"] for p in points]
+        host = [100 * p["host_hit_rate"] for p in points]
+        ax.stackplot(xs, device, host, labels=["device (L1)", "host (L2)"], alpha=0.8)
+        ax.plot(xs, [d + h for d, h in zip(device, host)], marker="o", color="black", lw=1)
+        ax.legend(loc="upper left")
+        ax.set_xlabel("device KV capacity (tokens; host tier scaled with it)")
+    else:
+        ax.plot(xs, [100 * p["token_hit_rate"] for p in points], marker="o")
+        ax.set_xlabel("KV capacity (tokens)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("KV capacity (tokens)")
     ax.set_ylabel("token hit rate (%)")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
@@ -218,8 +249,20 @@ def _run(args) -> int:
         if dry.interrupted:
             raise KeyboardInterrupt
         capacity = max(1, dry.peak_pages)
+    if args.host_capacity_tokens is not None:
+        host_tokens = args.host_capacity_tokens
+    else:
+        host_tokens = 0 if args.trace else 2 * capacity * page
+    if host_tokens and args.policy != "radix":
+        raise UsageError("--host-capacity-tokens needs --policy radix")
     common = dict(block_size=block, page_size=page, policy=args.policy, kv=kv,
-                  store=not args.no_store, seed=args.seed, progress=sys.stderr.isatty())
+                  store=not args.no_store, progress=sys.stderr.isatty(),
+                  write_policy=args.write_policy)
+
+    def host_pages_for(device_pages: int) -> int:
+        # In a sweep the host tier keeps its ratio to the device pool.
+        pages = -(-host_tokens // page)
+        return pages if not args.sweep else pages * device_pages // max(1, capacity)
 
     def check(r: ReplayResult) -> None:
         if r.requests == 0 and not r.interrupted:
@@ -232,11 +275,14 @@ def _run(args) -> int:
         points = []
         for k in range(args.sweep):
             pages = max(1, capacity >> (args.sweep - 1 - k))
-            r = replay(requests, capacity_pages=pages, **common)
+            r = replay(requests, capacity_pages=pages, host_pages=host_pages_for(pages), **common)
             points.append(r.to_json())
             if not args.json:
+                tiers = (f" (device {100 * r.device_hit_tokens / max(1, r.input_tokens):.2f}% "
+                         f"+ host {100 * r.host_hit_tokens / max(1, r.input_tokens):.2f}%)"
+                         if r.host_capacity_tokens else "")
                 print(f"capacity {r.capacity_tokens:>14,} tokens: hit rate "
-                      f"{100 * r.token_hit_rate:6.2f}%  evicted {r.evicted_tokens:,}  "
+                      f"{100 * r.token_hit_rate:6.2f}%{tiers}  evicted {r.evicted_tokens:,}  "
                       f"skipped {r.skipped_requests:,}  {r.wall_s:.2f} s")
             if r.interrupted:
                 break
@@ -248,9 +294,16 @@ def _run(args) -> int:
             print(json.dumps({"trace": name, "points": points}))
         else:
             print(f"wrote {json_path}" + (f" and {png}" if plotted else ""))
-        return INTERRUPTED if points and points[-1]["interrupted"] else 0
+        if points and points[-1]["interrupted"]:
+            return INTERRUPTED
+        bad = sum(p["kv_mismatches"] for p in points)
+        if bad:
+            print(f"error: {bad:,} tokens loaded back from host differ from the K/V stored "
+                  "for them", file=sys.stderr)
+            return 1
+        return 0
 
-    r = replay(requests, capacity_pages=capacity, **common)
+    r = replay(requests, capacity_pages=capacity, host_pages=host_pages_for(capacity), **common)
     check(r)
     out = r.to_json()
     out["trace"] = name
@@ -263,6 +316,10 @@ def _run(args) -> int:
         print(f"interrupted: the figures cover the first {r.requests + r.skipped_requests:,} "
               f"of {len(requests):,} requests", file=sys.stderr)
         return INTERRUPTED
+    if r.kv_mismatches:
+        print(f"error: {r.kv_mismatches:,} tokens loaded back from host differ from the K/V "
+              "stored for them", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -49,6 +49,18 @@ class KVShape:
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    def rows(self, tokens: torch.Tensor, start: int, layer: int, side: int) -> torch.Tensor:
+        """The K (side 0) or V (side 1) rows the replay stores for `tokens` at
+        positions `start, start + 1, ...` in `layer`: small integers derived
+        from token id, position, layer and side, exact in every dtype, so a
+        row that comes back from the host tier can be checked bit for bit."""
+        n, width = len(tokens), self.num_kv_heads * self.head_dim
+        key = (tokens.to(torch.int64) * 1000003
+               + torch.arange(start, start + n, dtype=torch.int64) * 7919
+               + layer * 104729 + side * 15485863)
+        vals = (key[:, None] + torch.arange(width, dtype=torch.int64) * 31) % 401 - 200
+        return vals.to(torch.float32).to(self.dtype).view(n, self.num_kv_heads, self.head_dim)
+
 
 @dataclass
 class ReplayResult:
@@ -74,6 +86,19 @@ class ReplayResult:
     pool_bytes: int = 0
     # Stopped early (Ctrl-C): the figures cover the requests replayed so far.
     interrupted: bool = False
+    # The host tier (host_capacity_tokens 0: none). hit_tokens is
+    # device_hit_tokens + host_hit_tokens.
+    host_capacity_tokens: int = 0
+    write_policy: Optional[str] = None
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    loaded_back_tokens: int = 0
+    backed_up_tokens: int = 0
+    host_evicted_tokens: int = 0
+    failed_loads: int = 0
+    host_pool_bytes: int = 0
+    # Loaded-back tokens whose K/V rows differ from what was stored (stored runs).
+    kv_mismatches: int = 0
 
     @property
     def token_hit_rate(self) -> float:
@@ -100,7 +125,22 @@ class ReplayResult:
             "peak_pages": self.peak_pages,
             "pool_bytes": self.pool_bytes,
             "interrupted": self.interrupted,
+            "host_capacity_tokens": self.host_capacity_tokens,
+            "write_policy": self.write_policy,
+            "device_hit_tokens": self.device_hit_tokens,
+            "host_hit_tokens": self.host_hit_tokens,
+            "device_hit_rate": self._rate(self.device_hit_tokens),
+            "host_hit_rate": self._rate(self.host_hit_tokens),
+            "loaded_back_tokens": self.loaded_back_tokens,
+            "backed_up_tokens": self.backed_up_tokens,
+            "host_evicted_tokens": self.host_evicted_tokens,
+            "failed_loads": self.failed_loads,
+            "host_pool_bytes": self.host_pool_bytes,
+            "kv_mismatches": self.kv_mismatches,
         }
+
+    def _rate(self, tokens: int) -> float:
+        return round(tokens / self.input_tokens, 6) if self.input_tokens else 0.0
 
 
 def pages_for_all(requests: Sequence[Request], page_size: int) -> int:
@@ -142,16 +182,24 @@ class _Progress:
 def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
            capacity_pages: Optional[int] = None, policy: str = "radix",
            kv: Optional[KVShape] = None, store: bool = True, progress: bool = False,
-           seed: int = 0) -> ReplayResult:
+           host_pages: int = 0,
+           write_policy: str = "write_through") -> ReplayResult:
     """Drives `requests` one after another through a CacheManager.
 
-    Per request: match the prompt (all but its last token), lock the match,
+    Per request: match the prompt (all but its last token), lock the match
+    (or, when part of it is only on the host tier, load that part back),
     allocate the rest (evicting what is missing), store the K/V of the
     computed tokens into an MHAKVCache, then decode the output (allocating
     more pages when the last one fills, storing its K/V), and finally cache
     prompt and output and release the request's pages and lock. A request
     larger than the whole pool is skipped and counted. Ctrl-C stops after the
     request in flight; the result covers what was replayed (`interrupted`).
+
+    With `host_pages` the cache has a host tier of that many pages (capped at
+    what the requests can use) under `write_policy`; each request's copies
+    finish before the next one matches, so the run is deterministic. When
+    storing, K/V rows are derived from token and position (KVShape.rows) and
+    every row loaded back from host is compared with them (`kv_mismatches`).
     """
     # The replay is one thread driving the cache, like a scheduler. torch's
     # intra-op threads would only spin between the small tensor ops here
@@ -161,17 +209,19 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
     try:
         return _replay(requests, block_size=block_size, page_size=page_size,
                        capacity_pages=capacity_pages, policy=policy, kv=kv, store=store,
-                       progress=progress, seed=seed)
+                       progress=progress, host_pages=host_pages, write_policy=write_policy)
     finally:
         torch.set_num_threads(threads)
 
 
 def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, store, progress,
-            seed) -> ReplayResult:
+            host_pages, write_policy) -> ReplayResult:
     if capacity_pages is None:
         capacity_pages = pages_for_all(requests, page_size)
+    # A host pool larger than every token of every request is never full:
+    # it is allocated at the size that can be used.
+    host_pages = min(host_pages, pages_for_all(requests, page_size))
     tokens = TokenMaker(block_size, max_hash_id(requests))
-    cm = CacheManager(capacity_pages, page_size=page_size, type=policy)
     kv = kv or KVShape()
     pool = None
     if store:
@@ -179,19 +229,37 @@ def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, stor
 
         pool = MHAKVCache(kv.num_kv_heads, kv.num_layers, kv.head_dim, capacity_pages,
                           kv.dtype, page_size=page_size, tp_size=1)
-        longest = max(r.input_length + r.output_length for r in requests)
-        g = torch.Generator().manual_seed(seed)
-        src = torch.randn(longest, kv.num_kv_heads, kv.head_dim, generator=g).to(kv.dtype)
+    # Without a pool the tier keeps its bookkeeping only, its copies run
+    # inline (manual) when drained.
+    cm = CacheManager(capacity_pages, page_size=page_size, type=policy,
+                      host_num_pages=host_pages, write_policy=write_policy, kv_cache=pool,
+                      manual_copies=pool is None)
 
-    def store_kv(slots: torch.Tensor) -> None:
-        n = slots.numel()
+    def store_kv(slots: torch.Tensor, ids: torch.Tensor, start: int) -> None:
         for layer in range(kv.num_layers):
-            pool.store_kv(src[:n], src[:n], slots, layer)
-        result.stored_tokens += n
+            pool.store_kv(kv.rows(ids, start, layer, 0), kv.rows(ids, start, layer, 1), slots,
+                          layer)
+        result.stored_tokens += len(slots)
+
+    def check_loaded(slots: torch.Tensor, ids: torch.Tensor, start: int) -> int:
+        """Tokens among `slots` whose rows differ from what was stored for them."""
+        bad = torch.zeros(len(slots), dtype=torch.bool)
+        for layer in range(kv.num_layers):  # k_cache(layer) waits for the layer's load
+            for side, cache in ((0, pool.k_cache(layer)), (1, pool.v_cache(layer))):
+                rows = cache.reshape(-1, kv.num_kv_heads, kv.head_dim)[slots.long()]
+                want = kv.rows(ids, start, layer, side)
+                bad |= (rows.view(torch.uint8) != want.view(torch.uint8)).flatten(1).any(1)
+        return int(bad.sum())
 
     result = ReplayResult(policy, page_size, capacity_pages * page_size)
     result.pool_bytes = pool.nbytes if pool is not None else 0
+    result.host_capacity_tokens = host_pages * page_size
+    if host_pages:
+        result.write_policy = write_policy
+        result.host_pool_bytes = cm.host_pool.nbytes if cm.host_pool is not None else 0
     lat: Dict[str, List[int]] = {"match": [], "allocate": [], "insert": [], "evict": []}
+    if host_pages:
+        lat["load_back"] = []
     clock = time.perf_counter_ns
     bar = _Progress(len(requests), progress)
     replayed: List[Request] = []
@@ -208,7 +276,16 @@ def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, stor
             t0 = clock()
             handle, cached = cm.match_req(ids)
             lat["match"].append(clock() - t0)
-            cm.lock(handle)
+            device_hit, host_hit = handle.cached_len, handle.host_hit_len
+            if host_hit:
+                t0 = clock()
+                handle, cached = cm.load_back(handle)
+                lat["load_back"].append(clock() - t0)
+                if store:
+                    result.kv_mismatches += check_loaded(
+                        cached[device_hit:], ids[device_hit:device_hit + host_hit], device_hit)
+            else:
+                cm.lock(handle)
             hit = handle.cached_len
 
             # Prefill: everything after the match, the last prompt token included.
@@ -222,7 +299,7 @@ def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, stor
                 result.evicted_tokens += evicted
             lat["allocate"].append(t2 - t0)
             if store:
-                store_kv(own[: req.input_length - hit])
+                store_kv(own[: req.input_length - hit], ids[hit:], hit)
 
             # Decode: the last page's spare slots first, then new pages.
             out = req.output_length
@@ -238,20 +315,25 @@ def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, stor
                     result.evicted_tokens += evicted
                 lat["allocate"].append(t2 - t0)
                 own = torch.cat([own, more])
+            full_ids = torch.cat([ids, tokens.output(out)]) if out else ids
             if store and out:
                 start = req.input_length - hit
-                store_kv(own[start:start + out])
+                store_kv(own[start:start + out], full_ids[req.input_length:], req.input_length)
             result.peak_pages = max(result.peak_pages, capacity_pages - cm.free_pages)
 
-            full_ids = torch.cat([ids, tokens.output(out)]) if out else ids
             t0 = clock()
             cm.free_and_cache_finished_req(handle, full_ids, torch.cat([cached, own]))
             lat["insert"].append(clock() - t0)
+            if host_pages:
+                # The request's backups finish before the next one matches.
+                result.failed_loads += len(cm.drain())
 
             replayed.append(req)
             result.requests += 1
             result.input_tokens += req.input_length
             result.hit_tokens += hit
+            result.device_hit_tokens += device_hit
+            result.host_hit_tokens += hit - device_hit
             result.computed_tokens += req.input_length - hit
             result.output_tokens += out
     except KeyboardInterrupt:
@@ -260,6 +342,12 @@ def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, stor
         result.interrupted = True
     result.wall_s = time.perf_counter() - t_start
     bar.close()
+    if host_pages:
+        result.failed_loads += len(cm.drain())
+        counters = cm.tier_counters
+        result.loaded_back_tokens = counters.loaded_back
+        result.backed_up_tokens = counters.backed_up
+        result.host_evicted_tokens = counters.host_evicted
     if not result.interrupted:
         cm.check_integrity()
         if cm.held_pages != 0:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from radixkv import _core
 from radixkv._checks import as_count, as_int, int32_tensor, to_host
-from radixkv.kvcache import BaseCacheHandle, RadixCacheManager, create_cache_manager
+from radixkv.kvcache import BaseCacheHandle, MHAKVCache, RadixCacheManager, create_cache_manager
+from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
+from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
 
 
 class CacheManager:
@@ -26,12 +28,44 @@ class CacheManager:
     `handle.cached_len` are the cache's slots (from `match_req`), the rest
     the request's own, in whole pages (`allocate` rounds up to whole pages, so
     the last page may have room for the tokens that follow).
+
+    The host tier. With `host_num_pages > 0` (radix only) the cache spans
+    device and host memory: nodes are copied to `host_num_pages` host pages
+    under `write_policy` (`write_through`: when inserted;
+    `write_through_selective`: when matched a second time; `write_back`:
+    when evicted from the device), device eviction keeps a node that has a
+    host copy as host only, and `load_back` brings a match's host part back.
+    With `kv_cache` (the device pool) the K/V bytes move between it and a
+    `HostKVCache` of layout `host_layout`, on a controller thread; without
+    it the tier keeps the bookkeeping only (capacity planning). Copies change
+    the cache only when the scheduler applies their acknowledgements:
+    `writing_check()` and `loading_check()`, called once per scheduling
+    round (`drain()` waits for every copy and applies all). With
+    `manual_copies=True` the controller has no thread: copies run when a test
+    says (`controller.complete(id, ok)`) or on `drain()`/`wait_layer()`.
+    A page is then in exactly one place: free, cached, held by a request, or
+    owned by one copy in flight (a load's device pages, a backup's host pages).
     """
 
     def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", *, host_num_pages: int = 0,
+                 write_policy: str = "write_through", kv_cache: Optional[MHAKVCache] = None,
+                 host_layout: str = "page_first", manual_copies: bool = False):
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
+        host_num_pages = as_count(host_num_pages, "host_num_pages", minimum=0)
+        if host_layout not in HOST_LAYOUTS:
+            raise ValueError(f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, "
+                             f"got {host_layout!r}")
+        if kv_cache is not None:
+            if not isinstance(kv_cache, MHAKVCache):
+                raise TypeError(f"kv_cache must be an MHAKVCache, got {_type_name(kv_cache)}")
+            if kv_cache.page_size != page_size or kv_cache.num_pages < num_pages:
+                raise ValueError(
+                    f"kv_cache must have page_size={page_size} and at least num_pages={num_pages} "
+                    f"pages, got page_size={kv_cache.page_size} and {kv_cache.num_pages} pages")
+        if host_num_pages and type != "radix":
+            raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
         self._pages = _core.PageAllocator(num_pages, page_size)
         self.manager = create_cache_manager(device, type, page_size,
                                             max_slots=num_pages * page_size)
@@ -41,6 +75,13 @@ class CacheManager:
         # Pages held by requests: allocated, not yet freed or cached.
         self._held_pages = 0
         self._tree = self.manager._tree if isinstance(self.manager, RadixCacheManager) else None
+        self._tier: Optional[HostTier] = None
+        if host_num_pages:
+            self._tier = HostTier(self._tree, page_size, host_num_pages, write_policy, kv_cache,
+                                  host_layout, kv_cache.num_layers if kv_cache else 1,
+                                  bool(manual_copies))
+            if kv_cache is not None:
+                kv_cache._layer_wait = self._tier.controller.wait_layer
 
     # -- matching and locking -------------------------------------------------
 
@@ -49,7 +90,71 @@ class CacheManager:
         ids = int32_tensor(input_ids, "input_ids", self.device)
         if len(ids) == 0:
             raise ValueError("input_ids must hold at least one token")
-        return self.manager.match_prefix(ids[:-1])
+        handle, indices = self.manager.match_prefix(ids[:-1])
+        if self._tier is not None and self._tier.min_hits:
+            self._tier.back_up(ids[:-1])
+        return handle, indices
+
+    def load_back(self, handle: BaseCacheHandle) -> Tuple[BaseCacheHandle, torch.Tensor]:
+        """Brings the host part of `handle`'s match to the device.
+
+        Returns a locked handle for the whole match (`cached_len` covers the
+        device and the host part) and its indices: the device part's slots,
+        then fresh device pages that the host part is loading into. Takes the
+        place of `lock(handle)` after `match_req`; `handle` itself is left as
+        it was. The pages are the cache's from the start (not the request's);
+        the copy runs with the next forward pass (`wait_layer(i)`, which the
+        pool's `k_cache(i)`/`v_cache(i)` call, returns once layer i is in
+        place) and joins the tree at `loading_check()`. If it fails,
+        `loading_check()` returns the handle: its pages were freed and the
+        request must unlock it, free its own pages and be computed again.
+
+        Evicts on the device if pages are missing (never the matched path);
+        raises `radixkv.OutOfCapacityError`, changing nothing, when even that
+        cannot make room. Without a host part this is `lock(handle)`.
+        """
+        tier, tree = self._tier, self._tree
+        if not self.manager.is_valid(handle):
+            raise ValueError("handle is stale or belongs to another cache manager")
+        if tier is None or handle.host_hit_len == 0:
+            self.lock(handle)
+            return handle, self._device_slots(handle)
+        try:
+            copy = tree.find_load(handle)
+        except ValueError:
+            if not tree.tier_sizes()[5]:
+                raise
+            # Another request is loading this part: let it land, then take it.
+            self._settle_loads()
+            copy = tree.find_load(handle)
+        n = copy[3] - copy[2]
+        self.lock(handle)  # the device part stays while room is made
+        try:
+            room = self._pages.num_free_pages * self.page_size + tree.size_info()[0]
+            if n > room:
+                raise _core.OutOfCapacityError(
+                    f"cannot load {n} tokens back from host: {room} device slots are free "
+                    "or evictable")
+            loaded, host_slots = tree.begin_load(copy)
+        finally:
+            self.unlock(handle)
+        try:
+            self.make_room(n)
+            device_slots = self._pages.allocate(n)
+        except BaseException:
+            tree.finish_load(copy, torch.zeros(n, dtype=torch.int32), False)
+            tree.lock_handle(loaded, True)
+            raise
+        if n:
+            tier.queue_load(copy, host_slots, device_slots, loaded)
+        indices = torch.cat([tree.handle_slots(handle), device_slots]) if n else \
+            tree.handle_slots(loaded)
+        return loaded, indices.to(self.device, non_blocking=True)
+
+    def _device_slots(self, handle) -> torch.Tensor:
+        if self._tree is None:
+            return torch.empty(0, dtype=torch.int32, device=self.device)
+        return self._tree.handle_slots(handle).to(self.device, non_blocking=True)
 
     def lock(self, handle: BaseCacheHandle) -> None:
         self.manager.lock_handle(handle, unlock=False)
@@ -84,12 +189,20 @@ class CacheManager:
         if missing <= 0:
             return 0
         evictable = self.manager.size_info.evictable_size
+        tier = self._tier
+        if tier is not None and missing * self.page_size > evictable and tier.backups_in_flight:
+            # Nodes being backed up are pinned: let their copies finish.
+            tier.controller.drain()
+            tier.writing_check()
+            evictable = self.manager.size_info.evictable_size
         if missing * self.page_size > evictable:
             raise _core.OutOfCapacityError(
                 f"cannot allocate num_tokens={n} ({pages} pages): "
                 f"{self._pages.num_free_pages} pages are free and "
                 f"{evictable // self.page_size} evictable"
             )
+        if tier is not None and tier.write_policy == "write_back":
+            tier.back_up_before_evict(missing * self.page_size)
         evicted = self.manager.evict(missing * self.page_size).cpu()
         self._pages.free(evicted)
         return len(evicted)
@@ -108,6 +221,8 @@ class CacheManager:
     def free(self, indices) -> None:
         """Return pages a request holds (whole pages, not cached ones)."""
         indices = to_host(indices, "indices", self.device)
+        if self._tier is not None and self._tier.loads_in_flight:
+            self._tier.check_not_loading(int32_tensor(indices, "indices", self.device), "indices")
         self._pages.free(indices, self._tree)
         self._held_pages -= len(indices) // self.page_size
 
@@ -119,6 +234,9 @@ class CacheManager:
         Returns (input_ids, indices, n, cached_len) with both sequences as
         CPU int32 tensors.
         """
+        if self._tier is not None and self._tier.loads_in_flight:
+            # The request's loads (and any on its path) join the tree first.
+            self._settle_loads()
         ids = int32_tensor(input_ids, "input_ids", self.device)
         idx = int32_tensor(indices, "indices", self.device)
         n, m = len(ids), len(idx)
@@ -145,6 +263,10 @@ class CacheManager:
         self._pages.check_owned(idx[cached:], "indices", self._tree)
         return ids, idx, n, cached
 
+    def _write_through(self, input_ids) -> None:
+        if self._tier is not None and self._tier.write_policy == "write_through":
+            self._tier.back_up(input_ids)
+
     def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices) -> None:
         """Cache a finished request's tokens and return every page it held.
 
@@ -159,6 +281,7 @@ class CacheManager:
         self._pages.free(indices[full:])
         self._held_pages -= (len(indices) - cached) // self.page_size
         self.unlock(old_handle)
+        self._write_through(input_ids)
 
     def cache_unfinished_req(
         self, old_handle: BaseCacheHandle, input_ids, indices
@@ -179,12 +302,83 @@ class CacheManager:
         self.unlock(old_handle)
         self._held_pages -= (now_cached - cached) // self.page_size
         new_indices = torch.cat([tree_indices.cpu(), indices[now_cached:]])
+        self._write_through(input_ids)
         return new_handle, new_indices.to(self.device, non_blocking=True)
+
+    # -- the host tier ----------------------------------------------------------
+
+    def writing_check(self) -> int:
+        """Applies finished backups: their nodes have host copies from now on
+        (a failed one's host pages are freed). Returns how many were applied;
+        0 without a host tier. Call once per scheduling round."""
+        return self._tier.writing_check() if self._tier is not None else 0
+
+    def loading_check(self) -> List[BaseCacheHandle]:
+        """Applies finished loads: their nodes are on the device from now on.
+        Returns the handles (from `load_back`) whose loads failed: their pages
+        were freed; see `load_back`."""
+        if self._tier is None:
+            return []
+        return self._tier.loading_check(self._free_loaded)
+
+    def _free_loaded(self, slots: torch.Tensor) -> None:
+        self._pages.free(slots, self._tree)
+
+    def _settle_loads(self) -> None:
+        self._tier.controller.wait_loads()
+        self.loading_check()
+
+    def start_loading(self) -> None:
+        """Starts the loads queued by `load_back` (`wait_layer` also does)."""
+        if self._tier is not None:
+            self._tier.controller.start_loading()
+
+    def wait_layer(self, layer: int) -> None:
+        """Returns once layer `layer` of every load queued so far is in place
+        (starting them first). The pool given as `kv_cache` calls it from
+        `k_cache(layer)` and `v_cache(layer)`."""
+        layer = as_int(layer, "layer")
+        if self._tier is not None:
+            self._tier.controller.wait_layer(layer)
+
+    def drain(self) -> List[BaseCacheHandle]:
+        """Waits for every copy queued so far and applies them all (backups,
+        then loads). Returns the handles of failed loads, as `loading_check`."""
+        if self._tier is None:
+            return []
+        self._tier.controller.drain()
+        self._tier.writing_check()
+        return self.loading_check()
+
+    @property
+    def host_pool(self) -> Optional[HostKVCache]:
+        """The host pool the tier copies K/V into (None: no tier or no kv_cache)."""
+        return self._tier.pool if self._tier is not None else None
+
+    @property
+    def controller(self) -> Optional[_core.CacheController]:
+        """The host tier's copy controller (None without a host tier)."""
+        return self._tier.controller if self._tier is not None else None
+
+    @property
+    def write_policy(self) -> Optional[str]:
+        return self._tier.write_policy if self._tier is not None else None
+
+    @property
+    def host_size_info(self) -> Optional[HostSizeInfo]:
+        """The host tier's slots and tokens (None without a host tier)."""
+        return self._tier.size_info() if self._tier is not None else None
+
+    @property
+    def tier_counters(self) -> Optional[TierCounters]:
+        """Tokens the host tier has moved (None without a host tier)."""
+        return self._tier.counters() if self._tier is not None else None
 
     # -- checks -----------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Free + cached + held pages == all pages, and no page both free and cached.
+        """Free + cached + held (+ loading) pages == all pages, no page both free
+        and cached; with a host tier the same for host pages (see HostTier).
 
         Valid at any time, with requests in flight. Raises
         `radixkv.IntegrityError` on a violation.
@@ -195,14 +389,21 @@ class CacheManager:
             raise _core.IntegrityError(f"{cached_tokens} cached tokens are not whole pages")
         free = self._pages.num_free_pages
         cached = cached_tokens // self.page_size
-        if free + cached + self._held_pages != self.num_pages:
+        loading = self._tier.loading_tokens // self.page_size if self._tier is not None else 0
+        if free + cached + self._held_pages + loading != self.num_pages:
             raise _core.IntegrityError(
                 f"pages leaked or owned twice: {free} free + {cached} cached + "
-                f"{self._held_pages} held by requests != {self.num_pages}"
+                f"{self._held_pages} held by requests + {loading} loading != {self.num_pages}"
             )
         self._pages.check_disjoint(self._tree)
+        if self._tier is not None:
+            self._tier.check_integrity(self._pages)
 
     @property
     def held_pages(self) -> int:
         """Pages handed to requests and not yet returned or cached."""
         return self._held_pages
+
+
+def _type_name(obj) -> str:
+    return type(obj).__name__

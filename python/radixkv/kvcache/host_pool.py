@@ -1,0 +1,121 @@
+"""The host-memory pool (L2) behind a device KV pool."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from radixkv._checks import as_count
+from radixkv.kvcache.base import CopyLayout, copy_layout
+from radixkv.kvcache.mha_pool import MHAKVCache
+
+HOST_LAYOUTS = ("page_first", "layer_first")
+"""Host pool layouts: `page_first` keeps each page in one contiguous region
+(all layers, keys then values), which is what a storage tier moves;
+`layer_first` mirrors the device pool's LayerFirst layout."""
+
+
+class HostKVCache:
+    """Host memory for the K/V pages of `device_pool`, the second tier.
+
+    Holds `num_pages` pages of the device pool's shape and dtype; when
+    `num_pages` is None it holds `ratio` times the device pool's pages (2.0,
+    as SGLang's default). `layout` is `page_first` (`[P, 2, L, S, H, D]`: a
+    page is one contiguous region, the unit a storage tier moves) or
+    `layer_first` (`[2, L, P, S, H, D]`). The buffer is pinned (page-locked)
+    when `pin_memory` is True, or when it is None and CUDA is available, so
+    copies to and from the accelerator run asynchronously at full speed.
+
+    The buffer is zero-filled once; its pages are handed out by the
+    CacheManager that owns this pool, and filled by its copy controller.
+    """
+
+    def __init__(self, device_pool: MHAKVCache, num_pages: Optional[int] = None,
+                 ratio: float = 2.0, layout: str = "page_first",
+                 pin_memory: Optional[bool] = None) -> None:
+        if not isinstance(device_pool, MHAKVCache):
+            raise TypeError(f"device_pool must be an MHAKVCache, got {type(device_pool).__name__}")
+        if layout not in HOST_LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(HOST_LAYOUTS)}, got {layout!r}")
+        if num_pages is None:
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
+                raise ValueError(f"ratio must be a number > 0, got {ratio!r}")
+            num_pages = max(1, int(device_pool.num_pages * ratio))
+        num_pages = as_count(num_pages, "num_pages")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self._device_pool = device_pool
+        self._num_pages = num_pages
+        self._layout = layout
+        L, S = device_pool.num_layers, device_pool.page_size
+        H, D = device_pool.local_kv_heads, device_pool.head_dim
+        if layout == "page_first":
+            shape, to_view = (num_pages, 2, L, S, H, D), (1, 2, 0, 3, 4, 5)
+        else:
+            shape, to_view = (2, L, num_pages, S, H, D), (0, 1, 2, 3, 4, 5)
+        self._buffer = torch.zeros(shape, dtype=device_pool.dtype, pin_memory=bool(pin_memory))
+        self._view = self._buffer.permute(*to_view)  # [2, L, P, S, H, D]
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Keys of `layer`, `[num_pages, page_size, heads, head_dim]` (a view)."""
+        return self._view[0, layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        """Values of `layer`, `[num_pages, page_size, heads, head_dim]` (a view)."""
+        return self._view[1, layer]
+
+    def page(self, index: int) -> torch.Tensor:
+        """Page `index` as one contiguous `[2, L, page_size, H, D]` tensor
+        (`page_first` only: in `layer_first` a page is scattered)."""
+        if self._layout != "page_first":
+            raise ValueError("page() needs layout='page_first'")
+        return self._buffer[index]
+
+    def copy_layout(self) -> CopyLayout:
+        return copy_layout(self._view, self.page_size)
+
+    @property
+    def device_pool(self) -> MHAKVCache:
+        return self._device_pool
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self._device_pool.page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_pages * self.page_size
+
+    @property
+    def layout(self) -> str:
+        return self._layout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._buffer.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self._device_pool.num_layers
+
+    @property
+    def pinned(self) -> bool:
+        return self._buffer.is_pinned()
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        """The buffer in storage order (see the class doc)."""
+        return self._buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.numel() * self._buffer.element_size()
+
+    def __repr__(self) -> str:
+        return (f"HostKVCache(num_pages={self._num_pages}, page_size={self.page_size}, "
+                f"layout={self._layout}, dtype={self.dtype}, pinned={self.pinned})")

@@ -1,0 +1,245 @@
+"""The host tier of a CacheManager: host pages, the copy controller, and the
+copies in flight between the device pool and the host pool."""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from radixkv import _core
+from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.kvcache.mha_pool import MHAKVCache
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+"""When a node gets a host copy: when it is inserted (`write_through`), when it
+is matched for the second time (`write_through_selective`), or when it is
+evicted from the device (`write_back`)."""
+
+# write_through_selective backs a node up once this many matches reached it.
+SELECTIVE_MIN_HITS = 2
+
+Copy = Tuple[int, int, int, int]  # (node_id, generation, start, end), from the tree
+
+
+class HostSizeInfo(NamedTuple):
+    """The host tier in tokens."""
+
+    capacity: int        # the host pool's slots
+    free: int            # host slots in no node and no copy
+    cached: int          # tokens with a host copy (host only or mirrored)
+    host_only: int       # of those, tokens not on the device
+    backing_up: int      # tokens whose backup to host is in flight
+    loading: int         # tokens whose load from host is in flight
+
+
+class TierCounters(NamedTuple):
+    """What the tier has moved since it was created, in tokens."""
+
+    backed_up: int       # backups acknowledged and taken by the tree
+    loaded_back: int     # loads acknowledged and taken by the tree
+    host_evicted: int    # host copies dropped to make room
+    backups_skipped: int  # backups not started: the host pool had no room
+    failed_copies: int   # copies that reported failure
+
+
+class HostTier:
+    """Host pages and the copies between the tiers, for one CacheManager.
+
+    The tree holds each node's tier state; the controller (C++) runs the
+    copies on its thread and leaves acknowledgements; this class starts copies
+    (find, begin, queue) and applies acknowledgements to the tree (finish),
+    owning meanwhile the slots each copy uses. Pages in flight are owned by
+    exactly one copy: a backup's host pages, a load's device pages.
+    """
+
+    def __init__(self, tree: _core.RadixTree, page_size: int, host_num_pages: int,
+                 write_policy: str, kv_cache: Optional[MHAKVCache], host_layout: str,
+                 num_layers: int, manual: bool) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
+                             f"got {write_policy!r}")
+        self.tree = tree
+        self.page_size = page_size
+        self.write_policy = write_policy
+        self.min_hits = SELECTIVE_MIN_HITS if write_policy == "write_through_selective" else 0
+        self.pages = _core.PageAllocator(host_num_pages, page_size)
+        self.num_pages = host_num_pages
+        if kv_cache is not None:
+            self.pool: Optional[HostKVCache] = HostKVCache(kv_cache, host_num_pages,
+                                                          layout=host_layout)
+            row_bytes = kv_cache.local_kv_heads * kv_cache.head_dim * kv_cache.dtype.itemsize
+            if kv_cache.device.type != "cpu":
+                raise NotImplementedError(
+                    f"a host tier over a {kv_cache.device.type} pool needs the CUDA copy engine")
+            self.controller = _core.CacheController(
+                kv_cache.kv_buffer, list(kv_cache.copy_layout()), self.pool.kv_buffer,
+                list(self.pool.copy_layout()), row_bytes, kv_cache.num_layers, manual)
+        else:
+            # Bookkeeping only (capacity planning): copies succeed at once.
+            self.pool = None
+            self.controller = _core.CacheController(num_layers, manual)
+        self._backups: Dict[int, Tuple[Copy, torch.Tensor]] = {}
+        self._loads: Dict[int, Tuple[Copy, torch.Tensor, object]] = {}
+        self._backup_tokens = 0  # host slots owned by backups in flight
+        self._load_tokens = 0    # device slots owned by loads in flight
+        self.backed_up = self.loaded_back = self.host_evicted = 0
+        self.backups_skipped = self.failed_copies = 0
+
+    # -- backups ------------------------------------------------------------------
+
+    def back_up(self, input_ids, min_hits: Optional[int] = None) -> int:
+        """Queues the backup of `input_ids`' cached path from where its host
+        copy ends. Returns the tokens queued (0 when nothing needs a copy, or
+        the host pool cannot make room: the path stays device only)."""
+        copy = self.tree.find_backup(input_ids, self.min_hits if min_hits is None else min_hits)
+        if copy is None:
+            return 0
+        if not self._room_for(copy[3] - copy[2]):
+            self.backups_skipped += copy[3] - copy[2]
+            return 0
+        # Making room may have dropped the host copy the range started under.
+        copy = self.tree.find_backup(input_ids, self.min_hits if min_hits is None else min_hits)
+        if copy is None:
+            return 0
+        return self._start_backup(copy)
+
+    def back_up_before_evict(self, size: int) -> int:
+        """write_back: backs up, and waits for, the device leaves without a host
+        copy that evicting `size` tokens would take. Returns the tokens copied."""
+        queued = 0
+        for copy in self.tree.eviction_candidates_without_host(size):
+            n = copy[3] - copy[2]
+            if not self._room_for(n):
+                self.backups_skipped += n
+                continue
+            try:
+                queued += self._start_backup(copy)
+            except ValueError:
+                # Making room dropped the host copy this range starts under:
+                # the node is evicted without one.
+                self.backups_skipped += n
+        if queued:
+            self.controller.drain()
+            self.writing_check()
+        return queued
+
+    def _room_for(self, n: int) -> bool:
+        missing = n - self.pages.num_free_pages * self.page_size
+        if missing <= 0:
+            return True
+        try:
+            freed = self.tree.evict_host(missing)
+        except _core.OutOfCapacityError:
+            return False
+        self.pages.free(freed, self.tree, True)
+        self.host_evicted += len(freed)
+        return True
+
+    def _start_backup(self, copy: Copy) -> int:
+        n = copy[3] - copy[2]
+        if n > self.pages.num_free_pages * self.page_size:
+            self.backups_skipped += n
+            return 0
+        device_slots = self.tree.begin_backup(copy)
+        host_slots = self.pages.allocate(n)
+        op = self.controller.backup(device_slots, host_slots)
+        self._backups[op] = (copy, host_slots)
+        self._backup_tokens += n
+        return n
+
+    def writing_check(self) -> int:
+        """Applies finished backups to the tree: the nodes take their host
+        copies (or, for a failed copy, the host pages go back). Returns the
+        backups applied."""
+        acks = self.controller.take_backup_acks()
+        for op, ok in acks:
+            copy, host_slots = self._backups.pop(op)
+            rejected = self.tree.finish_backup(copy, host_slots, ok)
+            if len(rejected):
+                self.pages.free(rejected, self.tree, True)
+            self._backup_tokens -= len(host_slots)
+            self.backed_up += len(host_slots) - len(rejected)
+            self.failed_copies += 0 if ok else len(host_slots)
+        return len(acks)
+
+    # -- loads --------------------------------------------------------------------
+
+    def queue_load(self, copy: Copy, host_slots: torch.Tensor, device_slots: torch.Tensor,
+                   handle) -> None:
+        op = self.controller.load(host_slots, device_slots)
+        self._loads[op] = (copy, device_slots, handle)
+        self._load_tokens += len(device_slots)
+
+    def loading_check(self, free_device) -> List[object]:
+        """Applies finished loads to the tree: the nodes are on the device with
+        the loads' pages, or, for a failed load, stay host only and the pages
+        are freed (`free_device`). Returns the handles of failed loads."""
+        failed = []
+        for op, ok in self.controller.take_load_acks():
+            copy, device_slots, handle = self._loads.pop(op)
+            self._load_tokens -= len(device_slots)
+            taken = self.tree.finish_load(copy, device_slots, ok)
+            if ok and taken:
+                self.loaded_back += len(device_slots)
+            else:
+                free_device(device_slots)
+                if not ok:
+                    self.failed_copies += len(device_slots)
+                    failed.append(handle)
+        return failed
+
+    def check_not_loading(self, indices: torch.Tensor, name: str) -> None:
+        """Raises ValueError if `indices` has a device slot a load is writing."""
+        if not self._loads:
+            return
+        busy = torch.cat([slots for _, slots, _ in self._loads.values()])
+        if bool(torch.isin(indices, busy).any()):
+            raise ValueError(f"{name} has slots a load from host is still writing")
+
+    # -- state --------------------------------------------------------------------
+
+    @property
+    def backups_in_flight(self) -> int:
+        return len(self._backups)
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    @property
+    def loading_tokens(self) -> int:
+        """Device slots owned by loads in flight."""
+        return self._load_tokens
+
+    def size_info(self) -> HostSizeInfo:
+        _, _, host, host_only, backing_up, loading = self.tree.tier_sizes()
+        return HostSizeInfo(self.num_pages * self.page_size,
+                            self.pages.num_free_pages * self.page_size, host, host_only,
+                            backing_up, loading)
+
+    def counters(self) -> TierCounters:
+        return TierCounters(self.backed_up, self.loaded_back, self.host_evicted,
+                            self.backups_skipped, self.failed_copies)
+
+    def check_integrity(self, device_pages: _core.PageAllocator) -> None:
+        """Host pages: free + cached + owned by backups == all, none twice;
+        every slot a copy owns is allocated and in no node."""
+        host = self.tree.tier_sizes()[2]
+        free = self.pages.num_free_pages * self.page_size
+        if free + host + self._backup_tokens != self.num_pages * self.page_size:
+            raise _core.IntegrityError(
+                f"host slots leaked or owned twice: {free} free + {host} cached + "
+                f"{self._backup_tokens} in backups != {self.num_pages * self.page_size}")
+        self.pages.check_disjoint(self.tree, True)
+        if self._backups:
+            slots = torch.cat([s for _, s in self._backups.values()])
+            self.pages.check_owned(slots, "host slots of backups in flight", self.tree, True)
+        if self._loads:
+            slots = torch.cat([s for _, s, _ in self._loads.values()])
+            device_pages.check_owned(slots, "device slots of loads in flight", self.tree)
+        # Copies finished but not yet acknowledged to the tree are the tier's only.
+        if self.controller.in_flight > len(self._backups) + len(self._loads):
+            raise _core.IntegrityError(
+                f"the controller has {self.controller.in_flight} copies in flight, the tier "
+                f"knows of {len(self._backups)} backups and {len(self._loads)} loads")
