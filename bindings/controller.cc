@@ -9,6 +9,7 @@
 
 #include "kernels.h"
 #include "radixkv/cache_controller.h"
+#include "radixkv/transfer.h"
 #include "radixkv/transfer_index.h"
 #include "tensor_view.h"
 
@@ -27,11 +28,13 @@ struct Pool {
   PoolLayout layout{};
 };
 
-Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name) {
+Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name,
+              int64_t row_bytes, int64_t layers) {
   if (strides.size() != 6) {
     throw py::value_error(std::string(name) + "_layout must be (side_stride, layer_stride, "
                           "page_stride, row_stride, page_size, num_slots)");
   }
+  if (row_bytes < 1 || layers < 1) throw py::value_error("row_bytes and layers must be >= 1");
   Pool p;
   Tensor t(buffer, name, Tensor::kWritten);
   t.Pin();
@@ -43,8 +46,22 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   p.alias = py::reinterpret_borrow<py::object>(t.object());
   p.layout = PoolLayout{t.data(), strides[0], strides[1], strides[2], strides[3], strides[4],
                         strides[5]};
-  if (p.layout.page_size < 1 || p.layout.num_slots < 0) {
-    throw py::value_error(std::string(name) + "_layout has a bad page size or slot count");
+  const PoolLayout& l = p.layout;
+  if (l.page_size < 1 || l.num_slots < 0 || l.side_stride < 0 || l.layer_stride < 0 ||
+      l.page_stride < 0 || l.row_stride < 0) {
+    throw py::value_error(std::string(name) + "_layout has a negative stride, a page size < 1 "
+                          "or a negative slot count");
+  }
+  // Every row the layout names must lie inside the tensor's memory: the last
+  // byte of the farthest row (strides are non-negative, so it is the last one).
+  if (l.num_slots > 0) {
+    const auto [begin, end] = t.Extent();
+    const int64_t last = PoolRowOffset(l, 1, layers - 1, l.num_slots - 1) + row_bytes;
+    if (t.data() != begin || last > end - begin) {
+      throw py::value_error(std::string(name) + "_layout reaches past the end of " + name +
+                            " (" + std::to_string(last) + " bytes needed, " +
+                            std::to_string(end - begin) + " there)");
+    }
   }
   return p;
 }
@@ -66,9 +83,8 @@ class PyController {
   PyController(py::handle device, const std::vector<int64_t>& device_layout, py::handle host,
                const std::vector<int64_t>& host_layout, int64_t row_bytes, int64_t layers,
                bool manual)
-      : device_(ReadPool(device, device_layout, "device")),
-        host_(ReadPool(host, host_layout, "host")) {
-    if (row_bytes < 1 || layers < 1) throw py::value_error("row_bytes and layers must be >= 1");
+      : device_(ReadPool(device, device_layout, "device", row_bytes, layers)),
+        host_(ReadPool(host, host_layout, "host", row_bytes, layers)) {
     c_ = std::make_unique<CacheController>(
         MakeCpuCopyEngine(device_.layout, host_.layout, row_bytes, layers), manual);
   }
@@ -120,9 +136,38 @@ class PyController {
   std::unique_ptr<CacheController> c_;
 };
 
+// One transfer, on the caller's thread with the GIL held (benchmarks and
+// tests; the controller is how the tier copies).
+int64_t TransferRowsNow(py::handle src, const std::vector<int64_t>& src_layout, py::handle dst,
+                        const std::vector<int64_t>& dst_layout, int64_t row_bytes, int64_t layers,
+                        py::handle src_slots, py::handle dst_slots, int64_t layer_begin,
+                        int64_t layer_end) {
+  Pool s = ReadPool(src, src_layout, "src", row_bytes, layers);
+  Pool d = ReadPool(dst, dst_layout, "dst", row_bytes, layers);
+  std::vector<int32_t> a = Slots(src_slots, "src_slots"), b = Slots(dst_slots, "dst_slots");
+  if (a.size() != b.size()) throw py::value_error("src_slots and dst_slots differ in length");
+  if (layer_end < 0) layer_end = layers;
+  if (layer_begin < 0 || layer_begin > layer_end || layer_end > layers) {
+    throw py::value_error("layers [" + std::to_string(layer_begin) + ", " +
+                          std::to_string(layer_end) + ") are not within [0, " +
+                          std::to_string(layers) + ")");
+  }
+  TransferParams p{s.layout, d.layout, row_bytes, layers, a.data(), b.data(),
+                   static_cast<int64_t>(a.size()), layer_begin, layer_end};
+  const int64_t bad = TransferRows(p);
+  if (bad >= 0) {
+    throw py::value_error("slot pair " + std::to_string(bad) + " (" + std::to_string(a[bad]) +
+                          " -> " + std::to_string(b[bad]) + ") is out of range; nothing copied");
+  }
+  return static_cast<int64_t>(a.size());
+}
+
 }  // namespace
 
 void RegisterController(py::module_& m) {
+  m.def("transfer_rows", &TransferRowsNow, py::arg("src"), py::arg("src_layout"), py::arg("dst"),
+        py::arg("dst_layout"), py::arg("row_bytes"), py::arg("layers"), py::arg("src_slots"),
+        py::arg("dst_slots"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1);
   py::class_<PyController>(m, "CacheController")
       .def(py::init<py::handle, const std::vector<int64_t>&, py::handle,
                     const std::vector<int64_t>&, int64_t, int64_t, bool>(),

@@ -259,9 +259,9 @@ py::object RadixTree_FindLoad(PyRadixTree& t, PyObject* const* a) {
 py::object RadixTree_BeginLoad(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
   py::object handle = NewBoxed<Handle>(g_handle_type);
-  TensorSink host;
-  Locked(t, false, [&] { t.tree.BeginLoad(c, host, &Unbox<Handle>(handle.ptr())); });
-  return py::make_tuple(std::move(handle), host.take());
+  TensorSink host, prefix;
+  Locked(t, false, [&] { t.tree.BeginLoad(c, host, prefix, &Unbox<Handle>(handle.ptr())); });
+  return py::make_tuple(std::move(handle), host.take(), prefix.take());
 }
 
 py::object RadixTree_FinishLoad(PyRadixTree& t, PyObject* const* a) {
@@ -512,7 +512,8 @@ PyMethodDef kTreeMethods[] = {
     {"find_load", Fast<RadixTree_FindLoad, kFindLoad>(), kFastCall,
      "find_load(handle) -> copy: the host-only part of the handle's match."},
     {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,
-     "begin_load(copy) -> (locked handle for the whole match, host slots)."},
+     "begin_load(copy) -> (locked handle for the whole match, host slots, device slots of\n"
+     "the path above the copy)."},
     {"finish_load", Fast<RadixTree_FinishLoad, kFinishLoad>(), kFastCall,
      "finish_load(copy, device_slots, ok=True) -> False if the copy's node is gone."},
     {"eviction_candidates_without_host",

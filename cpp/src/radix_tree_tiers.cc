@@ -263,7 +263,8 @@ TierCopy RadixTree::FindLoad(const Handle& handle) const {
   return copy;
 }
 
-void RadixTree::BeginLoad(const TierCopy& copy, SlotSink out, Handle* loaded) {
+void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix,
+                          Handle* loaded) {
   Node* end = ResolveCopy(copy);
   RADIXKV_CHECK(end != nullptr, kInvalid,
                 "load is stale: its node was evicted or the cache was reset");
@@ -273,7 +274,9 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink out, Handle* loaded) {
     RADIXKV_CHECK(!x->on_device && x->has_host() && !x->loading, kInvalid, "node ", x->id,
                   " cannot be loaded: it is on the device, has no host copy, or is loading");
   });
-  int32_t* slots = out(copy.length());
+  int32_t* slots = host(copy.length());
+  Node* device_end = DeviceEnd(end);
+  CopyPathSlots(device_end, prefix(device_end->depth));
   // Nothing below allocates or throws.
   ++clock_;
   ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
@@ -283,7 +286,10 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink out, Handle* loaded) {
     Refresh(x);
   });
   Touch(end);
-  LockPath(end, +1);
+  // One lock for the handle and, when there is something to copy, one pin
+  // for the copy: the path above stays on the device until the load lands,
+  // even if the request lets go first.
+  LockPath(end, copy.length() > 0 ? 2 : 1);
   Handle h;
   h.tree_id = id_;
   h.generation = end->generation;
@@ -334,6 +340,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok)
     Refresh(x);
     Refresh(x->parent);
   }
+  LockPath(end, -1);  // the copy's pin
   return true;
 }
 

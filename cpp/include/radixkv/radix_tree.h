@@ -282,15 +282,22 @@ class RadixTree {
   TierCopy FindLoad(const Handle& handle) const;
   /// Starts loading `copy` (from FindLoad): marks its nodes loading (not
   /// evictable from host), writes their host slots (the copy's source) to
-  /// `out`, and sets `*loaded` to a new handle for the whole match, with one
-  /// lock (its nodes are on the device once FinishLoad succeeds).
-  void BeginLoad(const TierCopy& copy, SlotSink out, Handle* loaded);
-  void BeginLoad(const TierCopy& copy, std::vector<int32_t>* host, Handle* loaded) {
-    BeginLoad(copy, SlotSink::Into(host), loaded);
+  /// `host` and the device slots of the path above them (`copy.start`
+  /// tokens, on the device) to `prefix`, and sets `*loaded` to a new handle
+  /// for the whole match, with one lock (its nodes are on the device once
+  /// FinishLoad succeeds). The copy also pins the path until FinishLoad, so
+  /// the part above stays on the device whatever the handle's owner does. An
+  /// empty copy (the part landed meanwhile) only makes the handle.
+  void BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, Handle* loaded);
+  void BeginLoad(const TierCopy& copy, std::vector<int32_t>* host, Handle* loaded,
+                 std::vector<int32_t>* prefix = nullptr) {
+    std::vector<int32_t> unused;
+    BeginLoad(copy, SlotSink::Into(host), SlotSink::Into(prefix ? prefix : &unused), loaded);
   }
   /// Ends a load: when `ok`, the nodes take the device slots `device[0,
   /// copy.length())` and are on the device; either way they are no longer
-  /// loading. Returns false (taking nothing) when the copy's node is gone.
+  /// loading and the copy's pin goes. Returns false (taking nothing) when the
+  /// copy's node is gone.
   bool FinishLoad(const TierCopy& copy, const int32_t* device, bool ok);
 
   /// Device leaves that the next `Evict(size)` would take and that have no

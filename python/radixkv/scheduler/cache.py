@@ -135,7 +135,7 @@ class CacheManager:
                 raise _core.OutOfCapacityError(
                     f"cannot load {n} tokens back from host: {room} device slots are free "
                     "or evictable")
-            loaded, host_slots = tree.begin_load(copy)
+            loaded, host_slots, prefix = tree.begin_load(copy)
         finally:
             self.unlock(handle)
         try:
@@ -147,8 +147,7 @@ class CacheManager:
             raise
         if n:
             tier.queue_load(copy, host_slots, device_slots, loaded)
-        indices = torch.cat([tree.handle_slots(handle), device_slots]) if n else \
-            tree.handle_slots(loaded)
+        indices = torch.cat([prefix, device_slots]) if n else prefix
         return loaded, indices.to(self.device, non_blocking=True)
 
     def _device_slots(self, handle) -> torch.Tensor:
@@ -315,18 +314,21 @@ class CacheManager:
 
     def loading_check(self) -> List[BaseCacheHandle]:
         """Applies finished loads: their nodes are on the device from now on.
-        Returns the handles (from `load_back`) whose loads failed: their pages
-        were freed; see `load_back`."""
+        Returns the handles (from `load_back`) whose loads failed since the
+        last call (also those found by another call that waited for loads):
+        their pages were freed; see `load_back`."""
         if self._tier is None:
             return []
-        return self._tier.loading_check(self._free_loaded)
+        self._tier.loading_check(self._free_loaded)
+        return self._tier.take_failed_loads()
 
     def _free_loaded(self, slots: torch.Tensor) -> None:
         self._pages.free(slots, self._tree)
 
     def _settle_loads(self) -> None:
+        # Failed loads found here wait for the scheduler's next loading_check().
         self._tier.controller.wait_loads()
-        self.loading_check()
+        self._tier.loading_check(self._free_loaded)
 
     def start_loading(self) -> None:
         """Starts the loads queued by `load_back` (`wait_layer` also does)."""

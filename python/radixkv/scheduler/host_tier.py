@@ -83,6 +83,7 @@ class HostTier:
         self._loads: Dict[int, Tuple[Copy, torch.Tensor, object]] = {}
         self._backup_tokens = 0  # host slots owned by backups in flight
         self._load_tokens = 0    # device slots owned by loads in flight
+        self._failed_loads: List[object] = []  # handles, until the scheduler takes them
         self.backed_up = self.loaded_back = self.host_evicted = 0
         self.backups_skipped = self.failed_copies = 0
 
@@ -171,11 +172,10 @@ class HostTier:
         self._loads[op] = (copy, device_slots, handle)
         self._load_tokens += len(device_slots)
 
-    def loading_check(self, free_device) -> List[object]:
+    def loading_check(self, free_device) -> None:
         """Applies finished loads to the tree: the nodes are on the device with
         the loads' pages, or, for a failed load, stay host only and the pages
-        are freed (`free_device`). Returns the handles of failed loads."""
-        failed = []
+        are freed (`free_device`); its handle waits in `take_failed_loads`."""
         for op, ok in self.controller.take_load_acks():
             copy, device_slots, handle = self._loads.pop(op)
             self._load_tokens -= len(device_slots)
@@ -186,7 +186,11 @@ class HostTier:
                 free_device(device_slots)
                 if not ok:
                     self.failed_copies += len(device_slots)
-                    failed.append(handle)
+                    self._failed_loads.append(handle)
+
+    def take_failed_loads(self) -> List[object]:
+        """The handles of loads that failed since the last call."""
+        failed, self._failed_loads = self._failed_loads, []
         return failed
 
     def check_not_loading(self, indices: torch.Tensor, name: str) -> None:
