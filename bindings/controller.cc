@@ -16,20 +16,9 @@
 namespace py = pybind11;
 
 namespace radixkv::bindings {
-namespace {
-
-// A pool's layout from Python: its buffer tensor (any shape; only the base
-// address matters) and (side, layer, page, row) strides in bytes, the page
-// size and the slot count. The controller's thread copies into the buffer,
-// so this keeps an alias of its own (`detach()`) alive: the storage stays
-// whatever is done to the tensor it was given.
-struct Pool {
-  py::object alias;
-  PoolLayout layout{};
-};
 
 Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name,
-              int64_t row_bytes, int64_t layers) {
+              int64_t row_bytes, int64_t layers, bool cuda) {
   if (strides.size() != 6) {
     throw py::value_error(std::string(name) + "_layout must be (side_stride, layer_stride, "
                           "page_stride, row_stride, page_size, num_slots)");
@@ -40,9 +29,12 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   t.Pin();
   t.Check();
   t.View();
-  if (t.device().device_type != kDLCPU) {
-    throw py::type_error(std::string(name) + " must be a CPU tensor for the CPU copy engine");
+  const DLDeviceType type = t.device().device_type;
+  if (cuda ? type != kDLCUDA : (type != kDLCPU && type != kDLCUDAHost)) {
+    throw py::type_error(std::string(name) + " must be a " + (cuda ? "CUDA" : "CPU") +
+                         " tensor, got one on device type " + std::to_string(type));
   }
+  p.device = t.device();
   p.alias = py::reinterpret_borrow<py::object>(t.object());
   p.layout = PoolLayout{t.data(), strides[0], strides[1], strides[2], strides[3], strides[4],
                         strides[5]};
@@ -66,6 +58,8 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   return p;
 }
 
+namespace {
+
 std::vector<int32_t> Slots(py::handle obj, const char* name) {
   Int32View v(obj, name);
   FinishViews(v);
@@ -80,50 +74,73 @@ py::list Acks(const std::vector<CopyAck>& acks) {
 
 class PyController {
  public:
+  // The CPU engine between two CPU pools.
   PyController(py::handle device, const std::vector<int64_t>& device_layout, py::handle host,
                const std::vector<int64_t>& host_layout, int64_t row_bytes, int64_t layers,
                bool manual)
-      : device_(ReadPool(device, device_layout, "device", row_bytes, layers)),
-        host_(ReadPool(host, host_layout, "host", row_bytes, layers)) {
+      : device_(ReadPool(device, device_layout, "device", row_bytes, layers, false)),
+        host_(ReadPool(host, host_layout, "host", row_bytes, layers, false)) {
     c_ = std::make_unique<CacheController>(
         MakeCpuCopyEngine(device_.layout, host_.layout, row_bytes, layers), manual);
   }
+  // Bookkeeping only: copies succeed at once.
   PyController(int64_t layers, bool manual) {
     if (layers < 1) throw py::value_error("layers must be >= 1");
     c_ = std::make_unique<CacheController>(MakeNullCopyEngine(layers), manual);
   }
+  // An engine another module made (radixkv._cuda.copy_engine), taken once.
+  PyController(py::capsule engine, bool manual) {
+    if (std::string(engine.name() ? engine.name() : "") != kEngineCapsule) {
+      throw py::type_error("engine must come from radixkv._cuda.copy_engine");
+    }
+    auto* box = engine.get_pointer<EngineBox>();
+    if (!box->engine) throw py::value_error("engine was already given to a CacheController");
+    device_ = std::move(box->device);
+    host_ = std::move(box->host);
+    engine_ = box->engine.get();
+    c_ = std::make_unique<CacheController>(std::move(box->engine), manual);
+  }
 
   uint64_t Backup(py::handle device, py::handle host) {
     std::vector<int32_t> d = Slots(device, "device_slots"), h = Slots(host, "host_slots");
+    Stream();
     if (d.size() != h.size()) throw py::value_error("device_slots and host_slots differ in length");
     return c_->Backup(std::move(d), std::move(h));
   }
   uint64_t Load(py::handle host, py::handle device) {
     std::vector<int32_t> h = Slots(host, "host_slots"), d = Slots(device, "device_slots");
     if (d.size() != h.size()) throw py::value_error("device_slots and host_slots differ in length");
+    Stream();
     return c_->Load(std::move(h), std::move(d));
   }
-  void StartLoading() { c_->StartLoading(); }
+  void StartLoading() {
+    Stream();
+    c_->StartLoading();
+  }
   void WaitLayer(py::handle layer) {
     const int64_t l = ToInt64(layer, "layer");
     if (l < 0 || l >= c_->num_layers()) {
       throw py::value_error("layer=" + std::to_string(l) + " is out of range for " +
                             std::to_string(c_->num_layers()) + " layers");
     }
+    Stream();
     py::gil_scoped_release nogil;
     c_->WaitLayer(l);
   }
   void Drain() {
+    Stream();
     py::gil_scoped_release nogil;
     c_->Drain();
   }
   void WaitLoads() {
+    Stream();
     py::gil_scoped_release nogil;
     c_->WaitLoads();
   }
   py::list TakeBackupAcks() { return Acks(c_->TakeBackupAcks()); }
   py::list TakeLoadAcks() { return Acks(c_->TakeLoadAcks()); }
   bool Complete(uint64_t id, bool ok) {
+    Stream();
     py::gil_scoped_release nogil;
     return c_->Complete(id, ok);
   }
@@ -132,7 +149,16 @@ class PyController {
   int64_t NumLayers() const { return c_->num_layers(); }
 
  private:
+  // A CUDA engine fences against, and makes wait, the caller's current stream
+  // (torch's, read here with the GIL held).
+  void Stream() {
+    if (engine_ != nullptr && device_.device.device_type == kDLCUDA) {
+      engine_->SetComputeStream(CurrentStream(device_.device));
+    }
+  }
+
   Pool device_, host_;  // declared first: destroyed after the controller's thread stops
+  CopyEngine* engine_ = nullptr;  // owned by c_; set for an engine from another module
   std::unique_ptr<CacheController> c_;
 };
 
@@ -142,8 +168,8 @@ int64_t TransferRowsNow(py::handle src, const std::vector<int64_t>& src_layout, 
                         const std::vector<int64_t>& dst_layout, int64_t row_bytes, int64_t layers,
                         py::handle src_slots, py::handle dst_slots, int64_t layer_begin,
                         int64_t layer_end) {
-  Pool s = ReadPool(src, src_layout, "src", row_bytes, layers);
-  Pool d = ReadPool(dst, dst_layout, "dst", row_bytes, layers);
+  Pool s = ReadPool(src, src_layout, "src", row_bytes, layers, false);
+  Pool d = ReadPool(dst, dst_layout, "dst", row_bytes, layers, false);
   std::vector<int32_t> a = Slots(src_slots, "src_slots"), b = Slots(dst_slots, "dst_slots");
   if (a.size() != b.size()) throw py::value_error("src_slots and dst_slots differ in length");
   if (layer_end < 0) layer_end = layers;
@@ -174,6 +200,7 @@ void RegisterController(py::module_& m) {
            py::arg("device"), py::arg("device_layout"), py::arg("host"), py::arg("host_layout"),
            py::arg("row_bytes"), py::arg("layers"), py::arg("manual") = false)
       .def(py::init<int64_t, bool>(), py::arg("layers"), py::arg("manual") = false)
+      .def(py::init<py::capsule, bool>(), py::arg("engine"), py::arg("manual") = false)
       .def("backup", &PyController::Backup, py::arg("device_slots"), py::arg("host_slots"))
       .def("load", &PyController::Load, py::arg("host_slots"), py::arg("device_slots"))
       .def("start_loading", &PyController::StartLoading)

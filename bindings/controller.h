@@ -1,11 +1,43 @@
-// radixkv._core.CacheController: the host tier's copy controller in Python.
+// radixkv._core.CacheController: the host tier's copy controller in Python,
+// and what radixkv._cuda shares with it to hand over a CUDA copy engine.
 #pragma once
 
+#include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "radixkv/cache_controller.h"
+#include "radixkv/transfer_index.h"
 
 namespace radixkv::bindings {
 
-/// Registers `CacheController` on `_core`.
+/// A pool's layout from Python: its buffer tensor and (side, layer, page,
+/// row) strides in bytes, the page size and the slot count. Keeps an alias of
+/// the tensor (`detach()`) alive, so the storage stays whatever is done to
+/// the tensor it was given while copies run on another thread.
+struct Pool {
+  pybind11::object alias;
+  PoolLayout layout{};
+  DLDevice device{};
+};
+
+/// Reads and checks a pool: every row the layout names lies inside the
+/// tensor's memory. `cuda`: the tensor may be on a CUDA device (else CPU).
+Pool ReadPool(pybind11::handle buffer, const std::vector<int64_t>& strides, const char* name,
+              int64_t row_bytes, int64_t layers, bool cuda);
+
+/// A copy engine in a capsule named kEngineCapsule, made by one extension
+/// module and taken by CacheController in another.
+struct EngineBox {
+  std::unique_ptr<CopyEngine> engine;
+  Pool device, host;  // the pools the engine copies between, kept alive
+};
+inline constexpr const char* kEngineCapsule = "radixkv.CopyEngine";
+
+/// Registers `CacheController` and `transfer_rows` on `_core`.
 void RegisterController(pybind11::module_& m);
 
 }  // namespace radixkv::bindings

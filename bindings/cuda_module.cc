@@ -3,15 +3,24 @@
 // libcudart. Arguments are checked by kernels.cc, exactly as on the CPU.
 #include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <vector>
 
 #include <optional>
 
 #include "compare.cuh"
+#include "controller.h"
+#include "copy_engine.cuh"
 #include "kernels.h"
 #include "radixkv/status.h"
 #include "store.cuh"
 
 namespace py = pybind11;
+using radixkv::bindings::EngineBox;
+using radixkv::bindings::kEngineCapsule;
+using radixkv::bindings::ReadPool;
 using radixkv::bindings::CheckCompareArgs;
 using radixkv::bindings::CheckStoreTensors;
 using radixkv::bindings::CurrentStream;
@@ -87,6 +96,28 @@ void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle k
   MarkWritten(out);
 }
 
+// The host tier's copy engine on CUDA, for radixkv._core.CacheController(engine).
+py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_layout,
+                       py::handle host, const std::vector<int64_t>& host_layout,
+                       int64_t row_bytes, int64_t layers, int max_blocks) {
+  auto box = std::make_unique<EngineBox>();
+  box->device = ReadPool(device, device_layout, "device", row_bytes, layers, true);
+  box->host = ReadPool(host, host_layout, "host", row_bytes, layers, false);
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, box->host.layout.base) != cudaSuccess ||
+      attr.type != cudaMemoryTypeHost) {
+    cudaGetLastError();  // clear the error an unregistered pointer leaves
+    throw py::value_error("host must be in pinned memory (HostKVCache(pin_memory=True))");
+  }
+  const int dev = box->device.device.device_id;
+  DeviceGuard guard(dev);
+  box->engine = radixkv::cuda::MakeCudaCopyEngine(box->device.layout, box->host.layout, row_bytes,
+                                                  layers, dev, max_blocks);
+  return py::capsule(box.release(), kEngineCapsule, [](PyObject* o) {
+    delete static_cast<EngineBox*>(PyCapsule_GetPointer(o, kEngineCapsule));
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
@@ -101,6 +132,9 @@ PYBIND11_MODULE(_cuda, m) {
           e.what());
     }
   });
+  m.def("copy_engine", &CopyEngine, py::arg("device"), py::arg("device_layout"), py::arg("host"),
+        py::arg("host_layout"), py::arg("row_bytes"), py::arg("layers"),
+        py::arg("max_blocks") = 16);
   m.def("store_cache", &Kernel_StoreCache, py::arg("k_cache"), py::arg("v_cache"),
         py::arg("out_loc"), py::arg("k"), py::arg("v"));
   m.def("first_mismatch_batched", &Kernel_FirstMismatchBatched, py::arg("query"), py::arg("keys"),

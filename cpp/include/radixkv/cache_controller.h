@@ -58,6 +58,10 @@ class CopyEngine {
   /// loads queued so far: nothing on the CPU; on CUDA, makes the current
   /// stream wait for that layer's copies.
   virtual void AfterLayer(int64_t layer) { (void)layer; }
+  /// On the scheduler's thread, before it queues or waits: the stream its
+  /// forward pass runs on (CUDA; fences are recorded on it and AfterLayer
+  /// makes it wait). Nothing on the CPU.
+  virtual void SetComputeStream(void* stream) { (void)stream; }
 };
 
 /// The CPU engine: memcpy of whole pages (TransferRows) between the device

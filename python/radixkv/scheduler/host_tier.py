@@ -69,12 +69,21 @@ class HostTier:
             self.pool: Optional[HostKVCache] = HostKVCache(kv_cache, host_num_pages,
                                                           layout=host_layout)
             row_bytes = kv_cache.local_kv_heads * kv_cache.head_dim * kv_cache.dtype.itemsize
-            if kv_cache.device.type != "cpu":
-                raise NotImplementedError(
-                    f"a host tier over a {kv_cache.device.type} pool needs the CUDA copy engine")
-            self.controller = _core.CacheController(
-                kv_cache.kv_buffer, list(kv_cache.copy_layout()), self.pool.kv_buffer,
-                list(self.pool.copy_layout()), row_bytes, kv_cache.num_layers, manual)
+            device_layout, host_layout = list(kv_cache.copy_layout()), list(self.pool.copy_layout())
+            kind = kv_cache.device.type
+            if kind == "cpu":
+                self.controller = _core.CacheController(
+                    kv_cache.kv_buffer, device_layout, self.pool.kv_buffer, host_layout,
+                    row_bytes, kv_cache.num_layers, manual)
+            elif kind == "cuda":
+                from radixkv import _cuda  # copy streams, events and the transfer kernel
+
+                engine = _cuda.copy_engine(kv_cache.kv_buffer, device_layout,
+                                           self.pool.kv_buffer, host_layout, row_bytes,
+                                           kv_cache.num_layers)
+                self.controller = _core.CacheController(engine, manual)
+            else:
+                raise NotImplementedError(f"no copy engine for a pool on {kind}")
         else:
             # Bookkeeping only (capacity planning): copies succeed at once.
             self.pool = None

@@ -1,0 +1,191 @@
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "copy_engine.cuh"
+#include "transfer.cuh"
+
+namespace radixkv::cuda {
+namespace {
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(e) + " (" +
+                             cudaGetErrorString(e) + ")");
+  }
+}
+
+// Makes `device` current on this thread for the scope.
+class OnDevice {
+ public:
+  explicit OnDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess || previous_ == device) {
+      previous_ = -1;
+    } else {
+      Check(cudaSetDevice(device), "cudaSetDevice");
+    }
+  }
+  ~OnDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// What one copy needs on the device, from Fence to Finish.
+struct JobState {
+  cudaEvent_t fence = nullptr;  // recorded on the compute stream when queued
+  cudaEvent_t done = nullptr;   // recorded on the copy stream after the copy
+  cudaStream_t stream = nullptr;
+  int32_t* slots = nullptr;     // src slots, then dst slots, on the device
+  bool staged = false;
+  bool failed = false;
+  int device = 0;
+
+  ~JobState() {
+    OnDevice on(device);
+    if (slots != nullptr) {
+      cudaStreamSynchronize(stream);
+      cudaFree(slots);
+    }
+    if (fence != nullptr) cudaEventDestroy(fence);
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+};
+
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  CudaCopyEngine(const PoolLayout& device_pool, const PoolLayout& host_pool, int64_t row_bytes,
+                 int64_t layers, int device, int max_blocks)
+      : device_pool_(device_pool),
+        host_pool_(host_pool),
+        row_bytes_(row_bytes),
+        layers_(layers),
+        device_(device),
+        max_blocks_(max_blocks) {
+    OnDevice on(device_);
+    Check(cudaStreamCreateWithFlags(&backup_stream_, cudaStreamNonBlocking), "backup stream");
+    Check(cudaStreamCreateWithFlags(&load_stream_, cudaStreamNonBlocking), "load stream");
+    layer_events_.resize(static_cast<size_t>(layers_));
+    for (cudaEvent_t& e : layer_events_) {
+      Check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "layer event");
+    }
+  }
+
+  ~CudaCopyEngine() override {
+    OnDevice on(device_);
+    cudaStreamSynchronize(backup_stream_);
+    cudaStreamSynchronize(load_stream_);
+    for (cudaEvent_t e : layer_events_) cudaEventDestroy(e);
+    cudaStreamDestroy(backup_stream_);
+    cudaStreamDestroy(load_stream_);
+  }
+
+  int64_t num_layers() const override { return layers_; }
+
+  void SetComputeStream(void* stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    compute_ = static_cast<cudaStream_t>(stream);
+  }
+
+  void Fence(CopyJob* job) override {
+    OnDevice on(device_);
+    auto state = std::make_shared<JobState>();
+    state->device = device_;
+    Check(cudaEventCreateWithFlags(&state->fence, cudaEventDisableTiming), "fence event");
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(cudaEventRecord(state->fence, compute_), "fence record");
+    job->fence = std::move(state);
+  }
+
+  bool CopyLayers(CopyJob* job, int64_t begin, int64_t end) override {
+    auto* state = static_cast<JobState*>(job->fence.get());
+    if (state == nullptr || state->failed) return false;
+    OnDevice on(device_);
+    const bool backup = job->kind == CopyJob::Kind::kBackup;
+    const int64_t n = static_cast<int64_t>(job->src.size());
+    if (!state->staged) {
+      state->stream = backup ? backup_stream_ : load_stream_;
+      const size_t bytes = static_cast<size_t>(n) * sizeof(int32_t);
+      cudaError_t e = cudaStreamWaitEvent(state->stream, state->fence, 0);
+      if (e == cudaSuccess && n > 0) {
+        e = cudaMallocAsync(reinterpret_cast<void**>(&state->slots), 2 * bytes, state->stream);
+      }
+      if (e == cudaSuccess && n > 0) {
+        e = cudaMemcpyAsync(state->slots, job->src.data(), bytes, cudaMemcpyHostToDevice,
+                            state->stream);
+      }
+      if (e == cudaSuccess && n > 0) {
+        e = cudaMemcpyAsync(state->slots + n, job->dst.data(), bytes, cudaMemcpyHostToDevice,
+                            state->stream);
+      }
+      state->staged = true;
+      if (e != cudaSuccess) return !(state->failed = true);
+    }
+    TransferParams p{backup ? device_pool_ : host_pool_, backup ? host_pool_ : device_pool_,
+                     row_bytes_, layers_, state->slots, state->slots + n, n, begin, end};
+    if (LaunchTransfer(p, state->stream, max_blocks_) != cudaSuccess) {
+      return !(state->failed = true);
+    }
+    if (!backup) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int64_t layer = begin; layer < end; ++layer) {
+        if (cudaEventRecord(layer_events_[layer], state->stream) != cudaSuccess) {
+          return !(state->failed = true);
+        }
+      }
+    }
+    return true;
+  }
+
+  bool Finish(CopyJob* job) override {
+    auto* state = static_cast<JobState*>(job->fence.get());
+    if (state == nullptr) return false;
+    if (!state->staged) return !state->failed;
+    OnDevice on(device_);
+    cudaError_t e = cudaEventCreateWithFlags(&state->done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(state->done, state->stream);
+    if (e == cudaSuccess) e = cudaEventSynchronize(state->done);
+    if (state->slots != nullptr) {
+      cudaFreeAsync(state->slots, state->stream);
+      state->slots = nullptr;
+    }
+    return e == cudaSuccess && !state->failed;
+  }
+
+  void AfterLayer(int64_t layer) override {
+    OnDevice on(device_);
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaStreamWaitEvent(compute_, layer_events_[layer], 0);
+  }
+
+ private:
+  const PoolLayout device_pool_, host_pool_;
+  const int64_t row_bytes_, layers_;
+  const int device_, max_blocks_;
+  cudaStream_t backup_stream_ = nullptr, load_stream_ = nullptr;
+  std::mutex mu_;                     // compute_ and the layer events
+  cudaStream_t compute_ = nullptr;    // the forward pass's stream (0: legacy default)
+  std::vector<cudaEvent_t> layer_events_;  // the latest load of each layer
+};
+
+}  // namespace
+
+std::unique_ptr<CopyEngine> MakeCudaCopyEngine(const PoolLayout& device_pool,
+                                               const PoolLayout& host_pool, int64_t row_bytes,
+                                               int64_t layers, int device, int max_blocks) {
+  if (row_bytes < 1 || layers < 1 || max_blocks < 1) {
+    throw std::invalid_argument("row_bytes, layers and max_blocks must be >= 1");
+  }
+  return std::make_unique<CudaCopyEngine>(device_pool, host_pool, row_bytes, layers, device,
+                                          max_blocks);
+}
+
+}  // namespace radixkv::cuda
