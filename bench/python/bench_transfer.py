@@ -27,34 +27,21 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
-import time
+import os
+import sys
 
 import torch
 
-from radixkv import _core
-from radixkv.kvcache import MHAKVCache
-from radixkv.kvcache.host_pool import HostKVCache
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_store import time_us  # noqa: E402  (median us per call, batched samples)
+
+from radixkv import _core  # noqa: E402
+from radixkv.kvcache import MHAKVCache  # noqa: E402
+from radixkv.kvcache.host_pool import HostKVCache  # noqa: E402
 
 HEADS, HEAD_DIM, DTYPE, LAYERS, PAGE = 8, 128, torch.bfloat16, 4, 16
 ROW = HEADS * HEAD_DIM * DTYPE.itemsize  # 2 KiB
 SETS = 2
-
-
-def time_us(fn, reps: int, min_batch_ns: float = 2e6) -> float:
-    """Median microseconds per call; calls are batched so a sample lasts >= 2 ms."""
-    fn()
-    t0 = time.perf_counter_ns()
-    fn()
-    one = max(time.perf_counter_ns() - t0, 1)
-    batch = max(1, int(min_batch_ns // one))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        for _ in range(batch):
-            fn()
-        samples.append((time.perf_counter_ns() - t0) / batch)
-    return statistics.median(samples) / 1e3
 
 
 _libc = ctypes.CDLL(None)
