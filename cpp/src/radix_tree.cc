@@ -566,6 +566,10 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
     if (!x->has_host()) {
       if (parent->children.empty()) parent->children.Clear();
       FreeNode(x);
+    } else {
+      // Its device pages are gone: a handle to its device part is stale, as
+      // if the node had been deleted (a match gives host-only nodes anew).
+      ++x->generation;
     }
     x = next;
   }

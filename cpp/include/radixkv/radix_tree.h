@@ -59,8 +59,9 @@ struct Node {
   bool backing_up = false;
   /// A load of this host-only node to the device is in flight.
   bool loading = false;
-  /// Bumped each time the id is freed, so handles to a dead node are
-  /// detected. 64 bits: a hot id recycled a billion times a second would take
+  /// Bumped each time the id is freed, and when the node leaves the device
+  /// for host only, so handles to a dead node (or to device pages that are
+  /// gone) are detected. 64 bits: a hot id recycled a billion times a second would take
   /// centuries to wrap around to a stale handle's value.
   uint64_t generation = 0;
   NodeArena::Slab* data_slab = nullptr;
@@ -209,7 +210,8 @@ class RadixTree {
   /// Evicts least recently used unlocked device leaves until at least `size`
   /// tokens are freed and writes their device slots, in eviction order, to
   /// `out(count)`; returns the count. Whole nodes go: one with a host copy
-  /// stays in the tree, host only; one without is deleted. Throws
+  /// stays in the tree, host only (handles to it become stale, as to a deleted
+  /// node); one without is deleted. Throws
   /// kInvalidArgument for `size < 0` and kOutOfCapacity for `size` beyond what
   /// can be freed, changing nothing; if `out` throws, nothing changed either.
   int64_t Evict(int64_t size, SlotSink out);

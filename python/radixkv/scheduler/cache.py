@@ -117,8 +117,9 @@ class CacheManager:
         if not self.manager.is_valid(handle):
             raise ValueError("handle is stale or belongs to another cache manager")
         if tier is None or handle.host_hit_len == 0:
+            indices = self._device_slots(handle)  # raises, changing nothing, if not there
             self.lock(handle)
-            return handle, self._device_slots(handle)
+            return handle, indices
         try:
             copy = tree.find_load(handle)
         except ValueError:
@@ -131,6 +132,11 @@ class CacheManager:
         self.lock(handle)  # the device part stays while room is made
         try:
             room = self._pages.num_free_pages * self.page_size + tree.size_info()[0]
+            if n > room and tier.backups_in_flight:
+                # Nodes being backed up are pinned: let their copies finish.
+                tier.controller.drain()
+                tier.writing_check()
+                room = self._pages.num_free_pages * self.page_size + tree.size_info()[0]
             if n > room:
                 raise _core.OutOfCapacityError(
                     f"cannot load {n} tokens back from host: {room} device slots are free "
