@@ -143,7 +143,7 @@ def _plot(points: List[dict], path: str, title: str) -> bool:
         host = [100 * p["host_hit_rate"] for p in points]
         ax.stackplot(xs, device, host, labels=["device (L1)", "host (L2)"], alpha=0.8)
         ax.plot(xs, [d + h for d, h in zip(device, host)], marker="o", color="black", lw=1)
-        ax.legend(loc="upper left")
+        ax.legend(loc="lower right")
         ax.set_xlabel("device KV capacity (tokens; host tier scaled with it)")
     else:
         ax.plot(xs, [100 * p["token_hit_rate"] for p in points], marker="o")
