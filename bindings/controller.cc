@@ -26,8 +26,8 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   if (row_bytes < 1 || layers < 1) throw py::value_error("row_bytes and layers must be >= 1");
   Pool p;
   Tensor t(buffer, name, Tensor::kWritten);
+  t.Check();  // on the caller's tensor (requires grad, lazy negation), then its alias
   t.Pin();
-  t.Check();
   t.View();
   const DLDeviceType type = t.device().device_type;
   if (cuda ? type != kDLCUDA : (type != kDLCPU && type != kDLCUDAHost)) {
@@ -44,18 +44,37 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
     throw py::value_error(std::string(name) + "_layout has a negative stride, a page size < 1 "
                           "or a negative slot count");
   }
+  if (l.num_slots > int64_t{1} << 31) {
+    throw py::value_error(std::string(name) + "_layout has more slots than int32 can name");
+  }
   // Every row the layout names must lie inside the tensor's memory: the last
-  // byte of the farthest row (strides are non-negative, so it is the last one).
+  // byte of the farthest row (strides are non-negative, so it is the last
+  // one), computed without overflow.
+  const auto [begin, end] = t.Extent();
+  p.bytes = end - begin;
   if (l.num_slots > 0) {
-    const auto [begin, end] = t.Extent();
-    const int64_t last = PoolRowOffset(l, 1, layers - 1, l.num_slots - 1) + row_bytes;
-    if (t.data() != begin || last > end - begin) {
+    const __int128 slot = l.num_slots - 1, page = slot / l.page_size;
+    const __int128 last = __int128{l.side_stride} + __int128{layers - 1} * l.layer_stride +
+                          page * l.page_stride + (slot - page * l.page_size) * l.row_stride +
+                          row_bytes;
+    if (t.data() != begin || last > p.bytes) {
       throw py::value_error(std::string(name) + "_layout reaches past the end of " + name +
-                            " (" + std::to_string(last) + " bytes needed, " +
-                            std::to_string(end - begin) + " there)");
+                            " (" + std::to_string(p.bytes) + " bytes there)");
     }
   }
   return p;
+}
+
+void Pool::CheckUnchanged(const char* name) const {
+  if (!alias) return;
+  Tensor t(alias, name);
+  t.Check();
+  t.View();
+  const auto [begin, end] = t.Extent();
+  if (t.data() != layout.base || end - begin != bytes) {
+    throw py::value_error(std::string(name) + "'s storage was resized or replaced after the "
+                          "controller was made: its copies would touch freed memory");
+  }
 }
 
 namespace {
@@ -149,9 +168,12 @@ class PyController {
   int64_t NumLayers() const { return c_->num_layers(); }
 
  private:
-  // A CUDA engine fences against, and makes wait, the caller's current stream
-  // (torch's, read here with the GIL held).
+  // Before anything is queued or waited for, with the GIL: the pools are
+  // still where they were (see Pool::CheckUnchanged), and a CUDA engine
+  // fences against, and makes wait, the caller's current stream (torch's).
   void Stream() {
+    device_.CheckUnchanged("device");
+    host_.CheckUnchanged("host");
     if (engine_ != nullptr && device_.device.device_type == kDLCUDA) {
       engine_->SetComputeStream(CurrentStream(device_.device));
     }
@@ -172,7 +194,7 @@ int64_t TransferRowsNow(py::handle src, const std::vector<int64_t>& src_layout, 
   Pool d = ReadPool(dst, dst_layout, "dst", row_bytes, layers, false);
   std::vector<int32_t> a = Slots(src_slots, "src_slots"), b = Slots(dst_slots, "dst_slots");
   if (a.size() != b.size()) throw py::value_error("src_slots and dst_slots differ in length");
-  if (layer_end < 0) layer_end = layers;
+  if (layer_end == -1) layer_end = layers;
   if (layer_begin < 0 || layer_begin > layer_end || layer_end > layers) {
     throw py::value_error("layers [" + std::to_string(layer_begin) + ", " +
                           std::to_string(layer_end) + ") are not within [0, " +

@@ -22,6 +22,12 @@ struct Pool {
   pybind11::object alias;
   PoolLayout layout{};
   DLDevice device{};
+  int64_t bytes = 0;  // the tensor's extent when read
+
+  /// Raises ValueError unless the storage is still where it was read: a
+  /// storage resized or replaced since (`resize_`, `set_` on the alias's
+  /// storage) would leave the copies writing freed memory. With the GIL.
+  void CheckUnchanged(const char* name) const;
 };
 
 /// Reads and checks a pool: every row the layout names lies inside the

@@ -188,6 +188,7 @@ Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length) noexcept {
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
   node->backing_up = node->loading = false;
+  node->copy_start = -1;
   ++num_nodes_;
   return node;
 }

@@ -55,11 +55,11 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
   int64_t freed = 0;
   while (freed < size) {
     if (host_heap_.empty()) {
-      const int64_t short_by = size - freed;
       put_back();
       throw Error(ErrorCode::kOutOfCapacity,
-                  StrCat("cannot evict size=", size, " host tokens: ", short_by,
-                         " more are held by copies in flight or their descendants"));
+                  StrCat("cannot evict size=", size, " host tokens: only ", freed,
+                         " can go now (of ", host_size_, " with a host copy, the rest are "
+                         "being loaded, or ancestors of host copies that stay)"));
     }
     Node* x = nodes_[host_heap_.top()].get();
     if (host_heap_.KeyAt(0) != x->timestamp) {
@@ -155,6 +155,7 @@ void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
     backing_up_size_ += x->length;
     Refresh(x->parent);
   });
+  end->copy_start = copy.start;
   LockPath(end, +1);  // its device pages are being read: a pin, like a lock
 }
 
@@ -166,6 +167,11 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
     std::memcpy(out, host, copy.length() * sizeof(int32_t));
     return copy.length();
   }
+  RADIXKV_CHECK(end->backing_up && end->copy_start == copy.start, kInvalid,
+                "copy is not a backup in flight: it was finished already, or its range is "
+                "not the one begun");
+  RADIXKV_CHECK(FindOutOfRange(host, copy.length()) < 0, kInvalid,
+                "host_slots has a negative slot");
   // Top down: a node takes its host slots only if its parent has a host copy
   // by then, so a failed parent cuts off the nodes below it.
   std::vector<Node*> nodes;
@@ -176,7 +182,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
   int64_t kept = 0;
   for (size_t k = 0; k < nodes.size(); ++k) {
     Node* x = nodes[k];
-    RADIXKV_CHECK(x->backing_up, kBroken, "node ", x->id, " finishes a backup it did not start");
+    RADIXKV_CHECK(x->backing_up, kInvalid, "node ", x->id, " finishes a backup it did not start");
     const bool parent_has = x->parent == root_ || x->parent->has_host() ||
                             (k > 0 && x->parent == nodes[k - 1] && take[k - 1]);
     take[k] = ok && parent_has;
@@ -201,7 +207,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
         stored_host_.RemoveAll(host + (x->depth - x->length - copy.start), x->length);
       }
     }
-    throw Error(kBroken, "a backup's host slots are already stored in the cache");
+    throw Error(kInvalid, "host_slots repeats a slot, or has one the cache already stores");
   }
   const int64_t refused = copy.length() - kept;
   int32_t* out = nullptr;
@@ -233,6 +239,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
       written += x->length;
     }
   }
+  end->copy_start = -1;
   LockPath(end, -1);
   for (Node* x : nodes) {
     Refresh(x);
@@ -244,12 +251,15 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
 // --- loads: host to device -------------------------------------------------------------
 
 TierCopy RadixTree::FindLoad(const Handle& handle) const {
-  RADIXKV_CHECK(handle.tree_id == id_, kInvalid, "handle belongs to another cache manager");
-  RADIXKV_CHECK(handle.host_node_id < nodes_.size() &&
-                    nodes_[handle.host_node_id]->generation == handle.host_generation,
-                kInvalid, "handle is stale: its host part was evicted or the cache was reset");
+  Node* device_end = Resolve(handle, "handle");
+  if (handle.host_node_id >= nodes_.size() ||
+      nodes_[handle.host_node_id]->generation != handle.host_generation) {
+    // The host part was evicted since the match: nothing is left to load.
+    return TierCopy{device_end->id, device_end->generation, device_end->depth,
+                    device_end->depth};
+  }
   Node* end = nodes_[handle.host_node_id].get();
-  Node* device_end = DeviceEnd(end);
+  device_end = DeviceEnd(end);
   for (Node* x = end; x != device_end; x = x->parent) {
     RADIXKV_CHECK(!x->loading, kInvalid,
                   "handle's host part is already being loaded: wait for it (loading_check) and "
@@ -286,6 +296,7 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix,
     Refresh(x);
   });
   Touch(end);
+  if (copy.length() > 0) end->copy_start = copy.start;
   // One lock for the handle and, when there is something to copy, one pin
   // for the copy: the path above stays on the device until the load lands,
   // even if the request lets go first.
@@ -305,10 +316,18 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix,
 bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok) {
   Node* end = ResolveCopy(copy);
   if (end == nullptr) return false;
+  RADIXKV_CHECK(end->loading && end->copy_start == copy.start, kInvalid,
+                "copy is not a load in flight: it was finished already, or its range is not "
+                "the one begun");
+  if (ok) {
+    const int64_t bad = FindOutOfRange(device, copy.length(), max_slots_);
+    RADIXKV_CHECK(bad < 0, kInvalid, "device_slots has slot ", bad < 0 ? 0 : device[bad],
+                  ", outside [0, max_slots)");
+  }
   std::vector<Node*> nodes;
   ForEachInCopy(end, copy, [&](Node* x, int64_t) { nodes.push_back(x); });
   for (Node* x : nodes) {
-    RADIXKV_CHECK(x->loading, kBroken, "node ", x->id, " finishes a load it did not start");
+    RADIXKV_CHECK(x->loading, kInvalid, "node ", x->id, " finishes a load it did not start");
   }
   if (ok) {
     SlotSet& s = stored_;
@@ -322,7 +341,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok)
         Node* x = nodes[k];
         s.RemoveAll(device + (x->depth - x->length - copy.start), x->length);
       }
-      throw Error(kBroken, "a load's device slots are already stored in the cache");
+      throw Error(kInvalid, "device_slots repeats a slot, or has one the cache already stores");
     }
   }
   // Nothing below allocates or throws. Top down, so each node's parent is on
@@ -340,6 +359,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok)
     Refresh(x);
     Refresh(x->parent);
   }
+  end->copy_start = -1;
   LockPath(end, -1);  // the copy's pin
   return true;
 }

@@ -1241,14 +1241,15 @@ def test_4987_bad_inputs_on_the_tier_paths_change_nothing():
     assert env.state() == before
 
     # A handle whose host part was evicted since (B's backup took the host
-    # pool): stale, refused, nothing changes.
+    # pool): load_back gives the device part only (here none), locked.
     h, _ = cm.match_req(A)
     assert h.host_hit_len == 8
     env.run(B)
     assert env.node_for(A) is None and cm.tier_counters.host_evicted == 8
     before = env.state()
-    with pytest.raises(ValueError):
-        cm.load_back(h)
+    h2, idx = cm.load_back(h)
+    assert h2.cached_len == h.cached_len == len(idx) and h2.lock_count == 1
+    cm.unlock(h2)
     assert env.state() == before
     env.check(idle=True)
 

@@ -59,6 +59,9 @@ struct Node {
   bool backing_up = false;
   /// A load of this host-only node to the device is in flight.
   bool loading = false;
+  /// Where the copy in flight that ends at this node starts (a backup or a
+  /// load; -1 when none): finishing a copy checks its range against it.
+  int64_t copy_start = -1;
   /// Bumped each time the id is freed, and when the node leaves the device
   /// for host only, so handles to a dead node (or to device pages that are
   /// gone) are detected. 64 bits: a hot id recycled a billion times a second would take
@@ -278,9 +281,11 @@ class RadixTree {
   /// the copy's node is gone, which only Reset does); returns how many.
   int64_t FinishBackup(const TierCopy& copy, const int32_t* host, bool ok, SlotSink rejected);
 
-  /// The host-only part of `handle`'s match, as a copy (empty when none),
-  /// starting at the deepest node now on the device. Throws kInvalidArgument
-  /// for a stale handle, or one whose host part has a load in flight.
+  /// The host-only part of `handle`'s match, as a copy starting at the
+  /// deepest node now on the device (empty when none is left: loaded since,
+  /// or evicted from host since, in which case the copy ends at the handle's
+  /// own node). Throws kInvalidArgument for a stale handle, or one whose host
+  /// part has a load in flight.
   TierCopy FindLoad(const Handle& handle) const;
   /// Starts loading `copy` (from FindLoad): marks its nodes loading (not
   /// evictable from host), writes their host slots (the copy's source) to

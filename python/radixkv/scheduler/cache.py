@@ -10,7 +10,13 @@ from radixkv import _core
 from radixkv._checks import as_count, as_int, int32_tensor, to_host
 from radixkv.kvcache import BaseCacheHandle, MHAKVCache, RadixCacheManager, create_cache_manager
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
-from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
+from radixkv.scheduler.host_tier import (
+    WRITE_POLICIES,
+    HostSizeInfo,
+    HostTier,
+    LayerWait,
+    TierCounters,
+)
 
 
 class CacheManager:
@@ -66,6 +72,14 @@ class CacheManager:
                     f"pages, got page_size={kv_cache.page_size} and {kv_cache.num_pages} pages")
         if host_num_pages and type != "radix":
             raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
+                             f"got {write_policy!r}")
+        if host_num_pages and kv_cache is not None:
+            hook = kv_cache._layer_wait
+            if hook is not None and hook.alive:
+                raise ValueError("kv_cache already backs the host tier of another CacheManager: "
+                                 "its k_cache(layer) waits for that tier's loads")
         self._pages = _core.PageAllocator(num_pages, page_size)
         self.manager = create_cache_manager(device, type, page_size,
                                             max_slots=num_pages * page_size)
@@ -81,7 +95,7 @@ class CacheManager:
                                   host_layout, kv_cache.num_layers if kv_cache else 1,
                                   bool(manual_copies))
             if kv_cache is not None:
-                kv_cache._layer_wait = self._tier.controller.wait_layer
+                kv_cache._layer_wait = LayerWait(self._tier.controller)
 
     # -- matching and locking -------------------------------------------------
 
@@ -111,15 +125,19 @@ class CacheManager:
 
         Evicts on the device if pages are missing (never the matched path);
         raises `radixkv.OutOfCapacityError`, changing nothing, when even that
-        cannot make room. Without a host part this is `lock(handle)`.
+        cannot make room. Without a host part this is `lock(handle)`; when the
+        host part was evicted from host since the match (another request's
+        backups needed the room), the returned handle covers the device part
+        only: check `cached_len`, never `handle.host_hit_len`, for what the
+        request may skip.
         """
         tier, tree = self._tier, self._tree
+        if not isinstance(handle, BaseCacheHandle):
+            raise TypeError(f"handle must be a cache handle, got {type(handle).__name__}")
         if not self.manager.is_valid(handle):
             raise ValueError("handle is stale or belongs to another cache manager")
         if tier is None or handle.host_hit_len == 0:
-            indices = self._device_slots(handle)  # raises, changing nothing, if not there
-            self.lock(handle)
-            return handle, indices
+            return self._lock_device_part(handle)
         try:
             copy = tree.find_load(handle)
         except ValueError:
@@ -128,6 +146,8 @@ class CacheManager:
             # Another request is loading this part: let it land, then take it.
             self._settle_loads()
             copy = tree.find_load(handle)
+        if copy[3] == handle.cached_len:  # nothing left beyond the device part
+            return self._lock_device_part(handle)
         n = copy[3] - copy[2]
         self.lock(handle)  # the device part stays while room is made
         try:
@@ -144,6 +164,8 @@ class CacheManager:
             loaded, host_slots, prefix = tree.begin_load(copy)
         finally:
             self.unlock(handle)
+        if n == 0:  # another request's load landed the whole part meanwhile
+            return loaded, prefix.to(self.device, non_blocking=True)
         try:
             self.make_room(n)
             device_slots = self._pages.allocate(n)
@@ -151,10 +173,14 @@ class CacheManager:
             tree.finish_load(copy, torch.zeros(n, dtype=torch.int32), False)
             tree.lock_handle(loaded, True)
             raise
-        if n:
-            tier.queue_load(copy, host_slots, device_slots, loaded)
-        indices = torch.cat([prefix, device_slots]) if n else prefix
+        tier.queue_load(copy, host_slots, device_slots, loaded)
+        indices = torch.cat([prefix, device_slots])
         return loaded, indices.to(self.device, non_blocking=True)
+
+    def _lock_device_part(self, handle) -> Tuple[BaseCacheHandle, torch.Tensor]:
+        indices = self._device_slots(handle)  # raises, changing nothing, if not there
+        self.lock(handle)
+        return handle, indices
 
     def _device_slots(self, handle) -> torch.Tensor:
         if self._tree is None:
@@ -239,9 +265,6 @@ class CacheManager:
         Returns (input_ids, indices, n, cached_len) with both sequences as
         CPU int32 tensors.
         """
-        if self._tier is not None and self._tier.loads_in_flight:
-            # The request's loads (and any on its path) join the tree first.
-            self._settle_loads()
         ids = int32_tensor(input_ids, "input_ids", self.device)
         idx = int32_tensor(indices, "indices", self.device)
         n, m = len(ids), len(idx)
@@ -257,6 +280,10 @@ class CacheManager:
             raise ValueError("old_handle is stale or belongs to another cache manager")
         if getattr(old_handle, "lock_count", 0) < 1:
             raise ValueError("old_handle is not locked: lock it after match_req")
+        if self._tier is not None and self._tier.loads_in_flight:
+            # The request's loads (and any on its path) join the tree before
+            # its slots are compared with the tree's.
+            self._settle_loads()
         cached = old_handle.cached_len
         if cached > n:
             raise ValueError(f"old_handle covers {cached} tokens but input_ids has only {n}")
@@ -346,8 +373,13 @@ class CacheManager:
         (starting them first). The pool given as `kv_cache` calls it from
         `k_cache(layer)` and `v_cache(layer)`."""
         layer = as_int(layer, "layer")
-        if self._tier is not None:
-            self._tier.controller.wait_layer(layer)
+        if layer < 0:
+            raise ValueError(f"layer must be >= 0, got {layer}")
+        tier = self._tier
+        if tier is not None:
+            # Without a pool the tier's bookkeeping has no layers: any is ready
+            # once the loads queued so far are.
+            tier.controller.wait_layer(layer if tier.pool is not None else 0)
 
     def drain(self) -> List[BaseCacheHandle]:
         """Waits for every copy queued so far and applies them all (backups,

@@ -3,6 +3,7 @@ copies in flight between the device pool and the host pool."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -41,6 +42,27 @@ class TierCounters(NamedTuple):
     host_evicted: int    # host copies dropped to make room
     backups_skipped: int  # backups not started: the host pool had no room
     failed_copies: int   # copies that reported failure
+
+
+class LayerWait:
+    """The device pool's hook (`MHAKVCache._layer_wait`): `k_cache(i)` and
+    `v_cache(i)` wait for layer i of the tier's loads. It holds the controller
+    weakly, so a discarded CacheManager does not keep its controller, thread
+    and host pool alive through the pool it used."""
+
+    __slots__ = ("_controller",)
+
+    def __init__(self, controller) -> None:
+        self._controller = weakref.ref(controller)
+
+    @property
+    def alive(self) -> bool:
+        return self._controller() is not None
+
+    def __call__(self, layer: int) -> None:
+        controller = self._controller()
+        if controller is not None:
+            controller.wait_layer(layer)
 
 
 class HostTier:
@@ -83,7 +105,8 @@ class HostTier:
                                            kv_cache.num_layers)
                 self.controller = _core.CacheController(engine, manual)
             else:
-                raise NotImplementedError(f"no copy engine for a pool on {kind}")
+                raise TypeError(f"kv_cache must be on the CPU or a CUDA device for the host "
+                                f"tier's copies, got one on {kind}")
         else:
             # Bookkeeping only (capacity planning): copies succeed at once.
             self.pool = None

@@ -1,0 +1,210 @@
+"""The host tier's native boundary under attack: one test per defect a review
+reproduced (layouts that overflow, storage resized under the controller, slot
+values and copy ranges forged into finish_backup / finish_load, a pool hook
+that outlived its manager, and smaller ones). The crashing cases run in a
+fresh interpreter, so a defect that comes back fails the test instead of
+ending the run."""
+
+import gc
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+from radixkv import _core
+from radixkv.kvcache import MHAKVCache
+from radixkv.scheduler import CacheManager
+
+
+def _in_subprocess(code: str, timeout: float = 120) -> str:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_layouts_whose_extent_overflows_int64_are_refused():
+    out = _in_subprocess("""
+import torch
+from radixkv import _core
+dev = torch.zeros(64, dtype=torch.uint8); host = torch.zeros(64, dtype=torch.uint8)
+ok = [0, 0, 8, 8, 1, 8]
+bad = [[0, 0, 8, 8, 1, 2**61], [2**63 - 1, 0, 8, 8, 1, 8], [0, 2**62, 8, 8, 1, 8],
+       [0, 0, 2**62, 8, 1, 8], [0, 0, 8, 2**62, 2, 8]]
+refused = 0
+for layout in bad:
+    for make in (lambda: _core.CacheController(dev, layout, host, ok, 8, 2),
+                 lambda: _core.CacheController(dev, ok, host, layout, 8, 2),
+                 lambda: _core.transfer_rows(dev, layout, host, ok, 8, 2, [0], [0])):
+        try:
+            make()
+        except ValueError as e:
+            assert "layout" in str(e), e
+            refused += 1
+for row_bytes in (2**63 - 1, 2**62):
+    try:
+        _core.CacheController(dev, ok, host, ok, row_bytes, 1)
+    except ValueError:
+        refused += 1
+print(refused)
+""")
+    assert int(out) == 5 * 3 + 2
+
+
+def test_a_pool_resized_under_the_controller_is_refused_not_written():
+    out = _in_subprocess("""
+import torch
+from radixkv import _core
+N = 1 << 20
+lay = [0, 0, 1024, 1024, 1, 1024]
+for resize in ("storage", "tensor"):
+    dev = torch.ones(N, dtype=torch.uint8); host = torch.zeros(N, dtype=torch.uint8)
+    c = _core.CacheController(dev, lay, host, lay, 1024, 1)
+    c.backup(list(range(8)), list(range(8))); c.drain()
+    if resize == "storage":
+        host.untyped_storage().resize_(0)
+    else:
+        host.resize_(N * 64)
+    for call in (lambda: c.backup([0], [0]), c.drain, lambda: c.wait_layer(0),
+                 lambda: c.load([0], [0])):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            assert "host" in str(e), e
+        else:
+            raise SystemExit(f"{resize}: a call went through after the resize")
+print("ok")
+""")
+    assert out.strip() == "ok"
+
+
+def _backed_up_tree():
+    """Tokens 0..9 and a branch 0..5 + [99, 98], both backed up, then evicted
+    to host only, and a load of the first begun."""
+    t = _core.RadixTree(1, max_slots=1000)
+    t.insert_prefix(list(range(10)), list(range(100, 110)))
+    t.insert_prefix(list(range(6)) + [99, 98], list(range(100, 106)) + [200, 201])
+    c = t.find_backup(list(range(10)))
+    t.begin_backup(c)
+    t.finish_backup(c, list(range(10)))
+    c = t.find_backup(list(range(6)) + [99, 98])
+    t.begin_backup(c)
+    t.finish_backup(c, [10, 11])
+    t.evict(12)
+    h, _ = t.match_prefix(list(range(10)) + [5])
+    c = t.find_load(h)
+    t.begin_load(c)
+    return t, c
+
+
+def test_finish_load_refuses_forged_ranges_and_bad_slots_changing_nothing():
+    t, c = _backed_up_tree()
+    before = t.dump(tiers=True)
+    n = c[3] - c[2]
+    for forged in [(c[0], c[1], 3, c[3]), (c[0], c[1], 6, c[3])]:
+        with pytest.raises(ValueError, match="not a load in flight"):
+            t.finish_load(forged, list(range(300, 300 + forged[3] - forged[2])))
+    for slots, what in [([1000] + list(range(301, 300 + n)), "max_slots"),
+                        ([-1] + list(range(301, 300 + n)), "max_slots"),
+                        ([300] * n, "repeats")]:
+        with pytest.raises(ValueError, match=what):
+            t.finish_load(c, slots)
+    assert t.dump(tiers=True) == before
+    t.check_integrity()
+    assert t.finish_load(c, list(range(300, 300 + n)))
+    t.check_integrity()
+    with pytest.raises(ValueError, match="not a load in flight"):  # finished twice
+        t.finish_load(c, list(range(400, 400 + n)))
+    t.check_integrity()
+
+
+def test_finish_backup_refuses_forged_ranges_and_bad_slots_changing_nothing():
+    t = _core.RadixTree(1)
+    t.insert_prefix(list(range(10)), list(range(100, 110)))
+    t.insert_prefix(list(range(6)) + [99, 98], list(range(100, 106)) + [200, 201])
+    c = t.find_backup(list(range(10)))
+    assert (c[2], c[3]) == (0, 10)
+    t.begin_backup(c)
+    before = t.dump(tiers=True)
+    for forged in [(c[0], c[1], 3, c[3]), (c[0], c[1], 6, c[3])]:
+        with pytest.raises(ValueError, match="not a backup in flight"):
+            t.finish_backup(forged, list(range(forged[3] - forged[2])))
+    with pytest.raises(ValueError, match="negative"):
+        t.finish_backup(c, [-7] + list(range(1, 10)))
+    with pytest.raises(ValueError, match="repeats"):
+        t.finish_backup(c, [3] * 10)
+    assert t.dump(tiers=True) == before
+    t.check_integrity()
+    assert len(t.finish_backup(c, list(range(10)))) == 0
+    with pytest.raises(ValueError, match="not a backup in flight"):
+        t.finish_backup(c, list(range(20, 30)))
+    t.check_integrity()
+    assert t.tier_sizes()[2] == 10
+
+
+def test_a_discarded_manager_lets_go_of_its_controller_and_its_pool():
+    pool = MHAKVCache(1, 2, 8, 16, torch.float16, page_size=4)
+    cm = CacheManager(16, page_size=4, host_num_pages=32, kv_cache=pool)
+    with pytest.raises(ValueError, match="already backs the host tier"):
+        CacheManager(16, page_size=4, host_num_pages=32, kv_cache=pool)
+    controller = weakref.ref(cm.controller)
+    del cm
+    gc.collect()
+    assert controller() is None  # the pool's hook held it weakly
+    pool.k_cache(0)              # a hook whose controller is gone waits for nothing
+    cm2 = CacheManager(16, page_size=4, host_num_pages=32, kv_cache=pool)
+    assert cm2.controller is not None
+
+
+def test_load_back_after_the_host_part_was_evicted_gives_the_device_part():
+    pool = MHAKVCache(1, 1, 4, 4, torch.float16)
+    cm = CacheManager(4, host_num_pages=8, kv_cache=pool)
+
+    def run(ids):
+        h, idx = cm.match_req(ids)
+        h, idx = cm.load_back(h)
+        own = cm.allocate(len(ids) - h.cached_len)
+        cm.free_and_cache_finished_req(h, ids, torch.cat([idx, own]))
+        cm.drain()
+
+    run([1, 2, 3, 4])
+    run([7, 8, 9, 10])
+    h, _ = cm.match_req([1, 2, 3, 4])
+    assert h.host_hit_len == 3
+    run([7, 8, 9, 10])
+    run([11, 12, 13, 14])  # its backups push [1, 2, 3] out of the host pool
+    h2, idx = cm.load_back(h)
+    assert h2.cached_len == h.cached_len == len(idx) and h2.lock_count == 1
+    cm.unlock(h2)
+    cm.check_integrity()
+
+
+def test_small_argument_errors_on_the_tier_paths():
+    pool = MHAKVCache(1, 2, 8, 8, torch.float16, page_size=2)
+    grad = torch.zeros(2 * 2 * 8 * 2 * 8, requires_grad=True)
+    lay = list(pool.copy_layout())
+    with pytest.raises((ValueError, TypeError), match="grad"):
+        _core.CacheController(grad, lay, pool.kv_buffer.clone(), lay, 16, 2)
+    buf = pool.kv_buffer.clone()
+    with pytest.raises(ValueError, match="layers"):
+        _core.transfer_rows(pool.kv_buffer, lay, buf, lay, 16, 2, [0], [1], 0, -2)
+    with pytest.raises(ValueError, match="write_policy"):
+        CacheManager(4, write_policy="bogus")
+    cm = CacheManager(8, page_size=2, host_num_pages=8, kv_cache=pool)
+    with pytest.raises(TypeError, match="handle"):
+        cm.load_back(None)
+    with pytest.raises(ValueError, match="layer"):
+        cm.wait_layer(-1)
+    with pytest.raises(ValueError, match="layer"):
+        cm.wait_layer(2)
+    bookkeeping = CacheManager(8, page_size=2, host_num_pages=8)
+    bookkeeping.wait_layer(5)  # no pool: no layers to wait for
+    meta = MHAKVCache(1, 1, 8, 8, torch.float16, page_size=2, device="meta")
+    with pytest.raises(TypeError, match="meta"):
+        CacheManager(8, page_size=2, host_num_pages=8, kv_cache=meta)
+    t = _core.RadixTree(1)
+    t.insert_prefix([1, 2], [0, 1])
+    with pytest.raises(_core.OutOfCapacityError, match="only 0 can go"):
+        t.evict_host(10)
