@@ -26,4 +26,45 @@ for page in (1, 4):
         try: cm.allocate(10**6)
         except RuntimeError: pass
     cm.check_integrity()
+
+# The host tier: the controller's thread, both engines, manual copies that
+# fail, loads, host eviction, and the tier's error paths.
+from radixkv import _core
+from radixkv.kvcache import MHAKVCache
+for manual in (False, True):
+    pool = MHAKVCache(1, 2, 8, 16, torch.float16, page_size=4)
+    cm = CacheManager(16, 4, host_num_pages=8, kv_cache=pool, manual_copies=manual,
+                      write_policy="write_back" if manual else "write_through")
+    for i in range(60):
+        ids = list(range(i % 9, i % 9 + 13))
+        h, c = cm.match_req(ids)
+        h, c = cm.load_back(h)
+        own = cm.allocate(len(ids) - h.cached_len)
+        pool.k_cache(1)
+        if manual:
+            for op in cm.controller.waiting()[::2]:
+                cm.controller.complete(op, i % 3 != 0)
+        failed = cm.loading_check()
+        if any(f is h for f in failed):
+            cm.unlock(h); cm.free(own)
+        else:
+            cm.free_and_cache_finished_req(h, ids, torch.cat([c, own]))
+        cm.drain()
+        for bad in ((None,), ([1.5],)):
+            try: cm.load_back(*bad)
+            except (TypeError, ValueError): pass
+    cm.check_integrity()
+    del cm
+t = _core.RadixTree(1)
+t.insert_prefix([1, 2, 3], [0, 1, 2])
+c = t.find_backup([1, 2, 3]); t.begin_backup(c)
+for bad in ([-1, 0, 1], [5, 5, 5], [1]):
+    try: t.finish_backup(c, bad)
+    except (TypeError, ValueError): pass
+t.finish_backup(c, [7, 8, 9]); t.evict(3); t.evict_host(3)
+for layout in ([0, 0, 8, 8, 1, 2**61], [0, 0, 8, 8, 1, 8]):
+    try:
+        _core.transfer_rows(torch.zeros(64, dtype=torch.uint8), layout,
+                            torch.zeros(64, dtype=torch.uint8), [0, 0, 8, 8, 1, 8], 8, 1, [0], [9])
+    except ValueError: pass
 print("ok")
