@@ -18,6 +18,7 @@
 #include "kernels.h"
 #include "radixkv/compare.h"
 #include "radixkv/page_allocator.h"
+#include "radixkv/page_hash.h"
 #include "radixkv/radix_tree.h"
 #include "radixkv/slot_set.h"
 #include "radixkv/status.h"
@@ -437,6 +438,52 @@ py::object Int32Tensor(py::handle values, const std::string& name) {
   return NewInt32Tensor(v.data(), v.size());
 }
 
+// The storage tier's page keys, as hex strings (a store's keys) or raw bytes.
+py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed, bool raw) {
+  Int32View ids(input_ids, "input_ids");
+  const int64_t page = ToInt64(page_size, "page_size");
+  if (page < 1) throw py::value_error("page_size must be >= 1, got " + std::to_string(page));
+  std::string seed_bytes;
+  if (!seed.is_none()) {
+    if (!PyBytes_Check(seed.ptr())) throw py::type_error("seed must be bytes or None");
+    seed_bytes = py::cast<std::string>(seed);
+    if (seed_bytes.size() != radixkv::kPageKeyBytes) {
+      throw py::value_error("seed must be 32 bytes, got " + std::to_string(seed_bytes.size()));
+    }
+  }
+  FinishViews(ids);
+  const int64_t pages = ids.size() / page;
+  std::string keys(static_cast<size_t>(pages * radixkv::kPageKeyBytes), '\0');
+  auto hash = [&] {
+    radixkv::PageKeys(ids.data(), ids.size(), page,
+                      seed_bytes.empty() ? nullptr
+                                         : reinterpret_cast<const uint8_t*>(seed_bytes.data()),
+                      reinterpret_cast<uint8_t*>(keys.data()));
+  };
+  if (ids.size() >= kReleaseGilTokens) {
+    ids.Own();
+    py::gil_scoped_release nogil;
+    hash();
+  } else {
+    hash();
+  }
+  if (raw) return py::bytes(keys);
+  static const char kHex[] = "0123456789abcdef";
+  py::list out(pages);
+  char text[2 * radixkv::kPageKeyBytes];
+  for (int64_t p = 0; p < pages; ++p) {
+    const auto* k = reinterpret_cast<const uint8_t*>(keys.data()) + p * radixkv::kPageKeyBytes;
+    for (int64_t i = 0; i < radixkv::kPageKeyBytes; ++i) {
+      text[2 * i] = kHex[k[i] >> 4];
+      text[2 * i + 1] = kHex[k[i] & 15];
+    }
+    PyObject* str = PyUnicode_FromStringAndSize(text, sizeof(text));
+    if (str == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), p, str);
+  }
+  return std::move(out);
+}
+
 constexpr const char* kMatchDoc =
     "match_prefix(input_ids) -> (handle, indices)\n\n"
     "Longest cached prefix of input_ids in whole pages: a handle (cached_len\n"
@@ -574,6 +621,11 @@ PYBIND11_MODULE(_core, m) {
   radixkv::bindings::RegisterController(m);
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
   m.def("int32_tensor", &Int32Tensor, py::arg("values"), py::arg("name") = "values");
+  m.def("page_keys", &PageKeys, py::arg("input_ids"), py::arg("page_size"),
+        py::arg("seed") = py::none(), py::arg("raw") = false,
+        "page_keys(input_ids, page_size, seed=None, raw=False) -> list of hex keys (or the\n"
+        "raw 32-byte keys back to back): the SHA-256 chain over the whole pages of\n"
+        "input_ids, seeded with `seed` (32 bytes) or, without one, SGLang's page hash.");
   m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));
   m.def("check_slots", &CheckSlots, py::arg("values"), py::arg("name"), py::arg("limit") = -1);
 

@@ -1,0 +1,23 @@
+// The storage tier's page keys: one SHA-256 chain over the pages of a token
+// sequence, so a page's key names the page and everything before it.
+#pragma once
+
+#include <cstdint>
+
+namespace radixkv {
+
+/// Bytes of one page key.
+inline constexpr int64_t kPageKeyBytes = 32;
+
+/// Writes the keys of the whole pages of `tokens[0, n)` to `out` (32 bytes
+/// each, `n / page_size` of them): key i = SHA256(key i-1 || the tokens of
+/// page i as little-endian uint32), where key -1 is `seed` (32 bytes) or, with
+/// no seed, nothing (the first page hashes its tokens alone: SGLang's page
+/// hash, so a store it wrote can be read). The seed is a fingerprint of what
+/// changes the bytes (model, dtype, layout, page size, shard, namespace), so
+/// two configurations never share a key. Throws std::invalid_argument for
+/// `n < 0` or `page_size < 1`, std::runtime_error if libcrypto fails.
+void PageKeys(const int32_t* tokens, int64_t n, int64_t page_size, const uint8_t* seed,
+              uint8_t* out);
+
+}  // namespace radixkv

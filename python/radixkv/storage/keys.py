@@ -1,0 +1,45 @@
+"""Page keys of the storage tier: a SHA-256 chain per page, seeded with a
+fingerprint of everything that changes a page's bytes."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import List, Optional, Union
+
+import torch
+
+from radixkv import _core
+from radixkv._checks import as_count, as_int
+
+
+def _field(value) -> bytes:
+    data = str(value).encode("utf-8")
+    return len(data).to_bytes(8, "little") + data
+
+
+def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size: int,
+                       layout: str, num_layers: int, kv_heads: int, head_dim: int,
+                       tp_rank: int = 0, tp_size: int = 1,
+                       namespace: Optional[str] = None) -> bytes:
+    """32 bytes naming a configuration's page bytes: the model, the K/V dtype,
+    the host layout, the page size, the shape of a page (layers, K/V heads on
+    this rank, head dim), the tensor-parallel shard and a user namespace
+    (SGLang's extra_key / vLLM's cache_salt). Two configurations that differ
+    in any of them get different keys for the same tokens, so they never read
+    each other's pages from a shared store."""
+    parts = [b"radixkv-page-v1", _field(model), _field(str(dtype).removeprefix("torch.")),
+             _field(as_count(page_size, "page_size")), _field(layout),
+             _field(as_count(num_layers, "num_layers")), _field(as_count(kv_heads, "kv_heads")),
+             _field(as_count(head_dim, "head_dim")), _field(as_int(tp_rank, "tp_rank")),
+             _field(as_count(tp_size, "tp_size")),
+             b"\x00" if namespace is None else b"\x01" + _field(namespace)]
+    return hashlib.sha256(b"".join(parts)).digest()
+
+
+def page_keys(input_ids, page_size: int, seed: Optional[bytes] = None) -> List[str]:
+    """Hex keys of the whole pages of `input_ids`: key i = SHA256(key i-1 ||
+    page i's tokens as little-endian uint32), key -1 being `seed` (32 bytes,
+    from `config_fingerprint`). Without a seed the chain is SGLang's page hash
+    (`get_hash_str`), so a store SGLang wrote can be read. Computed in C++
+    with OpenSSL's libcrypto."""
+    return _core.page_keys(input_ids, page_size, seed)
