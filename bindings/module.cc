@@ -185,7 +185,7 @@ py::object RadixTree_Dump(PyRadixTree& t, PyObject* const* a) {
 // A TierCopy crosses to Python as a tuple (node_id, generation, start, end).
 
 py::object CopyTuple(const radixkv::TierCopy& c) {
-  return py::make_tuple(c.node_id, c.generation, c.start, c.end);
+  return py::make_tuple(c.node_id, c.incarnation, c.start, c.end);
 }
 
 radixkv::TierCopy AsCopy(PyObject* o) {
@@ -198,7 +198,7 @@ radixkv::TierCopy AsCopy(PyObject* o) {
   const int64_t id = ToInt64(PyTuple_GET_ITEM(o, 0), "copy[0]");
   if (id < 0 || id > UINT32_MAX) throw py::value_error("copy[0] is not a node id");
   c.node_id = static_cast<uint32_t>(id);
-  c.generation = static_cast<uint64_t>(ToInt64(PyTuple_GET_ITEM(o, 1), "copy[1]"));
+  c.incarnation = static_cast<uint64_t>(ToInt64(PyTuple_GET_ITEM(o, 1), "copy[1]"));
   c.start = ToInt64(PyTuple_GET_ITEM(o, 2), "copy[2]");
   c.end = ToInt64(PyTuple_GET_ITEM(o, 3), "copy[3]");
   if (c.start < 0 || c.end < c.start) throw py::value_error("copy has a bad range");
@@ -208,7 +208,7 @@ radixkv::TierCopy AsCopy(PyObject* o) {
 py::object RadixTree_TierSizes(PyRadixTree& t, PyObject* const*) {
   const radixkv::TierSizes z = Locked(t, false, [&] { return t.tree.tier_sizes(); });
   return py::make_tuple(z.device_evictable, z.device_protected, z.host, z.host_only,
-                        z.backing_up, z.loading);
+                        z.backing_up, z.loading, z.storing);
 }
 
 py::object RadixTree_EvictHost(PyRadixTree& t, PyObject* const* a) {
@@ -284,6 +284,46 @@ py::object RadixTree_EvictionCandidatesWithoutHost(PyRadixTree& t, PyObject* con
   py::list out;
   for (const radixkv::TierCopy& c : copies) out.append(CopyTuple(c));
   return std::move(out);
+}
+
+// --- the storage tier ------------------------------------------------------------------
+
+py::object RadixTree_BeginStore(PyRadixTree& t, PyObject* const* a) {
+  Int32View ids(a[0], "input_ids");
+  const int64_t start = ToInt64(a[1], "start");
+  FinishViews(ids);
+  TensorSink host;
+  radixkv::TierCopy c;
+  const bool found = Locked(
+      t.mu, ids.size() >= kReleaseGilTokens,
+      [&] { return t.tree.BeginStore(ids.data(), ids.size(), start, host, &c); },
+      [&] { ids.Own(); });
+  if (!found) return py::none();
+  return py::make_tuple(CopyTuple(c), host.take());
+}
+
+py::object RadixTree_FinishStore(PyRadixTree& t, PyObject* const* a) {
+  const radixkv::TierCopy c = AsCopy(a[0]);
+  Locked(t, false, [&] { t.tree.FinishStore(c); });
+  return py::none();
+}
+
+py::object RadixTree_InsertHost(PyRadixTree& t, PyObject* const* a) {
+  Int32View ids(a[0], "input_ids");
+  const int64_t start = ToInt64(a[1], "start");
+  Int32View host(a[2], "host_slots");
+  FinishViews(ids, host);
+  if (start < 0 || start > ids.size() || host.size() != ids.size() - start) {
+    throw py::value_error("host_slots has length " + std::to_string(host.size()) +
+                          " but must cover input_ids[start:] (start=" + std::to_string(start) +
+                          ", " + std::to_string(ids.size()) + " tokens)");
+  }
+  TensorSink rejected;
+  Locked(
+      t.mu, ids.size() >= kReleaseGilTokens,
+      [&] { t.tree.InsertHost(ids.data(), ids.size(), start, host.data(), rejected); },
+      [&] { ids.Own(); host.Own(); });
+  return rejected.take();
 }
 
 py::object RadixTree_IsValid(PyRadixTree& t, PyObject* const* a) {
@@ -525,6 +565,9 @@ constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
 constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
 constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
 constexpr Params kCandidates{"eviction_candidates_without_host", {"size"}, 1, 1};
+constexpr Params kBeginStore{"begin_store", {"input_ids", "start"}, 2, 2};
+constexpr Params kFinishStore{"finish_store", {"copy"}, 1, 1};
+constexpr Params kInsertHost{"insert_host", {"input_ids", "start", "host_slots"}, 3, 3};
 
 template <py::object (*Impl)(PyRadixTree&, PyObject* const*), const Params& P>
 constexpr PyCFunction Fast() {
@@ -547,7 +590,8 @@ PyMethodDef kTreeMethods[] = {
      "Every node as (parent, tokens, slots, ref_count, timestamp); with tiers=True as\n"
      "(parent, tokens, device_slots, host_slots, ref_count, timestamp)."},
     {"tier_sizes", Fast<RadixTree_TierSizes, kTierSizes>(), kFastCall,
-     "(device_evictable, device_protected, host, host_only, backing_up, loading) tokens."},
+     "(device_evictable, device_protected, host, host_only, backing_up, loading, storing)\n"
+     "tokens."},
     {"evict_host", Fast<RadixTree_EvictHost, kEvictHost>(), kFastCall,
      "evict_host(size) -> host slots freed, least recently used host copies first."},
     {"find_backup", Fast<RadixTree_FindBackup, kFindBackup>(), kFastCall,
@@ -566,6 +610,14 @@ PyMethodDef kTreeMethods[] = {
     {"eviction_candidates_without_host",
      Fast<RadixTree_EvictionCandidatesWithoutHost, kCandidates>(), kFastCall,
      "The device leaves evict(size) would take that have no host copy, as backups."},
+    {"begin_store", Fast<RadixTree_BeginStore, kBeginStore>(), kFastCall,
+     "begin_store(input_ids, start) -> (copy, host slots) or None: pins on host the path's\n"
+     "host copy from token start on, while its pages are written to storage."},
+    {"finish_store", Fast<RadixTree_FinishStore, kFinishStore>(), kFastCall,
+     "finish_store(copy): the write to storage is over; unpins."},
+    {"insert_host", Fast<RadixTree_InsertHost, kInsertHost>(), kFastCall,
+     "insert_host(input_ids, start, host_slots) -> host slots not taken: pages read from\n"
+     "storage (input_ids[start:]) as host-only nodes under the path's host copy."},
     {"is_valid", Fast<RadixTree_IsValid, kIsValid>(), kFastCall,
      "Whether handle names a live node of this tree."},
     {"handle_slots", Fast<RadixTree_HandleSlots, kSlotsOfHandle>(), kFastCall,

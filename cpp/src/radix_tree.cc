@@ -187,8 +187,8 @@ Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length) noexcept {
   node->timestamp = clock_;
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
-  node->backing_up = node->loading = false;
-  node->copy_start = -1;
+  node->backing_up = node->loading = node->storing = false;
+  node->copy_start = node->store_start = -1;
   ++num_nodes_;
   return node;
 }
@@ -202,6 +202,7 @@ void RadixTree::FreeNode(Node* node) noexcept {
   node->length = 0;
   node->ref_count = 0;
   ++node->generation;
+  ++node->incarnation;
   free_ids_.push_back(node->id);  // room reserved by ReserveNodes
   --num_nodes_;
 }
@@ -303,6 +304,7 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   prefix->on_device = node->on_device;
   prefix->backing_up = node->backing_up;
   prefix->loading = node->loading;
+  prefix->storing = node->storing;
   prefix->device_children = node->on_device;
   prefix->host_children = node->has_host() || node->backing_up;
   prefix->children = std::move(plan->prefix_children);
@@ -589,7 +591,7 @@ void RadixTree::Reset() {
   stored_.Clear();
   stored_host_.Clear();
   evictable_size_ = protected_size_ = 0;
-  host_size_ = host_only_size_ = backing_up_size_ = loading_size_ = 0;
+  host_size_ = host_only_size_ = backing_up_size_ = loading_size_ = storing_size_ = 0;
   ++clock_;
 }
 
@@ -601,12 +603,14 @@ TierSizes RadixTree::tier_sizes() const noexcept {
   s.host_only = host_only_size_;
   s.backing_up = backing_up_size_;
   s.loading = loading_size_;
+  s.storing = storing_size_;
   return s;
 }
 
 void RadixTree::CheckIntegrity() const {
   int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, host_members = 0;
-  int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0;
+  int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0,
+          storing = 0;
   SlotSet seen, seen_host;
   std::vector<const Node*> stack{root_};
   RADIXKV_CHECK(root_->parent == nullptr && root_->length == 0 && root_->depth == 0, kBroken,
@@ -707,6 +711,9 @@ void RadixTree::CheckIntegrity() const {
     }
     backing_up += x->backing_up ? x->length : 0;
     loading += x->loading ? x->length : 0;
+    storing += x->storing ? x->length : 0;
+    RADIXKV_CHECK(!x->storing || x->has_host(), kBroken, "node ", x->id,
+                  " is being written to storage without a host copy");
   }
   RADIXKV_CHECK(stored_.Count() == device_tokens, kBroken, stored_.Count(),
                 " device slots are marked but ", device_tokens, " are stored");
@@ -723,6 +730,8 @@ void RadixTree::CheckIntegrity() const {
   RADIXKV_CHECK(host_tokens == host_size_ && host_only == host_only_size_, kBroken,
                 "host sizes are ", host_size_, " and ", host_only_size_, " host only, but nodes hold ",
                 host_tokens, " and ", host_only);
+  RADIXKV_CHECK(storing == storing_size_, kBroken, "writes to storage are counted as ",
+                storing_size_, " tokens, but nodes hold ", storing);
   RADIXKV_CHECK(backing_up == backing_up_size_ && loading == loading_size_, kBroken,
                 "copies in flight are counted as ", backing_up_size_, " backing up and ",
                 loading_size_, " loading, but nodes hold ", backing_up, " and ", loading);

@@ -24,7 +24,7 @@ void RadixTree::ForEachInCopy(Node* end, const TierCopy& copy, Fn fn) const {
 Node* RadixTree::ResolveCopy(const TierCopy& copy) const noexcept {
   if (copy.node_id >= nodes_.size()) return nullptr;
   Node* node = nodes_[copy.node_id].get();
-  if (node->generation != copy.generation || node->parent == nullptr ||
+  if (node->incarnation != copy.incarnation || node->parent == nullptr ||
       node->depth != copy.end) {
     return nullptr;
   }
@@ -123,7 +123,7 @@ bool RadixTree::FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits,
     top = top->parent;
   }
   copy->node_id = end->id;
-  copy->generation = end->generation;
+  copy->incarnation = end->incarnation;
   copy->start = top->depth - top->length;
   copy->end = end->depth;
   return true;
@@ -255,7 +255,7 @@ TierCopy RadixTree::FindLoad(const Handle& handle) const {
   if (handle.host_node_id >= nodes_.size() ||
       nodes_[handle.host_node_id]->generation != handle.host_generation) {
     // The host part was evicted since the match: nothing is left to load.
-    return TierCopy{device_end->id, device_end->generation, device_end->depth,
+    return TierCopy{device_end->id, device_end->incarnation, device_end->depth,
                     device_end->depth};
   }
   Node* end = nodes_[handle.host_node_id].get();
@@ -267,7 +267,7 @@ TierCopy RadixTree::FindLoad(const Handle& handle) const {
   }
   TierCopy copy;
   copy.node_id = end->id;
-  copy.generation = end->generation;
+  copy.incarnation = end->incarnation;
   copy.start = device_end->depth;
   copy.end = end->depth;
   return copy;
@@ -395,10 +395,118 @@ std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size) {
            !covered_already(top->parent)) {
       top = top->parent;
     }
-    out.push_back(TierCopy{x->id, x->generation, top->depth - top->length, x->depth});
+    out.push_back(TierCopy{x->id, x->incarnation, top->depth - top->length, x->depth});
   }
   for (uint32_t id : popped) heap_.Push(id, nodes_[id]->timestamp);
   return out;
+}
+
+// --- the storage tier: writes of host pages, pages read back -------------------------
+
+bool RadixTree::BeginStore(const int32_t* tokens, int64_t n, int64_t start, SlotSink host,
+                           TierCopy* copy) {
+  RADIXKV_CHECK(n >= 0 && start >= 0, kInvalid, "input length and start must be >= 0");
+  n -= n % page_size_;
+  Node* node;
+  Node* partial;
+  int64_t partial_len;
+  Walk(tokens, n, &node, &partial, &partial_len);
+  Node* end = node;  // the deepest node of the path with a host copy
+  while (end != root_ && !end->has_host()) end = end->parent;
+  if (end == root_ || end->depth <= start) return false;
+  Node* top = end;
+  while (top->depth - top->length > start) top = top->parent;
+  RADIXKV_CHECK(top->depth - top->length == start, kInvalid, "start=", start,
+                " is not where a node of the path begins");
+  for (Node* x = end;; x = x->parent) {
+    RADIXKV_CHECK(!x->storing, kInvalid, "node ", x->id, " is being written to storage already");
+    if (x == top) break;
+  }
+  int32_t* slots = host(end->depth - start);
+  // Nothing below allocates or throws.
+  ++clock_;
+  for (Node* x = end;; x = x->parent) {
+    std::memcpy(slots + (x->depth - x->length - start), x->host, x->length * sizeof(int32_t));
+    x->storing = true;
+    storing_size_ += x->length;
+    Refresh(x);
+    if (x == top) break;
+  }
+  end->store_start = start;
+  *copy = TierCopy{end->id, end->incarnation, start, end->depth};
+  return true;
+}
+
+void RadixTree::FinishStore(const TierCopy& copy) {
+  Node* end = ResolveCopy(copy);
+  if (end == nullptr) return;  // only Reset frees a node being written
+  RADIXKV_CHECK(end->storing && end->store_start == copy.start, kInvalid,
+                "copy is not a write to storage in flight: it was finished already, or its "
+                "range is not the one begun");
+  std::vector<Node*> nodes;
+  ForEachInCopy(end, copy, [&](Node* x, int64_t) { nodes.push_back(x); });
+  for (Node* x : nodes) {
+    RADIXKV_CHECK(x->storing, kInvalid, "node ", x->id, " finishes a write it did not start");
+  }
+  // Nothing below allocates or throws.
+  ++clock_;
+  for (Node* x : nodes) {
+    x->storing = false;
+    storing_size_ -= x->length;
+    Refresh(x);
+  }
+  end->store_start = -1;
+}
+
+int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,
+                              const int32_t* host, SlotSink rejected) {
+  RADIXKV_CHECK(start >= 0 && start % page_size_ == 0 && n >= start &&
+                    (n - start) % page_size_ == 0,
+                kInvalid, "pages read from storage must be whole pages from a page boundary");
+  const int64_t len = n - start;
+  RADIXKV_CHECK(FindOutOfRange(host, len) < 0, kInvalid, "host_slots has a negative slot");
+  Node* node;
+  Node* partial;
+  int64_t partial_len;
+  const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
+  const Node* attach = partial != nullptr ? partial : node;
+  const bool fits = pos >= start && pos < n && (attach == root_ || attach->has_host());
+  const int64_t take = fits ? n - pos : 0;
+  const int32_t* fresh = host + (n - take - start);
+  SplitPlan split;
+  Storage data, block;
+  bool marked = false;
+  try {
+    if (take > 0) {
+      const int64_t twice = stored_host_.AddAll(fresh, take);
+      RADIXKV_CHECK(twice < 0, kInvalid, "host_slots repeats a slot, or has one the cache "
+                    "already stores");
+      marked = true;
+      ReserveNodes((partial != nullptr) + 1);
+      if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + 1, &split);
+      data = Storage(&arena_, tokens + pos, fresh, take);  // slots: unused until on the device
+      block = Storage(&arena_, nullptr, fresh, take);
+      if (partial == nullptr) node->children.Reserve(node->children.size() + 1);
+    }
+    int32_t* out = rejected(len - take);
+    std::memcpy(out, host, (len - take) * sizeof(int32_t));
+  } catch (...) {
+    if (marked) stored_host_.RemoveAll(fresh, take);
+    throw;
+  }
+  if (take == 0) return 0;
+  // Nothing below allocates or throws.
+  ++clock_;
+  if (partial != nullptr) node = CommitSplit(&split);
+  Node* leaf = TakeNode(node, std::move(data), take);
+  node->children.Insert(leaf->child_key, leaf);
+  block.MoveToHost(leaf);
+  CountHost(leaf, +1);
+  ++node->host_children;
+  Touch(leaf);
+  Refresh(leaf);
+  Refresh(node);
+  return take;
 }
 
 }  // namespace radixkv

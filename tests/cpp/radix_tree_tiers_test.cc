@@ -380,5 +380,78 @@ TEST(RadixTreeTiersTest, RandomOperationsKeepEveryInvariant) {
   }
 }
 
+TEST(RadixTreeTiersTest, PagesBeingStoredStayOnHostUntilTheWriteEnds) {
+  RadixTree t;
+  int32_t next_host = 100;
+  const Ints a = {1, 2, 3, 4};
+  Insert(&t, a, {10, 11, 12, 13});
+  BackUp(&t, a, &next_host);
+  Match(&t, {1, 2});  // split: the write covers two nodes
+  Ints host;
+  TierCopy c;
+  ASSERT_TRUE(t.BeginStore(a.data(), 4, 0, SlotSink::Into(&host), &c));
+  EXPECT_EQ(host, Ints({100, 101, 102, 103}));
+  EXPECT_EQ(t.tier_sizes().storing, 4);
+  t.CheckIntegrity();
+  Ints freed;
+  t.Evict(4, &freed);  // device eviction: the nodes stay, host only
+  EXPECT_THROW(t.EvictHost(1, &freed), Error);  // pinned on host while being written
+  Ints again;
+  TierCopy c2;
+  EXPECT_THROW(t.BeginStore(a.data(), 4, 0, SlotSink::Into(&again), &c2), Error);
+  EXPECT_THROW(t.BeginStore(a.data(), 4, 1, SlotSink::Into(&again), &c2), Error);
+  EXPECT_THROW(t.FinishStore(TierCopy{c.node_id, c.incarnation, 2, c.end}), Error);  // forged
+  t.CheckIntegrity();
+  t.FinishStore(c);
+  EXPECT_THROW(t.FinishStore(c), Error);  // twice
+  EXPECT_EQ(t.tier_sizes().storing, 0);
+  t.EvictHost(4, &freed);
+  EXPECT_EQ(t.num_nodes(), 0);
+  t.CheckIntegrity();
+  EXPECT_FALSE(t.BeginStore(a.data(), 4, 0, SlotSink::Into(&again), &c2));  // nothing on host
+}
+
+TEST(RadixTreeTiersTest, PagesReadFromStorageBecomeHostOnlyNodesUnderAHostPath) {
+  RadixTree t(2);
+  int32_t next_host = 100;
+  Insert(&t, {1, 2, 3, 4}, {10, 11, 12, 13});
+  BackUp(&t, {1, 2, 3, 4}, &next_host);
+  // Pages of {1, 2, 3, 4, 5, 6, 7, 8} from 2 on: {3, 4} is cached already.
+  const Ints tokens = {1, 2, 3, 4, 5, 6, 7, 8};
+  Ints rejected;
+  EXPECT_EQ(t.InsertHost(tokens.data(), 8, 2, Iota(200, 6).data(), SlotSink::Into(&rejected)),
+            4);
+  EXPECT_EQ(rejected, Ints({200, 201}));
+  t.CheckIntegrity();
+  Ints slots;
+  Handle h = Match(&t, {1, 2, 3, 4, 5, 6, 7, 8, 9}, &slots);
+  EXPECT_EQ(h.cached_len, 4);
+  EXPECT_EQ(h.host_hit_len, 4);
+  // Under a device-only node (no host copy) nothing is attached.
+  Insert(&t, {9, 9, 8, 8}, {20, 21, 22, 23});
+  const Ints other = {9, 9, 8, 8, 7, 7};
+  EXPECT_EQ(t.InsertHost(other.data(), 6, 4, Iota(300, 2).data(), SlotSink::Into(&rejected)),
+            0);
+  EXPECT_EQ(rejected, Ints({300, 301}));
+  // Inside a node with a host copy: it splits, the new leaf hangs off the prefix.
+  const Ints inside = {1, 2, 3, 4, 5, 6, 1, 1};
+  EXPECT_EQ(t.InsertHost(inside.data(), 8, 6, Iota(400, 2).data(), SlotSink::Into(&rejected)),
+            2);
+  EXPECT_TRUE(rejected.empty());
+  t.CheckIntegrity();
+  // A host slot the tree has, or a repeated one, is refused with nothing changed.
+  const Ints fresh = {5, 5, 5, 5};
+  EXPECT_THROW(t.InsertHost(fresh.data(), 4, 0, Ints({100, 500, 501, 502}).data(),
+                            SlotSink::Into(&rejected)),
+               Error);
+  EXPECT_THROW(t.InsertHost(fresh.data(), 4, 0, Ints({600, 600, 601, 602}).data(),
+                            SlotSink::Into(&rejected)),
+               Error);
+  EXPECT_THROW(t.InsertHost(fresh.data(), 3, 0, Ints({1, 2, 3}).data(), SlotSink::Into(&rejected)),
+               Error);
+  t.CheckIntegrity();
+  EXPECT_EQ(t.tier_sizes().host, 4 + 4 + 2);
+}
+
 }  // namespace
 }  // namespace radixkv

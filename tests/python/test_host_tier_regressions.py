@@ -186,7 +186,7 @@ class Env:
     def check(self, idle=False, held=None, content=True):
         cm, ps = self.cm, self.ps
         cm.check_integrity()
-        ev, prot, host, host_only, backing, loading = cm._tree.tier_sizes()
+        ev, prot, host, host_only, backing, loading, _ = cm._tree.tier_sizes()
         info = cm.host_size_info
         assert (info.cached, info.host_only, info.backing_up, info.loading) == \
             (host, host_only, backing, loading)

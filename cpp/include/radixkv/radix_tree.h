@@ -59,9 +59,16 @@ struct Node {
   bool backing_up = false;
   /// A load of this host-only node to the device is in flight.
   bool loading = false;
+  /// Its host pages are being written to storage (not evictable from host).
+  bool storing = false;
   /// Where the copy in flight that ends at this node starts (a backup or a
   /// load; -1 when none): finishing a copy checks its range against it.
   int64_t copy_start = -1;
+  /// The same for a write to storage that ends at this node.
+  int64_t store_start = -1;
+  /// Bumped each time the id is freed (only then): copies in flight name
+  /// their node by it, since a node may leave the device meanwhile.
+  uint64_t incarnation = 0;
   /// Bumped each time the id is freed, and when the node leaves the device
   /// for host only, so handles to a dead node (or to device pages that are
   /// gone) are detected. 64 bits: a hot id recycled a billion times a second would take
@@ -110,7 +117,9 @@ struct Handle {
 /// keeps the deeper part in the node).
 struct TierCopy {
   uint32_t node_id = 0;
-  uint64_t generation = 0;
+  /// The node's incarnation: bumped only when its id is freed, so a copy
+  /// stays valid while its node moves between the tiers.
+  uint64_t incarnation = 0;
   int64_t start = 0;
   int64_t end = 0;
   int64_t length() const noexcept { return end - start; }
@@ -124,6 +133,7 @@ struct TierSizes {
   int64_t host_only = 0;         ///< with a host copy and not on the device
   int64_t backing_up = 0;        ///< on the device, a backup in flight
   int64_t loading = 0;           ///< host only, a load in flight
+  int64_t storing = 0;           ///< with a host copy, a write to storage in flight
 };
 
 /// One node as seen by `RadixTree::Dump`: tokens, slots and bookkeeping.
@@ -307,6 +317,28 @@ class RadixTree {
   /// copy's node is gone.
   bool FinishLoad(const TierCopy& copy, const int32_t* device, bool ok);
 
+  /// The storage tier. Starts writing the host pages of `tokens[0, n)`'s
+  /// path from token `start` (a node boundary) to the deepest node with a
+  /// host copy: pins those nodes on host (not evictable there) and writes
+  /// their host slots to `host`. Returns false, changing nothing, when that
+  /// part is empty. Throws kInvalidArgument if `start` is not a node
+  /// boundary of the path or a node there is being written already.
+  bool BeginStore(const int32_t* tokens, int64_t n, int64_t start, SlotSink host,
+                  TierCopy* copy);
+  /// Ends a write to storage (success or not: storage has no state here):
+  /// unpins the nodes. A copy whose node is gone (Reset) is ignored.
+  void FinishStore(const TierCopy& copy);
+  /// Adds pages read from storage as host-only nodes: `host[0, n - start)`
+  /// are host slots holding the K/V of `tokens[start, n)` (whole pages). The
+  /// part already in the tree keeps what it has; the rest becomes one
+  /// host-only node under the path, which must end at a node with a host copy
+  /// (or the root) at or after `start`. Writes the host slots not taken to
+  /// `rejected` (all of them when the path no longer reaches `start` with a
+  /// host copy) and returns the tokens taken. Throws kInvalidArgument for a
+  /// negative or repeated host slot, or one the tree stores already.
+  int64_t InsertHost(const int32_t* tokens, int64_t n, int64_t start, const int32_t* host,
+                     SlotSink rejected);
+
   /// Device leaves that the next `Evict(size)` would take and that have no
   /// host copy (their end nodes as copies, oldest first): under write_back
   /// they are backed up before eviction. Changes nothing visible.
@@ -384,7 +416,7 @@ class RadixTree {
     return x->on_device && x->ref_count == 0 && x->device_children == 0;
   }
   bool HostEvictable(const Node* x) const noexcept {
-    return x->has_host() && x->host_children == 0 && !x->loading &&
+    return x->has_host() && x->host_children == 0 && !x->loading && !x->storing &&
            (x->on_device || x->ref_count == 0);
   }
   // Sets whether `x` is on the device (or has host storage), keeping the
@@ -428,6 +460,7 @@ class RadixTree {
   int64_t host_only_size_ = 0;
   int64_t backing_up_size_ = 0;
   int64_t loading_size_ = 0;
+  int64_t storing_size_ = 0;
   int64_t num_nodes_ = 0;
 };
 

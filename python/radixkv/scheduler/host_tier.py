@@ -249,7 +249,7 @@ class HostTier:
         return self._load_tokens
 
     def size_info(self) -> HostSizeInfo:
-        _, _, host, host_only, backing_up, loading = self.tree.tier_sizes()
+        _, _, host, host_only, backing_up, loading, _ = self.tree.tier_sizes()
         return HostSizeInfo(self.num_pages * self.page_size,
                             self.pages.num_free_pages * self.page_size, host, host_only,
                             backing_up, loading)
