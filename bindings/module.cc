@@ -289,17 +289,21 @@ py::object RadixTree_EvictionCandidatesWithoutHost(PyRadixTree& t, PyObject* con
 // --- the storage tier ------------------------------------------------------------------
 
 py::object RadixTree_BeginStore(PyRadixTree& t, PyObject* const* a) {
-  Int32View ids(a[0], "input_ids");
-  const int64_t start = ToInt64(a[1], "start");
-  FinishViews(ids);
-  TensorSink host;
+  const radixkv::TierCopy from = AsCopy(a[0]);
+  TensorSink host, tokens;
   radixkv::TierCopy c;
-  const bool found = Locked(
-      t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { return t.tree.BeginStore(ids.data(), ids.size(), start, host, &c); },
-      [&] { ids.Own(); });
+  const bool found =
+      Locked(t, false, [&] { return t.tree.BeginStore(from, host, tokens, &c); });
   if (!found) return py::none();
-  return py::make_tuple(CopyTuple(c), host.take());
+  return py::make_tuple(CopyTuple(c), host.take(), tokens.take());
+}
+
+py::object RadixTree_StoragePrefixEnd(PyRadixTree& t, PyObject* const* a) {
+  Int32View ids(a[0], "input_ids");
+  FinishViews(ids);
+  return py::int_(Locked(
+      t.mu, ids.size() >= kReleaseGilTokens,
+      [&] { return t.tree.StoragePrefixEnd(ids.data(), ids.size()); }, [&] { ids.Own(); }));
 }
 
 py::object RadixTree_FinishStore(PyRadixTree& t, PyObject* const* a) {
@@ -565,8 +569,9 @@ constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
 constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
 constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
 constexpr Params kCandidates{"eviction_candidates_without_host", {"size"}, 1, 1};
-constexpr Params kBeginStore{"begin_store", {"input_ids", "start"}, 2, 2};
+constexpr Params kBeginStore{"begin_store", {"copy"}, 1, 1};
 constexpr Params kFinishStore{"finish_store", {"copy"}, 1, 1};
+constexpr Params kStoragePrefixEnd{"storage_prefix_end", {"input_ids"}, 1, 1};
 constexpr Params kInsertHost{"insert_host", {"input_ids", "start", "host_slots"}, 3, 3};
 
 template <py::object (*Impl)(PyRadixTree&, PyObject* const*), const Params& P>
@@ -611,8 +616,11 @@ PyMethodDef kTreeMethods[] = {
      Fast<RadixTree_EvictionCandidatesWithoutHost, kCandidates>(), kFastCall,
      "The device leaves evict(size) would take that have no host copy, as backups."},
     {"begin_store", Fast<RadixTree_BeginStore, kBeginStore>(), kFastCall,
-     "begin_store(input_ids, start) -> (copy, host slots) or None: pins on host the path's\n"
-     "host copy from token start on, while its pages are written to storage."},
+     "begin_store(backup) -> (copy, host slots, path tokens) or None: pins on host what a\n"
+     "finished backup gave a host copy, while its pages are written to storage."},
+    {"storage_prefix_end", Fast<RadixTree_StoragePrefixEnd, kStoragePrefixEnd>(), kFastCall,
+     "storage_prefix_end(input_ids) -> where pages from storage would join the path\n"
+     "(its match, in whole pages), or -1 when the match ends on a node without a host copy."},
     {"finish_store", Fast<RadixTree_FinishStore, kFinishStore>(), kFastCall,
      "finish_store(copy): the write to storage is over; unpins."},
     {"insert_host", Fast<RadixTree_InsertHost, kInsertHost>(), kFastCall,

@@ -403,37 +403,37 @@ std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size) {
 
 // --- the storage tier: writes of host pages, pages read back -------------------------
 
-bool RadixTree::BeginStore(const int32_t* tokens, int64_t n, int64_t start, SlotSink host,
+bool RadixTree::BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens,
                            TierCopy* copy) {
-  RADIXKV_CHECK(n >= 0 && start >= 0, kInvalid, "input length and start must be >= 0");
-  n -= n % page_size_;
-  Node* node;
-  Node* partial;
-  int64_t partial_len;
-  Walk(tokens, n, &node, &partial, &partial_len);
-  Node* end = node;  // the deepest node of the path with a host copy
+  Node* x = ResolveCopy(from);
+  if (x == nullptr) return false;  // gone since (evicted from both tiers, or Reset)
+  Node* end = x;  // the deepest node of the range with a host copy
   while (end != root_ && !end->has_host()) end = end->parent;
-  if (end == root_ || end->depth <= start) return false;
+  if (end == root_ || end->depth <= from.start) return false;
   Node* top = end;
-  while (top->depth - top->length > start) top = top->parent;
-  RADIXKV_CHECK(top->depth - top->length == start, kInvalid, "start=", start,
+  while (top->depth - top->length > from.start) top = top->parent;
+  RADIXKV_CHECK(top->depth - top->length == from.start, kInvalid, "start=", from.start,
                 " is not where a node of the path begins");
-  for (Node* x = end;; x = x->parent) {
-    RADIXKV_CHECK(!x->storing, kInvalid, "node ", x->id, " is being written to storage already");
-    if (x == top) break;
+  for (Node* y = end;; y = y->parent) {
+    RADIXKV_CHECK(!y->storing, kInvalid, "node ", y->id, " is being written to storage already");
+    if (y == top) break;
   }
-  int32_t* slots = host(end->depth - start);
+  int32_t* slots = host(end->depth - from.start);
+  int32_t* path = tokens(end->depth);
   // Nothing below allocates or throws.
   ++clock_;
-  for (Node* x = end;; x = x->parent) {
-    std::memcpy(slots + (x->depth - x->length - start), x->host, x->length * sizeof(int32_t));
-    x->storing = true;
-    storing_size_ += x->length;
-    Refresh(x);
-    if (x == top) break;
+  for (Node* y = end; y != root_; y = y->parent) {
+    std::memcpy(path + (y->depth - y->length), y->key(), y->length * sizeof(int32_t));
   }
-  end->store_start = start;
-  *copy = TierCopy{end->id, end->incarnation, start, end->depth};
+  for (Node* y = end;; y = y->parent) {
+    std::memcpy(slots + (y->depth - y->length - from.start), y->host, y->length * sizeof(int32_t));
+    y->storing = true;
+    storing_size_ += y->length;
+    Refresh(y);
+    if (y == top) break;
+  }
+  end->store_start = from.start;
+  *copy = TierCopy{end->id, end->incarnation, from.start, end->depth};
   return true;
 }
 
@@ -456,6 +456,17 @@ void RadixTree::FinishStore(const TierCopy& copy) {
     Refresh(x);
   }
   end->store_start = -1;
+}
+
+int64_t RadixTree::StoragePrefixEnd(const int32_t* tokens, int64_t n) const {
+  RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
+  n -= n % page_size_;
+  Node* node;
+  Node* partial;
+  int64_t partial_len;
+  const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
+  const Node* attach = partial != nullptr ? partial : node;
+  return attach == root_ || attach->has_host() ? pos : -1;
 }
 
 int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,

@@ -385,12 +385,15 @@ TEST(RadixTreeTiersTest, PagesBeingStoredStayOnHostUntilTheWriteEnds) {
   int32_t next_host = 100;
   const Ints a = {1, 2, 3, 4};
   Insert(&t, a, {10, 11, 12, 13});
-  BackUp(&t, a, &next_host);
+  Ints host, rejected;
+  const TierCopy backup = StartBackup(&t, a, &next_host, &host);
+  ASSERT_EQ(t.FinishBackup(backup, host.data(), true, SlotSink::Into(&rejected)), 0);
   Match(&t, {1, 2});  // split: the write covers two nodes
-  Ints host;
+  Ints slots, tokens;
   TierCopy c;
-  ASSERT_TRUE(t.BeginStore(a.data(), 4, 0, SlotSink::Into(&host), &c));
-  EXPECT_EQ(host, Ints({100, 101, 102, 103}));
+  ASSERT_TRUE(t.BeginStore(backup, SlotSink::Into(&slots), SlotSink::Into(&tokens), &c));
+  EXPECT_EQ(slots, Ints({100, 101, 102, 103}));
+  EXPECT_EQ(tokens, a);
   EXPECT_EQ(t.tier_sizes().storing, 4);
   t.CheckIntegrity();
   Ints freed;
@@ -398,17 +401,19 @@ TEST(RadixTreeTiersTest, PagesBeingStoredStayOnHostUntilTheWriteEnds) {
   EXPECT_THROW(t.EvictHost(1, &freed), Error);  // pinned on host while being written
   Ints again;
   TierCopy c2;
-  EXPECT_THROW(t.BeginStore(a.data(), 4, 0, SlotSink::Into(&again), &c2), Error);
-  EXPECT_THROW(t.BeginStore(a.data(), 4, 1, SlotSink::Into(&again), &c2), Error);
+  EXPECT_THROW(t.BeginStore(backup, SlotSink::Into(&again), SlotSink::Into(&again), &c2), Error);
+  EXPECT_THROW(t.BeginStore(TierCopy{backup.node_id, backup.incarnation, 1, backup.end},
+                            SlotSink::Into(&again), SlotSink::Into(&again), &c2),
+               Error);  // not a node boundary
   EXPECT_THROW(t.FinishStore(TierCopy{c.node_id, c.incarnation, 2, c.end}), Error);  // forged
   t.CheckIntegrity();
-  t.FinishStore(c);
+  t.FinishStore(c);  // the node left the device meanwhile: the copy still names it
   EXPECT_THROW(t.FinishStore(c), Error);  // twice
   EXPECT_EQ(t.tier_sizes().storing, 0);
   t.EvictHost(4, &freed);
   EXPECT_EQ(t.num_nodes(), 0);
   t.CheckIntegrity();
-  EXPECT_FALSE(t.BeginStore(a.data(), 4, 0, SlotSink::Into(&again), &c2));  // nothing on host
+  EXPECT_FALSE(t.BeginStore(backup, SlotSink::Into(&again), SlotSink::Into(&again), &c2));
 }
 
 TEST(RadixTreeTiersTest, PagesReadFromStorageBecomeHostOnlyNodesUnderAHostPath) {

@@ -317,14 +317,20 @@ class RadixTree {
   /// copy's node is gone.
   bool FinishLoad(const TierCopy& copy, const int32_t* device, bool ok);
 
-  /// The storage tier. Starts writing the host pages of `tokens[0, n)`'s
-  /// path from token `start` (a node boundary) to the deepest node with a
-  /// host copy: pins those nodes on host (not evictable there) and writes
-  /// their host slots to `host`. Returns false, changing nothing, when that
-  /// part is empty. Throws kInvalidArgument if `start` is not a node
-  /// boundary of the path or a node there is being written already.
-  bool BeginStore(const int32_t* tokens, int64_t n, int64_t start, SlotSink host,
-                  TierCopy* copy);
+  /// The storage tier. Starts writing to storage the host pages of the
+  /// range a backup `from` covered (its node's path, tokens [from.start,
+  /// from.end)), down to the deepest node there with a host copy: pins those
+  /// nodes on host (not evictable there), writes their host slots to `host`
+  /// and the path's tokens from the root to `tokens` (for the page keys).
+  /// Returns false, changing nothing, when nothing of the range has a host
+  /// copy, or its node is gone. Throws kInvalidArgument if `from.start` is
+  /// not a node boundary of the path or a node there is being written.
+  bool BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens, TierCopy* copy);
+  /// Where pages read from storage would join `tokens[0, n)`'s path: the
+  /// matched length (whole pages) when the match ends at the root or on a
+  /// node with a host copy, else -1 (they could not be attached). Changes
+  /// nothing: no clock tick, no hit counted.
+  int64_t StoragePrefixEnd(const int32_t* tokens, int64_t n) const;
   /// Ends a write to storage (success or not: storage has no state here):
   /// unpins the nodes. A copy whose node is gone (Reset) is ignored.
   void FinishStore(const TierCopy& copy);

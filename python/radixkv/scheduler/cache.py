@@ -10,6 +10,8 @@ from radixkv import _core
 from radixkv._checks import as_count, as_int, int32_tensor, to_host
 from radixkv.kvcache import BaseCacheHandle, MHAKVCache, RadixCacheManager, create_cache_manager
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
+from radixkv.scheduler.storage_tier import StorageCounters, StorageTier
+from radixkv.storage.base import StorageBackend
 from radixkv.scheduler.host_tier import (
     WRITE_POLICIES,
     HostSizeInfo,
@@ -56,7 +58,9 @@ class CacheManager:
     def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
                  device: torch.device | str = "cpu", *, host_num_pages: int = 0,
                  write_policy: str = "write_through", kv_cache: Optional[MHAKVCache] = None,
-                 host_layout: str = "page_first", manual_copies: bool = False):
+                 host_layout: str = "page_first", manual_copies: bool = False,
+                 storage: Optional[StorageBackend] = None, storage_seed: Optional[bytes] = None,
+                 prefetch_policy: str = "best_effort", min_prefetch_tokens: int = 0):
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
         host_num_pages = as_count(host_num_pages, "host_num_pages", minimum=0)
@@ -96,6 +100,13 @@ class CacheManager:
                                   bool(manual_copies))
             if kv_cache is not None:
                 kv_cache._layer_wait = LayerWait(self._tier.controller)
+        self._storage: Optional[StorageTier] = None
+        if storage is not None:
+            if self._tier is None or kv_cache is None or host_layout != "page_first":
+                raise ValueError("a storage tier needs a host tier (host_num_pages > 0) with "
+                                 "kv_cache and host_layout='page_first'")
+            self._storage = StorageTier(self._tier, storage, storage_seed, prefetch_policy,
+                                        min_prefetch_tokens=min_prefetch_tokens)
 
     # -- matching and locking -------------------------------------------------
 
@@ -387,8 +398,55 @@ class CacheManager:
         if self._tier is None:
             return []
         self._tier.controller.drain()
-        self._tier.writing_check()
-        return self.loading_check()
+        self._tier.writing_check()  # queues the writes to storage of what landed
+        failed = self.loading_check()
+        if self._storage is not None:
+            self._storage.drain()
+        return failed
+
+    # -- the storage tier ----------------------------------------------------------
+
+    def prefetch(self, input_ids):
+        """Starts reading from storage the pages of `input_ids[:-1]` beyond
+        what the cache holds (device and host), that the store has, into host
+        pages; call it when a request arrives. Returns the read in flight (for
+        `wait_prefetch`), or None: no storage tier, nothing worth fetching, no
+        host room, or the match ends on a node without a host copy (pages
+        could not join the tree there). Changes no LRU time."""
+        if self._storage is None:
+            return None
+        ids = int32_tensor(input_ids, "input_ids", self.device)[:-1]
+        start = self._tree.storage_prefix_end(ids)
+        if start < 0:
+            return None
+        return self._storage.prefetch(ids, start)
+
+    def wait_prefetch(self, prefetch) -> int:
+        """Waits for a read as `prefetch_policy` says (not at all for
+        best_effort, all of it for wait_complete, a bound growing with its
+        length for timeout), then applies what arrived: those pages join the
+        tree as host-only nodes, and the next `match_req` sees them as host
+        hits. Returns the tokens the tree took from it (so far)."""
+        if self._storage is None or prefetch is None:
+            return 0
+        self._storage.wait_for(prefetch)
+        return prefetch.inserted
+
+    def storage_check(self) -> int:
+        """Applies finished writes to storage (their host pages are released)
+        and reads (their pages join the tree). Call once per scheduling round."""
+        return self._storage.storage_check() if self._storage is not None else 0
+
+    @property
+    def storage_counters(self) -> Optional[StorageCounters]:
+        return self._storage.counters() if self._storage is not None else None
+
+    def close(self) -> None:
+        """Stops the storage tier's thread and closes its backend (after
+        waiting for what is queued)."""
+        if self._storage is not None:
+            self._storage.drain()
+            self._storage.close()
 
     @property
     def host_pool(self) -> Optional[HostKVCache]:
@@ -436,6 +494,12 @@ class CacheManager:
                 f"{self._held_pages} held by requests + {loading} loading != {self.num_pages}"
             )
         self._pages.check_disjoint(self._tree)
+        if self._storage is not None:
+            owned = self._storage.check_integrity()
+            if owned != self._tier.prefetch_tokens:
+                raise _core.IntegrityError(
+                    f"reads from storage own {owned} host slots but the tier counts "
+                    f"{self._tier.prefetch_tokens}")
         if self._tier is not None:
             self._tier.check_integrity(self._pages)
 

@@ -116,6 +116,10 @@ class HostTier:
         self._backup_tokens = 0  # host slots owned by backups in flight
         self._load_tokens = 0    # device slots owned by loads in flight
         self._failed_loads: List[object] = []  # handles, until the scheduler takes them
+        self.prefetch_tokens = 0  # host slots owned by reads from storage in flight
+        # Called with each finished backup's copy that gave nodes host copies
+        # (the storage tier writes them on).
+        self.on_backed_up = None
         self.backed_up = self.loaded_back = self.host_evicted = 0
         self.backups_skipped = self.failed_copies = 0
 
@@ -157,6 +161,23 @@ class HostTier:
             self.writing_check()
         return queued
 
+    def make_room(self, n: int) -> int:
+        """Frees host slots (least recently used copies first) until `n` are
+        free or nothing more can go; returns the free slots."""
+        free = self.pages.num_free_pages * self.page_size
+        missing = n - free
+        while missing > 0:
+            try:
+                freed = self.tree.evict_host(missing)
+            except _core.OutOfCapacityError:
+                missing //= 2
+                missing -= missing % self.page_size
+                continue
+            self.pages.free(freed, self.tree, True)
+            self.host_evicted += len(freed)
+            break
+        return self.pages.num_free_pages * self.page_size
+
     def _room_for(self, n: int) -> bool:
         missing = n - self.pages.num_free_pages * self.page_size
         if missing <= 0:
@@ -194,6 +215,8 @@ class HostTier:
             self._backup_tokens -= len(host_slots)
             self.backed_up += len(host_slots) - len(rejected)
             self.failed_copies += 0 if ok else len(host_slots)
+            if self.on_backed_up is not None and len(rejected) < len(host_slots):
+                self.on_backed_up(copy)
         return len(acks)
 
     # -- loads --------------------------------------------------------------------
@@ -263,10 +286,12 @@ class HostTier:
         every slot a copy owns is allocated and in no node."""
         host = self.tree.tier_sizes()[2]
         free = self.pages.num_free_pages * self.page_size
-        if free + host + self._backup_tokens != self.num_pages * self.page_size:
+        owned = free + host + self._backup_tokens + self.prefetch_tokens
+        if owned != self.num_pages * self.page_size:
             raise _core.IntegrityError(
                 f"host slots leaked or owned twice: {free} free + {host} cached + "
-                f"{self._backup_tokens} in backups != {self.num_pages * self.page_size}")
+                f"{self._backup_tokens} in backups + {self.prefetch_tokens} in reads from "
+                f"storage != {self.num_pages * self.page_size}")
         self.pages.check_disjoint(self.tree, True)
         if self._backups:
             slots = torch.cat([s for _, s in self._backups.values()])

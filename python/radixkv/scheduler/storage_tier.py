@@ -1,0 +1,248 @@
+"""The storage tier of a CacheManager: pages written to a shared store after
+their backup to host, and prefetched from it into host pages after a match."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from radixkv import _core
+from radixkv.storage.base import MAX_BATCH, StorageBackend
+from radixkv.storage.keys import page_keys
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+"""When the scheduler takes a prefetch's pages: as far as they have arrived
+when the request is scheduled (`best_effort`), once all have (`wait_complete`),
+or waiting up to a bound that grows with the length (`timeout`)."""
+
+
+class StorageCounters(NamedTuple):
+    written_pages: int     # pages whose write succeeded
+    prefetched_tokens: int  # tokens read from storage and added to the tree
+    errors: int            # failed calls and pages (the backend's count)
+    corrupt_pages: int     # pages read back that failed their checks
+    write_failures: int    # pages whose write failed
+
+
+@dataclass
+class _Write:
+    copy: tuple
+    keys: List[str]
+    pages: List[int]
+    ok: List[bool] = field(default_factory=list)
+
+
+@dataclass
+class Prefetch:
+    """A read of pages from storage into host pages, in flight."""
+
+    tokens: torch.Tensor   # the path's tokens, up to the last page asked for
+    start: int             # tokens[start:] are being read
+    keys: List[str]
+    host_slots: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    pages_ok: int = 0      # consecutive pages read from the first
+    applied: bool = False
+    inserted: int = 0      # tokens the tree took
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.host_slots)
+
+
+class StorageTier:
+    """Writes and prefetches between the host tier and a StorageBackend.
+
+    Backend calls run on the tier's own thread; the tree and the host pages
+    change only on the scheduler's thread, when it applies what finished
+    (`storage_check`). A write pins its host pages (the tree's BeginStore)
+    until the thread reports it, so they are never evicted, freed or reused
+    under the write. A prefetch owns the host pages it reads into until it is
+    applied: the pages read (consecutive from the first) join the tree as a
+    host-only node under the path's host copy (InsertHost), the rest go back.
+    """
+
+    def __init__(self, host_tier, backend: StorageBackend, seed: Optional[bytes],
+                 prefetch_policy: str = "best_effort", timeout_base_s: float = 1.0,
+                 timeout_per_1k_tokens_s: float = 0.25, min_prefetch_tokens: int = 0):
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
+                             f"got {prefetch_policy!r}")
+        if host_tier.pool is None:
+            raise ValueError("a storage tier moves K/V bytes: the CacheManager needs kv_cache")
+        self.host = host_tier
+        self.tree = host_tier.tree
+        self.page_size = host_tier.page_size
+        self.backend = backend
+        self.seed = seed
+        self.policy = prefetch_policy
+        self.timeout_base_s = timeout_base_s
+        self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
+        self.min_prefetch_tokens = max(min_prefetch_tokens, self.page_size)
+        backend.attach(host_tier.pool)
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._finished: "queue.Queue" = queue.Queue()
+        self._writes_in_flight = 0
+        self._prefetches: List[Prefetch] = []
+        self.written_pages = self.prefetched_tokens = self.write_failures = 0
+        self._thread = threading.Thread(target=self._run, name="radixkv-storage", daemon=True)
+        self._thread.start()
+        host_tier.on_backed_up = self.write
+
+    # -- the storage thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if isinstance(job, _Write):
+                    self._do_write(job)
+                else:
+                    self._do_read(job)
+            except Exception:  # a backend bug must not kill the thread
+                self.backend.count_error()
+            finally:
+                if isinstance(job, Prefetch):
+                    job.done.set()
+                self._finished.put(job)
+
+    def _do_write(self, job: _Write) -> None:
+        for i in range(0, len(job.keys), MAX_BATCH):
+            job.ok += self.backend.batch_set(job.keys[i:i + MAX_BATCH],
+                                             job.pages[i:i + MAX_BATCH])
+
+    def _do_read(self, job: Prefetch) -> None:
+        pages = job.host_slots[::self.page_size].div(self.page_size, rounding_mode="floor").tolist()
+        ok = 0
+        for i in range(0, len(job.keys), MAX_BATCH):
+            got = self.backend.batch_get(job.keys[i:i + MAX_BATCH], pages[i:i + MAX_BATCH])
+            for g in got:
+                if not g:
+                    job.pages_ok = ok
+                    return
+                ok += 1
+        job.pages_ok = ok
+
+    # -- writes ---------------------------------------------------------------------
+
+    def write(self, backup_copy) -> None:
+        """Queues the write of what a finished backup gave a host copy."""
+        began = self.tree.begin_store(backup_copy)
+        if began is None:
+            return
+        copy, host_slots, tokens = began
+        ps = self.page_size
+        keys = page_keys(tokens, ps, self.seed)[copy[2] // ps:]
+        pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
+        self._writes_in_flight += 1
+        self._jobs.put(_Write(copy, keys, pages))
+
+    # -- prefetch -------------------------------------------------------------------
+
+    def prefetch(self, tokens: torch.Tensor, start: int) -> Optional[Prefetch]:
+        """Starts reading the pages of `tokens[start:]` (whole pages; `start`
+        is where the cache's match ends, on the path's host copy) that the
+        store has, consecutive from the first, into fresh host pages. None
+        when there is nothing worth fetching or no host room."""
+        ps = self.page_size
+        n = len(tokens) - len(tokens) % ps
+        if n - start < self.min_prefetch_tokens:
+            return None
+        keys = page_keys(tokens[:n], ps, self.seed)[start // ps:]
+        hits = self.backend.batch_exists(keys)
+        if hits * ps < self.min_prefetch_tokens:
+            return None
+        room = self.host.make_room(hits * ps)
+        hits = min(hits, room // ps)
+        if hits * ps < self.min_prefetch_tokens:
+            return None
+        host_slots = self.host.pages.allocate(hits * ps)
+        self.host.prefetch_tokens += hits * ps
+        op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots)
+        self._prefetches.append(op)
+        self._jobs.put(op)
+        return op
+
+    def wait_for(self, op: Prefetch) -> None:
+        """Waits as the policy says for `op`'s pages, then applies what arrived."""
+        if self.policy == "wait_complete":
+            op.done.wait()
+        elif self.policy == "timeout":
+            op.done.wait(self.timeout_base_s + self.timeout_per_1k_tokens_s * op.num_tokens / 1000)
+        self.storage_check()
+
+    def _apply_prefetch(self, op: Prefetch) -> None:
+        ps = self.page_size
+        got = op.pages_ok * ps
+        taken_slots = op.host_slots[:got]
+        rest = op.host_slots[got:]
+        self.host.prefetch_tokens -= op.num_tokens
+        if got:
+            rejected = self.tree.insert_host(op.tokens[:op.start + got], op.start, taken_slots)
+            op.inserted = got - len(rejected)
+            if len(rejected):
+                self.host.pages.free(rejected, self.tree, True)
+        if len(rest):
+            self.host.pages.free(rest, self.tree, True)
+        self.prefetched_tokens += op.inserted
+        op.applied = True
+
+    # -- acknowledgements ----------------------------------------------------------------
+
+    def storage_check(self) -> int:
+        """Applies every finished write (unpins its host pages) and prefetch
+        (its pages join the tree). Returns how many were applied."""
+        applied = 0
+        while True:
+            try:
+                job = self._finished.get_nowait()
+            except queue.Empty:
+                return applied
+            applied += 1
+            if isinstance(job, _Write):
+                self._writes_in_flight -= 1
+                self.tree.finish_store(job.copy)
+                # A failed page ends the run of pages that count as stored.
+                run = job.ok.index(False) if False in job.ok else len(job.ok)
+                self.written_pages += run
+                self.write_failures += job.ok.count(False)
+            else:
+                self._prefetches.remove(job)
+                self._apply_prefetch(job)
+
+    def drain(self) -> None:
+        """Waits for every write and prefetch queued so far, and applies them."""
+        while self._writes_in_flight or self._prefetches:
+            job = self._finished.get()
+            self._finished.put(job)
+            self.storage_check()
+
+    @property
+    def in_flight(self) -> int:
+        return self._writes_in_flight + len(self._prefetches)
+
+    def counters(self) -> StorageCounters:
+        return StorageCounters(self.written_pages, self.prefetched_tokens, self.backend.errors,
+                               self.backend.corrupt_pages, self.write_failures)
+
+    def check_integrity(self) -> int:
+        """Host slots owned by prefetches in flight (for the host pool's sum);
+        checks they are allocated and in no node."""
+        if self._prefetches:
+            slots = torch.cat([op.host_slots for op in self._prefetches])
+            self.host.pages.check_owned(slots, "host slots of prefetches in flight", self.tree,
+                                        True)
+        return sum(op.num_tokens for op in self._prefetches)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=30)
+        self.backend.close()

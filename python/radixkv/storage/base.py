@@ -1,0 +1,77 @@
+"""The storage backend interface: whole pages between a host pool and a store."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import List, Optional, Sequence
+
+import torch
+
+from radixkv.kvcache.host_pool import HostKVCache
+
+MAX_BATCH = 128
+"""Pages per backend call: the storage tier splits longer runs."""
+
+
+class StorageBackend(ABC):
+    """A store of K/V pages addressed by page key, shared by many instances.
+
+    Pages move straight between the store and the pages of the host pool
+    given to `attach` (layout `page_first`: a page is one contiguous region of
+    `page_bytes`). Calls come from the storage tier's thread, one at a time;
+    `batch_get` and `batch_set` take at most MAX_BATCH pages and report one
+    success flag per page. A page is in the store only if its own write
+    succeeded; a read of a corrupt, truncated or foreign page fails (a miss),
+    never fills the host page with someone else's bytes as if it were ours.
+    Failures are counted in `errors`, not raised: the cache keeps serving.
+    """
+
+    def __init__(self) -> None:
+        self.pool: Optional[HostKVCache] = None
+        self.page_bytes = 0
+        self._bytes: Optional[torch.Tensor] = None
+        self._lock = threading.Lock()
+        self.errors = 0          # failed calls or pages
+        self.corrupt_pages = 0   # pages read back that failed their checks
+
+    def attach(self, pool: HostKVCache) -> None:
+        """Pages move to and from `pool` (its `page_first` buffer)."""
+        if not isinstance(pool, HostKVCache):
+            raise TypeError(f"pool must be a HostKVCache, got {type(pool).__name__}")
+        if pool.layout != "page_first":
+            raise ValueError("a storage backend moves whole pages: the host pool must be "
+                             f"page_first, got {pool.layout}")
+        self.pool = pool
+        self._bytes = pool.kv_buffer.view(torch.uint8).reshape(pool.num_pages, -1)
+        self.page_bytes = self._bytes.shape[1]
+        self._attached()
+
+    def _attached(self) -> None:
+        """Hook for backends that register the pool's memory."""
+
+    def page_view(self, page: int) -> torch.Tensor:
+        """Host page `page` as `page_bytes` uint8 (a view)."""
+        return self._bytes[page]
+
+    def page_address(self, page: int) -> int:
+        return self._bytes.data_ptr() + page * self.page_bytes
+
+    def count_error(self, n: int = 1) -> None:
+        with self._lock:
+            self.errors += n
+
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, the store has (consecutive hits)."""
+
+    @abstractmethod
+    def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
+        """Reads page `keys[i]` into host page `host_pages[i]`; one flag per page."""
+
+    @abstractmethod
+    def batch_set(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
+        """Writes host page `host_pages[i]` as `keys[i]`; one flag per page."""
+
+    def close(self) -> None:
+        """Releases what the backend holds (connections, registrations)."""

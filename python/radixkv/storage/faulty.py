@@ -1,0 +1,80 @@
+"""A fault-injecting wrapper around any storage backend, for tests."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import List, Sequence
+
+from radixkv.storage.base import StorageBackend
+
+
+class FaultyStorage(StorageBackend):
+    """Wraps `backend`: each call sleeps a seeded random delay up to
+    `max_delay_s`, and fails (an exception from the backend's side, counted
+    as errors) with probability `fail_call`; each page of a get or set fails
+    on its own with probability `fail_page`, and a get may also scribble over
+    the host page before failing (`scribble`), as a torn read would. What the
+    cache must do: count the failures, never use a failed page, leak no host
+    page, never hang."""
+
+    def __init__(self, backend: StorageBackend, seed: int = 0, fail_call: float = 0.05,
+                 fail_page: float = 0.1, max_delay_s: float = 0.001, scribble: bool = True):
+        super().__init__()
+        self.backend = backend
+        self.rng = random.Random(seed)
+        self.fail_call, self.fail_page = fail_call, fail_page
+        self.max_delay_s, self.scribble = max_delay_s, scribble
+        self.injected = 0
+
+    def _attached(self) -> None:
+        self.backend.attach(self.pool)
+
+    def _call_fails(self) -> bool:
+        if self.max_delay_s:
+            time.sleep(self.rng.random() * self.max_delay_s)
+        if self.rng.random() < self.fail_call:
+            self.injected += 1
+            self.count_error()
+            return True
+        return False
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        if self._call_fails():
+            return 0
+        n = self.backend.batch_exists(keys)
+        return self.rng.randint(0, n) if n and self.rng.random() < self.fail_page else n
+
+    def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
+        if self._call_fails():
+            return [False] * len(keys)
+        ok = self.backend.batch_get(keys, host_pages)
+        for i, page in enumerate(host_pages):
+            if ok[i] and self.rng.random() < self.fail_page:
+                ok[i] = False
+                self.injected += 1
+                self.count_error()
+                if self.scribble:
+                    self.page_view(page).fill_(0xAB)
+        return ok
+
+    def batch_set(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
+        if self._call_fails():
+            return [False] * len(keys)
+        fail = [self.rng.random() < self.fail_page for _ in keys]
+        todo = [i for i, f in enumerate(fail) if not f]
+        done = self.backend.batch_set([keys[i] for i in todo], [host_pages[i] for i in todo])
+        ok = [False] * len(keys)
+        for i, d in zip(todo, done):
+            ok[i] = d
+        self.injected += sum(fail)
+        if any(fail):
+            self.count_error(sum(fail))
+        return ok
+
+    @property
+    def errors_total(self) -> int:
+        return self.errors + self.backend.errors
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,141 @@
+"""The embedded storage backend: one file per page under a directory."""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+import zlib
+from typing import List, Optional, Sequence
+
+from radixkv.storage.base import StorageBackend
+
+MAGIC = b"RKVPAGE1"
+# magic, key (32 raw bytes), configuration fingerprint (32), payload length, crc32
+HEADER = struct.Struct("<8s32s32sQI")
+
+
+class FileStorage(StorageBackend):
+    """Pages as files `directory/<key[:2]>/<key>`, each a header (magic, the
+    page key, the configuration fingerprint, the payload length and its
+    CRC-32) and the page's bytes. A write goes to a temporary name and is
+    renamed into place, so a reader sees a whole page or none. A read checks
+    every header field and the checksum before the page counts: a corrupt,
+    truncated or foreign file is a miss (`corrupt_pages`), never wrong K/V.
+
+    `max_bytes` bounds the directory: past it, the least recently used pages
+    this process knows of (written or read by it, or found at start) are
+    removed. Several processes may share the directory; each keeps its own
+    order, and a page removed under a reader is a miss.
+    """
+
+    def __init__(self, directory: str, fingerprint: bytes, max_bytes: Optional[int] = None):
+        super().__init__()
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
+            raise ValueError("fingerprint must be 32 bytes (radixkv.storage.config_fingerprint)")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        self.directory = os.path.abspath(directory)
+        self.fingerprint = fingerprint
+        self.max_bytes = max_bytes
+        os.makedirs(self.directory, exist_ok=True)
+        self._lru: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._total = 0
+        self.removed_pages = 0
+        if max_bytes is not None:
+            self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for sub in os.scandir(self.directory):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                if entry.name.endswith(".page"):
+                    st = entry.stat()
+                    found.append((st.st_mtime_ns, entry.path, st.st_size))
+        for _, path, size in sorted(found):
+            self._lru[path] = size
+            self._total += size
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.directory, key[:2], key + ".page")
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            if not os.path.exists(self.path(key)):
+                return i
+        return len(keys)
+
+    def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
+        return [self._get(k, p) for k, p in zip(keys, host_pages)]
+
+    def _get(self, key: str, page: int) -> bool:
+        path = self.path(key)
+        view = memoryview(self.page_view(page).numpy())
+        try:
+            with open(path, "rb") as f:
+                header = f.read(HEADER.size)
+                if len(header) != HEADER.size:
+                    return self._corrupt()
+                magic, raw_key, fingerprint, length, crc = HEADER.unpack(header)
+                if (magic != MAGIC or raw_key != bytes.fromhex(key)
+                        or fingerprint != self.fingerprint or length != self.page_bytes):
+                    return self._corrupt()
+                if f.readinto(view) != length or f.read(1):
+                    return self._corrupt()
+        except FileNotFoundError:
+            return False
+        except OSError:
+            self.count_error()
+            return False
+        if zlib.crc32(view) != crc:
+            return self._corrupt()
+        if path in self._lru:
+            self._lru.move_to_end(path)
+        return True
+
+    def _corrupt(self) -> bool:
+        with self._lock:
+            self.corrupt_pages += 1
+        return False
+
+    def batch_set(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
+        return [self._set(k, p) for k, p in zip(keys, host_pages)]
+
+    def _set(self, key: str, page: int) -> bool:
+        path = self.path(key)
+        view = memoryview(self.page_view(page).numpy())
+        header = HEADER.pack(MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes,
+                             zlib.crc32(view))
+        tmp = f"{path}.{os.getpid()}.{id(view):x}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(view)
+            os.replace(tmp, path)
+        except OSError:
+            self.count_error()
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+        if self.max_bytes is not None:
+            self._account(path, HEADER.size + self.page_bytes)
+        return True
+
+    def _account(self, path: str, size: int) -> None:
+        if path in self._lru:
+            self._total -= self._lru.pop(path)
+        self._lru[path] = size
+        self._total += size
+        while self._total > self.max_bytes and len(self._lru) > 1:
+            old, old_size = self._lru.popitem(last=False)
+            self._total -= old_size
+            try:
+                os.unlink(old)
+                self.removed_pages += 1
+            except OSError:
+                pass
