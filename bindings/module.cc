@@ -222,11 +222,15 @@ py::object RadixTree_FindBackup(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   const int64_t min_hits = a[1] != nullptr ? ToInt64(a[1], "min_hits") : 0;
   if (min_hits < 0 || min_hits > UINT32_MAX) throw py::value_error("min_hits is out of range");
+  const bool through_partial = Truth(a[2], false);
   FinishViews(ids);
   radixkv::TierCopy c;
   const bool found = Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { return t.tree.FindBackup(ids.data(), ids.size(), static_cast<uint32_t>(min_hits), &c); },
+      [&] {
+        return t.tree.FindBackup(ids.data(), ids.size(), static_cast<uint32_t>(min_hits), &c,
+                                 through_partial);
+      },
       [&] { ids.Own(); });
   return found ? CopyTuple(c) : py::none();
 }
@@ -301,9 +305,28 @@ py::object RadixTree_BeginStore(PyRadixTree& t, PyObject* const* a) {
 py::object RadixTree_StoragePrefixEnd(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   FinishViews(ids);
-  return py::int_(Locked(
+  bool host_backed = false;
+  const int64_t end = Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { return t.tree.StoragePrefixEnd(ids.data(), ids.size()); }, [&] { ids.Own(); }));
+      [&] { return t.tree.StoragePrefixEnd(ids.data(), ids.size(), &host_backed); },
+      [&] { ids.Own(); });
+  return py::make_tuple(end, host_backed);
+}
+
+py::object RadixTree_PinHost(PyRadixTree& t, PyObject* const* a) {
+  Int32View ids(a[0], "input_ids");
+  FinishViews(ids);
+  radixkv::TierCopy pin;
+  const bool pinned = Locked(t.mu, ids.size() >= kReleaseGilTokens,
+                             [&] { return t.tree.PinHost(ids.data(), ids.size(), &pin); },
+                             [&] { ids.Own(); });
+  return pinned ? CopyTuple(pin) : py::none();
+}
+
+py::object RadixTree_UnpinHost(PyRadixTree& t, PyObject* const* a) {
+  const radixkv::TierCopy c = AsCopy(a[0]);
+  Locked(t, false, [&] { t.tree.UnpinHost(c); });
+  return py::none();
 }
 
 py::object RadixTree_FinishStore(PyRadixTree& t, PyObject* const* a) {
@@ -562,7 +585,7 @@ constexpr Params kCheck{"check_integrity", {}, 0, 0};
 constexpr Params kDump{"dump", {"tiers"}, 1, 0};
 constexpr Params kTierSizes{"tier_sizes", {}, 0, 0};
 constexpr Params kEvictHost{"evict_host", {"size"}, 1, 1};
-constexpr Params kFindBackup{"find_backup", {"input_ids", "min_hits"}, 2, 1};
+constexpr Params kFindBackup{"find_backup", {"input_ids", "min_hits", "through_partial"}, 3, 1};
 constexpr Params kBeginBackup{"begin_backup", {"copy"}, 1, 1};
 constexpr Params kFinishBackup{"finish_backup", {"copy", "host_slots", "ok"}, 3, 2};
 constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
@@ -571,6 +594,8 @@ constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2
 constexpr Params kCandidates{"eviction_candidates_without_host", {"size"}, 1, 1};
 constexpr Params kBeginStore{"begin_store", {"copy"}, 1, 1};
 constexpr Params kFinishStore{"finish_store", {"copy"}, 1, 1};
+constexpr Params kPinHost{"pin_host", {"input_ids"}, 1, 1};
+constexpr Params kUnpinHost{"unpin_host", {"pin"}, 1, 1};
 constexpr Params kStoragePrefixEnd{"storage_prefix_end", {"input_ids"}, 1, 1};
 constexpr Params kInsertHost{"insert_host", {"input_ids", "start", "host_slots"}, 3, 3};
 
@@ -600,7 +625,8 @@ PyMethodDef kTreeMethods[] = {
     {"evict_host", Fast<RadixTree_EvictHost, kEvictHost>(), kFastCall,
      "evict_host(size) -> host slots freed, least recently used host copies first."},
     {"find_backup", Fast<RadixTree_FindBackup, kFindBackup>(), kFastCall,
-     "find_backup(input_ids, min_hits=0) -> copy or None: what a backup of the path needs."},
+     "find_backup(input_ids, min_hits=0, through_partial=False) -> copy or None: what a\n"
+     "backup of the path needs (through_partial: the node the ids end inside, whole)."},
     {"begin_backup", Fast<RadixTree_BeginBackup, kBeginBackup>(), kFastCall,
      "begin_backup(copy) -> device slots: pins the nodes until finish_backup."},
     {"finish_backup", Fast<RadixTree_FinishBackup, kFinishBackup>(), kFastCall,
@@ -619,8 +645,13 @@ PyMethodDef kTreeMethods[] = {
      "begin_store(backup) -> (copy, host slots, path tokens) or None: pins on host what a\n"
      "finished backup gave a host copy, while its pages are written to storage."},
     {"storage_prefix_end", Fast<RadixTree_StoragePrefixEnd, kStoragePrefixEnd>(), kFastCall,
-     "storage_prefix_end(input_ids) -> where pages from storage would join the path\n"
-     "(its match, in whole pages), or -1 when the match ends on a node without a host copy."},
+     "storage_prefix_end(input_ids) -> (where pages from storage would join the path: its\n"
+     "match in whole pages, whether the match ends at the root or on a host copy)."},
+    {"pin_host", Fast<RadixTree_PinHost, kPinHost>(), kFastCall,
+     "pin_host(input_ids) -> pin or None: keeps the host copy where the match ends until\n"
+     "unpin_host(pin); pin[2] is the matched length. None at the root or without a host copy."},
+    {"unpin_host", Fast<RadixTree_UnpinHost, kUnpinHost>(), kFastCall,
+     "unpin_host(pin): releases a pin of pin_host."},
     {"finish_store", Fast<RadixTree_FinishStore, kFinishStore>(), kFastCall,
      "finish_store(copy): the write to storage is over; unpins."},
     {"insert_host", Fast<RadixTree_InsertHost, kInsertHost>(), kFastCall,

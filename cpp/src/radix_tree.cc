@@ -188,6 +188,7 @@ Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length) noexcept {
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
   node->backing_up = node->loading = node->storing = false;
+  node->host_pins = 0;
   node->copy_start = node->store_start = -1;
   ++num_nodes_;
   return node;
@@ -712,6 +713,8 @@ void RadixTree::CheckIntegrity() const {
     backing_up += x->backing_up ? x->length : 0;
     loading += x->loading ? x->length : 0;
     storing += x->storing ? x->length : 0;
+    RADIXKV_CHECK(x->host_pins >= 0 && (x->host_pins == 0 || x->has_host()), kBroken, "node ",
+                  x->id, " is pinned for a read from storage but has no host copy");
     RADIXKV_CHECK(!x->storing || x->has_host(), kBroken, "node ", x->id,
                   " is being written to storage without a host copy");
   }

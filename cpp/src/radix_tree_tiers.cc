@@ -107,13 +107,14 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
 // --- backups: device to host ---------------------------------------------------------
 
 bool RadixTree::FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits,
-                           TierCopy* copy) const {
+                           TierCopy* copy, bool through_partial) const {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
   Node* partial;
   int64_t partial_len;
   Walk(tokens, n, &node, &partial, &partial_len);
+  if (through_partial && partial != nullptr) node = partial;
   // The deepest node on the device with enough hits, fully matched.
   Node* end = DeviceEnd(node);
   while (end != root_ && end->hits < min_hits) end = end->parent;
@@ -458,7 +459,7 @@ void RadixTree::FinishStore(const TierCopy& copy) {
   end->store_start = -1;
 }
 
-int64_t RadixTree::StoragePrefixEnd(const int32_t* tokens, int64_t n) const {
+int64_t RadixTree::StoragePrefixEnd(const int32_t* tokens, int64_t n, bool* host_backed) const {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
@@ -466,7 +467,34 @@ int64_t RadixTree::StoragePrefixEnd(const int32_t* tokens, int64_t n) const {
   int64_t partial_len;
   const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
   const Node* attach = partial != nullptr ? partial : node;
-  return attach == root_ || attach->has_host() ? pos : -1;
+  *host_backed = attach == root_ || attach->has_host();
+  return pos;
+}
+
+bool RadixTree::PinHost(const int32_t* tokens, int64_t n, TierCopy* pin) {
+  RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
+  n -= n % page_size_;
+  Node* node;
+  Node* partial;
+  int64_t partial_len;
+  const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
+  Node* attach = partial != nullptr ? partial : node;
+  if (attach == root_ || !attach->has_host()) return false;
+  RADIXKV_CHECK(attach->host_pins < INT32_MAX, kInvalid, "node ", attach->id,
+                " has too many pins");
+  ++attach->host_pins;
+  Refresh(attach);
+  *pin = TierCopy{attach->id, attach->incarnation, pos, attach->depth};
+  return true;
+}
+
+void RadixTree::UnpinHost(const TierCopy& pin) {
+  Node* x = ResolveCopy(pin);
+  if (x == nullptr) return;  // only Reset frees a pinned node
+  RADIXKV_CHECK(x->host_pins > 0 && pin.start <= x->depth, kInvalid,
+                "pin is not held: it was released already, or was never taken");
+  --x->host_pins;
+  Refresh(x);
 }
 
 int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,

@@ -458,5 +458,50 @@ TEST(RadixTreeTiersTest, PagesReadFromStorageBecomeHostOnlyNodesUnderAHostPath) 
   EXPECT_EQ(t.tier_sizes().host, 4 + 4 + 2);
 }
 
+TEST(RadixTreeTiersTest, APinnedHostCopyStaysUntilItsReadJoins) {
+  RadixTree t(2);
+  int32_t next_host = 100;
+  Insert(&t, {1, 2, 3, 4}, {10, 11, 12, 13});
+  BackUp(&t, {1, 2, 3, 4}, &next_host);
+  const Ints tokens = {1, 2, 3, 4};
+  bool backed = false;
+  EXPECT_EQ(t.StoragePrefixEnd(tokens.data(), 4, &backed), 4);
+  EXPECT_TRUE(backed);
+  TierCopy pin;
+  ASSERT_TRUE(t.PinHost(tokens.data(), 4, &pin));
+  EXPECT_EQ(pin.start, 4);
+  t.CheckIntegrity();
+  Ints freed;
+  EXPECT_THROW(t.EvictHost(2, &freed), Error);  // the only host leaf is pinned
+  t.Evict(4, &freed);                            // device eviction: still on host
+  EXPECT_THROW(t.EvictHost(2, &freed), Error);
+  const Ints more = {1, 2, 3, 4, 5, 6};
+  Ints rejected;
+  EXPECT_EQ(t.InsertHost(more.data(), 6, 4, Iota(200, 2).data(), SlotSink::Into(&rejected)), 2);
+  t.UnpinHost(pin);
+  EXPECT_THROW(t.UnpinHost(pin), Error);  // twice
+  t.CheckIntegrity();
+  t.EvictHost(6, &freed);
+  EXPECT_EQ(t.num_nodes(), 0);
+  t.UnpinHost(pin);  // its node is gone: ignored
+  // At the root, or where the match ends without a host copy, nothing is pinned.
+  EXPECT_FALSE(t.PinHost(tokens.data(), 4, &pin));
+  Insert(&t, {1, 2, 3, 4}, {10, 11, 12, 13});
+  EXPECT_FALSE(t.PinHost(tokens.data(), 4, &pin));
+  EXPECT_EQ(t.StoragePrefixEnd(tokens.data(), 4, &backed), 4);
+  EXPECT_FALSE(backed);
+}
+
+TEST(RadixTreeTiersTest, BackupThroughAPartialMatchCopiesTheWholeNode) {
+  RadixTree t(2);
+  Insert(&t, {1, 2, 3, 4, 5, 6}, {10, 11, 12, 13, 14, 15});
+  const Ints head = {1, 2, 3, 4};
+  TierCopy c;
+  EXPECT_FALSE(t.FindBackup(head.data(), 4, 0, &c));  // the match ends inside the node
+  ASSERT_TRUE(t.FindBackup(head.data(), 4, 0, &c, /*through_partial=*/true));
+  EXPECT_EQ(c.start, 0);
+  EXPECT_EQ(c.end, 6);
+}
+
 }  // namespace
 }  // namespace radixkv

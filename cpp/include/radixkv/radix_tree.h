@@ -61,6 +61,9 @@ struct Node {
   bool loading = false;
   /// Its host pages are being written to storage (not evictable from host).
   bool storing = false;
+  /// Reads from storage in flight that will join the tree below this node:
+  /// while any, its host copy stays (not evictable from host).
+  int32_t host_pins = 0;
   /// Where the copy in flight that ends at this node starts (a backup or a
   /// load; -1 when none): finishing a copy checks its range against it.
   int64_t copy_start = -1;
@@ -275,8 +278,11 @@ class RadixTree {
   /// the device) that a backup should copy to host: those without a host copy
   /// or one in flight, from the first such down to the deepest node matched
   /// with at least `min_hits` hits (1: every node on the path). Returns false
-  /// when there is none. Changes nothing.
-  bool FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits, TierCopy* copy) const;
+  /// when there is none. With `through_partial`, a node the tokens end
+  /// inside counts as matched (the whole node is copied): the storage tier
+  /// needs a host copy exactly where a match ends. Changes nothing.
+  bool FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits, TierCopy* copy,
+                  bool through_partial = false) const;
   /// The nodes of `copy`'s range, which must be on the device with no host
   /// copy and no backup in flight: pins them (their device pages may not go)
   /// and writes their device slots, the copy's source, to `out`.
@@ -327,10 +333,20 @@ class RadixTree {
   /// not a node boundary of the path or a node there is being written.
   bool BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens, TierCopy* copy);
   /// Where pages read from storage would join `tokens[0, n)`'s path: the
-  /// matched length (whole pages) when the match ends at the root or on a
-  /// node with a host copy, else -1 (they could not be attached). Changes
-  /// nothing: no clock tick, no hit counted.
-  int64_t StoragePrefixEnd(const int32_t* tokens, int64_t n) const;
+  /// matched length (whole pages). `*host_backed` says whether the match
+  /// ends at the root or on a node with a host copy; if not, pages could not
+  /// be attached there until its host copy is made again. Changes nothing:
+  /// no clock tick, no hit counted.
+  int64_t StoragePrefixEnd(const int32_t* tokens, int64_t n, bool* host_backed) const;
+  /// Pins the host copy of the node where `tokens[0, n)`'s match ends (whole
+  /// pages), so pages read from storage can join there when they arrive:
+  /// until `UnpinHost(*pin)` it is not evicted from host (its ancestors keep
+  /// theirs, having a host child). `pin->start` is the matched length.
+  /// False, pinning nothing, when the match ends at the root or on a node
+  /// without a host copy. No clock tick.
+  bool PinHost(const int32_t* tokens, int64_t n, TierCopy* pin);
+  /// Releases a pin of PinHost. A pin whose node is gone (Reset) is ignored.
+  void UnpinHost(const TierCopy& pin);
   /// Ends a write to storage (success or not: storage has no state here):
   /// unpins the nodes. A copy whose node is gone (Reset) is ignored.
   void FinishStore(const TierCopy& copy);
@@ -423,7 +439,7 @@ class RadixTree {
   }
   bool HostEvictable(const Node* x) const noexcept {
     return x->has_host() && x->host_children == 0 && !x->loading && !x->storing &&
-           (x->on_device || x->ref_count == 0);
+           x->host_pins == 0 && (x->on_device || x->ref_count == 0);
   }
   // Sets whether `x` is on the device (or has host storage), keeping the
   // parent's child counts and the size counters right.

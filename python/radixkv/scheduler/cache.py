@@ -410,16 +410,18 @@ class CacheManager:
         """Starts reading from storage the pages of `input_ids[:-1]` beyond
         what the cache holds (device and host), that the store has, into host
         pages; call it when a request arrives. Returns the read in flight (for
-        `wait_prefetch`), or None: no storage tier, nothing worth fetching, no
-        host room, or the match ends on a node without a host copy (pages
-        could not join the tree there). Changes no LRU time."""
+        `wait_prefetch`), or None: no storage tier, nothing worth fetching or
+        no host room. Changes no LRU time.
+
+        Pages read join the tree under the host copy of the path. When the
+        match ends on device pages whose host copies were evicted, and the
+        store has pages beyond it, those device pages are copied to host
+        again first (a device-to-host copy, waited for: cheaper than reading
+        them from storage)."""
         if self._storage is None:
             return None
         ids = int32_tensor(input_ids, "input_ids", self.device)[:-1]
-        start = self._tree.storage_prefix_end(ids)
-        if start < 0:
-            return None
-        return self._storage.prefetch(ids, start)
+        return self._storage.prefetch(ids)
 
     def wait_prefetch(self, prefetch) -> int:
         """Waits for a read as `prefetch_policy` says (not at all for

@@ -27,17 +27,21 @@ class StorageCounters(NamedTuple):
     errors: int            # failed calls and pages (the backend's count)
     corrupt_pages: int     # pages read back that failed their checks
     write_failures: int    # pages whose write failed
+    skipped: int           # writes and prefetches not tried while the store was down
+    present_pages: int     # pages not written: the store had them already
 
 
-@dataclass
+@dataclass(eq=False)  # identity: jobs are found by `is`, never compared
 class _Write:
     copy: tuple
     keys: List[str]
     pages: List[int]
     ok: List[bool] = field(default_factory=list)
+    skipped: bool = False  # the store went down before every page was tried
+    present: int = 0       # pages from the first that the store had already
 
 
-@dataclass
+@dataclass(eq=False)
 class Prefetch:
     """A read of pages from storage into host pages, in flight."""
 
@@ -45,10 +49,12 @@ class Prefetch:
     start: int             # tokens[start:] are being read
     keys: List[str]
     host_slots: torch.Tensor
+    pin: Optional[tuple]   # the tree's pin on the host copy the pages join under
     done: threading.Event = field(default_factory=threading.Event)
     pages_ok: int = 0      # consecutive pages read from the first
     applied: bool = False
     inserted: int = 0      # tokens the tree took
+    skipped: bool = False  # the store went down before every page was tried
 
     @property
     def num_tokens(self) -> int:
@@ -65,11 +71,18 @@ class StorageTier:
     under the write. A prefetch owns the host pages it reads into until it is
     applied: the pages read (consecutive from the first) join the tree as a
     host-only node under the path's host copy (InsertHost), the rest go back.
+
+    A store that stops answering (a backend call whose pages all failed with
+    an error) is left alone for `retry_after_s`, doubling at each failed
+    retry up to `max_retry_after_s`: meanwhile writes and prefetches are
+    skipped and counted, so a dead store costs one stalled call per window,
+    not one per request. The first call that succeeds ends the back-off.
     """
 
     def __init__(self, host_tier, backend: StorageBackend, seed: Optional[bytes],
                  prefetch_policy: str = "best_effort", timeout_base_s: float = 1.0,
-                 timeout_per_1k_tokens_s: float = 0.25, min_prefetch_tokens: int = 0):
+                 timeout_per_1k_tokens_s: float = 0.25, min_prefetch_tokens: int = 0,
+                 retry_after_s: float = 1.0, max_retry_after_s: float = 30.0):
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
                              f"got {prefetch_policy!r}")
@@ -84,15 +97,42 @@ class StorageTier:
         self.timeout_base_s = timeout_base_s
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self.min_prefetch_tokens = max(min_prefetch_tokens, self.page_size)
+        self.retry_after_s = retry_after_s
+        self.max_retry_after_s = max_retry_after_s
+        self._backoff_s = 0.0
+        self._down_until = 0.0  # monotonic time before which the store is left alone
+        self.skipped = 0
         backend.attach(host_tier.pool)
         self._jobs: "queue.Queue" = queue.Queue()
         self._finished: "queue.Queue" = queue.Queue()
         self._writes_in_flight = 0
         self._prefetches: List[Prefetch] = []
         self.written_pages = self.prefetched_tokens = self.write_failures = 0
+        self.present_pages = 0
         self._thread = threading.Thread(target=self._run, name="radixkv-storage", daemon=True)
         self._thread.start()
         host_tier.on_backed_up = self.write
+
+    # -- the store's health -----------------------------------------------------------
+
+    def store_down(self) -> bool:
+        """True while the tier is leaving a failed store alone."""
+        return time.monotonic() < self._down_until
+
+    def _call(self, fn, keys, *args):
+        """Runs one backend call and notes whether the store answered: a call
+        is a failure when it counted errors and no page succeeded."""
+        before = self.backend.errors
+        got = fn(keys, *args)
+        ok = got > 0 if isinstance(got, int) else any(got)
+        if ok or self.backend.errors == before:
+            self._backoff_s = 0.0
+            self._down_until = 0.0
+        else:
+            self._backoff_s = min(max(self._backoff_s * 2, self.retry_after_s),
+                                  self.max_retry_after_s)
+            self._down_until = time.monotonic() + self._backoff_s
+        return got
 
     # -- the storage thread --------------------------------------------------------
 
@@ -114,15 +154,35 @@ class StorageTier:
                 self._finished.put(job)
 
     def _do_write(self, job: _Write) -> None:
-        for i in range(0, len(job.keys), MAX_BATCH):
-            job.ok += self.backend.batch_set(job.keys[i:i + MAX_BATCH],
-                                             job.pages[i:i + MAX_BATCH])
+        # Pages the store has already (another instance wrote them, or a
+        # host copy made again) are not written twice.
+        present = 0
+        while present < len(job.keys):
+            if self.store_down():
+                job.skipped = True
+                return
+            got = self._call(self.backend.batch_exists, job.keys[present:present + MAX_BATCH])
+            present += got
+            if got < MAX_BATCH:
+                break
+        job.present = present
+        job.ok = [True] * present
+        for i in range(present, len(job.keys), MAX_BATCH):
+            if self.store_down():
+                job.skipped = True
+                return
+            job.ok += self._call(self.backend.batch_set, job.keys[i:i + MAX_BATCH],
+                                 job.pages[i:i + MAX_BATCH])
 
     def _do_read(self, job: Prefetch) -> None:
         pages = job.host_slots[::self.page_size].div(self.page_size, rounding_mode="floor").tolist()
         ok = 0
         for i in range(0, len(job.keys), MAX_BATCH):
-            got = self.backend.batch_get(job.keys[i:i + MAX_BATCH], pages[i:i + MAX_BATCH])
+            if self.store_down():
+                job.skipped = True
+                break
+            got = self._call(self.backend.batch_get, job.keys[i:i + MAX_BATCH],
+                             pages[i:i + MAX_BATCH])
             for g in got:
                 if not g:
                     job.pages_ok = ok
@@ -134,6 +194,9 @@ class StorageTier:
 
     def write(self, backup_copy) -> None:
         """Queues the write of what a finished backup gave a host copy."""
+        if self.store_down():
+            self.skipped += 1
+            return
         began = self.tree.begin_store(backup_copy)
         if began is None:
             return
@@ -146,26 +209,38 @@ class StorageTier:
 
     # -- prefetch -------------------------------------------------------------------
 
-    def prefetch(self, tokens: torch.Tensor, start: int) -> Optional[Prefetch]:
-        """Starts reading the pages of `tokens[start:]` (whole pages; `start`
-        is where the cache's match ends, on the path's host copy) that the
-        store has, consecutive from the first, into fresh host pages. None
-        when there is nothing worth fetching or no host room."""
+    def prefetch(self, tokens: torch.Tensor) -> Optional[Prefetch]:
+        """Starts reading the pages of `tokens` beyond the cache's match
+        (whole pages) that the store has, consecutive from the first, into
+        fresh host pages. None when there is nothing worth fetching or no
+        host room."""
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
+        start, host_backed = self.tree.storage_prefix_end(tokens[:n])
         if n - start < self.min_prefetch_tokens:
             return None
+        if self.store_down():
+            self.skipped += 1
+            return None
         keys = page_keys(tokens[:n], ps, self.seed)[start // ps:]
-        hits = self.backend.batch_exists(keys)
+        hits = self._call(self.backend.batch_exists, keys)
         if hits * ps < self.min_prefetch_tokens:
+            return None
+        if not host_backed and not self.host.copy_path_to_host(tokens[:start]):
+            return None
+        # The host copy the pages will join under stays until they do.
+        pin = self.tree.pin_host(tokens[:start]) if start else None
+        if start and pin is None:
             return None
         room = self.host.make_room(hits * ps)
         hits = min(hits, room // ps)
         if hits * ps < self.min_prefetch_tokens:
+            if pin is not None:
+                self.tree.unpin_host(pin)
             return None
         host_slots = self.host.pages.allocate(hits * ps)
         self.host.prefetch_tokens += hits * ps
-        op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots)
+        op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots, pin)
         self._prefetches.append(op)
         self._jobs.put(op)
         return op
@@ -191,6 +266,8 @@ class StorageTier:
                 self.host.pages.free(rejected, self.tree, True)
         if len(rest):
             self.host.pages.free(rest, self.tree, True)
+        if op.pin is not None:
+            self.tree.unpin_host(op.pin)
         self.prefetched_tokens += op.inserted
         op.applied = True
 
@@ -211,10 +288,13 @@ class StorageTier:
                 self.tree.finish_store(job.copy)
                 # A failed page ends the run of pages that count as stored.
                 run = job.ok.index(False) if False in job.ok else len(job.ok)
-                self.written_pages += run
+                self.written_pages += run - job.present
+                self.present_pages += min(job.present, run)
                 self.write_failures += job.ok.count(False)
+                self.skipped += job.skipped
             else:
                 self._prefetches.remove(job)
+                self.skipped += job.skipped
                 self._apply_prefetch(job)
 
     def drain(self) -> None:
@@ -230,7 +310,8 @@ class StorageTier:
 
     def counters(self) -> StorageCounters:
         return StorageCounters(self.written_pages, self.prefetched_tokens, self.backend.errors,
-                               self.backend.corrupt_pages, self.write_failures)
+                               self.backend.corrupt_pages, self.write_failures, self.skipped,
+                               self.present_pages)
 
     def check_integrity(self) -> int:
         """Host slots owned by prefetches in flight (for the host pool's sum);

@@ -37,21 +37,23 @@ def master_binary() -> Optional[str]:
 
 
 class MooncakeMaster:
-    """A `mooncake_master` on 127.0.0.1 with its HTTP metadata server, on free
-    ports; stopped by `stop()` or at the end of a `with` block."""
+    """A `mooncake_master` on 127.0.0.1 with its HTTP metadata server (and its
+    metrics server), on free ports; stopped by `stop()` or at the end of a
+    `with` block."""
 
     def __init__(self, binary: Optional[str] = None, start_timeout_s: float = 20.0):
         binary = binary or master_binary()
         if binary is None:
             raise RuntimeError("mooncake_master not found: pip install 'radixkv[mooncake]'")
-        self.rpc_port, self.http_port = _free_port(), _free_port()
+        self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
         self._log = tempfile.NamedTemporaryFile(prefix="mooncake_master.", suffix=".log",
                                                 delete=False)
         self.log_path = self._log.name
         self.proc = subprocess.Popen(
             [binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.http_port}"],
+             f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
+             f"--metrics_port={self.metrics_port}"],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout_s
         while not (self._listening(self.rpc_port) and self._listening(self.http_port)):

@@ -1,0 +1,409 @@
+"""The storage tier: the file and Mooncake backends on a real file system and a
+real Mooncake master started here, instances sharing a store, configurations
+that must never read each other's pages, and faults injected into every call.
+Every page a request is handed is checked against the K/V stored for its
+tokens."""
+
+import importlib.util
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import radixkv
+from radixkv.kvcache import MHAKVCache
+from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.replay.replay import KVShape
+from radixkv.scheduler import CacheManager
+from radixkv.storage import (
+    FaultyStorage,
+    FileStorage,
+    MooncakeMaster,
+    MooncakeStorage,
+    StorageBackend,
+    config_fingerprint,
+)
+
+KV = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+PAGE = 4
+
+HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+# CI installs Mooncake and sets this: there its tests must run, not skip.
+needs_mooncake = pytest.mark.skipif(
+    not HAS_MOONCAKE and not os.environ.get("RADIXKV_REQUIRE_MOONCAKE"),
+    reason="Mooncake Store is not installed (pip install 'radixkv[mooncake]')")
+
+
+def fingerprint(**change):
+    base = dict(model="test", dtype=KV.dtype, page_size=PAGE, layout="page_first",
+                num_layers=KV.num_layers, kv_heads=KV.num_kv_heads, head_dim=KV.head_dim)
+    return config_fingerprint(**{**base, **change})
+
+
+class Instance:
+    """A serving instance: pool, manager with host and storage tiers, and the
+    request loop of the replay, checking every cached row it is handed."""
+
+    def __init__(self, backend, *, pages=12, host_pages=24, policy="wait_complete",
+                 seed=None, kv=KV, retry_after_s=None):
+        self.kv = kv
+        self.pool = MHAKVCache(kv.num_kv_heads, kv.num_layers, kv.head_dim, pages, kv.dtype,
+                               page_size=PAGE)
+        self.cm = CacheManager(pages, page_size=PAGE, host_num_pages=host_pages,
+                               kv_cache=self.pool, storage=backend,
+                               storage_seed=fingerprint() if seed is None else seed,
+                               prefetch_policy=policy)
+        if retry_after_s is not None:
+            self.cm._storage.retry_after_s = retry_after_s
+        self.device = self.host = self.storage = 0
+
+    def store(self, slots, ids, start):
+        for layer in range(self.kv.num_layers):
+            self.pool.store_kv(self.kv.rows(ids, start, layer, 0),
+                               self.kv.rows(ids, start, layer, 1), slots, layer)
+
+    def rows_ok(self, slots, ids):
+        for layer in range(self.kv.num_layers):
+            for side, cache in ((0, self.pool.k_cache(layer)), (1, self.pool.v_cache(layer))):
+                rows = cache.reshape(-1, self.kv.num_kv_heads, self.kv.head_dim)[slots.long()]
+                if not torch.equal(rows.view(torch.uint8),
+                                   self.kv.rows(ids, 0, layer, side).view(torch.uint8)):
+                    return False
+        return True
+
+    def serve(self, ids, drain=True):
+        ids = torch.as_tensor(ids, dtype=torch.int32)
+        cm = self.cm
+        op = cm.prefetch(ids)
+        got = cm.wait_prefetch(op) if op is not None else 0
+        h, idx = cm.match_req(ids)
+        device = h.cached_len
+        h, idx = cm.load_back(h)
+        assert self.rows_ok(idx, ids[: h.cached_len]), "a cached row differs from the stored one"
+        own = cm.allocate(len(ids) - h.cached_len)
+        self.store(own[: len(ids) - h.cached_len], ids[h.cached_len:], h.cached_len)
+        cm.free_and_cache_finished_req(h, ids, torch.cat([idx, own]))
+        if drain:
+            assert cm.drain() == []
+        cm.check_integrity()
+        self.device += device
+        self.storage += min(got, h.cached_len - device)
+        self.host += h.cached_len - device - min(got, h.cached_len - device)
+        return device, h.cached_len - device, got
+
+    def evict_everything(self):
+        cm = self.cm
+        cm.drain()
+        cm.make_room(cm.num_pages * PAGE)
+        tier = cm._tier
+        tier.make_room(tier.num_pages * PAGE)
+        cm.check_integrity()
+
+    def close(self):
+        self.cm.close()
+
+
+def prompt(seed, pages, tail=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (pages * PAGE + tail,), generator=g, dtype=torch.int32)
+
+
+# -- the file backend ---------------------------------------------------------------
+
+
+def host_pool(pages=8):
+    dev = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 4, KV.dtype, page_size=PAGE)
+    pool = HostKVCache(dev, pages, pin_memory=False)
+    g = torch.Generator().manual_seed(0)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(KV.dtype))
+    return pool
+
+
+def keys(n, salt="k"):
+    import hashlib
+
+    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def test_file_pages_round_trip_and_exists_counts_from_the_first(tmp_path):
+    pool = host_pool()
+    fs = FileStorage(str(tmp_path), fingerprint())
+    fs.attach(pool)
+    ks = keys(4)
+    assert fs.batch_set(ks[:3], [0, 1, 2]) == [True] * 3
+    assert fs.batch_exists(ks) == 3
+    assert fs.batch_exists([ks[3]] + ks[:3]) == 0  # a miss first: nothing after counts
+    before = pool.kv_buffer.clone()
+    assert fs.batch_get(ks[:3], [5, 6, 7]) == [True] * 3
+    b = pool.kv_buffer.view(torch.uint8).reshape(8, -1)
+    o = before.view(torch.uint8).reshape(8, -1)
+    assert torch.equal(b[5:8], o[0:3])
+    assert fs.batch_get([ks[3]], [4]) == [False]  # a miss leaves the page as it was
+    assert torch.equal(b[4], o[4])
+    leftovers = [f for d in os.listdir(tmp_path) for f in os.listdir(tmp_path / d)
+                 if f.endswith(".tmp")]
+    assert not leftovers
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "foreign", "moved", "longer"])
+def test_a_damaged_or_foreign_page_is_a_miss_never_wrong_kv(tmp_path, damage):
+    pool = host_pool()
+    fs = FileStorage(str(tmp_path), fingerprint())
+    fs.attach(pool)
+    k = keys(2)
+    assert fs.batch_set(k[:1], [0]) == [True]
+    path = fs.path(k[0])
+    data = open(path, "rb").read()
+    if damage == "flip":
+        data = data[:-10] + bytes([data[-10] ^ 0x40]) + data[-9:]
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = b""
+    elif damage == "longer":
+        data = data + b"x"
+    elif damage == "foreign":  # another configuration's page under our key
+        other = FileStorage(str(tmp_path / "other"), fingerprint(dtype=torch.bfloat16))
+        other.attach(pool)
+        other.batch_set(k[:1], [0])
+        data = open(other.path(k[0]), "rb").read()
+    elif damage == "moved":  # a page stored under another key
+        os.makedirs(os.path.dirname(fs.path(k[1])), exist_ok=True)
+        path = fs.path(k[1])
+        k = [k[1]]
+    with open(path, "wb") as f:
+        f.write(data)
+    page = pool.kv_buffer.view(torch.uint8).reshape(8, -1)[3].clone()
+    # (A payload read in part, then refused, leaves bytes in a page the failed
+    # read owns and nobody uses: it is freed, never inserted.)
+    assert fs.batch_get(k[:1], [3]) == [False]
+    assert fs.corrupt_pages == 1
+    if damage in ("empty", "foreign", "moved"):  # refused at the header: page untouched
+        assert torch.equal(pool.kv_buffer.view(torch.uint8).reshape(8, -1)[3], page)
+
+
+def test_file_store_bounded_by_least_recent_use(tmp_path):
+    pool = host_pool()
+    page_file = 84 + pool.kv_buffer.numel() * 2 // 8
+    fs = FileStorage(str(tmp_path), fingerprint(), max_bytes=3 * page_file)
+    fs.attach(pool)
+    k = keys(5)
+    fs.batch_set(k[:3], [0, 1, 2])
+    assert fs.batch_get([k[0]], [7]) == [True]  # k0 is now the most recent
+    fs.batch_set(k[3:5], [3, 4])               # two more: k1 and k2 go
+    assert [os.path.exists(fs.path(x)) for x in k] == [True, False, False, True, True]
+    assert fs.removed_pages == 2
+    again = FileStorage(str(tmp_path), fingerprint(), max_bytes=3 * page_file)  # rescans
+    again.attach(pool)
+    assert again.batch_exists([k[0]]) == 1
+
+
+# -- instances sharing a store ---------------------------------------------------------
+
+
+def test_a_second_instance_reads_the_first_ones_pages(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    b = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(1, 6)
+    assert a.serve(ids) == (0, 0, 0)
+    device, host, got = b.serve(ids)
+    assert (device, host, got) == (0, 6 * PAGE, 6 * PAGE)   # every whole page from storage
+    assert b.cm.storage_counters.prefetched_tokens == 6 * PAGE
+    assert b.serve(ids)[0] == 6 * PAGE                       # then from its own device
+    # Storage is what fell out of host memory too: A evicts everything, reads it back.
+    a.evict_everything()
+    assert a.serve(ids)[2] == 6 * PAGE
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("change", [dict(dtype=torch.bfloat16), dict(model="other"),
+                                    dict(namespace="tenant-b")])
+def test_configurations_sharing_a_store_never_read_each_others_pages(tmp_path, change):
+    """SGLang #33268 (dtype missing from the key), #26747 (namespaces)."""
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    seed = fingerprint(**change)
+    kv = KV if "dtype" not in change else KVShape(2, 2, 8, torch.bfloat16)
+    b = Instance(FileStorage(str(tmp_path), seed), seed=seed, kv=kv)
+    ids = prompt(2, 5)
+    a.serve(ids)
+    assert b.serve(ids) == (0, 0, 0)
+    assert b.cm.storage_counters.prefetched_tokens == 0
+    b.serve(ids)
+    c = Instance(FileStorage(str(tmp_path), seed), seed=seed, kv=kv)  # same config as b
+    assert c.serve(ids)[2] == 5 * PAGE
+    a.close(), b.close(), c.close()
+
+
+def test_host_pages_are_released_only_after_the_storage_thread_acknowledges(tmp_path):
+    """SGLang #19126: host slots freed while the storage thread still read them."""
+    gate = threading.Event()
+
+    class Slow(FileStorage):
+        def batch_set(self, keys, pages):
+            gate.wait(10)
+            return super().batch_set(keys, pages)
+
+    a = Instance(Slow(str(tmp_path), fingerprint()), host_pages=6)
+    ids = prompt(3, 5)
+    a.serve(ids, drain=False)
+    a.cm._tier.controller.drain()
+    a.cm.writing_check()                      # the backup landed: its write is queued
+    info = a.cm.host_size_info
+    assert a.cm._tree.tier_sizes()[6] == 5 * PAGE  # pinned while written
+    with pytest.raises(radixkv.OutOfCapacityError):
+        a.cm._tree.evict_host(PAGE)
+    a.cm.check_integrity()
+    gate.set()
+    a.cm._storage.drain()
+    assert a.cm._tree.tier_sizes()[6] == 0
+    a.cm._tree.evict_host(PAGE)  # now it may go
+    assert info.cached == 5 * PAGE
+    a.close()
+
+
+# -- faults ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_faults_in_every_call_give_no_wrong_kv_no_leak_no_hang(tmp_path, seed, policy):
+    """Seeded delays, failed calls and pages, torn reads: requests are served,
+    each cached row is checked, both pools add up, nothing hangs."""
+    def backend(s):
+        return FaultyStorage(FileStorage(str(tmp_path), fingerprint()), seed=s,
+                             fail_call=0.1, fail_page=0.15, max_delay_s=0.0005)
+
+    # No back-off: every call goes to the faulty store.
+    insts = [Instance(backend(seed * 10 + i), pages=10, host_pages=12, policy=policy,
+                      retry_after_s=0) for i in range(2)]
+    g = torch.Generator().manual_seed(seed)
+    prompts = [prompt(100 + k, 3 + k % 4) for k in range(8)]
+    deadline = time.monotonic() + 60
+    for step in range(60):
+        inst = insts[int(torch.randint(0, 2, (1,), generator=g))]
+        ids = prompts[int(torch.randint(0, len(prompts), (1,), generator=g))]
+        inst.serve(ids, drain=step % 3 != 0)
+        if step % 7 == 0:
+            inst.evict_everything()
+        assert time.monotonic() < deadline, "the storage tier hung"
+    for inst in insts:
+        inst.cm.drain()
+        inst.cm.check_integrity()
+        info = inst.cm.host_size_info
+        assert info.free + info.cached == info.capacity
+        assert inst.cm.held_pages == 0
+        inst.close()
+    errors = sum(i.cm._storage.backend.errors for i in insts)
+    assert errors > 0  # the faults did happen, and were counted
+    assert sum(i.cm.storage_counters.skipped for i in insts) == 0
+
+
+def test_a_store_that_stops_answering_is_left_alone_then_retried(tmp_path):
+    """A dead store costs one failed call per back-off window, not one per
+    request: writes and prefetches are skipped and counted meanwhile, and
+    the first call after the window that succeeds ends the back-off."""
+    class Switch(FileStorage):
+        down = False
+        calls = 0
+
+        def _fail(self, n):
+            self.calls += 1
+            if self.down:
+                self.count_error(n)
+            return self.down
+
+        def batch_exists(self, keys):
+            return 0 if self._fail(1) else super().batch_exists(keys)
+
+        def batch_get(self, keys, pages):
+            return [False] * len(keys) if self._fail(len(keys)) else super().batch_get(keys, pages)
+
+        def batch_set(self, keys, pages):
+            return [False] * len(keys) if self._fail(len(keys)) else super().batch_set(keys, pages)
+
+    store = Switch(str(tmp_path), fingerprint())
+    a = Instance(store, host_pages=24, retry_after_s=0.2)
+    tier = a.cm._storage
+    a.serve(prompt(1, 3))
+    assert a.cm.storage_counters.written_pages == 3
+    store.down = True
+    a.serve(prompt(2, 3))            # its write fails: the store is down
+    assert tier.store_down()
+    calls = store.calls
+    for k in range(5):
+        a.evict_everything()
+        a.serve(prompt(3 + k, 3))      # neither prefetched nor written
+    assert store.calls == calls
+    assert a.cm.storage_counters.skipped >= 5
+    time.sleep(0.25)
+    a.serve(prompt(20, 3))           # the retry fails: the window doubles
+    assert tier.store_down() and tier._backoff_s == pytest.approx(0.4)
+    store.down = False
+    time.sleep(0.45)
+    a.evict_everything()
+    assert a.serve(prompt(1, 3))[2] == 3 * PAGE  # back: prefetched again
+    assert not tier.store_down()
+    a.cm.check_integrity()
+    info = a.cm.host_size_info
+    a.cm.drain()
+    assert info.free + info.cached == info.capacity
+    a.close()
+
+
+# -- Mooncake Store -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def master():
+    with MooncakeMaster() as m:
+        yield m
+
+
+@needs_mooncake
+def test_mooncake_instances_share_pages_through_a_real_master(master):
+    def backend():
+        return MooncakeStorage(master.master_address, master.metadata_server,
+                               segment_bytes=32 << 20, buffer_bytes=16 << 20)
+
+    a, b = Instance(backend()), Instance(backend())
+    ids = prompt(5, 6)
+    assert a.serve(ids) == (0, 0, 0)
+    assert b.serve(ids) == (0, 6 * PAGE, 6 * PAGE)
+    assert a.cm.storage_counters.written_pages == 6
+    seed = fingerprint(namespace="mooncake-other")
+    c = Instance(backend(), seed=seed)
+    assert c.serve(ids) == (0, 0, 0)  # another namespace: never our pages
+    a.close(), b.close(), c.close()
+
+
+@needs_mooncake
+def test_mooncake_master_stopped_mid_run_is_counted_not_a_crash_or_hang():
+    m = MooncakeMaster()
+    a = Instance(MooncakeStorage(m.master_address, m.metadata_server, segment_bytes=32 << 20,
+                                 buffer_bytes=16 << 20))
+    a.serve(prompt(6, 4))
+    m.stop()
+    t0 = time.monotonic()
+    for k in range(4):
+        a.serve(prompt(7 + k, 4))
+        a.evict_everything()
+        a.serve(prompt(6, 4))  # wants its pages back from a store that is gone
+    assert time.monotonic() - t0 < 120
+    a.cm.check_integrity()
+    assert a.cm.storage_counters.errors > 0
+    assert a.cm.storage_counters.skipped > 0  # left alone after it stopped answering
+    a.close()
+
+
+def test_a_backend_needs_a_page_first_host_pool(tmp_path):
+    dev = MHAKVCache(1, 1, 8, 4, torch.float16, page_size=PAGE)
+    with pytest.raises(ValueError, match="page_first"):
+        FileStorage(str(tmp_path), fingerprint()).attach(HostKVCache(dev, 4, layout="layer_first"))
+    with pytest.raises(ValueError, match="storage tier needs a host tier"):
+        CacheManager(4, page_size=PAGE, kv_cache=dev,
+                     storage=FileStorage(str(tmp_path), fingerprint()))
+    with pytest.raises(ValueError, match="32 bytes"):
+        FileStorage(str(tmp_path), b"short")
+    assert issubclass(FileStorage, StorageBackend)
