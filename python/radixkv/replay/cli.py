@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 from typing import List, NoReturn, Optional, Sequence
 
-from radixkv.replay.replay import KVShape, ReplayResult, pages_for_all, replay
+from radixkv.replay.replay import KVShape, ReplayResult, StorageConfig, pages_for_all, replay
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
 from radixkv.scheduler.host_tier import WRITE_POLICIES
+from radixkv.scheduler.storage_tier import PREFETCH_POLICIES
 
 MOONCAKE_BLOCK = 512
 BUILTIN_BLOCK = 16
 # The built-in workload's default device pool: a small one (its prompts hold
 # 1.2M tokens), so LRU eviction and the host tier, twice as large by default,
 # are part of the default run.
-BUILTIN_CAPACITY_TOKENS = 1 << 15
+BUILTIN_CAPACITY_TOKENS = 1 << 14
 # Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
 INTERRUPTED = 130
 
@@ -64,6 +67,22 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
                    help="host-memory tier (L2) in tokens, rounded up to pages; 0: none "
                    "(default for a trace: 0; built in: twice the device pool). More than the "
                    "trace holds is an unbounded host, allocated only as large as it is used")
+    p.add_argument("--storage", choices=["none", "file", "mooncake"],
+                   help="storage tier (L3) behind the host tier (default for a trace: none; "
+                   "built in: file, in a temporary directory)")
+    p.add_argument("--storage-dir", help="--storage file: the directory (default: a temporary "
+                   "one, removed at the end); pages already there are read")
+    p.add_argument("--mooncake-master", metavar="HOST:PORT", help="--storage mooncake: the "
+                   "master (default: start mooncake_master on 127.0.0.1, stop it at the end)")
+    p.add_argument("--mooncake-metadata", metavar="URL", help="--storage mooncake: the "
+                   "metadata server (with --mooncake-master; default http://HOST:8080/metadata)")
+    p.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES), default="wait_complete",
+                   help="how long a request waits for its pages from storage (default "
+                   "wait_complete: deterministic)")
+    p.add_argument("--instances", type=positive, default=1, help="serving instances, each a "
+                   "process with its own device and host tiers, sharing the storage tier")
+    p.add_argument("--overlap", action="store_true", help="instances run concurrently and "
+                   "copies overlap later requests (not deterministic)")
     p.add_argument("--write-policy", choices=list(WRITE_POLICIES), default="write_through",
                    help="when a node is copied to host: when inserted (write_through), on its "
                    "second hit (write_through_selective), when evicted (write_back)")
@@ -106,6 +125,16 @@ def _table(r: ReplayResult, kv: KVShape) -> str:
             f"    loaded back   {r.loaded_back_tokens:>14,}   K/V mismatches {r.kv_mismatches}"
             + (f", failed loads {r.failed_loads}" if r.failed_loads else ""),
             f"    host evicted  {r.host_evicted_tokens:>14,}",
+        ]
+    if r.storage:
+        after_host = 1 + next(i for i, line in enumerate(lines) if line.startswith("    on host"))
+        lines.insert(after_host,
+                     f"    from storage  {r.storage_hit_tokens:>14,}   {pct(r.storage_hit_tokens)}")
+        lines += [
+            f"  storage tier    {r.storage}, prefetch {r.prefetch_policy}"
+            + (f", {len(r.instances)} instances" if r.instances else ""),
+            f"    written       {r.storage_written_pages:>14,} pages",
+            f"    prefetched    {r.prefetched_tokens:>14,} tokens   errors {r.storage_errors}",
         ]
     lines += [
         f"  computed tokens {r.computed_tokens:>14,}",
@@ -255,9 +284,62 @@ def _run(args) -> int:
         host_tokens = 0 if args.trace else 2 * capacity * page
     if host_tokens and args.policy != "radix":
         raise UsageError("--host-capacity-tokens needs --policy radix")
+    storage_kind = args.storage or ("none" if args.trace or args.no_store else "file")
+    if storage_kind != "none":
+        if args.no_store:
+            raise UsageError(f"--storage {storage_kind} moves K/V bytes: drop --no-store")
+        if not host_tokens:
+            raise UsageError(f"--storage {storage_kind} sits behind the host tier: give "
+                             "--host-capacity-tokens")
+    elif args.instances > 1:
+        raise UsageError("--instances shares a storage tier: give --storage file or mooncake")
+    with _storage(args, storage_kind) as storage:
+        return _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage)
+
+
+@contextlib.contextmanager
+def _storage(args, kind: str):
+    """The storage tier's configuration; a temporary directory or a local
+    Mooncake master live for the run and go with it."""
+    if kind == "none":
+        yield None
+        return
+    if kind == "file":
+        if args.storage_dir:
+            try:
+                os.makedirs(args.storage_dir, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"--storage-dir {args.storage_dir}: {e.strerror or e}") from None
+            yield StorageConfig("file", directory=args.storage_dir,
+                                prefetch_policy=args.prefetch_policy)
+        else:
+            with tempfile.TemporaryDirectory(prefix="radixkv-store.") as d:
+                yield StorageConfig("file", directory=d, prefetch_policy=args.prefetch_policy)
+        return
+    if args.mooncake_master:
+        host = args.mooncake_master.rsplit(":", 1)[0]
+        yield StorageConfig("mooncake", master_address=args.mooncake_master,
+                            metadata_server=args.mooncake_metadata
+                            or f"http://{host}:8080/metadata",
+                            prefetch_policy=args.prefetch_policy)
+        return
+    from radixkv.storage import MooncakeMaster
+
+    try:
+        master = MooncakeMaster()
+    except RuntimeError as e:
+        raise UsageError(f"--storage mooncake: {e}") from None
+    with master:
+        yield StorageConfig("mooncake", master_address=master.master_address,
+                            metadata_server=master.metadata_server,
+                            prefetch_policy=args.prefetch_policy)
+
+
+def _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage) -> int:
     common = dict(block_size=block, page_size=page, policy=args.policy, kv=kv,
                   store=not args.no_store, progress=sys.stderr.isatty(),
-                  write_policy=args.write_policy)
+                  write_policy=args.write_policy, instances=args.instances,
+                  overlap=args.overlap)
 
     def host_pages_for(device_pages: int) -> int:
         # In a sweep the host tier keeps its ratio to the device pool.
@@ -275,7 +357,11 @@ def _run(args) -> int:
         points = []
         for k in range(args.sweep):
             pages = max(1, capacity >> (args.sweep - 1 - k))
-            r = replay(requests, capacity_pages=pages, host_pages=host_pages_for(pages), **common)
+            # Each point starts from an empty store: its own namespace.
+            point_storage = (dataclasses.replace(storage, namespace=f"sweep-{k}")
+                             if storage is not None else None)
+            r = replay(requests, capacity_pages=pages, host_pages=host_pages_for(pages),
+                       storage=point_storage, **common)
             points.append(r.to_json())
             if not args.json:
                 tiers = (f" (device {100 * r.device_hit_tokens / max(1, r.input_tokens):.2f}% "
@@ -303,7 +389,8 @@ def _run(args) -> int:
             return 1
         return 0
 
-    r = replay(requests, capacity_pages=capacity, host_pages=host_pages_for(capacity), **common)
+    r = replay(requests, capacity_pages=capacity, host_pages=host_pages_for(capacity),
+               storage=storage, **common)
     check(r)
     out = r.to_json()
     out["trace"] = name

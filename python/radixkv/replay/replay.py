@@ -99,6 +99,16 @@ class ReplayResult:
     host_pool_bytes: int = 0
     # Loaded-back tokens whose K/V rows differ from what was stored (stored runs).
     kv_mismatches: int = 0
+    # The storage tier (None: none). hit_tokens also counts storage hits:
+    # tokens a request's prefetch read from storage and the request then used.
+    storage: Optional[str] = None
+    prefetch_policy: Optional[str] = None
+    storage_hit_tokens: int = 0
+    prefetched_tokens: int = 0
+    storage_written_pages: int = 0
+    storage_errors: int = 0
+    # Per instance when there are several (their JSON objects).
+    instances: List[dict] = field(default_factory=list)
 
     @property
     def token_hit_rate(self) -> float:
@@ -137,6 +147,14 @@ class ReplayResult:
             "failed_loads": self.failed_loads,
             "host_pool_bytes": self.host_pool_bytes,
             "kv_mismatches": self.kv_mismatches,
+            "storage": self.storage,
+            "prefetch_policy": self.prefetch_policy,
+            "storage_hit_tokens": self.storage_hit_tokens,
+            "storage_hit_rate": self._rate(self.storage_hit_tokens),
+            "prefetched_tokens": self.prefetched_tokens,
+            "storage_written_pages": self.storage_written_pages,
+            "storage_errors": self.storage_errors,
+            "instances": self.instances,
         }
 
     def _rate(self, tokens: int) -> float:
@@ -179,70 +197,104 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
-           capacity_pages: Optional[int] = None, policy: str = "radix",
-           kv: Optional[KVShape] = None, store: bool = True, progress: bool = False,
-           host_pages: int = 0,
-           write_policy: str = "write_through") -> ReplayResult:
-    """Drives `requests` one after another through a CacheManager.
+@dataclass
+class StorageConfig:
+    """The storage tier a replay writes to and prefetches from."""
 
-    Per request: match the prompt (all but its last token), lock the match
-    (or, when part of it is only on the host tier, load that part back),
-    allocate the rest (evicting what is missing), store the K/V of the
-    computed tokens into an MHAKVCache, then decode the output (allocating
-    more pages when the last one fills, storing its K/V), and finally cache
-    prompt and output and release the request's pages and lock. A request
-    larger than the whole pool is skipped and counted. Ctrl-C stops after the
-    request in flight; the result covers what was replayed (`interrupted`).
+    kind: str                            # "file" or "mooncake"
+    directory: Optional[str] = None      # file
+    max_bytes: Optional[int] = None      # file: bound on the directory
+    master_address: Optional[str] = None     # mooncake
+    metadata_server: Optional[str] = None    # mooncake
+    segment_bytes: int = 256 << 20           # mooncake: memory each instance lends
+    prefetch_policy: str = "wait_complete"
+    namespace: Optional[str] = None
+    fault_seed: Optional[int] = None     # wrap the backend in FaultyStorage (tests)
 
-    With `host_pages` the cache has a host tier of that many pages (capped at
-    what the requests can use) under `write_policy`; each request's copies
-    finish before the next one matches, so the run is deterministic. When
-    storing, K/V rows are derived from token and position (KVShape.rows) and
-    every row loaded back from host is compared with them (`kv_mismatches`).
+    def backend(self, kv: "KVShape", page_size: int):
+        from radixkv.storage import FaultyStorage, FileStorage, MooncakeStorage
+
+        if self.kind == "file":
+            backend = FileStorage(self.directory, self.fingerprint(kv, page_size), self.max_bytes)
+        elif self.kind == "mooncake":
+            backend = MooncakeStorage(self.master_address, self.metadata_server,
+                                      segment_bytes=self.segment_bytes)
+        else:
+            raise ValueError(f"storage must be file or mooncake, got {self.kind!r}")
+        if self.fault_seed is not None:
+            backend = FaultyStorage(backend, seed=self.fault_seed)
+        return backend
+
+    def fingerprint(self, kv: "KVShape", page_size: int) -> bytes:
+        from radixkv.storage import config_fingerprint
+
+        return config_fingerprint(model="radixkv-replay", dtype=kv.dtype, page_size=page_size,
+                                  layout="page_first", num_layers=kv.num_layers,
+                                  kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
+                                  namespace=self.namespace)
+
+
+class _Instance:
+    """One serving instance of a replay: its pools, its CacheManager, its figures.
+
+    Per request: prefetch from storage (when configured, waiting as its
+    policy says) and match the prompt (all but its last token); lock the
+    match, or load back its host part; allocate the rest (evicting what is
+    missing) and store the computed tokens' K/V; decode the output
+    (allocating more pages when the last one fills, storing its K/V); cache
+    prompt and output and release the request's pages and lock. Unless
+    `overlap`, the request's copies (backups, writes to storage) finish
+    before the next request matches.
     """
-    # The replay is one thread driving the cache, like a scheduler. torch's
-    # intra-op threads would only spin between the small tensor ops here
-    # and take the second core from the driver.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _replay(requests, block_size=block_size, page_size=page_size,
-                       capacity_pages=capacity_pages, policy=policy, kv=kv, store=store,
-                       progress=progress, host_pages=host_pages, write_policy=write_policy)
-    finally:
-        torch.set_num_threads(threads)
 
+    def __init__(self, *, block_size: int, page_size: int, capacity_pages: int, policy: str,
+                 kv: KVShape, store: bool, host_pages: int, write_policy: str,
+                 storage: Optional[StorageConfig], max_hash: int, overlap: bool = False):
+        self.page_size, self.capacity_pages, self.kv, self.store = (page_size, capacity_pages,
+                                                                    kv, store)
+        self.host_pages, self.overlap = host_pages, overlap
+        self.tokens = TokenMaker(block_size, max_hash)
+        self.pool = None
+        if store:
+            from radixkv.kvcache import MHAKVCache
 
-def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, store, progress,
-            host_pages, write_policy) -> ReplayResult:
-    if capacity_pages is None:
-        capacity_pages = pages_for_all(requests, page_size)
-    # A host pool larger than every token of every request is never full:
-    # it is allocated at the size that can be used.
-    host_pages = min(host_pages, pages_for_all(requests, page_size))
-    tokens = TokenMaker(block_size, max_hash_id(requests))
-    kv = kv or KVShape()
-    pool = None
-    if store:
-        from radixkv.kvcache import MHAKVCache
+            self.pool = MHAKVCache(kv.num_kv_heads, kv.num_layers, kv.head_dim, capacity_pages,
+                                   kv.dtype, page_size=page_size, tp_size=1)
+        backend = storage.backend(kv, page_size) if storage is not None else None
+        # Without a pool the tier keeps its bookkeeping only, its copies run
+        # inline (manual) when drained.
+        self.cm = CacheManager(
+            capacity_pages, page_size=page_size, type=policy, host_num_pages=host_pages,
+            write_policy=write_policy, kv_cache=self.pool, manual_copies=self.pool is None,
+            storage=backend,
+            storage_seed=storage.fingerprint(kv, page_size) if storage is not None else None,
+            prefetch_policy=storage.prefetch_policy if storage is not None else "best_effort")
+        r = self.result = ReplayResult(policy, page_size, capacity_pages * page_size)
+        r.pool_bytes = self.pool.nbytes if self.pool is not None else 0
+        r.host_capacity_tokens = host_pages * page_size
+        if host_pages:
+            r.write_policy = write_policy
+            r.host_pool_bytes = self.cm.host_pool.nbytes if self.cm.host_pool is not None else 0
+        if storage is not None:
+            r.storage = storage.kind
+            r.prefetch_policy = storage.prefetch_policy
+        self.lat: Dict[str, List[int]] = {"match": [], "allocate": [], "insert": [], "evict": []}
+        if host_pages:
+            self.lat["load_back"] = []
+        if storage is not None:
+            self.lat["prefetch"] = []
+        self.replayed: List[Request] = []
 
-        pool = MHAKVCache(kv.num_kv_heads, kv.num_layers, kv.head_dim, capacity_pages,
-                          kv.dtype, page_size=page_size, tp_size=1)
-    # Without a pool the tier keeps its bookkeeping only, its copies run
-    # inline (manual) when drained.
-    cm = CacheManager(capacity_pages, page_size=page_size, type=policy,
-                      host_num_pages=host_pages, write_policy=write_policy, kv_cache=pool,
-                      manual_copies=pool is None)
-
-    def store_kv(slots: torch.Tensor, ids: torch.Tensor, start: int) -> None:
+    def _store_kv(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> None:
+        kv = self.kv
         for layer in range(kv.num_layers):
-            pool.store_kv(kv.rows(ids, start, layer, 0), kv.rows(ids, start, layer, 1), slots,
-                          layer)
-        result.stored_tokens += len(slots)
+            self.pool.store_kv(kv.rows(ids, start, layer, 0), kv.rows(ids, start, layer, 1),
+                               slots, layer)
+        self.result.stored_tokens += len(slots)
 
-    def check_loaded(slots: torch.Tensor, ids: torch.Tensor, start: int) -> int:
+    def _check_loaded(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> int:
         """Tokens among `slots` whose rows differ from what was stored for them."""
+        kv, pool = self.kv, self.pool
         bad = torch.zeros(len(slots), dtype=torch.bool)
         for layer in range(kv.num_layers):  # k_cache(layer) waits for the layer's load
             for side, cache in ((0, pool.k_cache(layer)), (1, pool.v_cache(layer))):
@@ -251,108 +303,194 @@ def _replay(requests, *, block_size, page_size, capacity_pages, policy, kv, stor
                 bad |= (rows.view(torch.uint8) != want.view(torch.uint8)).flatten(1).any(1)
         return int(bad.sum())
 
-    result = ReplayResult(policy, page_size, capacity_pages * page_size)
-    result.pool_bytes = pool.nbytes if pool is not None else 0
-    result.host_capacity_tokens = host_pages * page_size
-    if host_pages:
-        result.write_policy = write_policy
-        result.host_pool_bytes = cm.host_pool.nbytes if cm.host_pool is not None else 0
-    lat: Dict[str, List[int]] = {"match": [], "allocate": [], "insert": [], "evict": []}
-    if host_pages:
-        lat["load_back"] = []
-    clock = time.perf_counter_ns
-    bar = _Progress(len(requests), progress)
-    replayed: List[Request] = []
-    t_start = time.perf_counter()
-    try:
-        for i, req in enumerate(requests):
-            bar.update(i)
-            total = req.input_length + req.output_length
-            if -(-total // page_size) > capacity_pages:
-                result.skipped_requests += 1
-                continue
-            ids = tokens.prompt(req)
+    def skips(self, req: Request) -> bool:
+        total = req.input_length + req.output_length
+        return -(-total // self.page_size) > self.capacity_pages
 
-            t0 = clock()
-            handle, cached = cm.match_req(ids)
-            lat["match"].append(clock() - t0)
-            device_hit, host_hit = handle.cached_len, handle.host_hit_len
-            if host_hit:
-                t0 = clock()
-                handle, cached = cm.load_back(handle)
-                lat["load_back"].append(clock() - t0)
-                if store:
-                    result.kv_mismatches += check_loaded(
-                        cached[device_hit:], ids[device_hit:device_hit + host_hit], device_hit)
-            else:
-                cm.lock(handle)
-            hit = handle.cached_len
+    def serve(self, req: Request, fresh_at: Optional[int] = None) -> None:
+        cm, result, lat, clock = self.cm, self.result, self.lat, time.perf_counter_ns
+        if self.skips(req):
+            result.skipped_requests += 1
+            return
+        if fresh_at is not None:
+            self.tokens.seek(fresh_at)
+        ids = self.tokens.prompt(req)
 
-            # Prefill: everything after the match, the last prompt token included.
+        prefetched = 0
+        if "prefetch" in lat:
             t0 = clock()
-            evicted = cm.make_room(req.input_length - hit)
+            op = cm.prefetch(ids)
+            if op is not None:
+                prefetched = cm.wait_prefetch(op)
+            lat["prefetch"].append(clock() - t0)
+        t0 = clock()
+        handle, cached = cm.match_req(ids)
+        lat["match"].append(clock() - t0)
+        device_hit, host_hit = handle.cached_len, handle.host_hit_len
+        if host_hit:
+            t0 = clock()
+            handle, cached = cm.load_back(handle)
+            lat["load_back"].append(clock() - t0)
+            loaded = handle.cached_len - device_hit
+            if self.store and loaded:
+                result.kv_mismatches += self._check_loaded(
+                    cached[device_hit:], ids[device_hit:device_hit + loaded], device_hit)
+        else:
+            cm.lock(handle)
+        hit = handle.cached_len
+
+        # Prefill: everything after the match, the last prompt token included.
+        t0 = clock()
+        evicted = cm.make_room(req.input_length - hit)
+        t1 = clock()
+        own = cm.allocate(req.input_length - hit)
+        t2 = clock()
+        if evicted:
+            lat["evict"].append(t1 - t0)
+            result.evicted_tokens += evicted
+        lat["allocate"].append(t2 - t0)
+        if self.store:
+            self._store_kv(own[: req.input_length - hit], ids[hit:], hit)
+
+        # Decode: the last page's spare slots first, then new pages.
+        out = req.output_length
+        spare = own.numel() - (req.input_length - hit)
+        if out > spare:
+            t0 = clock()
+            evicted = cm.make_room(out - spare)
             t1 = clock()
-            own = cm.allocate(req.input_length - hit)
+            more = cm.allocate(out - spare)
             t2 = clock()
             if evicted:
                 lat["evict"].append(t1 - t0)
                 result.evicted_tokens += evicted
             lat["allocate"].append(t2 - t0)
-            if store:
-                store_kv(own[: req.input_length - hit], ids[hit:], hit)
+            own = torch.cat([own, more])
+        full_ids = torch.cat([ids, self.tokens.output(out)]) if out else ids
+        if self.store and out:
+            start = req.input_length - hit
+            self._store_kv(own[start:start + out], full_ids[req.input_length:], req.input_length)
+        result.peak_pages = max(result.peak_pages, self.capacity_pages - cm.free_pages)
 
-            # Decode: the last page's spare slots first, then new pages.
-            out = req.output_length
-            spare = own.numel() - (req.input_length - hit)
-            if out > spare:
-                t0 = clock()
-                evicted = cm.make_room(out - spare)
-                t1 = clock()
-                more = cm.allocate(out - spare)
-                t2 = clock()
-                if evicted:
-                    lat["evict"].append(t1 - t0)
-                    result.evicted_tokens += evicted
-                lat["allocate"].append(t2 - t0)
-                own = torch.cat([own, more])
-            full_ids = torch.cat([ids, tokens.output(out)]) if out else ids
-            if store and out:
-                start = req.input_length - hit
-                store_kv(own[start:start + out], full_ids[req.input_length:], req.input_length)
-            result.peak_pages = max(result.peak_pages, capacity_pages - cm.free_pages)
-
-            t0 = clock()
-            cm.free_and_cache_finished_req(handle, full_ids, torch.cat([cached, own]))
-            lat["insert"].append(clock() - t0)
-            if host_pages:
-                # The request's backups finish before the next one matches.
+        t0 = clock()
+        cm.free_and_cache_finished_req(handle, full_ids, torch.cat([cached, own]))
+        lat["insert"].append(clock() - t0)
+        if self.host_pages:
+            if self.overlap:
+                cm.writing_check()
+                result.failed_loads += len(cm.loading_check())
+                cm.storage_check()
+            else:
+                # The request's copies finish before the next one matches.
                 result.failed_loads += len(cm.drain())
 
-            replayed.append(req)
-            result.requests += 1
-            result.input_tokens += req.input_length
-            result.hit_tokens += hit
-            result.device_hit_tokens += device_hit
-            result.host_hit_tokens += hit - device_hit
-            result.computed_tokens += req.input_length - hit
-            result.output_tokens += out
+        self.replayed.append(req)
+        result.requests += 1
+        result.input_tokens += req.input_length
+        result.hit_tokens += hit
+        result.device_hit_tokens += device_hit
+        from_storage = min(prefetched, hit - device_hit)
+        result.storage_hit_tokens += from_storage
+        result.host_hit_tokens += hit - device_hit - from_storage
+        result.computed_tokens += req.input_length - hit
+        result.output_tokens += out
+
+    def finish(self, interrupted: bool = False) -> ReplayResult:
+        cm, result = self.cm, self.result
+        result.interrupted = interrupted
+        if self.host_pages:
+            result.failed_loads += len(cm.drain())
+            counters = cm.tier_counters
+            result.loaded_back_tokens = counters.loaded_back
+            result.backed_up_tokens = counters.backed_up
+            result.host_evicted_tokens = counters.host_evicted
+        storage = cm.storage_counters
+        if storage is not None:
+            result.prefetched_tokens = storage.prefetched_tokens
+            result.storage_written_pages = storage.written_pages
+            result.storage_errors = storage.errors
+        if not interrupted:
+            cm.check_integrity()
+            if cm.held_pages != 0:
+                raise RuntimeError(f"replay leaked {cm.held_pages} pages")
+        cm.close()
+        return result
+
+
+def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
+           capacity_pages: Optional[int] = None, policy: str = "radix",
+           kv: Optional[KVShape] = None, store: bool = True, progress: bool = False,
+           host_pages: int = 0, write_policy: str = "write_through",
+           storage: Optional[StorageConfig] = None, instances: int = 1,
+           overlap: bool = False) -> ReplayResult:
+    """Drives `requests` through `instances` serving instances (see _Instance).
+
+    A request larger than the whole pool is skipped and counted. Ctrl-C stops
+    after the request in flight; the result covers what was replayed
+    (`interrupted`). With `host_pages` each instance has a host tier of that
+    many pages (capped at what the requests can use) under `write_policy`;
+    with `storage` they share a storage tier. When storing, K/V rows are
+    derived from token and position (KVShape.rows) and every row loaded back
+    from host (or storage, through host) is compared with them
+    (`kv_mismatches`).
+
+    With one instance the replay runs here. With more, each instance is a
+    process of its own; requests go to them in trace order, round robin (by
+    session when the trace names sessions), one at a time: each finishes,
+    its copies included, before the next starts, so the run is
+    deterministic. `overlap` lets instances run concurrently and copies
+    overlap the next requests (throughput, at some cost in hits).
+    """
+    # The replay is one thread driving the cache, like a scheduler. torch's
+    # intra-op threads would only spin between the small tensor ops here
+    # and take the second core from the driver.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if capacity_pages is None:
+            capacity_pages = pages_for_all(requests, page_size)
+        # A host pool larger than every token of every request is never full:
+        # it is allocated at the size that can be used.
+        host_pages = min(host_pages, pages_for_all(requests, page_size))
+        config = dict(block_size=block_size, page_size=page_size, capacity_pages=capacity_pages,
+                      policy=policy, kv=kv or KVShape(), store=store, host_pages=host_pages,
+                      write_policy=write_policy, storage=storage,
+                      max_hash=max_hash_id(requests), overlap=overlap)
+        if instances > 1:
+            from radixkv.replay.instances import replay_instances
+
+            result = replay_instances(requests, config, instances, progress)
+        else:
+            result = _replay_here(requests, config, progress)
+        if page_size == block_size:
+            replayed = [r for r in requests
+                        if not _too_large(r, page_size, capacity_pages)][:result.requests]
+            result.optimal_hit_tokens = optimal_hit_tokens(replayed, block_size)
+        return result
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _too_large(req: Request, page_size: int, capacity_pages: int) -> bool:
+    return -(-(req.input_length + req.output_length) // page_size) > capacity_pages
+
+
+def _replay_here(requests, config, progress) -> ReplayResult:
+    inst = _Instance(**config)
+    bar = _Progress(len(requests), progress)
+    interrupted = False
+    t_start = time.perf_counter()
+    try:
+        for i, req in enumerate(requests):
+            bar.update(i)
+            inst.serve(req)
     except KeyboardInterrupt:
         # A request interrupted half-way holds pages and a lock: the figures
         # stop at the last finished request, and the pool's check is skipped.
-        result.interrupted = True
-    result.wall_s = time.perf_counter() - t_start
+        interrupted = True
+    wall = time.perf_counter() - t_start
     bar.close()
-    if host_pages:
-        result.failed_loads += len(cm.drain())
-        counters = cm.tier_counters
-        result.loaded_back_tokens = counters.loaded_back
-        result.backed_up_tokens = counters.backed_up
-        result.host_evicted_tokens = counters.host_evicted
-    if not result.interrupted:
-        cm.check_integrity()
-        if cm.held_pages != 0:
-            raise RuntimeError(f"replay leaked {cm.held_pages} pages")
-    if page_size == block_size:
-        result.optimal_hit_tokens = optimal_hit_tokens(replayed, block_size)
-    result.latency_us = {k: _percentiles(v) for k, v in lat.items()}
+    result = inst.finish(interrupted)
+    result.wall_s = wall
+    result.latency_us = {k: _percentiles(v) for k, v in inst.lat.items()}
     return result

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 
 # Output tokens get ids above every block token, so they never match a prompt.
 OUTPUT_TOKEN_BASE = 1 << 30
+# Fields that name a request's conversation, when a trace has one.
+SESSION_FIELDS = ("session_id", "session", "conversation_id", "chat_id")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class Request:
     input_length: int
     output_length: int
     hash_ids: Sequence[int]
+    # The conversation it belongs to, when the trace says (instances route by it).
+    session: Optional[str] = None
 
 
 def load_mooncake(path: str) -> List[Request]:
@@ -38,8 +42,11 @@ def load_mooncake(path: str) -> List[Request]:
                 continue
             try:
                 r = json.loads(line)
+                session = next((str(r[k]) for k in SESSION_FIELDS if r.get(k) is not None),
+                               None)
                 req = Request(float(r["timestamp"]), int(r["input_length"]),
-                              int(r["output_length"]), [int(h) for h in r["hash_ids"]])
+                              int(r["output_length"]), [int(h) for h in r["hash_ids"]],
+                              session)
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({e})") from None
             if req.input_length < 1 or req.output_length < 0 or any(h < 0 for h in req.hash_ids):
@@ -80,6 +87,16 @@ class TokenMaker:
 
     def output(self, n: int) -> torch.Tensor:
         return self._fresh_tokens(n)
+
+    def fresh_needed(self, req: Request) -> int:
+        """Fresh tokens `prompt(req)` and `output(req.output_length)` take."""
+        named = len(req.hash_ids) * self.block_size
+        return max(0, req.input_length - named) + req.output_length
+
+    def seek(self, position: int) -> None:
+        """Fresh tokens continue from `position` (a run split over instances
+        gives each request the fresh tokens one instance would have)."""
+        self._fresh = position
 
 
 def max_hash_id(requests: Iterable[Request]) -> int:

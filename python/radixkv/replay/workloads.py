@@ -29,7 +29,7 @@ def chat_sessions(num_sessions: int = 400, block_size: int = 16, seed: int = 0,
 
     systems = [new_blocks(rng.randint(8, 32)) for _ in range(system_prompts)]
     events = []
-    for _ in range(num_sessions):
+    for session in range(num_sessions):
         t = rng.uniform(0, 600.0)
         history = list(rng.choice(systems))
         for _turn in range(rng.randint(1, 8)):
@@ -37,7 +37,8 @@ def chat_sessions(num_sessions: int = 400, block_size: int = 16, seed: int = 0,
             tail = rng.randint(1, block_size)  # the last block is partial
             input_length = (len(history) - 1) * block_size + tail
             output_blocks = rng.randint(1, 8)
-            events.append(Request(t, input_length, output_blocks * block_size, list(history)))
+            events.append(Request(t, input_length, output_blocks * block_size, list(history),
+                                  f"chat-{session}"))
             # The reply joins the history as blocks of its own.
             history = history + new_blocks(output_blocks)
             t += rng.uniform(5.0, 60.0)

@@ -1,0 +1,138 @@
+"""A replay over several serving instances, each a process with its own device
+and host tiers, sharing one storage tier."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import zlib
+from typing import Dict, List, Sequence
+
+import torch
+
+from radixkv.replay.replay import ReplayResult, _Instance, _percentiles, _Progress
+from radixkv.replay.traces import OUTPUT_TOKEN_BASE, Request, TokenMaker
+
+# Counters summed over instances.
+_SUMMED = ("requests", "skipped_requests", "input_tokens", "hit_tokens", "computed_tokens",
+           "output_tokens", "evicted_tokens", "stored_tokens", "device_hit_tokens",
+           "host_hit_tokens", "loaded_back_tokens", "backed_up_tokens", "host_evicted_tokens",
+           "failed_loads", "kv_mismatches", "storage_hit_tokens", "prefetched_tokens",
+           "storage_written_pages", "storage_errors", "pool_bytes", "host_pool_bytes")
+
+
+def _worker(conn, config: dict, overlap: bool) -> None:
+    torch.set_num_threads(1)
+    try:
+        inst = _Instance(**config)
+    except BaseException as e:  # tell the driver, do not leave it waiting
+        conn.send(("error", repr(e)))
+        return
+    conn.send(("ready", None))
+    interrupted = False
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        req, fresh_at = msg
+        try:
+            inst.serve(req, fresh_at)
+        except KeyboardInterrupt:
+            interrupted = True
+            break
+        if not overlap:
+            conn.send(("done", None))
+    result = inst.finish(interrupted)
+    conn.send(("result", (result, inst.lat)))
+
+
+def route(req: Request, index: int, instances: int) -> int:
+    """The instance that serves request `index`: by session when the trace
+    names one (a conversation stays on one instance), else round robin."""
+    if req.session is not None:
+        return zlib.crc32(req.session.encode()) % instances
+    return index % instances
+
+
+def replay_instances(requests: Sequence[Request], config: dict, instances: int,
+                     progress: bool) -> ReplayResult:
+    overlap = config["overlap"]
+    ctx = multiprocessing.get_context("spawn")
+    pipes, procs = [], []
+    for _ in range(instances):
+        here, there = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(there, config, overlap), daemon=True)
+        p.start()
+        pipes.append(here)
+        procs.append(p)
+    try:
+        for conn in pipes:
+            kind, what = conn.recv()
+            if kind == "error":
+                raise RuntimeError(f"a replay instance failed to start: {what}")
+        # Fresh tokens (outputs, prompts longer than their blocks) as one
+        # instance would hand them out, so the tokens do not depend on N.
+        maker = TokenMaker(config["block_size"], config["max_hash"])
+        position = OUTPUT_TOKEN_BASE
+        bar = _Progress(len(requests), progress)
+        interrupted = False
+        t_start = time.perf_counter()
+        try:
+            for i, req in enumerate(requests):
+                bar.update(i)
+                k = route(req, i, instances)
+                pipes[k].send((req, position))
+                if not _too_large_for(config, req):
+                    position += maker.fresh_needed(req)
+                if not overlap:
+                    kind, what = pipes[k].recv()
+                    if kind != "done":
+                        raise RuntimeError(f"instance {k} stopped: {what}")
+        except KeyboardInterrupt:
+            interrupted = True
+        for conn in pipes:
+            conn.send(None)
+        results, lats = [], []
+        for conn in pipes:
+            while True:
+                kind, what = conn.recv()
+                if kind == "result":
+                    break
+            results.append(what[0])
+            lats.append(what[1])
+        wall = time.perf_counter() - t_start
+        bar.close()
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return _combine(results, lats, wall, interrupted)
+
+
+def _too_large_for(config: dict, req: Request) -> bool:
+    page = config["page_size"]
+    return -(-(req.input_length + req.output_length) // page) > config["capacity_pages"]
+
+
+def _combine(results: List[ReplayResult], lats: List[Dict[str, List[int]]], wall: float,
+             interrupted: bool) -> ReplayResult:
+    first = results[0]
+    out = ReplayResult(first.policy, first.page_size, first.capacity_tokens)
+    for name in ("host_capacity_tokens", "write_policy", "storage", "prefetch_policy"):
+        setattr(out, name, getattr(first, name))
+    for name in _SUMMED:
+        setattr(out, name, sum(getattr(r, name) for r in results))
+    out.peak_pages = max(r.peak_pages for r in results)
+    out.interrupted = interrupted or any(r.interrupted for r in results)
+    out.wall_s = wall
+    merged: Dict[str, List[int]] = {}
+    for lat in lats:
+        for k, v in lat.items():
+            merged.setdefault(k, []).extend(v)
+    out.latency_us = {k: _percentiles(v) for k, v in merged.items()}
+    for r, lat in zip(results, lats):
+        r.latency_us = {k: _percentiles(v) for k, v in lat.items()}
+        r.wall_s = wall
+        out.instances.append(r.to_json())
+    return out

@@ -1,0 +1,136 @@
+"""The replay through all tiers: with an unbounded store and `wait_complete`,
+the rate over all tiers is the optimum however small device and host are, for
+one instance and for several sharing file or Mooncake storage; every row read
+back is checked (kv_mismatches)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from radixkv.replay import chat_sessions, load_mooncake, replay
+from radixkv.replay.replay import StorageConfig
+from radixkv.storage import MooncakeMaster
+
+from test_replay import TRACE
+from test_storage import needs_mooncake
+
+BLOCK = 16
+
+
+def small_tiers(requests):
+    """A device pool as small as the largest request, a host pool twice that."""
+    biggest = max(-(-(r.input_length + r.output_length) // BLOCK) for r in requests)
+    return dict(capacity_pages=biggest, host_pages=2 * biggest)
+
+
+def run(requests, storage, **kw):
+    return replay(requests, block_size=BLOCK, page_size=BLOCK, storage=storage,
+                  **{**small_tiers(requests), **kw})
+
+
+@pytest.mark.parametrize("instances", [1, 2, 3])
+def test_an_unbounded_file_store_reaches_the_optimum_from_small_tiers(tmp_path, instances):
+    requests = chat_sessions(60, BLOCK, seed=instances)
+    r = run(requests, StorageConfig("file", directory=str(tmp_path)), instances=instances)
+    assert r.hit_tokens == r.optimal_hit_tokens
+    assert r.kv_mismatches == 0 and r.storage_errors == 0 and r.failed_loads == 0
+    assert r.storage_hit_tokens > 0  # the small tiers did lose pages, storage gave them back
+    assert r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens == r.hit_tokens
+    without = replay(requests, block_size=BLOCK, page_size=BLOCK, instances=1,
+                     **small_tiers(requests))
+    assert without.hit_tokens < r.hit_tokens
+    if instances > 1:
+        assert len(r.instances) == instances
+        assert sum(i["requests"] for i in r.instances) == r.requests == len(requests)
+        assert sum(i["hit_tokens"] for i in r.instances) == r.hit_tokens
+
+
+def test_instances_are_deterministic_and_see_the_same_tokens(tmp_path):
+    requests = chat_sessions(40, BLOCK, seed=7)
+    a = run(requests, StorageConfig("file", directory=str(tmp_path / "a")), instances=2)
+    b = run(requests, StorageConfig("file", directory=str(tmp_path / "b")), instances=2)
+    keys = ("hit_tokens", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens",
+            "storage_written_pages", "input_tokens", "stored_tokens")
+    assert [getattr(a, k) for k in keys] == [getattr(b, k) for k in keys]
+    one = run(requests, StorageConfig("file", directory=str(tmp_path / "c")), instances=1)
+    # The same tokens whichever instance serves a request: the store holds
+    # the same pages.
+    assert one.storage_written_pages == a.storage_written_pages
+    assert one.hit_tokens == a.hit_tokens
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_overlapped_instances_stay_correct(tmp_path, policy):
+    requests = chat_sessions(40, BLOCK, seed=8)
+    r = run(requests, StorageConfig("file", directory=str(tmp_path), prefetch_policy=policy),
+            instances=2, overlap=True)
+    assert r.kv_mismatches == 0 and r.failed_loads == 0
+    assert 0 < r.hit_tokens <= r.optimal_hit_tokens
+    assert r.requests == len(requests)
+
+
+def test_faults_in_the_store_cost_hits_never_correctness(tmp_path):
+    requests = chat_sessions(40, BLOCK, seed=9)
+    r = run(requests, StorageConfig("file", directory=str(tmp_path), fault_seed=3))
+    assert r.storage_errors > 0
+    assert r.kv_mismatches == 0 and r.failed_loads == 0
+    assert r.hit_tokens <= r.optimal_hit_tokens
+
+
+def test_a_bounded_store_keeps_serving(tmp_path):
+    requests = chat_sessions(40, BLOCK, seed=10)
+    r = run(requests, StorageConfig("file", directory=str(tmp_path), max_bytes=64 << 10))
+    pages = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs
+             if f.endswith(".page")]
+    assert r.kv_mismatches == 0 and r.hit_tokens < r.optimal_hit_tokens
+    assert 0 < sum(os.path.getsize(p) for p in pages) <= 64 << 10
+
+
+@needs_mooncake
+def test_two_instances_sharing_mooncake_reach_the_optimum():
+    requests = chat_sessions(40, BLOCK, seed=11)
+    with MooncakeMaster() as m:
+        storage = StorageConfig("mooncake", master_address=m.master_address,
+                                metadata_server=m.metadata_server, segment_bytes=64 << 20)
+        r = run(requests, storage, instances=2)
+    assert r.hit_tokens == r.optimal_hit_tokens
+    assert r.kv_mismatches == 0 and r.storage_errors == 0 and r.storage_hit_tokens > 0
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason=f"Mooncake trace not found at {TRACE}")
+def test_trace_through_all_tiers_reaches_the_optimum(tmp_path):
+    """The public trace's first requests, 512-token pages, device and host far
+    below what the requests use."""
+    requests = load_mooncake(TRACE)[:400]
+    biggest = max(-(-(r.input_length + r.output_length) // 512) for r in requests)
+    r = replay(requests, block_size=512, page_size=512, capacity_pages=biggest,
+               host_pages=2 * biggest, instances=2,
+               storage=StorageConfig("file", directory=str(tmp_path)))
+    assert r.hit_tokens == r.optimal_hit_tokens
+    assert r.kv_mismatches == 0 and r.storage_hit_tokens > 0
+
+
+def test_cli_builtin_replay_goes_through_all_tiers():
+    out = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--sessions", "30",
+                          "--capacity-tokens", "2048", "--host-capacity-tokens", "4096",
+                          "--instances", "2", "--json"],
+                         check=True, capture_output=True, text=True)
+    report = json.loads(out.stdout)
+    assert report["storage"] == "file" and report["prefetch_policy"] == "wait_complete"
+    assert report["hit_tokens"] == report["optimal_hit_tokens"]
+    assert report["kv_mismatches"] == 0
+    for key in ("storage_hit_tokens", "prefetched_tokens", "storage_written_pages",
+                "storage_errors"):
+        assert key in report
+    assert len(report["instances"]) == 2
+
+
+def test_cli_storage_needs_a_host_tier_and_instances_need_storage():
+    from test_replay import one_error_line, run_cli
+
+    one_error_line(run_cli("replay", "--storage", "file", "--host-capacity-tokens", "0"),
+                   "--storage")
+    one_error_line(run_cli("replay", "--storage", "none", "--instances", "2"), "--instances")
