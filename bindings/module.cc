@@ -18,6 +18,7 @@
 #include "kernels.h"
 #include "radixkv/compare.h"
 #include "radixkv/page_allocator.h"
+#include "radixkv/checksum.h"
 #include "radixkv/page_hash.h"
 #include "radixkv/radix_tree.h"
 #include "radixkv/slot_set.h"
@@ -505,6 +506,22 @@ py::object Int32Tensor(py::handle values, const std::string& name) {
   return NewInt32Tensor(v.data(), v.size());
 }
 
+// CRC-32C of a contiguous buffer (bytes, memoryview, numpy array): the file
+// backend's page checksum. The buffer is held (exported) while the GIL is
+// released, as zlib.crc32 does.
+uint32_t Crc32c(py::handle data, uint32_t value) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  struct Release {
+    Py_buffer* v;
+    ~Release() { PyBuffer_Release(v); }
+  } release{&view};
+  const size_t n = static_cast<size_t>(view.len);
+  if (n < (64u << 10)) return radixkv::Crc32c(view.buf, n, value);
+  py::gil_scoped_release nogil;
+  return radixkv::Crc32c(view.buf, n, value);
+}
+
 // The storage tier's page keys, as hex strings (a store's keys) or raw bytes.
 py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed, bool raw) {
   Int32View ids(input_ids, "input_ids");
@@ -712,6 +729,8 @@ PYBIND11_MODULE(_core, m) {
   radixkv::bindings::RegisterController(m);
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
   m.def("int32_tensor", &Int32Tensor, py::arg("values"), py::arg("name") = "values");
+  m.def("crc32c", &Crc32c, py::arg("data"), py::arg("value") = 0,
+        "crc32c(data, value=0) -> CRC-32C of a contiguous buffer, continuing from value.");
   m.def("page_keys", &PageKeys, py::arg("input_ids"), py::arg("page_size"),
         py::arg("seed") = py::none(), py::arg("raw") = false,
         "page_keys(input_ids, page_size, seed=None, raw=False) -> list of hex keys (or the\n"

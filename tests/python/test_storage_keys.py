@@ -89,3 +89,20 @@ def test_bad_arguments():
         page_keys([1, 2], 1, "not bytes")
     with pytest.raises(TypeError, match="input_ids"):
         page_keys([1.5], 1)
+
+
+def test_crc32c_of_the_file_backend():
+    import numpy as np
+
+    from radixkv import _core
+
+    assert _core.crc32c(b"123456789") == 0xE3069283
+    data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8)
+    whole = _core.crc32c(data)  # large: computed without the GIL
+    assert _core.crc32c(memoryview(data)[1000:], _core.crc32c(memoryview(data)[:1000])) == whole
+    data[123_456] ^= 1
+    assert _core.crc32c(data) != whole
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        _core.crc32c(np.arange(10, dtype=np.uint8)[::2])
+    with pytest.raises(TypeError):
+        _core.crc32c("text")

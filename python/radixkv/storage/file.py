@@ -5,20 +5,20 @@ from __future__ import annotations
 import collections
 import os
 import struct
-import zlib
 from typing import List, Optional, Sequence
 
+from radixkv._core import crc32c
 from radixkv.storage.base import StorageBackend
 
-MAGIC = b"RKVPAGE1"
-# magic, key (32 raw bytes), configuration fingerprint (32), payload length, crc32
+MAGIC = b"RKVPAGE2"
+# magic, key (32 raw bytes), configuration fingerprint (32), payload length, CRC-32C
 HEADER = struct.Struct("<8s32s32sQI")
 
 
 class FileStorage(StorageBackend):
     """Pages as files `directory/<key[:2]>/<key>`, each a header (magic, the
     page key, the configuration fingerprint, the payload length and its
-    CRC-32) and the page's bytes. A write goes to a temporary name and is
+    CRC-32C) and the page's bytes. A write goes to a temporary name and is
     renamed into place, so a reader sees a whole page or none. A read checks
     every header field and the checksum before the page counts: a corrupt,
     truncated or foreign file is a miss (`corrupt_pages`), never wrong K/V.
@@ -89,7 +89,7 @@ class FileStorage(StorageBackend):
         except OSError:
             self.count_error()
             return False
-        if zlib.crc32(view) != crc:
+        if crc32c(view) != crc:
             return self._corrupt()
         if path in self._lru:
             self._lru.move_to_end(path)
@@ -107,7 +107,7 @@ class FileStorage(StorageBackend):
         path = self.path(key)
         view = memoryview(self.page_view(page).numpy())
         header = HEADER.pack(MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes,
-                             zlib.crc32(view))
+                             crc32c(view))
         tmp = f"{path}.{os.getpid()}.{id(view):x}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
