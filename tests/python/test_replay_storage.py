@@ -134,3 +134,30 @@ def test_cli_storage_needs_a_host_tier_and_instances_need_storage():
     one_error_line(run_cli("replay", "--storage", "file", "--host-capacity-tokens", "0"),
                    "--storage")
     one_error_line(run_cli("replay", "--storage", "none", "--instances", "2"), "--instances")
+
+
+def test_an_instance_that_dies_ends_the_replay_with_an_error_not_a_hang(tmp_path):
+    import multiprocessing
+    import signal
+    import threading
+    import time
+
+    requests = chat_sessions(400, BLOCK, seed=12)
+    outcome = {}
+
+    def drive():
+        try:
+            run(requests, StorageConfig("file", directory=str(tmp_path)), instances=2)
+        except RuntimeError as e:
+            outcome["error"] = str(e)
+
+    t = threading.Thread(target=drive)
+    t.start()
+    deadline = time.monotonic() + 60
+    while len(multiprocessing.active_children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # serving by now
+    os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+    t.join(120)
+    assert not t.is_alive(), "the replay waits for a dead instance"
+    assert "died" in outcome.get("error", "") or "failed" in outcome.get("error", "")

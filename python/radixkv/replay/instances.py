@@ -4,7 +4,9 @@ and host tiers, sharing one storage tier."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import time
+import traceback
 import zlib
 from typing import Dict, List, Sequence
 
@@ -40,10 +42,27 @@ def _worker(conn, config: dict, overlap: bool) -> None:
         except KeyboardInterrupt:
             interrupted = True
             break
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            return
         if not overlap:
             conn.send(("done", None))
     result = inst.finish(interrupted)
     conn.send(("result", (result, inst.lat)))
+
+
+def _recv(conn, proc, k: int):
+    """The next message from instance `k`; raises if its process died first
+    (a crash or a kill), instead of waiting for it forever."""
+    while not conn.poll():
+        multiprocessing.connection.wait([conn, proc.sentinel])
+        if not conn.poll() and not proc.is_alive():
+            break
+    try:
+        return conn.recv()
+    except EOFError:  # its end of the pipe closed: the process is gone
+        proc.join(5)
+        raise RuntimeError(f"replay instance {k} died (exit code {proc.exitcode})") from None
 
 
 def route(req: Request, index: int, instances: int) -> int:
@@ -59,15 +78,17 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
     overlap = config["overlap"]
     ctx = multiprocessing.get_context("spawn")
     pipes, procs = [], []
+    finished = False
     for _ in range(instances):
         here, there = ctx.Pipe()
         p = ctx.Process(target=_worker, args=(there, config, overlap), daemon=True)
         p.start()
+        there.close()  # the child's end: its death then reads as EOF here
         pipes.append(here)
         procs.append(p)
     try:
-        for conn in pipes:
-            kind, what = conn.recv()
+        for k, conn in enumerate(pipes):
+            kind, what = _recv(conn, procs[k], k)
             if kind == "error":
                 raise RuntimeError(f"a replay instance failed to start: {what}")
         # Fresh tokens (outputs, prompts longer than their blocks) as one
@@ -85,28 +106,33 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
                 if not _too_large_for(config, req):
                     position += maker.fresh_needed(req)
                 if not overlap:
-                    kind, what = pipes[k].recv()
+                    kind, what = _recv(pipes[k], procs[k], k)
                     if kind != "done":
-                        raise RuntimeError(f"instance {k} stopped: {what}")
+                        raise RuntimeError(f"replay instance {k} failed:\n{what}")
         except KeyboardInterrupt:
             interrupted = True
         for conn in pipes:
             conn.send(None)
         results, lats = [], []
-        for conn in pipes:
+        for k, conn in enumerate(pipes):
             while True:
-                kind, what = conn.recv()
+                kind, what = _recv(conn, procs[k], k)
                 if kind == "result":
                     break
+                if kind == "error":
+                    raise RuntimeError(f"replay instance {k} failed:\n{what}")
             results.append(what[0])
             lats.append(what[1])
         wall = time.perf_counter() - t_start
         bar.close()
+        finished = True
     finally:
+        # After a failure the other instances are stopped, not waited for.
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=60 if finished else 0)
             if p.is_alive():
                 p.kill()
+                p.join()
     return _combine(results, lats, wall, interrupted)
 
 
