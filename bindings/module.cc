@@ -393,6 +393,11 @@ PyObject* RadixTree_PageSize(PyObject* self, void*) {
 PyObject* RadixTree_MaxSlots(PyObject* self, void*) {
   return Getter(self, [](PyRadixTree& t) { return py::int_(t.tree.max_slots()); });
 }
+PyObject* RadixTree_HostPins(PyObject* self, void*) {
+  return Getter(self, [](PyRadixTree& t) {
+    return py::int_(Locked(t, false, [&] { return t.tree.host_pins(); }));
+  });
+}
 PyObject* RadixTree_NumNodes(PyObject* self, void*) {
   return Getter(self, [](PyRadixTree& t) {
     return py::int_(Locked(t, false, [&] { return t.tree.num_nodes(); }));
@@ -685,6 +690,7 @@ PyGetSetDef kTreeProperties[] = {
     {"page_size", RadixTree_PageSize, nullptr, "Tokens per page.", nullptr},
     {"max_slots", RadixTree_MaxSlots, nullptr, "Slots must be below this (-1: any).", nullptr},
     {"num_nodes", RadixTree_NumNodes, nullptr, "Nodes, the root excluded.", nullptr},
+    {"host_pins", RadixTree_HostPins, nullptr, "Pins of pin_host not yet released.", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 

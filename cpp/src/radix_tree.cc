@@ -593,6 +593,7 @@ void RadixTree::Reset() {
   stored_host_.Clear();
   evictable_size_ = protected_size_ = 0;
   host_size_ = host_only_size_ = backing_up_size_ = loading_size_ = storing_size_ = 0;
+  host_pins_ = 0;
   ++clock_;
 }
 
@@ -611,7 +612,7 @@ TierSizes RadixTree::tier_sizes() const noexcept {
 void RadixTree::CheckIntegrity() const {
   int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, host_members = 0;
   int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0,
-          storing = 0;
+          storing = 0, pins = 0;
   SlotSet seen, seen_host;
   std::vector<const Node*> stack{root_};
   RADIXKV_CHECK(root_->parent == nullptr && root_->length == 0 && root_->depth == 0, kBroken,
@@ -713,6 +714,7 @@ void RadixTree::CheckIntegrity() const {
     backing_up += x->backing_up ? x->length : 0;
     loading += x->loading ? x->length : 0;
     storing += x->storing ? x->length : 0;
+    pins += x->host_pins;
     RADIXKV_CHECK(x->host_pins >= 0 && (x->host_pins == 0 || x->has_host()), kBroken, "node ",
                   x->id, " is pinned for a read from storage but has no host copy");
     RADIXKV_CHECK(!x->storing || x->has_host(), kBroken, "node ", x->id,
@@ -735,6 +737,8 @@ void RadixTree::CheckIntegrity() const {
                 host_tokens, " and ", host_only);
   RADIXKV_CHECK(storing == storing_size_, kBroken, "writes to storage are counted as ",
                 storing_size_, " tokens, but nodes hold ", storing);
+  RADIXKV_CHECK(pins == host_pins_, kBroken, "host pins are counted as ", host_pins_,
+                " but nodes hold ", pins);
   RADIXKV_CHECK(backing_up == backing_up_size_ && loading == loading_size_, kBroken,
                 "copies in flight are counted as ", backing_up_size_, " backing up and ",
                 loading_size_, " loading, but nodes hold ", backing_up, " and ", loading);

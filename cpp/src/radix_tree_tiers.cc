@@ -483,6 +483,7 @@ bool RadixTree::PinHost(const int32_t* tokens, int64_t n, TierCopy* pin) {
   RADIXKV_CHECK(attach->host_pins < INT32_MAX, kInvalid, "node ", attach->id,
                 " has too many pins");
   ++attach->host_pins;
+  ++host_pins_;
   Refresh(attach);
   *pin = TierCopy{attach->id, attach->incarnation, pos, attach->depth};
   return true;
@@ -494,6 +495,7 @@ void RadixTree::UnpinHost(const TierCopy& pin) {
   RADIXKV_CHECK(x->host_pins > 0 && pin.start <= x->depth, kInvalid,
                 "pin is not held: it was released already, or was never taken");
   --x->host_pins;
+  --host_pins_;
   Refresh(x);
 }
 

@@ -470,6 +470,7 @@ TEST(RadixTreeTiersTest, APinnedHostCopyStaysUntilItsReadJoins) {
   TierCopy pin;
   ASSERT_TRUE(t.PinHost(tokens.data(), 4, &pin));
   EXPECT_EQ(pin.start, 4);
+  EXPECT_EQ(t.host_pins(), 1);
   t.CheckIntegrity();
   Ints freed;
   EXPECT_THROW(t.EvictHost(2, &freed), Error);  // the only host leaf is pinned
@@ -479,6 +480,7 @@ TEST(RadixTreeTiersTest, APinnedHostCopyStaysUntilItsReadJoins) {
   Ints rejected;
   EXPECT_EQ(t.InsertHost(more.data(), 6, 4, Iota(200, 2).data(), SlotSink::Into(&rejected)), 2);
   t.UnpinHost(pin);
+  EXPECT_EQ(t.host_pins(), 0);
   EXPECT_THROW(t.UnpinHost(pin), Error);  // twice
   t.CheckIntegrity();
   t.EvictHost(6, &freed);

@@ -182,6 +182,9 @@ def test_a_damaged_or_foreign_page_is_a_miss_never_wrong_kv(tmp_path, damage):
     assert fs.corrupt_pages == 1
     if damage in ("empty", "foreign", "moved"):  # refused at the header: page untouched
         assert torch.equal(pool.kv_buffer.view(torch.uint8).reshape(8, -1)[3], page)
+    # ... and removed, so the next write of the page replaces it.
+    assert fs.batch_exists(k[:1]) == 0
+    assert fs.batch_set(k[:1], [0]) == [True] and fs.batch_get(k[:1], [3]) == [True]
 
 
 def test_file_store_bounded_by_least_recent_use(tmp_path):
@@ -407,3 +410,96 @@ def test_a_backend_needs_a_page_first_host_pool(tmp_path):
     with pytest.raises(ValueError, match="32 bytes"):
         FileStorage(str(tmp_path), b"short")
     assert issubclass(FileStorage, StorageBackend)
+
+
+# -- the review's findings ------------------------------------------------------------
+
+
+def test_a_storage_tier_needs_a_seed_naming_its_configuration(tmp_path):
+    class Bare(FileStorage):
+        pass
+
+    dev = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 4, KV.dtype, page_size=PAGE)
+    store = Bare(str(tmp_path), fingerprint())
+    store.fingerprint = None  # a backend that cannot name the configuration
+    with pytest.raises(ValueError, match="storage_seed"):
+        CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8, storage=store)
+    with pytest.raises(ValueError, match="storage_seed"):
+        CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8, storage=store,
+                     storage_seed=b"short")
+    # The backend's own fingerprint seeds the keys; b"" asks for unseeded ones.
+    a = Instance(FileStorage(str(tmp_path), fingerprint()), seed=b"")
+    assert a.cm._storage.seed is None
+    a.close()
+    cm = CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8,
+                      storage=FileStorage(str(tmp_path), fingerprint(model="m")))
+    assert cm._storage.seed == fingerprint(model="m")
+    cm.close()
+
+
+def test_after_close_nothing_is_written_or_pinned_and_drain_returns(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(30, 4)
+    a.serve(ids, drain=False)    # a backup still in flight: close() lands and writes it
+    a.close()
+    tree = a.cm._tree
+    assert tree.tier_sizes()[6] == 0 and tree.host_pins == 0
+    assert a.cm.storage_counters.written_pages == 4
+    assert a.cm.prefetch(prompt(31, 4)) is None
+    a.serve(prompt(32, 4))       # the cache keeps serving, without storage
+    assert a.cm.drain() == []
+    a.cm.check_integrity()
+
+
+def test_check_integrity_sees_a_pin_or_a_write_nobody_holds(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(33, 4)
+    a.serve(ids)
+    pin = a.cm._tree.pin_host(ids[: 4 * PAGE])
+    assert pin is not None
+    with pytest.raises(radixkv.IntegrityError, match="pins"):
+        a.cm.check_integrity()
+    a.cm._tree.unpin_host(pin)
+    a.cm.check_integrity()
+    a.close()
+
+
+class _Dead(FileStorage):
+    """Answers existence queries; every write fails (`raises`: by raising)."""
+    raises = False
+
+    def batch_set(self, keys, pages):
+        if self.raises:
+            raise OSError("store gone")
+        self.count_error(len(keys))
+        return [False] * len(keys)
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_back_off_doubles_while_writes_fail_though_queries_answer(tmp_path, raises):
+    store = _Dead(str(tmp_path), fingerprint())
+    store.raises = raises
+    a = Instance(store, retry_after_s=0.05)
+    tier = a.cm._storage
+    windows = []
+    for k in range(4):
+        a.serve(prompt(40 + k, 2))
+        windows.append(round(tier._backoff_s, 3))
+        time.sleep(tier._backoff_s + 0.01)
+    assert windows == [0.05, 0.1, 0.2, 0.4]
+    counters = a.cm.storage_counters
+    assert counters.write_failures == 4 * 2 and counters.errors >= 4 * 2
+    a.close()
+
+
+def test_a_prefetch_waited_for_is_applied_when_its_thread_finishes(tmp_path):
+    """The thread queues a finished read before it wakes the waiter."""
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(50, 6)
+    a.serve(ids)
+    for _ in range(50):
+        b = Instance(FileStorage(str(tmp_path), fingerprint()))
+        op = b.cm.prefetch(ids)
+        assert b.cm.wait_prefetch(op) == 6 * PAGE and op.applied
+        b.close()
+    a.close()

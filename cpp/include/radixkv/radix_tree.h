@@ -257,6 +257,8 @@ class RadixTree {
   TierSizes tier_sizes() const noexcept;
   /// Nodes, the root excluded.
   int64_t num_nodes() const noexcept { return num_nodes_; }
+  /// Pins of PinHost not yet released, over all nodes.
+  int64_t host_pins() const noexcept { return host_pins_; }
   /// Unlocked device leaves, i.e. the device eviction candidates.
   int64_t num_evictable_leaves() const noexcept { return static_cast<int64_t>(heap_.size()); }
   /// The device slots stored in the tree, and the host slots.
@@ -483,6 +485,7 @@ class RadixTree {
   int64_t backing_up_size_ = 0;
   int64_t loading_size_ = 0;
   int64_t storing_size_ = 0;
+  int64_t host_pins_ = 0;
   int64_t num_nodes_ = 0;
 };
 

@@ -76,6 +76,8 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
                    "master (default: start mooncake_master on 127.0.0.1, stop it at the end)")
     p.add_argument("--mooncake-metadata", metavar="URL", help="--storage mooncake: the "
                    "metadata server (with --mooncake-master; default http://HOST:8080/metadata)")
+    p.add_argument("--mooncake-segment-mib", type=positive, default=256, metavar="MIB",
+                   help="--storage mooncake: memory each instance lends the store (default 256)")
     p.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES), default="wait_complete",
                    help="how long a request waits for its pages from storage (default "
                    "wait_complete: deterministic)")
@@ -321,6 +323,7 @@ def _storage(args, kind: str):
         yield StorageConfig("mooncake", master_address=args.mooncake_master,
                             metadata_server=args.mooncake_metadata
                             or f"http://{host}:8080/metadata",
+                            segment_bytes=args.mooncake_segment_mib << 20,
                             prefetch_policy=args.prefetch_policy)
         return
     from radixkv.storage import MooncakeMaster
@@ -332,6 +335,7 @@ def _storage(args, kind: str):
     with master:
         yield StorageConfig("mooncake", master_address=master.master_address,
                             metadata_server=master.metadata_server,
+                            segment_bytes=args.mooncake_segment_mib << 20,
                             prefetch_policy=args.prefetch_policy)
 
 

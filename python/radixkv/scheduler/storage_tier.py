@@ -88,24 +88,36 @@ class StorageTier:
                              f"got {prefetch_policy!r}")
         if host_tier.pool is None:
             raise ValueError("a storage tier moves K/V bytes: the CacheManager needs kv_cache")
+        if seed is None:
+            seed = backend.fingerprint
+        if seed is None:
+            raise ValueError("storage_seed: give config_fingerprint(...) of this configuration "
+                             "(or a backend with a fingerprint), so configurations sharing a "
+                             "store never read each other's pages; b'' keys pages without a "
+                             "seed (SGLang's page hash)")
+        if not isinstance(seed, bytes) or len(seed) not in (0, 32):
+            raise ValueError("storage_seed must be 32 bytes (config_fingerprint) or b''")
         self.host = host_tier
         self.tree = host_tier.tree
         self.page_size = host_tier.page_size
         self.backend = backend
-        self.seed = seed
+        self.seed = seed or None
         self.policy = prefetch_policy
         self.timeout_base_s = timeout_base_s
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self.min_prefetch_tokens = max(min_prefetch_tokens, self.page_size)
         self.retry_after_s = retry_after_s
         self.max_retry_after_s = max_retry_after_s
+        self._health = threading.Lock()  # the back-off is set from both threads
         self._backoff_s = 0.0
         self._down_until = 0.0  # monotonic time before which the store is left alone
+        self._closed = False
         self.skipped = 0
         backend.attach(host_tier.pool)
         self._jobs: "queue.Queue" = queue.Queue()
         self._finished: "queue.Queue" = queue.Queue()
         self._writes_in_flight = 0
+        self._writing_tokens = 0
         self._prefetches: List[Prefetch] = []
         self.written_pages = self.prefetched_tokens = self.write_failures = 0
         self.present_pages = 0
@@ -120,18 +132,27 @@ class StorageTier:
         return time.monotonic() < self._down_until
 
     def _call(self, fn, keys, *args):
-        """Runs one backend call and notes whether the store answered: a call
-        is a failure when it counted errors and no page succeeded."""
-        before = self.backend.errors
-        got = fn(keys, *args)
+        """Runs one backend call and notes how the store answered. A call that
+        raised, or counted errors (on this thread) with no page succeeding,
+        is a failure: the store is left alone for a while, longer each time.
+        Only a page read or written ends that (an existence query proves
+        little: a store may answer it and fail every write)."""
+        before = self.backend.thread_errors()
+        try:
+            got = fn(keys, *args)
+        except Exception:
+            self.backend.count_error(max(1, len(keys)))
+            got = 0 if fn == self.backend.batch_exists else [False] * len(keys)
         ok = got > 0 if isinstance(got, int) else any(got)
-        if ok or self.backend.errors == before:
-            self._backoff_s = 0.0
-            self._down_until = 0.0
-        else:
-            self._backoff_s = min(max(self._backoff_s * 2, self.retry_after_s),
-                                  self.max_retry_after_s)
-            self._down_until = time.monotonic() + self._backoff_s
+        if not ok and self.backend.thread_errors() != before:
+            with self._health:
+                self._backoff_s = min(max(self._backoff_s * 2, self.retry_after_s),
+                                      self.max_retry_after_s)
+                self._down_until = time.monotonic() + self._backoff_s
+        elif ok and fn != self.backend.batch_exists:
+            with self._health:
+                self._backoff_s = 0.0
+                self._down_until = 0.0
         return got
 
     # -- the storage thread --------------------------------------------------------
@@ -149,9 +170,10 @@ class StorageTier:
             except Exception:  # a backend bug must not kill the thread
                 self.backend.count_error()
             finally:
+                # Queued before `done` is set: a waiter that wakes finds it.
+                self._finished.put(job)
                 if isinstance(job, Prefetch):
                     job.done.set()
-                self._finished.put(job)
 
     def _do_write(self, job: _Write) -> None:
         # Pages the store has already (another instance wrote them, or a
@@ -194,6 +216,8 @@ class StorageTier:
 
     def write(self, backup_copy) -> None:
         """Queues the write of what a finished backup gave a host copy."""
+        if self._closed:
+            return
         if self.store_down():
             self.skipped += 1
             return
@@ -205,6 +229,7 @@ class StorageTier:
         keys = page_keys(tokens, ps, self.seed)[copy[2] // ps:]
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         self._writes_in_flight += 1
+        self._writing_tokens += len(host_slots)
         self._jobs.put(_Write(copy, keys, pages))
 
     # -- prefetch -------------------------------------------------------------------
@@ -214,6 +239,8 @@ class StorageTier:
         (whole pages) that the store has, consecutive from the first, into
         fresh host pages. None when there is nothing worth fetching or no
         host room."""
+        if self._closed:
+            return None
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
         start, host_backed = self.tree.storage_prefix_end(tokens[:n])
@@ -285,6 +312,7 @@ class StorageTier:
             applied += 1
             if isinstance(job, _Write):
                 self._writes_in_flight -= 1
+                self._writing_tokens -= len(job.pages) * self.page_size
                 self.tree.finish_store(job.copy)
                 # A failed page ends the run of pages that count as stored.
                 run = job.ok.index(False) if False in job.ok else len(job.ok)
@@ -300,7 +328,13 @@ class StorageTier:
     def drain(self) -> None:
         """Waits for every write and prefetch queued so far, and applies them."""
         while self._writes_in_flight or self._prefetches:
-            job = self._finished.get()
+            try:
+                job = self._finished.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the storage tier's thread is gone with "
+                                       f"{self.in_flight} jobs in flight") from None
+                continue
             self._finished.put(job)
             self.storage_check()
 
@@ -315,7 +349,16 @@ class StorageTier:
 
     def check_integrity(self) -> int:
         """Host slots owned by prefetches in flight (for the host pool's sum);
-        checks they are allocated and in no node."""
+        checks they are allocated and in no node, that the tree's pins are
+        the prefetches' and its pages being written the writes'."""
+        storing = self.tree.tier_sizes()[6]
+        if storing != self._writing_tokens:
+            raise _core.IntegrityError(f"the tree pins {storing} host tokens for writes to "
+                                       f"storage, the writes in flight hold {self._writing_tokens}")
+        pins = sum(op.pin is not None and not op.applied for op in self._prefetches)
+        if self.tree.host_pins != pins:
+            raise _core.IntegrityError(f"the tree holds {self.tree.host_pins} host pins, "
+                                       f"prefetches in flight {pins}")
         if self._prefetches:
             slots = torch.cat([op.host_slots for op in self._prefetches])
             self.host.pages.check_owned(slots, "host slots of prefetches in flight", self.tree,
@@ -323,7 +366,17 @@ class StorageTier:
         return sum(op.num_tokens for op in self._prefetches)
 
     def close(self) -> None:
+        """Finishes what is queued (the host tier's copies first: a backup
+        that lands later would queue a write), then stops the thread and
+        closes the backend. Later writes and prefetches are not made."""
+        if self._closed:
+            return
+        self.host.controller.drain()
+        self.host.writing_check()
+        self.drain()
+        self._closed = True
+        self.host.on_backed_up = None
         if self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join(timeout=30)
+            self._thread.join()
         self.backend.close()

@@ -25,15 +25,23 @@ class StorageBackend(ABC):
     succeeded; a read of a corrupt, truncated or foreign page fails (a miss),
     never fills the host page with someone else's bytes as if it were ours.
     Failures are counted in `errors`, not raised: the cache keeps serving.
+    `batch_exists` may also be called from the scheduler's thread while a
+    call runs on the tier's thread: backends make that safe.
+
+    `fingerprint` (32 bytes, `config_fingerprint`) names the configuration
+    whose pages the backend holds; the storage tier seeds its keys with it
+    unless given a seed of its own.
     """
 
     def __init__(self) -> None:
+        self.fingerprint: Optional[bytes] = None
         self.pool: Optional[HostKVCache] = None
         self.page_bytes = 0
         self._bytes: Optional[torch.Tensor] = None
         self._lock = threading.Lock()
         self.errors = 0          # failed calls or pages
         self.corrupt_pages = 0   # pages read back that failed their checks
+        self._local = threading.local()  # errors counted by the calling thread
 
     def attach(self, pool: HostKVCache) -> None:
         """Pages move to and from `pool` (its `page_first` buffer)."""
@@ -60,6 +68,11 @@ class StorageBackend(ABC):
     def count_error(self, n: int = 1) -> None:
         with self._lock:
             self.errors += n
+        self._local.errors = self.thread_errors() + n
+
+    def thread_errors(self) -> int:
+        """Errors counted so far by calls from the calling thread."""
+        return getattr(self._local, "errors", 0)
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from typing import List, Sequence
 
@@ -26,15 +27,22 @@ class FaultyStorage(StorageBackend):
         self.fail_call, self.fail_page = fail_call, fail_page
         self.max_delay_s, self.scribble = max_delay_s, scribble
         self.injected = 0
+        self.fingerprint = backend.fingerprint
+        self._rng_lock = threading.Lock()  # batch_exists may come from another thread
 
     def _attached(self) -> None:
         self.backend.attach(self.pool)
 
+    def _random(self) -> float:
+        with self._rng_lock:
+            return self.rng.random()
+
     def _call_fails(self) -> bool:
         if self.max_delay_s:
-            time.sleep(self.rng.random() * self.max_delay_s)
-        if self.rng.random() < self.fail_call:
-            self.injected += 1
+            time.sleep(self._random() * self.max_delay_s)
+        if self._random() < self.fail_call:
+            with self._rng_lock:
+                self.injected += 1
             self.count_error()
             return True
         return False
@@ -43,14 +51,17 @@ class FaultyStorage(StorageBackend):
         if self._call_fails():
             return 0
         n = self.backend.batch_exists(keys)
-        return self.rng.randint(0, n) if n and self.rng.random() < self.fail_page else n
+        if n and self._random() < self.fail_page:
+            with self._rng_lock:
+                return self.rng.randint(0, n)
+        return n
 
     def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
         if self._call_fails():
             return [False] * len(keys)
         ok = self.backend.batch_get(keys, host_pages)
         for i, page in enumerate(host_pages):
-            if ok[i] and self.rng.random() < self.fail_page:
+            if ok[i] and self._random() < self.fail_page:
                 ok[i] = False
                 self.injected += 1
                 self.count_error()
@@ -61,7 +72,7 @@ class FaultyStorage(StorageBackend):
     def batch_set(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
         if self._call_fails():
             return [False] * len(keys)
-        fail = [self.rng.random() < self.fail_page for _ in keys]
+        fail = [self._random() < self.fail_page for _ in keys]
         todo = [i for i, f in enumerate(fail) if not f]
         done = self.backend.batch_set([keys[i] for i in todo], [host_pages[i] for i in todo])
         ok = [False] * len(keys)
@@ -75,6 +86,9 @@ class FaultyStorage(StorageBackend):
     @property
     def errors_total(self) -> int:
         return self.errors + self.backend.errors
+
+    def thread_errors(self) -> int:
+        return super().thread_errors() + self.backend.thread_errors()
 
     def close(self) -> None:
         self.backend.close()

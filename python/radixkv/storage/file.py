@@ -16,7 +16,7 @@ HEADER = struct.Struct("<8s32s32sQI")
 
 
 class FileStorage(StorageBackend):
-    """Pages as files `directory/<key[:2]>/<key>`, each a header (magic, the
+    """Pages as files `directory/<fingerprint[:16]>/<key[:2]>/<key>.page`, each a header (magic, the
     page key, the configuration fingerprint, the payload length and its
     CRC-32C) and the page's bytes. A write goes to a temporary name and is
     renamed into place, so a reader sees a whole page or none. A read checks
@@ -35,8 +35,11 @@ class FileStorage(StorageBackend):
             raise ValueError("fingerprint must be 32 bytes (radixkv.storage.config_fingerprint)")
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
-        self.directory = os.path.abspath(directory)
+        # Each configuration's pages in a directory of their own: one never
+        # takes another's file for its page, and never skips a write for it.
+        self.directory = os.path.join(os.path.abspath(directory), fingerprint.hex()[:16])
         self.fingerprint = fingerprint
+        self._made: set = set()  # subdirectories known to exist
         self.max_bytes = max_bytes
         os.makedirs(self.directory, exist_ok=True)
         self._lru: "collections.OrderedDict[str, int]" = collections.OrderedDict()
@@ -77,27 +80,35 @@ class FileStorage(StorageBackend):
             with open(path, "rb") as f:
                 header = f.read(HEADER.size)
                 if len(header) != HEADER.size:
-                    return self._corrupt()
+                    return self._corrupt(path)
                 magic, raw_key, fingerprint, length, crc = HEADER.unpack(header)
                 if (magic != MAGIC or raw_key != bytes.fromhex(key)
                         or fingerprint != self.fingerprint or length != self.page_bytes):
-                    return self._corrupt()
+                    return self._corrupt(path)
                 if f.readinto(view) != length or f.read(1):
-                    return self._corrupt()
+                    return self._corrupt(path)
         except FileNotFoundError:
             return False
         except OSError:
             self.count_error()
             return False
         if crc32c(view) != crc:
-            return self._corrupt()
+            return self._corrupt(path)
         if path in self._lru:
             self._lru.move_to_end(path)
         return True
 
-    def _corrupt(self) -> bool:
+    def _corrupt(self, path: str) -> bool:
+        """A page that failed its checks is a miss, and is removed: the next
+        write of it puts a good one in its place."""
         with self._lock:
             self.corrupt_pages += 1
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        if path in self._lru:
+            self._total -= self._lru.pop(path)
         return False
 
     def batch_set(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
@@ -110,13 +121,17 @@ class FileStorage(StorageBackend):
                              crc32c(view))
         tmp = f"{path}.{os.getpid()}.{id(view):x}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            sub = os.path.dirname(path)
+            if sub not in self._made:
+                os.makedirs(sub, exist_ok=True)
+                self._made.add(sub)
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(view)
             os.replace(tmp, path)
         except OSError:
             self.count_error()
+            self._made.discard(os.path.dirname(path))  # removed under us? made again next time
             try:
                 os.unlink(tmp)
             except OSError:

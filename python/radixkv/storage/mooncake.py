@@ -102,13 +102,19 @@ class MooncakeStorage(StorageBackend):
     page keys (seeded by the configuration fingerprint, so configurations
     never share one) under `prefix`; a value whose size is not a page's is a
     miss. The client contributes `segment_bytes` of its memory to the store.
+    `fingerprint` (optional) seeds the storage tier's keys when the
+    CacheManager is given no `storage_seed`.
     """
 
     def __init__(self, master_address: str, metadata_server: str,
                  local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  segment_bytes: int = 256 << 20, buffer_bytes: int = 64 << 20,
-                 prefix: str = "radixkv/"):
+                 prefix: str = "radixkv/", fingerprint: Optional[bytes] = None):
         super().__init__()
+        if fingerprint is not None and (not isinstance(fingerprint, bytes)
+                                        or len(fingerprint) != 32):
+            raise ValueError("fingerprint must be 32 bytes (radixkv.storage.config_fingerprint)")
+        self.fingerprint = fingerprint
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
