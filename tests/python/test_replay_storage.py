@@ -161,3 +161,51 @@ def test_an_instance_that_dies_ends_the_replay_with_an_error_not_a_hang(tmp_path
     t.join(120)
     assert not t.is_alive(), "the replay waits for a dead instance"
     assert "died" in outcome.get("error", "") or "failed" in outcome.get("error", "")
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--storage", "none", "--storage-dir", "/tmp/x"], ["--storage-dir", "file"]),
+    (["--storage", "file", "--mooncake-master", "1.2.3.4:5"], ["--mooncake-master"]),
+    (["--storage", "file", "--mooncake-segment-mib", "64"], ["--mooncake-segment-mib"]),
+    (["--storage", "none", "--prefetch-policy", "timeout"], ["--prefetch-policy"]),
+    (["--storage", "mooncake", "--mooncake-metadata", "http://x"], ["--mooncake-metadata"]),
+    (["--storage", "mooncake", "--storage-dir", "/tmp/x"], ["--storage-dir"]),
+    (["--storage-dir", ""], ["--storage-dir"]),
+    (["--storage-dir", "/proc"], ["--storage file", "/proc"]),
+    (["--storage-dir", "/proc", "--instances", "2"], ["--storage file", "/proc"]),
+])
+def test_cli_storage_mistakes_get_one_error_line(args, words):
+    from test_replay import one_error_line, run_cli
+
+    one_error_line(run_cli("replay", "--sessions", "5", *args), *words)
+
+
+def test_cli_ctrl_c_with_instances_prints_the_partial_result():
+    """Ctrl-C reaches the whole process group, as from a terminal."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "radixkv", "replay", "--sessions", "5000",
+                          "--instances", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    time.sleep(10)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "token hit rate" in out and "Traceback" not in err
+    assert "interrupted: the figures cover the first" in err
+
+
+def test_the_driver_numbers_fresh_tokens_as_one_instance_would_across_the_wrap():
+    from radixkv.replay import Request, TokenMaker
+    from radixkv.replay.traces import OUTPUT_TOKEN_BASE
+
+    one, driver = TokenMaker(4, 10), TokenMaker(4, 10)
+    reqs = [Request(0, 4 + 3 * k, 5 + k, [1]) for k in range(6)]
+    for start in (OUTPUT_TOKEN_BASE, 2**31 - 12):  # the second crosses the wrap
+        one.seek(start)
+        driver.seek(start)
+        for r in reqs:
+            one.prompt(r), one.output(r.output_length)
+            driver.advance(r)
+            assert driver.position == one.position

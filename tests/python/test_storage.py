@@ -503,3 +503,32 @@ def test_a_prefetch_waited_for_is_applied_when_its_thread_finishes(tmp_path):
         assert b.cm.wait_prefetch(op) == 6 * PAGE and op.applied
         b.close()
     a.close()
+
+
+def test_file_bound_follows_pages_removed_by_another_process(tmp_path):
+    pool = host_pool()
+    page_file = 84 + pool.kv_buffer.numel() * 2 // 8
+    a = FileStorage(str(tmp_path), fingerprint(), max_bytes=4 * page_file)
+    b = FileStorage(str(tmp_path), fingerprint())
+    a.attach(pool), b.attach(pool)
+    k = keys(4)
+    a.batch_set(k, [0, 1, 2, 3])
+    os.unlink(b.path(k[0]))                     # another process removes one
+    assert a.batch_get([k[0]], [5]) == [False]  # a miss, and no longer counted
+    assert a._total == 3 * page_file
+    # A restart with a smaller bound trims at once.
+    c = FileStorage(str(tmp_path), fingerprint(), max_bytes=2 * page_file)
+    assert c._total <= 2 * page_file
+    assert sum(os.path.exists(c.path(x)) for x in k) == 2
+
+
+def test_faults_report_the_wrapped_backends_counts_too(tmp_path):
+    inner = FileStorage(str(tmp_path), fingerprint())
+    f = FaultyStorage(inner, fail_call=0, fail_page=0, max_delay_s=0)
+    f.attach(host_pool())
+    k = keys(1)
+    assert f.batch_set(k, [0]) == [True]
+    with open(inner.path(k[0]), "r+b") as fh:
+        fh.write(b"garbage!")
+    assert f.batch_get(k, [1]) == [False]
+    assert f.counts() == (0, 1)

@@ -11,7 +11,8 @@ import sys
 import tempfile
 from typing import List, NoReturn, Optional, Sequence
 
-from radixkv.replay.replay import KVShape, ReplayResult, StorageConfig, pages_for_all, replay
+from radixkv.replay.replay import (KVShape, ReplayResult, StorageConfig, StorageUnavailable,
+                                   pages_for_all, replay)
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
 from radixkv.scheduler.host_tier import WRITE_POLICIES
@@ -76,9 +77,9 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
                    "master (default: start mooncake_master on 127.0.0.1, stop it at the end)")
     p.add_argument("--mooncake-metadata", metavar="URL", help="--storage mooncake: the "
                    "metadata server (with --mooncake-master; default http://HOST:8080/metadata)")
-    p.add_argument("--mooncake-segment-mib", type=positive, default=256, metavar="MIB",
+    p.add_argument("--mooncake-segment-mib", type=positive, metavar="MIB",
                    help="--storage mooncake: memory each instance lends the store (default 256)")
-    p.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES), default="wait_complete",
+    p.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES),
                    help="how long a request waits for its pages from storage (default "
                    "wait_complete: deterministic)")
     p.add_argument("--instances", type=positive, default=1, help="serving instances, each a "
@@ -295,8 +296,31 @@ def _run(args) -> int:
                              "--host-capacity-tokens")
     elif args.instances > 1:
         raise UsageError("--instances shares a storage tier: give --storage file or mooncake")
+    _check_storage_flags(args, storage_kind)
     with _storage(args, storage_kind) as storage:
-        return _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage)
+        try:
+            return _replays(args, requests, name, block, page, kv, capacity, host_tokens,
+                            storage)
+        except StorageUnavailable as e:
+            raise UsageError(f"--storage {storage_kind}: {e}") from None
+
+
+def _check_storage_flags(args, kind: str) -> None:
+    """A storage flag that the chosen storage would ignore is a mistake."""
+    only = {"--storage-dir": ("file", args.storage_dir),
+            "--mooncake-master": ("mooncake", args.mooncake_master),
+            "--mooncake-metadata": ("mooncake", args.mooncake_metadata),
+            "--mooncake-segment-mib": ("mooncake", args.mooncake_segment_mib),
+            "--prefetch-policy": (None, args.prefetch_policy)}
+    for flag, (needs, value) in only.items():
+        if value is None or (needs or kind) == kind and kind != "none":
+            continue
+        raise UsageError(f"{flag} needs --storage {needs or 'file or mooncake'}")
+    if args.storage_dir == "":
+        raise UsageError("--storage-dir is empty")
+    if args.mooncake_metadata and not args.mooncake_master:
+        raise UsageError("--mooncake-metadata goes with --mooncake-master (without it, a local "
+                         "master is started with its own metadata server)")
 
 
 @contextlib.contextmanager
@@ -306,25 +330,25 @@ def _storage(args, kind: str):
     if kind == "none":
         yield None
         return
+    policy = args.prefetch_policy or "wait_complete"  # deterministic
+    segment = (args.mooncake_segment_mib or 256) << 20
     if kind == "file":
         if args.storage_dir:
             try:
                 os.makedirs(args.storage_dir, exist_ok=True)
             except OSError as e:
                 raise UsageError(f"--storage-dir {args.storage_dir}: {e.strerror or e}") from None
-            yield StorageConfig("file", directory=args.storage_dir,
-                                prefetch_policy=args.prefetch_policy)
+            yield StorageConfig("file", directory=args.storage_dir, prefetch_policy=policy)
         else:
             with tempfile.TemporaryDirectory(prefix="radixkv-store.") as d:
-                yield StorageConfig("file", directory=d, prefetch_policy=args.prefetch_policy)
+                yield StorageConfig("file", directory=d, prefetch_policy=policy)
         return
     if args.mooncake_master:
         host = args.mooncake_master.rsplit(":", 1)[0]
         yield StorageConfig("mooncake", master_address=args.mooncake_master,
                             metadata_server=args.mooncake_metadata
                             or f"http://{host}:8080/metadata",
-                            segment_bytes=args.mooncake_segment_mib << 20,
-                            prefetch_policy=args.prefetch_policy)
+                            segment_bytes=segment, prefetch_policy=policy)
         return
     from radixkv.storage import MooncakeMaster
 
@@ -335,8 +359,7 @@ def _storage(args, kind: str):
     with master:
         yield StorageConfig("mooncake", master_address=master.master_address,
                             metadata_server=master.metadata_server,
-                            segment_bytes=args.mooncake_segment_mib << 20,
-                            prefetch_policy=args.prefetch_policy)
+                            segment_bytes=segment, prefetch_policy=policy)
 
 
 def _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import signal
 import time
 import traceback
 import zlib
@@ -12,8 +13,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from radixkv.replay.replay import ReplayResult, _Instance, _percentiles, _Progress
-from radixkv.replay.traces import OUTPUT_TOKEN_BASE, Request, TokenMaker
+from radixkv.replay.replay import (ReplayResult, StorageUnavailable, _Instance, _percentiles,
+                                   _Progress)
+from radixkv.replay.traces import Request, TokenMaker
 
 # Counters summed over instances.
 _SUMMED = ("requests", "skipped_requests", "input_tokens", "hit_tokens", "computed_tokens",
@@ -24,9 +26,15 @@ _SUMMED = ("requests", "skipped_requests", "input_tokens", "hit_tokens", "comput
 
 
 def _worker(conn, config: dict, overlap: bool) -> None:
+    # Ctrl-C reaches the whole process group: the driver stops the run and
+    # tells each instance to finish, an instance never stops mid-request.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     try:
         inst = _Instance(**config)
+    except StorageUnavailable as e:
+        conn.send(("storage", str(e)))
+        return
     except BaseException as e:  # tell the driver, do not leave it waiting
         conn.send(("error", repr(e)))
         return
@@ -60,9 +68,21 @@ def _recv(conn, proc, k: int):
             break
     try:
         return conn.recv()
-    except EOFError:  # its end of the pipe closed: the process is gone
+    except (EOFError, OSError):  # its end of the pipe closed: the process is gone
         proc.join(5)
         raise RuntimeError(f"replay instance {k} died (exit code {proc.exitcode})") from None
+
+
+def _send(conn, proc, k: int, msg) -> None:
+    """Sends to instance `k`; if it is gone, raises with what it said last
+    (its error) or that it died."""
+    try:
+        conn.send(msg)
+    except OSError:
+        while True:
+            kind, what = _recv(conn, proc, k)  # raises "died" once nothing is left
+            if kind == "error":
+                raise RuntimeError(f"replay instance {k} failed:\n{what}") from None
 
 
 def route(req: Request, index: int, instances: int) -> int:
@@ -89,12 +109,13 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
     try:
         for k, conn in enumerate(pipes):
             kind, what = _recv(conn, procs[k], k)
+            if kind == "storage":
+                raise StorageUnavailable(what)
             if kind == "error":
                 raise RuntimeError(f"a replay instance failed to start: {what}")
         # Fresh tokens (outputs, prompts longer than their blocks) as one
         # instance would hand them out, so the tokens do not depend on N.
         maker = TokenMaker(config["block_size"], config["max_hash"])
-        position = OUTPUT_TOKEN_BASE
         bar = _Progress(len(requests), progress)
         interrupted = False
         t_start = time.perf_counter()
@@ -102,17 +123,17 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
             for i, req in enumerate(requests):
                 bar.update(i)
                 k = route(req, i, instances)
-                pipes[k].send((req, position))
+                _send(pipes[k], procs[k], k, (req, maker.position))
                 if not _too_large_for(config, req):
-                    position += maker.fresh_needed(req)
+                    maker.advance(req)
                 if not overlap:
                     kind, what = _recv(pipes[k], procs[k], k)
                     if kind != "done":
                         raise RuntimeError(f"replay instance {k} failed:\n{what}")
         except KeyboardInterrupt:
             interrupted = True
-        for conn in pipes:
-            conn.send(None)
+        for k, conn in enumerate(pipes):
+            _send(conn, procs[k], k, None)
         results, lats = [], []
         for k, conn in enumerate(pipes):
             while True:

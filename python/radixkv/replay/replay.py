@@ -197,6 +197,11 @@ class _Progress:
             print(file=sys.stderr)
 
 
+class StorageUnavailable(RuntimeError):
+    """The storage tier could not be opened (a directory that cannot be
+    written, a Mooncake master that does not answer)."""
+
+
 @dataclass
 class StorageConfig:
     """The storage tier a replay writes to and prefetches from."""
@@ -214,13 +219,18 @@ class StorageConfig:
     def backend(self, kv: "KVShape", page_size: int):
         from radixkv.storage import FaultyStorage, FileStorage, MooncakeStorage
 
-        if self.kind == "file":
-            backend = FileStorage(self.directory, self.fingerprint(kv, page_size), self.max_bytes)
-        elif self.kind == "mooncake":
-            backend = MooncakeStorage(self.master_address, self.metadata_server,
-                                      segment_bytes=self.segment_bytes)
-        else:
+        if self.kind not in ("file", "mooncake"):
             raise ValueError(f"storage must be file or mooncake, got {self.kind!r}")
+        try:
+            if self.kind == "file":
+                backend = FileStorage(self.directory, self.fingerprint(kv, page_size),
+                                      self.max_bytes)
+            else:
+                backend = MooncakeStorage(self.master_address, self.metadata_server,
+                                          segment_bytes=self.segment_bytes)
+        except (OSError, RuntimeError) as e:
+            where = self.directory if self.kind == "file" else self.master_address
+            raise StorageUnavailable(f"{where}: {e}") from e
         if self.fault_seed is not None:
             backend = FaultyStorage(backend, seed=self.fault_seed)
         return backend
@@ -426,8 +436,9 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
     """Drives `requests` through `instances` serving instances (see _Instance).
 
     A request larger than the whole pool is skipped and counted. Ctrl-C stops
-    after the request in flight; the result covers what was replayed
-    (`interrupted`). With `host_pages` each instance has a host tier of that
+    the run: the result covers the requests finished (`interrupted`); with
+    one instance the request in flight is dropped, with several each
+    instance finishes its own and then stops. With `host_pages` each instance has a host tier of that
     many pages (capped at what the requests can use) under `write_policy`;
     with `storage` they share a storage tier. When storing, K/V rows are
     derived from token and position (KVShape.rows) and every row loaded back

@@ -88,10 +88,19 @@ class TokenMaker:
     def output(self, n: int) -> torch.Tensor:
         return self._fresh_tokens(n)
 
-    def fresh_needed(self, req: Request) -> int:
-        """Fresh tokens `prompt(req)` and `output(req.output_length)` take."""
+    def advance(self, req: Request) -> None:
+        """Moves on as `prompt(req)` and `output(req.output_length)` would,
+        wrapping the same way, without making the tokens."""
         named = len(req.hash_ids) * self.block_size
-        return max(0, req.input_length - named) + req.output_length
+        for n in (max(0, req.input_length - named), req.output_length):
+            if self._fresh + n > 2**31:
+                self._fresh = OUTPUT_TOKEN_BASE
+            self._fresh += n
+
+    @property
+    def position(self) -> int:
+        """Where the next fresh token comes from."""
+        return self._fresh
 
     def seek(self, position: int) -> None:
         """Fresh tokens continue from `position` (a run split over instances

@@ -155,6 +155,19 @@ class StorageTier:
                 self._down_until = 0.0
         return got
 
+    def _exists(self, keys: List[str]) -> Optional[int]:
+        """How many of `keys`, from the first, the store has, asked in
+        batches of MAX_BATCH; None when the store is being left alone."""
+        present = 0
+        while present < len(keys):
+            if self.store_down():
+                return None
+            got = self._call(self.backend.batch_exists, keys[present:present + MAX_BATCH])
+            present += got
+            if got < min(MAX_BATCH, len(keys) - present + got):
+                break
+        return present
+
     # -- the storage thread --------------------------------------------------------
 
     def _run(self) -> None:
@@ -178,15 +191,10 @@ class StorageTier:
     def _do_write(self, job: _Write) -> None:
         # Pages the store has already (another instance wrote them, or a
         # host copy made again) are not written twice.
-        present = 0
-        while present < len(job.keys):
-            if self.store_down():
-                job.skipped = True
-                return
-            got = self._call(self.backend.batch_exists, job.keys[present:present + MAX_BATCH])
-            present += got
-            if got < MAX_BATCH:
-                break
+        present = self._exists(job.keys)
+        if present is None:
+            job.skipped = True
+            return
         job.present = present
         job.ok = [True] * present
         for i in range(present, len(job.keys), MAX_BATCH):
@@ -246,11 +254,11 @@ class StorageTier:
         start, host_backed = self.tree.storage_prefix_end(tokens[:n])
         if n - start < self.min_prefetch_tokens:
             return None
-        if self.store_down():
+        keys = page_keys(tokens[:n], ps, self.seed)[start // ps:]
+        hits = self._exists(keys)
+        if hits is None:
             self.skipped += 1
             return None
-        keys = page_keys(tokens[:n], ps, self.seed)[start // ps:]
-        hits = self._call(self.backend.batch_exists, keys)
         if hits * ps < self.min_prefetch_tokens:
             return None
         if not host_backed and not self.host.copy_path_to_host(tokens[:start]):
@@ -275,7 +283,9 @@ class StorageTier:
     def wait_for(self, op: Prefetch) -> None:
         """Waits as the policy says for `op`'s pages, then applies what arrived."""
         if self.policy == "wait_complete":
-            op.done.wait()
+            while not op.done.wait(1.0):
+                if not self._thread.is_alive():
+                    raise RuntimeError("the storage tier's thread is gone with a read in flight")
         elif self.policy == "timeout":
             op.done.wait(self.timeout_base_s + self.timeout_per_1k_tokens_s * op.num_tokens / 1000)
         self.storage_check()
@@ -343,9 +353,9 @@ class StorageTier:
         return self._writes_in_flight + len(self._prefetches)
 
     def counters(self) -> StorageCounters:
-        return StorageCounters(self.written_pages, self.prefetched_tokens, self.backend.errors,
-                               self.backend.corrupt_pages, self.write_failures, self.skipped,
-                               self.present_pages)
+        errors, corrupt = self.backend.counts()
+        return StorageCounters(self.written_pages, self.prefetched_tokens, errors, corrupt,
+                               self.write_failures, self.skipped, self.present_pages)
 
     def check_integrity(self) -> int:
         """Host slots owned by prefetches in flight (for the host pool's sum);

@@ -70,6 +70,10 @@ class StorageBackend(ABC):
             self.errors += n
         self._local.errors = self.thread_errors() + n
 
+    def counts(self):
+        """(errors, corrupt pages) so far: what the storage tier reports."""
+        return self.errors, self.corrupt_pages
+
     def thread_errors(self) -> int:
         """Errors counted so far by calls from the calling thread."""
         return getattr(self._local, "errors", 0)

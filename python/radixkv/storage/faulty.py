@@ -87,6 +87,10 @@ class FaultyStorage(StorageBackend):
     def errors_total(self) -> int:
         return self.errors + self.backend.errors
 
+    def counts(self):
+        """(errors, corrupt pages): injected ones and the wrapped backend's."""
+        return self.errors + self.backend.errors, self.corrupt_pages + self.backend.corrupt_pages
+
     def thread_errors(self) -> int:
         return super().thread_errors() + self.backend.thread_errors()
 

@@ -23,10 +23,11 @@ class FileStorage(StorageBackend):
     every header field and the checksum before the page counts: a corrupt,
     truncated or foreign file is a miss (`corrupt_pages`), never wrong K/V.
 
-    `max_bytes` bounds the directory: past it, the least recently used pages
-    this process knows of (written or read by it, or found at start) are
-    removed. Several processes may share the directory; each keeps its own
-    order, and a page removed under a reader is a miss.
+    `max_bytes` bounds what this process knows of (the pages it wrote, and
+    those found when it started): past it, the least recently used of them
+    (written or read) are removed, at start too. Several processes may share
+    the directory; each keeps its own order and bound (so two together may
+    hold twice `max_bytes`), and a page removed under a reader is a miss.
     """
 
     def __init__(self, directory: str, fingerprint: bytes, max_bytes: Optional[int] = None):
@@ -60,6 +61,7 @@ class FileStorage(StorageBackend):
         for _, path, size in sorted(found):
             self._lru[path] = size
             self._total += size
+        self._trim()
 
     def path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], key + ".page")
@@ -88,6 +90,8 @@ class FileStorage(StorageBackend):
                 if f.readinto(view) != length or f.read(1):
                     return self._corrupt(path)
         except FileNotFoundError:
+            if path in self._lru:  # removed by another process
+                self._total -= self._lru.pop(path)
             return False
         except OSError:
             self.count_error()
@@ -146,7 +150,10 @@ class FileStorage(StorageBackend):
             self._total -= self._lru.pop(path)
         self._lru[path] = size
         self._total += size
-        while self._total > self.max_bytes and len(self._lru) > 1:
+        self._trim(keep=1)
+
+    def _trim(self, keep: int = 0) -> None:
+        while self._total > self.max_bytes and len(self._lru) > keep:
             old, old_size = self._lru.popitem(last=False)
             self._total -= old_size
             try:
