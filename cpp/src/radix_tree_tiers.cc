@@ -459,26 +459,26 @@ void RadixTree::FinishStore(const TierCopy& copy) {
   end->store_start = -1;
 }
 
-int64_t RadixTree::StoragePrefixEnd(const int32_t* tokens, int64_t n, bool* host_backed) const {
+Node* RadixTree::MatchEnd(const int32_t* tokens, int64_t n, int64_t* pos) const {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
   Node* partial;
   int64_t partial_len;
-  const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
-  const Node* attach = partial != nullptr ? partial : node;
+  *pos = Walk(tokens, n, &node, &partial, &partial_len);
+  return partial != nullptr ? partial : node;
+}
+
+int64_t RadixTree::StoragePrefixEnd(const int32_t* tokens, int64_t n, bool* host_backed) const {
+  int64_t pos;
+  const Node* attach = MatchEnd(tokens, n, &pos);
   *host_backed = attach == root_ || attach->has_host();
   return pos;
 }
 
 bool RadixTree::PinHost(const int32_t* tokens, int64_t n, TierCopy* pin) {
-  RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
-  n -= n % page_size_;
-  Node* node;
-  Node* partial;
-  int64_t partial_len;
-  const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
-  Node* attach = partial != nullptr ? partial : node;
+  int64_t pos;
+  Node* attach = MatchEnd(tokens, n, &pos);
   if (attach == root_ || !attach->has_host()) return false;
   RADIXKV_CHECK(attach->host_pins < INT32_MAX, kInvalid, "node ", attach->id,
                 " has too many pins");

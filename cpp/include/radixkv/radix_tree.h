@@ -463,6 +463,9 @@ class RadixTree {
   // the matched length. Changes nothing.
   int64_t Walk(const int32_t* tokens, int64_t n, Node** node, Node** partial,
                int64_t* partial_len) const;
+  // The node where a match of tokens[0, n) (whole pages) ends, on its end or
+  // inside it, and the matched length. For the storage tier's queries.
+  Node* MatchEnd(const int32_t* tokens, int64_t n, int64_t* pos) const;
 
   const int64_t page_size_;
   const int64_t max_slots_;

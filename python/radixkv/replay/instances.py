@@ -14,7 +14,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from radixkv.replay.replay import (ReplayResult, StorageUnavailable, _Instance, _percentiles,
-                                   _Progress)
+                                   _Progress, _too_large)
 from radixkv.replay.traces import Request, TokenMaker
 
 # Counters summed over instances.
@@ -124,7 +124,7 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
                 bar.update(i)
                 k = route(req, i, instances)
                 _send(pipes[k], procs[k], k, (req, maker.position))
-                if not _too_large_for(config, req):
+                if not _too_large(req, config["page_size"], config["capacity_pages"]):
                     maker.advance(req)
                 if not overlap:
                     kind, what = _recv(pipes[k], procs[k], k)
@@ -155,11 +155,6 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
                 p.kill()
                 p.join()
     return _combine(results, lats, wall, interrupted)
-
-
-def _too_large_for(config: dict, req: Request) -> bool:
-    page = config["page_size"]
-    return -(-(req.input_length + req.output_length) // page) > config["capacity_pages"]
 
 
 def _combine(results: List[ReplayResult], lats: List[Dict[str, List[int]]], wall: float,
