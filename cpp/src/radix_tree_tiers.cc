@@ -530,7 +530,7 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,
       if (partial == nullptr) node->children.Reserve(node->children.size() + 1);
     }
     int32_t* out = rejected(len - take);
-    std::memcpy(out, host, (len - take) * sizeof(int32_t));
+    if (len > take) std::memcpy(out, host, (len - take) * sizeof(int32_t));
   } catch (...) {
     if (marked) stored_host_.RemoveAll(fresh, take);
     throw;
