@@ -7,8 +7,10 @@
 #include <structmember.h>
 
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -16,9 +18,9 @@
 #include "errors.h"
 #include "fast_call.h"
 #include "kernels.h"
+#include "radixkv/checksum.h"
 #include "radixkv/compare.h"
 #include "radixkv/page_allocator.h"
-#include "radixkv/checksum.h"
 #include "radixkv/page_hash.h"
 #include "radixkv/radix_tree.h"
 #include "radixkv/slot_set.h"
@@ -104,6 +106,53 @@ py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
       t.mu, ids.size() >= kReleaseGilTokens,
       [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), indices); }, [&] { ids.Own(); });
   return py::make_tuple(std::move(handle), indices.take());
+}
+
+// A prefill batch's matches in one call: every input is converted (and every
+// handle made) before the tree is touched, then all are matched under one
+// lock (the GIL released once when the batch is large). The same as one
+// match_prefix per input, in order.
+py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
+  if (!PyList_Check(a[0]) && !PyTuple_Check(a[0])) {
+    throw py::type_error(std::string("batch must be a list or tuple of token id sequences, got ") +
+                         Py_TYPE(a[0])->tp_name);
+  }
+  // A snapshot: Python code run while items are converted cannot change it.
+  const py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[0]));
+  if (!items) throw py::error_already_set();
+  const size_t n = items.size();
+  std::vector<std::string> names(n);
+  std::vector<std::unique_ptr<Int32View>> views(n);
+  std::vector<py::object> handles(n);
+  for (size_t i = 0; i < n; ++i) {
+    names[i] = "batch[" + std::to_string(i) + "]";
+    views[i] = std::make_unique<Int32View>(items[i], names[i].c_str());
+  }
+  for (size_t i = 0; i < n; ++i) handles[i] = NewBoxed<Handle>(g_handle_type);
+  int64_t total = 0;
+  for (auto& v : views) {
+    v->Finish();
+    total += v->size();
+  }
+  std::vector<TensorSink> indices(n);
+  std::vector<Handle> matched(n);
+  Locked(
+      t.mu, total >= kReleaseGilTokens,
+      [&] {
+        for (size_t i = 0; i < n; ++i) {
+          matched[i] = t.tree.MatchPrefix(views[i]->data(), views[i]->size(), indices[i]);
+        }
+        return 0;
+      },
+      [&] {
+        for (auto& v : views) v->Own();
+      });
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) {
+    Unbox<Handle>(handles[i].ptr()) = matched[i];
+    out[i] = py::make_tuple(std::move(handles[i]), indices[i].take());
+  }
+  return std::move(out);
 }
 
 py::object RadixTree_InsertPrefix(PyRadixTree& t, PyObject* const* a) {
@@ -596,6 +645,7 @@ constexpr const char* kEvictDoc =
     "changing nothing, when size exceeds the evictable size.";
 
 constexpr Params kIds{"match_prefix", {"input_ids"}, 1, 1};
+constexpr Params kBatch{"match_prefix_batch", {"batch"}, 1, 1};
 constexpr Params kInsert{"insert_prefix", {"input_ids", "indices"}, 2, 2};
 constexpr Params kLock{"lock_handle", {"handle", "unlock"}, 2, 1};
 constexpr Params kSize{"evict", {"size"}, 1, 1};
@@ -630,6 +680,9 @@ constexpr int kFastCall = METH_FASTCALL | METH_KEYWORDS;
 
 PyMethodDef kTreeMethods[] = {
     {"match_prefix", Fast<RadixTree_MatchPrefix, kIds>(), kFastCall, kMatchDoc},
+    {"match_prefix_batch", Fast<RadixTree_MatchPrefixBatch, kBatch>(), kFastCall,
+     "match_prefix_batch(batch) -> [(handle, indices), ...]: match_prefix of each input in\n"
+     "order, in one call (inputs are all checked before any is matched)."},
     {"insert_prefix", Fast<RadixTree_InsertPrefix, kInsert>(), kFastCall, kInsertDoc},
     {"lock_handle", Fast<RadixTree_LockHandle, kLock>(), kFastCall, kLockDoc},
     {"evict", Fast<RadixTree_Evict, kSize>(), kFastCall, kEvictDoc},

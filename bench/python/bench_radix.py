@@ -11,6 +11,9 @@ Workloads (page size 1, token ids below 32,000, fixed seed):
              (cold caches, as a scheduler sees them)
   insert_many insert of 2,000 new 1,024-token sequences whose first 512
              indices are the cached prefix's own slots (what a scheduler passes)
+  match_32_singles  32 of those matches (a prefill batch), per request
+  match_batch32  the same 32 in one match_prefix_batch call (radixkv; the
+             peers have no batch call: their figure is their 32 singles)
   lock_call  lock_handle(h) then lock_handle(h, unlock=True), called the way
              users call them (radixkv; the peers through their adapters)
   evict@N    evict 1,024 tokens (8 leaves) from a tree of N unlocked leaves
@@ -189,6 +192,26 @@ def bench_realistic(factory, name: str, seed: int, distinct: int = 1000,
         samples.append((now_ns() - t0) / len(chunk))
     out["match_many"] = median_us(samples)
 
+    # A prefill batch of 32 requests: 32 single matches against (radixkv)
+    # one match_prefix_batch; per request. Peers have no batch call: their
+    # batch is their 32 single matches.
+    manager = getattr(cache, "manager", None)
+    chunks = [queries[b:b + 32] for b in range(0, calls - 31, 32)]
+    singles, batched = [], []
+    for chunk in chunks:
+        t0 = now_ns()
+        for q in chunk:
+            match(q)
+        singles.append((now_ns() - t0) / 32)
+    if isinstance(manager, RadixCacheManager):
+        match_batch = manager.match_prefix_batch
+        for chunk in chunks:
+            t0 = now_ns()
+            match_batch(chunk)
+            batched.append((now_ns() - t0) / 32)
+    out["match_32_singles"] = median_us(singles)
+    out["match_batch32"] = median_us(batched or singles)
+
     fresh = [prepare(w.sequence(SEQ - PREFIX)) for _ in range(calls)]
     slot_lists = []
     for _ in range(calls):
@@ -204,7 +227,6 @@ def bench_realistic(factory, name: str, seed: int, distinct: int = 1000,
     out["insert_many"] = median_us(samples)
 
     handle, _ = match(queries[0])
-    manager = getattr(cache, "manager", None)
     samples = []
     if isinstance(manager, RadixCacheManager):
         lock_handle = manager.lock_handle

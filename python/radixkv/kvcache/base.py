@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple, Tuple
+from typing import List, NamedTuple, Tuple
 
 import torch
+
+from radixkv import _core
+from radixkv._checks import to_host
 
 
 class SizeInfo(NamedTuple):
@@ -39,6 +42,16 @@ class BaseCacheManager(ABC):
     @abstractmethod
     def match_prefix(self, input_ids) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Longest cached prefix of `input_ids` in whole pages: a handle and its slots (int32)."""
+
+    def match_prefix_batch(self, batch) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+        """`match_prefix` of each input of a prefill batch, in order. Every
+        input is checked before any is matched."""
+        if not isinstance(batch, (list, tuple)):
+            raise TypeError("batch must be a list or tuple of token id sequences, got "
+                            f"{type(batch).__name__}")
+        for i, ids in enumerate(batch):
+            _core.check_ids(to_host(ids, f"batch[{i}]", self.device), f"batch[{i}]")
+        return [self.match_prefix(ids) for ids in batch]
 
     @abstractmethod
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:

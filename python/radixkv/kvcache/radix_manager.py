@@ -43,6 +43,19 @@ class RadixCacheManager(BaseCacheManager):
         handle, indices = self._tree.match_prefix(to_host(input_ids, "input_ids", self.device))
         return handle, indices.to(self.device, non_blocking=True)
 
+    def match_prefix_batch(self, batch) -> List[Tuple[RadixCacheHandle, torch.Tensor]]:
+        """`match_prefix` of each input of a prefill batch, in order, in one
+        native call (one lock, the GIL released once for a large batch);
+        every input is checked before any is matched."""
+        if not isinstance(batch, (list, tuple)):
+            raise TypeError("batch must be a list or tuple of token id sequences, got "
+                            f"{type(batch).__name__}")
+        if self.device.type == "cpu":  # the tree reads (and checks) CPU inputs itself
+            return self._tree.match_prefix_batch(batch)
+        out = self._tree.match_prefix_batch(
+            [to_host(ids, f"batch[{i}]", self.device) for i, ids in enumerate(batch)])
+        return [(h, idx.to(self.device, non_blocking=True)) for h, idx in out]
+
     def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:
         self._tree.lock_handle(handle, unlock)
 

@@ -120,6 +120,22 @@ class CacheManager:
             self._tier.back_up(ids[:-1])
         return handle, indices
 
+    def match_req_batch(self, batch) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+        """`match_req` of each request of a prefill batch, in order, in one
+        native call for the radix cache; every input is checked first."""
+        if not isinstance(batch, (list, tuple)):
+            raise TypeError("batch must be a list or tuple of token id sequences, got "
+                            f"{type(batch).__name__}")
+        ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
+        for i, x in enumerate(ids):
+            if len(x) == 0:
+                raise ValueError(f"batch[{i}] must hold at least one token")
+        out = self.manager.match_prefix_batch([x[:-1] for x in ids])
+        if self._tier is not None and self._tier.min_hits:
+            for x in ids:
+                self._tier.back_up(x[:-1])
+        return out
+
     def load_back(self, handle: BaseCacheHandle) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Brings the host part of `handle`'s match to the device.
 

@@ -1,0 +1,121 @@
+"""match_prefix_batch: a prefill batch matched in one native call is exactly one
+match_prefix per input, in order (results, LRU times, splits), every input is
+checked before any is matched, and a large batch runs without the GIL."""
+
+import threading
+
+import pytest
+import torch
+
+from radixkv import _core
+from radixkv.kvcache import NaiveCacheManager, RadixCacheManager
+from radixkv.scheduler import CacheManager
+
+
+def filled(page, seed):
+    m = RadixCacheManager(page_size=page)
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(0, 50, (int(torch.randint(4, 40, (1,), generator=g)),),
+                              generator=g) for _ in range(6)]
+    slot = 0
+    for k in range(30):
+        base = prefixes[k % len(prefixes)]
+        ids = torch.cat([base, torch.randint(0, 50, (k % 7 * page,), generator=g)])
+        n = len(ids) - len(ids) % page
+        slots = torch.arange(slot, slot + n)
+        slot += n
+        m.insert_prefix(ids[:n], slots)
+    return m, prefixes, g
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_batch_is_one_match_per_input_in_order(page, seed):
+    a, prefixes, g = filled(page, seed)
+    b, _, _ = filled(page, seed)
+    batch = []
+    for k in range(12):
+        base = prefixes[int(torch.randint(0, len(prefixes), (1,), generator=g))]
+        cut = int(torch.randint(0, len(base) + 1, (1,), generator=g))
+        batch.append(torch.cat([base[:cut], torch.randint(0, 50, (3,), generator=g)]))
+    batch.append([])  # an empty input matches nothing
+    one = [a.match_prefix(ids) for ids in batch]
+    many = b.match_prefix_batch(batch)
+    assert len(many) == len(one)
+    for (h1, i1), (h2, i2) in zip(one, many):
+        assert h1.cached_len == h2.cached_len and torch.equal(i1, i2)
+    assert a._tree.dump() == b._tree.dump()  # the same splits and LRU times
+    b.check_integrity()
+    for h, _ in many:
+        b.lock_handle(h)
+        b.lock_handle(h, unlock=True)
+
+
+@pytest.mark.parametrize("bad,error", [("x", TypeError), ([1, 2**40], ValueError),
+                                       (torch.zeros(2, 2, dtype=torch.int32), ValueError),
+                                       ([1.5], TypeError)])
+def test_a_bad_input_names_its_place_and_nothing_is_matched(bad, error):
+    m, prefixes, _ = filled(1, 0)
+    before = m._tree.dump()
+    with pytest.raises(error, match=r"batch\[2\]"):
+        m.match_prefix_batch([prefixes[0], prefixes[1], bad])
+    assert m._tree.dump() == before  # the first two were not matched either
+    with pytest.raises(TypeError, match="batch must be a list or tuple"):
+        m.match_prefix_batch(prefixes[0])
+    assert m.match_prefix_batch([]) == []
+
+
+def test_the_batch_is_read_once_whatever_its_items_do():
+    m, prefixes, _ = filled(1, 1)
+    batch = [prefixes[0], None, prefixes[1]]
+
+    class Sneaky:
+        def __index__(self):
+            batch.clear()  # changes the list while it is being read
+            return 3
+
+    batch[1] = [1, 2, Sneaky()]
+    out = m.match_prefix_batch(batch)
+    assert len(out) == 3 and out[0][0].cached_len == len(prefixes[0])
+
+
+def test_a_large_batch_runs_without_the_gil_and_matches_the_same():
+    m = RadixCacheManager(page_size=1)
+    seqs = [torch.arange(k * 10_000, k * 10_000 + 9_000) for k in range(10)]
+    for k, s in enumerate(seqs):
+        m.insert_prefix(s, torch.arange(k * 9_000, (k + 1) * 9_000))
+    batch = [s[: 8_000 + k] for k, s in enumerate(seqs)]  # 80k tokens: the GIL goes
+    stop = threading.Event()
+    ticks = []
+
+    def spin():  # Python code that runs only while the batch does not hold the GIL
+        while not stop.is_set():
+            ticks.append(1)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    for _ in range(20):
+        out = m.match_prefix_batch(batch)
+        assert [h.cached_len for h, _ in out] == [8_000 + k for k in range(10)]
+    stop.set()
+    t.join()
+    m.check_integrity()
+
+
+def test_naive_and_scheduler_managers_take_batches():
+    n = NaiveCacheManager()
+    out = n.match_prefix_batch([[1, 2, 3], torch.arange(4)])
+    assert [h.cached_len for h, _ in out] == [0, 0]
+    with pytest.raises(TypeError, match=r"batch\[1\]"):
+        n.match_prefix_batch([[1], "x"])
+
+    cm = CacheManager(16, page_size=4)
+    ids = torch.arange(20)
+    h, idx = cm.match_req(ids)
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids, cm.allocate(len(ids)))
+    got = cm.match_req_batch([ids, torch.arange(9), torch.arange(100, 110)])
+    assert [h.cached_len for h, _ in got] == [16, 8, 0]  # ids[:-1], in whole pages
+    with pytest.raises(ValueError, match=r"batch\[0\] must hold at least one token"):
+        cm.match_req_batch([[]])
+    assert isinstance(got[0][0], _core.RadixCacheHandle)
