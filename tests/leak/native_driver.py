@@ -67,4 +67,29 @@ for layout in ([0, 0, 8, 8, 1, 2**61], [0, 0, 8, 8, 1, 8]):
         _core.transfer_rows(torch.zeros(64, dtype=torch.uint8), layout,
                             torch.zeros(64, dtype=torch.uint8), [0, 0, 8, 8, 1, 8], 8, 1, [0], [9])
     except ValueError: pass
+# The storage tier's entry points, good and bad inputs.
+t = _core.RadixTree(2)
+t.insert_prefix([1, 2, 3, 4], [0, 1, 2, 3])
+c = t.find_backup([1, 2, 3, 4], 0, True); t.begin_backup(c); t.finish_backup(c, [8, 9, 10, 11])
+began = t.begin_store(c)
+t.finish_store(began[0])
+pin = t.pin_host([1, 2, 3, 4])
+t.storage_prefix_end([1, 2, 3, 4, 5, 6])
+t.insert_host([1, 2, 3, 4, 5, 6], 4, [20, 21])
+t.unpin_host(pin)
+for bad in ((None,), ([1, 2], "x"), ([1, 2, 3], 1, [1])):
+    try: t.insert_host(*bad)
+    except (TypeError, ValueError): pass
+for bad in ((pin,), ((1, 2),), ("x",)):
+    try: t.unpin_host(*bad)
+    except (TypeError, ValueError): pass
+t.match_prefix_batch([[1, 2, 3, 4], torch.arange(6), []])
+for bad in ([[1], "x"], "x", [[2**40]]):
+    try: t.match_prefix_batch(bad)
+    except (TypeError, ValueError): pass
+_core.page_keys(torch.arange(64), 16, bytes(32)); _core.page_keys([1, 2, 3, 4], 2, raw=True)
+_core.crc32c(b"123456789"); _core.crc32c(bytes(1 << 17))
+for bad in (("x",), (b"x", -1)):
+    try: _core.crc32c(*bad)
+    except (TypeError, ValueError, OverflowError): pass
 print("ok")
