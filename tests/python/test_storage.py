@@ -214,6 +214,7 @@ def test_a_second_instance_reads_the_first_ones_pages(tmp_path):
     device, host, got = b.serve(ids)
     assert (device, host, got) == (0, 6 * PAGE, 6 * PAGE)   # every whole page from storage
     assert b.cm.storage_counters.prefetched_tokens == 6 * PAGE
+    assert b.cm.metrics.storage_prefetched_tokens == 6 * PAGE
     assert b.serve(ids)[0] == 6 * PAGE                       # then from its own device
     # Storage is what fell out of host memory too: A evicts everything, reads it back.
     a.evict_everything()

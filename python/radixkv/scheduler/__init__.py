@@ -1,6 +1,7 @@
 """Scheduler-side memory management: pages for requests, prefix caching."""
 
 from radixkv.scheduler.cache import CacheManager
+from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.req_to_token import ReqToTokenPool
 
-__all__ = ["CacheManager", "ReqToTokenPool"]
+__all__ = ["CacheManager", "CacheMetrics", "ReqToTokenPool"]

@@ -10,6 +10,7 @@ from radixkv import _core
 from radixkv._checks import as_count, as_int, int32_tensor, to_host
 from radixkv.kvcache import BaseCacheHandle, MHAKVCache, RadixCacheManager, create_cache_manager
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
+from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.storage_tier import StorageCounters, StorageTier
 from radixkv.storage.base import StorageBackend
 from radixkv.scheduler.host_tier import (
@@ -100,6 +101,8 @@ class CacheManager:
                                   bool(manual_copies))
             if kv_cache is not None:
                 kv_cache._layer_wait = LayerWait(self._tier.controller)
+        self._queries = self._query_tokens = self._device_hits = self._host_hits = 0
+        self._evicted = 0
         self._storage: Optional[StorageTier] = None
         if storage is not None:
             if self._tier is None or kv_cache is None or host_layout != "page_first":
@@ -116,9 +119,16 @@ class CacheManager:
         if len(ids) == 0:
             raise ValueError("input_ids must hold at least one token")
         handle, indices = self.manager.match_prefix(ids[:-1])
+        self._count_match(len(ids) - 1, handle)
         if self._tier is not None and self._tier.min_hits:
             self._tier.back_up(ids[:-1])
         return handle, indices
+
+    def _count_match(self, tokens: int, handle: BaseCacheHandle) -> None:
+        self._queries += 1
+        self._query_tokens += tokens
+        self._device_hits += handle.cached_len
+        self._host_hits += handle.host_hit_len
 
     def match_req_batch(self, batch) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
         """`match_req` of each request of a prefill batch, in order, in one
@@ -131,6 +141,8 @@ class CacheManager:
             if len(x) == 0:
                 raise ValueError(f"batch[{i}] must hold at least one token")
         out = self.manager.match_prefix_batch([x[:-1] for x in ids])
+        for x, (handle, _) in zip(ids, out):
+            self._count_match(len(x) - 1, handle)
         if self._tier is not None and self._tier.min_hits:
             for x in ids:
                 self._tier.back_up(x[:-1])
@@ -263,6 +275,7 @@ class CacheManager:
             tier.back_up_before_evict(missing * self.page_size)
         evicted = self.manager.evict(missing * self.page_size).cpu()
         self._pages.free(evicted)
+        self._evicted += len(evicted)
         return len(evicted)
 
     def allocate(self, num_tokens: int) -> torch.Tensor:
@@ -489,6 +502,28 @@ class CacheManager:
     def tier_counters(self) -> Optional[TierCounters]:
         """Tokens the host tier has moved (None without a host tier)."""
         return self._tier.counters() if self._tier is not None else None
+
+    @property
+    def metrics(self) -> CacheMetrics:
+        """Counters since the manager was made (queries, hits per tier,
+        evictions, copies) and the pools' sizes now; `.prometheus()` gives
+        them as Prometheus text."""
+        tier, storage = self.tier_counters, self.storage_counters
+        host = self.host_size_info
+        return CacheMetrics(
+            queries=self._queries, query_tokens=self._query_tokens,
+            device_hit_tokens=self._device_hits, host_hit_tokens=self._host_hits,
+            evicted_tokens=self._evicted,
+            backed_up_tokens=tier.backed_up if tier else 0,
+            loaded_back_tokens=tier.loaded_back if tier else 0,
+            host_evicted_tokens=tier.host_evicted if tier else 0,
+            storage_written_pages=storage.written_pages if storage else 0,
+            storage_prefetched_tokens=storage.prefetched_tokens if storage else 0,
+            storage_errors=storage.errors if storage else 0,
+            device_free_tokens=self._pages.num_free_pages * self.page_size,
+            device_cached_tokens=self.manager.size_info.total_size,
+            host_free_tokens=host.free if host else 0,
+            host_cached_tokens=host.cached if host else 0)
 
     # -- checks -----------------------------------------------------------------
 

@@ -1,0 +1,79 @@
+"""A CacheManager's figures: counters since it was made and the pools' sizes now,
+readable in Python and as Prometheus text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Dict, Optional
+
+# name: (kind, help); the counters get Prometheus' `_total` suffix.
+_DOC = {
+    "queries": ("counter", "Requests matched against the cache (match_req)."),
+    "query_tokens": ("counter", "Tokens those requests asked about (all but each last one)."),
+    "device_hit_tokens": ("counter", "Tokens matched on the device."),
+    "host_hit_tokens": ("counter", "Tokens matched in host memory (loaded back to be used)."),
+    "evicted_tokens": ("counter", "Tokens evicted from the device pool."),
+    "backed_up_tokens": ("counter", "Tokens copied from the device to host memory."),
+    "loaded_back_tokens": ("counter", "Tokens copied from host memory back to the device."),
+    "host_evicted_tokens": ("counter", "Tokens whose host copy was dropped."),
+    "storage_written_pages": ("counter", "Pages written to the storage tier."),
+    "storage_prefetched_tokens": ("counter", "Tokens read from the storage tier into host."),
+    "storage_errors": ("counter", "Failed storage calls and pages."),
+    "device_free_tokens": ("gauge", "Free slots of the device pool."),
+    "device_cached_tokens": ("gauge", "Device slots the cache holds."),
+    "host_free_tokens": ("gauge", "Free slots of the host pool."),
+    "host_cached_tokens": ("gauge", "Host slots the cache holds."),
+}
+
+
+@dataclass(frozen=True)
+class CacheMetrics:
+    """What `CacheManager.metrics` returns: a snapshot. Counters only grow;
+    the host and storage ones stay 0 without those tiers."""
+
+    queries: int = 0
+    query_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    evicted_tokens: int = 0
+    backed_up_tokens: int = 0
+    loaded_back_tokens: int = 0
+    host_evicted_tokens: int = 0
+    storage_written_pages: int = 0
+    storage_prefetched_tokens: int = 0
+    storage_errors: int = 0
+    device_free_tokens: int = 0
+    device_cached_tokens: int = 0
+    host_free_tokens: int = 0
+    host_cached_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Tokens matched (device and host) over the tokens asked about."""
+        return (self.device_hit_tokens + self.host_hit_tokens) / max(1, self.query_tokens)
+
+    def prometheus(self, prefix: str = "radixkv",
+                   labels: Optional[Dict[str, str]] = None) -> str:
+        """The figures in Prometheus' text exposition format (version 0.0.4):
+        `# HELP` and `# TYPE` lines, then one sample per metric, with
+        `labels` (say, the instance's name) on every sample."""
+        if not prefix or not (prefix[0].isalpha() or prefix[0] == "_") or not all(
+                c.isalnum() or c in "_:" for c in prefix):
+            raise ValueError(f"prefix must be a Prometheus metric name, got {prefix!r}")
+        label = ""
+        if labels:
+            parts = []
+            for key, value in labels.items():
+                if not key or not (key[0].isalpha() or key[0] == "_") or not all(
+                        c.isalnum() or c == "_" for c in key) or key.startswith("__"):
+                    raise ValueError(f"labels: {key!r} is not a Prometheus label name")
+                text = str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+                parts.append(f'{key}="{text}"')
+            label = "{" + ",".join(parts) + "}"
+        lines = []
+        for f in fields(self):
+            kind, doc = _DOC[f.name]
+            name = f"{prefix}_{f.name}" + ("_total" if kind == "counter" else "")
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}",
+                      f"{name}{label} {getattr(self, f.name)}"]
+        return "\n".join(lines) + "\n"
