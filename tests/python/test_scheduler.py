@@ -1247,3 +1247,21 @@ def test_req_to_token_pool_write_values_forms(form):
         assert pool.table[row].tolist() == [0] * 8
     else:
         assert pool.table[row].tolist() == [0, 0, 3, 1, 4, 0, 0, 0]
+
+
+@pytest.mark.parametrize("page", PS)
+def test_chunked_prefill_without_a_prefix_cache_keeps_the_requests_own_pages(page):
+    """SGLang's ChunkCache: with the naive cache a chunk is never shared, the
+    request goes on with exactly its own indices and frees them at the end."""
+    cm = CacheManager(12, page, "naive")
+    ids = torch.arange(5 * page + 1)
+    h, idx = cm.match_req(ids)
+    cm.lock(h)
+    own = cm.allocate(3 * page)             # the first chunk
+    h, idx = cm.cache_unfinished_req(h, ids[: 3 * page], own)
+    assert h.cached_len == 0 and torch.equal(idx, own)
+    assert cm.held_pages == 3 and cm.manager.size_info.total_size == 0
+    more = cm.allocate(len(ids) - 3 * page)  # the rest
+    cm.free_and_cache_finished_req(h, ids, torch.cat([idx, more]))
+    assert cm.held_pages == 0 and cm.free_pages == 12
+    cm.check_integrity()
