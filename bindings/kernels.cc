@@ -51,12 +51,16 @@ RowLayout CacheLayout(const Tensor& c) {
   if (c.ndim() == 4) {
     return RowLayout{c.size(1), c.stride(0) * e, c.stride(1) * e, c.stride(2) * e};
   }
+  if (c.ndim() == 2) {  // [num_slots, row]: one "head" of the whole row
+    return RowLayout{1, c.stride(0) * e, c.stride(0) * e, c.size(1) * e};
+  }
   return RowLayout{1, c.stride(0) * e, c.stride(0) * e, c.stride(1) * e};
 }
 
 RowLayout TokenLayout(const Tensor& x) {
   const int64_t e = x.elem_bytes();
-  return RowLayout{1, x.stride(0) * e, x.stride(0) * e, x.stride(1) * e};
+  const int64_t head_stride = x.ndim() == 2 ? x.size(1) * e : x.stride(1) * e;
+  return RowLayout{1, x.stride(0) * e, x.stride(0) * e, head_stride};
 }
 
 // Batches moving at least this many bytes run with the GIL released.
@@ -232,9 +236,9 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
   kc.CheckDevice(device_type);
   for (const Tensor* t : {&vc, &k, &v}) t->CheckSameDevice(kc);
 
-  KERNEL_CHECK_VALUE(kc.ndim() == 3 || kc.ndim() == 4,
-                     "k_cache must have shape [num_pages, page_size, heads, head_dim] or "
-                     "[num_slots, heads, head_dim], got ",
+  KERNEL_CHECK_VALUE(kc.ndim() >= 2 && kc.ndim() <= 4,
+                     "k_cache must have shape [num_pages, page_size, heads, head_dim], "
+                     "[num_slots, heads, head_dim] or [num_slots, row], got ",
                      kc.ShapeString());
   KERNEL_CHECK_VALUE(vc.ShapeString() == kc.ShapeString(), "v_cache has shape ", vc.ShapeString(),
                      " but k_cache has shape ", kc.ShapeString());
@@ -247,8 +251,15 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
     KERNEL_CHECK_TYPE(SameDType(t->dtype(), dt), t->name(), " has dtype ", DTypeName(t->dtype()),
                       " but k_cache has dtype ", DTypeName(dt));
   }
-  const int64_t heads = kc.size(kc.ndim() - 2), head_dim = kc.size(kc.ndim() - 1);
+  const bool rows = kc.ndim() == 2;  // mini-SGLang's [num_slots, row] caches
+  const int64_t heads = rows ? 1 : kc.size(kc.ndim() - 2), head_dim = kc.size(kc.ndim() - 1);
   for (const Tensor* t : {&k, &v}) {
+    if (rows) {
+      KERNEL_CHECK_VALUE(t->ndim() == 2 && t->size(1) == head_dim, t->name(),
+                         " must have shape [num_tokens, ", head_dim, "] like the cache rows, got ",
+                         t->ShapeString());
+      continue;
+    }
     KERNEL_CHECK_VALUE(t->ndim() == 3, t->name(), " must have shape [num_tokens, ", heads, ", ",
                        head_dim, "], got ", t->ShapeString());
     KERNEL_CHECK_VALUE(t->size(1) == heads && t->size(2) == head_dim, t->name(), " has shape ",

@@ -86,7 +86,9 @@ def test_store_cache_error_names_each_argument(device):
     loc = torch.tensor([0, 1, 2], device=device)
     args = dict(k_cache=kc, v_cache=kc.clone(), out_loc=loc, k=k, v=k)
     cases = [
-        (dict(k_cache=kc.view(8, 8)), ValueError, r"^k_cache must have shape"),
+        (dict(k_cache=kc.view(64)), ValueError, r"^k_cache must have shape"),
+        (dict(k_cache=kc.view(8, 8), v_cache=kc.view(8, 8)), ValueError,
+         r"^k must have shape \[num_tokens, 8\]"),
         (dict(k_cache=torch.zeros(8, 2, 4, 1, 1, device=device)), ValueError, r"^k_cache"),
         (
             dict(v_cache=torch.zeros(9, 2, 4, device=device)),
@@ -365,3 +367,35 @@ def test_first_mismatch_torch_fallback_matches_native():
             out = torch.empty(B, dtype=torch.int32)
             compare_mod._first_mismatch_torch(query, keys, key_lens, out)
             assert out.tolist() == kernel.first_mismatch_batched(query, keys, key_lens).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("index", [torch.int32, torch.int64])
+def test_store_cache_two_dimensional_rows(device, index):
+    """mini-SGLang's caches: [num_slots, row], k and v [n, row]; rows may be
+    strided (a slice of a wider buffer)."""
+    g = torch.Generator().manual_seed(5)
+    S, R, n = 40, 48, 17
+    wide = rand_bytes((S, 2 * R), torch.bfloat16, g).to(device)
+    kc, vc = wide[:, :R], rand_bytes((S, R), torch.bfloat16, g).to(device)
+    k = rand_bytes((n, R), torch.bfloat16, g).to(device)
+    v = rand_bytes((n, R), torch.bfloat16, g).to(device)
+    loc = torch.randperm(S, generator=g)[:n].to(index).to(device)
+    ek, ev, other = b(kc).clone(), b(vc).clone(), b(wide[:, R:]).clone()
+    ek.view(S, -1)[loc.cpu().long()] = b(k)
+    ev.view(S, -1)[loc.cpu().long()] = b(v)
+    kernel.store_cache(kc, vc, loc, k, v)
+    assert torch.equal(b(kc), ek) and torch.equal(b(vc), ev)
+    assert torch.equal(b(wide[:, R:]), other)  # the rest of the wide rows untouched
+    before = b(kc).clone()
+    with pytest.raises(ValueError, match=r"^k must have shape \[num_tokens, 48\]"):
+        kernel.store_cache(kc, vc, loc, k.view(n, 2, R // 2), v.view(n, 2, R // 2))
+    with pytest.raises(ValueError, match="out of range"):
+        kernel.store_cache(kc, vc, torch.full((n,), S, dtype=index, device=device), k, v)
+    assert torch.equal(b(kc), before)
+    # The torch fallback agrees.
+    kt, vt = kc.clone().zero_(), vc.clone().zero_()
+    kn, vn = kt.clone(), vt.clone()
+    store_mod._store_torch(kt, vt, loc, k, v)
+    kernel.store_cache(kn, vn, loc, k, v)
+    assert torch.equal(b(kt), b(kn)) and torch.equal(b(vt), b(vn))

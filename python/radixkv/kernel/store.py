@@ -47,8 +47,9 @@ def store_cache(
     """Write `k[i]` and `v[i]` to token slot `out_loc[i]` of `k_cache` and `v_cache`.
 
     The caches are `[num_pages, page_size, H, D]` (any strides but a contiguous
-    last dimension; slot `s` is page `s // page_size`, row `s % page_size`) or
-    `[num_slots, H, D]`; `k` and `v` are `[n, H, D]` with the caches' dtype, and
+    last dimension; slot `s` is page `s // page_size`, row `s % page_size`),
+    `[num_slots, H, D]`, or `[num_slots, row]` (mini-SGLang's flat rows; then
+    `k` and `v` are `[n, row]`); `k` and `v` are `[n, H, D]` with the caches' dtype, and
     their rows may be strided (slices of a fused qkv output); `out_loc` has
     length n: on the CPU any 1-D integer tensor, NumPy array or list, on a
     device a 1-D int32 or int64 tensor there (a list or array is moved there).
@@ -99,7 +100,7 @@ def _check_slots(k_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
         and out_loc.dim() == 1
         and out_loc.dtype in _INDEX_DTYPES
         and out_loc.device == k_cache.device
-        and k_cache.dim() in (3, 4)
+        and k_cache.dim() in (2, 3, 4)
         and out_loc.numel() > 0
     ):
         return
@@ -130,10 +131,10 @@ def _store_torch(k_cache, v_cache, out_loc, k, v) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != k_cache.device:
             raise TypeError(f"{name} must be on {k_cache.device} like k_cache, got {t.device}")
-    if k_cache.dim() not in (3, 4):
+    if k_cache.dim() not in (2, 3, 4):
         raise ValueError(
-            "k_cache must have shape [num_pages, page_size, heads, head_dim] or "
-            f"[num_slots, heads, head_dim], got {list(k_cache.shape)}"
+            "k_cache must have shape [num_pages, page_size, heads, head_dim], "
+            f"[num_slots, heads, head_dim] or [num_slots, row], got {list(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -142,12 +143,11 @@ def _store_torch(k_cache, v_cache, out_loc, k, v) -> None:
     for name, t in (("v_cache", v_cache), ("k", k), ("v", v)):
         if t.dtype != k_cache.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but k_cache has dtype {k_cache.dtype}")
-    row = tuple(k_cache.shape[-2:])
+    row = tuple(k_cache.shape[-2:]) if k_cache.dim() > 2 else tuple(k_cache.shape[-1:])
     for name, t in (("k", k), ("v", v)):
-        if t.dim() != 3 or tuple(t.shape[1:]) != row:
-            raise ValueError(
-                f"{name} must have shape [num_tokens, {row[0]}, {row[1]}], got {list(t.shape)}"
-            )
+        if t.dim() != 1 + len(row) or tuple(t.shape[1:]) != row:
+            want = ", ".join(str(d) for d in row)
+            raise ValueError(f"{name} must have shape [num_tokens, {want}], got {list(t.shape)}")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"v has {v.shape[0]} tokens but k has {k.shape[0]}")
     if out_loc.dim() != 1:
