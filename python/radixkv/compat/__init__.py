@@ -1,0 +1,1 @@
+"""Compatibility layers: radixkv behind the names engines already call."""
