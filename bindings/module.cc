@@ -48,7 +48,8 @@ constexpr int64_t kReleaseGilTokens = 1 << 16;
 
 // A tree and the mutex that keeps one thread at a time inside it.
 struct PyRadixTree {
-  PyRadixTree(int64_t page_size, int64_t max_slots) : tree(page_size, max_slots) {}
+  PyRadixTree(int64_t page_size, int64_t max_slots, radixkv::EvictionPolicy policy)
+      : tree(page_size, max_slots, policy) {}
   RadixTree tree;
   std::mutex mu;
 };
@@ -158,6 +159,10 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
 py::object RadixTree_InsertPrefix(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   Int32View slots(a[1], "indices");
+  const int64_t priority = a[2] != nullptr ? ToInt64(a[2], "priority") : 0;
+  if (priority < INT32_MIN || priority > INT32_MAX) {
+    throw py::value_error("priority must fit int32, got " + std::to_string(priority));
+  }
   FinishViews(ids, slots);
   if (ids.size() != slots.size()) {
     throw py::value_error("indices has length " + std::to_string(slots.size()) +
@@ -165,7 +170,10 @@ py::object RadixTree_InsertPrefix(PyRadixTree& t, PyObject* const* a) {
   }
   return py::int_(Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size()); },
+      [&] {
+        return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size(),
+                                   static_cast<int32_t>(priority));
+      },
       [&] {
         ids.Own();
         slots.Own();
@@ -408,18 +416,32 @@ py::object RadixTree_IsValid(PyRadixTree& t, PyObject* const* a) {
   return py::bool_(Locked(t, false, [&] { return t.tree.IsValid(h); }));
 }
 
+radixkv::EvictionPolicy ParsePolicy(const std::string& name) {
+  using radixkv::EvictionPolicy;
+  static const std::pair<const char*, EvictionPolicy> kNames[] = {
+      {"lru", EvictionPolicy::kLru}, {"lfu", EvictionPolicy::kLfu},
+      {"fifo", EvictionPolicy::kFifo}, {"mru", EvictionPolicy::kMru},
+      {"priority", EvictionPolicy::kPriority}};
+  for (const auto& [n, p] : kNames) {
+    if (name == n) return p;
+  }
+  throw py::value_error("eviction_policy must be one of lru, lfu, fifo, mru, priority, got '" +
+                        name + "'");
+}
+
 PyObject* RadixTree_New(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"page_size", "max_slots", nullptr};
+  static const char* names[] = {"page_size", "max_slots", "eviction_policy", nullptr};
   PyObject* page_size = nullptr;
   PyObject* max_slots = nullptr;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OO:RadixTree", const_cast<char**>(names),
-                                   &page_size, &max_slots)) {
+  const char* policy = "lru";
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOs:RadixTree", const_cast<char**>(names),
+                                   &page_size, &max_slots, &policy)) {
     return nullptr;
   }
   try {
     const int64_t p = page_size != nullptr ? ToInt64(page_size, "page_size") : 1;
     const int64_t m = max_slots != nullptr ? ToInt64(max_slots, "max_slots") : RadixTree::kAnySlot;
-    return NewBoxed<PyRadixTree>(type, p, m).release().ptr();
+    return NewBoxed<PyRadixTree>(type, p, m, ParsePolicy(policy)).release().ptr();
   } catch (...) {
     radixkv::bindings::SetErrorFromException();
     return nullptr;
@@ -441,6 +463,12 @@ PyObject* RadixTree_PageSize(PyObject* self, void*) {
 }
 PyObject* RadixTree_MaxSlots(PyObject* self, void*) {
   return Getter(self, [](PyRadixTree& t) { return py::int_(t.tree.max_slots()); });
+}
+PyObject* RadixTree_Policy(PyObject* self, void*) {
+  static const char* kNames[] = {"lru", "lfu", "fifo", "mru", "priority"};
+  return Getter(self, [](PyRadixTree& t) {
+    return py::str(kNames[static_cast<int>(t.tree.policy())]);
+  });
 }
 PyObject* RadixTree_HostPins(PyObject* self, void*) {
   return Getter(self, [](PyRadixTree& t) {
@@ -628,7 +656,7 @@ constexpr const char* kMatchDoc =
     "tokens, no locks) and the slot indices stored for them (int32).\n"
     "Refreshes the LRU time of exactly the matched tokens; may split a node.";
 constexpr const char* kInsertDoc =
-    "insert_prefix(input_ids, indices) -> int\n\n"
+    "insert_prefix(input_ids, indices, priority=0) -> int\n\n"
     "Store the whole pages of input_ids that are not cached yet, with their\n"
     "slot indices; return how many leading tokens were cached already (the\n"
     "caller frees its own copies of those). Raises ValueError, changing\n"
@@ -646,7 +674,7 @@ constexpr const char* kEvictDoc =
 
 constexpr Params kIds{"match_prefix", {"input_ids"}, 1, 1};
 constexpr Params kBatch{"match_prefix_batch", {"batch"}, 1, 1};
-constexpr Params kInsert{"insert_prefix", {"input_ids", "indices"}, 2, 2};
+constexpr Params kInsert{"insert_prefix", {"input_ids", "indices", "priority"}, 3, 2};
 constexpr Params kLock{"lock_handle", {"handle", "unlock"}, 2, 1};
 constexpr Params kSize{"evict", {"size"}, 1, 1};
 constexpr Params kIsValid{"is_valid", {"handle"}, 1, 1};
@@ -744,6 +772,7 @@ PyGetSetDef kTreeProperties[] = {
     {"max_slots", RadixTree_MaxSlots, nullptr, "Slots must be below this (-1: any).", nullptr},
     {"num_nodes", RadixTree_NumNodes, nullptr, "Nodes, the root excluded.", nullptr},
     {"host_pins", RadixTree_HostPins, nullptr, "Pins of pin_host not yet released.", nullptr},
+    {"eviction_policy", RadixTree_Policy, nullptr, "Which leaf goes first.", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -752,7 +781,8 @@ PyType_Slot kTreeSlots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(radixkv::bindings::DeallocBoxed<PyRadixTree>)},
     {Py_tp_methods, kTreeMethods},
     {Py_tp_getset, kTreeProperties},
-    {Py_tp_doc, const_cast<char*>("RadixTree(page_size=1, max_slots=-1): the native radix tree "
+    {Py_tp_doc, const_cast<char*>("RadixTree(page_size=1, max_slots=-1, eviction_policy='lru'): "
+                                  "the native radix tree "
                                   "and the mutex that keeps one thread at a time in it.")},
     {0, nullptr},
 };

@@ -112,13 +112,16 @@ void RadixTree::Storage::Free() noexcept {
 
 // --- nodes -----------------------------------------------------------------------
 
-RadixTree::RadixTree(int64_t page_size, int64_t max_slots)
+RadixTree::RadixTree(int64_t page_size, int64_t max_slots, EvictionPolicy policy)
     : page_size_(page_size),
       max_slots_(max_slots),
       id_(next_tree_id.fetch_add(1, std::memory_order_relaxed)) {
   RADIXKV_CHECK(page_size >= 1, kInvalid, "page_size must be >= 1, got ", page_size);
   RADIXKV_CHECK(max_slots == kAnySlot || (max_slots >= 0 && max_slots <= (int64_t{1} << 31)),
                 kInvalid, "max_slots must be in [0, 2**31], got ", max_slots);
+  RADIXKV_CHECK(policy <= EvictionPolicy::kPriority, kInvalid, "unknown eviction policy ",
+                static_cast<int>(policy));
+  policy_ = policy;
   nodes_.push_back(std::make_unique<Node>());
   root_ = nodes_[0].get();
   ReserveNodes(0);
@@ -184,7 +187,8 @@ Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length) noexcept {
   node->parent = parent;
   node->depth = parent->depth + length;
   node->ref_count = 0;
-  node->timestamp = clock_;
+  node->timestamp = node->created = clock_;
+  node->priority = 0;
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
   node->backing_up = node->loading = node->storing = false;
@@ -226,14 +230,14 @@ void RadixTree::Refresh(Node* x) noexcept {
   if (x == root_) return;
   const bool device = DeviceEvictable(x);
   if (device != heap_.Contains(x->id)) {
-    device ? heap_.Push(x->id, x->timestamp) : heap_.Erase(x->id);  // room reserved
+    device ? heap_.Push(x->id, Key(x)) : heap_.Erase(x->id);  // room reserved
   }
   // A node leaves the host heap before it loses its host copy, so one
   // without a copy is not there (and a tree without a host tier pays nothing).
   if (!x->has_host()) return;
   const bool host = HostEvictable(x);
   if (host != host_heap_.Contains(x->id)) {
-    host ? host_heap_.Push(x->id, x->timestamp) : host_heap_.Erase(x->id);
+    host ? host_heap_.Push(x->id, Key(x)) : host_heap_.Erase(x->id);
   }
 }
 
@@ -301,6 +305,8 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   // The prefix holds what the node held, tier state included.
   prefix->ref_count = node->ref_count;
   prefix->timestamp = node->timestamp;
+  prefix->created = node->created;
+  prefix->priority = node->priority;
   prefix->hits = node->hits;
   prefix->on_device = node->on_device;
   prefix->backing_up = node->backing_up;
@@ -323,6 +329,11 @@ void RadixTree::Touch(Node* node) noexcept {
   // The heaps are not updated here: a leaf's key there may fall behind its
   // timestamp, and eviction puts it right when it reaches the top.
   for (Node* x = node; x != root_; x = x->parent) x->timestamp = clock_;
+  if (policy_ != EvictionPolicy::kMru) return;
+  for (Node* x = node; x != root_; x = x->parent) {
+    if (heap_.Contains(x->id)) heap_.Update(x->id, Key(x));
+    if (host_heap_.Contains(x->id)) host_heap_.Update(x->id, Key(x));
+  }
 }
 
 int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, Node** node, Node** partial,
@@ -385,7 +396,8 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out) {
   return h;
 }
 
-int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n) {
+int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n,
+                               int32_t priority) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   // All of `slots` is checked, the cached part and a partial last page too:
   // the caller frees its own copies of those, so a bad one is a bug either way.
@@ -440,9 +452,11 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
     Refresh(x);
     Refresh(x->parent);
   }
+  for (Node* x = node; x != root_; x = x->parent) x->priority = std::max(x->priority, priority);
   Touch(node);
   if (leaf_data) {
     Node* leaf = TakeNode(node, std::move(leaf_data), n - pos);
+    leaf->priority = priority;
     node->children.Insert(leaf->child_key, leaf);
     SetOnDevice(leaf, true);
     Refresh(leaf);
@@ -527,11 +541,11 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
                                   " evictable tokens still counted"));
     }
     Node* x = nodes_[heap_.top()].get();
-    if (heap_.KeyAt(0) != x->timestamp) {
+    if (heap_.KeyAt(0) != Key(x)) {
       // Touched since it was keyed: every key is at most its leaf's
       // timestamp, so a top whose key is current is the least recently used
       // leaf. Re-key this one and look again.
-      heap_.Update(x->id, x->timestamp);
+      heap_.Update(x->id, Key(x));
       continue;
     }
     heap_.Pop();
@@ -670,7 +684,7 @@ void RadixTree::CheckIntegrity() const {
                               : " is in the device heap but may not be evicted");
     if (device_leaf) {
       const size_t pos = static_cast<size_t>(heap_.PositionOf(x->id));
-      RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) <= x->timestamp, kBroken,
+      RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) <= Key(x), kBroken,
                     "node ", x->id, " has a wrong device heap position or key");
       ++heap_members;
     }
@@ -680,7 +694,7 @@ void RadixTree::CheckIntegrity() const {
                             : " is in the host heap but may not be evicted");
     if (host_leaf) {
       const size_t pos = static_cast<size_t>(host_heap_.PositionOf(x->id));
-      RADIXKV_CHECK(host_heap_.IdAt(pos) == x->id && host_heap_.KeyAt(pos) <= x->timestamp,
+      RADIXKV_CHECK(host_heap_.IdAt(pos) == x->id && host_heap_.KeyAt(pos) <= Key(x),
                     kBroken, "node ", x->id, " has a wrong host heap position or key");
       ++host_members;
     }

@@ -46,7 +46,7 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
       if (!x->on_device) parent->children.Insert(x->child_key, x);  // the kept table has room
       ++parent->host_children;
       CountHost(x, +1);
-      host_heap_.Push(x->id, x->timestamp);
+      host_heap_.Push(x->id, Key(x));
       Refresh(parent);
       x->next = nullptr;
       x = next;
@@ -62,8 +62,8 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
                          "being loaded, or ancestors of host copies that stay)"));
     }
     Node* x = nodes_[host_heap_.top()].get();
-    if (host_heap_.KeyAt(0) != x->timestamp) {
-      host_heap_.Update(x->id, x->timestamp);  // lagging key: see Evict
+    if (host_heap_.KeyAt(0) != Key(x)) {
+      host_heap_.Update(x->id, Key(x));  // lagging key: see Evict
       continue;
     }
     host_heap_.Pop();
@@ -373,8 +373,8 @@ std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size) {
   int64_t covered = 0;
   while (covered < size && !heap_.empty()) {
     Node* x = nodes_[heap_.top()].get();
-    if (heap_.KeyAt(0) != x->timestamp) {
-      heap_.Update(x->id, x->timestamp);
+    if (heap_.KeyAt(0) != Key(x)) {
+      heap_.Update(x->id, Key(x));
       continue;
     }
     heap_.Pop();
@@ -398,7 +398,7 @@ std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size) {
     }
     out.push_back(TierCopy{x->id, x->incarnation, top->depth - top->length, x->depth});
   }
-  for (uint32_t id : popped) heap_.Push(id, nodes_[id]->timestamp);
+  for (uint32_t id : popped) heap_.Push(id, Key(nodes_[id].get()));
   return out;
 }
 

@@ -30,7 +30,8 @@ class RefOutOfCapacity(RuntimeError):
 
 
 class RefNode:
-    __slots__ = ("key", "value", "parent", "children", "ref_count", "timestamp", "alive")
+    __slots__ = ("key", "value", "parent", "children", "ref_count", "timestamp", "alive",
+                 "hits", "created", "priority")
 
     def __init__(self, key, value, parent, timestamp, ref_count=0):
         self.key: List[int] = list(key)
@@ -40,6 +41,9 @@ class RefNode:
         self.ref_count = ref_count
         self.timestamp = timestamp
         self.alive = True
+        self.hits = 0                 # matches that reached it (lfu)
+        self.created = timestamp      # when its tokens were first cached (fifo)
+        self.priority = 0             # the highest priority an insert gave it
 
     def depth(self) -> int:
         d, x = 0, self
@@ -59,10 +63,21 @@ class RefHandle:
         self.lock_count = 0
 
 
+# Eviction order per policy: the unlocked leaf with the smallest key goes first.
+POLICY_KEYS = {
+    "lru": lambda x: x.timestamp,
+    "lfu": lambda x: (x.hits, x.timestamp),
+    "fifo": lambda x: x.created,
+    "mru": lambda x: -x.timestamp,
+    "priority": lambda x: (x.priority, x.timestamp),
+}
+
+
 class ReferenceRadixCache:
-    def __init__(self, page_size: int = 1):
+    def __init__(self, page_size: int = 1, policy: str = "lru"):
         assert page_size >= 1
         self.page_size = page_size
+        self.key = POLICY_KEYS[policy]
         self.clock = 0
         self.root = RefNode([], [], None, 0)
 
@@ -113,6 +128,7 @@ class ReferenceRadixCache:
         assert 0 < pos < len(node.key) and pos % self.page_size == 0
         parent = node.parent
         prefix = RefNode(node.key[:pos], node.value[:pos], parent, node.timestamp, node.ref_count)
+        prefix.hits, prefix.created, prefix.priority = node.hits, node.created, node.priority
         parent.children[self._page(node.key)] = prefix
         node.key = node.key[pos:]
         node.value = node.value[pos:]
@@ -142,12 +158,14 @@ class ReferenceRadixCache:
         if partial is not None:
             node = self._split(partial, partial_len)
         self._touch(node)
+        for x in self._path(node):
+            x.hits += 1
         slots: List[int] = []
         for x in reversed(self._path(node)):
             slots.extend(x.value)
         return RefHandle(self, node, len(slots)), slots
 
-    def insert_prefix(self, tokens, slots) -> int:
+    def insert_prefix(self, tokens, slots, priority: int = 0) -> int:
         tokens, slots = list(tokens), list(slots)
         if len(tokens) != len(slots):
             raise ValueError("indices has a different length than input_ids")
@@ -165,9 +183,12 @@ class ReferenceRadixCache:
         self.clock += 1
         if partial is not None:
             node = self._split(partial, partial_len)
+        for x in self._path(node):
+            x.priority = max(x.priority, priority)
         self._touch(node)
         if pos < n:
             leaf = RefNode(tokens[pos:n], slots[pos:n], node, self.clock)
+            leaf.priority = priority
             node.children[self._page(leaf.key)] = leaf
         return pos
 
@@ -192,8 +213,8 @@ class ReferenceRadixCache:
         freed = 0
         while freed < size:
             leaves = [x for x in self._nodes() if not x.children and x.ref_count == 0]
-            victim = min(leaves, key=lambda x: x.timestamp)
-            assert sum(x.timestamp == victim.timestamp for x in leaves) == 1, "LRU tie"
+            victim = min(leaves, key=self.key)
+            assert sum(self.key(x) == self.key(victim) for x in leaves) == 1, "eviction tie"
             out.extend(victim.value)
             freed += len(victim.key)
             del victim.parent.children[self._page(victim.key)]

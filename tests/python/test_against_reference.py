@@ -46,11 +46,13 @@ INPUT_FORMS = [list, tuple, _as_torch64, lambda v: torch.tensor(v, dtype=torch.i
 class Driver:
     """Applies the same random operation to the native manager and the model."""
 
-    def __init__(self, page_size: int, seed: int, strict_dump: bool = False):
+    def __init__(self, page_size: int, seed: int, strict_dump: bool = False,
+                 policy: str = "lru"):
         self.p = page_size
         self.rng = random.Random(seed)
-        self.native = RadixCacheManager("cpu", page_size)
-        self.ref = ReferenceRadixCache(page_size)
+        self.native = RadixCacheManager("cpu", page_size, eviction_policy=policy)
+        self.ref = ReferenceRadixCache(page_size, policy)
+        self.priorities = policy == "priority"
         self.strict_dump = strict_dump
         self.held = []  # (native handle, model handle)
         self.history = []  # recent token sequences, to share prefixes with
@@ -146,8 +148,13 @@ class Driver:
             ids = self.tokens()
             slots = self.fresh_slots(len(ids))
             n_own = 0
-        got = self.native.insert_prefix(self.form(ids), self.form(slots))
-        want = self.ref.insert_prefix(ids, slots)
+        if self.priorities:  # a few classes, as requests' priorities are
+            prio = r.choice([-2, 0, 0, 1, 3])
+            got = self.native.insert_prefix(self.form(ids), self.form(slots), priority=prio)
+            want = self.ref.insert_prefix(ids, slots, priority=prio)
+        else:
+            got = self.native.insert_prefix(self.form(ids), self.form(slots))
+            want = self.ref.insert_prefix(ids, slots)
         assert type(got) is int
         assert got == want
         assert got >= n_own
@@ -325,3 +332,37 @@ def test_dump_order_matches_reference(page_size):
             d.step()
         except AssertionError as e:
             raise AssertionError(f"step {i} (page_size={page_size}): {e}") from e
+
+
+@pytest.mark.parametrize("policy", ["lfu", "fifo", "mru", "priority"])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_eviction_policy_evicts_exactly_as_the_model(policy, page_size, seed):
+    """The same random runs under each policy: every evicted slot, in order,
+    and the whole tree after every step, against the model's definition of
+    the policy (reference.POLICY_KEYS)."""
+    d = Driver(page_size, seed=500 * page_size + seed, policy=policy)
+    for i in range(2500):
+        try:
+            d.step()
+        except AssertionError as e:
+            raise AssertionError(f"step {i} ({policy}, page_size={page_size}): {e}") from e
+    assert d.counts.get("evict", 0) > 50
+
+
+def test_eviction_policies_order_leaves_as_documented():
+    def tree(policy):
+        m = RadixCacheManager("cpu", 1, eviction_policy=policy)
+        m.insert_prefix([1, 2, 3], [0, 1, 2], priority=5)   # oldest, high priority
+        m.insert_prefix([4, 5], [3, 4])
+        m.insert_prefix([6, 7], [5, 6], priority=-1)         # newest insert, lowest priority
+        m.match_prefix([1, 2, 3]), m.match_prefix([1, 2, 3]), m.match_prefix([4, 5])
+        return m
+
+    first = {p: tree(p).evict(1).tolist() for p in ("lru", "lfu", "fifo", "mru", "priority")}
+    assert first == {"lru": [5, 6], "lfu": [5, 6], "fifo": [0, 1, 2], "mru": [3, 4],
+                     "priority": [5, 6]}
+    with pytest.raises(ValueError, match="eviction_policy must be one of"):
+        RadixCacheManager("cpu", 1, eviction_policy="random")
+    with pytest.raises(ValueError, match="priority must fit int32"):
+        tree("priority").insert_prefix([9], [9], priority=2**40)

@@ -259,3 +259,25 @@ def test_token_maker_materialises_blocks_and_fresh_tails():
     tail = maker.prompt(Request(0, 6, 1, [1])).tolist()
     assert tail[:4] == [4, 5, 6, 7] and min(tail[4:]) >= 1 << 30
     assert set(maker.output(3).tolist()).isdisjoint(tail)
+
+
+def test_cli_sweep_compares_eviction_policies(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--sessions", "30",
+                          "--no-store", "--host-capacity-tokens", "0", "--sweep", "3",
+                          "--eviction-policy", "lru,lfu,mru", "--json", "--out", str(tmp_path)],
+                         check=True, capture_output=True, text=True)
+    points = json.loads(out.stdout)["points"]
+    assert [p["eviction_policy"] for p in points] == ["lru"] * 3 + ["lfu"] * 3 + ["mru"] * 3
+    assert (tmp_path / "replay_sweep.png").stat().st_size > 1000
+    assert all(0 < p["hit_tokens"] <= p["optimal_hit_tokens"] for p in points)
+    assert points[0]["hit_tokens"] != points[6]["hit_tokens"]  # the policies differ
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--eviction-policy", "random"], ["--eviction-policy", "random"]),
+    (["--eviction-policy", "lru,lfu"], ["--eviction-policy", "--sweep"]),
+    (["--eviction-policy", "lfu", "--policy", "naive", "--host-capacity-tokens", "0"],
+     ["--eviction-policy", "radix"]),
+])
+def test_cli_eviction_policy_mistakes(args, words):
+    one_error_line(run_cli("replay", "--sessions", "5", "--no-store", *args), *words)

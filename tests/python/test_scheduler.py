@@ -1265,3 +1265,22 @@ def test_chunked_prefill_without_a_prefix_cache_keeps_the_requests_own_pages(pag
     cm.free_and_cache_finished_req(h, ids, torch.cat([idx, more]))
     assert cm.held_pages == 0 and cm.free_pages == 12
     cm.check_integrity()
+
+
+def test_request_priorities_order_eviction_under_the_priority_policy():
+    cm = CacheManager(6, 2, eviction_policy="priority")
+
+    def serve(ids, priority):
+        h, idx = cm.match_req(ids)
+        cm.lock(h)
+        own = cm.allocate(len(ids) - h.cached_len)
+        cm.free_and_cache_finished_req(h, ids, torch.cat([idx, own]), priority=priority)
+
+    serve(torch.arange(5), 3)        # 2 pages cached, priority 3
+    serve(torch.arange(10, 15), 0)   # 2 pages, priority 0 (the newer one)
+    serve(torch.arange(20, 25), 1)   # needs room: the priority-0 request's pages go
+    assert cm.match_req(torch.arange(5))[0].cached_len == 4
+    assert cm.match_req(torch.arange(10, 15))[0].cached_len == 0
+    with pytest.raises(ValueError, match="eviction_policy"):
+        CacheManager(4, 1, eviction_policy="nope")
+    cm.check_integrity()

@@ -3,6 +3,7 @@
 // memory, with reference counts and exact LRU eviction on both tiers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -52,8 +53,13 @@ struct Node {
   uint32_t device_children = 0;
   uint32_t host_children = 0;
   /// Matches that reached this node (write_through_selective backs up a
-  /// node on its second hit).
+  /// node on its second hit; the lfu policy evicts the fewest first).
   uint32_t hits = 0;
+  /// The highest priority an insert gave this node (the priority policy
+  /// evicts the lowest first).
+  int32_t priority = 0;
+  /// Logical time the node's tokens were first cached (the fifo policy).
+  uint64_t created = 0;
   bool on_device = true;
   /// A backup of this node to host is in flight (its device pages are read).
   bool backing_up = false;
@@ -179,18 +185,30 @@ struct NodeInfo {
 /// the tree exactly as it was.
 ///
 /// Not thread-safe: one thread at a time (the bindings hold a mutex).
+/// Which unlocked leaf goes first, on both tiers; ties (and everything
+/// within a class) go least recently used first, and the order is exact.
+enum class EvictionPolicy : uint8_t {
+  kLru,       ///< least recently used
+  kLfu,       ///< fewest matches, then least recently used
+  kFifo,      ///< cached earliest
+  kMru,       ///< most recently used
+  kPriority,  ///< lowest priority (InsertPrefix's), then least recently used
+};
+
 class RadixTree {
  public:
   /// Slots must be below `max_slots` (the pool's size); kAnySlot allows
   /// every int32 slot >= 0. Throws kInvalidArgument if `page_size < 1` or
   /// `max_slots` is neither kAnySlot nor in [0, 2^31].
   static constexpr int64_t kAnySlot = -1;
-  explicit RadixTree(int64_t page_size = 1, int64_t max_slots = kAnySlot);
+  explicit RadixTree(int64_t page_size = 1, int64_t max_slots = kAnySlot,
+                     EvictionPolicy policy = EvictionPolicy::kLru);
   ~RadixTree();
   RadixTree(const RadixTree&) = delete;
   RadixTree& operator=(const RadixTree&) = delete;
 
   int64_t page_size() const noexcept { return page_size_; }
+  EvictionPolicy policy() const noexcept { return policy_; }
   int64_t max_slots() const noexcept { return max_slots_; }
   uint64_t id() const noexcept { return id_; }
 
@@ -214,7 +232,10 @@ class RadixTree {
   /// kInvalidArgument, changing nothing, if any of `slots[0, n)` is negative,
   /// not below `max_slots`, or repeated, or a slot to be stored is in the tree
   /// already, or the path has a load in flight (match and load it first).
-  int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n);
+  /// `priority` raises the priority of every node on the path to at least
+  /// it (what the priority policy orders by).
+  int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n,
+                       int32_t priority = 0);
 
   /// Adds one lock on every node from the handle's node to the root.
   /// Throws kInvalidArgument for a handle of another tree or a freed node.
@@ -432,6 +453,27 @@ class RadixTree {
   // Splits as planned (needs one reserved id) and returns the prefix node.
   Node* CommitSplit(SplitPlan* plan) noexcept;
   void Touch(Node* node) noexcept;
+  // The node's order in the eviction heaps under the policy (smallest first).
+  // Every policy but mru only ever raises a node's key, so the heaps may hold
+  // keys that lag (see Evict); mru's keys fall when used and are kept exact.
+  uint64_t Key(const Node* x) const noexcept {
+    constexpr uint64_t kTime40 = (uint64_t{1} << 40) - 1, kTime48 = (uint64_t{1} << 48) - 1;
+    switch (policy_) {
+      case EvictionPolicy::kLfu:
+        return (uint64_t{std::min<uint32_t>(x->hits, (1u << 24) - 1)} << 40) |
+               (x->timestamp & kTime40);
+      case EvictionPolicy::kFifo:
+        return x->created;
+      case EvictionPolicy::kMru:
+        return ~x->timestamp;
+      case EvictionPolicy::kPriority:
+        // Priorities past int16 order as its ends.
+        return (uint64_t(std::clamp<int32_t>(x->priority, -32768, 32767) + 32768) << 48) |
+               (x->timestamp & kTime48);
+      default:
+        return x->timestamp;
+    }
+  }
   // Adds `delta` locks on every node from `node` to the root.
   void LockPath(Node* node, int64_t delta) noexcept;
   // Puts `x` into, or takes it out of, each tier's heap to match its state.
@@ -487,6 +529,7 @@ class RadixTree {
   int64_t host_only_size_ = 0;
   int64_t backing_up_size_ = 0;
   int64_t loading_size_ = 0;
+  EvictionPolicy policy_ = EvictionPolicy::kLru;
   int64_t storing_size_ = 0;
   int64_t host_pins_ = 0;
   int64_t num_nodes_ = 0;

@@ -21,20 +21,28 @@ from radixkv.kvcache.mha_pool import (
     num_pages_for_memory,
 )
 from radixkv.kvcache.naive_manager import NaiveCacheHandle, NaiveCacheManager
-from radixkv.kvcache.radix_manager import RadixCacheHandle, RadixCacheManager
+from radixkv.kvcache.radix_manager import EVICTION_POLICIES, RadixCacheHandle, RadixCacheManager
 
 _MANAGERS = {"naive": NaiveCacheManager, "radix": RadixCacheManager}
 
 
 def create_cache_manager(
-    device: torch.device | str, type: str, page_size: int = 1, max_slots: Optional[int] = None
+    device: torch.device | str, type: str, page_size: int = 1, max_slots: Optional[int] = None,
+    eviction_policy: str = "lru",
 ) -> BaseCacheManager:
     """A cache manager of `type` ("naive" or "radix") on `device`; `max_slots`
-    bounds the slots it accepts (the pool's size; None: any)."""
+    bounds the slots it accepts (the pool's size; None: any); the radix cache
+    evicts under `eviction_policy` (EVICTION_POLICIES)."""
     try:
         cls = _MANAGERS[type]
     except (KeyError, TypeError):
         raise ValueError(f"type must be one of {sorted(_MANAGERS)}, got {type!r}") from None
+    if cls is RadixCacheManager:
+        return cls(device=device, page_size=page_size, max_slots=max_slots,
+                   eviction_policy=eviction_policy)
+    if eviction_policy not in EVICTION_POLICIES:
+        raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                         f"got {eviction_policy!r}")
     return cls(device=device, page_size=page_size, max_slots=max_slots)
 
 
@@ -51,6 +59,7 @@ __all__ = [
     "RadixCacheManager",
     "SizeInfo",
     "create_cache_manager",
+    "EVICTION_POLICIES",
     "create_kvcache",
     "kv_bytes_per_page",
     "num_pages_for_memory",

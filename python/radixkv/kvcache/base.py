@@ -58,8 +58,9 @@ class BaseCacheManager(ABC):
         """Add (or with `unlock`, remove) one lock on the handle's prefix."""
 
     @abstractmethod
-    def insert_prefix(self, input_ids, indices) -> int:
-        """Cache what is new of `input_ids`; return how many leading tokens were cached already."""
+    def insert_prefix(self, input_ids, indices, priority: int = 0) -> int:
+        """Cache what is new of `input_ids`; return how many leading tokens were cached
+        already. `priority` matters to the priority eviction policy only."""
 
     @abstractmethod
     def evict(self, size: int) -> torch.Tensor:

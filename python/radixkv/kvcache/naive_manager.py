@@ -59,7 +59,7 @@ class NaiveCacheManager(BaseCacheManager):
         else:
             handle.lock_count += 1
 
-    def insert_prefix(self, input_ids, indices) -> int:
+    def insert_prefix(self, input_ids, indices, priority: int = 0) -> int:
         n = _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
         m = _core.check_slots(to_host(indices, "indices", self.device), "indices",
                               self._max_slots)

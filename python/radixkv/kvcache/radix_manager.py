@@ -11,6 +11,7 @@ from radixkv._checks import as_count, as_max_slots, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 RadixCacheHandle = _core.RadixCacheHandle
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "priority")
 BaseCacheHandle.register(RadixCacheHandle)
 
 
@@ -25,14 +26,24 @@ class RadixCacheManager(BaseCacheManager):
     `max_slots` is the size of the KV pool the slots index, when known: a slot
     at or past it is refused. None accepts any int32 slot >= 0 (memory still
     follows the slots stored, never the largest value seen).
+
+    `eviction_policy` says which unlocked leaf goes first (EVICTION_POLICIES):
+    least recently used (the default), fewest matches, cached earliest, most
+    recently used, or lowest priority (`insert_prefix(..., priority=p)` raises
+    the priority of the path it inserts to at least p); ties and everything
+    within a class go least recently used first. Exact, O(log n) a node.
     """
 
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
-                 max_slots: Optional[int] = None):
+                 max_slots: Optional[int] = None, eviction_policy: str = "lru"):
         page_size = as_count(page_size, "page_size")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {eviction_policy!r}")
         self.device = torch.device(device)
         self.page_size = page_size
-        self._tree = _core.RadixTree(page_size, as_max_slots(max_slots))
+        self.eviction_policy = eviction_policy
+        self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), eviction_policy)
         if self.device.type == "cpu":
             self.match_prefix = self._tree.match_prefix
             self.insert_prefix = self._tree.insert_prefix
@@ -59,9 +70,9 @@ class RadixCacheManager(BaseCacheManager):
     def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:
         self._tree.lock_handle(handle, unlock)
 
-    def insert_prefix(self, input_ids, indices) -> int:
+    def insert_prefix(self, input_ids, indices, priority: int = 0) -> int:
         return self._tree.insert_prefix(to_host(input_ids, "input_ids", self.device),
-                                        to_host(indices, "indices", self.device))
+                                        to_host(indices, "indices", self.device), priority)
 
     def evict(self, size: int) -> torch.Tensor:
         return self._tree.evict(size).to(self.device, non_blocking=True)

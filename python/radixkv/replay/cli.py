@@ -15,6 +15,7 @@ from radixkv.replay.replay import (KVShape, ReplayResult, StorageConfig, Storage
                                    pages_for_all, replay)
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
+from radixkv.kvcache import EVICTION_POLICIES
 from radixkv.scheduler.host_tier import WRITE_POLICIES
 from radixkv.scheduler.storage_tier import PREFETCH_POLICIES
 
@@ -89,6 +90,10 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
     p.add_argument("--write-policy", choices=list(WRITE_POLICIES), default="write_through",
                    help="when a node is copied to host: when inserted (write_through), on its "
                    "second hit (write_through_selective), when evicted (write_back)")
+    p.add_argument("--eviction-policy", default="lru", metavar="P[,P...]",
+                   help="which cached leaf goes first: " + ", ".join(EVICTION_POLICIES) +
+                   " (default lru); with --sweep a list, or 'all', compares them in one plot "
+                   "(the traces carry no request priorities: priority orders as lru)")
     p.add_argument("--kv", default="1,1,8,float16", metavar="L,H,D[,DTYPE]",
                    help="model shape of the KV pool: layers, kv heads, head dim, dtype "
                    "(default 1,1,8,float16)")
@@ -170,7 +175,15 @@ def _plot(points: List[dict], path: str, title: str) -> bool:
         return False
     xs = [p["capacity_tokens"] for p in points]
     fig, ax = plt.subplots(figsize=(6, 4))
-    if any(p["host_capacity_tokens"] for p in points):
+    policies = list(dict.fromkeys(p.get("eviction_policy", "lru") for p in points))
+    if len(policies) > 1:  # one curve per eviction policy, over all tiers
+        for name in policies:
+            mine = [p for p in points if p.get("eviction_policy", "lru") == name]
+            ax.plot([p["capacity_tokens"] for p in mine],
+                    [100 * p["token_hit_rate"] for p in mine], marker="o", label=name)
+        ax.legend(loc="lower right")
+        ax.set_xlabel("device KV capacity (tokens)")
+    elif any(p["host_capacity_tokens"] for p in points):
         device = [100 * p["device_hit_rate"] for p in points]
         host = [100 * p["host_hit_rate"] for p in points]
         ax.stackplot(xs, device, host, labels=["device (L1)", "host (L2)"], alpha=0.8)
@@ -362,7 +375,22 @@ def _storage(args, kind: str):
                             segment_bytes=segment, prefetch_policy=policy)
 
 
+def _eviction_policies(args) -> List[str]:
+    text = args.eviction_policy
+    names = list(EVICTION_POLICIES) if text == "all" else [p.strip() for p in text.split(",")]
+    for n in names:
+        if n not in EVICTION_POLICIES:
+            raise UsageError(f"--eviction-policy: {n!r} is not one of "
+                             f"{', '.join(EVICTION_POLICIES)} (or 'all')")
+    if len(names) > 1 and not args.sweep:
+        raise UsageError("--eviction-policy: several policies are compared by --sweep")
+    if names != ["lru"] and args.policy != "radix":
+        raise UsageError("--eviction-policy needs --policy radix")
+    return names
+
+
 def _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage) -> int:
+    policies = _eviction_policies(args)
     common = dict(block_size=block, page_size=page, policy=args.policy, kv=kv,
                   store=not args.no_store, progress=sys.stderr.isatty(),
                   write_policy=args.write_policy, instances=args.instances,
@@ -382,22 +410,27 @@ def _replays(args, requests, name, block, page, kv, capacity, host_tokens, stora
 
     if args.sweep:
         points = []
-        for k in range(args.sweep):
-            pages = max(1, capacity >> (args.sweep - 1 - k))
-            # Each point starts from an empty store: its own namespace.
-            point_storage = (dataclasses.replace(storage, namespace=f"sweep-{k}")
-                             if storage is not None else None)
-            r = replay(requests, capacity_pages=pages, host_pages=host_pages_for(pages),
-                       storage=point_storage, **common)
-            points.append(r.to_json())
-            if not args.json:
-                tiers = (f" (device {100 * r.device_hit_tokens / max(1, r.input_tokens):.2f}% "
-                         f"+ host {100 * r.host_hit_tokens / max(1, r.input_tokens):.2f}%)"
-                         if r.host_capacity_tokens else "")
-                print(f"capacity {r.capacity_tokens:>14,} tokens: hit rate "
-                      f"{100 * r.token_hit_rate:6.2f}%{tiers}  evicted {r.evicted_tokens:,}  "
-                      f"skipped {r.skipped_requests:,}  {r.wall_s:.2f} s")
-            if r.interrupted:
+        for evict in policies:
+            for k in range(args.sweep):
+                pages = max(1, capacity >> (args.sweep - 1 - k))
+                # Each point starts from an empty store: its own namespace.
+                point_storage = (dataclasses.replace(storage, namespace=f"sweep-{evict}-{k}")
+                                 if storage is not None else None)
+                r = replay(requests, capacity_pages=pages, host_pages=host_pages_for(pages),
+                           storage=point_storage, eviction_policy=evict, **common)
+                points.append(r.to_json())
+                if not args.json:
+                    tiers = (f" (device {100 * r.device_hit_tokens / max(1, r.input_tokens):.2f}%"
+                             f" + host {100 * r.host_hit_tokens / max(1, r.input_tokens):.2f}%)"
+                             if r.host_capacity_tokens else "")
+                    who = f"{evict:<9}" if len(policies) > 1 else ""
+                    print(f"{who}capacity {r.capacity_tokens:>14,} tokens: hit rate "
+                          f"{100 * r.token_hit_rate:6.2f}%{tiers}  evicted "
+                          f"{r.evicted_tokens:,}  skipped {r.skipped_requests:,}  "
+                          f"{r.wall_s:.2f} s")
+                if r.interrupted:
+                    break
+            if points and points[-1]["interrupted"]:
                 break
         json_path = os.path.join(args.out, "replay_sweep.json")
         _write_json(json_path, {"trace": name, "points": points})
@@ -417,7 +450,7 @@ def _replays(args, requests, name, block, page, kv, capacity, host_tokens, stora
         return 0
 
     r = replay(requests, capacity_pages=capacity, host_pages=host_pages_for(capacity),
-               storage=storage, **common)
+               storage=storage, eviction_policy=policies[0], **common)
     check(r)
     out = r.to_json()
     out["trace"] = name

@@ -161,7 +161,8 @@ def _combine(results: List[ReplayResult], lats: List[Dict[str, List[int]]], wall
              interrupted: bool) -> ReplayResult:
     first = results[0]
     out = ReplayResult(first.policy, first.page_size, first.capacity_tokens)
-    for name in ("host_capacity_tokens", "write_policy", "storage", "prefetch_policy"):
+    for name in ("host_capacity_tokens", "write_policy", "storage", "prefetch_policy",
+                 "eviction_policy"):
         setattr(out, name, getattr(first, name))
     for name in _SUMMED:
         setattr(out, name, sum(getattr(r, name) for r in results))

@@ -90,6 +90,7 @@ class ReplayResult:
     # device_hit_tokens + host_hit_tokens.
     host_capacity_tokens: int = 0
     write_policy: Optional[str] = None
+    eviction_policy: str = "lru"
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     loaded_back_tokens: int = 0
@@ -137,6 +138,7 @@ class ReplayResult:
             "interrupted": self.interrupted,
             "host_capacity_tokens": self.host_capacity_tokens,
             "write_policy": self.write_policy,
+            "eviction_policy": self.eviction_policy,
             "device_hit_tokens": self.device_hit_tokens,
             "host_hit_tokens": self.host_hit_tokens,
             "device_hit_rate": self._rate(self.device_hit_tokens),
@@ -259,7 +261,8 @@ class _Instance:
 
     def __init__(self, *, block_size: int, page_size: int, capacity_pages: int, policy: str,
                  kv: KVShape, store: bool, host_pages: int, write_policy: str,
-                 storage: Optional[StorageConfig], max_hash: int, overlap: bool = False):
+                 storage: Optional[StorageConfig], max_hash: int, overlap: bool = False,
+                 eviction_policy: str = "lru"):
         self.page_size, self.capacity_pages, self.kv, self.store = (page_size, capacity_pages,
                                                                     kv, store)
         self.host_pages, self.overlap = host_pages, overlap
@@ -278,8 +281,10 @@ class _Instance:
             write_policy=write_policy, kv_cache=self.pool, manual_copies=self.pool is None,
             storage=backend,
             storage_seed=storage.fingerprint(kv, page_size) if storage is not None else None,
-            prefetch_policy=storage.prefetch_policy if storage is not None else "best_effort")
+            prefetch_policy=storage.prefetch_policy if storage is not None else "best_effort",
+            eviction_policy=eviction_policy)
         r = self.result = ReplayResult(policy, page_size, capacity_pages * page_size)
+        r.eviction_policy = eviction_policy
         r.pool_bytes = self.pool.nbytes if self.pool is not None else 0
         r.host_capacity_tokens = host_pages * page_size
         if host_pages:
@@ -432,7 +437,7 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
            kv: Optional[KVShape] = None, store: bool = True, progress: bool = False,
            host_pages: int = 0, write_policy: str = "write_through",
            storage: Optional[StorageConfig] = None, instances: int = 1,
-           overlap: bool = False) -> ReplayResult:
+           overlap: bool = False, eviction_policy: str = "lru") -> ReplayResult:
     """Drives `requests` through `instances` serving instances (see _Instance).
 
     A request larger than the whole pool is skipped and counted. Ctrl-C stops
@@ -466,7 +471,8 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
         config = dict(block_size=block_size, page_size=page_size, capacity_pages=capacity_pages,
                       policy=policy, kv=kv or KVShape(), store=store, host_pages=host_pages,
                       write_policy=write_policy, storage=storage,
-                      max_hash=max_hash_id(requests), overlap=overlap)
+                      max_hash=max_hash_id(requests), overlap=overlap,
+                      eviction_policy=eviction_policy)
         if instances > 1:
             from radixkv.replay.instances import replay_instances
 

@@ -61,7 +61,8 @@ class CacheManager:
                  write_policy: str = "write_through", kv_cache: Optional[MHAKVCache] = None,
                  host_layout: str = "page_first", manual_copies: bool = False,
                  storage: Optional[StorageBackend] = None, storage_seed: Optional[bytes] = None,
-                 prefetch_policy: str = "best_effort", min_prefetch_tokens: int = 0):
+                 prefetch_policy: str = "best_effort", min_prefetch_tokens: int = 0,
+                 eviction_policy: str = "lru"):
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
         host_num_pages = as_count(host_num_pages, "host_num_pages", minimum=0)
@@ -87,7 +88,8 @@ class CacheManager:
                                  "its k_cache(layer) waits for that tier's loads")
         self._pages = _core.PageAllocator(num_pages, page_size)
         self.manager = create_cache_manager(device, type, page_size,
-                                            max_slots=num_pages * page_size)
+                                            max_slots=num_pages * page_size,
+                                            eviction_policy=eviction_policy)
         self.device = torch.device(device)
         self.page_size = page_size
         self.num_pages = num_pages
@@ -339,7 +341,8 @@ class CacheManager:
         if self._tier is not None and self._tier.write_policy == "write_through":
             self._tier.back_up(input_ids)
 
-    def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices) -> None:
+    def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices,
+                                    priority: int = 0) -> None:
         """Cache a finished request's tokens and return every page it held.
 
         Its whole pages not cached yet join the prefix cache; its copies of
@@ -348,7 +351,7 @@ class CacheManager:
         """
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
         full = n - n % self.page_size
-        in_cache = self.manager.insert_prefix(input_ids, indices[:n])
+        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority)
         self._pages.free(indices[cached:in_cache])
         self._pages.free(indices[full:])
         self._held_pages -= (len(indices) - cached) // self.page_size
@@ -356,7 +359,7 @@ class CacheManager:
         self._write_through(input_ids)
 
     def cache_unfinished_req(
-        self, old_handle: BaseCacheHandle, input_ids, indices
+        self, old_handle: BaseCacheHandle, input_ids, indices, priority: int = 0
     ) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Cache what a running request has computed (chunked prefill).
 
@@ -366,7 +369,7 @@ class CacheManager:
         meanwhile are freed, so it never keeps a slot that was just freed.
         """
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
-        in_cache = self.manager.insert_prefix(input_ids, indices[:n])
+        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority)
         new_handle, tree_indices = self.manager.match_prefix(input_ids)
         now_cached = new_handle.cached_len
         self._pages.free(indices[cached:min(in_cache, now_cached)])
