@@ -41,10 +41,11 @@ class RadixManagerMachine(RuleBasedStateMachine):
 
     handles = Bundle("handles")
 
-    @initialize(page_size=st.sampled_from([1, 2, 4]))
-    def setup(self, page_size):
-        self.native = RadixCacheManager("cpu", page_size)
-        self.ref = ReferenceRadixCache(page_size)
+    @initialize(page_size=st.sampled_from([1, 2, 4]),
+                policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority"]))
+    def setup(self, page_size, policy):
+        self.native = RadixCacheManager("cpu", page_size, eviction_policy=policy)
+        self.ref = ReferenceRadixCache(page_size, policy)
         self.next_slot = 0
 
     @rule(target=handles, ids=tokens_st)
@@ -55,11 +56,12 @@ class RadixManagerMachine(RuleBasedStateMachine):
         assert h.cached_len == rh.cached_len == len(ridx)
         return (h, rh)
 
-    @rule(ids=tokens_st)
-    def insert(self, ids):
+    @rule(ids=tokens_st, priority=st.sampled_from([0, 0, 1, -3, 7]))
+    def insert(self, ids, priority):
         slots = list(range(self.next_slot, self.next_slot + len(ids)))
         self.next_slot += len(ids)
-        assert self.native.insert_prefix(ids, slots) == self.ref.insert_prefix(ids, slots)
+        assert (self.native.insert_prefix(ids, slots, priority=priority)
+                == self.ref.insert_prefix(ids, slots, priority=priority))
 
     @rule(pair=handles)
     def lock(self, pair):
