@@ -279,6 +279,12 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
                          ": the store would overwrite rows it has yet to read");
     }
   }
+  // K and V caches may interleave (pages holding both), so only the same rows
+  // twice is refused: v would overwrite k.
+  bool same = kc.data() == vc.data();
+  for (int d = 0; same && d < kc.ndim(); ++d) same = kc.stride(d) == vc.stride(d);
+  KERNEL_CHECK_VALUE(!same, "v_cache is the same memory as k_cache: the store would write v "
+                     "over k");
 
   StoreParams p{};
   p.src[0] = k.data();

@@ -382,7 +382,9 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out) {
   ++clock_;
   Node* end = partial != nullptr ? CommitSplit(&split) : node;
   Touch(end);
-  for (Node* x = end; x != root_; x = x->parent) ++x->hits;
+  for (Node* x = end; x != root_; x = x->parent) {
+    if (x->hits != UINT32_MAX) ++x->hits;  // saturates: keys must never fall (see Key)
+  }
   Node* device_end = DeviceEnd(end);
   CopyPathSlots(device_end, slots);
   Handle h;

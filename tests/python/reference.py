@@ -66,10 +66,10 @@ class RefHandle:
 # Eviction order per policy: the unlocked leaf with the smallest key goes first.
 POLICY_KEYS = {
     "lru": lambda x: x.timestamp,
-    "lfu": lambda x: (x.hits, x.timestamp),
+    "lfu": lambda x: (min(x.hits, 2**24 - 1), x.timestamp),
     "fifo": lambda x: x.created,
     "mru": lambda x: -x.timestamp,
-    "priority": lambda x: (x.priority, x.timestamp),
+    "priority": lambda x: (min(max(x.priority, -2**15), 2**15 - 1), x.timestamp),
 }
 
 

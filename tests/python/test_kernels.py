@@ -129,7 +129,7 @@ def test_store_cache_cpu_rejects_out_of_range_with_value():
     ):
         for dtype in (torch.int32, torch.int64):
             with pytest.raises(ValueError, match=msg):
-                kernel.store_cache(kc, kc, torch.tensor(loc, dtype=dtype), k, k)
+                kernel.store_cache(kc, kc.clone(), torch.tensor(loc, dtype=dtype), k, k)
             assert kc.eq(0).all()
 
 
@@ -399,3 +399,24 @@ def test_store_cache_two_dimensional_rows(device, index):
     store_mod._store_torch(kt, vt, loc, k, v)
     kernel.store_cache(kn, vn, loc, k, v)
     assert torch.equal(b(kt), b(kn)) and torch.equal(b(vt), b(vn))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("native", [True, False])
+def test_store_refuses_one_cache_twice_and_expanded_or_overlapping_rows(device, native):
+    store = kernel.store_cache if native else store_mod._store_torch
+    kc = torch.zeros(8, 2, 4, device=device)
+    vc = torch.zeros(8, 2, 4, device=device)
+    k = torch.ones(3, 2, 4, device=device)
+    loc = torch.tensor([0, 1, 2], device=device)
+    with pytest.raises(ValueError, match="v_cache is the same memory as k_cache"):
+        store(kc, kc, loc, k, k)
+    with pytest.raises(ValueError, match="stride 0"):
+        store(torch.zeros(1, 2, 4, device=device).expand(8, 2, 4), vc, loc, k, k)
+    with pytest.raises(ValueError, match="lies in the memory of k_cache"):
+        store(kc, vc, loc, kc[:3], k)
+    # Interleaved K and V caches (a page holding both) are not the same memory.
+    kv = torch.zeros(8, 2, 2, 4, device=device)
+    store(kv[:, 0], kv[:, 1], loc, k, 2 * k)
+    assert torch.equal(kv[:3, 0], k) and torch.equal(kv[:3, 1], 2 * k)
+    assert not bool(kc.any()) and not bool(vc.any())

@@ -74,3 +74,8 @@ def test_host_tier_counters_and_prometheus_text():
         m.prometheus("9bad")
     with pytest.raises(ValueError, match="labels"):
         m.prometheus(labels={"bad-name": "x"})
+    for bad in ("radixkvé", "x\u0661"):  # letters and digits outside ASCII
+        with pytest.raises(ValueError, match="prefix"):
+            m.prometheus(bad)
+    with pytest.raises(ValueError, match="labels"):
+        m.prometheus(labels={"\u00f1ame": "x"})

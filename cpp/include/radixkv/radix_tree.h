@@ -189,10 +189,10 @@ struct NodeInfo {
 /// within a class) go least recently used first, and the order is exact.
 enum class EvictionPolicy : uint8_t {
   kLru,       ///< least recently used
-  kLfu,       ///< fewest matches, then least recently used
+  kLfu,       ///< fewest matches (counted up to 2^24 - 1), then least recently used
   kFifo,      ///< cached earliest
   kMru,       ///< most recently used
-  kPriority,  ///< lowest priority (InsertPrefix's), then least recently used
+  kPriority,  ///< lowest priority (InsertPrefix's, clamped to int16), then least recently used
 };
 
 class RadixTree {

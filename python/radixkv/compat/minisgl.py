@@ -10,7 +10,9 @@ swaps its cache by changing an import:
     from radixkv.compat.minisgl import create_prefix_cache
 
 mini-SGLang reads the page size from its global context; here it is an
-argument (`page_size`, default 1). Everything else is radixkv's: exact LRU in
+argument (`page_size`, default 1). `insert_prefix` matches the inserted
+prefix again to return its handle: that counts as a match (a hit for the
+lfu policy and for write_through_selective). Everything else is radixkv's: exact LRU in
 C++, every input checked (a clear exception naming the argument, nothing
 changed), `reset()` and `check_integrity()` that do what they say.
 """
@@ -30,7 +32,7 @@ __all__ = ["BaseCacheHandle", "BasePrefixCache", "InsertResult", "MatchResult", 
            "RadixPrefixCache", "NaivePrefixCache", "create_prefix_cache"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity, like mini-SGLang's nodes
 class BaseCacheHandle:
     """A match: `cached_len` tokens, whose slots `get_matched_indices()` gives."""
 

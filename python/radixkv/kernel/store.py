@@ -122,6 +122,22 @@ def _check_slots(k_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
         )
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of `a` and `b` intersect (as the kernel checks)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t):
+        lo = hi = t.data_ptr()
+        for size, stride in zip(t.shape, t.stride()):
+            reach = (size - 1) * stride * t.element_size()
+            lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+        return lo, hi + t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _store_torch(k_cache, v_cache, out_loc, k, v) -> None:
     """The same store through torch indexing, for devices without a native kernel."""
     names = ("k_cache", "v_cache", "out_loc", "k", "v")
@@ -156,6 +172,19 @@ def _store_torch(k_cache, v_cache, out_loc, k, v) -> None:
         raise TypeError(f"out_loc must have dtype int32 or int64, got {out_loc.dtype}")
     if out_loc.shape[0] != k.shape[0]:
         raise ValueError(f"out_loc has length {out_loc.shape[0]} but k has {k.shape[0]} tokens")
+    for c in (k_cache, v_cache):
+        name = "k_cache" if c is k_cache else "v_cache"
+        for d in range(c.dim()):
+            if c.stride(d) == 0 and c.shape[d] > 1:
+                raise ValueError(f"{name} has stride 0 in dimension {d}: an expanded tensor "
+                                 "would write one place many times")
+        for x, xname in ((k, "k"), (v, "v")):
+            if _overlaps(x, c):
+                raise ValueError(f"{xname} lies in the memory of {name}: the store would "
+                                 "overwrite rows it has yet to read")
+    if (k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
+            and k_cache.numel() > 0):
+        raise ValueError("v_cache is the same memory as k_cache: the store would write v over k")
     if k_cache.requires_grad or v_cache.requires_grad:
         name = "k_cache" if k_cache.requires_grad else "v_cache"
         raise ValueError(f"{name} requires grad, and a KV cache is written in place: pass "

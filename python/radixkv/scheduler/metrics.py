@@ -3,15 +3,19 @@ readable in Python and as Prometheus text."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import Dict, Optional
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 # name: (kind, help); the counters get Prometheus' `_total` suffix.
 _DOC = {
     "queries": ("counter", "Requests matched against the cache (match_req)."),
     "query_tokens": ("counter", "Tokens those requests asked about (all but each last one)."),
     "device_hit_tokens": ("counter", "Tokens matched on the device."),
-    "host_hit_tokens": ("counter", "Tokens matched in host memory (loaded back to be used)."),
+    "host_hit_tokens": ("counter", "Tokens matched in host memory (to be loaded back)."),
     "evicted_tokens": ("counter", "Tokens evicted from the device pool."),
     "backed_up_tokens": ("counter", "Tokens copied from the device to host memory."),
     "loaded_back_tokens": ("counter", "Tokens copied from host memory back to the device."),
@@ -57,15 +61,14 @@ class CacheMetrics:
         """The figures in Prometheus' text exposition format (version 0.0.4):
         `# HELP` and `# TYPE` lines, then one sample per metric, with
         `labels` (say, the instance's name) on every sample."""
-        if not prefix or not (prefix[0].isalpha() or prefix[0] == "_") or not all(
-                c.isalnum() or c in "_:" for c in prefix):
+        if not isinstance(prefix, str) or not _METRIC_NAME.fullmatch(prefix):
             raise ValueError(f"prefix must be a Prometheus metric name, got {prefix!r}")
         label = ""
         if labels:
             parts = []
             for key, value in labels.items():
-                if not key or not (key[0].isalpha() or key[0] == "_") or not all(
-                        c.isalnum() or c == "_" for c in key) or key.startswith("__"):
+                if (not isinstance(key, str) or not _LABEL_NAME.fullmatch(key)
+                        or key.startswith("__")):
                     raise ValueError(f"labels: {key!r} is not a Prometheus label name")
                 text = str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
                 parts.append(f'{key}="{text}"')
