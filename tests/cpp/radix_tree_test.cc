@@ -19,17 +19,14 @@
 #include <vector>
 
 #include "radixkv/status.h"
+#include "tree_test_util.h"
 
 namespace radixkv {
 namespace {
 
-using Ints = std::vector<int32_t>;
-
-Ints Iota(int32_t first, int n) {
-  Ints out(static_cast<size_t>(n));
-  std::iota(out.begin(), out.end(), first);
-  return out;
-}
+using testing_util::Insert;
+using testing_util::Iota;
+using testing_util::Ints;
 
 Ints Concat(Ints a, const Ints& b) {
   a.insert(a.end(), b.begin(), b.end());
@@ -49,11 +46,6 @@ MatchResult Match(RadixTree* tree, const Ints& tokens) {
   EXPECT_EQ(r.handle.lock_count, 0);
   EXPECT_TRUE(tree->IsValid(r.handle));
   return r;
-}
-
-int64_t Insert(RadixTree* tree, const Ints& tokens, const Ints& slots) {
-  EXPECT_EQ(tokens.size(), slots.size());
-  return tree->InsertPrefix(tokens.data(), slots.data(), static_cast<int64_t>(tokens.size()));
 }
 
 Ints Evict(RadixTree* tree, int64_t size) {

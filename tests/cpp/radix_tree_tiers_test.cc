@@ -14,21 +14,14 @@
 
 #include "radixkv/radix_tree.h"
 #include "radixkv/status.h"
+#include "tree_test_util.h"
 
 namespace radixkv {
 namespace {
 
-using Ints = std::vector<int32_t>;
-
-Ints Iota(int32_t first, int n) {
-  Ints out(static_cast<size_t>(n));
-  std::iota(out.begin(), out.end(), first);
-  return out;
-}
-
-int64_t Insert(RadixTree* t, const Ints& tokens, const Ints& slots) {
-  return t->InsertPrefix(tokens.data(), slots.data(), static_cast<int64_t>(tokens.size()));
-}
+using testing_util::Insert;
+using testing_util::Iota;
+using testing_util::Ints;
 
 Handle Match(RadixTree* t, const Ints& tokens, Ints* slots = nullptr) {
   Ints out;
