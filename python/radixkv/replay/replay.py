@@ -319,8 +319,7 @@ class _Instance:
         return int(bad.sum())
 
     def skips(self, req: Request) -> bool:
-        total = req.input_length + req.output_length
-        return -(-total // self.page_size) > self.capacity_pages
+        return _too_large(req, self.page_size, self.capacity_pages)
 
     def serve(self, req: Request, fresh_at: Optional[int] = None) -> None:
         cm, result, lat, clock = self.cm, self.result, self.lat, time.perf_counter_ns
