@@ -96,7 +96,16 @@ Handle& AsHandle(PyObject* obj) {
   return Unbox<Handle>(obj);
 }
 
+// A cache namespace: a non-negative int (0, the default, when absent).
+uint64_t AsNamespace(PyObject* o, const char* name = "namespace") {
+  if (o == nullptr) return 0;
+  const int64_t ns = ToInt64(o, name);
+  if (ns < 0) throw py::value_error(std::string(name) + " must be >= 0, got " + std::to_string(ns));
+  return static_cast<uint64_t>(ns);
+}
+
 py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
+  const uint64_t ns = AsNamespace(a[1]);
   Int32View ids(a[0], "input_ids");
   // The handle object is made before the match, so nothing can fail after it,
   // and before `ids` is borrowed, since making an object may run Python code.
@@ -105,7 +114,8 @@ py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
   TensorSink indices;
   Unbox<Handle>(handle.ptr()) = Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), indices); }, [&] { ids.Own(); });
+      [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), indices, ns); },
+      [&] { ids.Own(); });
   return py::make_tuple(std::move(handle), indices.take());
 }
 
@@ -122,6 +132,21 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
   const py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[0]));
   if (!items) throw py::error_already_set();
   const size_t n = items.size();
+  // One namespace for the whole batch, or one per input.
+  std::vector<uint64_t> spaces(n, AsNamespace(
+      a[1] != nullptr && (PyList_Check(a[1]) || PyTuple_Check(a[1])) ? nullptr : a[1]));
+  if (a[1] != nullptr && (PyList_Check(a[1]) || PyTuple_Check(a[1]))) {
+    const py::tuple given = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[1]));
+    if (!given) throw py::error_already_set();
+    if (given.size() != n) {
+      throw py::value_error("namespace has " + std::to_string(given.size()) +
+                            " entries but batch has " + std::to_string(n));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const std::string name = "namespace[" + std::to_string(i) + "]";
+      spaces[i] = AsNamespace(given[i].ptr(), name.c_str());
+    }
+  }
   std::vector<std::string> names(n);
   std::vector<std::unique_ptr<Int32View>> views(n);
   std::vector<py::object> handles(n);
@@ -141,7 +166,8 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
       t.mu, total >= kReleaseGilTokens,
       [&] {
         for (size_t i = 0; i < n; ++i) {
-          matched[i] = t.tree.MatchPrefix(views[i]->data(), views[i]->size(), indices[i]);
+          matched[i] =
+              t.tree.MatchPrefix(views[i]->data(), views[i]->size(), indices[i], spaces[i]);
         }
         return 0;
       },
@@ -163,6 +189,7 @@ py::object RadixTree_InsertPrefix(PyRadixTree& t, PyObject* const* a) {
   if (priority < INT32_MIN || priority > INT32_MAX) {
     throw py::value_error("priority must fit int32, got " + std::to_string(priority));
   }
+  const uint64_t ns = AsNamespace(a[3]);
   FinishViews(ids, slots);
   if (ids.size() != slots.size()) {
     throw py::value_error("indices has length " + std::to_string(slots.size()) +
@@ -172,7 +199,7 @@ py::object RadixTree_InsertPrefix(PyRadixTree& t, PyObject* const* a) {
       t.mu, ids.size() >= kReleaseGilTokens,
       [&] {
         return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size(),
-                                   static_cast<int32_t>(priority));
+                                   static_cast<int32_t>(priority), ns);
       },
       [&] {
         ids.Own();
@@ -281,13 +308,14 @@ py::object RadixTree_FindBackup(PyRadixTree& t, PyObject* const* a) {
   const int64_t min_hits = a[1] != nullptr ? ToInt64(a[1], "min_hits") : 0;
   if (min_hits < 0 || min_hits > UINT32_MAX) throw py::value_error("min_hits is out of range");
   const bool through_partial = Truth(a[2], false);
+  const uint64_t ns = AsNamespace(a[3]);
   FinishViews(ids);
   radixkv::TierCopy c;
   const bool found = Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
       [&] {
         return t.tree.FindBackup(ids.data(), ids.size(), static_cast<uint32_t>(min_hits), &c,
-                                 through_partial);
+                                 through_partial, ns);
       },
       [&] { ids.Own(); });
   return found ? CopyTuple(c) : py::none();
@@ -354,29 +382,32 @@ py::object RadixTree_BeginStore(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy from = AsCopy(a[0]);
   TensorSink host, tokens;
   radixkv::TierCopy c;
+  uint64_t ns = 0;
   const bool found =
-      Locked(t, false, [&] { return t.tree.BeginStore(from, host, tokens, &c); });
+      Locked(t, false, [&] { return t.tree.BeginStore(from, host, tokens, &c, &ns); });
   if (!found) return py::none();
-  return py::make_tuple(CopyTuple(c), host.take(), tokens.take());
+  return py::make_tuple(CopyTuple(c), host.take(), tokens.take(), ns);
 }
 
 py::object RadixTree_StoragePrefixEnd(PyRadixTree& t, PyObject* const* a) {
+  const uint64_t ns = AsNamespace(a[1]);
   Int32View ids(a[0], "input_ids");
   FinishViews(ids);
   bool host_backed = false;
   const int64_t end = Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { return t.tree.StoragePrefixEnd(ids.data(), ids.size(), &host_backed); },
+      [&] { return t.tree.StoragePrefixEnd(ids.data(), ids.size(), &host_backed, ns); },
       [&] { ids.Own(); });
   return py::make_tuple(end, host_backed);
 }
 
 py::object RadixTree_PinHost(PyRadixTree& t, PyObject* const* a) {
+  const uint64_t ns = AsNamespace(a[1]);
   Int32View ids(a[0], "input_ids");
   FinishViews(ids);
   radixkv::TierCopy pin;
   const bool pinned = Locked(t.mu, ids.size() >= kReleaseGilTokens,
-                             [&] { return t.tree.PinHost(ids.data(), ids.size(), &pin); },
+                             [&] { return t.tree.PinHost(ids.data(), ids.size(), &pin, ns); },
                              [&] { ids.Own(); });
   return pinned ? CopyTuple(pin) : py::none();
 }
@@ -396,6 +427,7 @@ py::object RadixTree_FinishStore(PyRadixTree& t, PyObject* const* a) {
 py::object RadixTree_InsertHost(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   const int64_t start = ToInt64(a[1], "start");
+  const uint64_t ns = AsNamespace(a[3]);
   Int32View host(a[2], "host_slots");
   FinishViews(ids, host);
   if (start < 0 || start > ids.size() || host.size() != ids.size() - start) {
@@ -406,7 +438,7 @@ py::object RadixTree_InsertHost(PyRadixTree& t, PyObject* const* a) {
   TensorSink rejected;
   Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { t.tree.InsertHost(ids.data(), ids.size(), start, host.data(), rejected); },
+      [&] { t.tree.InsertHost(ids.data(), ids.size(), start, host.data(), rejected, ns); },
       [&] { ids.Own(); host.Own(); });
   return rejected.take();
 }
@@ -651,12 +683,14 @@ py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed,
 }
 
 constexpr const char* kMatchDoc =
-    "match_prefix(input_ids) -> (handle, indices)\n\n"
+    "match_prefix(input_ids, namespace=0) -> (handle, indices)\n\n"
     "Longest cached prefix of input_ids in whole pages: a handle (cached_len\n"
     "tokens, no locks) and the slot indices stored for them (int32).\n"
-    "Refreshes the LRU time of exactly the matched tokens; may split a node.";
+    "Refreshes the LRU time of exactly the matched tokens; may split a node.\n"
+    "namespace (an int >= 0) is the cache namespace: sequences of different\n"
+    "namespaces never share a prefix.";
 constexpr const char* kInsertDoc =
-    "insert_prefix(input_ids, indices, priority=0) -> int\n\n"
+    "insert_prefix(input_ids, indices, priority=0, namespace=0) -> int\n\n"
     "Store the whole pages of input_ids that are not cached yet, with their\n"
     "slot indices; return how many leading tokens were cached already (the\n"
     "caller frees its own copies of those). Raises ValueError, changing\n"
@@ -672,9 +706,9 @@ constexpr const char* kEvictDoc =
     "return their slots in eviction order. Raises OutOfCapacityError,\n"
     "changing nothing, when size exceeds the evictable size.";
 
-constexpr Params kIds{"match_prefix", {"input_ids"}, 1, 1};
-constexpr Params kBatch{"match_prefix_batch", {"batch"}, 1, 1};
-constexpr Params kInsert{"insert_prefix", {"input_ids", "indices", "priority"}, 3, 2};
+constexpr Params kIds{"match_prefix", {"input_ids", "namespace"}, 2, 1};
+constexpr Params kBatch{"match_prefix_batch", {"batch", "namespace"}, 2, 1};
+constexpr Params kInsert{"insert_prefix", {"input_ids", "indices", "priority", "namespace"}, 4, 2};
 constexpr Params kLock{"lock_handle", {"handle", "unlock"}, 2, 1};
 constexpr Params kSize{"evict", {"size"}, 1, 1};
 constexpr Params kIsValid{"is_valid", {"handle"}, 1, 1};
@@ -685,7 +719,8 @@ constexpr Params kCheck{"check_integrity", {}, 0, 0};
 constexpr Params kDump{"dump", {"tiers"}, 1, 0};
 constexpr Params kTierSizes{"tier_sizes", {}, 0, 0};
 constexpr Params kEvictHost{"evict_host", {"size"}, 1, 1};
-constexpr Params kFindBackup{"find_backup", {"input_ids", "min_hits", "through_partial"}, 3, 1};
+constexpr Params kFindBackup{
+    "find_backup", {"input_ids", "min_hits", "through_partial", "namespace"}, 4, 1};
 constexpr Params kBeginBackup{"begin_backup", {"copy"}, 1, 1};
 constexpr Params kFinishBackup{"finish_backup", {"copy", "host_slots", "ok"}, 3, 2};
 constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
@@ -694,10 +729,11 @@ constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2
 constexpr Params kCandidates{"eviction_candidates_without_host", {"size"}, 1, 1};
 constexpr Params kBeginStore{"begin_store", {"copy"}, 1, 1};
 constexpr Params kFinishStore{"finish_store", {"copy"}, 1, 1};
-constexpr Params kPinHost{"pin_host", {"input_ids"}, 1, 1};
+constexpr Params kPinHost{"pin_host", {"input_ids", "namespace"}, 2, 1};
 constexpr Params kUnpinHost{"unpin_host", {"pin"}, 1, 1};
-constexpr Params kStoragePrefixEnd{"storage_prefix_end", {"input_ids"}, 1, 1};
-constexpr Params kInsertHost{"insert_host", {"input_ids", "start", "host_slots"}, 3, 3};
+constexpr Params kStoragePrefixEnd{"storage_prefix_end", {"input_ids", "namespace"}, 2, 1};
+constexpr Params kInsertHost{
+    "insert_host", {"input_ids", "start", "host_slots", "namespace"}, 4, 3};
 
 template <py::object (*Impl)(PyRadixTree&, PyObject* const*), const Params& P>
 constexpr PyCFunction Fast() {
@@ -709,8 +745,9 @@ constexpr int kFastCall = METH_FASTCALL | METH_KEYWORDS;
 PyMethodDef kTreeMethods[] = {
     {"match_prefix", Fast<RadixTree_MatchPrefix, kIds>(), kFastCall, kMatchDoc},
     {"match_prefix_batch", Fast<RadixTree_MatchPrefixBatch, kBatch>(), kFastCall,
-     "match_prefix_batch(batch) -> [(handle, indices), ...]: match_prefix of each input in\n"
-     "order, in one call (inputs are all checked before any is matched)."},
+     "match_prefix_batch(batch, namespace=0) -> [(handle, indices), ...]: match_prefix of\n"
+     "each input in order, in one call (inputs are all checked before any is matched);\n"
+     "namespace is one int for all or a sequence with one per input."},
     {"insert_prefix", Fast<RadixTree_InsertPrefix, kInsert>(), kFastCall, kInsertDoc},
     {"lock_handle", Fast<RadixTree_LockHandle, kLock>(), kFastCall, kLockDoc},
     {"evict", Fast<RadixTree_Evict, kSize>(), kFastCall, kEvictDoc},
@@ -728,8 +765,9 @@ PyMethodDef kTreeMethods[] = {
     {"evict_host", Fast<RadixTree_EvictHost, kEvictHost>(), kFastCall,
      "evict_host(size) -> host slots freed, least recently used host copies first."},
     {"find_backup", Fast<RadixTree_FindBackup, kFindBackup>(), kFastCall,
-     "find_backup(input_ids, min_hits=0, through_partial=False) -> copy or None: what a\n"
-     "backup of the path needs (through_partial: the node the ids end inside, whole)."},
+     "find_backup(input_ids, min_hits=0, through_partial=False, namespace=0) -> copy or\n"
+     "None: what a backup of the path needs (through_partial: the node the ids end inside,\n"
+     "whole)."},
     {"begin_backup", Fast<RadixTree_BeginBackup, kBeginBackup>(), kFastCall,
      "begin_backup(copy) -> device slots: pins the nodes until finish_backup."},
     {"finish_backup", Fast<RadixTree_FinishBackup, kFinishBackup>(), kFastCall,
@@ -745,21 +783,23 @@ PyMethodDef kTreeMethods[] = {
      Fast<RadixTree_EvictionCandidatesWithoutHost, kCandidates>(), kFastCall,
      "The device leaves evict(size) would take that have no host copy, as backups."},
     {"begin_store", Fast<RadixTree_BeginStore, kBeginStore>(), kFastCall,
-     "begin_store(backup) -> (copy, host slots, path tokens) or None: pins on host what a\n"
-     "finished backup gave a host copy, while its pages are written to storage."},
+     "begin_store(backup) -> (copy, host slots, path tokens, namespace) or None: pins on\n"
+     "host what a finished backup gave a host copy, while its pages are written to storage."},
     {"storage_prefix_end", Fast<RadixTree_StoragePrefixEnd, kStoragePrefixEnd>(), kFastCall,
-     "storage_prefix_end(input_ids) -> (where pages from storage would join the path: its\n"
-     "match in whole pages, whether the match ends at the root or on a host copy)."},
+     "storage_prefix_end(input_ids, namespace=0) -> (where pages from storage would join\n"
+     "the path: its match in whole pages, whether the match ends at the root or on a host\n"
+     "copy)."},
     {"pin_host", Fast<RadixTree_PinHost, kPinHost>(), kFastCall,
-     "pin_host(input_ids) -> pin or None: keeps the host copy where the match ends until\n"
-     "unpin_host(pin); pin[2] is the matched length. None at the root or without a host copy."},
+     "pin_host(input_ids, namespace=0) -> pin or None: keeps the host copy where the match\n"
+     "ends until unpin_host(pin); pin[2] is the matched length. None at the root or without\n"
+     "a host copy."},
     {"unpin_host", Fast<RadixTree_UnpinHost, kUnpinHost>(), kFastCall,
      "unpin_host(pin): releases a pin of pin_host."},
     {"finish_store", Fast<RadixTree_FinishStore, kFinishStore>(), kFastCall,
      "finish_store(copy): the write to storage is over; unpins."},
     {"insert_host", Fast<RadixTree_InsertHost, kInsertHost>(), kFastCall,
-     "insert_host(input_ids, start, host_slots) -> host slots not taken: pages read from\n"
-     "storage (input_ids[start:]) as host-only nodes under the path's host copy."},
+     "insert_host(input_ids, start, host_slots, namespace=0) -> host slots not taken: pages\n"
+     "read from storage (input_ids[start:]) as host-only nodes under the path's host copy."},
     {"is_valid", Fast<RadixTree_IsValid, kIsValid>(), kFastCall,
      "Whether handle names a live node of this tree."},
     {"handle_slots", Fast<RadixTree_HandleSlots, kSlotsOfHandle>(), kFastCall,

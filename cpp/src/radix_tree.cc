@@ -149,18 +149,31 @@ void RadixTree::FreeHost(Node* node) noexcept {
   node->host_slab = nullptr;
 }
 
-uint64_t RadixTree::ChildKey(const int32_t* tokens) const noexcept {
-  if (page_size_ == 1) return static_cast<uint32_t>(tokens[0]);
-  return HashPage(tokens, page_size_);
+uint64_t RadixTree::ChildKey(const Node* parent, const int32_t* tokens,
+                             uint64_t ns) const noexcept {
+  const uint64_t key =
+      page_size_ == 1 ? static_cast<uint32_t>(tokens[0]) : HashPage(tokens, page_size_);
+  if (parent != root_ || ns == 0) return key;
+  // Under the root a namespace moves its children's keys elsewhere (FindChild
+  // compares the namespace too, so a collision is only a longer probe).
+  uint64_t h = (ns + 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 31;
+  return key ^ h;
 }
 
-Node* RadixTree::FindChild(const Node* node, const int32_t* tokens) const noexcept {
-  if (page_size_ == 1) {
-    return node->children.Find(ChildKey(tokens), [](const Node*) { return true; });
+Node* RadixTree::FindChild(const Node* node, const int32_t* tokens, uint64_t ns) const noexcept {
+  const uint64_t key = ChildKey(node, tokens, ns);
+  if (node != root_) {
+    // Below the root the namespace is the parent's: only the tokens decide.
+    if (page_size_ == 1) return node->children.Find(key, [](const Node*) { return true; });
+    const size_t bytes = static_cast<size_t>(page_size_) * sizeof(int32_t);
+    return node->children.Find(key, [&](const Node* child) {
+      return std::memcmp(child->key(), tokens, bytes) == 0;
+    });
   }
   const size_t bytes = static_cast<size_t>(page_size_) * sizeof(int32_t);
-  return node->children.Find(ChildKey(tokens), [&](const Node* child) {
-    return std::memcmp(child->key(), tokens, bytes) == 0;
+  return node->children.Find(key, [&](const Node* child) {
+    return child->ns == ns && std::memcmp(child->key(), tokens, bytes) == 0;
   });
 }
 
@@ -179,11 +192,12 @@ void RadixTree::ReserveNodes(size_t k) {
   }
 }
 
-Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length) noexcept {
+Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length, uint64_t ns) noexcept {
   Node* node = nodes_[free_ids_.back()].get();
   free_ids_.pop_back();
   data.MoveTo(node, length);
-  node->child_key = ChildKey(node->key());
+  node->ns = parent == root_ ? ns : parent->ns;
+  node->child_key = ChildKey(parent, node->key(), node->ns);
   node->parent = parent;
   node->depth = parent->depth + length;
   node->ref_count = 0;
@@ -283,7 +297,7 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   Node* prefix;
   if (pos <= rest) {
     // The suffix keeps the blocks: its tokens and slots move to the front.
-    prefix = TakeNode(parent, std::move(plan->smaller), pos);
+    prefix = TakeNode(parent, std::move(plan->smaller), pos, node->ns);
     std::memmove(node->data, node->data + pos, rest * sizeof(int32_t));
     std::memmove(node->data + rest, node->data + len + pos, rest * sizeof(int32_t));
     if (host) {
@@ -294,7 +308,7 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   } else {
     // The prefix takes the blocks: its tokens stay, its slots move down.
     Storage suffix = std::move(plan->smaller);
-    prefix = TakeNode(parent, Storage::Adopt(&arena_, node, false), pos);
+    prefix = TakeNode(parent, Storage::Adopt(&arena_, node, false), pos, node->ns);
     std::memmove(prefix->data + pos, prefix->data + len, pos * sizeof(int32_t));
     suffix.MoveTo(node, rest);
     if (host) {
@@ -318,7 +332,7 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   parent->children.Replace(node->child_key, node, prefix);
 
   node->depth = prefix->depth + rest;
-  node->child_key = ChildKey(node->key());
+  node->child_key = ChildKey(prefix, node->key(), node->ns);
   node->parent = prefix;
   prefix->children.Insert(node->child_key, node);  // room reserved
   Refresh(prefix);
@@ -336,14 +350,14 @@ void RadixTree::Touch(Node* node) noexcept {
   }
 }
 
-int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, Node** node, Node** partial,
-                        int64_t* partial_len) const {
+int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, uint64_t ns, Node** node,
+                        Node** partial, int64_t* partial_len) const {
   Node* cur = root_;
   int64_t pos = 0;
   *partial = nullptr;
   *partial_len = 0;
   while (pos < n) {
-    Node* child = FindChild(cur, tokens + pos);
+    Node* child = FindChild(cur, tokens + pos, ns);
     if (child == nullptr) break;
     const int64_t limit = std::min(child->length, n - pos);
     int64_t m = static_cast<int64_t>(FirstMismatch(child->key(), tokens + pos, limit));
@@ -362,13 +376,13 @@ int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, Node** node, Node** pa
 
 // --- match, insert, locks ------------------------------------------------------
 
-Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out) {
+Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, uint64_t ns) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
   Node* partial;
   int64_t partial_len;
-  const int64_t matched = Walk(tokens, n, &node, &partial, &partial_len);
+  const int64_t matched = Walk(tokens, n, ns, &node, &partial, &partial_len);
   SplitPlan split;
   if (partial != nullptr) {
     ReserveNodes(1);
@@ -399,7 +413,7 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out) {
 }
 
 int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n,
-                               int32_t priority) {
+                               int32_t priority, uint64_t ns) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   // All of `slots` is checked, the cached part and a partial last page too:
   // the caller frees its own copies of those, so a bad one is a bug either way.
@@ -413,7 +427,7 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   Node* node;
   Node* partial;
   int64_t partial_len;
-  const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
+  const int64_t pos = Walk(tokens, n, ns, &node, &partial, &partial_len);
   // Host-only nodes on the path take the caller's slots: from the device end
   // on, every slot goes to the tree.
   const int64_t device_len =
@@ -457,7 +471,7 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   for (Node* x = node; x != root_; x = x->parent) x->priority = std::max(x->priority, priority);
   Touch(node);
   if (leaf_data) {
-    Node* leaf = TakeNode(node, std::move(leaf_data), n - pos);
+    Node* leaf = TakeNode(node, std::move(leaf_data), n - pos, ns);
     leaf->priority = priority;
     node->children.Insert(leaf->child_key, leaf);
     SetOnDevice(leaf, true);
@@ -642,8 +656,11 @@ void RadixTree::CheckIntegrity() const {
       RADIXKV_CHECK(child->parent == x, kBroken, "node ", child->id, " has a wrong parent link");
       RADIXKV_CHECK(child->length > 0 && child->data != nullptr, kBroken, "node ", child->id,
                     " is empty");
-      RADIXKV_CHECK(ChildKey(child->key()) == key && child->child_key == key, kBroken, "node ",
-                    child->id, " is filed under a key that is not its first page");
+      RADIXKV_CHECK(x == root_ || child->ns == x->ns, kBroken, "node ", child->id,
+                    " is in another namespace than its parent");
+      RADIXKV_CHECK(ChildKey(x, child->key(), child->ns) == key && child->child_key == key,
+                    kBroken, "node ", child->id,
+                    " is filed under a key that is not its first page");
       child_refs += child->ref_count;
       device_children += child->on_device;
       host_children += child->has_host() || child->backing_up;
@@ -788,6 +805,7 @@ std::vector<NodeInfo> RadixTree::Dump() const {
       if (c->has_host()) info.host_value.assign(c->host, c->host + c->length);
       info.ref_count = c->ref_count;
       info.timestamp = c->timestamp;
+      info.ns = c->ns;
       out.push_back(std::move(info));
     }
     // Pushed in reverse, so the smallest child's subtree is listed first.

@@ -107,13 +107,13 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
 // --- backups: device to host ---------------------------------------------------------
 
 bool RadixTree::FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits,
-                           TierCopy* copy, bool through_partial) const {
+                           TierCopy* copy, bool through_partial, uint64_t ns) const {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
   Node* partial;
   int64_t partial_len;
-  Walk(tokens, n, &node, &partial, &partial_len);
+  Walk(tokens, n, ns, &node, &partial, &partial_len);
   if (through_partial && partial != nullptr) node = partial;
   // The deepest node on the device with enough hits, fully matched.
   Node* end = DeviceEnd(node);
@@ -405,7 +405,7 @@ std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size) {
 // --- the storage tier: writes of host pages, pages read back -------------------------
 
 bool RadixTree::BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens,
-                           TierCopy* copy) {
+                           TierCopy* copy, uint64_t* ns) {
   Node* x = ResolveCopy(from);
   if (x == nullptr) return false;  // gone since (evicted from both tiers, or Reset)
   Node* end = x;  // the deepest node of the range with a host copy
@@ -435,6 +435,7 @@ bool RadixTree::BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens,
   }
   end->store_start = from.start;
   *copy = TierCopy{end->id, end->incarnation, from.start, end->depth};
+  if (ns != nullptr) *ns = end->ns;
   return true;
 }
 
@@ -459,26 +460,27 @@ void RadixTree::FinishStore(const TierCopy& copy) {
   end->store_start = -1;
 }
 
-Node* RadixTree::MatchEnd(const int32_t* tokens, int64_t n, int64_t* pos) const {
+Node* RadixTree::MatchEnd(const int32_t* tokens, int64_t n, uint64_t ns, int64_t* pos) const {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
   Node* partial;
   int64_t partial_len;
-  *pos = Walk(tokens, n, &node, &partial, &partial_len);
+  *pos = Walk(tokens, n, ns, &node, &partial, &partial_len);
   return partial != nullptr ? partial : node;
 }
 
-int64_t RadixTree::StoragePrefixEnd(const int32_t* tokens, int64_t n, bool* host_backed) const {
+int64_t RadixTree::StoragePrefixEnd(const int32_t* tokens, int64_t n, bool* host_backed,
+                                    uint64_t ns) const {
   int64_t pos;
-  const Node* attach = MatchEnd(tokens, n, &pos);
+  const Node* attach = MatchEnd(tokens, n, ns, &pos);
   *host_backed = attach == root_ || attach->has_host();
   return pos;
 }
 
-bool RadixTree::PinHost(const int32_t* tokens, int64_t n, TierCopy* pin) {
+bool RadixTree::PinHost(const int32_t* tokens, int64_t n, TierCopy* pin, uint64_t ns) {
   int64_t pos;
-  Node* attach = MatchEnd(tokens, n, &pos);
+  Node* attach = MatchEnd(tokens, n, ns, &pos);
   if (attach == root_ || !attach->has_host()) return false;
   RADIXKV_CHECK(attach->host_pins < INT32_MAX, kInvalid, "node ", attach->id,
                 " has too many pins");
@@ -500,7 +502,7 @@ void RadixTree::UnpinHost(const TierCopy& pin) {
 }
 
 int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,
-                              const int32_t* host, SlotSink rejected) {
+                              const int32_t* host, SlotSink rejected, uint64_t ns) {
   RADIXKV_CHECK(start >= 0 && start % page_size_ == 0 && n >= start &&
                     (n - start) % page_size_ == 0,
                 kInvalid, "pages read from storage must be whole pages from a page boundary");
@@ -509,7 +511,7 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,
   Node* node;
   Node* partial;
   int64_t partial_len;
-  const int64_t pos = Walk(tokens, n, &node, &partial, &partial_len);
+  const int64_t pos = Walk(tokens, n, ns, &node, &partial, &partial_len);
   const Node* attach = partial != nullptr ? partial : node;
   const bool fits = pos >= start && pos < n && (attach == root_ || attach->has_host());
   const int64_t take = fits ? n - pos : 0;
@@ -539,7 +541,7 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,
   // Nothing below allocates or throws.
   ++clock_;
   if (partial != nullptr) node = CommitSplit(&split);
-  Node* leaf = TakeNode(node, std::move(data), take);
+  Node* leaf = TakeNode(node, std::move(data), take, ns);
   node->children.Insert(leaf->child_key, leaf);
   block.MoveToHost(leaf);
   CountHost(leaf, +1);

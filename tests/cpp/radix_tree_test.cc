@@ -1188,4 +1188,47 @@ INSTANTIATE_TEST_SUITE_P(PageSizes, RadixTreeRandomTest,
                          });
 
 }  // namespace
+TEST(RadixTreeTest, NamespacesNeverShareAPrefix) {
+  for (int64_t page : {1, 4}) {
+    RadixTree tree(page);
+    const Ints ids = Iota(0, 8), slots_a = Iota(0, 8), slots_b = Iota(100, 8);
+    EXPECT_EQ(tree.InsertPrefix(ids.data(), slots_a.data(), 8, 0, 1), 0);
+    EXPECT_EQ(tree.InsertPrefix(ids.data(), slots_b.data(), 8, 0, 2), 0);
+    std::vector<int32_t> got;
+    EXPECT_EQ(tree.MatchPrefix(ids.data(), 8, &got, 1).cached_len, 8);
+    EXPECT_EQ(got, slots_a);
+    EXPECT_EQ(tree.MatchPrefix(ids.data(), 8, &got, 2).cached_len, 8);
+    EXPECT_EQ(got, slots_b);
+    EXPECT_EQ(tree.MatchPrefix(ids.data(), 8, &got).cached_len, 0);
+    // A split inside one namespace keeps the parts there.
+    EXPECT_EQ(tree.MatchPrefix(ids.data(), 4, &got, 2).cached_len, 4);
+    EXPECT_EQ(tree.num_nodes(), 3);
+    for (const NodeInfo& n : tree.Dump()) EXPECT_NE(n.ns, 0u);
+    tree.CheckIntegrity();
+    // One eviction order over both: namespace 1 was used least recently.
+    std::vector<int32_t> freed;
+    tree.Evict(8, &freed);
+    EXPECT_EQ(freed, slots_a);
+    EXPECT_EQ(tree.MatchPrefix(ids.data(), 8, &got, 2).cached_len, 8);
+    tree.CheckIntegrity();
+  }
+}
+
+TEST(RadixTreeTest, NamespacesOfManyIdsKeepTheRootConsistent) {
+  RadixTree tree(1);
+  int32_t slot = 0;
+  for (uint64_t ns = 0; ns < 300; ++ns) {
+    const Ints ids{static_cast<int32_t>(ns % 5), 7};
+    const Ints slots{slot, slot + 1};
+    slot += 2;
+    EXPECT_EQ(tree.InsertPrefix(ids.data(), slots.data(), 2, 0, ns * 0x9E3779B9ull), 0);
+  }
+  tree.CheckIntegrity();
+  EXPECT_EQ(tree.num_nodes(), 300);
+  std::vector<int32_t> got;
+  const Ints probe{3, 7};
+  EXPECT_EQ(tree.MatchPrefix(probe.data(), 2, &got, 8 * 0x9E3779B9ull).cached_len, 2);
+  EXPECT_EQ(got, (Ints{16, 17}));
+}
+
 }  // namespace radixkv

@@ -31,9 +31,9 @@ class RefOutOfCapacity(RuntimeError):
 
 class RefNode:
     __slots__ = ("key", "value", "parent", "children", "ref_count", "timestamp", "alive",
-                 "hits", "created", "priority")
+                 "hits", "created", "priority", "ns")
 
-    def __init__(self, key, value, parent, timestamp, ref_count=0):
+    def __init__(self, key, value, parent, timestamp, ref_count=0, ns=0):
         self.key: List[int] = list(key)
         self.value: List[int] = list(value)
         self.parent: Optional[RefNode] = parent
@@ -44,6 +44,7 @@ class RefNode:
         self.hits = 0                 # matches that reached it (lfu)
         self.created = timestamp      # when its tokens were first cached (fifo)
         self.priority = 0             # the highest priority an insert gave it
+        self.ns = ns                  # cache namespace: the root's children are keyed by it
 
     def depth(self) -> int:
         d, x = 0, self
@@ -85,6 +86,12 @@ class ReferenceRadixCache:
     def _page(self, tokens, pos=0) -> Tuple[int, ...]:
         return tuple(tokens[pos : pos + self.page_size])
 
+    def _child_key(self, parent: RefNode, tokens, pos=0, ns=0):
+        """Children are keyed by their first page, and under the root by the
+        namespace too (paths of different namespaces never meet)."""
+        page = self._page(tokens, pos)
+        return (ns, page) if parent is self.root else page
+
     def _round(self, n: int) -> int:
         return n - n % self.page_size
 
@@ -104,12 +111,12 @@ class ReferenceRadixCache:
             node = node.parent
         return out
 
-    def _walk(self, tokens, n):
+    def _walk(self, tokens, n, ns=0):
         """(deepest fully matched node, partially matched child or None, its matched
         length, matched length). Changes nothing."""
         node, pos = self.root, 0
         while pos < n:
-            child = node.children.get(self._page(tokens, pos))
+            child = node.children.get(self._child_key(node, tokens, pos, ns))
             if child is None:
                 break
             m = 0
@@ -127,13 +134,14 @@ class ReferenceRadixCache:
         """Cut `node` after `pos` tokens; return the new prefix node."""
         assert 0 < pos < len(node.key) and pos % self.page_size == 0
         parent = node.parent
-        prefix = RefNode(node.key[:pos], node.value[:pos], parent, node.timestamp, node.ref_count)
+        prefix = RefNode(node.key[:pos], node.value[:pos], parent, node.timestamp, node.ref_count,
+                         node.ns)
         prefix.hits, prefix.created, prefix.priority = node.hits, node.created, node.priority
-        parent.children[self._page(node.key)] = prefix
+        parent.children[self._child_key(parent, node.key, 0, node.ns)] = prefix
         node.key = node.key[pos:]
         node.value = node.value[pos:]
         node.parent = prefix
-        prefix.children[self._page(node.key)] = node
+        prefix.children[self._child_key(prefix, node.key, 0, node.ns)] = node
         return prefix
 
     def _touch(self, node: RefNode) -> None:
@@ -150,10 +158,10 @@ class ReferenceRadixCache:
         return handle.node
 
     # -- the manager API -----------------------------------------------------
-    def match_prefix(self, tokens) -> Tuple[RefHandle, List[int]]:
+    def match_prefix(self, tokens, namespace: int = 0) -> Tuple[RefHandle, List[int]]:
         tokens = list(tokens)
         n = self._round(len(tokens))
-        node, partial, partial_len, _ = self._walk(tokens, n)
+        node, partial, partial_len, _ = self._walk(tokens, n, namespace)
         self.clock += 1
         if partial is not None:
             node = self._split(partial, partial_len)
@@ -165,12 +173,12 @@ class ReferenceRadixCache:
             slots.extend(x.value)
         return RefHandle(self, node, len(slots)), slots
 
-    def insert_prefix(self, tokens, slots, priority: int = 0) -> int:
+    def insert_prefix(self, tokens, slots, priority: int = 0, namespace: int = 0) -> int:
         tokens, slots = list(tokens), list(slots)
         if len(tokens) != len(slots):
             raise ValueError("indices has a different length than input_ids")
         n = self._round(len(tokens))
-        node, partial, partial_len, pos = self._walk(tokens, n)
+        node, partial, partial_len, pos = self._walk(tokens, n, namespace)
         if pos < n:
             new = slots[pos:n]
             stored = {s for x in self._nodes() for s in x.value}
@@ -187,9 +195,9 @@ class ReferenceRadixCache:
             x.priority = max(x.priority, priority)
         self._touch(node)
         if pos < n:
-            leaf = RefNode(tokens[pos:n], slots[pos:n], node, self.clock)
+            leaf = RefNode(tokens[pos:n], slots[pos:n], node, self.clock, 0, namespace)
             leaf.priority = priority
-            node.children[self._page(leaf.key)] = leaf
+            node.children[self._child_key(node, leaf.key, 0, namespace)] = leaf
         return pos
 
     def lock_handle(self, handle: RefHandle, unlock: bool = False) -> None:
@@ -217,7 +225,7 @@ class ReferenceRadixCache:
             assert sum(self.key(x) == self.key(victim) for x in leaves) == 1, "eviction tie"
             out.extend(victim.value)
             freed += len(victim.key)
-            del victim.parent.children[self._page(victim.key)]
+            del victim.parent.children[self._child_key(victim.parent, victim.key, 0, victim.ns)]
             victim.alive = False
         return out
 

@@ -42,8 +42,12 @@ struct Node {
   /// Logical time of the last access; never earlier than any child's.
   uint64_t timestamp = 0;
   /// The key this node is filed under in its parent's children (its first
-  /// token, or the hash of its first page), kept so eviction need not rehash.
+  /// token, or the hash of its first page, mixed with the namespace under the
+  /// root), kept so eviction need not rehash.
   uint64_t child_key = 0;
+  /// The cache namespace of the node's path (0: the default one). Paths of
+  /// different namespaces never share a node: they part at the root.
+  uint64_t ns = 0;
   /// `length` host slots while the node has a host copy, else null; a block
   /// with room for `host_capacity` slots.
   int32_t* host = nullptr;
@@ -153,6 +157,7 @@ struct NodeInfo {
   std::vector<int32_t> host_value;  // host slots, empty without a host copy
   int64_t ref_count = 0;
   uint64_t timestamp = 0;
+  uint64_t ns = 0;  // the node's namespace
 };
 
 /// The radix tree. Token ids and slot indices are int32; lengths are in
@@ -218,10 +223,16 @@ class RadixTree {
   /// a handle with no locks; `host_hit_len` counts the host-only tokens after
   /// the device part. Counts a hit on every matched node. O(n) plus O(log
   /// leaves) for the LRU update.
-  Handle MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out);
+  ///
+  /// Cache namespaces: every call that takes tokens also takes `ns`, the
+  /// namespace of the sequence (a tenant's cache salt, a LoRA adapter; 0 is
+  /// the default). Sequences of different namespaces never share a prefix;
+  /// they live in one tree, under the one LRU order and pool.
+  Handle MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, uint64_t ns = 0);
   /// The same, replacing `*slots` with the prefix's slots.
-  Handle MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int32_t>* slots) {
-    return MatchPrefix(tokens, n, SlotSink::Into(slots));
+  Handle MatchPrefix(const int32_t* tokens, int64_t n, std::vector<int32_t>* slots,
+                     uint64_t ns = 0) {
+    return MatchPrefix(tokens, n, SlotSink::Into(slots), ns);
   }
 
   /// Stores `tokens[0, m)` with the device slots `slots[0, m)`, m = n rounded
@@ -235,7 +246,7 @@ class RadixTree {
   /// `priority` raises the priority of every node on the path to at least
   /// it (what the priority policy orders by).
   int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n,
-                       int32_t priority = 0);
+                       int32_t priority = 0, uint64_t ns = 0);
 
   /// Adds one lock on every node from the handle's node to the root.
   /// Throws kInvalidArgument for a handle of another tree or a freed node.
@@ -305,7 +316,7 @@ class RadixTree {
   /// inside counts as matched (the whole node is copied): the storage tier
   /// needs a host copy exactly where a match ends. Changes nothing.
   bool FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits, TierCopy* copy,
-                  bool through_partial = false) const;
+                  bool through_partial = false, uint64_t ns = 0) const;
   /// The nodes of `copy`'s range, which must be on the device with no host
   /// copy and no backup in flight: pins them (their device pages may not go)
   /// and writes their device slots, the copy's source, to `out`.
@@ -353,21 +364,24 @@ class RadixTree {
   /// and the path's tokens from the root to `tokens` (for the page keys).
   /// Returns false, changing nothing, when nothing of the range has a host
   /// copy, or its node is gone. Throws kInvalidArgument if `from.start` is
-  /// not a node boundary of the path or a node there is being written.
-  bool BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens, TierCopy* copy);
+  /// not a node boundary of the path or a node there is being written. Sets
+  /// `*ns` (when not null) to the path's namespace.
+  bool BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens, TierCopy* copy,
+                  uint64_t* ns = nullptr);
   /// Where pages read from storage would join `tokens[0, n)`'s path: the
   /// matched length (whole pages). `*host_backed` says whether the match
   /// ends at the root or on a node with a host copy; if not, pages could not
   /// be attached there until its host copy is made again. Changes nothing:
   /// no clock tick, no hit counted.
-  int64_t StoragePrefixEnd(const int32_t* tokens, int64_t n, bool* host_backed) const;
+  int64_t StoragePrefixEnd(const int32_t* tokens, int64_t n, bool* host_backed,
+                           uint64_t ns = 0) const;
   /// Pins the host copy of the node where `tokens[0, n)`'s match ends (whole
   /// pages), so pages read from storage can join there when they arrive:
   /// until `UnpinHost(*pin)` it is not evicted from host (its ancestors keep
   /// theirs, having a host child). `pin->start` is the matched length.
   /// False, pinning nothing, when the match ends at the root or on a node
   /// without a host copy. No clock tick.
-  bool PinHost(const int32_t* tokens, int64_t n, TierCopy* pin);
+  bool PinHost(const int32_t* tokens, int64_t n, TierCopy* pin, uint64_t ns = 0);
   /// Releases a pin of PinHost. A pin whose node is gone (Reset) is ignored.
   void UnpinHost(const TierCopy& pin);
   /// Ends a write to storage (success or not: storage has no state here):
@@ -382,7 +396,7 @@ class RadixTree {
   /// host copy) and returns the tokens taken. Throws kInvalidArgument for a
   /// negative or repeated host slot, or one the tree stores already.
   int64_t InsertHost(const int32_t* tokens, int64_t n, int64_t start, const int32_t* host,
-                     SlotSink rejected);
+                     SlotSink rejected, uint64_t ns = 0);
 
   /// Device leaves that the next `Evict(size)` would take and that have no
   /// host copy (their end nodes as copies, oldest first): under write_back
@@ -437,15 +451,18 @@ class RadixTree {
     ChildMap<Node> prefix_children;  // with room for the suffix and a new leaf
   };
 
-  uint64_t ChildKey(const int32_t* tokens) const noexcept;
-  Node* FindChild(const Node* node, const int32_t* tokens) const noexcept;
+  // The key of a child starting with `tokens` under `parent` (`ns` is mixed
+  // in under the root only), and the child itself.
+  uint64_t ChildKey(const Node* parent, const int32_t* tokens, uint64_t ns) const noexcept;
+  Node* FindChild(const Node* node, const int32_t* tokens, uint64_t ns) const noexcept;
   // Ensures `k` free node ids, with heap room and free-list room for every
   // node. Throws std::bad_alloc; what it adds is free, so nothing visible
   // changes.
   void ReserveNodes(size_t k);
   // A node from the free ids holding `data` (`length` tokens, then slots),
-  // linked to `parent` by its parent pointer only. Needs a reserved id.
-  Node* TakeNode(Node* parent, Storage data, int64_t length) noexcept;
+  // linked to `parent` by its parent pointer only, in namespace `ns` (its
+  // parent's, unless the parent is the root). Needs a reserved id.
+  Node* TakeNode(Node* parent, Storage data, int64_t length, uint64_t ns) noexcept;
   void FreeNode(Node* node) noexcept;
   void FreeStorage(Node* node) noexcept;
   void FreeHost(Node* node) noexcept;
@@ -503,11 +520,11 @@ class RadixTree {
   // deepest fully matched node `*node`, and reports in `*partial` the child
   // matched for `*partial_len` tokens but not to its end (or null). Returns
   // the matched length. Changes nothing.
-  int64_t Walk(const int32_t* tokens, int64_t n, Node** node, Node** partial,
+  int64_t Walk(const int32_t* tokens, int64_t n, uint64_t ns, Node** node, Node** partial,
                int64_t* partial_len) const;
   // The node where a match of tokens[0, n) (whole pages) ends, on its end or
   // inside it, and the matched length. For the storage tier's queries.
-  Node* MatchEnd(const int32_t* tokens, int64_t n, int64_t* pos) const;
+  Node* MatchEnd(const int32_t* tokens, int64_t n, uint64_t ns, int64_t* pos) const;
 
   const int64_t page_size_;
   const int64_t max_slots_;

@@ -40,25 +40,31 @@ class BaseCacheManager(ABC):
     """A prefix cache from token ids to KV slot indices. Lengths are in tokens."""
 
     @abstractmethod
-    def match_prefix(self, input_ids) -> Tuple[BaseCacheHandle, torch.Tensor]:
-        """Longest cached prefix of `input_ids` in whole pages: a handle and its slots (int32)."""
+    def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[BaseCacheHandle, torch.Tensor]:
+        """Longest cached prefix of `input_ids` in whole pages: a handle and its slots (int32).
+        Sequences of different namespaces (ints >= 0) never share a prefix."""
 
-    def match_prefix_batch(self, batch) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+    def match_prefix_batch(self, batch, namespace=0) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
         """`match_prefix` of each input of a prefill batch, in order. Every
-        input is checked before any is matched."""
+        input is checked before any is matched. `namespace`: one for all, or
+        one per input."""
         if not isinstance(batch, (list, tuple)):
             raise TypeError("batch must be a list or tuple of token id sequences, got "
                             f"{type(batch).__name__}")
         for i, ids in enumerate(batch):
             _core.check_ids(to_host(ids, f"batch[{i}]", self.device), f"batch[{i}]")
-        return [self.match_prefix(ids) for ids in batch]
+        spaces = (list(namespace) if isinstance(namespace, (list, tuple))
+                  else [namespace] * len(batch))
+        if len(spaces) != len(batch):
+            raise ValueError(f"namespace has {len(spaces)} entries but batch has {len(batch)}")
+        return [self.match_prefix(ids, ns) for ids, ns in zip(batch, spaces)]
 
     @abstractmethod
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         """Add (or with `unlock`, remove) one lock on the handle's prefix."""
 
     @abstractmethod
-    def insert_prefix(self, input_ids, indices, priority: int = 0) -> int:
+    def insert_prefix(self, input_ids, indices, priority: int = 0, namespace: int = 0) -> int:
         """Cache what is new of `input_ids`; return how many leading tokens were cached
         already. `priority` matters to the priority eviction policy only."""
 

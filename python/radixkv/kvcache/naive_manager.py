@@ -41,7 +41,7 @@ class NaiveCacheManager(BaseCacheManager):
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int32, device=self.device)
 
-    def match_prefix(self, input_ids) -> Tuple[NaiveCacheHandle, torch.Tensor]:
+    def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[NaiveCacheHandle, torch.Tensor]:
         _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
         return NaiveCacheHandle(self), self._empty()
 
@@ -59,7 +59,7 @@ class NaiveCacheManager(BaseCacheManager):
         else:
             handle.lock_count += 1
 
-    def insert_prefix(self, input_ids, indices, priority: int = 0) -> int:
+    def insert_prefix(self, input_ids, indices, priority: int = 0, namespace: int = 0) -> int:
         n = _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
         m = _core.check_slots(to_host(indices, "indices", self.device), "indices",
                               self._max_slots)

@@ -32,6 +32,12 @@ class RadixCacheManager(BaseCacheManager):
     recently used, or lowest priority (`insert_prefix(..., priority=p)` raises
     the priority of the path it inserts to at least p); ties and everything
     within a class go least recently used first. Exact, O(log n) a node.
+
+    Cache namespaces: `match_prefix`, `match_prefix_batch` and
+    `insert_prefix` take `namespace`, an int >= 0 (0 is the default).
+    Sequences of different namespaces never share a prefix (a tenant's cache
+    salt, a LoRA adapter); they live in this one tree, under one eviction
+    order. `radixkv.scheduler.CacheManager` maps names (str, bytes) to these ids.
     """
 
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
@@ -50,29 +56,32 @@ class RadixCacheManager(BaseCacheManager):
             self.lock_handle = self._tree.lock_handle
             self.evict = self._tree.evict
 
-    def match_prefix(self, input_ids) -> Tuple[RadixCacheHandle, torch.Tensor]:
-        handle, indices = self._tree.match_prefix(to_host(input_ids, "input_ids", self.device))
+    def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[RadixCacheHandle, torch.Tensor]:
+        handle, indices = self._tree.match_prefix(to_host(input_ids, "input_ids", self.device),
+                                                  namespace)
         return handle, indices.to(self.device, non_blocking=True)
 
-    def match_prefix_batch(self, batch) -> List[Tuple[RadixCacheHandle, torch.Tensor]]:
+    def match_prefix_batch(self, batch, namespace=0) -> List[Tuple[RadixCacheHandle, torch.Tensor]]:
         """`match_prefix` of each input of a prefill batch, in order, in one
         native call (one lock, the GIL released once for a large batch);
-        every input is checked before any is matched."""
+        every input is checked before any is matched. `namespace` is one int
+        for the whole batch or a sequence of one per input."""
         if not isinstance(batch, (list, tuple)):
             raise TypeError("batch must be a list or tuple of token id sequences, got "
                             f"{type(batch).__name__}")
         if self.device.type == "cpu":  # the tree reads (and checks) CPU inputs itself
-            return self._tree.match_prefix_batch(batch)
+            return self._tree.match_prefix_batch(batch, namespace)
         out = self._tree.match_prefix_batch(
-            [to_host(ids, f"batch[{i}]", self.device) for i, ids in enumerate(batch)])
+            [to_host(ids, f"batch[{i}]", self.device) for i, ids in enumerate(batch)], namespace)
         return [(h, idx.to(self.device, non_blocking=True)) for h, idx in out]
 
     def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:
         self._tree.lock_handle(handle, unlock)
 
-    def insert_prefix(self, input_ids, indices, priority: int = 0) -> int:
+    def insert_prefix(self, input_ids, indices, priority: int = 0, namespace: int = 0) -> int:
         return self._tree.insert_prefix(to_host(input_ids, "input_ids", self.device),
-                                        to_host(indices, "indices", self.device), priority)
+                                        to_host(indices, "indices", self.device), priority,
+                                        namespace)
 
     def evict(self, size: int) -> torch.Tensor:
         return self._tree.evict(size).to(self.device, non_blocking=True)

@@ -11,6 +11,7 @@ from radixkv._checks import as_count, as_int, int32_tensor, to_host
 from radixkv.kvcache import BaseCacheHandle, MHAKVCache, RadixCacheManager, create_cache_manager
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.scheduler.metrics import CacheMetrics
+from radixkv.scheduler.namespaces import Namespaces
 from radixkv.scheduler.storage_tier import StorageCounters, StorageTier
 from radixkv.storage.base import StorageBackend
 from radixkv.scheduler.host_tier import (
@@ -54,6 +55,14 @@ class CacheManager:
     says (`controller.complete(id, ok)`) or on `drain()`/`wait_layer()`.
     A page is then in exactly one place: free, cached, held by a request, or
     owned by one copy in flight (a load's device pages, a backup's host pages).
+
+    Cache namespaces. `match_req`, `match_req_batch`, `prefetch` and the two
+    `cache_*_req` calls take `namespace`: None (the default), a str, bytes or
+    an int, such as a tenant's cache salt, SGLang's extra_key or a LoRA
+    adapter's name. Requests of different namespaces never share a prefix,
+    on any tier: they live in one tree (one pool, one eviction order), and
+    each namespace seeds its own storage keys. A request passes the same
+    namespace to every call.
     """
 
     def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
@@ -105,25 +114,28 @@ class CacheManager:
                 kv_cache._layer_wait = LayerWait(self._tier.controller)
         self._queries = self._query_tokens = self._device_hits = self._host_hits = 0
         self._evicted = 0
+        self._namespaces = Namespaces()
         self._storage: Optional[StorageTier] = None
         if storage is not None:
             if self._tier is None or kv_cache is None or host_layout != "page_first":
                 raise ValueError("a storage tier needs a host tier (host_num_pages > 0) with "
                                  "kv_cache and host_layout='page_first'")
-            self._storage = StorageTier(self._tier, storage, storage_seed, prefetch_policy,
+            self._storage = StorageTier(self._tier, storage, storage_seed, self._namespaces,
+                                        prefetch_policy,
                                         min_prefetch_tokens=min_prefetch_tokens)
 
     # -- matching and locking -------------------------------------------------
 
-    def match_req(self, input_ids) -> Tuple[BaseCacheHandle, torch.Tensor]:
+    def match_req(self, input_ids, namespace=None) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Match `input_ids[:-1]`: the last token is always computed."""
+        ns = self._namespaces.id(namespace)
         ids = int32_tensor(input_ids, "input_ids", self.device)
         if len(ids) == 0:
             raise ValueError("input_ids must hold at least one token")
-        handle, indices = self.manager.match_prefix(ids[:-1])
+        handle, indices = self.manager.match_prefix(ids[:-1], ns)
         self._count_match(len(ids) - 1, handle)
         if self._tier is not None and self._tier.min_hits:
-            self._tier.back_up(ids[:-1])
+            self._tier.back_up(ids[:-1], ns=ns)
         return handle, indices
 
     def _count_match(self, tokens: int, handle: BaseCacheHandle) -> None:
@@ -132,22 +144,31 @@ class CacheManager:
         self._device_hits += handle.cached_len
         self._host_hits += handle.host_hit_len
 
-    def match_req_batch(self, batch) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+    def match_req_batch(self, batch, namespace=None) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
         """`match_req` of each request of a prefill batch, in order, in one
-        native call for the radix cache; every input is checked first."""
+        native call for the radix cache; every input is checked first.
+        `namespace` is one for the whole batch, or a list or tuple of one per
+        request."""
         if not isinstance(batch, (list, tuple)):
             raise TypeError("batch must be a list or tuple of token id sequences, got "
                             f"{type(batch).__name__}")
+        if isinstance(namespace, (list, tuple)):
+            if len(namespace) != len(batch):
+                raise ValueError(f"namespace has {len(namespace)} entries but batch has "
+                                 f"{len(batch)}")
+            spaces = [self._namespaces.id(x, f"namespace[{i}]") for i, x in enumerate(namespace)]
+        else:
+            spaces = [self._namespaces.id(namespace)] * len(batch)
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
             if len(x) == 0:
                 raise ValueError(f"batch[{i}] must hold at least one token")
-        out = self.manager.match_prefix_batch([x[:-1] for x in ids])
+        out = self.manager.match_prefix_batch([x[:-1] for x in ids], spaces)
         for x, (handle, _) in zip(ids, out):
             self._count_match(len(x) - 1, handle)
         if self._tier is not None and self._tier.min_hits:
-            for x in ids:
-                self._tier.back_up(x[:-1])
+            for x, ns in zip(ids, spaces):
+                self._tier.back_up(x[:-1], ns=ns)
         return out
 
     def load_back(self, handle: BaseCacheHandle) -> Tuple[BaseCacheHandle, torch.Tensor]:
@@ -337,29 +358,31 @@ class CacheManager:
         self._pages.check_owned(idx[cached:], "indices", self._tree)
         return ids, idx, n, cached
 
-    def _write_through(self, input_ids) -> None:
+    def _write_through(self, input_ids, ns: int) -> None:
         if self._tier is not None and self._tier.write_policy == "write_through":
-            self._tier.back_up(input_ids)
+            self._tier.back_up(input_ids, ns=ns)
 
     def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices,
-                                    priority: int = 0) -> None:
+                                    priority: int = 0, namespace=None) -> None:
         """Cache a finished request's tokens and return every page it held.
 
         Its whole pages not cached yet join the prefix cache; its copies of
         tokens someone else cached meanwhile, and its partial last page, are
         freed; then its lock is released.
         """
+        ns = self._namespaces.id(namespace)
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
         full = n - n % self.page_size
-        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority)
+        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
         self._pages.free(indices[cached:in_cache])
         self._pages.free(indices[full:])
         self._held_pages -= (len(indices) - cached) // self.page_size
         self.unlock(old_handle)
-        self._write_through(input_ids)
+        self._write_through(input_ids, ns)
 
     def cache_unfinished_req(
-        self, old_handle: BaseCacheHandle, input_ids, indices, priority: int = 0
+        self, old_handle: BaseCacheHandle, input_ids, indices, priority: int = 0,
+        namespace=None,
     ) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Cache what a running request has computed (chunked prefill).
 
@@ -368,16 +391,17 @@ class CacheManager:
         part, then its own slots. Its copies of tokens that were cached
         meanwhile are freed, so it never keeps a slot that was just freed.
         """
+        ns = self._namespaces.id(namespace)
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
-        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority)
-        new_handle, tree_indices = self.manager.match_prefix(input_ids)
+        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
+        new_handle, tree_indices = self.manager.match_prefix(input_ids, ns)
         now_cached = new_handle.cached_len
         self._pages.free(indices[cached:min(in_cache, now_cached)])
         self.lock(new_handle)
         self.unlock(old_handle)
         self._held_pages -= (now_cached - cached) // self.page_size
         new_indices = torch.cat([tree_indices.cpu(), indices[now_cached:]])
-        self._write_through(input_ids)
+        self._write_through(input_ids, ns)
         return new_handle, new_indices.to(self.device, non_blocking=True)
 
     # -- the host tier ----------------------------------------------------------
@@ -438,7 +462,7 @@ class CacheManager:
 
     # -- the storage tier ----------------------------------------------------------
 
-    def prefetch(self, input_ids):
+    def prefetch(self, input_ids, namespace=None):
         """Starts reading from storage the pages of `input_ids[:-1]` beyond
         what the cache holds (device and host), that the store has, into host
         pages; call it when a request arrives. Returns the read in flight (for
@@ -450,10 +474,11 @@ class CacheManager:
         store has pages beyond it, those device pages are copied to host
         again first (a device-to-host copy, waited for: cheaper than reading
         them from storage)."""
+        ns = self._namespaces.id(namespace)
         if self._storage is None:
             return None
         ids = int32_tensor(input_ids, "input_ids", self.device)[:-1]
-        return self._storage.prefetch(ids)
+        return self._storage.prefetch(ids, ns)
 
     def wait_prefetch(self, prefetch) -> int:
         """Waits for a read as `prefetch_policy` says (not at all for

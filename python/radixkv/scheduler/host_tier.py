@@ -126,32 +126,32 @@ class HostTier:
     # -- backups ------------------------------------------------------------------
 
     def back_up(self, input_ids, min_hits: Optional[int] = None,
-                through_partial: bool = False) -> int:
-        """Queues the backup of `input_ids`' cached path from where its host
-        copy ends. Returns the tokens queued (0 when nothing needs a copy, or
+                through_partial: bool = False, ns: int = 0) -> int:
+        """Queues the backup of `input_ids`' cached path (in namespace `ns`)
+        from where its host copy ends. Returns the tokens queued (0 when nothing needs a copy, or
         the host pool cannot make room: the path stays device only)."""
         min_hits = self.min_hits if min_hits is None else min_hits
-        copy = self.tree.find_backup(input_ids, min_hits, through_partial)
+        copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
         if copy is None:
             return 0
         if not self._room_for(copy[3] - copy[2]):
             self.backups_skipped += copy[3] - copy[2]
             return 0
         # Making room may have dropped the host copy the range started under.
-        copy = self.tree.find_backup(input_ids, min_hits, through_partial)
+        copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
         if copy is None:
             return 0
         return self._start_backup(copy)
 
-    def copy_path_to_host(self, tokens) -> bool:
+    def copy_path_to_host(self, tokens, ns: int = 0) -> bool:
         """Makes the host copy of `tokens`' cached path again where it was
         evicted (the device still has it), and waits for it: pages read from
         storage join the tree under it. Returns whether the path is host
         backed to its end."""
-        if self.back_up(tokens, 0, through_partial=True):
+        if self.back_up(tokens, 0, through_partial=True, ns=ns):
             self.controller.drain()
             self.writing_check()
-        return self.tree.storage_prefix_end(tokens)[1]
+        return self.tree.storage_prefix_end(tokens, ns)[1]
 
     def back_up_before_evict(self, size: int) -> int:
         """write_back: backs up, and waits for, the device leaves without a host

@@ -13,6 +13,7 @@ import torch
 
 from radixkv import _core
 from radixkv.storage.base import MAX_BATCH, StorageBackend
+from radixkv.scheduler.namespaces import Namespaces
 from radixkv.storage.keys import page_keys
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -50,6 +51,7 @@ class Prefetch:
     keys: List[str]
     host_slots: torch.Tensor
     pin: Optional[tuple]   # the tree's pin on the host copy the pages join under
+    ns: int = 0            # the path's cache namespace
     done: threading.Event = field(default_factory=threading.Event)
     pages_ok: int = 0      # consecutive pages read from the first
     applied: bool = False
@@ -80,6 +82,7 @@ class StorageTier:
     """
 
     def __init__(self, host_tier, backend: StorageBackend, seed: Optional[bytes],
+                 namespaces: Namespaces,
                  prefetch_policy: str = "best_effort", timeout_base_s: float = 1.0,
                  timeout_per_1k_tokens_s: float = 0.25, min_prefetch_tokens: int = 0,
                  retry_after_s: float = 1.0, max_retry_after_s: float = 30.0):
@@ -102,6 +105,7 @@ class StorageTier:
         self.page_size = host_tier.page_size
         self.backend = backend
         self.seed = seed or None
+        self.namespaces = namespaces
         self.policy = prefetch_policy
         self.timeout_base_s = timeout_base_s
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
@@ -232,9 +236,9 @@ class StorageTier:
         began = self.tree.begin_store(backup_copy)
         if began is None:
             return
-        copy, host_slots, tokens = began
+        copy, host_slots, tokens, ns = began
         ps = self.page_size
-        keys = page_keys(tokens, ps, self.seed)[copy[2] // ps:]
+        keys = page_keys(tokens, ps, self.namespaces.seed(ns, self.seed))[copy[2] // ps:]
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         self._writes_in_flight += 1
         self._writing_tokens += len(host_slots)
@@ -242,29 +246,29 @@ class StorageTier:
 
     # -- prefetch -------------------------------------------------------------------
 
-    def prefetch(self, tokens: torch.Tensor) -> Optional[Prefetch]:
-        """Starts reading the pages of `tokens` beyond the cache's match
-        (whole pages) that the store has, consecutive from the first, into
-        fresh host pages. None when there is nothing worth fetching or no
-        host room."""
+    def prefetch(self, tokens: torch.Tensor, ns: int = 0) -> Optional[Prefetch]:
+        """Starts reading the pages of `tokens` (in namespace `ns`) beyond
+        the cache's match (whole pages) that the store has, consecutive from
+        the first, into fresh host pages. None when there is nothing worth
+        fetching or no host room."""
         if self._closed:
             return None
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
-        start, host_backed = self.tree.storage_prefix_end(tokens[:n])
+        start, host_backed = self.tree.storage_prefix_end(tokens[:n], ns)
         if n - start < self.min_prefetch_tokens:
             return None
-        keys = page_keys(tokens[:n], ps, self.seed)[start // ps:]
+        keys = page_keys(tokens[:n], ps, self.namespaces.seed(ns, self.seed))[start // ps:]
         hits = self._exists(keys)
         if hits is None:
             self.skipped += 1
             return None
         if hits * ps < self.min_prefetch_tokens:
             return None
-        if not host_backed and not self.host.copy_path_to_host(tokens[:start]):
+        if not host_backed and not self.host.copy_path_to_host(tokens[:start], ns):
             return None
         # The host copy the pages will join under stays until they do.
-        pin = self.tree.pin_host(tokens[:start]) if start else None
+        pin = self.tree.pin_host(tokens[:start], ns) if start else None
         if start and pin is None:
             return None
         room = self.host.make_room(hits * ps)
@@ -275,7 +279,7 @@ class StorageTier:
             return None
         host_slots = self.host.pages.allocate(hits * ps)
         self.host.prefetch_tokens += hits * ps
-        op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots, pin)
+        op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots, pin, ns)
         self._prefetches.append(op)
         self._jobs.put(op)
         return op
@@ -297,7 +301,8 @@ class StorageTier:
         rest = op.host_slots[got:]
         self.host.prefetch_tokens -= op.num_tokens
         if got:
-            rejected = self.tree.insert_host(op.tokens[:op.start + got], op.start, taken_slots)
+            rejected = self.tree.insert_host(op.tokens[:op.start + got], op.start, taken_slots,
+                                             op.ns)
             op.inserted = got - len(rejected)
             if len(rejected):
                 self.host.pages.free(rejected, self.tree, True)
