@@ -19,9 +19,9 @@ namespace radixkv::bindings {
 
 Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name,
               int64_t row_bytes, int64_t layers, bool cuda) {
-  if (strides.size() != 6) {
+  if (strides.size() != 6 && strides.size() != 7) {
     throw py::value_error(std::string(name) + "_layout must be (side_stride, layer_stride, "
-                          "page_stride, row_stride, page_size, num_slots)");
+                          "page_stride, row_stride, page_size, num_slots[, sides])");
   }
   if (row_bytes < 1 || layers < 1) throw py::value_error("row_bytes and layers must be >= 1");
   Pool p;
@@ -37,8 +37,12 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   p.device = t.device();
   p.alias = py::reinterpret_borrow<py::object>(t.object());
   p.layout = PoolLayout{t.data(), strides[0], strides[1], strides[2], strides[3], strides[4],
-                        strides[5]};
+                        strides[5], strides.size() == 7 ? strides[6] : 2};
   const PoolLayout& l = p.layout;
+  if (l.sides != 1 && l.sides != 2) {
+    throw py::value_error(std::string(name) + "_layout must have 1 or 2 sides, got " +
+                          std::to_string(l.sides));
+  }
   if (l.page_size < 1 || l.num_slots < 0 || l.side_stride < 0 || l.layer_stride < 0 ||
       l.page_stride < 0 || l.row_stride < 0) {
     throw py::value_error(std::string(name) + "_layout has a negative stride, a page size < 1 "
@@ -54,7 +58,8 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   p.bytes = end - begin;
   if (l.num_slots > 0) {
     const __int128 slot = l.num_slots - 1, page = slot / l.page_size;
-    const __int128 last = __int128{l.side_stride} + __int128{layers - 1} * l.layer_stride +
+    const __int128 last = __int128{l.sides - 1} * l.side_stride +
+                          __int128{layers - 1} * l.layer_stride +
                           page * l.page_stride + (slot - page * l.page_size) * l.row_stride +
                           row_bytes;
     if (t.data() != begin || last > p.bytes) {
@@ -63,6 +68,14 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
     }
   }
   return p;
+}
+
+void CheckSameSides(const Pool& a, const Pool& b, const char* a_name, const char* b_name) {
+  if (a.layout.sides != b.layout.sides) {
+    throw py::value_error(std::string(a_name) + "_layout has " + std::to_string(a.layout.sides) +
+                          " sides but " + b_name + "_layout has " +
+                          std::to_string(b.layout.sides));
+  }
 }
 
 void Pool::CheckUnchanged(const char* name) const {
@@ -99,6 +112,7 @@ class PyController {
                bool manual)
       : device_(ReadPool(device, device_layout, "device", row_bytes, layers, false)),
         host_(ReadPool(host, host_layout, "host", row_bytes, layers, false)) {
+    CheckSameSides(device_, host_, "device", "host");
     c_ = std::make_unique<CacheController>(
         MakeCpuCopyEngine(device_.layout, host_.layout, row_bytes, layers), manual);
   }
@@ -192,6 +206,7 @@ int64_t TransferRowsNow(py::handle src, const std::vector<int64_t>& src_layout, 
                         int64_t layer_end) {
   Pool s = ReadPool(src, src_layout, "src", row_bytes, layers, false);
   Pool d = ReadPool(dst, dst_layout, "dst", row_bytes, layers, false);
+  CheckSameSides(s, d, "src", "dst");
   std::vector<int32_t> a = Slots(src_slots, "src_slots"), b = Slots(dst_slots, "dst_slots");
   if (a.size() != b.size()) throw py::value_error("src_slots and dst_slots differ in length");
   if (layer_end == -1) layer_end = layers;

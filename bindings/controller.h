@@ -35,6 +35,9 @@ struct Pool {
 Pool ReadPool(pybind11::handle buffer, const std::vector<int64_t>& strides, const char* name,
               int64_t row_bytes, int64_t layers, bool cuda);
 
+/// Raises ValueError unless the two pools of a transfer have the same sides.
+void CheckSameSides(const Pool& a, const Pool& b, const char* a_name, const char* b_name);
+
 /// A copy engine in a capsule named kEngineCapsule, made by one extension
 /// module and taken by CacheController in another.
 struct EngineBox {

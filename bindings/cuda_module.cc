@@ -103,6 +103,7 @@ py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_lay
   auto box = std::make_unique<EngineBox>();
   box->device = ReadPool(device, device_layout, "device", row_bytes, layers, true);
   box->host = ReadPool(host, host_layout, "host", row_bytes, layers, false);
+  radixkv::bindings::CheckSameSides(box->device, box->host, "device", "host");
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, box->host.layout.base) != cudaSuccess ||
       attr.type != cudaMemoryTypeHost) {

@@ -14,7 +14,7 @@ __global__ void __launch_bounds__(kThreads) TransferKernel(const TransferParams 
   const int64_t lanes = int64_t{1} << lanes_log2;
   const int64_t lane = tid & (lanes - 1);
   const int64_t groups = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> lanes_log2;
-  const int64_t rows = p.num_tokens * 2 * (p.layer_end - p.layer_begin);
+  const int64_t rows = TransferRowCount(p);
   for (int64_t r = tid >> lanes_log2; r < rows; r += groups) TransferRowPart<Vec>(p, r, lane, lanes);
 }
 
@@ -23,7 +23,7 @@ cudaError_t Launch(const TransferParams& p, cudaStream_t stream, int max_blocks)
   const int64_t vectors = p.row_bytes / static_cast<int64_t>(sizeof(Vec));
   int lanes_log2 = 0;
   while (lanes_log2 < 5 && (int64_t{1} << lanes_log2) < vectors) ++lanes_log2;
-  const int64_t rows = p.num_tokens * 2 * (p.layer_end - p.layer_begin);
+  const int64_t rows = TransferRowCount(p);
   const int64_t rows_per_block = kThreads >> lanes_log2;
   int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   if (blocks > max_blocks) blocks = max_blocks;

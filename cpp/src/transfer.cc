@@ -44,7 +44,7 @@ int64_t TransferRows(const TransferParams& p) noexcept {
     const int64_t run = by_page && WholePage(p, i, page) ? page : 1;
     const int64_t s = p.src_slots[i], d = p.dst_slots[i];
     // Side, then layer: a host page holds [side][layer] regions in that order.
-    for (int64_t side = 0; side < 2; ++side) {
+    for (int64_t side = 0; side < p.src.sides; ++side) {
       for (int64_t layer = p.layer_begin; layer < p.layer_end; ++layer) {
         std::memcpy(p.dst.base + PoolRowOffset(p.dst, side, layer, d),
                     p.src.base + PoolRowOffset(p.src, side, layer, s), row * run);

@@ -19,17 +19,20 @@ namespace {
 
 enum class Kind { kLayerFirst, kPageFirst, kHostPageFirst };
 
-// A pool's bytes and its layout: L layers, P pages of S slots, rows of R bytes.
+// A pool's bytes and its layout: `sides` sides (2: K and V, 1: MLA), L layers,
+// P pages of S slots, rows of R bytes.
 struct Pool {
   std::vector<uint8_t> bytes;
   PoolLayout layout{};
 
-  Pool(Kind kind, int64_t L, int64_t P, int64_t S, int64_t R) : bytes(2 * L * P * S * R) {
+  Pool(Kind kind, int64_t L, int64_t P, int64_t S, int64_t R, int64_t sides = 2)
+      : bytes(sides * L * P * S * R) {
     PoolLayout& l = layout;
     l.base = reinterpret_cast<char*>(bytes.data());
     l.row_stride = R;
     l.page_size = S;
     l.num_slots = P * S;
+    l.sides = sides;
     switch (kind) {
       case Kind::kLayerFirst:  // [2, L, P, S, R]
         l.side_stride = L * P * S * R;
@@ -42,7 +45,7 @@ struct Pool {
         l.page_stride = L * S * R;
         break;
       case Kind::kHostPageFirst:  // [P, 2, L, S, R]
-        l.page_stride = 2 * L * S * R;
+        l.page_stride = sides * L * S * R;
         l.side_stride = L * S * R;
         l.layer_stride = S * R;
         break;
@@ -78,11 +81,12 @@ struct Case {
   int64_t L, S, R, n;
   bool scattered;
   int64_t layer_begin, layer_end;
+  int64_t sides = 2;
 };
 
 void RunCase(const Case& c, std::mt19937& rng, bool emulate_kernel) {
   const int64_t P = (c.n + c.S - 1) / c.S + 3;
-  Pool src(c.src_kind, c.L, P, c.S, c.R), dst(c.dst_kind, c.L, P, c.S, c.R);
+  Pool src(c.src_kind, c.L, P, c.S, c.R, c.sides), dst(c.dst_kind, c.L, P, c.S, c.R, c.sides);
   for (auto& b : src.bytes) b = static_cast<uint8_t>(rng());
   for (auto& b : dst.bytes) b = static_cast<uint8_t>(rng());
   const std::vector<int32_t> s = Slots(rng, c.n, P, c.S, c.scattered);
@@ -90,7 +94,7 @@ void RunCase(const Case& c, std::mt19937& rng, bool emulate_kernel) {
   Pool expected = dst;
   expected.layout.base = reinterpret_cast<char*>(expected.bytes.data());
   for (int64_t i = 0; i < c.n; ++i) {
-    for (int64_t side = 0; side < 2; ++side) {
+    for (int64_t side = 0; side < c.sides; ++side) {
       for (int64_t layer = c.layer_begin; layer < c.layer_end; ++layer) {
         std::memcpy(expected.Row(side, layer, d[i], c.R), src.Row(side, layer, s[i], c.R), c.R);
       }
@@ -102,7 +106,8 @@ void RunCase(const Case& c, std::mt19937& rng, bool emulate_kernel) {
     // The CUDA kernel's body with 16-byte vectors and 8 lanes a row.
     struct alignas(16) V16 { uint32_t w[4]; };
     ASSERT_EQ(TransferVectorBytes(p) % 16, 0);
-    const int64_t rows = c.n * 2 * (c.layer_end - c.layer_begin);
+    const int64_t rows = TransferRowCount(p);
+    ASSERT_EQ(rows, c.n * c.sides * (c.layer_end - c.layer_begin));
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t lane = 0; lane < 8; ++lane) TransferRowPart<V16>(p, r, lane, 8);
     }
@@ -137,6 +142,21 @@ TEST(TransferTest, KernelRowBodyMatches) {
       for (int64_t S : {1, 16}) {
         RunCase({a, b, 2, S, 64, 50, false, 0, 2}, rng, true);
         RunCase({a, b, 2, S, 576, 20, true, 1, 2}, rng, true);  // an MLA fp8 row: 576 B
+      }
+    }
+  }
+}
+
+TEST(TransferTest, OneSidedPoolsCopyTheirOneRowALayer) {
+  // MLA pools: one latent row per layer and token, no V side (a second side
+  // would read and write past the pools' buffers).
+  std::mt19937 rng(4);
+  const Kind kinds[] = {Kind::kLayerFirst, Kind::kPageFirst, Kind::kHostPageFirst};
+  for (Kind a : kinds) {
+    for (Kind b : kinds) {
+      for (int64_t S : {1, 16}) {
+        RunCase({a, b, 3, S, 1152, 21, false, 0, 3, 1}, rng, false);
+        RunCase({a, b, 3, S, 576, 21, true, 1, 2, 1}, rng, true);
       }
     }
   }

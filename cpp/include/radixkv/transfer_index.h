@@ -4,9 +4,10 @@
 // so the CPU tests exercise the offsets the GPU uses.
 //
 // Vocabulary: a *row* is what one token stores for one layer on one side (K or
-// V): `row_bytes` contiguous bytes. A transfer copies, for every token i, the
-// rows of slot `src_slots[i]` in the source pool to slot `dst_slots[i]` in the
-// destination pool, for layers [layer_begin, layer_end) and both sides.
+// V; an MLA pool has one side, its latent row): `row_bytes` contiguous bytes.
+// A transfer copies, for every token i, the rows of slot `src_slots[i]` in the
+// source pool to slot `dst_slots[i]` in the destination pool, for layers
+// [layer_begin, layer_end) and every side.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +21,8 @@ namespace radixkv {
 /// page_stride + (slot % page_size) * row_stride` bytes from `base`. This
 /// covers the device pool's LayerFirst `[2, L, P, S, H, D]` and PageFirst
 /// `[2, P, L, S, H, D]` and the host pool's `layer_first` (the same as
-/// LayerFirst) and `page_first` `[P, 2, L, S, H, D]` (one region per page).
+/// LayerFirst) and `page_first` `[P, 2, L, S, H, D]` (one region per page),
+/// and with one side the MLA pools' `[L, P, S, R]` and `[P, L, S, R]`.
 struct PoolLayout {
   char* base;
   int64_t side_stride;
@@ -29,6 +31,7 @@ struct PoolLayout {
   int64_t row_stride;
   int64_t page_size;  ///< slots per page, >= 1
   int64_t num_slots;  ///< valid slots: [0, num_slots)
+  int64_t sides = 2;  ///< 2 (K and V) or 1 (MLA); both pools of a transfer agree
 };
 
 /// Everything one transfer needs. Plain data; the pointers are borrowed and
@@ -72,16 +75,21 @@ RADIXKV_HOST_DEVICE int64_t TransferVectorBytes(const TransferParams& p) {
   return static_cast<int64_t>(bits & (~bits + 1));  // lowest set bit
 }
 
+/// Rows a transfer copies: one per token, side and layer.
+RADIXKV_HOST_DEVICE int64_t TransferRowCount(const TransferParams& p) {
+  return p.num_tokens * p.src.sides * (p.layer_end - p.layer_begin);
+}
+
 /// Copies the part of row `r` of `p` (rows are numbered token-major: token
-/// `r / (2 * layers)`, then side, then layer within [layer_begin, layer_end))
+/// `r / (sides * layers)`, then side, then layer within [layer_begin, layer_end))
 /// that lane `lane` of `lanes` owns, `sizeof(Vec)` bytes at a time. A token
 /// whose slots are out of range is skipped. Returns false for a skipped row.
 template <typename Vec>
 RADIXKV_HOST_DEVICE bool TransferRowPart(const TransferParams& p, int64_t r, int64_t lane,
                                          int64_t lanes) {
   const int64_t layers = p.layer_end - p.layer_begin;
-  const int64_t token = r / (2 * layers);
-  const int64_t rest = r - token * 2 * layers;
+  const int64_t token = r / (p.src.sides * layers);
+  const int64_t rest = r - token * p.src.sides * layers;
   const int64_t side = rest / layers;
   const int64_t layer = p.layer_begin + (rest - side * layers);
   const int64_t s = p.src_slots[token], d = p.dst_slots[token];

@@ -149,8 +149,9 @@ class BaseKVCache(ABC):
 class CopyLayout(NamedTuple):
     """Where a pool's rows lie, in bytes from its buffer's first element: row
     (side, layer, slot) starts at `side * side_stride + layer * layer_stride +
-    (slot // page_size) * page_stride + (slot % page_size) * row_stride`.
-    Handed to the native copy engine."""
+    (slot // page_size) * page_stride + (slot % page_size) * row_stride`, for
+    `sides` sides (2: K and V; 1: an MLA pool's latent rows). Handed to the
+    native copy engine."""
 
     side_stride: int
     layer_stride: int
@@ -158,13 +159,15 @@ class CopyLayout(NamedTuple):
     row_stride: int
     page_size: int
     num_slots: int
+    sides: int = 2
 
 
 def copy_layout(view: torch.Tensor, page_size: int) -> CopyLayout:
-    """The CopyLayout of a pool whose logical view is `[2, L, P, S, H, D]`
+    """The CopyLayout of a pool whose logical view is `[sides, L, P, S, H, D]`
     (each row, `[H, D]`, contiguous)."""
     item = view.element_size()
     if view.stride(5) != 1 or view.stride(4) != view.shape[5]:
         raise ValueError("a pool's rows must be contiguous [heads, head_dim] blocks")
     side, layer, page, row = (view.stride(i) * item for i in range(4))
-    return CopyLayout(side, layer, page, row, page_size, view.shape[2] * page_size)
+    return CopyLayout(side, layer, page, row, page_size, view.shape[2] * page_size,
+                      view.shape[0])
