@@ -251,17 +251,19 @@ py::object RadixTree_HandleSlots(PyRadixTree& t, PyObject* const* a) {
 }
 
 py::object RadixTree_Dump(PyRadixTree& t, PyObject* const* a) {
-  const bool tiers = Truth(a[0], false);
+  const bool tiers = Truth(a[0], false), spaces = Truth(a[1], false);
   std::vector<radixkv::NodeInfo> nodes = Locked(t, true, [&] { return t.tree.Dump(); });
   py::list out;
   for (const auto& n : nodes) {
+    py::tuple row;
     if (tiers) {
-      out.append(py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value),
-                                py::cast(n.host_value), n.ref_count, n.timestamp));
+      row = py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), py::cast(n.host_value),
+                           n.ref_count, n.timestamp);
     } else {
-      out.append(py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), n.ref_count,
-                                n.timestamp));
+      row = py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), n.ref_count,
+                           n.timestamp);
     }
+    out.append(spaces ? py::tuple(row + py::make_tuple(n.ns)) : row);
   }
   return std::move(out);
 }
@@ -716,7 +718,7 @@ constexpr Params kSlotsOfHandle{"handle_slots", {"handle"}, 1, 1};
 constexpr Params kReset{"reset", {}, 0, 0};
 constexpr Params kSizeInfo{"size_info", {}, 0, 0};
 constexpr Params kCheck{"check_integrity", {}, 0, 0};
-constexpr Params kDump{"dump", {"tiers"}, 1, 0};
+constexpr Params kDump{"dump", {"tiers", "namespaces"}, 2, 0};
 constexpr Params kTierSizes{"tier_sizes", {}, 0, 0};
 constexpr Params kEvictHost{"evict_host", {"size"}, 1, 1};
 constexpr Params kFindBackup{
@@ -758,7 +760,8 @@ PyMethodDef kTreeMethods[] = {
      "Walk the tree and raise IntegrityError on a broken invariant."},
     {"dump", Fast<RadixTree_Dump, kDump>(), kFastCall,
      "Every node as (parent, tokens, slots, ref_count, timestamp); with tiers=True as\n"
-     "(parent, tokens, device_slots, host_slots, ref_count, timestamp)."},
+     "(parent, tokens, device_slots, host_slots, ref_count, timestamp); namespaces=True\n"
+     "appends each node's namespace. Siblings in ascending token order (then namespace)."},
     {"tier_sizes", Fast<RadixTree_TierSizes, kTierSizes>(), kFastCall,
      "(device_evictable, device_protected, host, host_only, backing_up, loading, storing)\n"
      "tokens."},
@@ -837,6 +840,8 @@ PyMemberDef kHandleMembers[] = {
      "Locks taken through this handle and not yet released."},
     {"host_hit_len", T_LONGLONG, kHandleAt + offsetof(Handle, host_hit_len), READONLY,
      "Matched tokens after cached_len that only host memory holds (load_back brings them)."},
+    {"namespace", T_ULONGLONG, kHandleAt + offsetof(Handle, ns), READONLY,
+     "The namespace the match was made in."},
     {nullptr, 0, 0, 0, nullptr},
 };
 PyType_Slot kHandleSlots[] = {

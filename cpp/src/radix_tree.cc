@@ -408,6 +408,7 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, ui
   h.cached_len = device_end->depth;
   h.host_generation = end->generation;
   h.host_node_id = end->id;
+  h.ns = ns;
   h.host_hit_len = end->depth - device_end->depth;
   return h;
 }
@@ -792,9 +793,16 @@ std::vector<NodeInfo> RadixTree::Dump() const {
     stack.pop_back();
     std::vector<const Node*> children;
     x->children.ForEach([&](uint64_t, const Node* c) { children.push_back(c); });
+    // Siblings in ascending key order (under the root, equal keys of
+    // different namespaces in ascending namespace order).
     std::sort(children.begin(), children.end(), [](const Node* a, const Node* b) {
-      return std::lexicographical_compare(a->key(), a->key() + a->length, b->key(),
-                                          b->key() + b->length);
+      if (std::lexicographical_compare(a->key(), a->key() + a->length, b->key(),
+                                       b->key() + b->length)) {
+        return true;
+      }
+      return !std::lexicographical_compare(b->key(), b->key() + b->length, a->key(),
+                                           a->key() + a->length) &&
+             a->ns < b->ns;
     });
     const size_t first = out.size();
     for (const Node* c : children) {

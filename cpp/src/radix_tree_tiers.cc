@@ -311,6 +311,7 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix,
   h.host_generation = end->generation;
   h.host_node_id = end->id;
   h.host_hit_len = 0;
+  h.ns = end->ns;
   *loaded = h;
 }
 

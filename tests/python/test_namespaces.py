@@ -135,7 +135,7 @@ def test_random_operations_over_namespaces_match_the_model(page_size, seed):
 
 def test_namespace_ids_are_exact_and_typed():
     spaces = Namespaces()
-    assert spaces.id(None) == 0
+    assert spaces.id(None) == spaces.id(0) == 0 and len(spaces) == 0
     a, b, c = spaces.id("5"), spaces.id(b"5"), spaces.id(5)
     assert len({a, b, c}) == 3 and 0 not in (a, b, c)
     assert spaces.id("5") == a and spaces.id(bytearray(b"5")) == b
@@ -146,6 +146,68 @@ def test_namespace_ids_are_exact_and_typed():
     # The seed depends on the name only, not on the order ids were handed out.
     other = Namespaces()
     assert other.seed(other.id(5), base) == spaces.seed(c, base)
+
+
+def test_forgotten_names_miss_and_never_hit_wrongly():
+    spaces = Namespaces(capacity=2)
+    a, b = spaces.id("a"), spaces.id("b")
+    spaces.id("a")            # "b" is now the least recently used
+    c = spaces.id("c")        # ... and is forgotten
+    assert len(spaces) == 2 and not spaces.known(b) and spaces.known(a) and spaces.known(c)
+    with pytest.raises(KeyError):
+        spaces.seed(b, bytes(32))
+    assert spaces.id("b") not in (a, b, c)  # a new id: its old prefixes are never found
+    m = CacheManager(16, max_namespaces=1)
+    h, _ = m.match_req([1, 2, 3], namespace="x")
+    m.lock(h)
+    m.free_and_cache_finished_req(h, [1, 2, 3], m.allocate(3))
+    assert m.match_req([1, 2, 3, 4], namespace="x")[0].cached_len == 3
+    m.match_req([1], namespace="y")  # "x" is forgotten
+    assert m.match_req([1, 2, 3, 4], namespace="x")[0].cached_len == 0
+    assert m.match_req([1, 2, 3, 4], namespace="y")[0].cached_len == 0
+    assert m.match_req([1, 2, 3, 4])[0].cached_len == 0
+    m.check_integrity()
+    assert m.manager.evict(3).numel() == 3  # its pages age out in the eviction order
+
+
+def test_failed_calls_remember_no_name_and_handles_carry_theirs():
+    m = CacheManager(8)
+    with pytest.raises(ValueError):
+        m.match_req([], namespace="t1")
+    with pytest.raises(ValueError):
+        m.match_req_batch([[1], []], namespace=["t2", "t3"])
+    with pytest.raises(TypeError, match=r"^namespace\[1\]"):
+        m.match_req_batch([[1], [2]], namespace=["t4", 2.5])
+    assert m.prefetch([1, 2], namespace="t5") is None
+    assert len(m._namespaces) == 0
+    h, _ = m.match_req([5, 6, 7], namespace="t6")
+    assert h.namespace == m._namespaces.id("t6") != 0
+    m.lock(h)
+    # Finishing with cached_len == 0 still caches in the match's namespace.
+    m.free_and_cache_finished_req(h, [5, 6, 7], m.allocate(3))
+    assert m.match_req([5, 6, 7, 8])[0].cached_len == 0
+    assert m.match_req([5, 6, 7, 8], namespace="t6")[0].cached_len == 3
+
+
+def test_naive_manager_checks_namespaces_like_the_radix_one():
+    from radixkv.kvcache import create_cache_manager
+    for kind in ("naive", "radix"):
+        mgr = create_cache_manager("cpu", kind, 1)
+        with pytest.raises(ValueError, match="^namespace must be >= 0"):
+            mgr.match_prefix([1, 2], -5)
+        with pytest.raises(TypeError, match="namespace"):
+            mgr.insert_prefix([1], [0], 0, 1.5)
+
+
+def test_dump_shows_namespaces_and_orders_equal_siblings_by_them():
+    t = _core.RadixTree(1)
+    t.insert_prefix([1, 2], [0, 1], 0, 9)
+    t.insert_prefix([1, 2], [2, 3], 0, 4)
+    t.insert_prefix([1, 2, 3], [4, 5, 6])
+    rows = t.dump(namespaces=True)
+    assert [(r[1], r[-1]) for r in rows] == [([1, 2], 4), ([1, 2], 9), ([1, 2, 3], 0)]
+    assert [len(r) for r in t.dump(True, True)] == [7, 7, 7]
+    assert t.dump() == [r[:-1] for r in rows]
 
 
 def _manager(root, device_pages=16):
@@ -164,7 +226,8 @@ def _serve(m, pool, ids, namespace, value):
     idx = torch.cat([m._tree.handle_slots(handle), m.allocate(len(ids) - handle.cached_len)])
     rows = torch.full((len(ids), 1, 4), float(value))
     pool.store_kv(rows, rows, idx[:len(ids)], 0)
-    m.free_and_cache_finished_req(handle, ids, idx, namespace=namespace)
+    assert handle.namespace == m._namespaces.id(namespace)
+    m.free_and_cache_finished_req(handle, ids, idx)  # the handle carries the namespace
     m.drain()
     return handle.cached_len
 

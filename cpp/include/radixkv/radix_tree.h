@@ -123,6 +123,8 @@ struct Handle {
   uint32_t host_node_id = 0;
   /// Matched tokens after `cached_len` that only host memory holds.
   int64_t host_hit_len = 0;
+  /// The namespace the match was made in.
+  uint64_t ns = 0;
 };
 
 /// A copy between the tiers in flight: the tokens at depths [start, end) of

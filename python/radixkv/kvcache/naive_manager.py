@@ -28,6 +28,11 @@ class NaiveCacheHandle(BaseCacheHandle):
         return f"NaiveCacheHandle(cached_len=0, lock_count={self.lock_count})"
 
 
+def _check_namespace(namespace) -> None:
+    if as_int(namespace, "namespace") < 0:
+        raise ValueError(f"namespace must be >= 0, got {namespace}")
+
+
 class NaiveCacheManager(BaseCacheManager):
     """The baseline: never matches, stores nothing, has nothing to evict."""
 
@@ -42,6 +47,7 @@ class NaiveCacheManager(BaseCacheManager):
         return torch.empty(0, dtype=torch.int32, device=self.device)
 
     def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[NaiveCacheHandle, torch.Tensor]:
+        _check_namespace(namespace)  # checked as the radix cache does; nothing is shared anyway
         _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
         return NaiveCacheHandle(self), self._empty()
 
@@ -60,6 +66,7 @@ class NaiveCacheManager(BaseCacheManager):
             handle.lock_count += 1
 
     def insert_prefix(self, input_ids, indices, priority: int = 0, namespace: int = 0) -> int:
+        _check_namespace(namespace)
         n = _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
         m = _core.check_slots(to_host(indices, "indices", self.device), "indices",
                               self._max_slots)

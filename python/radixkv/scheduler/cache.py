@@ -56,13 +56,14 @@ class CacheManager:
     A page is then in exactly one place: free, cached, held by a request, or
     owned by one copy in flight (a load's device pages, a backup's host pages).
 
-    Cache namespaces. `match_req`, `match_req_batch`, `prefetch` and the two
-    `cache_*_req` calls take `namespace`: None (the default), a str, bytes or
-    an int, such as a tenant's cache salt, SGLang's extra_key or a LoRA
-    adapter's name. Requests of different namespaces never share a prefix,
-    on any tier: they live in one tree (one pool, one eviction order), and
-    each namespace seeds its own storage keys. A request passes the same
-    namespace to every call.
+    Cache namespaces. `match_req`, `match_req_batch` and `prefetch` take
+    `namespace`: None or 0 (the default), a str, bytes or an int, such as a
+    tenant's cache salt, SGLang's extra_key or a LoRA adapter's id. Requests
+    of different namespaces never share a prefix, on any tier: they live in
+    one tree (one pool, one eviction order), and each namespace seeds its own
+    storage keys. The handle carries the namespace to the `cache_*_req` call
+    that ends the request. The last `max_namespaces` names used are
+    remembered (see `radixkv.scheduler.namespaces.Namespaces`).
     """
 
     def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
@@ -71,7 +72,7 @@ class CacheManager:
                  host_layout: str = "page_first", manual_copies: bool = False,
                  storage: Optional[StorageBackend] = None, storage_seed: Optional[bytes] = None,
                  prefetch_policy: str = "best_effort", min_prefetch_tokens: int = 0,
-                 eviction_policy: str = "lru"):
+                 eviction_policy: str = "lru", max_namespaces: int = 1 << 16):
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
         host_num_pages = as_count(host_num_pages, "host_num_pages", minimum=0)
@@ -114,7 +115,7 @@ class CacheManager:
                 kv_cache._layer_wait = LayerWait(self._tier.controller)
         self._queries = self._query_tokens = self._device_hits = self._host_hits = 0
         self._evicted = 0
-        self._namespaces = Namespaces()
+        self._namespaces = Namespaces(as_count(max_namespaces, "max_namespaces"))
         self._storage: Optional[StorageTier] = None
         if storage is not None:
             if self._tier is None or kv_cache is None or host_layout != "page_first":
@@ -128,10 +129,10 @@ class CacheManager:
 
     def match_req(self, input_ids, namespace=None) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Match `input_ids[:-1]`: the last token is always computed."""
-        ns = self._namespaces.id(namespace)
         ids = int32_tensor(input_ids, "input_ids", self.device)
         if len(ids) == 0:
             raise ValueError("input_ids must hold at least one token")
+        ns = self._namespaces.id(namespace)
         handle, indices = self.manager.match_prefix(ids[:-1], ns)
         self._count_match(len(ids) - 1, handle)
         if self._tier is not None and self._tier.min_hits:
@@ -152,17 +153,17 @@ class CacheManager:
         if not isinstance(batch, (list, tuple)):
             raise TypeError("batch must be a list or tuple of token id sequences, got "
                             f"{type(batch).__name__}")
-        if isinstance(namespace, (list, tuple)):
-            if len(namespace) != len(batch):
-                raise ValueError(f"namespace has {len(namespace)} entries but batch has "
-                                 f"{len(batch)}")
-            spaces = [self._namespaces.id(x, f"namespace[{i}]") for i, x in enumerate(namespace)]
-        else:
-            spaces = [self._namespaces.id(namespace)] * len(batch)
+        names = namespace if isinstance(namespace, (list, tuple)) else [namespace] * len(batch)
+        if len(names) != len(batch):
+            raise ValueError(f"namespace has {len(names)} entries but batch has {len(batch)}")
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
             if len(x) == 0:
                 raise ValueError(f"batch[{i}] must hold at least one token")
+        arg = "namespace" if names is not namespace else "namespace[{}]"
+        for i, x in enumerate(names):  # all checked before any is remembered
+            Namespaces.check(x, arg.format(i))
+        spaces = [self._namespaces.id(x) for x in names]
         out = self.manager.match_prefix_batch([x[:-1] for x in ids], spaces)
         for x, (handle, _) in zip(ids, out):
             self._count_match(len(x) - 1, handle)
@@ -363,15 +364,16 @@ class CacheManager:
             self._tier.back_up(input_ids, ns=ns)
 
     def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices,
-                                    priority: int = 0, namespace=None) -> None:
+                                    priority: int = 0) -> None:
         """Cache a finished request's tokens and return every page it held.
 
         Its whole pages not cached yet join the prefix cache; its copies of
         tokens someone else cached meanwhile, and its partial last page, are
-        freed; then its lock is released.
+        freed; then its lock is released. The tokens are cached in the
+        namespace of `old_handle`'s match.
         """
-        ns = self._namespaces.id(namespace)
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
+        ns = getattr(old_handle, "namespace", 0)
         full = n - n % self.page_size
         in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
         self._pages.free(indices[cached:in_cache])
@@ -381,8 +383,7 @@ class CacheManager:
         self._write_through(input_ids, ns)
 
     def cache_unfinished_req(
-        self, old_handle: BaseCacheHandle, input_ids, indices, priority: int = 0,
-        namespace=None,
+        self, old_handle: BaseCacheHandle, input_ids, indices, priority: int = 0
     ) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Cache what a running request has computed (chunked prefill).
 
@@ -390,9 +391,10 @@ class CacheManager:
         the indices the request goes on with: the cache's slots for its cached
         part, then its own slots. Its copies of tokens that were cached
         meanwhile are freed, so it never keeps a slot that was just freed.
+        The tokens are cached in the namespace of `old_handle`'s match.
         """
-        ns = self._namespaces.id(namespace)
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
+        ns = getattr(old_handle, "namespace", 0)
         in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
         new_handle, tree_indices = self.manager.match_prefix(input_ids, ns)
         now_cached = new_handle.cached_len
@@ -474,11 +476,11 @@ class CacheManager:
         store has pages beyond it, those device pages are copied to host
         again first (a device-to-host copy, waited for: cheaper than reading
         them from storage)."""
-        ns = self._namespaces.id(namespace)
         if self._storage is None:
+            Namespaces.check(namespace)  # a bad name raises all the same
             return None
         ids = int32_tensor(input_ids, "input_ids", self.device)[:-1]
-        return self._storage.prefetch(ids, ns)
+        return self._storage.prefetch(ids, self._namespaces.id(namespace))
 
     def wait_prefetch(self, prefetch) -> int:
         """Waits for a read as `prefetch_policy` says (not at all for

@@ -5,6 +5,7 @@ native tree keys its paths by, and to the seeds of their storage keys."""
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from typing import Dict, Optional, Union
 
 NamespaceName = Union[None, str, bytes, int]
@@ -21,42 +22,68 @@ def _encode(name) -> bytes:
 
 
 class Namespaces:
-    """Ids for namespace names, handed out in order of first use (None, the
-    default namespace, is 0). Exact: two names get one id only when they are
-    equal. Ids are never reused; the table grows by one entry per name seen."""
+    """Ids for namespace names (None and 0 are the default namespace, id 0),
+    handed out in order of first use and never reused. Exact: two names get
+    one id only when they are equal.
 
-    def __init__(self) -> None:
-        self._ids: Dict[bytes, int] = {}
-        self._names = [b""]  # id -> encoded name; 0 is the default
+    At most `capacity` names are remembered; past that the least recently
+    used one is forgotten. A forgotten name's prefixes are then never found
+    again (its next request gets a new id: a miss, never a wrong hit) and age
+    out of the cache in its eviction order; its pages not yet written to
+    storage are not written (their seed is gone with the name)."""
 
-    def id(self, name: NamespaceName, arg: str = "namespace") -> int:
-        """The tree id of `name`: None, a str, bytes or an int. Raises
-        TypeError naming `arg` for anything else (bool and float included)."""
-        if name is None:
-            return 0
-        if isinstance(name, bool) or not isinstance(name, (str, bytes, bytearray, memoryview,
-                                                           int)):
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._ids: "OrderedDict[bytes, int]" = OrderedDict()  # least recently used first
+        self._names: Dict[int, bytes] = {}
+        self._next = 1
+
+    @staticmethod
+    def check(name: NamespaceName, arg: str = "namespace") -> None:
+        """Raises TypeError naming `arg` unless `name` is None, a str, bytes
+        or an int (bool and float are refused)."""
+        if name is not None and (isinstance(name, bool) or not isinstance(
+                name, (str, bytes, bytearray, memoryview, int))):
             raise TypeError(f"{arg} must be None, a str, bytes or an int, got "
                             f"{type(name).__name__}")
+
+    def id(self, name: NamespaceName, arg: str = "namespace") -> int:
+        """The tree id of `name` (see `check`), remembered as just used."""
+        self.check(name, arg)
+        if name is None or (isinstance(name, int) and name == 0):
+            return 0
         key = _encode(name)
         ns = self._ids.get(key)
-        if ns is None:
-            ns = self._ids[key] = len(self._names)
-            self._names.append(key)
+        if ns is not None:
+            self._ids.move_to_end(key)
+            return ns
+        if len(self._ids) >= self.capacity:
+            _, old = self._ids.popitem(last=False)
+            del self._names[old]
+        ns = self._next
+        self._next += 1
+        self._ids[key] = ns
+        self._names[ns] = key
         return ns
+
+    def known(self, ns: int) -> bool:
+        """Whether `ns` is the default or a remembered name's id."""
+        return ns == 0 or ns in self._names
 
     def seed(self, ns: int, base: Optional[bytes]) -> Optional[bytes]:
         """The seed of the storage keys of namespace `ns` whose configuration
         seed is `base` (None: unseeded). The default namespace keeps `base`,
         so its keys are the configuration's (and, unseeded, SGLang's); every
         other one gets SHA-256 of `base` and its name, so two namespaces never
-        read each other's pages from a shared store, across processes too."""
+        read each other's pages from a shared store, across processes too.
+        Raises KeyError for an id that is not `known`."""
         if ns == 0:
             return base
         name = self._names[ns]
-        return hashlib.sha256(b"radixkv-namespace-v1" + (base or b"") +
+        base = base or b""
+        return hashlib.sha256(b"radixkv-namespace-v1" + len(base).to_bytes(8, "little") + base +
                               len(name).to_bytes(8, "little") + name).digest()
 
     def __len__(self) -> int:
-        """Names seen, the default one included."""
-        return len(self._names)
+        """Names remembered, the default one excluded."""
+        return len(self._ids)

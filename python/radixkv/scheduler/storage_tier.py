@@ -79,13 +79,18 @@ class StorageTier:
     retry up to `max_retry_after_s`: meanwhile writes and prefetches are
     skipped and counted, so a dead store costs one stalled call per window,
     not one per request. The first call that succeeds ends the back-off.
+
+    With `writer=False` the tier only reads: the pages of a pool that is the
+    same on every tensor-parallel rank (MLA) are written by one rank, and
+    every rank prefetches them.
     """
 
     def __init__(self, host_tier, backend: StorageBackend, seed: Optional[bytes],
                  namespaces: Namespaces,
                  prefetch_policy: str = "best_effort", timeout_base_s: float = 1.0,
                  timeout_per_1k_tokens_s: float = 0.25, min_prefetch_tokens: int = 0,
-                 retry_after_s: float = 1.0, max_retry_after_s: float = 30.0):
+                 retry_after_s: float = 1.0, max_retry_after_s: float = 30.0,
+                 writer: bool = True):
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
                              f"got {prefetch_policy!r}")
@@ -106,6 +111,7 @@ class StorageTier:
         self.backend = backend
         self.seed = seed or None
         self.namespaces = namespaces
+        self.writer = bool(writer)
         self.policy = prefetch_policy
         self.timeout_base_s = timeout_base_s
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
@@ -228,7 +234,7 @@ class StorageTier:
 
     def write(self, backup_copy) -> None:
         """Queues the write of what a finished backup gave a host copy."""
-        if self._closed:
+        if self._closed or not self.writer:
             return
         if self.store_down():
             self.skipped += 1
@@ -237,6 +243,9 @@ class StorageTier:
         if began is None:
             return
         copy, host_slots, tokens, ns = began
+        if not self.namespaces.known(ns):  # its name was forgotten: no seed for its keys
+            self.tree.finish_store(copy)
+            return
         ps = self.page_size
         keys = page_keys(tokens, ps, self.namespaces.seed(ns, self.seed))[copy[2] // ps:]
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
