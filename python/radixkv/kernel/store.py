@@ -163,15 +163,21 @@ _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if h
 _FLOAT_SOURCES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _scaled(x: torch.Tensor, cache: torch.Tensor, scale, name: str, scale_name: str):
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _scaled(x: torch.Tensor, cache: torch.Tensor, scale, name: str, scale_name: str,
+            cache_name: str):
     """`x` in `cache`'s dtype: as it is, or converted as the kernel does."""
     if x.dtype == cache.dtype:
         if scale is not None:
-            raise ValueError(f"{scale_name} is given, but {name} already has the cache's dtype "
-                             f"{cache.dtype} and is copied as it is")
+            raise ValueError(f"{scale_name} is given, but {name} already has {cache_name}'s "
+                             f"dtype {_dtype_name(cache.dtype)} and is copied as it is")
         return x
     if cache.dtype not in _FLOAT8 or x.dtype not in _FLOAT_SOURCES:
-        raise TypeError(f"{name} has dtype {x.dtype} but the cache has dtype {cache.dtype}")
+        raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)} but {cache_name} has dtype "
+                        f"{_dtype_name(cache.dtype)}")
     if scale is None:
         scale = 1.0
     if isinstance(scale, torch.Tensor):
@@ -204,7 +210,7 @@ def _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale) -
         if x.dim() not in (2, 3) or tuple(x.shape[1:]) not in ((width,), (1, width)):
             raise ValueError(f"{name} must have shape [num_tokens, 1, {width}] or "
                              f"[num_tokens, {width}], got {list(x.shape)}")
-        parts.append(_scaled(x, kv_cache, k_scale, name, "k_scale"))
+        parts.append(_scaled(x, kv_cache, k_scale, name, "k_scale", "kv_cache"))
     if parts[1].shape[0] != parts[0].shape[0]:
         raise ValueError(f"k_rope has {parts[1].shape[0]} tokens but k_nope has "
                          f"{parts[0].shape[0]}")
@@ -288,8 +294,8 @@ def _store_torch(k_cache, v_cache, out_loc, k, v, k_scale=None, v_scale=None, *,
         )
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache has dtype {v_cache.dtype} but k_cache has dtype {k_cache.dtype}")
-    k = _scaled(k, k_cache, k_scale, "k", "k_scale")
-    v = _scaled(v, v_cache, v_scale, "v", "v_scale")
+    k = _scaled(k, k_cache, k_scale, "k", "k_scale", "k_cache")
+    v = _scaled(v, v_cache, v_scale, "v", "v_scale", "v_cache")
     for name, t, c in (("k", k, k_cache), ("v", v, v_cache)):
         row = tuple(c.shape[-2:]) if c.dim() > 2 else tuple(c.shape[-1:])
         if t.dim() != 1 + len(row) or tuple(t.shape[1:]) != row:

@@ -202,15 +202,31 @@ class MHAKVCache(BaseKVCache):
         return copy_layout(self._view, self._page_size)
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_loc: torch.Tensor,
+        layer_id: int,
+        *,
+        k_scale=None,
+        v_scale=None,
     ) -> None:
+        """Write `k[i], v[i]` (`[n, local_kv_heads, head_dim]`) to token slot
+        `out_loc[i]` of layer `layer_id`. A float8 pool also takes float32,
+        float16 or bfloat16 k and v, written as `(k.float() / k_scale).to(dtype)`
+        (and v with `v_scale`) in the kernel; see `radixkv.kernel.store_cache`."""
         i = self._layer(layer_id, "layer_id")
         if self._store is _core.store_cache:
             # The caches are this pool's own views (no grad, no lazy negation):
             # the kernel checks only k, v and out_loc (pool_views, positional).
-            _core.store_cache(self._k_layers[i], self._v_layers[i], out_loc, k, v, True)
+            _core.store_cache(
+                self._k_layers[i], self._v_layers[i], out_loc, k, v, True, k_scale, v_scale
+            )
         else:
-            self._store(self._k_layers[i], self._v_layers[i], out_loc, k, v)
+            self._store(
+                self._k_layers[i], self._v_layers[i], out_loc, k, v,
+                k_scale=k_scale, v_scale=v_scale,
+            )
 
     @property
     def device(self) -> torch.device:
