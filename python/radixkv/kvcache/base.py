@@ -104,6 +104,9 @@ class KVCacheType(enum.Enum):
 
     MHA = "mha"
     """A key and a value of `[local_kv_heads, head_dim]` per token (MHA and GQA)."""
+    MLA = "mla"
+    """One latent row of `kv_lora_rank + qk_rope_head_dim` per token (DeepSeek's MLA):
+    the value is its first `kv_lora_rank` columns."""
 
 
 class BaseKVCache(ABC):
