@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <memory>
+#include <vector>
 #include <optional>
 #include <string>
 #include <thread>
@@ -76,7 +78,7 @@ constexpr unsigned kMaxStoreThreads = 2;
 // indices; after `Own`/`Pin` both run again, so no Python code runs between a
 // view and the store.
 template <typename CheckAll, typename ViewAll>
-void RunStoreCpu(Int32View& loc, std::initializer_list<Tensor*> tensors, CheckAll check_all,
+void RunStoreCpu(Int32View& loc, const std::vector<Tensor*>& tensors, CheckAll check_all,
                  ViewAll view_all) {
   check_all();
   FinishViews(loc);
@@ -101,46 +103,58 @@ void RunStoreCpu(Int32View& loc, std::initializer_list<Tensor*> tensors, CheckAl
 }
 
 void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
-                   py::handle v, bool pool_views, py::handle k_scale, py::handle v_scale) {
+                   py::handle v, bool pool_views, py::handle k_scale, py::handle v_scale,
+                   py::handle side) {
   // Step one for every argument (out_loc may be any 1-D integer input), then
   // step two: from here on no Python code runs until the store is done.
   ScaleArg ks(k_scale, "k_scale", kDLCPU), vs(v_scale, "v_scale", kDLCPU);
-  Int32View loc(out_loc, "out_loc");
   const Tensor::Checks cache_checks = pool_views ? Tensor::kTrusted : Tensor::kWritten;
+  SideArgs sides(side, cache_checks);
+  Int32View loc(out_loc, "out_loc");
   Tensor kc(k_cache, "k_cache", cache_checks), vc(v_cache, "v_cache", cache_checks);
   Tensor kt(k, "k"), vt(v, "v");
+  std::vector<Tensor*> tensors = sides.tensors();
+  tensors.insert(tensors.begin(), {&kc, &vc, &kt, &vt});
   RunStoreCpu(
-      loc, {&kc, &vc, &kt, &vt},
+      loc, tensors,
       [&] {
-        for (Tensor* t : {&kc, &vc, &kt, &vt}) t->Check();
+        for (Tensor* t : tensors) t->Check();
       },
       [&] {
-        for (Tensor* t : {&kc, &vc, &kt, &vt}) t->View();
+        for (Tensor* t : tensors) t->View();
         StoreParams p = CheckStoreTensors(kc, vc, kt, vt, ks, vs, kDLCPU);
+        sides.AddTo(&p, {&kc, &vc}, {&kt, &vt});
         SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
         return p;
       });
   MarkWritten(kc.object(), vc.object());
+  for (size_t i = 4; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
 }
 
 void StoreMlaCpu(py::handle kv_cache, py::handle out_loc, py::handle k_nope, py::handle k_rope,
-                 int64_t kv_lora_rank, bool pool_views, py::handle k_scale) {
+                 int64_t kv_lora_rank, bool pool_views, py::handle k_scale, py::handle side) {
   ScaleArg ks(k_scale, "k_scale", kDLCPU);
+  const Tensor::Checks cache_checks = pool_views ? Tensor::kTrusted : Tensor::kWritten;
+  SideArgs sides(side, cache_checks);
   Int32View loc(out_loc, "out_loc");
-  Tensor kv(kv_cache, "kv_cache", pool_views ? Tensor::kTrusted : Tensor::kWritten);
+  Tensor kv(kv_cache, "kv_cache", cache_checks);
   Tensor nope(k_nope, "k_nope"), rope(k_rope, "k_rope");
+  std::vector<Tensor*> tensors = sides.tensors();
+  tensors.insert(tensors.begin(), {&kv, &nope, &rope});
   RunStoreCpu(
-      loc, {&kv, &nope, &rope},
+      loc, tensors,
       [&] {
-        for (Tensor* t : {&kv, &nope, &rope}) t->Check();
+        for (Tensor* t : tensors) t->Check();
       },
       [&] {
-        for (Tensor* t : {&kv, &nope, &rope}) t->View();
+        for (Tensor* t : tensors) t->View();
         StoreParams p = CheckMlaTensors(kv, nope, rope, kv_lora_rank, ks, kDLCPU);
+        sides.AddTo(&p, {&kv}, {&nope, &rope});
         SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size(), "k_nope");
         return p;
       });
   MarkWritten(kv.object());
+  for (size_t i = 3; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
 }
 
 void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_lens,
@@ -467,6 +481,85 @@ StoreParams CheckMlaTensors(const Tensor& kv, const Tensor& k_nope, const Tensor
   return p;
 }
 
+SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
+  if (sides.is_none()) return;
+  KERNEL_CHECK_TYPE(PyTuple_Check(sides.ptr()) || PyList_Check(sides.ptr()),
+                    "side must be a sequence of (name, buffer, source), got ",
+                    Py_TYPE(sides.ptr())->tp_name);
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(sides);
+  const size_t count = static_cast<size_t>(py::len(seq));
+  names_.reserve(2 * count);  // the Tensors keep pointers into it: never reallocated
+  for (size_t i = 0; i < count; ++i) {
+    py::handle entry = seq[i];
+    KERNEL_CHECK_TYPE(PyTuple_Check(entry.ptr()) && PyTuple_GET_SIZE(entry.ptr()) == 3,
+                      "side[", i, "] must be a (name, buffer, source) tuple");
+    py::tuple t = py::reinterpret_borrow<py::tuple>(entry);
+    KERNEL_CHECK_TYPE(PyUnicode_Check(t[0].ptr()), "side[", i, "]'s name must be a str");
+    const std::string name = t[0].cast<std::string>();
+    names_.push_back("side[" + name + "]");
+    names_.push_back("side buffer " + name);
+    sources_.push_back(std::make_unique<Tensor>(t[2], names_[names_.size() - 2].c_str()));
+    buffers_.push_back(
+        std::make_unique<Tensor>(t[1], names_.back().c_str(), buffer_checks));
+  }
+}
+
+std::vector<Tensor*> SideArgs::tensors() {
+  std::vector<Tensor*> out;
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    out.push_back(buffers_[i].get());
+    out.push_back(sources_[i].get());
+  }
+  return out;
+}
+
+void SideArgs::AddTo(StoreParams* p, const std::vector<const Tensor*>& caches,
+                     const std::vector<const Tensor*>& sources) const {
+  const int64_t count = static_cast<int64_t>(buffers_.size());
+  KERNEL_CHECK_VALUE(p->num_sides + count <= kMaxStoreSides, "side has ", count,
+                     " buffers; a store writes at most ", kMaxStoreSides - p->num_sides,
+                     " beside its caches");
+  const ScaleArg none(py::none(), "scale", kDLCPU);
+  for (int64_t i = 0; i < count; ++i) {
+    const Tensor& buf = *buffers_[i];
+    const Tensor& src = *sources_[i];
+    buf.CheckSameDevice(*caches[0]);
+    KERNEL_CHECK_VALUE(buf.ndim() == 2, buf.name(), " must be [num_slots, row], got ",
+                       buf.ShapeString());
+    KERNEL_CHECK_VALUE(buf.size(0) == p->num_slots, buf.name(), " has ", buf.size(0),
+                       " slots but the cache has ", p->num_slots);
+    CheckCacheDType(buf);
+    buf.CheckLastContiguous();
+    CheckNoStride0(buf);
+    KERNEL_CHECK_TYPE(SameDType(src.dtype(), buf.dtype()), src.name(), " has dtype ",
+                      DTypeName(src.dtype()), " but ", buf.name(), " has dtype ",
+                      DTypeName(buf.dtype()));
+    p->side[p->num_sides] =
+        CheckStoreSide(buf, CacheLayout(buf), 0, src, 1, buf.size(1), true, none);
+    ++p->num_sides;
+    KERNEL_CHECK_VALUE(src.size(0) == p->num_tokens, src.name(), " has ", src.size(0),
+                       " tokens but ", sources[0]->name(), " has ", p->num_tokens);
+    // Sources are read while caches and buffers are written: none may meet.
+    for (const Tensor* c : caches) {
+      KERNEL_CHECK_VALUE(!src.Overlaps(*c), src.name(), " lies in the memory of ", c->name(),
+                         ": the store would overwrite rows it has yet to read");
+      KERNEL_CHECK_VALUE(!buf.Overlaps(*c), buf.name(), " lies in the memory of ", c->name());
+    }
+    for (const Tensor* x : sources) {
+      KERNEL_CHECK_VALUE(!x->Overlaps(buf), x->name(), " lies in the memory of ", buf.name(),
+                         ": the store would overwrite rows it has yet to read");
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      if (j == i) continue;
+      KERNEL_CHECK_VALUE(!sources_[j]->Overlaps(buf), sources_[j]->name(),
+                         " lies in the memory of ", buf.name(),
+                         ": the store would overwrite rows it has yet to read");
+      KERNEL_CHECK_VALUE(j < i || !buffers_[j]->Overlaps(buf), buffers_[j]->name(),
+                         " and ", buf.name(), " share memory: one would overwrite the other");
+    }
+  }
+}
+
 void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n,
                      const char* tokens_name) {
   KERNEL_CHECK_VALUE(n == p->num_tokens, "out_loc has length ", n, " but ", tokens_name, " has ",
@@ -562,10 +655,10 @@ void* CurrentStream(const DLDevice& device) {
 void RegisterKernels(py::module_& m) {
   m.def("store_cache", &StoreCacheCpu, py::arg("k_cache"), py::arg("v_cache"), py::arg("out_loc"),
         py::arg("k"), py::arg("v"), py::arg("pool_views") = false, py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
+        py::arg("v_scale") = py::none(), py::arg("side") = py::none());
   m.def("store_mla", &StoreMlaCpu, py::arg("kv_cache"), py::arg("out_loc"), py::arg("k_nope"),
         py::arg("k_rope"), py::arg("kv_lora_rank"), py::arg("pool_views") = false,
-        py::arg("k_scale") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("side") = py::none());
   m.def("first_mismatch_batched", &FirstMismatchBatchedCpu, py::arg("query"), py::arg("keys"),
         py::arg("key_lens"), py::arg("out"));
 }

@@ -21,9 +21,11 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "radixkv/store_index.h"
 #include "torch_api.h"
@@ -151,6 +153,31 @@ StoreParams CheckStoreTensors(const Tensor& k_cache, const Tensor& v_cache, cons
 StoreParams CheckMlaTensors(const Tensor& kv_cache, const Tensor& k_nope, const Tensor& k_rope,
                             int64_t kv_lora_rank, const ScaleArg& k_scale,
                             DLDeviceType device_type);
+
+/// The per-token side buffers of a pool a store also writes (`side` of
+/// store_cache and store_mla): a sequence of `(name, buffer, source)`, each
+/// buffer `[num_slots, W]` (a pool's layer view) and each source `[n, W]` of
+/// the buffer's dtype, copied as they are. Constructed before any tensor is
+/// checked; raises TypeError for anything but such triples.
+class SideArgs {
+ public:
+  SideArgs(pybind11::handle sides, Tensor::Checks buffer_checks);
+  SideArgs(const SideArgs&) = delete;
+  SideArgs& operator=(const SideArgs&) = delete;
+
+  /// Every tensor, buffers and sources, for Check, View and Pin.
+  std::vector<Tensor*> tensors();
+  /// Appends one side per entry to `p` (whose caches are `caches`, its
+  /// sources `sources`): checks shapes, dtypes, slot counts, token counts,
+  /// and that no source lies in a buffer or cache and no buffer in a cache.
+  /// Raises ValueError when `p` would have more than kMaxStoreSides sides.
+  void AddTo(StoreParams* p, const std::vector<const Tensor*>& caches,
+             const std::vector<const Tensor*>& sources) const;
+
+ private:
+  std::vector<std::string> names_;  // "side[<name>]" and "side buffer <name>", two per entry
+  std::vector<std::unique_ptr<Tensor>> buffers_, sources_;
+};
 
 /// Sets the indices of `p`: `n` slots of `type` at `data`; raises ValueError
 /// unless `n` equals the tokens of the source named `tokens_name`.

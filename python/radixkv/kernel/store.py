@@ -47,6 +47,7 @@ def store_cache(
     *,
     k_scale=None,
     v_scale=None,
+    side=None,
     check_bounds: bool = True,
 ) -> None:
     """Write `k[i]` and `v[i]` to token slot `out_loc[i]` of `k_cache` and `v_cache`.
@@ -87,23 +88,28 @@ def store_cache(
     scale where nothing is converted (a non-float8 cache, or k already in the
     cache's dtype) raises ValueError; any other dtype pair raises TypeError.
     Same-dtype stores copy bytes as they are.
+
+    `side`: more rows written by the same kernel call, a sequence of up to 6
+    `(name, buffer, source)`: `buffer` `[num_slots, W]` (the caches' slots),
+    `source` `[n, W]` of its dtype, so `buffer[out_loc[i]] = source[i]`.
+    Errors name `side[<name>]` and `side buffer <name>`.
     """
     if getattr(k_cache, "is_cuda", False):
         if not isinstance(out_loc, torch.Tensor):
             out_loc = _core.int32_tensor(out_loc, "out_loc").to(k_cache.device)
         module = _cuda()
         if module is None:
-            return _store_torch(k_cache, v_cache, out_loc, k, v, k_scale, v_scale)
+            return _store_torch(k_cache, v_cache, out_loc, k, v, k_scale, v_scale, side=side)
         if check_bounds:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("store_cache cannot check slots while a CUDA graph is being "
                                    "captured (it would synchronize): pass check_bounds=False")
             _check_slots(k_cache, out_loc)
             _check_device_scales(("k_scale", k_scale), ("v_scale", v_scale))
-        return module.store_cache(k_cache, v_cache, out_loc, k, v, k_scale, v_scale)
+        return module.store_cache(k_cache, v_cache, out_loc, k, v, k_scale, v_scale, side)
     if getattr(k_cache, "is_cpu", True):
-        return _core.store_cache(k_cache, v_cache, out_loc, k, v, False, k_scale, v_scale)
-    return _store_torch(k_cache, v_cache, out_loc, k, v, k_scale, v_scale)
+        return _core.store_cache(k_cache, v_cache, out_loc, k, v, False, k_scale, v_scale, side)
+    return _store_torch(k_cache, v_cache, out_loc, k, v, k_scale, v_scale, side=side)
 
 
 def store_mla(
@@ -114,6 +120,7 @@ def store_mla(
     kv_lora_rank: int,
     *,
     k_scale=None,
+    side=None,
     check_bounds: bool = True,
 ) -> None:
     """Write `k_nope[i]` and `k_rope[i]` side by side into token slot
@@ -128,24 +135,27 @@ def store_mla(
     `rows = kv_cache.view(-1, R); rows[out_loc, :kv_lora_rank] = k_nope;
     rows[out_loc, kv_lora_rank:] = k_rope`. A float8 cache fed floats
     divides both by `k_scale` (see store_cache). Slots, errors, streams and
-    `check_bounds` as in store_cache; errors name k_nope, k_rope, kv_cache.
+    `check_bounds` and `side` as in store_cache; errors name k_nope, k_rope,
+    kv_cache.
     """
     if getattr(kv_cache, "is_cuda", False):
         if not isinstance(out_loc, torch.Tensor):
             out_loc = _core.int32_tensor(out_loc, "out_loc").to(kv_cache.device)
         module = _cuda()
         if module is None:
-            return _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale)
+            return _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale,
+                                    side)
         if check_bounds:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("store_mla cannot check slots while a CUDA graph is being "
                                    "captured (it would synchronize): pass check_bounds=False")
             _check_slots(kv_cache, out_loc)
             _check_device_scales(("k_scale", k_scale))
-        return module.store_mla(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale)
+        return module.store_mla(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale, side)
     if getattr(kv_cache, "is_cpu", True):
-        return _core.store_mla(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, False, k_scale)
-    return _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale)
+        return _core.store_mla(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, False, k_scale,
+                               side)
+    return _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale, side)
 
 
 def _check_device_scales(*scales) -> None:
@@ -191,7 +201,8 @@ def _scaled(x: torch.Tensor, cache: torch.Tensor, scale, name: str, scale_name: 
     return (x.float() / value.to(x.device)).to(cache.dtype)
 
 
-def _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale) -> None:
+def _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale,
+                     side=None) -> None:
     """store_mla through torch indexing, for devices without a native kernel."""
     for name, t in (("kv_cache", kv_cache), ("out_loc", out_loc), ("k_nope", k_nope),
                     ("k_rope", k_rope)):
@@ -217,7 +228,7 @@ def _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale) -
     caches = (kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:])
     shaped = [x.reshape((x.shape[0],) + tuple(c.shape[2:] if c.dim() == 4 else c.shape[1:]))
               for x, c in zip(parts, caches)]
-    _store_torch(caches[0], caches[1], out_loc, shaped[0], shaped[1],
+    _store_torch(caches[0], caches[1], out_loc, shaped[0], shaped[1], side=side,
                  _widths_differ=True)
 
 
@@ -272,7 +283,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _store_torch(k_cache, v_cache, out_loc, k, v, k_scale=None, v_scale=None, *,
+def _store_torch(k_cache, v_cache, out_loc, k, v, k_scale=None, v_scale=None, *, side=None,
                  _widths_differ=False) -> None:
     """The same store through torch indexing, for devices without a native kernel
     (`_widths_differ`: MLA's two halves, whose caches differ in width)."""
@@ -327,7 +338,10 @@ def _store_torch(k_cache, v_cache, out_loc, k, v, k_scale=None, v_scale=None, *,
         raise ValueError(f"{name} requires grad, and a KV cache is written in place: pass "
                          f"{name}.detach()")
     _check_slots(k_cache, out_loc)
+    sides = _check_sides_torch(side, k_cache, k.shape[0])
     loc = out_loc.long()
+    for buf, src in sides:
+        buf[loc] = src
     if k_cache.dim() == 4:
         page = k_cache.shape[1]
         k_cache[loc // page, loc % page] = k
@@ -335,3 +349,39 @@ def _store_torch(k_cache, v_cache, out_loc, k, v, k_scale=None, v_scale=None, *,
     else:
         k_cache[loc] = k
         v_cache[loc] = v
+
+
+def _check_sides_torch(side, k_cache, num_tokens):
+    """The (buffer, source) pairs of `side` for the torch path, checked as the
+    kernel checks them."""
+    if side is None:
+        return []
+    if not isinstance(side, (list, tuple)):
+        raise TypeError(f"side must be a sequence of (name, buffer, source), got "
+                        f"{type(side).__name__}")
+    if len(side) > 6:
+        raise ValueError(f"side has {len(side)} buffers; a store writes at most 6 beside its "
+                         "caches")
+    pairs = []
+    slots = _num_slots(k_cache)
+    for i, entry in enumerate(side):
+        if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)):
+            raise TypeError(f"side[{i}] must be a (name, buffer, source) tuple")
+        name, buf, src = entry
+        for what, t in ((f"side buffer {name}", buf), (f"side[{name}]", src)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != k_cache.device:
+                raise TypeError(f"{what} must be on {k_cache.device}, got {t.device}")
+        if buf.dim() != 2 or buf.shape[0] != slots:
+            raise ValueError(f"side buffer {name} must be [{slots}, row], got {list(buf.shape)}")
+        if src.dtype != buf.dtype:
+            raise TypeError(f"side[{name}] has dtype {_dtype_name(src.dtype)} but side buffer "
+                            f"{name} has dtype {_dtype_name(buf.dtype)}")
+        if src.dim() != 2 or src.shape[1] != buf.shape[1]:
+            raise ValueError(f"side[{name}] must have shape [num_tokens, {buf.shape[1]}], got "
+                             f"{list(src.shape)}")
+        if src.shape[0] != num_tokens:
+            raise ValueError(f"side[{name}] has {src.shape[0]} tokens but k has {num_tokens}")
+        pairs.append((buf, src))
+    return pairs

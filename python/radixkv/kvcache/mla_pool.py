@@ -11,7 +11,7 @@ from radixkv import _core
 from radixkv._checks import as_count as _count
 from radixkv._checks import as_int as _checks_int
 from radixkv.kernel import store_mla
-from radixkv.kvcache.base import BaseKVCache, KVCacheLayout
+from radixkv.kvcache.base import BaseKVCache, KVCacheLayout, SideBuffers
 from radixkv.kvcache.mha_pool import DTypeLike, _dtype, _layout, resolve_tp_size
 
 
@@ -36,7 +36,7 @@ class MLACopyLayout(NamedTuple):
     num_sides: int
 
 
-class MLAKVCache(BaseKVCache):
+class MLAKVCache(SideBuffers, BaseKVCache):
     """The latent K/V of multi-head latent attention (DeepSeek's MLA) for every
     layer in one preallocated, zero-filled buffer, as SGLang's
     MLATokenToKVPool stores it.
@@ -57,6 +57,8 @@ class MLAKVCache(BaseKVCache):
     one kernel call (`radixkv.kernel.store_mla`): the native CPU kernel on
     the CPU, the CUDA kernel on CUDA. A float8 pool also takes float32,
     float16 or bfloat16 parts, divided by `k_scale` and rounded in the kernel.
+    Side buffers (`register_side_buffer`, see SideBuffers) are written by the
+    same call: `store_kv(..., side={name: rows})`.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class MLAKVCache(BaseKVCache):
         self._v_layers = tuple(k[..., : self._kv_lora_rank] for k in self._k_layers)
         self._layer_wait = None
         self._device = self._kv_buffer.device
+        self._init_side_buffers()
         if self._device.type == "cpu":
             self._store = None  # the native kernel, called directly
         else:
@@ -129,22 +132,26 @@ class MLAKVCache(BaseKVCache):
         layer_id: int,
         *,
         k_scale=None,
+        side=None,
     ) -> None:
         """Write `k_nope[i]` (`[n, 1, kv_lora_rank]` or `[n, kv_lora_rank]`) and
         `k_rope[i]` (`[n, 1, qk_rope_head_dim]` or `[n, qk_rope_head_dim]`) into
         the row of token slot `out_loc[i]` of layer `layer_id`, side by side, in
         one kernel call. Their rows may be strided (slices of a fused
         projection). A float8 pool fed float32/float16/bfloat16 writes
-        `(x.float() / k_scale).to(dtype)` for both parts."""
+        `(x.float() / k_scale).to(dtype)` for both parts. `side` ({name: rows
+        of [n, *row_shape]}) writes registered side buffers in the same call."""
         i = self._layer(layer_id, "layer_id")
+        sides = None if side is None else self._side_args(side, i)
         if self._store is None:
             # This pool's own view (no grad, no lazy negation): pool_views.
             _core.store_mla(
-                self._k_layers[i], out_loc, k_nope, k_rope, self._kv_lora_rank, True, k_scale
+                self._k_layers[i], out_loc, k_nope, k_rope, self._kv_lora_rank, True, k_scale,
+                sides,
             )
         else:
             self._store(self._k_layers[i], out_loc, k_nope, k_rope, self._kv_lora_rank,
-                        k_scale=k_scale)
+                        k_scale=k_scale, side=sides)
 
     def copy_layout(self) -> MLACopyLayout:
         """Where this pool's rows lie, for the copy engine of a host tier (see
