@@ -5,7 +5,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <initializer_list>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <optional>
@@ -22,7 +24,10 @@ using radixkv::bindings::EngineBox;
 using radixkv::bindings::kEngineCapsule;
 using radixkv::bindings::ReadPool;
 using radixkv::bindings::CheckCompareArgs;
+using radixkv::bindings::CheckMlaTensors;
 using radixkv::bindings::CheckStoreTensors;
+using radixkv::bindings::ScaleArg;
+using radixkv::bindings::SideArgs;
 using radixkv::bindings::CurrentStream;
 using radixkv::bindings::MarkWritten;
 using radixkv::bindings::SetStoreIndices;
@@ -58,22 +63,64 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
+// Launches a checked store on the current stream of `cache`'s device.
+void LaunchStoreOn(const Tensor& cache, const radixkv::StoreParams& p) {
+  if (p.num_tokens == 0) return;
+  DeviceGuard guard(cache.device().device_id);
+  auto stream = static_cast<cudaStream_t>(CurrentStream(cache.device()));
+  CheckCuda(radixkv::cuda::LaunchStore(p, stream), "store launch");
+}
+
+// Step one, then step two, for every tensor of a call (scales included).
+void CheckAndView(const std::vector<Tensor*>& tensors, std::initializer_list<ScaleArg*> scales) {
+  for (Tensor* t : tensors) t->Check();
+  for (ScaleArg* s : scales) {
+    if (s->tensor()) s->tensor()->Check();
+  }
+  for (Tensor* t : tensors) t->View();
+  for (ScaleArg* s : scales) {
+    if (s->tensor()) s->tensor()->View();
+  }
+}
+
 // The GIL is held throughout: the launch is asynchronous, and torch's stream
 // order keeps the tensors' memory alive for the kernel.
 void Kernel_StoreCache(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
-                       py::handle v) {
+                       py::handle v, py::handle k_scale, py::handle v_scale, py::handle side) {
+  ScaleArg ks(k_scale, "k_scale", kDLCUDA), vs(v_scale, "v_scale", kDLCUDA);
+  SideArgs sides(side, Tensor::kWritten);
   Tensor kc(k_cache, "k_cache", Tensor::kWritten), vc(v_cache, "v_cache", Tensor::kWritten);
   Tensor loc(out_loc, "out_loc");
   Tensor kt(k, "k"), vt(v, "v");
-  for (Tensor* t : {&kc, &vc, &loc, &kt, &vt}) t->Check();
-  for (Tensor* t : {&kc, &vc, &loc, &kt, &vt}) t->View();
-  radixkv::StoreParams p = CheckStoreTensors(kc, vc, kt, vt, kDLCUDA);
+  std::vector<Tensor*> tensors = sides.tensors();
+  tensors.insert(tensors.begin(), {&kc, &vc, &loc, &kt, &vt});
+  CheckAndView(tensors, {&ks, &vs});
+  radixkv::StoreParams p = CheckStoreTensors(kc, vc, kt, vt, ks, vs, kDLCUDA);
+  sides.AddTo(&p, {&kc, &vc}, {&kt, &vt});
   SetStoreIndices(&p, loc, kc);
   if (p.num_tokens == 0) return;
-  DeviceGuard guard(kc.device().device_id);
-  auto stream = static_cast<cudaStream_t>(CurrentStream(kc.device()));
-  CheckCuda(radixkv::cuda::LaunchStore(p, stream), "store_cache launch");
+  LaunchStoreOn(kc, p);
   MarkWritten(k_cache, v_cache);
+  for (size_t i = 5; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
+}
+
+void Kernel_StoreMla(py::handle kv_cache, py::handle out_loc, py::handle k_nope, py::handle k_rope,
+                     int64_t kv_lora_rank, py::handle k_scale, py::handle side) {
+  ScaleArg ks(k_scale, "k_scale", kDLCUDA);
+  SideArgs sides(side, Tensor::kWritten);
+  Tensor kv(kv_cache, "kv_cache", Tensor::kWritten);
+  Tensor loc(out_loc, "out_loc");
+  Tensor nope(k_nope, "k_nope"), rope(k_rope, "k_rope");
+  std::vector<Tensor*> tensors = sides.tensors();
+  tensors.insert(tensors.begin(), {&kv, &loc, &nope, &rope});
+  CheckAndView(tensors, {&ks});
+  radixkv::StoreParams p = CheckMlaTensors(kv, nope, rope, kv_lora_rank, ks, kDLCUDA);
+  sides.AddTo(&p, {&kv}, {&nope, &rope});
+  SetStoreIndices(&p, loc, kv, "k_nope");
+  if (p.num_tokens == 0) return;
+  LaunchStoreOn(kv, p);
+  MarkWritten(kv_cache);
+  for (size_t i = 4; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
 }
 
 void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle key_lens,
@@ -137,7 +184,11 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("host_layout"), py::arg("row_bytes"), py::arg("layers"),
         py::arg("max_blocks") = 16);
   m.def("store_cache", &Kernel_StoreCache, py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("out_loc"), py::arg("k"), py::arg("v"));
+        py::arg("out_loc"), py::arg("k"), py::arg("v"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::arg("side") = py::none());
+  m.def("store_mla", &Kernel_StoreMla, py::arg("kv_cache"), py::arg("out_loc"), py::arg("k_nope"),
+        py::arg("k_rope"), py::arg("kv_lora_rank"), py::arg("k_scale") = py::none(),
+        py::arg("side") = py::none());
   m.def("first_mismatch_batched", &Kernel_FirstMismatchBatched, py::arg("query"), py::arg("keys"),
         py::arg("key_lens"), py::arg("out"));
 }

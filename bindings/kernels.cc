@@ -4,6 +4,10 @@
 #include "torch_api.h"
 
 #include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <memory>
+#include <vector>
 #include <optional>
 #include <string>
 #include <thread>
@@ -69,31 +73,25 @@ constexpr int64_t kReleaseGilBytes = int64_t{1} << 20;
 // was measured (bench/README.md).
 constexpr unsigned kMaxStoreThreads = 2;
 
-void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
-                   py::handle v, bool pool_views) {
-  // Step one for every argument (out_loc may be any 1-D integer input), then
-  // step two: from here on no Python code runs until the store is done.
-  Int32View loc(out_loc, "out_loc");
-  const Tensor::Checks cache_checks = pool_views ? Tensor::kTrusted : Tensor::kWritten;
-  Tensor kc(k_cache, "k_cache", cache_checks), vc(v_cache, "v_cache", cache_checks);
-  Tensor kt(k, "k"), vt(v, "v");
-  Tensor* tensors[4] = {&kc, &vc, &kt, &vt};
-  for (Tensor* t : tensors) t->Check();
+// Runs a checked store on the CPU. `check_all` runs step one (Check) on every
+// tensor, `view_all` step two (View) and returns the parameters with their
+// indices; after `Own`/`Pin` both run again, so no Python code runs between a
+// view and the store.
+template <typename CheckAll, typename ViewAll>
+void RunStoreCpu(Int32View& loc, const std::vector<Tensor*>& tensors, CheckAll check_all,
+                 ViewAll view_all) {
+  check_all();
   FinishViews(loc);
-  for (Tensor* t : tensors) t->View();
-  StoreParams p = CheckStoreTensors(kc, vc, kt, vt, kDLCPU);
-  SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
+  StoreParams p = view_all();
   StoreCheck check;
-  if (4 * p.num_tokens * p.heads * p.head_bytes >= kReleaseGilBytes) {
+  if (2 * p.num_tokens * RowBytes(p) >= kReleaseGilBytes) {
     // Other threads run while the rows are copied: own everything first.
     static const int threads =
         static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, kMaxStoreThreads));
     loc.Own();
     for (Tensor* t : tensors) t->Pin();
-    for (Tensor* t : tensors) t->Check();
-    for (Tensor* t : tensors) t->View();
-    p = CheckStoreTensors(kc, vc, kt, vt, kDLCPU);
-    SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
+    check_all();
+    p = view_all();
     py::gil_scoped_release nogil;
     check = StoreRows(p, threads);
   } else {
@@ -102,7 +100,61 @@ void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, p
   if (check.kind != StoreCheck::kOk) {
     RaiseBadIndex(check.position, check.slot, check.kind == StoreCheck::kRepeated, p.num_slots);
   }
+}
+
+void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, py::handle k,
+                   py::handle v, bool pool_views, py::handle k_scale, py::handle v_scale,
+                   py::handle side) {
+  // Step one for every argument (out_loc may be any 1-D integer input), then
+  // step two: from here on no Python code runs until the store is done.
+  ScaleArg ks(k_scale, "k_scale", kDLCPU), vs(v_scale, "v_scale", kDLCPU);
+  const Tensor::Checks cache_checks = pool_views ? Tensor::kTrusted : Tensor::kWritten;
+  SideArgs sides(side, cache_checks);
+  Int32View loc(out_loc, "out_loc");
+  Tensor kc(k_cache, "k_cache", cache_checks), vc(v_cache, "v_cache", cache_checks);
+  Tensor kt(k, "k"), vt(v, "v");
+  std::vector<Tensor*> tensors = sides.tensors();
+  tensors.insert(tensors.begin(), {&kc, &vc, &kt, &vt});
+  RunStoreCpu(
+      loc, tensors,
+      [&] {
+        for (Tensor* t : tensors) t->Check();
+      },
+      [&] {
+        for (Tensor* t : tensors) t->View();
+        StoreParams p = CheckStoreTensors(kc, vc, kt, vt, ks, vs, kDLCPU);
+        sides.AddTo(&p, {&kc, &vc}, {&kt, &vt});
+        SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
+        return p;
+      });
   MarkWritten(kc.object(), vc.object());
+  for (size_t i = 4; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
+}
+
+void StoreMlaCpu(py::handle kv_cache, py::handle out_loc, py::handle k_nope, py::handle k_rope,
+                 int64_t kv_lora_rank, bool pool_views, py::handle k_scale, py::handle side) {
+  ScaleArg ks(k_scale, "k_scale", kDLCPU);
+  const Tensor::Checks cache_checks = pool_views ? Tensor::kTrusted : Tensor::kWritten;
+  SideArgs sides(side, cache_checks);
+  Int32View loc(out_loc, "out_loc");
+  Tensor kv(kv_cache, "kv_cache", cache_checks);
+  Tensor nope(k_nope, "k_nope"), rope(k_rope, "k_rope");
+  std::vector<Tensor*> tensors = sides.tensors();
+  tensors.insert(tensors.begin(), {&kv, &nope, &rope});
+  RunStoreCpu(
+      loc, tensors,
+      [&] {
+        for (Tensor* t : tensors) t->Check();
+      },
+      [&] {
+        for (Tensor* t : tensors) t->View();
+        StoreParams p = CheckMlaTensors(kv, nope, rope, kv_lora_rank, ks, kDLCPU);
+        sides.AddTo(&p, {&kv}, {&nope, &rope});
+        SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size(), "k_nope");
+        return p;
+      });
+  MarkWritten(kv.object());
+  for (size_t i = 3; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
 }
 
 void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_lens,
@@ -231,8 +283,129 @@ void Tensor::CheckLastContiguous() const {
                      strides_[ndim_ - 1], "; pass ", name_, ".contiguous()");
 }
 
+namespace {
+
+bool IsFloat8(const DLDataType& d) {
+  return d.lanes == 1 && d.bits == 8 && (d.code == kDLFloat8_e4m3fn || d.code == kDLFloat8_e5m2);
+}
+
+// The source type a float8 cache converts from, or kNone.
+SourceFloat ConvertibleSource(const DLDataType& d) {
+  if (d.lanes != 1) return SourceFloat::kNone;
+  if (d.code == kDLFloat && d.bits == 32) return SourceFloat::kFloat32;
+  if (d.code == kDLFloat && d.bits == 16) return SourceFloat::kFloat16;
+  if (d.code == kDLBfloat && d.bits == 16) return SourceFloat::kBFloat16;
+  return SourceFloat::kNone;
+}
+
+void CheckCacheDType(const Tensor& c) {
+  const DLDataType& dt = c.dtype();
+  KERNEL_CHECK_TYPE(dt.lanes == 1 && dt.bits % 8 == 0 && dt.bits > 0, c.name(), " has dtype ",
+                    DTypeName(dt), ", which is not whole bytes");
+  KERNEL_CHECK_TYPE(dt.code != kDLComplex, c.name(), " has dtype ", DTypeName(dt),
+                    ": complex K/V is not supported");
+}
+
+void CheckNoStride0(const Tensor& c) {
+  for (int d = 0; d < c.ndim(); ++d) {
+    KERNEL_CHECK_VALUE(c.stride(d) != 0 || c.size(d) <= 1, c.name(), " has stride 0 in dimension ",
+                       d, ": an expanded tensor would write one place many times");
+  }
+}
+
+}  // namespace
+
+ScaleArg::ScaleArg(py::handle obj, const char* name, DLDeviceType device_type) : name_(name) {
+  if (obj.is_none()) return;
+  given_ = true;
+  PyObject* o = obj.ptr();
+  double value = 0;
+  if (IsTorchTensor(o)) {
+    py::object t = py::reinterpret_borrow<py::object>(obj);
+    const int64_t numel = t.attr("numel")().cast<int64_t>();
+    KERNEL_CHECK_VALUE(numel == 1, name, " must be a number or a one-element tensor, got a tensor "
+                       "of ", numel, " elements");
+    KERNEL_CHECK_TYPE(t.attr("is_floating_point")().cast<bool>(), name,
+                      " must be a floating tensor, got dtype ",
+                      py::str(t.attr("dtype")).cast<std::string>());
+    if (device_type == kDLCUDA && t.attr("is_cuda").cast<bool>()) {
+      tensor_.emplace(obj, name);
+      return;  // read by the kernel; checked with the other tensors
+    }
+    value = t.attr("item")().cast<double>();
+  } else {
+    // A number: what has float() or index() (not a string, which float() parses).
+    const PyNumberMethods* num = Py_TYPE(o)->tp_as_number;
+    const bool numeric = num != nullptr && (num->nb_float != nullptr || num->nb_index != nullptr);
+    KERNEL_CHECK_TYPE(numeric && !PyBool_Check(o), name,
+                      " must be a number or a one-element tensor, got ", Py_TYPE(o)->tp_name);
+    PyObject* f = PyNumber_Float(o);
+    if (f == nullptr) {
+      PyErr_Clear();
+      throw Error(ErrorCode::kWrongType, StrCat(name, " must be a number or a one-element tensor, "
+                                                "got ", Py_TYPE(o)->tp_name));
+    }
+    value = PyFloat_AS_DOUBLE(f);
+    Py_DECREF(f);
+  }
+  value_ = static_cast<float>(value);  // rounds to nearest, as torch does a Python scalar
+  KERNEL_CHECK_VALUE(value_ > 0 && std::isfinite(value_), name,
+                     " must be positive and finite in float32, got ", value);
+}
+
+StoreSide CheckStoreSide(const Tensor& cache, const RowLayout& cache_layout, int64_t col_offset,
+                         const Tensor& src, int64_t heads, int64_t head_dim, bool flat_src,
+                         const ScaleArg& scale) {
+  src.CheckSameDevice(cache);
+  const DLDataType& dt = cache.dtype();
+  StoreSide side{};
+  if (!SameDType(src.dtype(), dt)) {
+    side.source = IsFloat8(dt) ? ConvertibleSource(src.dtype()) : SourceFloat::kNone;
+    KERNEL_CHECK_TYPE(side.source != SourceFloat::kNone, src.name(), " has dtype ",
+                      DTypeName(src.dtype()), " but ", cache.name(), " has dtype ", DTypeName(dt),
+                      IsFloat8(dt) ? " (a float8 cache also takes float32, float16 or bfloat16)"
+                                   : "");
+    side.format = dt.code == kDLFloat8_e4m3fn ? Float8Format::kE4M3Fn : Float8Format::kE5M2;
+    side.scale = scale.value();
+    if (const Tensor* t = scale.tensor()) {
+      t->CheckSameDevice(cache);
+      KERNEL_CHECK_TYPE(SameDType(t->dtype(), DLDataType{kDLFloat, 32, 1}), scale.name(),
+                        " on ", DeviceName(t->device()), " must have dtype float32, got ",
+                        DTypeName(t->dtype()));
+      side.scale_ptr = reinterpret_cast<const float*>(t->data());
+    }
+  } else if (scale.given()) {
+    KERNEL_CHECK_VALUE(false, scale.name(), " is given, but ", src.name(), " already has ",
+                       cache.name(), "'s dtype ", DTypeName(dt), " and is copied as it is (a "
+                       "scale applies when a float8 cache is fed float32, float16 or bfloat16)");
+  }
+  const int64_t rank = flat_src ? 2 : 3;
+  if (flat_src) {
+    KERNEL_CHECK_VALUE(src.ndim() == 2 && src.size(1) == head_dim, src.name(),
+                       " must have shape [num_tokens, ", head_dim, "], got ", src.ShapeString());
+  } else {
+    KERNEL_CHECK_VALUE(src.ndim() == rank, src.name(), " must have shape [num_tokens, ", heads,
+                       ", ", head_dim, "], got ", src.ShapeString());
+    KERNEL_CHECK_VALUE(src.size(1) == heads && src.size(2) == head_dim, src.name(), " has shape ",
+                       src.ShapeString(), " but the cache rows are [", heads, ", ", head_dim, "]");
+  }
+  src.CheckLastContiguous();
+  KERNEL_CHECK_VALUE(!src.Overlaps(cache), src.name(), " lies in the memory of ", cache.name(),
+                     ": the store would overwrite rows it has yet to read");
+  const int64_t se = src.elem_bytes(), ce = cache.elem_bytes();
+  side.src = src.data();
+  side.dst = cache.data() + col_offset * ce;
+  const int64_t src_head_stride = flat_src ? head_dim * se : src.stride(1) * se;
+  side.src_layout = RowLayout{1, src.stride(0) * se, src.stride(0) * se, src_head_stride};
+  side.dst_layout = cache_layout;
+  side.heads = heads;
+  side.head_bytes = head_dim * ce;
+  return side;
+}
+
 StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& k,
-                              const Tensor& v, DLDeviceType device_type) {
+                              const Tensor& v, const ScaleArg& k_scale, const ScaleArg& v_scale,
+                              DLDeviceType device_type) {
   kc.CheckDevice(device_type);
   for (const Tensor* t : {&vc, &k, &v}) t->CheckSameDevice(kc);
 
@@ -242,42 +415,24 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
                      kc.ShapeString());
   KERNEL_CHECK_VALUE(vc.ShapeString() == kc.ShapeString(), "v_cache has shape ", vc.ShapeString(),
                      " but k_cache has shape ", kc.ShapeString());
-  const DLDataType& dt = kc.dtype();
-  KERNEL_CHECK_TYPE(dt.lanes == 1 && dt.bits % 8 == 0 && dt.bits > 0, "k_cache has dtype ",
-                    DTypeName(dt), ", which is not whole bytes");
-  KERNEL_CHECK_TYPE(dt.code != kDLComplex, "k_cache has dtype ", DTypeName(dt),
-                    ": complex K/V is not supported");
-  for (const Tensor* t : {&vc, &k, &v}) {
-    KERNEL_CHECK_TYPE(SameDType(t->dtype(), dt), t->name(), " has dtype ", DTypeName(t->dtype()),
-                      " but k_cache has dtype ", DTypeName(dt));
-  }
+  CheckCacheDType(kc);
+  KERNEL_CHECK_TYPE(SameDType(vc.dtype(), kc.dtype()), "v_cache has dtype ",
+                    DTypeName(vc.dtype()), " but k_cache has dtype ", DTypeName(kc.dtype()));
   const bool rows = kc.ndim() == 2;  // mini-SGLang's [num_slots, row] caches
   const int64_t heads = rows ? 1 : kc.size(kc.ndim() - 2), head_dim = kc.size(kc.ndim() - 1);
-  for (const Tensor* t : {&k, &v}) {
-    if (rows) {
-      KERNEL_CHECK_VALUE(t->ndim() == 2 && t->size(1) == head_dim, t->name(),
-                         " must have shape [num_tokens, ", head_dim, "] like the cache rows, got ",
-                         t->ShapeString());
-      continue;
-    }
-    KERNEL_CHECK_VALUE(t->ndim() == 3, t->name(), " must have shape [num_tokens, ", heads, ", ",
-                       head_dim, "], got ", t->ShapeString());
-    KERNEL_CHECK_VALUE(t->size(1) == heads && t->size(2) == head_dim, t->name(), " has shape ",
-                       t->ShapeString(), " but the cache rows are [", heads, ", ", head_dim, "]");
-  }
+  StoreParams p{};
+  p.num_sides = 2;
+  p.side[0] = CheckStoreSide(kc, CacheLayout(kc), 0, k, heads, head_dim, rows, k_scale);
+  p.side[1] = CheckStoreSide(vc, CacheLayout(vc), 0, v, heads, head_dim, rows, v_scale);
   KERNEL_CHECK_VALUE(v.size(0) == k.size(0), "v has ", v.size(0), " tokens but k has ", k.size(0));
-  for (const Tensor* t : {&kc, &vc, &k, &v}) t->CheckLastContiguous();
   for (const Tensor* c : {&kc, &vc}) {
-    for (int d = 0; d < c->ndim(); ++d) {
-      KERNEL_CHECK_VALUE(c->stride(d) != 0 || c->size(d) <= 1, c->name(), " has stride 0 in dimension ",
-                         d, ": an expanded tensor would write one place many times");
-    }
+    c->CheckLastContiguous();
+    CheckNoStride0(*c);
   }
   for (const Tensor* x : {&k, &v}) {
-    for (const Tensor* c : {&kc, &vc}) {
-      KERNEL_CHECK_VALUE(!x->Overlaps(*c), x->name(), " lies in the memory of ", c->name(),
-                         ": the store would overwrite rows it has yet to read");
-    }
+    const Tensor& other = x == &k ? vc : kc;
+    KERNEL_CHECK_VALUE(!x->Overlaps(other), x->name(), " lies in the memory of ", other.name(),
+                       ": the store would overwrite rows it has yet to read");
   }
   // K and V caches may interleave (pages holding both), so only the same rows
   // twice is refused: v would overwrite k.
@@ -285,38 +440,144 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
   for (int d = 0; same && d < kc.ndim(); ++d) same = kc.stride(d) == vc.stride(d);
   KERNEL_CHECK_VALUE(!same, "v_cache is the same memory as k_cache: the store would write v "
                      "over k");
-
-  StoreParams p{};
-  p.src[0] = k.data();
-  p.src[1] = v.data();
-  p.dst[0] = kc.data();
-  p.dst[1] = vc.data();
-  p.src_layout[0] = TokenLayout(k);
-  p.src_layout[1] = TokenLayout(v);
-  p.dst_layout[0] = CacheLayout(kc);
-  p.dst_layout[1] = CacheLayout(vc);
-  p.heads = heads;
-  p.head_bytes = head_dim * kc.elem_bytes();
   p.num_tokens = k.size(0);
   p.num_slots = kc.ndim() == 4 ? kc.size(0) * kc.size(1) : kc.size(0);
   return p;
 }
 
-void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n) {
-  KERNEL_CHECK_VALUE(n == p->num_tokens, "out_loc has length ", n, " but k has ", p->num_tokens,
-                     " tokens");
+StoreParams CheckMlaTensors(const Tensor& kv, const Tensor& k_nope, const Tensor& k_rope,
+                            int64_t kv_lora_rank, const ScaleArg& k_scale,
+                            DLDeviceType device_type) {
+  kv.CheckDevice(device_type);
+  KERNEL_CHECK_VALUE((kv.ndim() >= 2 && kv.ndim() <= 4) &&
+                         (kv.ndim() == 2 || kv.size(kv.ndim() - 2) == 1),
+                     "kv_cache must have shape [num_pages, page_size, 1, row], [num_slots, 1, "
+                     "row] or [num_slots, row], got ", kv.ShapeString());
+  CheckCacheDType(kv);
+  const int64_t row = kv.size(kv.ndim() - 1);
+  KERNEL_CHECK_VALUE(kv_lora_rank > 0 && kv_lora_rank < row, "kv_lora_rank=", kv_lora_rank,
+                     " must leave both parts of kv_cache's rows of ", row, " non-empty");
+  const int64_t rope = row - kv_lora_rank;
+  // A 2-D row cache is one head of the whole row (see CacheLayout): here each
+  // side is a run of its own width inside it.
+  RowLayout layout = CacheLayout(kv);
+  layout.head_stride = row * kv.elem_bytes();
+  for (const Tensor* x : {&k_nope, &k_rope}) {
+    KERNEL_CHECK_VALUE(x->ndim() == 2 || x->ndim() == 3, x->name(), " must have shape "
+                       "[num_tokens, 1, ", x == &k_nope ? kv_lora_rank : rope, "] or [num_tokens, ",
+                       x == &k_nope ? kv_lora_rank : rope, "], got ", x->ShapeString());
+  }
+  StoreParams p{};
+  p.num_sides = 2;
+  p.side[0] = CheckStoreSide(kv, layout, 0, k_nope, 1, kv_lora_rank, k_nope.ndim() == 2, k_scale);
+  p.side[1] = CheckStoreSide(kv, layout, kv_lora_rank, k_rope, 1, rope, k_rope.ndim() == 2,
+                             k_scale);
+  KERNEL_CHECK_VALUE(k_rope.size(0) == k_nope.size(0), "k_rope has ", k_rope.size(0),
+                     " tokens but k_nope has ", k_nope.size(0));
+  kv.CheckLastContiguous();
+  CheckNoStride0(kv);
+  p.num_tokens = k_nope.size(0);
+  p.num_slots = kv.ndim() == 4 ? kv.size(0) * kv.size(1) : kv.size(0);
+  return p;
+}
+
+SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
+  if (sides.is_none()) return;
+  KERNEL_CHECK_TYPE(PyTuple_Check(sides.ptr()) || PyList_Check(sides.ptr()),
+                    "side must be a sequence of (name, buffer, source), got ",
+                    Py_TYPE(sides.ptr())->tp_name);
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(sides);
+  const size_t count = static_cast<size_t>(py::len(seq));
+  names_.reserve(2 * count);  // the Tensors keep pointers into it: never reallocated
+  for (size_t i = 0; i < count; ++i) {
+    py::handle entry = seq[i];
+    KERNEL_CHECK_TYPE(PyTuple_Check(entry.ptr()) && PyTuple_GET_SIZE(entry.ptr()) == 3,
+                      "side[", i, "] must be a (name, buffer, source) tuple");
+    py::tuple t = py::reinterpret_borrow<py::tuple>(entry);
+    KERNEL_CHECK_TYPE(PyUnicode_Check(t[0].ptr()), "side[", i, "]'s name must be a str");
+    const std::string name = t[0].cast<std::string>();
+    names_.push_back("side[" + name + "]");
+    names_.push_back("side buffer " + name);
+    sources_.push_back(std::make_unique<Tensor>(t[2], names_[names_.size() - 2].c_str()));
+    buffers_.push_back(
+        std::make_unique<Tensor>(t[1], names_.back().c_str(), buffer_checks));
+  }
+}
+
+std::vector<Tensor*> SideArgs::tensors() {
+  std::vector<Tensor*> out;
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    out.push_back(buffers_[i].get());
+    out.push_back(sources_[i].get());
+  }
+  return out;
+}
+
+void SideArgs::AddTo(StoreParams* p, const std::vector<const Tensor*>& caches,
+                     const std::vector<const Tensor*>& sources) const {
+  const int64_t count = static_cast<int64_t>(buffers_.size());
+  KERNEL_CHECK_VALUE(p->num_sides + count <= kMaxStoreSides, "side has ", count,
+                     " buffers; a store writes at most ", kMaxStoreSides - p->num_sides,
+                     " beside its caches");
+  const ScaleArg none(py::none(), "scale", kDLCPU);
+  for (int64_t i = 0; i < count; ++i) {
+    const Tensor& buf = *buffers_[i];
+    const Tensor& src = *sources_[i];
+    buf.CheckSameDevice(*caches[0]);
+    KERNEL_CHECK_VALUE(buf.ndim() == 2, buf.name(), " must be [num_slots, row], got ",
+                       buf.ShapeString());
+    KERNEL_CHECK_VALUE(buf.size(0) == p->num_slots, buf.name(), " has ", buf.size(0),
+                       " slots but the cache has ", p->num_slots);
+    CheckCacheDType(buf);
+    buf.CheckLastContiguous();
+    CheckNoStride0(buf);
+    KERNEL_CHECK_TYPE(SameDType(src.dtype(), buf.dtype()), src.name(), " has dtype ",
+                      DTypeName(src.dtype()), " but ", buf.name(), " has dtype ",
+                      DTypeName(buf.dtype()));
+    p->side[p->num_sides] =
+        CheckStoreSide(buf, CacheLayout(buf), 0, src, 1, buf.size(1), true, none);
+    ++p->num_sides;
+    KERNEL_CHECK_VALUE(src.size(0) == p->num_tokens, src.name(), " has ", src.size(0),
+                       " tokens but ", sources[0]->name(), " has ", p->num_tokens);
+    // Sources are read while caches and buffers are written: none may meet.
+    for (const Tensor* c : caches) {
+      KERNEL_CHECK_VALUE(!src.Overlaps(*c), src.name(), " lies in the memory of ", c->name(),
+                         ": the store would overwrite rows it has yet to read");
+      KERNEL_CHECK_VALUE(!buf.Overlaps(*c), buf.name(), " lies in the memory of ", c->name());
+    }
+    for (const Tensor* x : sources) {
+      KERNEL_CHECK_VALUE(!x->Overlaps(buf), x->name(), " lies in the memory of ", buf.name(),
+                         ": the store would overwrite rows it has yet to read");
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      if (j == i) continue;
+      KERNEL_CHECK_VALUE(!sources_[j]->Overlaps(buf), sources_[j]->name(),
+                         " lies in the memory of ", buf.name(),
+                         ": the store would overwrite rows it has yet to read");
+      KERNEL_CHECK_VALUE(j < i || !buffers_[j]->Overlaps(buf), buffers_[j]->name(),
+                         " and ", buf.name(), " share memory: one would overwrite the other");
+    }
+  }
+}
+
+void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n,
+                     const char* tokens_name) {
+  KERNEL_CHECK_VALUE(n == p->num_tokens, "out_loc has length ", n, " but ", tokens_name, " has ",
+                     p->num_tokens, " tokens");
   p->indices = data;
   p->index_type = type;
 }
 
-void SetStoreIndices(StoreParams* p, const Tensor& loc, const Tensor& k_cache) {
+void SetStoreIndices(StoreParams* p, const Tensor& loc, const Tensor& k_cache,
+                     const char* tokens_name) {
   loc.CheckSameDevice(k_cache);
   KERNEL_CHECK_VALUE(loc.ndim() == 1, "out_loc must be 1-D, got shape ", loc.ShapeString());
   KERNEL_CHECK_TYPE(IsIndexDType(loc.dtype()), "out_loc must have dtype int32 or int64, got ",
                     DTypeName(loc.dtype()));
   loc.CheckLastContiguous();
   SetStoreIndices(p, loc.data(),
-                  loc.dtype().bits == 32 ? IndexType::kInt32 : IndexType::kInt64, loc.size(0));
+                  loc.dtype().bits == 32 ? IndexType::kInt32 : IndexType::kInt64, loc.size(0),
+                  tokens_name);
 }
 
 void RaiseBadIndex(int64_t position, int64_t slot, bool repeated, int64_t num_slots) {
@@ -393,7 +654,11 @@ void* CurrentStream(const DLDevice& device) {
 
 void RegisterKernels(py::module_& m) {
   m.def("store_cache", &StoreCacheCpu, py::arg("k_cache"), py::arg("v_cache"), py::arg("out_loc"),
-        py::arg("k"), py::arg("v"), py::arg("pool_views") = false);
+        py::arg("k"), py::arg("v"), py::arg("pool_views") = false, py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::arg("side") = py::none());
+  m.def("store_mla", &StoreMlaCpu, py::arg("kv_cache"), py::arg("out_loc"), py::arg("k_nope"),
+        py::arg("k_rope"), py::arg("kv_lora_rank"), py::arg("pool_views") = false,
+        py::arg("k_scale") = py::none(), py::arg("side") = py::none());
   m.def("first_mismatch_batched", &FirstMismatchBatchedCpu, py::arg("query"), py::arg("keys"),
         py::arg("key_lens"), py::arg("out"));
 }

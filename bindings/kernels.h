@@ -21,9 +21,11 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "radixkv/store_index.h"
 #include "torch_api.h"
@@ -85,25 +87,107 @@ class Tensor {
   char* data_ = nullptr;
 };
 
-/// Checks the data tensors of `store_cache(k_cache, v_cache, out_loc, k, v)`
-/// (see radixkv.kernel.store_cache), which must have been `View`ed: all on
-/// one device of type `device_type`, the caches `[num_pages, page_size, H,
-/// D]` or `[num_slots, H, D]`, `k` and `v` `[n, H, D]` with the caches' dtype
-/// (not complex), every last dimension contiguous, no cache dimension of
+/// The per-tensor scale of a float8 store (`k_scale`, `v_scale`): None, a
+/// Python number, or a one-element floating tensor. Constructed before any
+/// tensor of the call is checked (it may run Python code): a number or a CPU
+/// tensor becomes `value`, rounded to float32 as torch rounds a Python scalar
+/// for a float32 division, and must be positive and finite there
+/// (ValueError); on CUDA a float32 tensor on the device stays a tensor the
+/// kernel reads (no synchronization; its value is the caller's to check).
+class ScaleArg {
+ public:
+  ScaleArg(pybind11::handle obj, const char* name, DLDeviceType device_type);
+  ScaleArg(const ScaleArg&) = delete;
+  ScaleArg& operator=(const ScaleArg&) = delete;
+
+  bool given() const { return given_; }
+  const char* name() const { return name_; }
+  float value() const { return value_; }
+  /// The device tensor, or null.
+  Tensor* tensor() { return tensor_ ? &*tensor_ : nullptr; }
+  const Tensor* tensor() const { return tensor_ ? &*tensor_ : nullptr; }
+
+ private:
+  const char* name_;
+  bool given_ = false;
+  float value_ = 1.0f;
+  std::optional<Tensor> tensor_;
+};
+
+/// Checks one side of a store and returns it: `src` (`[n, heads, head_dim]`,
+/// or `[n, head_dim]` when `flat_src`) goes into `heads` runs of `head_dim`
+/// elements of `cache` (`[num_pages, page_size, H, W]`, `[num_slots, H, W]`
+/// or `[num_slots, W]`, whose layout `cache_layout` gives), starting
+/// `col_offset` elements into each head. Same dtypes copy bytes; a float8
+/// cache (e4m3fn, e5m2) also takes float32, float16 or bfloat16 sources,
+/// divided by `scale` (1 when not given) and rounded. Raises TypeError for a
+/// dtype pair that is neither, ValueError for a scale where nothing is
+/// converted. Checks `src`'s device, rank, sizes and last stride, and that it
+/// does not lie in the memory of `cache`.
+StoreSide CheckStoreSide(const Tensor& cache, const RowLayout& cache_layout, int64_t col_offset,
+                         const Tensor& src, int64_t heads, int64_t head_dim, bool flat_src,
+                         const ScaleArg& scale);
+
+/// Checks the data tensors of `store_cache(k_cache, v_cache, out_loc, k, v,
+/// k_scale, v_scale)` (see radixkv.kernel.store_cache), which must have been
+/// `View`ed: all on one device of type `device_type`, the caches `[num_pages,
+/// page_size, H, D]` or `[num_slots, H, D]`, `k` and `v` `[n, H, D]` with the
+/// caches' dtype (not complex) or a float type a float8 cache converts from
+/// (CheckStoreSide), every last dimension contiguous, no cache dimension of
 /// stride 0 (an expanded tensor writes one place many times), and neither k
-/// nor v in the memory of a cache. Returns the kernel parameters, indices
-/// left unset. Raises TypeError (type, dtype, device) or
-/// ValueError (shape, stride) naming the argument. Reads no tensor data.
+/// nor v in the memory of a cache. Returns the kernel parameters (two sides),
+/// indices left unset. Raises TypeError (type, dtype, device) or ValueError
+/// (shape, stride, scale) naming the argument. Reads no tensor data.
 StoreParams CheckStoreTensors(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k,
-                              const Tensor& v, DLDeviceType device_type);
+                              const Tensor& v, const ScaleArg& k_scale, const ScaleArg& v_scale,
+                              DLDeviceType device_type);
+
+/// Checks the tensors of `store_mla(kv_cache, out_loc, k_nope, k_rope,
+/// kv_lora_rank, k_scale)`, `View`ed: `kv_cache` `[num_pages, page_size, 1,
+/// R]`, `[num_slots, 1, R]` or `[num_slots, R]` with `0 < kv_lora_rank < R`;
+/// `k_nope` `[n, 1, kv_lora_rank]` or `[n, kv_lora_rank]`, `k_rope` `[n, 1, R -
+/// kv_lora_rank]` or `[n, R - kv_lora_rank]`, each with a contiguous last
+/// dimension and any row stride. Returns two sides: k_nope into columns [0,
+/// kv_lora_rank) of each row, k_rope into the rest, both converted with
+/// `k_scale` for a float8 cache fed floats. Raises as CheckStoreTensors.
+StoreParams CheckMlaTensors(const Tensor& kv_cache, const Tensor& k_nope, const Tensor& k_rope,
+                            int64_t kv_lora_rank, const ScaleArg& k_scale,
+                            DLDeviceType device_type);
+
+/// The per-token side buffers of a pool a store also writes (`side` of
+/// store_cache and store_mla): a sequence of `(name, buffer, source)`, each
+/// buffer `[num_slots, W]` (a pool's layer view) and each source `[n, W]` of
+/// the buffer's dtype, copied as they are. Constructed before any tensor is
+/// checked; raises TypeError for anything but such triples.
+class SideArgs {
+ public:
+  SideArgs(pybind11::handle sides, Tensor::Checks buffer_checks);
+  SideArgs(const SideArgs&) = delete;
+  SideArgs& operator=(const SideArgs&) = delete;
+
+  /// Every tensor, buffers and sources, for Check, View and Pin.
+  std::vector<Tensor*> tensors();
+  /// Appends one side per entry to `p` (whose caches are `caches`, its
+  /// sources `sources`): checks shapes, dtypes, slot counts, token counts,
+  /// and that no source lies in a buffer or cache and no buffer in a cache.
+  /// Raises ValueError when `p` would have more than kMaxStoreSides sides.
+  void AddTo(StoreParams* p, const std::vector<const Tensor*>& caches,
+             const std::vector<const Tensor*>& sources) const;
+
+ private:
+  std::vector<std::string> names_;  // "side[<name>]" and "side buffer <name>", two per entry
+  std::vector<std::unique_ptr<Tensor>> buffers_, sources_;
+};
 
 /// Sets the indices of `p`: `n` slots of `type` at `data`; raises ValueError
-/// unless `n` equals the tokens of `k`.
-void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n);
+/// unless `n` equals the tokens of the source named `tokens_name`.
+void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n,
+                     const char* tokens_name = "k");
 
 /// Checks a device `out_loc` tensor (1-D int32/int64, on `k_cache`'s device,
 /// contiguous) and sets it as the indices of `p`.
-void SetStoreIndices(StoreParams* p, const Tensor& out_loc, const Tensor& k_cache);
+void SetStoreIndices(StoreParams* p, const Tensor& out_loc, const Tensor& k_cache,
+                     const char* tokens_name = "k");
 
 /// Raises ValueError naming out_loc for a bad index found by a store.
 [[noreturn]] void RaiseBadIndex(int64_t position, int64_t slot, bool repeated,
@@ -144,7 +228,7 @@ CompareArgs CheckCompareArgs(const Tensor& query, const Tensor& keys, const Tens
 /// exchange API's `current_work_stream`. Raises on failure.
 void* CurrentStream(const DLDevice& device);
 
-/// Registers the CPU kernels on `_core`: `store_cache` and
+/// Registers the CPU kernels on `_core`: `store_cache`, `store_mla` and
 /// `first_mismatch_batched`.
 void RegisterKernels(pybind11::module_& m);
 

@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kThreads) StoreKernel(const StoreParams p, int
 
 template <typename Vec>
 cudaError_t Launch(const StoreParams& p, cudaStream_t stream) {
-  const int64_t vectors = p.head_bytes / static_cast<int64_t>(sizeof(Vec));
+  const int64_t vectors = MaxRunUnits(p, static_cast<int64_t>(sizeof(Vec)));
   int lanes_log2 = 0;
   while (lanes_log2 < 5 && (int64_t{1} << lanes_log2) < vectors) ++lanes_log2;
   const int64_t tokens_per_block = kThreads >> lanes_log2;
@@ -38,6 +38,7 @@ cudaError_t Launch(const StoreParams& p, cudaStream_t stream) {
 
 cudaError_t LaunchStore(const StoreParams& params, cudaStream_t stream) {
   if (params.num_tokens <= 0) return cudaSuccess;
+  if (params.num_sides < 1 || params.num_sides > kMaxStoreSides) return cudaErrorInvalidValue;
   StoreParams p = params;
   SimplifyStore(&p);
   switch (VectorBytes(p, 16)) {

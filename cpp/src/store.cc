@@ -81,67 +81,234 @@ bool HasAvx2() noexcept {
   return has;
 }
 
-// Whether every run of the caches starts on a 64-byte line and fills whole
-// lines. Streaming a partial line costs a read-modify-write in memory, which
-// made streaming slower than plain stores in our measurements.
+// Whether every side copies bytes and every run of the caches starts on a
+// 64-byte line and fills whole lines. Streaming a partial line costs a
+// read-modify-write in memory, which made streaming slower than plain stores
+// in our measurements.
 bool LinesAligned(const StoreParams& p) noexcept {
-  uint64_t bits = static_cast<uint64_t>(p.head_bytes);
-  for (int s = 0; s < 2; ++s) {
-    const RowLayout& l = p.dst_layout[s];
-    bits |= reinterpret_cast<uintptr_t>(p.dst[s]) | static_cast<uint64_t>(l.page_stride) |
-            static_cast<uint64_t>(l.row_stride);
-    if (p.heads > 1) bits |= static_cast<uint64_t>(l.head_stride);
+  uint64_t bits = 0;
+  for (int s = 0; s < p.num_sides; ++s) {
+    const StoreSide& d = p.side[s];
+    if (d.source != SourceFloat::kNone) return false;
+    const RowLayout& l = d.dst_layout;
+    bits |= static_cast<uint64_t>(d.head_bytes) | reinterpret_cast<uintptr_t>(d.dst) |
+            static_cast<uint64_t>(l.page_stride) | static_cast<uint64_t>(l.row_stride);
+    if (d.heads > 1) bits |= static_cast<uint64_t>(l.head_stride);
   }
   return (bits & 63) == 0;
 }
 #endif
 
-// Rows that are one run in unpaged tensors, the common case: two copies a token.
-template <typename Index, typename Copy>
+// Whether side `d` copies one run per row between unpaged tensors.
+bool DenseCopy(const StoreSide& d) noexcept {
+  return d.source == SourceFloat::kNone && d.heads == 1 && d.src_layout.page_size == 1 &&
+         d.dst_layout.page_size == 1;
+}
+
+// Every side a dense copy (the common case): one copy a token and side.
+template <int kSides, typename Index, typename Copy>
 void StoreDense(const StoreParams& p, const Index* idx, int64_t begin, int64_t end,
                 Copy copy) noexcept {
-  const size_t bytes = static_cast<size_t>(p.head_bytes);
-  const char* k = static_cast<const char*>(p.src[0]);
-  const char* v = static_cast<const char*>(p.src[1]);
-  char* kc = static_cast<char*>(p.dst[0]);
-  char* vc = static_cast<char*>(p.dst[1]);
-  const int64_t ks = p.src_layout[0].page_stride, vs = p.src_layout[1].page_stride;
-  const int64_t kcs = p.dst_layout[0].page_stride, vcs = p.dst_layout[1].page_stride;
+  const int sides = kSides > 0 ? kSides : p.num_sides;
+  const char* src[kMaxStoreSides];
+  char* dst[kMaxStoreSides];
+  int64_t src_stride[kMaxStoreSides], dst_stride[kMaxStoreSides];
+  size_t bytes[kMaxStoreSides];
+  for (int s = 0; s < sides; ++s) {
+    src[s] = static_cast<const char*>(p.side[s].src);
+    dst[s] = static_cast<char*>(p.side[s].dst);
+    src_stride[s] = p.side[s].src_layout.page_stride;
+    dst_stride[s] = p.side[s].dst_layout.page_stride;
+    bytes[s] = static_cast<size_t>(p.side[s].head_bytes);
+  }
   for (int64_t i = begin; i < end; ++i) {
     const int64_t slot = static_cast<int64_t>(idx[i]);
-    copy(kc + slot * kcs, k + i * ks, bytes);
-    copy(vc + slot * vcs, v + i * vs, bytes);
+    for (int s = 0; s < sides; ++s) copy(dst[s] + slot * dst_stride[s], src[s] + i * src_stride[s], bytes[s]);
+  }
+}
+
+// Converts `n` source elements of kType at `src` to float8 at `dst`, one at a
+// time (any x86-64, and the tails of the AVX2 loop).
+template <SourceFloat kType, Float8Format kFormat>
+void ConvertRunPlain(uint8_t* dst, const char* src, int64_t n, float scale) noexcept {
+  for (int64_t e = 0; e < n; ++e) {
+    dst[e] = ScaledFloat8(LoadSourceFloat(src, kType, e), scale, kFormat);
+  }
+}
+
+using ConvertFn = void (*)(uint8_t*, const char*, int64_t, float) noexcept;
+
+#if RADIXKV_STREAM_STORES
+// The same, 8 elements at a time: Float8FromFloat's integer steps on AVX2
+// lanes (the compiler does not vectorize the scalar loop), bit for bit the
+// same results (tests/cpp/store_test.cc compares the two over float bit
+// patterns).
+template <SourceFloat kType, Float8Format kFormat>
+__attribute__((target("avx2,f16c"))) void ConvertRunAvx2(uint8_t* dst, const char* src,
+                                                         int64_t n, float scale) noexcept {
+  constexpr bool kE4M3 = kFormat == Float8Format::kE4M3Fn;
+  constexpr int kManBits = kE4M3 ? 3 : 2;
+  constexpr int kBias = kE4M3 ? 7 : 15;
+  const __m256i max_finite = _mm256_set1_epi32(kE4M3 ? 0x7E : 0x7B);
+  const __m256i overflow = _mm256_set1_epi32(kE4M3 ? 0x7E : 0x7C);
+  const __m256i nan_code = _mm256_set1_epi32(0x7F);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i inf_bits = _mm256_set1_epi32(0x7F800000);
+  const __m256i man_mask = _mm256_set1_epi32(0x7FFFFF);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256 divisor = _mm256_set1_ps(scale);
+  // Gathers byte 0 of each 32-bit lane into the low 4 bytes of each 128-bit half.
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             -1, -1, -1, -1);
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) {
+    __m256 x;
+    if constexpr (kType == SourceFloat::kFloat32) {
+      x = _mm256_loadu_ps(reinterpret_cast<const float*>(src) + e);
+    } else {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * e));
+      if constexpr (kType == SourceFloat::kFloat16) {
+        x = _mm256_cvtph_ps(h);  // exact, as HalfToFloat
+      } else {
+        x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+    }
+    const __m256i xbits = _mm256_castps_si256(x);
+    const __m256i bits = _mm256_castps_si256(_mm256_div_ps(x, divisor));
+    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+    const __m256i mag = _mm256_and_si256(bits, abs_mask);
+    const __m256i fexp = _mm256_srli_epi32(mag, 23);
+    const __m256i normal = _mm256_andnot_si256(_mm256_cmpeq_epi32(fexp, zero),
+                                               _mm256_set1_epi32(0x800000));
+    const __m256i sig = _mm256_or_si256(_mm256_and_si256(mag, man_mask), normal);
+    const __m256i exp = _mm256_sub_epi32(fexp, _mm256_set1_epi32(127 - kBias));
+    // shift = 23 - man_bits + max(1 - exp, 0), at most 31
+    __m256i shift = _mm256_add_epi32(_mm256_set1_epi32(23 - kManBits),
+                                     _mm256_max_epi32(_mm256_sub_epi32(one, exp), zero));
+    shift = _mm256_min_epi32(shift, _mm256_set1_epi32(31));
+    __m256i code = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epi32(exp, one), one), kManBits);
+    code = _mm256_add_epi32(code, _mm256_srlv_epi32(sig, shift));
+    const __m256i rest = _mm256_and_si256(sig, _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one));
+    const __m256i half = _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one));
+    // rest and half are below 2^31: signed comparisons are exact.
+    const __m256i up = _mm256_or_si256(
+        _mm256_and_si256(_mm256_cmpgt_epi32(rest, half), one),
+        _mm256_and_si256(_mm256_and_si256(_mm256_cmpeq_epi32(rest, half), code), one));
+    code = _mm256_add_epi32(code, up);
+    code = _mm256_blendv_epi8(code, overflow, _mm256_cmpgt_epi32(code, max_finite));
+    code = _mm256_blendv_epi8(code, nan_code, _mm256_cmpgt_epi32(mag, inf_bits));
+    __m256i out = _mm256_or_si256(code, sign);
+    // A NaN source keeps its own sign (the division may not).
+    const __m256i x_sign = _mm256_and_si256(_mm256_srli_epi32(xbits, 24), _mm256_set1_epi32(0x80));
+    const __m256i x_nan = _mm256_cmpgt_epi32(_mm256_and_si256(xbits, abs_mask), inf_bits);
+    out = _mm256_blendv_epi8(out, _mm256_or_si256(x_sign, nan_code), x_nan);
+    const __m256i packed = _mm256_shuffle_epi8(out, low_bytes);
+    const uint32_t lo = static_cast<uint32_t>(_mm256_extract_epi32(packed, 0));
+    const uint32_t hi = static_cast<uint32_t>(_mm256_extract_epi32(packed, 4));
+    std::memcpy(dst + e, &lo, 4);
+    std::memcpy(dst + e + 4, &hi, 4);
+  }
+  ConvertRunPlain<kType, kFormat>(dst + e, src + e * SourceBytes(kType), n - e, scale);
+}
+
+bool HasF16c() noexcept {
+  static const bool has = __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+template <SourceFloat kType, Float8Format kFormat>
+ConvertFn PickConvert() noexcept {
+#if RADIXKV_STREAM_STORES
+  if (HasAvx2() && HasF16c()) return &ConvertRunAvx2<kType, kFormat>;
+#endif
+  return &ConvertRunPlain<kType, kFormat>;
+}
+
+template <Float8Format kFormat>
+ConvertFn PickConvert(SourceFloat type) noexcept {
+  switch (type) {
+    case SourceFloat::kFloat32:
+      return PickConvert<SourceFloat::kFloat32, kFormat>();
+    case SourceFloat::kFloat16:
+      return PickConvert<SourceFloat::kFloat16, kFormat>();
+    default:
+      return PickConvert<SourceFloat::kBFloat16, kFormat>();
+  }
+}
+
+// The run converter of side `d` (a converting side).
+ConvertFn PickConvert(const StoreSide& d) noexcept {
+  return d.format == Float8Format::kE4M3Fn ? PickConvert<Float8Format::kE4M3Fn>(d.source)
+                                           : PickConvert<Float8Format::kE5M2>(d.source);
+}
+
+void ConvertRows(const StoreSide& d, const char* src, char* dst) noexcept {
+  const float scale = SideScale(d);
+  const ConvertFn convert = PickConvert(d);
+  for (int64_t h = 0; h < d.heads; ++h) {
+    convert(reinterpret_cast<uint8_t*>(dst + h * d.dst_layout.head_stride),
+            src + h * d.src_layout.head_stride, d.head_bytes, scale);
   }
 }
 
 template <typename Copy>
 void StoreGeneric(const StoreParams& p, int64_t begin, int64_t end, Copy copy) noexcept {
-  const size_t bytes = static_cast<size_t>(p.head_bytes);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t slot = LoadSlot(p.indices, p.index_type, i);
-    for (int s = 0; s < 2; ++s) {
-      const char* src = static_cast<const char*>(p.src[s]) + RowOffset(p.src_layout[s], i);
-      char* dst = static_cast<char*>(p.dst[s]) + RowOffset(p.dst_layout[s], slot);
-      for (int64_t h = 0; h < p.heads; ++h) {
-        copy(dst + h * p.dst_layout[s].head_stride, src + h * p.src_layout[s].head_stride, bytes);
+    for (int s = 0; s < p.num_sides; ++s) {
+      const StoreSide& d = p.side[s];
+      const char* src = static_cast<const char*>(d.src) + RowOffset(d.src_layout, i);
+      char* dst = static_cast<char*>(d.dst) + RowOffset(d.dst_layout, slot);
+      if (d.source != SourceFloat::kNone) {
+        ConvertRows(d, src, dst);
+        continue;
+      }
+      const size_t bytes = static_cast<size_t>(d.head_bytes);
+      for (int64_t h = 0; h < d.heads; ++h) {
+        copy(dst + h * d.dst_layout.head_stride, src + h * d.src_layout.head_stride, bytes);
       }
     }
+  }
+}
+
+template <int kSides, typename Copy>
+void StoreDenseRange(const StoreParams& p, int64_t begin, int64_t end, Copy copy) noexcept {
+  if (p.index_type == IndexType::kInt32) {
+    StoreDense<kSides>(p, static_cast<const int32_t*>(p.indices), begin, end, copy);
+  } else {
+    StoreDense<kSides>(p, static_cast<const int64_t*>(p.indices), begin, end, copy);
   }
 }
 
 // Stores tokens [begin, end).
 template <typename Copy>
 void StoreRange(const StoreParams& p, int64_t begin, int64_t end, Copy copy) noexcept {
-  const bool dense = p.heads == 1 && p.src_layout[0].page_size == 1 &&
-                     p.src_layout[1].page_size == 1 && p.dst_layout[0].page_size == 1 &&
-                     p.dst_layout[1].page_size == 1;
+  bool dense = true;
+  for (int s = 0; s < p.num_sides; ++s) dense = dense && DenseCopy(p.side[s]);
   if (!dense) {
     StoreGeneric(p, begin, end, copy);
-  } else if (p.index_type == IndexType::kInt32) {
-    StoreDense(p, static_cast<const int32_t*>(p.indices), begin, end, copy);
+  } else if (p.num_sides == 2) {  // K and V, or MLA's two halves
+    StoreDenseRange<2>(p, begin, end, copy);
   } else {
-    StoreDense(p, static_cast<const int64_t*>(p.indices), begin, end, copy);
+    StoreDenseRange<0>(p, begin, end, copy);
   }
+}
+
+// What one token costs, in bytes copied: a converted byte (a float read,
+// divided, rounded) costs about what kConvertWork copied bytes do (about 1 ns
+// against 0.1 ns in our measurements).
+constexpr int64_t kConvertWork = 8;
+
+int64_t RowWork(const StoreParams& p) noexcept {
+  int64_t work = 0;
+  for (int s = 0; s < p.num_sides; ++s) {
+    const StoreSide& d = p.side[s];
+    work += d.heads * d.head_bytes * (d.source == SourceFloat::kNone ? 1 : kConvertWork);
+  }
+  return work;
 }
 
 // Splits the batch over `threads` threads (this one included). Falls back to
@@ -271,7 +438,7 @@ StoreCheck StoreRows(const StoreParams& params, int max_threads) {
   StoreParams p = params;
   p.indices = indices;
   SimplifyStore(&p);
-  const int64_t written = 2 * p.num_tokens * p.heads * p.head_bytes;
+  const int64_t written = p.num_tokens * RowBytes(p);
 #if RADIXKV_STREAM_STORES
   if (written >= kStreamBytes && LinesAligned(p) && HasAvx2()) {
     StoreRange(p, 0, p.num_tokens, StreamingCopy{});
@@ -279,8 +446,8 @@ StoreCheck StoreRows(const StoreParams& params, int max_threads) {
     return check;
   }
 #endif
-  const int threads = static_cast<int>(
-      std::min<int64_t>(std::max(max_threads, 1), std::max<int64_t>(written / kThreadBytes, 1)));
+  const int threads = static_cast<int>(std::min<int64_t>(
+      std::max(max_threads, 1), std::max<int64_t>(p.num_tokens * RowWork(p) / kThreadBytes, 1)));
   if (threads > 1) {
     StoreParallel(p, threads);
   } else {

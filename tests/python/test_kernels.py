@@ -420,3 +420,105 @@ def test_store_refuses_one_cache_twice_and_expanded_or_overlapping_rows(device, 
     store(kv[:, 0], kv[:, 1], loc, k, 2 * k)
     assert torch.equal(kv[:3, 0], k) and torch.equal(kv[:3, 1], 2 * k)
     assert not bool(kc.any()) and not bool(vc.any())
+
+
+# --- float8 conversion in the store -------------------------------------------------------
+
+FLOAT8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+          if d is not None]
+
+
+def _float8_inputs():
+    """Every float16 and every bfloat16 bit pattern, and float32 bit patterns:
+    every 4099th of all 2^32 (a prime stride, so every low-bit residue, both
+    signs, subnormals, infinities and NaNs) plus windows around every
+    float8 value and midpoint."""
+    every16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    stride = torch.arange(0, 1 << 32, 4099, dtype=torch.int64)
+    near = []
+    for dtype in FLOAT8:
+        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+        values = values[torch.isfinite(values)].unique()
+        mids = (values[1:] + values[:-1]) / 2
+        points = torch.cat([values, mids]).view(torch.int32).long()
+        near.append((points[:, None] + torch.arange(-2, 3)).flatten() & 0xFFFFFFFF)
+    f32 = torch.cat([stride] + near)
+    f32 = torch.where(f32 >= 1 << 31, f32 - (1 << 32), f32).to(torch.int32).view(torch.float32)
+    return [every16.view(torch.float16), every16.view(torch.bfloat16), f32]
+
+
+def _store_converted(x, cache_dtype, scale, device):
+    """x (1-D) stored as one row of a float8 cache through store_cache, as bytes."""
+    n = x.numel()
+    kc = torch.zeros(2, n, dtype=cache_dtype, device=device)
+    vc = torch.zeros(2, n, dtype=cache_dtype, device=device)
+    row = x.to(device).view(1, n)
+    kernel.store_cache(kc, vc, torch.tensor([1], device=device), row, row, k_scale=scale,
+                       v_scale=scale)
+    assert torch.equal(b(kc[1]), b(vc[1]))
+    assert b(kc[0]).eq(0).all()
+    return b(kc[1])
+
+
+@pytest.mark.skipif(not FLOAT8, reason="this torch has no float8 dtypes")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache_dtype", FLOAT8, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("scale", [1.0, 0.37, 1 / 448, 3e-5, 700.0, 2.0**-20, "tensor"])
+def test_float8_conversion_is_bit_identical_to_torch(device, cache_dtype, scale):
+    """`(x.float() / scale).to(float8)` as torch computes it on the CPU, over
+    every half and bfloat16 and ~1M float32 bit patterns: rounding ties,
+    subnormals, overflow (e4m3fn saturates, e5m2 goes to inf), NaN and its
+    sign. On CUDA the kernel must do the same arithmetic."""
+    value = 0.0123 if scale == "tensor" else scale
+    arg = torch.tensor([value], device=device) if scale == "tensor" else scale
+    for x in _float8_inputs():
+        want = (x.float() / value).to(cache_dtype).view(torch.uint8)
+        got = _store_converted(x, cache_dtype, arg, device)
+        bad = (got != want).nonzero().flatten()
+        assert bad.numel() == 0, (
+            f"{x.dtype}: {bad.numel()} differ, first x={x[bad[0]].item()!r} "
+            f"got 0x{got[bad[0]].item():02x} want 0x{want[bad[0]].item():02x}")
+
+
+@pytest.mark.skipif(not FLOAT8, reason="this torch has no float8 dtypes")
+def test_float8_torch_fallback_matches_native():
+    """The torch path (devices without a native kernel) converts as the kernel does."""
+    g = torch.Generator().manual_seed(4)
+    for cache_dtype in FLOAT8:
+        kc = torch.zeros(6, 2, 8, dtype=cache_dtype)
+        a = (kc.clone(), kc.clone())
+        t = (kc.clone(), kc.clone())
+        k = (torch.randn(4, 2, 8, generator=g) * 300).bfloat16()
+        v = (torch.randn(4, 2, 8, generator=g) * 1e-3).half()
+        loc = torch.tensor([5, 0, 2, 3])
+        kernel.store_cache(a[0], a[1], loc, k, v, k_scale=0.3, v_scale=torch.tensor([2e-5]))
+        store_mod._store_torch(t[0], t[1], loc, k, v, 0.3, torch.tensor([2e-5]))
+        assert torch.equal(b(a[0]), b(t[0])) and torch.equal(b(a[1]), b(t[1]))
+        with pytest.raises(ValueError, match="^k_scale must be positive"):
+            store_mod._store_torch(t[0], t[1], loc, k, v, -1.0)
+        with pytest.raises(TypeError, match="^k has dtype float64"):
+            store_mod._store_torch(t[0], t[1], loc, k.double(), v)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+def test_float8_store_cuda_device_scale_skips_checks_without_check_bounds():
+    """A device scale tensor is read by the kernel; with check_bounds it is
+    checked first (one sync), without it the store is graph-capturable."""
+    if not kernel.cuda_available() or not FLOAT8:
+        pytest.skip("radixkv._cuda was not built, or this torch has no float8")
+    kc = torch.zeros(16, 2, 8, dtype=FLOAT8[0], device="cuda")
+    vc = torch.zeros_like(kc)
+    k = torch.full((3, 2, 8), 4.0, device="cuda")
+    loc = torch.tensor([1, 2, 3], device="cuda")
+    with pytest.raises(ValueError, match="^k_scale must be positive and finite"):
+        kernel.store_cache(kc, vc, loc, k, k, k_scale=torch.tensor([0.0], device="cuda"))
+    assert b(kc).eq(0).all()
+    with pytest.raises(TypeError, match="^k_scale on cuda:0 must have dtype float32"):
+        kernel.store_cache(kc, vc, loc, k, k, k_scale=torch.tensor([2.0], device="cuda").half())
+    scale = torch.tensor([2.0], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.store_cache(kc, vc, loc, k, k, k_scale=scale, v_scale=0.5, check_bounds=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert kc[1:4].float().eq(2.0).all() and vc[1:4].float().eq(8.0).all()

@@ -504,3 +504,96 @@ def test_cuda_out_of_range_slot_is_skipped_without_check_bounds():
     written = c.k_cache(0)[0].eq(7).all(dim=(1, 2)).nonzero().flatten().tolist()
     assert written == [1, 3]
     assert c.kv_buffer.eq(7).sum() == 2 * 2 * 2 * 8
+
+
+# --- float8 pools fed float32 / float16 / bfloat16, with scales ------------------------
+
+FLOAT8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+          if d is not None]
+FLOAT8_IDS = [str(d).removeprefix("torch.") for d in FLOAT8]
+SOURCES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.skipif(not FLOAT8, reason="this torch has no float8 dtypes")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+@pytest.mark.parametrize("cache_dtype", FLOAT8, ids=FLOAT8_IDS)
+@pytest.mark.parametrize("src_dtype", SOURCES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("scales", [(None, None), (0.5, 3.25), ("tensor", 0.01)], ids=str)
+@pytest.mark.parametrize("strided", [None, "qkv"])
+def test_float8_store_kv_scales_and_rounds_like_torch(device, layout, cache_dtype, src_dtype,
+                                                      scales, strided):
+    g = torch.Generator().manual_seed(17)
+    H, D = 2, 80
+    c = MHAKVCache(H, 3, D, 5, cache_dtype, kv_layout=layout, device=device, page_size=4)
+    c.kv_buffer.view(torch.uint8).copy_(as_bytes(random_bytes(c.kv_buffer.shape, cache_dtype, g)))
+    n = 13
+    if strided == "qkv":
+        qkv = (torch.randn(n, 3 * H + 1, D, generator=g) * 200).to(src_dtype).to(device)
+        k, v = qkv[:, 1 : 1 + H], qkv[:, 1 + 2 * H :]
+    else:
+        k = (torch.randn(n, H, D, generator=g) * 200).to(src_dtype).to(device)
+        v = (torch.randn(n, H, D, generator=g) * 0.01).to(src_dtype).to(device)
+    k_scale, v_scale = scales
+    k_value = 1.0 if k_scale is None else 0.37 if k_scale == "tensor" else k_scale
+    v_value = 1.0 if v_scale is None else v_scale
+    if k_scale == "tensor":
+        k_scale = torch.tensor([k_value], device=device)
+    out_loc = torch.randperm(c.num_slots, generator=g)[:n].to(device)
+    ref_k = (k.cpu().float() / k_value).to(cache_dtype)
+    ref_v = (v.cpu().float() / v_value).to(cache_dtype)
+    expected = reference_store(snapshot(c), ref_k, ref_v, out_loc, 1)
+    c.store_kv(k, v, out_loc, 1, k_scale=k_scale, v_scale=v_scale)
+    assert_same(c, expected)
+
+
+@pytest.mark.skipif(not FLOAT8, reason="this torch has no float8 dtypes")
+@pytest.mark.parametrize("device", DEVICES)
+def test_float8_bad_scales_and_dtype_pairs_name_the_argument(device):
+    fp8 = FLOAT8[0]
+    c = MHAKVCache(2, 1, 8, 1, fp8, device=device, page_size=16)
+    plain = MHAKVCache(2, 1, 8, 1, torch.bfloat16, device=device, page_size=16)
+    k = torch.ones(3, 2, 8, device=device)
+    loc = torch.tensor([1, 2, 3], device=device)
+    cases = [
+        (c, dict(k_scale=0.0), ValueError, r"^k_scale must be positive and finite"),
+        (c, dict(v_scale=-1.0), ValueError, r"^v_scale must be positive and finite"),
+        (c, dict(k_scale=float("nan")), ValueError, r"^k_scale must be positive"),
+        (c, dict(v_scale=float("inf")), ValueError, r"^v_scale must be positive"),
+        (c, dict(k_scale=1e39), ValueError, r"^k_scale must be positive and finite in float32"),
+        (c, dict(k_scale=torch.tensor([0.0], device=device)), ValueError, r"^k_scale must be"),
+        (c, dict(v_scale=torch.ones(2)), ValueError, r"^v_scale must be a number or a one-element"),
+        (c, dict(k_scale=True), TypeError, r"^k_scale must be a number"),
+        (c, dict(k=k.double()), TypeError, r"^k has dtype float64 but k_cache has dtype float8"),
+        (c, dict(v=k.to(torch.int32)), TypeError, r"^v has dtype int32 but v_cache"),
+        (c, dict(k=k.to(fp8), k_scale=2.0), ValueError, r"^k_scale is given, but k already has"),
+        (plain, dict(k=k.bfloat16(), v=k.bfloat16(), k_scale=2.0), ValueError,
+         r"^k_scale is given, but k already has k_cache's dtype bfloat16"),
+        (plain, dict(k=k.bfloat16(), v=k.bfloat16(), v_scale=2.0), ValueError, r"^v_scale is given"),
+        (plain, dict(), TypeError, r"^k has dtype float32 but k_cache has dtype bfloat16"),
+    ]
+    for pool, bad, exc, pattern in cases:
+        before = snapshot(pool)
+        args = {**dict(k=k, v=k, out_loc=loc, layer_id=0), **bad}
+        with pytest.raises(exc, match=pattern):
+            pool.store_kv(**args)
+        assert_same(pool, before)
+    c.store_kv(k, k, loc, 0, k_scale=0.5)  # and a good call works
+    assert c.k_cache(0)[0, 1].float().eq(2.0).all() and c.v_cache(0)[0, 1].float().eq(1.0).all()
+
+
+@pytest.mark.skipif(not FLOAT8, reason="this torch has no float8 dtypes")
+def test_float8_pools_get_their_own_storage_fingerprint():
+    """The K/V dtype is part of the storage tier's fingerprint: float8 pages never
+    mix with bfloat16 pages, nor e4m3fn with e5m2."""
+    from radixkv.storage import config_fingerprint
+
+    def fingerprint(pool):
+        return config_fingerprint(model="m", dtype=pool.dtype, page_size=pool.page_size,
+                                  layout="page_first", num_layers=pool.num_layers,
+                                  kv_heads=pool.local_kv_heads, head_dim=pool.head_dim)
+
+    pools = [MHAKVCache(2, 2, 16, 1, d, page_size=4) for d in [torch.bfloat16] + FLOAT8]
+    assert len({fingerprint(p) for p in pools}) == len(pools)
+    assert fingerprint(pools[1]) == fingerprint(MHAKVCache(2, 2, 16, 1, pools[1].dtype,
+                                                           page_size=4))

@@ -110,6 +110,9 @@ class KVCacheType(enum.Enum):
 
     MHA = "mha"
     """A key and a value of `[local_kv_heads, head_dim]` per token (MHA and GQA)."""
+    MLA = "mla"
+    """One latent row of `kv_lora_rank + qk_rope_head_dim` per token (DeepSeek's MLA):
+    the value is its first `kv_lora_rank` columns."""
 
 
 class BaseKVCache(ABC):
@@ -171,3 +174,89 @@ def copy_layout(view: torch.Tensor, page_size: int) -> CopyLayout:
     side, layer, page, row = (view.stride(i) * item for i in range(4))
     return CopyLayout(side, layer, page, row, page_size, view.shape[2] * page_size,
                       view.shape[0])
+
+
+class SideBuffers:
+    """Per-token side buffers of a pool: named rows beside the K/V (per-token
+    quantization scales, an indexer's keys) stored by the same kernel call as
+    the K/V (`store_kv(..., side={name: rows})`).
+
+    A buffer registered as `(name, row_shape, dtype)` holds, for every layer
+    and token slot, one row of `row_shape` elements of `dtype`, zero-filled,
+    in storage `[num_layers, num_pages, page_size, *row_shape]` whatever the
+    pool's layout. Rows are copied as they are (no conversion). The host and
+    storage tiers do not move side buffers: a page loaded back from host gets
+    its K/V only.
+    """
+
+    _SIDE_MAX = 6  # the store kernel writes 8 sides, two of them the K/V
+
+    def _init_side_buffers(self) -> None:
+        self._side_buffers: dict = {}  # name -> (buffer, per-layer [num_slots, W] views, row)
+
+    def register_side_buffer(self, name: str, row_shape, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate a side buffer `name` of rows `row_shape` (an int or a tuple of
+        ints) and `dtype` for every layer and slot; returns it
+        (`[num_layers, num_pages, page_size, *row_shape]`). Raises ValueError for
+        a name taken or beyond the most a store writes, TypeError for a bad dtype."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if name in self._side_buffers:
+            raise ValueError(f"name={name!r} is already a side buffer of this pool")
+        if len(self._side_buffers) >= self._SIDE_MAX:
+            raise ValueError(f"a pool has at most {self._SIDE_MAX} side buffers (the store kernel "
+                             "writes them with the K/V in one call)")
+        shape = (row_shape,) if isinstance(row_shape, int) else tuple(row_shape)
+        for d in shape:
+            if type(d) is not int or d < 1:
+                raise ValueError(f"row_shape must be positive ints, got {row_shape!r}")
+        if not shape:
+            raise ValueError("row_shape must have at least one dimension")
+        if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"dtype must be a real torch dtype, got {dtype!r}")
+        buf = torch.zeros((self.num_layers, self.num_pages, self.page_size) + shape, dtype=dtype,
+                          device=self.device)
+        width = 1
+        for d in shape:
+            width *= d
+        rows = tuple(buf[i].view(self.num_pages * self.page_size, width)
+                     for i in range(self.num_layers))
+        self._side_buffers[name] = (buf, rows, shape)
+        return buf
+
+    def side_buffer(self, name: str, layer: int) -> torch.Tensor:
+        """Layer `layer`'s rows of side buffer `name`, `[num_pages, page_size, *row_shape]`."""
+        layer = self._layer(layer, "layer")
+        try:
+            return self._side_buffers[name][0][layer]
+        except (KeyError, TypeError):
+            raise ValueError(f"name={name!r} is not a side buffer of this pool "
+                             f"(registered: {sorted(self._side_buffers)})") from None
+
+    @property
+    def side_buffer_names(self) -> tuple:
+        """Names of the registered side buffers, in registration order."""
+        return tuple(self._side_buffers)
+
+    def _side_args(self, side, layer: int):
+        """`side` ({name: rows}) as the kernel's (name, buffer, source) triples for
+        `layer`, each source `[n, W]`; None when there is nothing."""
+        if side is None:
+            return None
+        if not hasattr(side, "items"):
+            raise TypeError(f"side must be a mapping of name to rows, got {type(side).__name__}")
+        out = []
+        for name, rows in side.items():
+            entry = self._side_buffers.get(name) if isinstance(name, str) else None
+            if entry is None:
+                raise ValueError(f"side[{name!r}]: no such side buffer (registered: "
+                                 f"{sorted(self._side_buffers)})")
+            if not isinstance(rows, torch.Tensor):
+                raise TypeError(f"side[{name}] must be a torch.Tensor, got {type(rows).__name__}")
+            shape = entry[2]
+            if rows.dim() != 1 + len(shape) or tuple(rows.shape[1:]) != shape:
+                want = ", ".join(str(d) for d in shape)
+                raise ValueError(f"side[{name}] must have shape [num_tokens, {want}], got "
+                                 f"{list(rows.shape)}")
+            out.append((name, entry[1][layer], rows.reshape(rows.shape[0], -1)))
+        return tuple(out) or None

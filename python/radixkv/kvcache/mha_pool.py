@@ -11,7 +11,14 @@ from radixkv import _core
 from radixkv._checks import as_count as _count
 from radixkv._checks import as_int
 from radixkv.kernel import store_cache
-from radixkv.kvcache.base import BaseKVCache, CopyLayout, KVCacheLayout, KVCacheType, copy_layout
+from radixkv.kvcache.base import (
+    BaseKVCache,
+    CopyLayout,
+    KVCacheLayout,
+    KVCacheType,
+    SideBuffers,
+    copy_layout,
+)
 
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + tuple(
@@ -113,7 +120,7 @@ def num_pages_for_memory(
     return pages
 
 
-class MHAKVCache(BaseKVCache):
+class MHAKVCache(SideBuffers, BaseKVCache):
     """Keys and values of every layer in one preallocated, zero-filled buffer.
 
     Storage is `[2, num_layers, num_pages, page_size, H, D]` (LayerFirst) or
@@ -127,6 +134,10 @@ class MHAKVCache(BaseKVCache):
     range or used twice raises, with nothing written; on CUDA that check costs
     one synchronization a call, which `check_bounds=False` skips (the kernel
     then skips out-of-range slots silently).
+
+    Side buffers (`register_side_buffer`, see SideBuffers) are per-token rows
+    beside the K/V that `store_kv(..., side={name: rows})` writes in the same
+    kernel call.
     """
 
     def __init__(
@@ -173,6 +184,7 @@ class MHAKVCache(BaseKVCache):
         # have put layer i in place (see CacheManager.wait_layer).
         self._layer_wait = None
         self._device = self._kv_buffer.device
+        self._init_side_buffers()
         if self._device.type == "cpu":
             self._store = _core.store_cache
         else:
@@ -202,15 +214,36 @@ class MHAKVCache(BaseKVCache):
         return copy_layout(self._view, self._page_size)
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_loc: torch.Tensor,
+        layer_id: int,
+        *,
+        k_scale=None,
+        v_scale=None,
+        side=None,
     ) -> None:
+        """Write `k[i], v[i]` (`[n, local_kv_heads, head_dim]`) to token slot
+        `out_loc[i]` of layer `layer_id`. A float8 pool also takes float32,
+        float16 or bfloat16 k and v, written as `(k.float() / k_scale).to(dtype)`
+        (and v with `v_scale`) in the kernel; see `radixkv.kernel.store_cache`.
+        `side` ({name: rows of [n, *row_shape]}) writes registered side buffers
+        in the same kernel call."""
         i = self._layer(layer_id, "layer_id")
+        sides = None if side is None else self._side_args(side, i)
         if self._store is _core.store_cache:
             # The caches are this pool's own views (no grad, no lazy negation):
             # the kernel checks only k, v and out_loc (pool_views, positional).
-            _core.store_cache(self._k_layers[i], self._v_layers[i], out_loc, k, v, True)
+            _core.store_cache(
+                self._k_layers[i], self._v_layers[i], out_loc, k, v, True, k_scale, v_scale,
+                sides,
+            )
         else:
-            self._store(self._k_layers[i], self._v_layers[i], out_loc, k, v)
+            self._store(
+                self._k_layers[i], self._v_layers[i], out_loc, k, v,
+                k_scale=k_scale, v_scale=v_scale, side=sides,
+            )
 
     @property
     def device(self) -> torch.device:
@@ -291,14 +324,25 @@ def create_kvcache(
     tp_size: Optional[int] = None,
     *,
     check_bounds: bool = True,
+    kv_lora_rank: Optional[int] = None,
+    qk_rope_head_dim: Optional[int] = None,
 ) -> BaseKVCache:
-    """A KV pool of `cache_type` (only `KVCacheType.MHA` so far) laid out as
-    `cache_layout`; the other arguments are MHAKVCache's."""
+    """A KV pool of `cache_type` laid out as `cache_layout`.
+
+    `KVCacheType.MHA`: an MHAKVCache of the other arguments. `KVCacheType.MLA`:
+    an MLAKVCache of `kv_lora_rank` and `qk_rope_head_dim` (both required);
+    its row is one head of `kv_lora_rank + qk_rope_head_dim`, which
+    `num_kv_heads` (1) and `head_dim` (the sum) must agree with (ValueError).
+    """
     try:
         cache_type = KVCacheType(cache_type)
     except ValueError:
         raise ValueError(f"cache_type must be a KVCacheType, got {cache_type!r}") from None
     if cache_type is KVCacheType.MHA:
+        for name, value in (("kv_lora_rank", kv_lora_rank),
+                            ("qk_rope_head_dim", qk_rope_head_dim)):
+            if value is not None:
+                raise ValueError(f"{name} is an MLA size; cache_type is {cache_type}")
         return MHAKVCache(
             num_kv_heads=num_kv_heads,
             num_layers=num_layers,
@@ -311,4 +355,26 @@ def create_kvcache(
             tp_size=tp_size,
             check_bounds=check_bounds,
         )
-    raise ValueError(f"cache_type {cache_type} is not supported yet")
+    from radixkv.kvcache.mla_pool import MLAKVCache  # it builds on this module
+
+    for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim)):
+        if value is None:
+            raise ValueError(f"{name} is required for cache_type {cache_type}")
+    row = _count(kv_lora_rank, "kv_lora_rank") + _count(qk_rope_head_dim, "qk_rope_head_dim")
+    if _count(num_kv_heads, "num_kv_heads") != 1:
+        raise ValueError(f"num_kv_heads={num_kv_heads}: an MLA pool stores one latent head")
+    if _count(head_dim, "head_dim") != row:
+        raise ValueError(f"head_dim={head_dim} must be kv_lora_rank + qk_rope_head_dim = {row} "
+                         "for an MLA pool")
+    return MLAKVCache(
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        num_layers=num_layers,
+        num_pages=num_pages,
+        dtype=dtype,
+        kv_layout=cache_layout,
+        device=device,
+        page_size=page_size,
+        tp_size=tp_size,
+        check_bounds=check_bounds,
+    )

@@ -1,0 +1,233 @@
+"""The MLA KV pool: one latent row per token and layer, the value a view of its head."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from radixkv import _core
+from radixkv._checks import as_count as _count
+from radixkv._checks import as_int as _checks_int
+from radixkv.kernel import store_mla
+from radixkv.kvcache.base import BaseKVCache, KVCacheLayout, SideBuffers
+from radixkv.kvcache.mha_pool import DTypeLike, _dtype, _layout, resolve_tp_size
+
+
+class MLACopyLayout(NamedTuple):
+    """Where an MLA pool's rows lie, in bytes from its buffer's first element:
+    the row of (layer, slot) starts at `layer * layer_stride + (slot //
+    page_size) * page_stride + (slot % page_size) * row_stride` and is
+    `row_bytes` contiguous bytes (`kv_lora_rank + qk_rope_head_dim` elements).
+
+    The first six fields are a `CopyLayout` with `side_stride == 0`: an MLA
+    pool has one side, not K and V. A copy engine built for two sides of equal
+    rows would copy each row twice onto itself (correct, twice the traffic);
+    one for this pool copies side 0 only, `row_bytes` per row."""
+
+    side_stride: int
+    layer_stride: int
+    page_stride: int
+    row_stride: int
+    page_size: int
+    num_slots: int
+    row_bytes: int
+    num_sides: int
+
+
+class MLAKVCache(SideBuffers, BaseKVCache):
+    """The latent K/V of multi-head latent attention (DeepSeek's MLA) for every
+    layer in one preallocated, zero-filled buffer, as SGLang's
+    MLATokenToKVPool stores it.
+
+    Each token and layer has one row of `row_dim = kv_lora_rank +
+    qk_rope_head_dim` elements: the compressed latent (which is also the
+    value) then the rotary part of the key. Storage is `[num_layers,
+    num_pages, page_size, 1, row_dim]` (LayerFirst) or `[num_pages,
+    num_layers, page_size, 1, row_dim]` (PageFirst). `k_cache(layer)` is the
+    layer's `[num_pages, page_size, 1, row_dim]` view and `v_cache(layer)` the
+    view of its first `kv_lora_rank` columns (the same memory, no copy).
+    Token slot `s` is row `s % page_size` of page `s // page_size`.
+
+    The latent is the same on every tensor-parallel rank, so the pool is the
+    same whatever `tp_size` (kept for the caller's bookkeeping).
+
+    `store_kv(k_nope, k_rope, out_loc, layer)` writes both parts of each row in
+    one kernel call (`radixkv.kernel.store_mla`): the native CPU kernel on
+    the CPU, the CUDA kernel on CUDA. A float8 pool also takes float32,
+    float16 or bfloat16 parts, divided by `k_scale` and rounded in the kernel.
+    Side buffers (`register_side_buffer`, see SideBuffers) are written by the
+    same call: `store_kv(..., side={name: rows})`.
+    """
+
+    def __init__(
+        self,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        num_layers: int,
+        num_pages: int,
+        dtype: DTypeLike,
+        kv_layout: KVCacheLayout = KVCacheLayout.LayerFirst,
+        device: Union[torch.device, str] = "cpu",
+        page_size: int = 1,
+        tp_size: Optional[int] = None,
+        *,
+        check_bounds: bool = True,
+    ) -> None:
+        self._kv_lora_rank = _count(kv_lora_rank, "kv_lora_rank")
+        self._qk_rope_head_dim = _count(qk_rope_head_dim, "qk_rope_head_dim")
+        self._num_layers = _count(num_layers, "num_layers")
+        self._num_pages = _count(num_pages, "num_pages")
+        self._page_size = _count(page_size, "page_size")
+        self._tp_size = resolve_tp_size(tp_size)
+        self._kv_layout = _layout(kv_layout)
+        dtype = _dtype(dtype)
+
+        L, P, S, R = self._num_layers, self._num_pages, self._page_size, self.row_dim
+        if self._kv_layout is KVCacheLayout.LayerFirst:
+            self._kv_buffer = torch.zeros((L, P, S, 1, R), dtype=dtype, device=device)
+            view = self._kv_buffer
+        else:
+            self._kv_buffer = torch.zeros((P, L, S, 1, R), dtype=dtype, device=device)
+            view = self._kv_buffer.permute(1, 0, 2, 3, 4)
+        self._view = view  # [L, P, S, 1, R] whatever the layout
+        self._k_layers = view.unbind(0)
+        self._v_layers = tuple(k[..., : self._kv_lora_rank] for k in self._k_layers)
+        self._layer_wait = None
+        self._device = self._kv_buffer.device
+        self._init_side_buffers()
+        if self._device.type == "cpu":
+            self._store = None  # the native kernel, called directly
+        else:
+            self._store = functools.partial(store_mla, check_bounds=check_bounds)
+
+    def _layer(self, index, name: str) -> int:
+        if type(index) is not int:
+            index = _checks_int(index, name)
+        if not 0 <= index < self._num_layers:
+            raise ValueError(f"{name}={index} is out of range for {self._num_layers} layers")
+        return index
+
+    def k_cache(self, index: int) -> torch.Tensor:
+        """Layer `index`'s rows, `[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]`."""
+        index = self._layer(index, "index")
+        if self._layer_wait is not None:
+            self._layer_wait(index)
+        return self._k_layers[index]
+
+    def v_cache(self, index: int) -> torch.Tensor:
+        """Layer `index`'s values: the first `kv_lora_rank` columns of
+        `k_cache(index)`, `[num_pages, page_size, 1, kv_lora_rank]` (a view)."""
+        index = self._layer(index, "index")
+        if self._layer_wait is not None:
+            self._layer_wait(index)
+        return self._v_layers[index]
+
+    def store_kv(
+        self,
+        k_nope: torch.Tensor,
+        k_rope: torch.Tensor,
+        out_loc: torch.Tensor,
+        layer_id: int,
+        *,
+        k_scale=None,
+        side=None,
+    ) -> None:
+        """Write `k_nope[i]` (`[n, 1, kv_lora_rank]` or `[n, kv_lora_rank]`) and
+        `k_rope[i]` (`[n, 1, qk_rope_head_dim]` or `[n, qk_rope_head_dim]`) into
+        the row of token slot `out_loc[i]` of layer `layer_id`, side by side, in
+        one kernel call. Their rows may be strided (slices of a fused
+        projection). A float8 pool fed float32/float16/bfloat16 writes
+        `(x.float() / k_scale).to(dtype)` for both parts. `side` ({name: rows
+        of [n, *row_shape]}) writes registered side buffers in the same call."""
+        i = self._layer(layer_id, "layer_id")
+        sides = None if side is None else self._side_args(side, i)
+        if self._store is None:
+            # This pool's own view (no grad, no lazy negation): pool_views.
+            _core.store_mla(
+                self._k_layers[i], out_loc, k_nope, k_rope, self._kv_lora_rank, True, k_scale,
+                sides,
+            )
+        else:
+            self._store(self._k_layers[i], out_loc, k_nope, k_rope, self._kv_lora_rank,
+                        k_scale=k_scale, side=sides)
+
+    def copy_layout(self) -> MLACopyLayout:
+        """Where this pool's rows lie, for the copy engine of a host tier (see
+        MLACopyLayout: one side of `row_bytes` per layer and slot)."""
+        item = self._kv_buffer.element_size()
+        layer, page, row = (self._view.stride(i) * item for i in range(3))
+        return MLACopyLayout(0, layer, page, row, self._page_size, self.num_slots,
+                             self.row_bytes, 1)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._kv_buffer.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer: `num_pages * page_size`."""
+        return self._num_pages * self._page_size
+
+    @property
+    def kv_lora_rank(self) -> int:
+        """Columns of the compressed latent (the value), first in each row."""
+        return self._kv_lora_rank
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        """Columns of the rotary part of the key, last in each row."""
+        return self._qk_rope_head_dim
+
+    @property
+    def row_dim(self) -> int:
+        """Elements per row: `kv_lora_rank + qk_rope_head_dim`."""
+        return self._kv_lora_rank + self._qk_rope_head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row."""
+        return self.row_dim * self._kv_buffer.element_size()
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp_size
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        return self._kv_layout
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        """The one buffer behind every view, in storage order (see the class doc)."""
+        return self._kv_buffer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer."""
+        return self._kv_buffer.numel() * self._kv_buffer.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"MLAKVCache(num_layers={self._num_layers}, num_pages={self._num_pages}, "
+            f"page_size={self._page_size}, kv_lora_rank={self._kv_lora_rank}, "
+            f"qk_rope_head_dim={self._qk_rope_head_dim}, dtype={self.dtype}, "
+            f"kv_layout={self._kv_layout.name}, device={self._device})"
+        )
