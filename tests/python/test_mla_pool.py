@@ -14,9 +14,9 @@ import torch
 from radixkv import kernel
 from radixkv.kvcache import (
     BaseKVCache,
+    CopyLayout,
     KVCacheLayout,
     KVCacheType,
-    MLACopyLayout,
     MLAKVCache,
     create_kvcache,
 )
@@ -138,9 +138,9 @@ def test_views_index_the_one_buffer_in_storage_order(layout):
 def test_copy_layout_locates_every_row(layout, page_size):
     c = MLAKVCache(8, 4, 3, 5, torch.float16, kv_layout=layout, page_size=page_size)
     cl = c.copy_layout()
-    assert isinstance(cl, MLACopyLayout)
-    assert cl.side_stride == 0 and cl.num_sides == 1
-    assert cl.row_bytes == 12 * 2 and cl.page_size == page_size and cl.num_slots == c.num_slots
+    assert isinstance(cl, CopyLayout)
+    assert cl.side_stride == 0 and cl.sides == 1 and c.sides == 1 and c.row_shape == (1, 12)
+    assert c.row_bytes == 12 * 2 and cl.page_size == page_size and cl.num_slots == c.num_slots
     base = c.kv_buffer.data_ptr()
     for layer in range(3):
         rows = c.k_cache(layer).view(-1, 12) if layout is KVCacheLayout.LayerFirst else None

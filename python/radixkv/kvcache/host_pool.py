@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from radixkv._checks import as_count
 from radixkv.kvcache.base import CopyLayout, copy_layout
 from radixkv.kvcache.mha_pool import MHAKVCache
+from radixkv.kvcache.mla_pool import MLAKVCache
 
 HOST_LAYOUTS = ("page_first", "layer_first")
 """Host pool layouts: `page_first` keeps each page in one contiguous region
@@ -23,7 +24,10 @@ class HostKVCache:
     `num_pages` is None it holds `ratio` times the device pool's pages (2.0,
     as SGLang's default). `layout` is `page_first` (`[P, 2, L, S, H, D]`: a
     page is one contiguous region, the unit a storage tier moves) or
-    `layer_first` (`[2, L, P, S, H, D]`). The buffer is pinned (page-locked)
+    `layer_first` (`[2, L, P, S, H, D]`). An MLA pool has one side, its
+    latent rows (`[P, 1, L, S, 1, R]`, `[1, L, P, S, 1, R]`): `k_cache` is the
+    whole row and `v_cache` its first `kv_lora_rank` columns, as on the
+    device. The buffer is pinned (page-locked)
     when `pin_memory` is True, or when it is None and CUDA is available, so
     copies to and from the accelerator run asynchronously at full speed.
 
@@ -31,11 +35,12 @@ class HostKVCache:
     CacheManager that owns this pool, and filled by its copy controller.
     """
 
-    def __init__(self, device_pool: MHAKVCache, num_pages: Optional[int] = None,
-                 ratio: float = 2.0, layout: str = "page_first",
-                 pin_memory: Optional[bool] = None) -> None:
-        if not isinstance(device_pool, MHAKVCache):
-            raise TypeError(f"device_pool must be an MHAKVCache, got {type(device_pool).__name__}")
+    def __init__(self, device_pool: Union[MHAKVCache, MLAKVCache],
+                 num_pages: Optional[int] = None, ratio: float = 2.0,
+                 layout: str = "page_first", pin_memory: Optional[bool] = None) -> None:
+        if not isinstance(device_pool, (MHAKVCache, MLAKVCache)):
+            raise TypeError("device_pool must be an MHAKVCache or an MLAKVCache, got "
+                            f"{type(device_pool).__name__}")
         if layout not in HOST_LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(HOST_LAYOUTS)}, got {layout!r}")
         if num_pages is None:
@@ -48,14 +53,16 @@ class HostKVCache:
         self._device_pool = device_pool
         self._num_pages = num_pages
         self._layout = layout
-        L, S = device_pool.num_layers, device_pool.page_size
-        H, D = device_pool.local_kv_heads, device_pool.head_dim
+        L, S, sides = device_pool.num_layers, device_pool.page_size, device_pool.sides
+        H, D = device_pool.row_shape
         if layout == "page_first":
-            shape, to_view = (num_pages, 2, L, S, H, D), (1, 2, 0, 3, 4, 5)
+            shape, to_view = (num_pages, sides, L, S, H, D), (1, 2, 0, 3, 4, 5)
         else:
-            shape, to_view = (2, L, num_pages, S, H, D), (0, 1, 2, 3, 4, 5)
+            shape, to_view = (sides, L, num_pages, S, H, D), (0, 1, 2, 3, 4, 5)
         self._buffer = torch.zeros(shape, dtype=device_pool.dtype, pin_memory=bool(pin_memory))
-        self._view = self._buffer.permute(*to_view)  # [2, L, P, S, H, D]
+        self._view = self._buffer.permute(*to_view)  # [sides, L, P, S, H, D]
+        # The value of an MLA row is its first kv_lora_rank columns.
+        self._value_cols = getattr(device_pool, "kv_lora_rank", None)
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Keys of `layer`, `[num_pages, page_size, heads, head_dim]` (a view)."""
@@ -63,10 +70,17 @@ class HostKVCache:
 
     def v_cache(self, layer: int) -> torch.Tensor:
         """Values of `layer`, `[num_pages, page_size, heads, head_dim]` (a view)."""
+        if self._value_cols is not None:
+            return self._view[0, layer][..., :self._value_cols]
         return self._view[1, layer]
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (one token, layer and side)."""
+        return self._view.shape[4] * self._view.shape[5] * self._buffer.element_size()
+
     def page(self, index: int) -> torch.Tensor:
-        """Page `index` as one contiguous `[2, L, page_size, H, D]` tensor
+        """Page `index` as one contiguous `[sides, L, page_size, H, D]` tensor
         (`page_first` only: in `layer_first` a page is scattered)."""
         if self._layout != "page_first":
             raise ValueError("page() needs layout='page_first'")

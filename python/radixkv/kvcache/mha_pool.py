@@ -57,6 +57,20 @@ def resolve_tp_size(tp_size: Optional[int] = None) -> int:
     return 1
 
 
+def resolve_tp_rank(tp_rank: Optional[int] = None) -> int:
+    """`tp_rank`, or when it is None the `torch.distributed` rank if a process
+    group is initialised, else 0."""
+    if tp_rank is not None:
+        rank = as_int(tp_rank, "tp_rank")
+        if rank < 0:
+            raise ValueError(f"tp_rank must be >= 0, got {rank}")
+        return rank
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
 def local_kv_heads(num_kv_heads: int, tp_size: Optional[int] = None) -> int:
     """KV heads held by one tensor-parallel rank: `num_kv_heads // tp_size`, which
     must divide evenly (ValueError otherwise)."""
@@ -287,6 +301,16 @@ class MHAKVCache(SideBuffers, BaseKVCache):
     @property
     def tp_size(self) -> int:
         return self._tp_size
+
+    @property
+    def sides(self) -> int:
+        """Rows a token has per layer: 2, its key and its value."""
+        return 2
+
+    @property
+    def row_shape(self) -> tuple:
+        """The shape of one row: `(local_kv_heads, head_dim)`."""
+        return (self._local_kv_heads, self._head_dim)
 
     @property
     def kv_layout(self) -> KVCacheLayout:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from radixkv import _core
 from radixkv._checks import as_count, as_int, int32_tensor, to_host
-from radixkv.kvcache import BaseCacheHandle, MHAKVCache, RadixCacheManager, create_cache_manager
+from radixkv.kvcache import (BaseCacheHandle, MHAKVCache, MLAKVCache, RadixCacheManager,
+                             create_cache_manager)
+from radixkv.kvcache.mha_pool import resolve_tp_rank
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
@@ -64,24 +66,34 @@ class CacheManager:
     storage keys. The handle carries the namespace to the `cache_*_req` call
     that ends the request. The last `max_namespaces` names used are
     remembered (see `radixkv.scheduler.namespaces.Namespaces`).
+
+    MLA. `kv_cache` may be an `MLAKVCache`: its one latent row per token and
+    layer moves between the tiers like K/V pages. Its pages are the same on
+    every tensor-parallel rank, so only `tp_rank` 0 writes them to storage
+    (None: the torch.distributed rank, else 0); every rank reads them (key them
+    with `radixkv.storage.pool_fingerprint`, which leaves the rank out).
     """
 
     def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
                  device: torch.device | str = "cpu", *, host_num_pages: int = 0,
-                 write_policy: str = "write_through", kv_cache: Optional[MHAKVCache] = None,
+                 write_policy: str = "write_through",
+                 kv_cache: Optional[Union[MHAKVCache, MLAKVCache]] = None,
                  host_layout: str = "page_first", manual_copies: bool = False,
                  storage: Optional[StorageBackend] = None, storage_seed: Optional[bytes] = None,
                  prefetch_policy: str = "best_effort", min_prefetch_tokens: int = 0,
-                 eviction_policy: str = "lru", max_namespaces: int = 1 << 16):
+                 eviction_policy: str = "lru", max_namespaces: int = 1 << 16,
+                 tp_rank: Optional[int] = None):
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
         host_num_pages = as_count(host_num_pages, "host_num_pages", minimum=0)
+        tp_rank = resolve_tp_rank(tp_rank)
         if host_layout not in HOST_LAYOUTS:
             raise ValueError(f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, "
                              f"got {host_layout!r}")
         if kv_cache is not None:
-            if not isinstance(kv_cache, MHAKVCache):
-                raise TypeError(f"kv_cache must be an MHAKVCache, got {_type_name(kv_cache)}")
+            if not isinstance(kv_cache, (MHAKVCache, MLAKVCache)):
+                raise TypeError("kv_cache must be an MHAKVCache or an MLAKVCache, got "
+                                f"{_type_name(kv_cache)}")
             if kv_cache.page_size != page_size or kv_cache.num_pages < num_pages:
                 raise ValueError(
                     f"kv_cache must have page_size={page_size} and at least num_pages={num_pages} "
@@ -121,8 +133,11 @@ class CacheManager:
             if self._tier is None or kv_cache is None or host_layout != "page_first":
                 raise ValueError("a storage tier needs a host tier (host_num_pages > 0) with "
                                  "kv_cache and host_layout='page_first'")
+            # An MLA pool's pages are the same on every tensor-parallel rank:
+            # rank 0 writes them, every rank reads.
+            writer = kv_cache.sides == 2 or tp_rank == 0
             self._storage = StorageTier(self._tier, storage, storage_seed, self._namespaces,
-                                        prefetch_policy,
+                                        prefetch_policy, writer=writer,
                                         min_prefetch_tokens=min_prefetch_tokens)
 
     # -- matching and locking -------------------------------------------------

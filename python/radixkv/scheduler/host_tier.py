@@ -4,13 +4,14 @@ copies in flight between the device pool and the host pool."""
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from radixkv import _core
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
+from radixkv.kvcache.mla_pool import MLAKVCache
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 """When a node gets a host copy: when it is inserted (`write_through`), when it
@@ -76,7 +77,8 @@ class HostTier:
     """
 
     def __init__(self, tree: _core.RadixTree, page_size: int, host_num_pages: int,
-                 write_policy: str, kv_cache: Optional[MHAKVCache], host_layout: str,
+                 write_policy: str, kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
+                 host_layout: str,
                  num_layers: int, manual: bool) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
@@ -90,7 +92,7 @@ class HostTier:
         if kv_cache is not None:
             self.pool: Optional[HostKVCache] = HostKVCache(kv_cache, host_num_pages,
                                                           layout=host_layout)
-            row_bytes = kv_cache.local_kv_heads * kv_cache.head_dim * kv_cache.dtype.itemsize
+            row_bytes = self.pool.row_bytes
             device_layout, host_layout = list(kv_cache.copy_layout()), list(self.pool.copy_layout())
             kind = kv_cache.device.type
             if kind == "cpu":

@@ -20,20 +20,43 @@ def _field(value) -> bytes:
 def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size: int,
                        layout: str, num_layers: int, kv_heads: int, head_dim: int,
                        tp_rank: int = 0, tp_size: int = 1,
-                       namespace: Optional[str] = None) -> bytes:
+                       namespace: Optional[str] = None, attention: str = "mha") -> bytes:
     """32 bytes naming a configuration's page bytes: the model, the K/V dtype,
     the host layout, the page size, the shape of a page (layers, K/V heads on
-    this rank, head dim), the tensor-parallel shard and a user namespace
-    (SGLang's extra_key / vLLM's cache_salt). Two configurations that differ
-    in any of them get different keys for the same tokens, so they never read
-    each other's pages from a shared store."""
+    this rank, head dim), the tensor-parallel shard, a user namespace
+    (SGLang's extra_key / vLLM's cache_salt) and the attention's page kind
+    (`mha`: K and V rows; `mla`: one latent row, `head_dim` wide). Two
+    configurations that differ in any of them get different keys for the same
+    tokens, so they never read each other's pages from a shared store. An MLA
+    page is the same on every tensor-parallel rank: give `tp_rank=0,
+    tp_size=1` on all of them (`pool_fingerprint` does) so they share keys."""
+    if attention not in ("mha", "mla"):
+        raise ValueError(f"attention must be 'mha' or 'mla', got {attention!r}")
     parts = [b"radixkv-page-v1", _field(model), _field(str(dtype).removeprefix("torch.")),
              _field(as_count(page_size, "page_size")), _field(layout),
              _field(as_count(num_layers, "num_layers")), _field(as_count(kv_heads, "kv_heads")),
              _field(as_count(head_dim, "head_dim")), _field(as_int(tp_rank, "tp_rank")),
              _field(as_count(tp_size, "tp_size")),
              b"\x00" if namespace is None else b"\x01" + _field(namespace)]
+    if attention == "mla":  # MHA keys stay those of earlier versions
+        parts.append(_field("mla"))
     return hashlib.sha256(b"".join(parts)).digest()
+
+
+def pool_fingerprint(pool, *, model: str, layout: str = "page_first", tp_rank: int = 0,
+                     namespace: Optional[str] = None) -> bytes:
+    """`config_fingerprint` of a device pool (an MHAKVCache or MLAKVCache) and
+    its host layout: an MHA pool's shard is (`tp_rank`, `pool.tp_size`); an
+    MLA pool's pages are the same on every rank, so its key ignores the rank."""
+    if getattr(pool, "sides", 2) == 1:
+        return config_fingerprint(model=model, dtype=pool.dtype, page_size=pool.page_size,
+                                  layout=layout, num_layers=pool.num_layers, kv_heads=1,
+                                  head_dim=pool.row_shape[1], namespace=namespace,
+                                  attention="mla")
+    return config_fingerprint(model=model, dtype=pool.dtype, page_size=pool.page_size,
+                              layout=layout, num_layers=pool.num_layers,
+                              kv_heads=pool.local_kv_heads, head_dim=pool.head_dim,
+                              tp_rank=tp_rank, tp_size=pool.tp_size, namespace=namespace)
 
 
 def page_keys(input_ids, page_size: int, seed: Optional[bytes] = None) -> List[str]:
