@@ -71,6 +71,7 @@ class Subscriber:
         self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sock.connect(publisher.endpoint)
         self.publisher = publisher
+        self.last_seq = -1
         # Empty batches until one arrives: from then on nothing is lost.
         deadline = time.monotonic() + 20
         while True:
@@ -81,14 +82,15 @@ class Subscriber:
                 raise TimeoutError("the subscription never reached the publisher")
         self.frames = []
         self.receive()
+        self.frames = []  # what the tests publish comes after
         self.start_seq = self.publisher.next_seq
 
     def receive(self, timeout_s: float = 20.0):
-        """Every batch published so far: a list of (topic, seq, payload)."""
+        """The batches published since the last call: (topic, seq, payload)s."""
         last = self.publisher.next_seq - 1
         got = []
         deadline = time.monotonic() + timeout_s
-        while not got or int.from_bytes(got[-1][1], "big") < last:
+        while self.last_seq < last:
             if not self.sock.poll(100):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"batches up to {last} never arrived")
@@ -96,6 +98,7 @@ class Subscriber:
             frames = self.sock.recv_multipart()
             assert len(frames) == 3, frames
             got.append(tuple(frames))
+            self.last_seq = int.from_bytes(frames[1], "big")
         self.frames += got
         return got
 
@@ -242,3 +245,250 @@ def test_a_request_is_one_block_stored_encoded_as_vllm_does(publisher, subscribe
     assert len(removed.block_hashes) == 5
     # Leaves go before the pages they hang from.
     assert removed.block_hashes.index(keys2[0]) > removed.block_hashes.index(keys2[3])
+
+
+def check_tiers(cm, model, subscriber, store, seed):
+    """Replays every batch published so far into `model` and compares it
+    with what the tree and the store hold."""
+    first = subscriber.start_seq + len(subscriber.frames)
+    for batch in decode_frames(subscriber.receive(), first):
+        for event in batch.events:
+            model.apply(event, cm.page_size)
+    device, host = tier_blocks(cm, seed)
+    assert model.media["GPU"] == device
+    assert model.media["CPU_PINNED"] == host
+    assert model.media["DISK"] == disk_blocks(store)
+    assert len(device) * cm.page_size == cm.manager.size_info.total_size
+    assert len(host) * cm.page_size == cm.host_size_info.cached
+
+
+def serve(cm, ids, rng):
+    """One request: prefetch, match, load back, compute (chunked or not), cache."""
+    ps = cm.page_size
+    cm.wait_prefetch(cm.prefetch(ids))
+    h, _ = cm.match_req(ids)
+    h, cached = cm.load_back(h)
+    indices = torch.cat([cached, cm.allocate(len(ids) - h.cached_len)])
+    chunk = (len(ids) // 2) // ps * ps
+    if chunk > h.cached_len and rng.random() < 0.4:  # chunked prefill: cache the first part
+        h, head = cm.cache_unfinished_req(h, ids[:chunk], indices[:chunk])
+        indices = torch.cat([head, indices[chunk:]])
+    cm.free_and_cache_finished_req(h, ids, indices)
+    cm.writing_check()
+    assert cm.loading_check() == []
+    cm.storage_check()
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_replayed_events_are_exactly_the_blocks_of_each_tier(tmp_path, publisher, subscriber,
+                                                             write_policy):
+    ps = 4
+    seed = config_fingerprint(model="events", dtype=torch.float32, page_size=ps,
+                              layout="page_first", num_layers=1, kv_heads=1, head_dim=8)
+    pool = MHAKVCache(num_kv_heads=1, num_layers=1, head_dim=8, num_pages=12,
+                      dtype=torch.float32, page_size=ps)
+    store = FileStorage(str(tmp_path), seed)
+    cm = CacheManager(num_pages=12, page_size=ps, kv_cache=pool, host_num_pages=20,
+                      write_policy=write_policy, storage=store, storage_seed=seed,
+                      prefetch_policy="wait_complete", kv_events=publisher)
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 24))] for _ in range(4)]
+    model = Model()
+
+    def workload(steps):
+        for step in range(steps):
+            base = rng.choice(prefixes)
+            ids = base[:rng.randrange(4, len(base) + 1)]
+            ids = ids + [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 14))]
+            serve(cm, torch.tensor(ids), rng)
+            if step % 8 == 7:
+                cm.drain()
+                check_tiers(cm, model, subscriber, store, seed)
+                cm.check_integrity()
+        cm.drain()
+        check_tiers(cm, model, subscriber, store, seed)
+
+    workload(48)
+    # Every path was taken: device and host evictions, loads, reads from storage.
+    metrics = cm.metrics
+    assert metrics.evicted_tokens and metrics.host_evicted_tokens
+    assert metrics.loaded_back_tokens and metrics.storage_prefetched_tokens
+    assert metrics.storage_written_pages
+    assert model.media["GPU"] and model.media["CPU_PINNED"]
+    on_disk = set(model.media["DISK"])
+
+    # A reset empties both tiers; the store keeps its pages.
+    cm.reset()
+    cm.check_integrity()
+    assert cm._tree.num_nodes == 0 and cm.free_pages == 12
+    check_tiers(cm, model, subscriber, store, seed)
+    assert not model.media["GPU"] and not model.media["CPU_PINNED"]
+    assert model.media["DISK"] == on_disk
+    last = decode_batch(subscriber.frames[-1][2]).events
+    assert [type(e) for e in last] == [BlockRemoved, AllBlocksCleared]
+    assert last[0].medium == "CPU_PINNED"
+
+    # After it the manager serves (and announces) as before; pages written
+    # again are not announced on DISK twice (Model.apply checks).
+    workload(16)
+    assert model.media["GPU"]
+    cm.close()
+    check_tiers(cm, model, subscriber, store, seed)
+
+
+def test_replay_socket_sends_kept_batches_again(publisher, subscriber):
+    cm = CacheManager(num_pages=8, page_size=2, kv_events=publisher)
+    for base in (0, 100, 200):
+        ids = torch.arange(base, base + 5)
+        h, _ = cm.match_req(ids)
+        cm.lock(h)
+        cm.free_and_cache_finished_req(h, ids, cm.allocate(5))
+        cm.flush_events()
+    sent = subscriber.receive()
+    assert len(sent) == 3
+    ctx = zmq.Context()
+    client = ctx.socket(zmq.DEALER)
+    client.connect(publisher.replay_endpoint)
+    try:
+        start = subscriber.start_seq + 1
+        client.send_multipart([b"", start.to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert client.poll(20_000), "no answer from the replay socket"
+            frames = client.recv_multipart()
+            assert frames[0] == b"" and len(frames) == 4
+            if frames[2] == (-1).to_bytes(8, "big", signed=True):
+                assert frames[1:] == [b"", EventPublisher.END_SEQ, b""]
+                break
+            replayed.append(tuple(frames[1:]))
+        assert replayed == sent[1:]  # the same frames, from the sequence number asked for
+    finally:
+        client.close(linger=0)
+        ctx.term()
+
+
+def test_reset_refuses_while_a_request_holds_a_lock(publisher, subscriber):
+    cm = CacheManager(num_pages=8, page_size=2, kv_events=publisher, host_num_pages=8)
+    ids = torch.arange(7)
+    h, _ = cm.match_req(ids)
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids, cm.allocate(7))
+    cm.drain()
+    h, _ = cm.match_req(ids)
+    cm.lock(h)
+    before, seq = cm.manager.size_info, publisher.next_seq
+    with pytest.raises(RuntimeError, match="locks on 6 cached tokens"):
+        cm.reset()
+    assert cm.manager.size_info == before and publisher.next_seq == seq
+    cm.unlock(h)
+    cm.reset()
+    cm.check_integrity()
+    events = [e for b in decode_frames(subscriber.receive(), subscriber.start_seq) for e in b.events]
+    assert [(type(e), getattr(e, "medium", None)) for e in events] == [
+        (BlockStored, "GPU"), (BlockStored, "CPU_PINNED"), (BlockRemoved, "CPU_PINNED"),
+        (AllBlocksCleared, None)]
+    assert events[0].block_hashes == events[1].block_hashes == events[2].block_hashes
+
+
+def test_events_past_the_bound_are_published_without_waiting(publisher, subscriber,
+                                                              monkeypatch):
+    from radixkv.scheduler import block_events
+
+    monkeypatch.setattr(block_events, "MAX_PENDING_EVENTS", 3)
+    cm = CacheManager(num_pages=64, page_size=2, kv_events=publisher)
+    for base in range(0, 700, 100):  # 7 requests, 7 events, no per-round call
+        ids = torch.arange(base, base + 5)
+        h, _ = cm.match_req(ids)
+        cm.lock(h)
+        cm.free_and_cache_finished_req(h, ids, cm.allocate(5))
+    batches = decode_frames(subscriber.receive(), subscriber.start_seq)
+    assert [len(b.events) for b in batches] == [3, 3]
+    assert cm.flush_events() == 1
+
+
+def test_map_encoded_events_decode_too():
+    """Newer vLLM writes events as maps tagged with "type"; decode_batch reads both."""
+
+    class MStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None = None
+
+    class MBatch(msgspec.Struct, array_like=True):
+        ts: float
+        events: list[MStored]
+        data_parallel_rank: int | None
+
+    payload = msgspec.msgpack.encode(MBatch(2.5, [MStored([7, 8], 6, [1, 2, 3, 4], 2, None,
+                                                          "CPU_PINNED")], 1))
+    assert decode_batch(payload) == KVEventBatch(
+        2.5, [BlockStored([7, 8], 6, [1, 2, 3, 4], 2, None, "CPU_PINNED")], 1)
+    with pytest.raises(ValueError, match="payload"):
+        decode_batch(b"\x93\x01")
+
+
+def test_bad_configuration_raises_naming_the_argument(publisher):
+    with pytest.raises(TypeError, match="endpoint"):
+        EventPublisher(5557)
+    with pytest.raises(ValueError, match="endpoint must start with tcp://"):
+        EventPublisher("http://127.0.0.1:5557")
+    with pytest.raises(ValueError, match="replay_endpoint"):
+        EventPublisher("tcp://127.0.0.1:*", replay_endpoint="127.0.0.1:9")
+    with pytest.raises(TypeError, match="topic"):
+        EventPublisher("tcp://127.0.0.1:*", topic=b"kv")
+    with pytest.raises(ValueError, match="data_parallel_rank must be >= 0"):
+        EventPublisher("tcp://127.0.0.1:*", data_parallel_rank=-1)
+    with pytest.raises(TypeError, match="data_parallel_rank"):
+        EventPublisher("tcp://127.0.0.1:*", data_parallel_rank=True)
+    with pytest.raises(TypeError, match="buffer_steps"):
+        EventPublisher("tcp://127.0.0.1:*", buffer_steps="10")
+    with pytest.raises(ValueError, match="max_queue_size"):
+        EventPublisher("tcp://127.0.0.1:*", max_queue_size=0)
+    with pytest.raises(OSError, match="replay_endpoint=.*cannot bind"):
+        EventPublisher("tcp://127.0.0.1:*", replay_endpoint=publisher.endpoint)
+    with pytest.raises(TypeError, match="kv_events must be a radixkv.events.EventPublisher"):
+        CacheManager(num_pages=8, kv_events="tcp://*:5557")
+    with pytest.raises(TypeError, match="events must hold"):
+        encode_batch(KVEventBatch(0.0, ["BlockStored"], 0))
+    with pytest.raises(TypeError, match="batch must be a KVEventBatch"):
+        encode_batch([0.0, [], 0])
+    closed = EventPublisher("inproc://closed-publisher")
+    closed.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.publish([])
+
+
+def test_events_off_make_no_publisher_and_import_no_zmq(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a publisher was made with events off")
+
+    monkeypatch.setattr(EventPublisher, "__init__", refuse)
+    pool = MHAKVCache(num_kv_heads=1, num_layers=1, head_dim=8, num_pages=4,
+                      dtype=torch.float32, page_size=2)
+    cm = CacheManager(num_pages=4, page_size=2, kv_cache=pool, host_num_pages=8)
+    for base in (0, 100, 200, 0):
+        ids = torch.arange(base, base + 5)
+        h, _ = cm.match_req(ids)
+        h, cached = cm.load_back(h)
+        cm.free_and_cache_finished_req(h, ids,
+                                       torch.cat([cached, cm.allocate(5 - h.cached_len)]))
+        cm.drain()
+    cm.reset()
+    assert cm.kv_events is None and cm._events is None and cm._tier.events is None
+    assert cm.flush_events() == 0
+    # A fresh interpreter serving without events never imports pyzmq or msgpack.
+    code = (
+        "import sys, torch\n"
+        "from radixkv.scheduler import CacheManager\n"
+        "cm = CacheManager(num_pages=4, page_size=2, host_num_pages=8)\n"
+        "h, _ = cm.match_req(torch.arange(5)); cm.lock(h)\n"
+        "cm.free_and_cache_finished_req(h, torch.arange(5), cm.allocate(5))\n"
+        "cm.make_room(8); cm.drain(); cm.reset()\n"
+        "assert 'zmq' not in sys.modules and 'msgpack' not in sys.modules, 'imported'\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
