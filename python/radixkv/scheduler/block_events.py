@@ -2,25 +2,33 @@
 
 The tree returns slots, not blocks: eviction gives back the freed slots, a
 copy between tiers names its slots. This ledger keeps, per tier, the block
-in each cached page (keyed by the page's number in that tier's pool) and
-turns every change the manager applies into BlockStored / BlockRemoved
-events, so a consumer replaying them holds exactly the blocks of each tier:
-every block announced as stored on a medium is announced removed from it at
-most once, and only after it was announced stored. It exists only when the
-manager was given a publisher (`CacheManager(kv_events=...)`).
+in each cached page and turns every change the manager applies into
+BlockStored / BlockRemoved events, so a consumer replaying them holds exactly
+the blocks of each tier: a block is announced stored on a medium once while
+it is there, and removed from it only after it was announced stored. It
+exists only when the manager was given a publisher
+(`CacheManager(kv_events=...)`).
 
-A block is `(hash, parent hash, its tokens as int32 bytes)`, one tuple
-shared by the tiers that hold the page: a backup or a load moves the same
-tuple to the other tier's map, so no hash is computed twice and the tokens
-are kept once. The storage tier's pages are announced once each ("DISK"),
-when a write to the store finishes with the page there (written, or found
-there already); the store never tells of removals, and a reset leaves it as
-it is, so they are never removed.
+A tier's blocks are arrays indexed by page number (the pool's pages): the
+block hash, its parent's hash, its tokens and its 32-byte page key, and
+whether the page holds a block. Every update is a few vectorized numpy
+operations per call, not a Python object per page: a backup or a load copies
+rows from one tier's arrays to the other's, an eviction reads the hashes of
+the freed pages and clears them. An insert below cached pages continues the
+key chain from its parent's stored key instead of hashing the prefix again.
+The arrays are allocated zeroed (the memory is touched only as pages are
+used): per page, 8 + 8 + 1 + 1 + 32 bytes and 4 bytes a token.
+
+The storage tier's pages are announced once each ("DISK"), when a write to
+the store finishes with the page there (written, or found there already);
+the store does not report its own removals (FileStorage's `max_bytes`
+trimming, corrupt pages it drops), and a reset leaves it as it is, so DISK
+blocks are never announced removed.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set, Tuple
+from typing import List, NamedTuple, Optional, Set
 
 import numpy as np
 import torch
@@ -36,69 +44,124 @@ from radixkv.events import (
     EventPublisher,
 )
 
-Block = Tuple[int, Optional[int], bytes]  # (hash, parent hash, tokens as int32 bytes)
-
 # Events queued beyond this are published without waiting for the round's end,
 # so an engine that never calls a per-round method does not grow the queue.
 MAX_PENDING_EVENTS = 4096
 
 
+class Blocks(NamedTuple):
+    """Consecutive pages' blocks, in page order (one row each)."""
+
+    hash: np.ndarray        # uint64 [n]
+    parent: np.ndarray      # uint64 [n], meaningful where has_parent
+    has_parent: np.ndarray  # bool [n]: False for a sequence's first page
+    tokens: np.ndarray      # int32 [n, page_size]
+    key: np.ndarray         # uint8 [n, 32]: the page keys
+
+    def select(self, mask: np.ndarray) -> "Blocks":
+        return Blocks(*(a[mask] for a in self))
+
+
+class TierBlocks:
+    """The block in each page of one pool."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.present = np.zeros(num_pages, dtype=bool)
+        self.hash = np.zeros(num_pages, dtype=np.uint64)
+        self.parent = np.zeros(num_pages, dtype=np.uint64)
+        self.has_parent = np.zeros(num_pages, dtype=bool)
+        self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
+        self.key = np.zeros((num_pages, 32), dtype=np.uint8)
+
+    def put(self, pages: np.ndarray, blocks: Blocks) -> None:
+        self.present[pages] = True
+        self.hash[pages] = blocks.hash
+        self.parent[pages] = blocks.parent
+        self.has_parent[pages] = blocks.has_parent
+        self.tokens[pages] = blocks.tokens
+        self.key[pages] = blocks.key
+
+    def get(self, pages: np.ndarray) -> Blocks:
+        """The blocks of those of `pages` that hold one, in order."""
+        pages = pages[self.present[pages]]
+        return Blocks(self.hash[pages], self.parent[pages], self.has_parent[pages],
+                      self.tokens[pages], self.key[pages])
+
+    def remove(self, pages: np.ndarray) -> List[int]:
+        """Clears `pages`; returns the hashes of those that held a block."""
+        pages = pages[self.present[pages]]
+        self.present[pages] = False
+        return self.hash[pages].tolist()
+
+    def hashes(self) -> List[int]:
+        return self.hash[self.present].tolist()
+
+    def clear(self) -> None:
+        self.present[:] = False
+
+
 class BlockEvents:
     """Blocks per tier and the events not yet published, for one CacheManager."""
 
-    def __init__(self, publisher: EventPublisher, page_size: int, seed: Optional[bytes]):
+    def __init__(self, publisher: EventPublisher, page_size: int, seed: Optional[bytes],
+                 num_pages: int, host_num_pages: int = 0):
         self.publisher = publisher
         self.page_size = page_size
         self.seed = seed
         # A cache namespace (or LoRA adapter) would enter BlockStored here, and
         # into the hashes through `seed`; the tree has none yet.
         self.lora_id: Optional[int] = None
-        self.device: Dict[int, Block] = {}  # device page -> its block
-        self.host: Dict[int, Block] = {}    # host page -> its block
-        self.disk: Set[int] = set()         # hashes announced on DISK
+        self.device = TierBlocks(num_pages, page_size)
+        self.host = TierBlocks(host_num_pages, page_size)
+        self.disk: Set[int] = set()  # hashes announced on DISK
         self.pending: List = []
 
     # -- blocks ---------------------------------------------------------------------
 
-    def blocks(self, tokens: torch.Tensor, first_page: int) -> List[Block]:
-        """The blocks of `tokens`' whole pages from `first_page` on (the chain
-        is hashed from the first page: a block's hash covers its prefix)."""
+    def blocks(self, tokens: torch.Tensor, first_page: int, parent_page: int = -1) -> Blocks:
+        """The blocks of `tokens`' whole pages from `first_page` on. The key
+        chain is hashed from the first page (a page's key covers its prefix),
+        or continued from the device block in `parent_page` (the block of
+        page `first_page - 1`) when it holds one."""
         ps = self.page_size
         n = len(tokens) // ps
-        if first_page >= n:
-            return []
-        ids = tokens[:n * ps].to(torch.int32).contiguous()
-        raw = _core.page_keys(ids, ps, self.seed, True)
-        hashes = np.frombuffer(raw, dtype=">u8").reshape(n, 4)[:, 3].tolist()
-        data = ids.numpy().tobytes()
-        size = ps * 4
-        return [(hashes[k], hashes[k - 1] if k else None, data[k * size:(k + 1) * size])
-                for k in range(first_page, n)]
+        first_page = min(first_page, n)
+        ids = tokens[:n * ps].to(torch.int32).numpy()
+        dev = self.device
+        if parent_page >= 0 and dev.present[parent_page]:
+            raw = _core.page_keys(ids[first_page * ps:], ps, dev.key[parent_page].tobytes(), True)
+            prev: Optional[int] = int(dev.hash[parent_page])
+        else:
+            chain = _core.page_keys(ids, ps, self.seed, True)
+            raw = chain[first_page * 32:]
+            prev = _block_hashes(chain[first_page * 32 - 32:first_page * 32])[0] \
+                if first_page else None
+        key = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 32)
+        hashes = _block_hashes(raw)
+        parent = np.empty_like(hashes)
+        parent[1:] = hashes[:-1]
+        parent[:1] = prev or 0
+        has_parent = np.ones(len(hashes), dtype=bool)
+        has_parent[:1] = prev is not None
+        return Blocks(hashes, parent, has_parent, ids[first_page * ps:].reshape(-1, ps), key)
 
-    def _pages(self, slots: torch.Tensor) -> List[int]:
-        return slots[::self.page_size].div(self.page_size, rounding_mode="floor").tolist()
+    def _pages(self, slots: torch.Tensor) -> np.ndarray:
+        return slots.numpy()[::self.page_size] // self.page_size
 
     # -- events -----------------------------------------------------------------------
 
-    def _stored(self, blocks: List[Block], medium: str) -> None:
+    def _stored(self, blocks: Blocks, medium: str) -> None:
         """One BlockStored per chain of consecutive blocks."""
-        start = 0
-        for i in range(1, len(blocks) + 1):
-            if i == len(blocks) or blocks[i][1] != blocks[i - 1][0]:
-                run = blocks[start:i]
-                tokens = np.frombuffer(b"".join(b[2] for b in run), dtype=np.int32).tolist()
-                self._add(BlockStored([b[0] for b in run], run[0][1], tokens, self.page_size,
-                                      self.lora_id, medium))
-                start = i
-
-    def _removed(self, tier: Dict[int, Block], slots: torch.Tensor, medium: str) -> None:
-        hashes = []
-        for page in self._pages(slots):
-            block = tier.pop(page, None)
-            if block is not None:
-                hashes.append(block[0])
-        if hashes:
-            self._add(BlockRemoved(hashes, medium))
+        n = len(blocks.hash)
+        if n == 0:
+            return
+        linked = blocks.has_parent[1:] & (blocks.parent[1:] == blocks.hash[:-1])
+        cuts = [0, *(np.flatnonzero(~linked) + 1).tolist(), n]
+        for a, b in zip(cuts, cuts[1:]):
+            parent = int(blocks.parent[a]) if blocks.has_parent[a] else None
+            self._add(BlockStored(blocks.hash[a:b].tolist(), parent,
+                                  blocks.tokens[a:b].ravel().tolist(), self.page_size,
+                                  self.lora_id, medium))
 
     def _add(self, event) -> None:
         self.pending.append(event)
@@ -115,30 +178,32 @@ class BlockEvents:
 
     # -- the device tier ---------------------------------------------------------------
 
-    def device_inserted(self, tokens: torch.Tensor, slots: torch.Tensor, start: int,
-                        end: int) -> None:
+    def device_inserted(self, tokens: torch.Tensor, slots: torch.Tensor, start: int, end: int,
+                        known: int) -> None:
         """tokens[start:end) (whole pages) joined the tree on the device, with
-        `slots[start:end)`."""
+        `slots[start:end)`; `slots[:known]` are the tree's slots of the
+        tokens before them."""
         ps = self.page_size
-        blocks = self.blocks(tokens[:end], start // ps)
-        if not blocks:
+        parent_page = int(slots[start - ps]) // ps if 0 < start <= known else -1
+        blocks = self.blocks(tokens[:end], start // ps, parent_page)
+        if len(blocks.hash) == 0:
             return
-        for page, block in zip(self._pages(slots[start:end]), blocks):
-            self.device[page] = block
-        self._add(BlockStored([b[0] for b in blocks], blocks[0][1],
-                              tokens[start:end].tolist(), ps, self.lora_id, MEDIUM_GPU))
+        self.device.put(self._pages(slots[start:end]), blocks)
+        parent = int(blocks.parent[0]) if blocks.has_parent[0] else None
+        self._add(BlockStored(blocks.hash.tolist(), parent, tokens[start:end].numpy().tolist(),
+                              ps, self.lora_id, MEDIUM_GPU))
 
     def device_evicted(self, slots: torch.Tensor) -> None:
-        self._removed(self.device, slots, MEDIUM_GPU)
+        hashes = self.device.remove(self._pages(slots))
+        if hashes:
+            self._add(BlockRemoved(hashes, MEDIUM_GPU))
 
     def device_loaded(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Pages loaded from host joined the device with `device_slots`."""
-        blocks = []
-        for hp, dp in zip(self._pages(host_slots), self._pages(device_slots)):
-            block = self.host.get(hp)
-            if block is not None:
-                self.device[dp] = block
-                blocks.append(block)
+        hp, dp = self._pages(host_slots), self._pages(device_slots)
+        held = self.host.present[hp]
+        blocks = self.host.get(hp)
+        self.device.put(dp[held], blocks)
         self._stored(blocks, MEDIUM_GPU)
 
     # -- the host tier -----------------------------------------------------------------
@@ -147,49 +212,55 @@ class BlockEvents:
                        rejected: torch.Tensor) -> None:
         """A backup landed: the pages of `host_slots` not in `rejected` are the
         host copies of the device pages at the same positions."""
-        taken = ~torch.isin(host_slots[::self.page_size], rejected) if len(rejected) else None
-        blocks = []
-        pages = zip(self._pages(device_slots), self._pages(host_slots))
-        for i, (dp, hp) in enumerate(pages):
-            if taken is not None and not taken[i]:
-                continue
-            block = self.device.get(dp)
-            if block is not None:
-                self.host[hp] = block
-                blocks.append(block)
+        dp, hp = self._pages(device_slots), self._pages(host_slots)
+        if len(rejected):
+            taken = ~np.isin(hp, self._pages(rejected))
+            dp, hp = dp[taken], hp[taken]
+        held = self.device.present[dp]
+        blocks = self.device.get(dp)
+        self.host.put(hp[held], blocks)
         self._stored(blocks, MEDIUM_CPU_PINNED)
 
     def host_evicted(self, slots: torch.Tensor) -> None:
-        self._removed(self.host, slots, MEDIUM_CPU_PINNED)
+        hashes = self.host.remove(self._pages(slots))
+        if hashes:
+            self._add(BlockRemoved(hashes, MEDIUM_CPU_PINNED))
 
     def host_inserted(self, tokens: torch.Tensor, start: int, host_slots: torch.Tensor,
                       rejected: torch.Tensor) -> None:
         """Pages read from storage joined the tree: `host_slots` hold
         tokens[start:), those in `rejected` were not taken."""
-        taken = ~torch.isin(host_slots[::self.page_size], rejected) if len(rejected) else None
-        blocks = []
-        for i, (hp, block) in enumerate(zip(self._pages(host_slots),
-                                            self.blocks(tokens, start // self.page_size))):
-            if taken is None or taken[i]:
-                self.host[hp] = block
-                blocks.append(block)
+        hp = self._pages(host_slots)
+        blocks = self.blocks(tokens, start // self.page_size)
+        if len(rejected):
+            taken = ~np.isin(hp, self._pages(rejected))
+            hp, blocks = hp[taken], blocks.select(taken)
+        self.host.put(hp, blocks)
         self._stored(blocks, MEDIUM_CPU_PINNED)
 
     # -- the storage tier --------------------------------------------------------------
 
-    def disk_stored(self, blocks: List[Block]) -> None:
+    def disk_stored(self, blocks: Blocks) -> None:
         """`blocks` are in the store: announce those not announced yet."""
-        new = [b for b in blocks if b[0] not in self.disk]
-        self.disk.update(b[0] for b in new)
-        self._stored(new, MEDIUM_DISK)
+        new = np.array([h not in self.disk for h in blocks.hash.tolist()], dtype=bool)
+        blocks = blocks.select(new)
+        self.disk.update(blocks.hash.tolist())
+        self._stored(blocks, MEDIUM_DISK)
 
     # -- reset ---------------------------------------------------------------------------
 
     def reset(self) -> None:
         """The device and host tiers were emptied: the host blocks are
         removed one by one, the device's by AllBlocksCleared."""
-        if self.host:
-            self._add(BlockRemoved([b[0] for b in self.host.values()], MEDIUM_CPU_PINNED))
+        hashes = self.host.hashes()
+        if hashes:
+            self._add(BlockRemoved(hashes, MEDIUM_CPU_PINNED))
         self._add(AllBlocksCleared())
         self.device.clear()
         self.host.clear()
+
+
+def _block_hashes(keys: bytes) -> np.ndarray:
+    """The block hashes (uint64) of concatenated 32-byte page keys: each
+    key's last 8 bytes, big-endian (radixkv.events.block_hash)."""
+    return np.frombuffer(keys, dtype=">u8")[3::4].astype(np.uint64)

@@ -133,7 +133,7 @@ class CacheManager:
             # Blocks hash like the storage tier's page keys, so a page keeps
             # its hash on every medium.
             seed = self._storage.seed if self._storage is not None else None
-            self._events = BlockEvents(kv_events, page_size, seed)
+            self._events = BlockEvents(kv_events, page_size, seed, num_pages, host_num_pages)
             if self._tier is not None:
                 self._tier.events = self._events
             if self._storage is not None:
@@ -381,7 +381,7 @@ class CacheManager:
         full = n - n % self.page_size
         in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority)
         if self._events is not None and in_cache < full:
-            self._events.device_inserted(input_ids, indices, in_cache, full)
+            self._events.device_inserted(input_ids, indices, in_cache, full, cached)
         self._pages.free(indices[cached:in_cache])
         self._pages.free(indices[full:])
         self._held_pages -= (len(indices) - cached) // self.page_size
@@ -402,7 +402,7 @@ class CacheManager:
         in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority)
         full = n - n % self.page_size
         if self._events is not None and in_cache < full:
-            self._events.device_inserted(input_ids, indices, in_cache, full)
+            self._events.device_inserted(input_ids, indices, in_cache, full, cached)
         new_handle, tree_indices = self.manager.match_prefix(input_ids)
         now_cached = new_handle.cached_len
         self._pages.free(indices[cached:min(in_cache, now_cached)])

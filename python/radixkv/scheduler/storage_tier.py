@@ -336,7 +336,7 @@ class StorageTier:
                 self.present_pages += min(job.present, run)
                 self.write_failures += job.ok.count(False)
                 if job.blocks is not None and run:
-                    self.events.disk_stored(job.blocks[:run])
+                    self.events.disk_stored(job.blocks.select(slice(0, run)))
                 self.skipped += job.skipped
             else:
                 self._prefetches.remove(job)
