@@ -9,9 +9,9 @@ it is there, and removed from it only after it was announced stored. It
 exists only when the manager was given a publisher
 (`CacheManager(kv_events=...)`).
 
-A tier's blocks are arrays indexed by page number (the pool's pages): the
-block hash, its parent's hash, its tokens and its 32-byte page key, and
-whether the page holds a block. Every update is a few vectorized numpy
+A tier's blocks are a structured array indexed by page number (the pool's
+pages), a row per page: the block hash, its parent's hash, its tokens and
+its 32-byte page key, and beside it whether the page holds a block. Every update is a few vectorized numpy
 operations per call, not a Python object per page: a backup or a load copies
 rows from one tier's arrays to the other's, an eviction reads the hashes of
 the freed pages and clears them. An insert below cached pages continues the
@@ -28,7 +28,7 @@ blocks are never announced removed.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Set
+from typing import List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -49,52 +49,38 @@ from radixkv.events import (
 MAX_PENDING_EVENTS = 4096
 
 
-class Blocks(NamedTuple):
-    """Consecutive pages' blocks, in page order (one row each)."""
-
-    hash: np.ndarray        # uint64 [n]
-    parent: np.ndarray      # uint64 [n], meaningful where has_parent
-    has_parent: np.ndarray  # bool [n]: False for a sequence's first page
-    tokens: np.ndarray      # int32 [n, page_size]
-    key: np.ndarray         # uint8 [n, 32]: the page keys
-
-    def select(self, mask: np.ndarray) -> "Blocks":
-        return Blocks(*(a[mask] for a in self))
+def block_dtype(page_size: int) -> np.dtype:
+    """A block as one row: its hash, its parent's hash (where `has_parent`;
+    a sequence's first page has none), its tokens and its page key."""
+    return np.dtype([("hash", "<u8"), ("parent", "<u8"), ("has_parent", "?"),
+                     ("tokens", "<i4", (page_size,)), ("key", "u1", (32,))])
 
 
 class TierBlocks:
-    """The block in each page of one pool."""
+    """The block in each page of one pool: `rows[page]`, valid where
+    `present[page]`."""
 
     def __init__(self, num_pages: int, page_size: int):
         self.present = np.zeros(num_pages, dtype=bool)
-        self.hash = np.zeros(num_pages, dtype=np.uint64)
-        self.parent = np.zeros(num_pages, dtype=np.uint64)
-        self.has_parent = np.zeros(num_pages, dtype=bool)
-        self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
-        self.key = np.zeros((num_pages, 32), dtype=np.uint8)
+        self.rows = np.zeros(num_pages, dtype=block_dtype(page_size))
 
-    def put(self, pages: np.ndarray, blocks: Blocks) -> None:
+    def put(self, pages: np.ndarray, blocks: np.ndarray) -> None:
         self.present[pages] = True
-        self.hash[pages] = blocks.hash
-        self.parent[pages] = blocks.parent
-        self.has_parent[pages] = blocks.has_parent
-        self.tokens[pages] = blocks.tokens
-        self.key[pages] = blocks.key
+        self.rows[pages] = blocks
 
-    def get(self, pages: np.ndarray) -> Blocks:
-        """The blocks of those of `pages` that hold one, in order."""
-        pages = pages[self.present[pages]]
-        return Blocks(self.hash[pages], self.parent[pages], self.has_parent[pages],
-                      self.tokens[pages], self.key[pages])
+    def get(self, pages: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Which of `pages` hold a block (a mask), and their blocks in order."""
+        held = self.present[pages]
+        return held, self.rows[pages[held]]
 
     def remove(self, pages: np.ndarray) -> List[int]:
         """Clears `pages`; returns the hashes of those that held a block."""
         pages = pages[self.present[pages]]
         self.present[pages] = False
-        return self.hash[pages].tolist()
+        return self.rows["hash"][pages].tolist()
 
     def hashes(self) -> List[int]:
-        return self.hash[self.present].tolist()
+        return self.rows["hash"][self.present].tolist()
 
     def clear(self) -> None:
         self.present[:] = False
@@ -111,6 +97,7 @@ class BlockEvents:
         # A cache namespace (or LoRA adapter) would enter BlockStored here, and
         # into the hashes through `seed`; the tree has none yet.
         self.lora_id: Optional[int] = None
+        self.dtype = block_dtype(page_size)
         self.device = TierBlocks(num_pages, page_size)
         self.host = TierBlocks(host_num_pages, page_size)
         self.disk: Set[int] = set()  # hashes announced on DISK
@@ -118,49 +105,58 @@ class BlockEvents:
 
     # -- blocks ---------------------------------------------------------------------
 
-    def blocks(self, tokens: torch.Tensor, first_page: int, parent_page: int = -1) -> Blocks:
-        """The blocks of `tokens`' whole pages from `first_page` on. The key
-        chain is hashed from the first page (a page's key covers its prefix),
-        or continued from the device block in `parent_page` (the block of
-        page `first_page - 1`) when it holds one."""
+    def blocks(self, tokens: np.ndarray, first_page: int, parent_page: int = -1) -> np.ndarray:
+        """The blocks (rows of `block_dtype`) of the whole pages of `tokens`
+        (int32) from `first_page` on. The key chain is hashed from the first
+        page (a page's key covers its prefix), or continued from the device
+        block in `parent_page` (the block of page `first_page - 1`) when it
+        holds one."""
         ps = self.page_size
         n = len(tokens) // ps
         first_page = min(first_page, n)
-        ids = tokens[:n * ps].to(torch.int32).numpy()
         dev = self.device
         if parent_page >= 0 and dev.present[parent_page]:
-            raw = _core.page_keys(ids[first_page * ps:], ps, dev.key[parent_page].tobytes(), True)
-            prev: Optional[int] = int(dev.hash[parent_page])
+            parent = dev.rows[parent_page]
+            raw = _core.page_keys(tokens[first_page * ps:n * ps], ps, parent["key"].tobytes(),
+                                  True)
+            prev: Optional[int] = int(parent["hash"])
         else:
-            chain = _core.page_keys(ids, ps, self.seed, True)
+            chain = _core.page_keys(tokens[:n * ps], ps, self.seed, True)
             raw = chain[first_page * 32:]
-            prev = _block_hashes(chain[first_page * 32 - 32:first_page * 32])[0] \
+            prev = int(_block_hashes(chain[first_page * 32 - 32:first_page * 32])[0]) \
                 if first_page else None
-        key = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 32)
-        hashes = _block_hashes(raw)
-        parent = np.empty_like(hashes)
-        parent[1:] = hashes[:-1]
-        parent[:1] = prev or 0
-        has_parent = np.ones(len(hashes), dtype=bool)
-        has_parent[:1] = prev is not None
-        return Blocks(hashes, parent, has_parent, ids[first_page * ps:].reshape(-1, ps), key)
+        rows = np.empty(n - first_page, dtype=self.dtype)
+        rows["key"] = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 32)
+        rows["hash"] = _block_hashes(raw)
+        rows["parent"][1:] = rows["hash"][:-1]
+        rows["has_parent"] = True
+        if len(rows):
+            rows[0]["parent"] = prev or 0
+            rows[0]["has_parent"] = prev is not None
+        rows["tokens"] = tokens[first_page * ps:n * ps].reshape(-1, ps)
+        return rows
 
-    def _pages(self, slots: torch.Tensor) -> np.ndarray:
-        return slots.numpy()[::self.page_size] // self.page_size
+    def _pages(self, slots) -> np.ndarray:
+        """The pages of whole-page slots (a CPU tensor or an array)."""
+        if isinstance(slots, torch.Tensor):
+            slots = slots.numpy()
+        return slots[::self.page_size] // self.page_size
 
     # -- events -----------------------------------------------------------------------
 
-    def _stored(self, blocks: Blocks, medium: str) -> None:
+    def _stored(self, blocks: np.ndarray, medium: str) -> None:
         """One BlockStored per chain of consecutive blocks."""
-        n = len(blocks.hash)
+        n = len(blocks)
         if n == 0:
             return
-        linked = blocks.has_parent[1:] & (blocks.parent[1:] == blocks.hash[:-1])
+        hashes = blocks["hash"]
+        linked = blocks["has_parent"][1:] & (blocks["parent"][1:] == hashes[:-1])
         cuts = [0, *(np.flatnonzero(~linked) + 1).tolist(), n]
         for a, b in zip(cuts, cuts[1:]):
-            parent = int(blocks.parent[a]) if blocks.has_parent[a] else None
-            self._add(BlockStored(blocks.hash[a:b].tolist(), parent,
-                                  blocks.tokens[a:b].ravel().tolist(), self.page_size,
+            first = blocks[a]
+            parent = int(first["parent"]) if first["has_parent"] else None
+            self._add(BlockStored(hashes[a:b].tolist(), parent,
+                                  blocks["tokens"][a:b].ravel().tolist(), self.page_size,
                                   self.lora_id, medium))
 
     def _add(self, event) -> None:
@@ -180,18 +176,20 @@ class BlockEvents:
 
     def device_inserted(self, tokens: torch.Tensor, slots: torch.Tensor, start: int, end: int,
                         known: int) -> None:
-        """tokens[start:end) (whole pages) joined the tree on the device, with
-        `slots[start:end)`; `slots[:known]` are the tree's slots of the
-        tokens before them."""
+        """tokens[start:end) (whole pages; int32 on the CPU) joined the tree on
+        the device, with `slots[start:end)`; `slots[:known]` are the tree's
+        slots of the tokens before them."""
         ps = self.page_size
+        ids, slots = tokens.numpy(), slots.numpy()
         parent_page = int(slots[start - ps]) // ps if 0 < start <= known else -1
-        blocks = self.blocks(tokens[:end], start // ps, parent_page)
-        if len(blocks.hash) == 0:
+        blocks = self.blocks(ids[:end], start // ps, parent_page)
+        if len(blocks) == 0:
             return
-        self.device.put(self._pages(slots[start:end]), blocks)
-        parent = int(blocks.parent[0]) if blocks.has_parent[0] else None
-        self._add(BlockStored(blocks.hash.tolist(), parent, tokens[start:end].numpy().tolist(),
-                              ps, self.lora_id, MEDIUM_GPU))
+        self.device.put(slots[start:end:ps] // ps, blocks)
+        first = blocks[0]
+        parent = int(first["parent"]) if first["has_parent"] else None
+        self._add(BlockStored(blocks["hash"].tolist(), parent, ids[start:end].tolist(), ps,
+                              self.lora_id, MEDIUM_GPU))
 
     def device_evicted(self, slots: torch.Tensor) -> None:
         hashes = self.device.remove(self._pages(slots))
@@ -200,10 +198,8 @@ class BlockEvents:
 
     def device_loaded(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Pages loaded from host joined the device with `device_slots`."""
-        hp, dp = self._pages(host_slots), self._pages(device_slots)
-        held = self.host.present[hp]
-        blocks = self.host.get(hp)
-        self.device.put(dp[held], blocks)
+        held, blocks = self.host.get(self._pages(host_slots))
+        self.device.put(self._pages(device_slots)[held], blocks)
         self._stored(blocks, MEDIUM_GPU)
 
     # -- the host tier -----------------------------------------------------------------
@@ -216,8 +212,7 @@ class BlockEvents:
         if len(rejected):
             taken = ~np.isin(hp, self._pages(rejected))
             dp, hp = dp[taken], hp[taken]
-        held = self.device.present[dp]
-        blocks = self.device.get(dp)
+        held, blocks = self.device.get(dp)
         self.host.put(hp[held], blocks)
         self._stored(blocks, MEDIUM_CPU_PINNED)
 
@@ -231,20 +226,20 @@ class BlockEvents:
         """Pages read from storage joined the tree: `host_slots` hold
         tokens[start:), those in `rejected` were not taken."""
         hp = self._pages(host_slots)
-        blocks = self.blocks(tokens, start // self.page_size)
+        blocks = self.blocks(tokens.to(torch.int32).numpy(), start // self.page_size)
         if len(rejected):
             taken = ~np.isin(hp, self._pages(rejected))
-            hp, blocks = hp[taken], blocks.select(taken)
+            hp, blocks = hp[taken], blocks[taken]
         self.host.put(hp, blocks)
         self._stored(blocks, MEDIUM_CPU_PINNED)
 
     # -- the storage tier --------------------------------------------------------------
 
-    def disk_stored(self, blocks: Blocks) -> None:
+    def disk_stored(self, blocks: np.ndarray) -> None:
         """`blocks` are in the store: announce those not announced yet."""
-        new = np.array([h not in self.disk for h in blocks.hash.tolist()], dtype=bool)
-        blocks = blocks.select(new)
-        self.disk.update(blocks.hash.tolist())
+        new = np.array([h not in self.disk for h in blocks["hash"].tolist()], dtype=bool)
+        blocks = blocks[new]
+        self.disk.update(blocks["hash"].tolist())
         self._stored(blocks, MEDIUM_DISK)
 
     # -- reset ---------------------------------------------------------------------------

@@ -240,7 +240,8 @@ class StorageTier:
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         self._writes_in_flight += 1
         self._writing_tokens += len(host_slots)
-        blocks = self.events.blocks(tokens, copy[2] // ps) if self.events is not None else None
+        blocks = (self.events.blocks(tokens.to(torch.int32).numpy(), copy[2] // ps)
+                  if self.events is not None else None)
         self._jobs.put(_Write(copy, keys, pages, blocks=blocks))
 
     # -- prefetch -------------------------------------------------------------------
@@ -336,7 +337,7 @@ class StorageTier:
                 self.present_pages += min(job.present, run)
                 self.write_failures += job.ok.count(False)
                 if job.blocks is not None and run:
-                    self.events.disk_stored(job.blocks.select(slice(0, run)))
+                    self.events.disk_stored(job.blocks[:run])
                 self.skipped += job.skipped
             else:
                 self._prefetches.remove(job)
