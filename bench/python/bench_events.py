@@ -12,9 +12,10 @@ that publishes the round's batch). Cases:
   host         with a host tier twice the pool (bookkeeping only, copies
                inline), so each request also backs up (CPU_PINNED stored) and
                host eviction removes
-"on" publishes to a PUB socket on 127.0.0.1 with a subscriber reading it on
-another thread (the publisher's thread encodes and sends: on a machine with
-few cores it competes with the scheduler, which this measures too).
+"on" publishes to a PUB socket on 127.0.0.1 (encoded on the scheduler's
+thread, sent by ZeroMQ's) with a subscriber reading it in another process;
+"ledger" is the same with a publisher that sends nothing, which separates
+the manager's bookkeeping from the encoding and sending.
 Off and on alternate, each over the same requests on a fresh manager, warmed
 up first; medians of 25-request batches, microseconds per request.
 
@@ -26,7 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
+import subprocess
+import sys
 import time
 
 import torch
@@ -64,85 +66,92 @@ def cycle(cm: CacheManager, ids: torch.Tensor) -> None:
     cm.writing_check()
 
 
+class Ledger(EventPublisher):
+    """A publisher that sends nothing: the manager's bookkeeping alone."""
+
+    def __init__(self):  # no sockets
+        self.batches = 0
+
+    def publish(self, events):
+        self.batches += 1
+        return None
+
+
 def run(case: str, publisher, requests, batch: int = 25):
+    """Median wall and main-thread CPU microseconds per request."""
     cm = manager(case, publisher)
     warm = POOL_REQUESTS * 2  # fill the pool (and host), so every timed request evicts
     for ids in requests[:warm]:
         cycle(cm, ids)
-    samples = []
+    wall, cpu = [], []
     timed = requests[warm:]
     for b in range(0, len(timed) - batch + 1, batch):
-        t0 = time.perf_counter_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         for ids in timed[b:b + batch]:
             cycle(cm, ids)
-        samples.append((time.perf_counter_ns() - t0) / batch / 1e3)
+        wall.append((time.perf_counter_ns() - t0) / batch / 1e3)
+        cpu.append((time.thread_time_ns() - c0) / batch / 1e3)
     cm.check_integrity()
-    return samples
+    return wall, cpu
 
 
-class Reader:
-    """A subscriber draining the stream on its own thread, counting bytes."""
-
-    def __init__(self, endpoint: str):
-        import zmq
-
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
-        self.batches = self.bytes = 0
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.stop:
-            if self.sock.poll(50):
-                frames = self.sock.recv_multipart()
-                self.batches += 1
-                self.bytes += len(frames[2])
-
-    def close(self):
-        self.stop = True
-        self.thread.join()
-        self.sock.close(linger=0)
-        self.ctx.term()
+READER = """
+import sys, zmq
+ctx = zmq.Context(); sock = ctx.socket(zmq.SUB)
+sock.setsockopt(zmq.SUBSCRIBE, b""); sock.connect(sys.argv[1])
+batches = nbytes = 0
+print("ready", flush=True)
+while True:
+    frames = sock.recv_multipart()
+    if frames[2] == b"stop":
+        break
+    batches += 1; nbytes += len(frames[2])
+print(batches, nbytes, flush=True)
+"""
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="distinct requests per run")
-    ap.add_argument("--rounds", type=int, default=3, help="off/on pairs per case")
+    ap.add_argument("--rounds", type=int, default=3, help="off/ledger/on triples per case")
     args = ap.parse_args()
     requests = make_requests(args.requests + 2 * POOL_REQUESTS, seed=0)
-    publisher = EventPublisher("tcp://127.0.0.1:*", max_queue_size=1_000_000)
-    reader = Reader(publisher.endpoint)
-    time.sleep(0.2)
+    publisher = EventPublisher("tcp://127.0.0.1:*")
+    reader = subprocess.Popen([sys.executable, "-c", READER, publisher.endpoint],
+                              stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "ready"
+    time.sleep(0.5)  # the subscription reaches the publisher
     results = []
     try:
         for case in ("device", "host"):
-            off, on = [], []
+            got = {"off": ([], []), "ledger": ([], []), "on": ([], [])}
             for _ in range(args.rounds):
-                off += run(case, None, requests)
-                on += run(case, publisher, requests)
-            results.append({"case": case, "off_us": statistics.median(off),
-                            "on_us": statistics.median(on)})
-        deadline = time.monotonic() + 10
-        while reader.batches < publisher.next_seq and time.monotonic() < deadline:
-            time.sleep(0.05)
+                for name, pub in (("off", None), ("ledger", Ledger()), ("on", publisher)):
+                    wall, cpu = run(case, pub, requests)
+                    got[name][0].extend(wall)
+                    got[name][1].extend(cpu)
+            r = {"case": case}
+            for name, (wall, cpu) in got.items():
+                r[f"{name}_us"] = statistics.median(wall)
+                r[f"{name}_cpu_us"] = statistics.median(cpu)
+            results.append(r)
         published = publisher.next_seq
-        received, nbytes = reader.batches, reader.bytes
+        publisher._pub.send_multipart((b"", b"\0" * 8, b"stop"))
+        received, nbytes = (int(x) for x in reader.stdout.readline().split())
     finally:
-        reader.close()
+        reader.kill()
         publisher.close()
     print(f"KV events: {args.requests} distinct {SEQ}-token requests (page {PAGE}), "
-          f"median us per request")
-    print(f"{'case':<10}{'off':>10}{'on':>10}{'on/off':>9}")
+          f"median us per request (wall; main-thread CPU in brackets)")
+    print(f"{'case':<8}{'off':>16}{'ledger':>16}{'on':>16}{'ledger/off':>12}{'on/off':>8}")
     for r in results:
+        r["ledger_ratio"] = r["ledger_us"] / r["off_us"]
         r["ratio"] = r["on_us"] / r["off_us"]
-        print(f"{r['case']:<10}{r['off_us']:>10.2f}{r['on_us']:>10.2f}{r['ratio']:>8.2f}x")
+        cells = "".join(f"{r[n + '_us']:>8.1f} ({r[n + '_cpu_us']:>5.1f})"
+                        for n in ("off", "ledger", "on"))
+        print(f"{r['case']:<8}{cells}{r['ledger_ratio']:>11.2f}x{r['ratio']:>7.2f}x")
     print(f"batches published {published}, received {received}, "
-          f"{nbytes / max(received, 1) / 1024:.1f} KiB a batch, dropped {publisher.dropped}")
+          f"{nbytes / max(received, 1) / 1024:.1f} KiB a batch")
     for r in results:
         print(json.dumps({"bench": "events", "requests": args.requests, **r}))
 

@@ -13,8 +13,9 @@ Dynamo's, for one) consumes radixkv's unchanged:
   `["AllBlocksCleared"]`;
 - each batch goes out on a PUB socket as three frames: the topic (UTF-8),
   the batch's sequence number (8 bytes, big-endian, from 0, one per batch)
-  and the msgpack payload. A gap in the numbers is a batch lost (dropped by a
-  full queue or a slow subscriber); the replay socket (ROUTER, optional)
+  and the msgpack payload. A gap in the numbers is a batch lost (a
+  subscriber too slow for the socket's high-water mark); the replay socket
+  (ROUTER, optional)
   sends the last `buffer_steps` batches again from a number a client asks
   for, as vLLM's does.
 
@@ -39,7 +40,6 @@ publisher is made or a batch is encoded: `import radixkv` never needs them.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -184,19 +184,22 @@ class EventPublisher:
     kept batch from it on, `[topic, seq, payload]`, then `[b"", -1 as 8
     signed big-endian bytes, b""]`. `buffer_steps` batches are kept for it.
 
-    `publish()` only queues: the sockets belong to the publisher's thread,
-    which encodes and sends, so a slow network never stalls the scheduler.
-    Batches are numbered when queued; one that finds the queue full
-    (`max_queue_size` batches) is dropped and counted (`dropped`), leaving a
-    gap in the numbers that a subscriber sees. `close()` sends what is
-    queued, then closes the sockets. Usable as a context manager.
+    `publish()` encodes the batch and hands it to ZeroMQ on the caller's
+    thread (tens of microseconds): a PUB socket never blocks, ZeroMQ's own
+    thread does the network. A subscriber that falls `hwm` batches behind
+    loses the oldest, which it sees as a gap in the sequence numbers (and
+    may fill from the replay socket). Only the replay socket has a thread of
+    its own, which waits for requests. Several threads may publish through
+    one publisher (a lock orders them). `close()` closes the sockets after
+    what was sent has gone out (up to a second). Usable as a context
+    manager.
     """
 
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
     def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: Optional[str] = None,
                  topic: str = "", data_parallel_rank: int = 0, buffer_steps: int = 10_000,
-                 hwm: int = 100_000, max_queue_size: int = 100_000):
+                 hwm: int = 100_000):
         endpoint = _check_endpoint(endpoint, "endpoint")
         if replay_endpoint is not None:
             replay_endpoint = _check_endpoint(replay_endpoint, "replay_endpoint")
@@ -205,13 +208,13 @@ class EventPublisher:
         self.data_parallel_rank = _check_count(data_parallel_rank, "data_parallel_rank", 0)
         buffer_steps = _check_count(buffer_steps, "buffer_steps", 0)
         hwm = _check_count(hwm, "hwm", 0)
-        max_queue_size = _check_count(max_queue_size, "max_queue_size", 1)
         try:
             import msgpack  # noqa: F401
             import zmq
         except ImportError as e:
             raise ImportError(f"KV events need pyzmq and msgpack (pip install "
                               f"'radixkv[events]'): {e}") from None
+        self._zmq = zmq
         self._topic = topic.encode("utf-8")
         self._ctx = zmq.Context()
         self._pub = self._replay = None
@@ -230,17 +233,20 @@ class EventPublisher:
         except BaseException:
             self._close_sockets()
             raise
-        self._buffer: deque = deque(maxlen=buffer_steps)
-        self._queue: "queue.Queue" = queue.Queue(maxsize=max_queue_size)
+        self._lock = threading.Lock()  # the PUB socket, the numbers and the kept batches
+        self._buffer: deque = deque(maxlen=buffer_steps)  # (seq bytes, payload), immutable
         self._next_seq = 0
-        self._lock = threading.Lock()  # publish() may be called from several managers' threads
-        self.dropped = 0     # batches not queued: the queue was full
-        self.errors = 0      # batches the thread failed to encode or send
+        # Batches ZeroMQ refused outright; a PUB socket drops silently past a
+        # subscriber's high-water mark, which only the subscriber sees (a gap).
+        self.dropped = 0
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if self._replay is not None:
+            self._thread = threading.Thread(target=self._serve_replays,
+                                            name="radixkv-kv-events-replay", daemon=True)
+            self._thread.start()
 
-    # -- sockets (the thread's once it runs) ----------------------------------------
+    # -- sockets ---------------------------------------------------------------------
 
     @classmethod
     def _open(cls, sock, endpoint: str, name: str, zmq) -> str:
@@ -266,60 +272,48 @@ class EventPublisher:
                 sock.close(linger=1000)  # what was sent reaches connected subscribers
         self._ctx.term()
 
-    def _run(self) -> None:
-        import zmq
-
-        while True:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay(zmq)
-                try:
-                    item = self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-            else:
-                item = self._queue.get()
-            if item is None:
-                return
-            seq, batch = item
+    def _serve_replays(self) -> None:
+        # The replay socket is this thread's alone; the kept batches are
+        # copied under the lock (their bytes are never changed).
+        zmq, sock = self._zmq, self._replay
+        while not self._closed:
+            if not sock.poll(100):
+                continue
             try:
-                payload = encode_batch(batch)
-                seq_bytes = seq.to_bytes(8, "big")
-                self._pub.send_multipart((self._topic, seq_bytes, payload))
-                self._buffer.append((seq_bytes, payload))
-            except Exception:  # a bad batch must not stop the thread
-                self.errors += 1
-
-    def _serve_replay(self, zmq) -> None:
-        try:
-            frames = self._replay.recv_multipart(zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return
-        if len(frames) != 3 or len(frames[2]) != 8:
-            return  # not a replay request: [client, b"", start seq]
-        client, _, start = frames
-        first = int.from_bytes(start, "big")
-        for seq_bytes, payload in list(self._buffer):
-            if int.from_bytes(seq_bytes, "big") >= first:
-                self._replay.send_multipart((client, b"", self._topic, seq_bytes, payload))
-        self._replay.send_multipart((client, b"", b"", self.END_SEQ, b""))
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # not a replay request: [client, b"", start seq]
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                kept = list(self._buffer)
+            for seq_bytes, payload in kept:
+                if int.from_bytes(seq_bytes, "big") >= first:
+                    sock.send_multipart((client, b"", self._topic, seq_bytes, payload))
+            sock.send_multipart((client, b"", b"", self.END_SEQ, b""))
 
     # -- publishing -------------------------------------------------------------------
 
     def publish(self, events: List[KVEvent]) -> Optional[int]:
-        """Queues one batch of `events` (taken over: the caller must not
-        change the list afterwards), stamped now with this publisher's data
-        parallel rank. Returns its sequence number, or None if it was
-        dropped (the queue is full)."""
+        """Sends one batch of `events`, stamped now with this publisher's
+        data parallel rank. Returns its sequence number, or None when ZeroMQ
+        refused it (counted in `dropped`; the number stays used, so
+        subscribers see the gap)."""
         if self._closed:
             raise RuntimeError("the EventPublisher is closed")
-        batch = KVEventBatch(time.time(), events, self.data_parallel_rank)
+        payload = encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank))
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the EventPublisher is closed")
             seq = self._next_seq
             self._next_seq += 1
+            seq_bytes = seq.to_bytes(8, "big")
+            self._buffer.append((seq_bytes, payload))
             try:
-                self._queue.put_nowait((seq, batch))
-            except queue.Full:
+                self._pub.send_multipart((self._topic, seq_bytes, payload), self._zmq.NOBLOCK)
+            except self._zmq.Again:
                 self.dropped += 1
                 return None
         return seq
@@ -330,13 +324,14 @@ class EventPublisher:
         return self._next_seq
 
     def close(self) -> None:
-        """Sends what is queued, stops the thread and closes the sockets."""
+        """Stops the replay thread and closes the sockets."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._thread.join()
-        self._close_sockets()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._close_sockets()
 
     def __enter__(self) -> "EventPublisher":
         return self

@@ -446,8 +446,8 @@ def test_bad_configuration_raises_naming_the_argument(publisher):
         EventPublisher("tcp://127.0.0.1:*", data_parallel_rank=True)
     with pytest.raises(TypeError, match="buffer_steps"):
         EventPublisher("tcp://127.0.0.1:*", buffer_steps="10")
-    with pytest.raises(ValueError, match="max_queue_size"):
-        EventPublisher("tcp://127.0.0.1:*", max_queue_size=0)
+    with pytest.raises(ValueError, match="hwm must be >= 0"):
+        EventPublisher("tcp://127.0.0.1:*", hwm=-1)
     with pytest.raises(OSError, match="replay_endpoint=.*cannot bind"):
         EventPublisher("tcp://127.0.0.1:*", replay_endpoint=publisher.endpoint)
     with pytest.raises(TypeError, match="kv_events must be a radixkv.events.EventPublisher"):
