@@ -15,9 +15,13 @@ Dynamo's, for one) consumes radixkv's unchanged:
   the batch's sequence number (8 bytes, big-endian, from 0, one per batch)
   and the msgpack payload. A gap in the numbers is a batch lost (a
   subscriber too slow for the socket's high-water mark); the replay socket
-  (ROUTER, optional)
-  sends the last `buffer_steps` batches again from a number a client asks
-  for, as vLLM's does.
+  (ROUTER, optional) sends the last `buffer_steps` batches again from a
+  number a client asks for, as vLLM's does.
+
+The newest vLLM releases write each event as a map tagged `"type"` instead
+of an array; consumers (Dynamo's among them) read both, and so does
+`decode_batch`. The array form is the one every consumer of vLLM's events
+reads, and the smaller.
 
 Block hashes. A block is one page of `page_size` tokens. Its 32-byte key is
 the storage tier's SHA-256 page chain (`radixkv.storage.page_keys`: key i =
@@ -48,8 +52,6 @@ from typing import List, NamedTuple, Optional, Union
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU_PINNED = "CPU_PINNED"
 MEDIUM_DISK = "DISK"
-
-_U64 = (1 << 64) - 1
 
 
 def block_hash(key: Union[bytes, str]) -> int:

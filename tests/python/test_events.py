@@ -383,7 +383,8 @@ def test_reset_refuses_while_a_request_holds_a_lock(publisher, subscriber):
     cm.unlock(h)
     cm.reset()
     cm.check_integrity()
-    events = [e for b in decode_frames(subscriber.receive(), subscriber.start_seq) for e in b.events]
+    batches = decode_frames(subscriber.receive(), subscriber.start_seq)
+    events = [e for b in batches for e in b.events]
     assert [(type(e), getattr(e, "medium", None)) for e in events] == [
         (BlockStored, "GPU"), (BlockStored, "CPU_PINNED"), (BlockRemoved, "CPU_PINNED"),
         (AllBlocksCleared, None)]

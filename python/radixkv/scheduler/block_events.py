@@ -11,13 +11,14 @@ exists only when the manager was given a publisher
 
 A tier's blocks are a structured array indexed by page number (the pool's
 pages), a row per page: the block hash, its parent's hash, its tokens and
-its 32-byte page key, and beside it whether the page holds a block. Every update is a few vectorized numpy
-operations per call, not a Python object per page: a backup or a load copies
-rows from one tier's arrays to the other's, an eviction reads the hashes of
-the freed pages and clears them. An insert below cached pages continues the
-key chain from its parent's stored key instead of hashing the prefix again.
-The arrays are allocated zeroed (the memory is touched only as pages are
-used): per page, 8 + 8 + 1 + 1 + 32 bytes and 4 bytes a token.
+its 32-byte page key, and beside it whether the page holds a block. Every
+update is a few vectorized numpy operations per call, not a Python object
+per page: a backup or a load copies rows from one tier's array to the
+other's, an eviction reads the hashes of the freed pages and clears them.
+An insert below cached pages continues the key chain from its parent's
+stored key instead of hashing the prefix again. The arrays are allocated
+zeroed (the memory is touched only as pages are used): per page, 50 bytes
+and 4 bytes a token.
 
 The storage tier's pages are announced once each ("DISK"), when a write to
 the store finishes with the page there (written, or found there already);
