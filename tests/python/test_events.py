@@ -257,9 +257,11 @@ def check_tiers(cm, model, subscriber, store, seed):
     device, host = tier_blocks(cm, seed)
     assert model.media["GPU"] == device
     assert model.media["CPU_PINNED"] == host
-    assert model.media["DISK"] == disk_blocks(store)
+    if store is not None:
+        assert model.media["DISK"] == disk_blocks(store)
     assert len(device) * cm.page_size == cm.manager.size_info.total_size
-    assert len(host) * cm.page_size == cm.host_size_info.cached
+    if cm.host_size_info is not None:
+        assert len(host) * cm.page_size == cm.host_size_info.cached
 
 
 def serve(cm, ids, rng):
@@ -334,6 +336,45 @@ def test_replayed_events_are_exactly_the_blocks_of_each_tier(tmp_path, publisher
     assert model.media["GPU"]
     cm.close()
     check_tiers(cm, model, subscriber, store, seed)
+
+
+def test_failed_copies_announce_nothing(publisher, subscriber):
+    """Backups and loads that fail (the test decides which) change no tier,
+    so they announce nothing; the events still match the tree."""
+    ps = 2
+    cm = CacheManager(num_pages=10, page_size=ps, host_num_pages=12, manual_copies=True,
+                      kv_events=publisher)
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(100) for _ in range(rng.randrange(4, 12))] for _ in range(3)]
+    model = Model()
+    aborted = 0
+    for step in range(150):
+        base = rng.choice(prefixes)
+        ids = base[:rng.randrange(2, len(base) + 1)]
+        ids = torch.tensor(ids + [rng.randrange(100, 200) for _ in range(rng.randrange(1, 6))])
+        h, _ = cm.match_req(ids)
+        h, cached = cm.load_back(h)
+        own = cm.allocate(len(ids) - h.cached_len)
+        for op in cm.controller.waiting():  # this round's backups and load
+            cm.controller.complete(op, rng.random() < 0.6)
+        cm.writing_check()
+        failed = cm.loading_check()
+        if failed:  # the load failed: the request gives up its lock and pages
+            assert failed == [h]
+            cm.unlock(h)
+            cm.free(own)
+            aborted += 1
+        else:
+            cm.free_and_cache_finished_req(h, ids, torch.cat([cached, own]))
+        if step % 10 == 9:
+            for op in cm.controller.waiting():
+                cm.controller.complete(op, rng.random() < 0.6)
+            cm.writing_check()
+            check_tiers(cm, model, subscriber, None, None)
+            cm.check_integrity()
+    counters = cm.tier_counters
+    assert aborted and counters.failed_copies and counters.backed_up and counters.loaded_back
+    assert counters.host_evicted and cm.metrics.evicted_tokens
 
 
 def test_replay_socket_sends_kept_batches_again(publisher, subscriber):
