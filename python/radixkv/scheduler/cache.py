@@ -8,10 +8,12 @@ import torch
 
 from radixkv import _core
 from radixkv._checks import as_count, as_int, int32_tensor, to_host
+from radixkv.events import EventPublisher
 from radixkv.kvcache import (BaseCacheHandle, MHAKVCache, MLAKVCache, RadixCacheManager,
                              create_cache_manager)
 from radixkv.kvcache.mha_pool import resolve_tp_rank
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
+from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.scheduler.storage_tier import StorageCounters, StorageTier
@@ -72,6 +74,17 @@ class CacheManager:
     every tensor-parallel rank, so only `tp_rank` 0 writes them to storage
     (None: the torch.distributed rank, else 0); every rank reads them (key them
     with `radixkv.storage.pool_fingerprint`, which leaves the rank out).
+
+    KV events. With `kv_events` (a `radixkv.events.EventPublisher`) the
+    manager tells a KV-aware router which blocks (pages) each tier holds, in
+    vLLM's format: BlockStored / BlockRemoved with medium "GPU" when pages
+    join the device tree (an insert, a load from host) or are evicted from
+    it, "CPU_PINNED" when host copies land (a backup, a read from storage) or
+    are evicted, "DISK" when a write to storage finishes; AllBlocksCleared on
+    `reset()`. The events of a scheduling round go out as one batch at
+    `flush_events()`, which `writing_check()`, `loading_check()`,
+    `storage_check()`, `drain()`, `reset()` and `close()` also call. Without
+    it (the default) nothing of this exists.
     """
 
     def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
@@ -82,7 +95,10 @@ class CacheManager:
                  storage: Optional[StorageBackend] = None, storage_seed: Optional[bytes] = None,
                  prefetch_policy: str = "best_effort", min_prefetch_tokens: int = 0,
                  eviction_policy: str = "lru", max_namespaces: int = 1 << 16,
-                 tp_rank: Optional[int] = None):
+                 tp_rank: Optional[int] = None, kv_events: Optional[EventPublisher] = None):
+        if kv_events is not None and not isinstance(kv_events, EventPublisher):
+            raise TypeError("kv_events must be a radixkv.events.EventPublisher (or None), got "
+                            f"{_type_name(kv_events)}")
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
         host_num_pages = as_count(host_num_pages, "host_num_pages", minimum=0)
@@ -139,6 +155,17 @@ class CacheManager:
             self._storage = StorageTier(self._tier, storage, storage_seed, self._namespaces,
                                         prefetch_policy, writer=writer,
                                         min_prefetch_tokens=min_prefetch_tokens)
+        self._events: Optional[BlockEvents] = None
+        if kv_events is not None:
+            # Blocks hash like the storage tier's page keys, so a page keeps
+            # its hash on every medium.
+            seed = self._storage.seed if self._storage is not None else None
+            self._events = BlockEvents(kv_events, page_size, seed, num_pages, host_num_pages,
+                                       self._namespaces)
+            if self._tier is not None:
+                self._tier.events = self._events
+            if self._storage is not None:
+                self._storage.events = self._events
 
     # -- matching and locking -------------------------------------------------
 
@@ -315,6 +342,8 @@ class CacheManager:
         evicted = self.manager.evict(missing * self.page_size).cpu()
         self._pages.free(evicted)
         self._evicted += len(evicted)
+        if self._events is not None:
+            self._events.device_evicted(evicted)
         return len(evicted)
 
     def allocate(self, num_tokens: int) -> torch.Tensor:
@@ -391,6 +420,8 @@ class CacheManager:
         ns = getattr(old_handle, "namespace", 0)
         full = n - n % self.page_size
         in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
+        if self._events is not None and in_cache < full:
+            self._events.device_inserted(input_ids, indices, in_cache, full, cached, ns)
         self._pages.free(indices[cached:in_cache])
         self._pages.free(indices[full:])
         self._held_pages -= (len(indices) - cached) // self.page_size
@@ -411,6 +442,9 @@ class CacheManager:
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
         ns = getattr(old_handle, "namespace", 0)
         in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
+        full = n - n % self.page_size
+        if self._events is not None and in_cache < full:
+            self._events.device_inserted(input_ids, indices, in_cache, full, cached, ns)
         new_handle, tree_indices = self.manager.match_prefix(input_ids, ns)
         now_cached = new_handle.cached_len
         self._pages.free(indices[cached:min(in_cache, now_cached)])
@@ -426,8 +460,11 @@ class CacheManager:
     def writing_check(self) -> int:
         """Applies finished backups: their nodes have host copies from now on
         (a failed one's host pages are freed). Returns how many were applied;
-        0 without a host tier. Call once per scheduling round."""
-        return self._tier.writing_check() if self._tier is not None else 0
+        0 without a host tier. Call once per scheduling round (it publishes
+        the round's KV events, as `flush_events()`)."""
+        applied = self._tier.writing_check() if self._tier is not None else 0
+        self.flush_events()
+        return applied
 
     def loading_check(self) -> List[BaseCacheHandle]:
         """Applies finished loads: their nodes are on the device from now on.
@@ -435,8 +472,10 @@ class CacheManager:
         last call (also those found by another call that waited for loads):
         their pages were freed; see `load_back`."""
         if self._tier is None:
+            self.flush_events()
             return []
         self._tier.loading_check(self._free_loaded)
+        self.flush_events()
         return self._tier.take_failed_loads()
 
     def _free_loaded(self, slots: torch.Tensor) -> None:
@@ -469,12 +508,14 @@ class CacheManager:
         """Waits for every copy queued so far and applies them all (backups,
         then loads). Returns the handles of failed loads, as `loading_check`."""
         if self._tier is None:
+            self.flush_events()
             return []
         self._tier.controller.drain()
         self._tier.writing_check()  # queues the writes to storage of what landed
         failed = self.loading_check()
         if self._storage is not None:
             self._storage.drain()
+        self.flush_events()
         return failed
 
     # -- the storage tier ----------------------------------------------------------
@@ -511,7 +552,9 @@ class CacheManager:
     def storage_check(self) -> int:
         """Applies finished writes to storage (their host pages are released)
         and reads (their pages join the tree). Call once per scheduling round."""
-        return self._storage.storage_check() if self._storage is not None else 0
+        applied = self._storage.storage_check() if self._storage is not None else 0
+        self.flush_events()
+        return applied
 
     @property
     def storage_counters(self) -> Optional[StorageCounters]:
@@ -519,10 +562,65 @@ class CacheManager:
 
     def close(self) -> None:
         """Stops the storage tier's thread and closes its backend (after
-        waiting for what is queued)."""
+        waiting for what is queued), and publishes the pending KV events (the
+        publisher stays open: it is its creator's to close)."""
         if self._storage is not None:
             self._storage.drain()
             self._storage.close()
+        self.flush_events()
+
+    # -- KV events --------------------------------------------------------------------
+
+    @property
+    def kv_events(self) -> Optional[EventPublisher]:
+        """The publisher of this manager's KV events (None: events are off)."""
+        return self._events.publisher if self._events is not None else None
+
+    def flush_events(self) -> int:
+        """Publishes the KV events since the last call as one batch (none
+        when there are none, or events are off); returns how many. Call once
+        per scheduling round if the engine calls none of `writing_check()`,
+        `loading_check()` and `storage_check()`, which do."""
+        return self._events.flush() if self._events is not None else 0
+
+    def reset(self) -> None:
+        """Drops every cached page of the device and host tiers (what an
+        engine's cache flush does); pages held by requests stay theirs, the
+        storage tier keeps its pages. Copies in flight are waited for and
+        applied first. Raises RuntimeError, dropping nothing, while a request
+        holds a lock on cached pages.
+
+        With KV events: BlockRemoved for every host block, then
+        AllBlocksCleared (the device's), published at once.
+        """
+        tier = self._tier
+        if tier is not None:
+            tier.controller.drain()
+            tier.writing_check()
+            tier.loading_check(self._free_loaded)
+            if self._storage is not None:
+                self._storage.drain()
+        locked = self.manager.size_info.protected_size
+        if locked:
+            raise RuntimeError(f"cannot reset: requests hold locks on {locked} cached tokens "
+                               "(unlock or finish them first)")
+        evictable = self.manager.size_info.evictable_size
+        if evictable:
+            evicted = self.manager.evict(evictable).cpu()
+            self._pages.free(evicted)
+            self._evicted += len(evicted)
+        if tier is not None:
+            host = self._tree.tier_sizes()[2]
+            if host:
+                freed = self._tree.evict_host(host)
+                tier.pages.free(freed, self._tree, True)
+                tier.host_evicted += len(freed)
+        if self._tree is not None and self._tree.num_nodes:
+            raise _core.IntegrityError(f"reset left {self._tree.num_nodes} nodes in the tree")
+        self.manager.reset()
+        if self._events is not None:
+            self._events.reset()
+            self._events.flush()
 
     @property
     def host_pool(self) -> Optional[HostKVCache]:

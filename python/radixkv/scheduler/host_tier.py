@@ -113,8 +113,9 @@ class HostTier:
             # Bookkeeping only (capacity planning): copies succeed at once.
             self.pool = None
             self.controller = _core.CacheController(num_layers, manual)
-        self._backups: Dict[int, Tuple[Copy, torch.Tensor]] = {}
-        self._loads: Dict[int, Tuple[Copy, torch.Tensor, object]] = {}
+        # op -> (copy, host slots, device slots) / (copy, device slots, handle, host slots)
+        self._backups: Dict[int, Tuple[Copy, torch.Tensor, torch.Tensor]] = {}
+        self._loads: Dict[int, Tuple[Copy, torch.Tensor, object, torch.Tensor]] = {}
         self._backup_tokens = 0  # host slots owned by backups in flight
         self._load_tokens = 0    # device slots owned by loads in flight
         self._failed_loads: List[object] = []  # handles, until the scheduler takes them
@@ -122,6 +123,9 @@ class HostTier:
         # Called with each finished backup's copy that gave nodes host copies
         # (the storage tier writes them on).
         self.on_backed_up = None
+        # The manager's BlockEvents when KV events are on: told of every page
+        # that lands on or leaves either tier through this class.
+        self.events = None
         self.backed_up = self.loaded_back = self.host_evicted = 0
         self.backups_skipped = self.failed_copies = 0
 
@@ -189,6 +193,8 @@ class HostTier:
                 continue
             self.pages.free(freed, self.tree, True)
             self.host_evicted += len(freed)
+            if self.events is not None:
+                self.events.host_evicted(freed)
             break
         return self.pages.num_free_pages * self.page_size
 
@@ -202,6 +208,8 @@ class HostTier:
             return False
         self.pages.free(freed, self.tree, True)
         self.host_evicted += len(freed)
+        if self.events is not None:
+            self.events.host_evicted(freed)
         return True
 
     def _start_backup(self, copy: Copy) -> int:
@@ -212,7 +220,7 @@ class HostTier:
         device_slots = self.tree.begin_backup(copy)
         host_slots = self.pages.allocate(n)
         op = self.controller.backup(device_slots, host_slots)
-        self._backups[op] = (copy, host_slots)
+        self._backups[op] = (copy, host_slots, device_slots)
         self._backup_tokens += n
         return n
 
@@ -222,10 +230,12 @@ class HostTier:
         backups applied."""
         acks = self.controller.take_backup_acks()
         for op, ok in acks:
-            copy, host_slots = self._backups.pop(op)
+            copy, host_slots, device_slots = self._backups.pop(op)
             rejected = self.tree.finish_backup(copy, host_slots, ok)
             if len(rejected):
                 self.pages.free(rejected, self.tree, True)
+            if self.events is not None and len(rejected) < len(host_slots):
+                self.events.host_backed_up(device_slots, host_slots, rejected)
             self._backup_tokens -= len(host_slots)
             self.backed_up += len(host_slots) - len(rejected)
             self.failed_copies += 0 if ok else len(host_slots)
@@ -238,7 +248,7 @@ class HostTier:
     def queue_load(self, copy: Copy, host_slots: torch.Tensor, device_slots: torch.Tensor,
                    handle) -> None:
         op = self.controller.load(host_slots, device_slots)
-        self._loads[op] = (copy, device_slots, handle)
+        self._loads[op] = (copy, device_slots, handle, host_slots)
         self._load_tokens += len(device_slots)
 
     def loading_check(self, free_device) -> None:
@@ -246,11 +256,13 @@ class HostTier:
         the loads' pages, or, for a failed load, stay host only and the pages
         are freed (`free_device`); its handle waits in `take_failed_loads`."""
         for op, ok in self.controller.take_load_acks():
-            copy, device_slots, handle = self._loads.pop(op)
+            copy, device_slots, handle, host_slots = self._loads.pop(op)
             self._load_tokens -= len(device_slots)
             taken = self.tree.finish_load(copy, device_slots, ok)
             if ok and taken:
                 self.loaded_back += len(device_slots)
+                if self.events is not None:
+                    self.events.device_loaded(host_slots, device_slots)
             else:
                 free_device(device_slots)
                 if not ok:
@@ -266,7 +278,7 @@ class HostTier:
         """Raises ValueError if `indices` has a device slot a load is writing."""
         if not self._loads:
             return
-        busy = torch.cat([slots for _, slots, _ in self._loads.values()])
+        busy = torch.cat([load[1] for load in self._loads.values()])
         if bool(torch.isin(indices, busy).any()):
             raise ValueError(f"{name} has slots a load from host is still writing")
 
@@ -308,10 +320,10 @@ class HostTier:
                 f"storage != {self.num_pages * self.page_size}")
         self.pages.check_disjoint(self.tree, True)
         if self._backups:
-            slots = torch.cat([s for _, s in self._backups.values()])
+            slots = torch.cat([backup[1] for backup in self._backups.values()])
             self.pages.check_owned(slots, "host slots of backups in flight", self.tree, True)
         if self._loads:
-            slots = torch.cat([s for _, s, _ in self._loads.values()])
+            slots = torch.cat([load[1] for load in self._loads.values()])
             device_pages.check_owned(slots, "device slots of loads in flight", self.tree)
         # Copies finished but not yet acknowledged to the tree are the tier's only.
         if self.controller.in_flight > len(self._backups) + len(self._loads):

@@ -40,6 +40,7 @@ class _Write:
     ok: List[bool] = field(default_factory=list)
     skipped: bool = False  # the store went down before every page was tried
     present: int = 0       # pages from the first that the store had already
+    blocks: Optional[list] = None  # the pages' blocks, when KV events are on
 
 
 @dataclass(eq=False)
@@ -131,6 +132,7 @@ class StorageTier:
         self._prefetches: List[Prefetch] = []
         self.written_pages = self.prefetched_tokens = self.write_failures = 0
         self.present_pages = 0
+        self.events = None  # the manager's BlockEvents when KV events are on
         self._thread = threading.Thread(target=self._run, name="radixkv-storage", daemon=True)
         self._thread.start()
         host_tier.on_backed_up = self.write
@@ -251,7 +253,9 @@ class StorageTier:
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         self._writes_in_flight += 1
         self._writing_tokens += len(host_slots)
-        self._jobs.put(_Write(copy, keys, pages))
+        blocks = (self.events.blocks(tokens.to(torch.int32).numpy(), copy[2] // ps)
+                  if self.events is not None else None)
+        self._jobs.put(_Write(copy, keys, pages, blocks=blocks))
 
     # -- prefetch -------------------------------------------------------------------
 
@@ -315,6 +319,9 @@ class StorageTier:
             op.inserted = got - len(rejected)
             if len(rejected):
                 self.host.pages.free(rejected, self.tree, True)
+            if self.events is not None and op.inserted:
+                self.events.host_inserted(op.tokens[:op.start + got], op.start, taken_slots,
+                                          rejected, op.ns)
         if len(rest):
             self.host.pages.free(rest, self.tree, True)
         if op.pin is not None:
@@ -343,6 +350,8 @@ class StorageTier:
                 self.written_pages += run - job.present
                 self.present_pages += min(job.present, run)
                 self.write_failures += job.ok.count(False)
+                if job.blocks is not None and run:
+                    self.events.disk_stored(job.blocks[:run])
                 self.skipped += job.skipped
             else:
                 self._prefetches.remove(job)

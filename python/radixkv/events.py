@@ -1,0 +1,342 @@
+"""KV events: which blocks a cache holds, published over ZeroMQ for KV-aware routers.
+
+The wire format is vLLM's, so a router that consumes vLLM's events (NVIDIA
+Dynamo's, for one) consumes radixkv's unchanged:
+
+- a batch is the msgpack array `[ts, events, data_parallel_rank]` (a float,
+  a list, an int), one per scheduling round;
+- an event is a msgpack array whose first element is its tag, the fields
+  following in this order (what msgspec writes for vLLM's `array_like`,
+  `tag=True` structs; no field is omitted):
+  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`,
+  `["AllBlocksCleared"]`;
+- each batch goes out on a PUB socket as three frames: the topic (UTF-8),
+  the batch's sequence number (8 bytes, big-endian, from 0, one per batch)
+  and the msgpack payload. A gap in the numbers is a batch lost (a
+  subscriber too slow for the socket's high-water mark); the replay socket
+  (ROUTER, optional) sends the last `buffer_steps` batches again from a
+  number a client asks for, as vLLM's does.
+
+The newest vLLM releases write each event as a map tagged `"type"` instead
+of an array; consumers (Dynamo's among them) read both, and so does
+`decode_batch`. The array form is the one every consumer of vLLM's events
+reads, and the smaller.
+
+Block hashes. A block is one page of `page_size` tokens. Its 32-byte key is
+the storage tier's SHA-256 page chain (`radixkv.storage.page_keys`: key i =
+SHA256(key i-1 || page i's tokens as little-endian u32), seeded with the
+storage tier's configuration fingerprint when there is one), so a page has
+the same key on every tier and in every instance of one configuration. The
+block hash is that key's low 64 bits, read big-endian: an unsigned 64-bit
+int (`int.from_bytes(key, "big") & (2**64 - 1)`, what vLLM publishes when its
+block hashes are ints), which Dynamo takes as its `u64` block hash. A chain
+of 64-bit hashes collides with probability about n^2 / 2^65 for n distinct
+pages.
+
+Media: "GPU" for the device pool's pages (whatever the device), "CPU_PINNED"
+for the host tier's, "DISK" for pages in the storage tier. `AllBlocksCleared`
+says that every "GPU" block is gone (a router applies it to the device tier).
+
+`pyzmq` and `msgpack` (the `radixkv[events]` extra) are imported only when a
+publisher is made or a batch is encoded: `import radixkv` never needs them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import List, NamedTuple, Optional, Union
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU_PINNED = "CPU_PINNED"
+MEDIUM_DISK = "DISK"
+
+
+def block_hash(key: Union[bytes, str]) -> int:
+    """The block hash of a 32-byte page key (bytes, or hex as `page_keys`
+    gives it): its low 64 bits, read big-endian."""
+    if isinstance(key, str):
+        return int(key[-16:], 16)
+    return int.from_bytes(key[-8:], "big")
+
+
+class BlockStored(NamedTuple):
+    """Pages that entered a tier: a chain of consecutive pages of one
+    sequence, `parent_block_hash` the page before the first (None: the first
+    page of the sequence), `token_ids` their tokens (`block_size` a page)."""
+
+    block_hashes: List[int]
+    parent_block_hash: Optional[int]
+    token_ids: List[int]
+    block_size: int
+    lora_id: Optional[int] = None
+    medium: Optional[str] = MEDIUM_GPU
+
+
+class BlockRemoved(NamedTuple):
+    """Pages that left a tier."""
+
+    block_hashes: List[int]
+    medium: Optional[str] = MEDIUM_GPU
+
+
+class AllBlocksCleared(NamedTuple):
+    """Every block on the device is gone (the cache was reset)."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(NamedTuple):
+    """The events of one scheduling round, in the order they happened."""
+
+    ts: float
+    events: List[KVEvent]
+    data_parallel_rank: Optional[int] = 0
+
+
+def _wire(event: KVEvent) -> list:
+    if isinstance(event, BlockStored):
+        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids,
+                event.block_size, event.lora_id, event.medium]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", event.block_hashes, event.medium]
+    if isinstance(event, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise TypeError(f"events must hold BlockStored, BlockRemoved or AllBlocksCleared, got "
+                    f"{type(event).__name__}")
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """The msgpack payload of `batch`, byte for byte what vLLM's encoder
+    writes for the same values."""
+    import msgpack
+
+    if not isinstance(batch, KVEventBatch):
+        raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
+    return msgpack.packb([float(batch.ts), [_wire(e) for e in batch.events],
+                          batch.data_parallel_rank], use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A payload of vLLM's format (array- or map-encoded events) back as a
+    KVEventBatch; fields past the ones named here are ignored. Raises
+    ValueError for anything else."""
+    import msgpack
+
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise ValueError(f"payload is not msgpack: {e}") from None
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise ValueError("payload must be a msgpack array [ts, events, data_parallel_rank]")
+    events = [_event_from_wire(e) for e in raw[1]]
+    return KVEventBatch(raw[0], events, raw[2] if len(raw) > 2 else None)
+
+
+_FIELDS = {"BlockStored": BlockStored._fields, "BlockRemoved": BlockRemoved._fields,
+           "AllBlocksCleared": ()}
+_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
+          "AllBlocksCleared": AllBlocksCleared}
+
+
+def _event_from_wire(raw) -> KVEvent:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        values = [raw.get(f) for f in _FIELDS.get(tag, ())]
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+        values = list(raw[1:1 + len(_FIELDS.get(tag, ()))])
+        values += [None] * (len(_FIELDS.get(tag, ())) - len(values))
+    else:
+        raise ValueError(f"an event must be a tagged array or map, got {raw!r}")
+    if tag not in _TYPES:
+        raise ValueError(f"unknown event tag {tag!r}")
+    return _TYPES[tag](*values)
+
+
+def _check_endpoint(endpoint, name: str) -> str:
+    if not isinstance(endpoint, str):
+        raise TypeError(f"{name} must be a ZeroMQ endpoint string, got "
+                        f"{type(endpoint).__name__}")
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"{name} must start with tcp://, ipc:// or inproc://, got {endpoint!r}")
+    return endpoint
+
+
+def _check_count(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class EventPublisher:
+    """Publishes KV event batches on a ZeroMQ PUB socket (vLLM's framing).
+
+    `endpoint`: binds when it has a wildcard (`tcp://*:5557`, or
+    `tcp://127.0.0.1:*` for any free port), `::`, or is ipc:// or inproc://;
+    connects otherwise (`tcp://router-host:5557`), as vLLM does. `endpoint`
+    (the property) is where it was bound, port included. `replay_endpoint`
+    (bound, optional): a ROUTER socket where a client (DEALER or REQ) sends
+    a start sequence number (8 bytes, big-endian) and gets back, for every
+    kept batch from it on, `[topic, seq, payload]`, then `[b"", -1 as 8
+    signed big-endian bytes, b""]`. `buffer_steps` batches are kept for it.
+
+    `publish()` encodes the batch and hands it to ZeroMQ on the caller's
+    thread (tens of microseconds): a PUB socket never blocks, ZeroMQ's own
+    thread does the network. A subscriber that falls `hwm` batches behind
+    loses the oldest, which it sees as a gap in the sequence numbers (and
+    may fill from the replay socket). Only the replay socket has a thread of
+    its own, which waits for requests. Several threads may publish through
+    one publisher (a lock orders them). `close()` closes the sockets after
+    what was sent has gone out (up to a second). Usable as a context
+    manager.
+    """
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: Optional[str] = None,
+                 topic: str = "", data_parallel_rank: int = 0, buffer_steps: int = 10_000,
+                 hwm: int = 100_000):
+        endpoint = _check_endpoint(endpoint, "endpoint")
+        if replay_endpoint is not None:
+            replay_endpoint = _check_endpoint(replay_endpoint, "replay_endpoint")
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        self.data_parallel_rank = _check_count(data_parallel_rank, "data_parallel_rank", 0)
+        buffer_steps = _check_count(buffer_steps, "buffer_steps", 0)
+        hwm = _check_count(hwm, "hwm", 0)
+        try:
+            import msgpack  # noqa: F401
+            import zmq
+        except ImportError as e:
+            raise ImportError(f"KV events need pyzmq and msgpack (pip install "
+                              f"'radixkv[events]'): {e}") from None
+        self._zmq = zmq
+        self._topic = topic.encode("utf-8")
+        self._ctx = zmq.Context()
+        self._pub = self._replay = None
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self.endpoint = self._open(self._pub, endpoint, "endpoint", zmq)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                # Room for a whole replay and its end marker.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self.replay_endpoint: Optional[str] = self._bind(
+                    self._replay, replay_endpoint, "replay_endpoint", zmq)
+            else:
+                self.replay_endpoint = None
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._lock = threading.Lock()  # the PUB socket, the numbers and the kept batches
+        self._buffer: deque = deque(maxlen=buffer_steps)  # (seq bytes, payload), immutable
+        self._next_seq = 0
+        # Batches ZeroMQ refused outright; a PUB socket drops silently past a
+        # subscriber's high-water mark, which only the subscriber sees (a gap).
+        self.dropped = 0
+        self._closed = False
+        self._thread = None
+        if self._replay is not None:
+            self._thread = threading.Thread(target=self._serve_replays,
+                                            name="radixkv-kv-events-replay", daemon=True)
+            self._thread.start()
+
+    # -- sockets ---------------------------------------------------------------------
+
+    @classmethod
+    def _open(cls, sock, endpoint: str, name: str, zmq) -> str:
+        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            return cls._bind(sock, endpoint, name, zmq)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            raise ValueError(f"{name}={endpoint!r}: cannot connect: {e}") from None
+        return endpoint
+
+    @staticmethod
+    def _bind(sock, endpoint: str, name: str, zmq) -> str:
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            raise OSError(f"{name}={endpoint!r}: cannot bind: {e}") from None
+        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=1000)  # what was sent reaches connected subscribers
+        self._ctx.term()
+
+    def _serve_replays(self) -> None:
+        # The replay socket is this thread's alone; the kept batches are
+        # copied under the lock (their bytes are never changed).
+        zmq, sock = self._zmq, self._replay
+        while not self._closed:
+            if not sock.poll(100):
+                continue
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # not a replay request: [client, b"", start seq]
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                kept = list(self._buffer)
+            for seq_bytes, payload in kept:
+                if int.from_bytes(seq_bytes, "big") >= first:
+                    sock.send_multipart((client, b"", self._topic, seq_bytes, payload))
+            sock.send_multipart((client, b"", b"", self.END_SEQ, b""))
+
+    # -- publishing -------------------------------------------------------------------
+
+    def publish(self, events: List[KVEvent]) -> Optional[int]:
+        """Sends one batch of `events`, stamped now with this publisher's
+        data parallel rank. Returns its sequence number, or None when ZeroMQ
+        refused it (counted in `dropped`; the number stays used, so
+        subscribers see the gap)."""
+        if self._closed:
+            raise RuntimeError("the EventPublisher is closed")
+        payload = encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the EventPublisher is closed")
+            seq = self._next_seq
+            self._next_seq += 1
+            seq_bytes = seq.to_bytes(8, "big")
+            self._buffer.append((seq_bytes, payload))
+            try:
+                self._pub.send_multipart((self._topic, seq_bytes, payload), self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                self.dropped += 1
+                return None
+        return seq
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will get."""
+        return self._next_seq
+
+    def close(self) -> None:
+        """Stops the replay thread and closes the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._close_sockets()
+
+    def __enter__(self) -> "EventPublisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
