@@ -78,6 +78,29 @@ void CheckSameSides(const Pool& a, const Pool& b, const char* a_name, const char
   }
 }
 
+std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bool cuda,
+                                      std::vector<Pool>* pools) {
+  std::vector<CopyPlane> planes;
+  if (side_planes.is_none()) return planes;
+  for (py::handle item : py::reinterpret_borrow<py::sequence>(side_planes)) {
+    const py::tuple t = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
+    if (t.size() != 5) {
+      throw py::value_error("side_planes items must be (device, device_layout, host, "
+                            "host_layout, row_bytes)");
+    }
+    const int64_t row_bytes = t[4].cast<int64_t>();
+    Pool d = ReadPool(t[0], t[1].cast<std::vector<int64_t>>(), "side device", row_bytes, layers,
+                      cuda);
+    Pool h = ReadPool(t[2], t[3].cast<std::vector<int64_t>>(), "side host", row_bytes, layers,
+                      false);
+    CheckSameSides(d, h, "side device", "side host");
+    planes.push_back(CopyPlane{d.layout, h.layout, row_bytes});
+    pools->push_back(std::move(d));
+    pools->push_back(std::move(h));
+  }
+  return planes;
+}
+
 void Pool::CheckUnchanged(const char* name) const {
   if (!alias) return;
   Tensor t(alias, name);
@@ -109,12 +132,13 @@ class PyController {
   // The CPU engine between two CPU pools.
   PyController(py::handle device, const std::vector<int64_t>& device_layout, py::handle host,
                const std::vector<int64_t>& host_layout, int64_t row_bytes, int64_t layers,
-               bool manual)
+               bool manual, py::handle side_planes)
       : device_(ReadPool(device, device_layout, "device", row_bytes, layers, false)),
         host_(ReadPool(host, host_layout, "host", row_bytes, layers, false)) {
     CheckSameSides(device_, host_, "device", "host");
-    c_ = std::make_unique<CacheController>(
-        MakeCpuCopyEngine(device_.layout, host_.layout, row_bytes, layers), manual);
+    std::vector<CopyPlane> planes{CopyPlane{device_.layout, host_.layout, row_bytes}};
+    for (CopyPlane& p : ReadSidePlanes(side_planes, layers, false, &sides_)) planes.push_back(p);
+    c_ = std::make_unique<CacheController>(MakeCpuCopyEngine(std::move(planes), layers), manual);
   }
   // Bookkeeping only: copies succeed at once.
   PyController(int64_t layers, bool manual) {
@@ -130,6 +154,7 @@ class PyController {
     if (!box->engine) throw py::value_error("engine was already given to a CacheController");
     device_ = std::move(box->device);
     host_ = std::move(box->host);
+    sides_ = std::move(box->sides);
     engine_ = box->engine.get();
     c_ = std::make_unique<CacheController>(std::move(box->engine), manual);
   }
@@ -188,12 +213,14 @@ class PyController {
   void Stream() {
     device_.CheckUnchanged("device");
     host_.CheckUnchanged("host");
+    for (const Pool& p : sides_) p.CheckUnchanged("a side buffer");
     if (engine_ != nullptr && device_.device.device_type == kDLCUDA) {
       engine_->SetComputeStream(CurrentStream(device_.device));
     }
   }
 
   Pool device_, host_;  // declared first: destroyed after the controller's thread stops
+  std::vector<Pool> sides_;
   CopyEngine* engine_ = nullptr;  // owned by c_; set for an engine from another module
   std::unique_ptr<CacheController> c_;
 };
@@ -233,9 +260,10 @@ void RegisterController(py::module_& m) {
         py::arg("dst_slots"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1);
   py::class_<PyController>(m, "CacheController")
       .def(py::init<py::handle, const std::vector<int64_t>&, py::handle,
-                    const std::vector<int64_t>&, int64_t, int64_t, bool>(),
+                    const std::vector<int64_t>&, int64_t, int64_t, bool, py::handle>(),
            py::arg("device"), py::arg("device_layout"), py::arg("host"), py::arg("host_layout"),
-           py::arg("row_bytes"), py::arg("layers"), py::arg("manual") = false)
+           py::arg("row_bytes"), py::arg("layers"), py::arg("manual") = false,
+           py::arg("side_planes") = py::none())
       .def(py::init<int64_t, bool>(), py::arg("layers"), py::arg("manual") = false)
       .def(py::init<py::capsule, bool>(), py::arg("engine"), py::arg("manual") = false)
       .def("backup", &PyController::Backup, py::arg("device_slots"), py::arg("host_slots"))

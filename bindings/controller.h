@@ -38,11 +38,18 @@ Pool ReadPool(pybind11::handle buffer, const std::vector<int64_t>& strides, cons
 /// Raises ValueError unless the two pools of a transfer have the same sides.
 void CheckSameSides(const Pool& a, const Pool& b, const char* a_name, const char* b_name);
 
+/// Reads the side buffers of a copy engine: a sequence of (device, device_layout,
+/// host, host_layout, row_bytes), each a one-sided plane. Appends the pools to
+/// `pools` (device then host for each) and returns the planes.
+std::vector<CopyPlane> ReadSidePlanes(pybind11::handle side_planes, int64_t layers, bool cuda,
+                                      std::vector<Pool>* pools);
+
 /// A copy engine in a capsule named kEngineCapsule, made by one extension
 /// module and taken by CacheController in another.
 struct EngineBox {
   std::unique_ptr<CopyEngine> engine;
   Pool device, host;  // the pools the engine copies between, kept alive
+  std::vector<Pool> sides;  // the side buffers' pools, device then host for each
 };
 inline constexpr const char* kEngineCapsule = "radixkv.CopyEngine";
 

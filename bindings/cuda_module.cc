@@ -146,7 +146,8 @@ void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle k
 // The host tier's copy engine on CUDA, for radixkv._core.CacheController(engine).
 py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_layout,
                        py::handle host, const std::vector<int64_t>& host_layout,
-                       int64_t row_bytes, int64_t layers, int max_blocks) {
+                       int64_t row_bytes, int64_t layers, int max_blocks,
+                       py::handle side_planes) {
   auto box = std::make_unique<EngineBox>();
   box->device = ReadPool(device, device_layout, "device", row_bytes, layers, true);
   box->host = ReadPool(host, host_layout, "host", row_bytes, layers, false);
@@ -157,10 +158,22 @@ py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_lay
     cudaGetLastError();  // clear the error an unregistered pointer leaves
     throw py::value_error("host must be in pinned memory (HostKVCache(pin_memory=True))");
   }
+  std::vector<radixkv::CopyPlane> planes{
+      radixkv::CopyPlane{box->device.layout, box->host.layout, row_bytes}};
+  for (radixkv::CopyPlane& p :
+       radixkv::bindings::ReadSidePlanes(side_planes, layers, true, &box->sides)) {
+    planes.push_back(p);
+  }
+  for (size_t i = 1; i < box->sides.size(); i += 2) {
+    if (cudaPointerGetAttributes(&attr, box->sides[i].layout.base) != cudaSuccess ||
+        attr.type != cudaMemoryTypeHost) {
+      cudaGetLastError();
+      throw py::value_error("side buffers' host copies must be in pinned memory");
+    }
+  }
   const int dev = box->device.device.device_id;
   DeviceGuard guard(dev);
-  box->engine = radixkv::cuda::MakeCudaCopyEngine(box->device.layout, box->host.layout, row_bytes,
-                                                  layers, dev, max_blocks);
+  box->engine = radixkv::cuda::MakeCudaCopyEngine(std::move(planes), layers, dev, max_blocks);
   return py::capsule(box.release(), kEngineCapsule, [](PyObject* o) {
     delete static_cast<EngineBox*>(PyCapsule_GetPointer(o, kEngineCapsule));
   });
@@ -182,7 +195,7 @@ PYBIND11_MODULE(_cuda, m) {
   });
   m.def("copy_engine", &CopyEngine, py::arg("device"), py::arg("device_layout"), py::arg("host"),
         py::arg("host_layout"), py::arg("row_bytes"), py::arg("layers"),
-        py::arg("max_blocks") = 16);
+        py::arg("max_blocks") = 16, py::arg("side_planes") = py::none());
   m.def("store_cache", &Kernel_StoreCache, py::arg("k_cache"), py::arg("v_cache"),
         py::arg("out_loc"), py::arg("k"), py::arg("v"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("side") = py::none());

@@ -62,11 +62,8 @@ struct JobState {
 
 class CudaCopyEngine final : public CopyEngine {
  public:
-  CudaCopyEngine(const PoolLayout& device_pool, const PoolLayout& host_pool, int64_t row_bytes,
-                 int64_t layers, int device, int max_blocks)
-      : device_pool_(device_pool),
-        host_pool_(host_pool),
-        row_bytes_(row_bytes),
+  CudaCopyEngine(std::vector<CopyPlane> planes, int64_t layers, int device, int max_blocks)
+      : planes_(std::move(planes)),
         layers_(layers),
         device_(device),
         max_blocks_(max_blocks) {
@@ -129,10 +126,12 @@ class CudaCopyEngine final : public CopyEngine {
       state->staged = true;
       if (e != cudaSuccess) return !(state->failed = true);
     }
-    TransferParams p{backup ? device_pool_ : host_pool_, backup ? host_pool_ : device_pool_,
-                     row_bytes_, layers_, state->slots, state->slots + n, n, begin, end};
-    if (LaunchTransfer(p, state->stream, max_blocks_) != cudaSuccess) {
-      return !(state->failed = true);
+    for (const CopyPlane& plane : planes_) {
+      TransferParams p{backup ? plane.device : plane.host, backup ? plane.host : plane.device,
+                       plane.row_bytes, layers_, state->slots, state->slots + n, n, begin, end};
+      if (LaunchTransfer(p, state->stream, max_blocks_) != cudaSuccess) {
+        return !(state->failed = true);
+      }
     }
     if (!backup) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -167,8 +166,8 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
  private:
-  const PoolLayout device_pool_, host_pool_;
-  const int64_t row_bytes_, layers_;
+  const std::vector<CopyPlane> planes_;
+  const int64_t layers_;
   const int device_, max_blocks_;
   cudaStream_t backup_stream_ = nullptr, load_stream_ = nullptr;
   std::mutex mu_;                     // compute_ and the layer events
@@ -178,14 +177,15 @@ class CudaCopyEngine final : public CopyEngine {
 
 }  // namespace
 
-std::unique_ptr<CopyEngine> MakeCudaCopyEngine(const PoolLayout& device_pool,
-                                               const PoolLayout& host_pool, int64_t row_bytes,
-                                               int64_t layers, int device, int max_blocks) {
-  if (row_bytes < 1 || layers < 1 || max_blocks < 1) {
-    throw std::invalid_argument("row_bytes, layers and max_blocks must be >= 1");
+std::unique_ptr<CopyEngine> MakeCudaCopyEngine(std::vector<CopyPlane> planes, int64_t layers,
+                                               int device, int max_blocks) {
+  if (planes.empty() || layers < 1 || max_blocks < 1) {
+    throw std::invalid_argument("planes must not be empty; layers and max_blocks must be >= 1");
   }
-  return std::make_unique<CudaCopyEngine>(device_pool, host_pool, row_bytes, layers, device,
-                                          max_blocks);
+  for (const CopyPlane& plane : planes) {
+    if (plane.row_bytes < 1) throw std::invalid_argument("row_bytes must be >= 1");
+  }
+  return std::make_unique<CudaCopyEngine>(std::move(planes), layers, device, max_blocks);
 }
 
 }  // namespace radixkv::cuda

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "radixkv/cache_controller.h"
 #include "radixkv/transfer_index.h"
@@ -26,8 +27,8 @@ namespace radixkv::cuda {
 ///   copy has really finished.
 /// - AfterLayer (scheduler thread) makes the compute stream wait for the
 ///   layer's event: attention on layer i waits for layer i only.
-std::unique_ptr<CopyEngine> MakeCudaCopyEngine(const PoolLayout& device_pool,
-                                               const PoolLayout& host_pool, int64_t row_bytes,
-                                               int64_t layers, int device, int max_blocks = 16);
+/// Every plane (the K/V, then the side buffers) is copied by each CopyLayers.
+std::unique_ptr<CopyEngine> MakeCudaCopyEngine(std::vector<CopyPlane> planes, int64_t layers,
+                                               int device, int max_blocks = 16);
 
 }  // namespace radixkv::cuda

@@ -13,21 +13,23 @@ namespace {
 // The CPU engine: memcpy of page runs (transfer.cc) on the controller's thread.
 class CpuCopyEngine final : public CopyEngine {
  public:
-  CpuCopyEngine(const PoolLayout& device, const PoolLayout& host, int64_t row_bytes,
-                int64_t layers)
-      : device_(device), host_(host), row_bytes_(row_bytes), layers_(layers) {}
+  CpuCopyEngine(std::vector<CopyPlane> planes, int64_t layers)
+      : planes_(std::move(planes)), layers_(layers) {}
   int64_t num_layers() const override { return layers_; }
   bool CopyLayers(CopyJob* job, int64_t begin, int64_t end) override {
     const bool backup = job->kind == CopyJob::Kind::kBackup;
-    TransferParams p{backup ? device_ : host_, backup ? host_ : device_, row_bytes_, layers_,
-                     job->src.data(), job->dst.data(), static_cast<int64_t>(job->src.size()),
-                     begin, end};
-    return TransferRows(p) < 0;
+    for (const CopyPlane& plane : planes_) {
+      TransferParams p{backup ? plane.device : plane.host, backup ? plane.host : plane.device,
+                       plane.row_bytes, layers_, job->src.data(), job->dst.data(),
+                       static_cast<int64_t>(job->src.size()), begin, end};
+      if (TransferRows(p) >= 0) return false;
+    }
+    return true;
   }
 
  private:
-  PoolLayout device_, host_;
-  int64_t row_bytes_, layers_;
+  std::vector<CopyPlane> planes_;
+  int64_t layers_;
 };
 
 // Bookkeeping only: no pools, every copy succeeds at once.
@@ -43,9 +45,8 @@ class NullCopyEngine final : public CopyEngine {
 
 }  // namespace
 
-std::unique_ptr<CopyEngine> MakeCpuCopyEngine(const PoolLayout& device, const PoolLayout& host,
-                                              int64_t row_bytes, int64_t layers) {
-  return std::make_unique<CpuCopyEngine>(device, host, row_bytes, layers);
+std::unique_ptr<CopyEngine> MakeCpuCopyEngine(std::vector<CopyPlane> planes, int64_t layers) {
+  return std::make_unique<CpuCopyEngine>(std::move(planes), layers);
 }
 
 std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers) {

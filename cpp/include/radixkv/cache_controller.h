@@ -64,10 +64,24 @@ class CopyEngine {
   virtual void SetComputeStream(void* stream) { (void)stream; }
 };
 
-/// The CPU engine: memcpy of whole pages (TransferRows) between the device
-/// pool `device` and the host pool `host`, on the controller's thread.
-std::unique_ptr<CopyEngine> MakeCpuCopyEngine(const PoolLayout& device, const PoolLayout& host,
-                                              int64_t row_bytes, int64_t layers);
+/// One pair of buffers a copy moves, slot for slot: rows of `row_bytes`
+/// between a device pool and its host pool. A pool's K/V is one plane; each
+/// per-token side buffer registered beside it is another.
+struct CopyPlane {
+  PoolLayout device;
+  PoolLayout host;
+  int64_t row_bytes;
+};
+
+/// The CPU engine: memcpy of whole pages (TransferRows) of every plane
+/// between the device pools and the host pools, on the controller's thread.
+std::unique_ptr<CopyEngine> MakeCpuCopyEngine(std::vector<CopyPlane> planes, int64_t layers);
+/// The same for one plane.
+inline std::unique_ptr<CopyEngine> MakeCpuCopyEngine(const PoolLayout& device,
+                                                     const PoolLayout& host, int64_t row_bytes,
+                                                     int64_t layers) {
+  return MakeCpuCopyEngine({CopyPlane{device, host, row_bytes}}, layers);
+}
 /// An engine for bookkeeping without pools: every copy succeeds at once.
 std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers);
 

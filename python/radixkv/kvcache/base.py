@@ -185,8 +185,9 @@ class SideBuffers:
     and token slot, one row of `row_shape` elements of `dtype`, zero-filled,
     in storage `[num_layers, num_pages, page_size, *row_shape]` whatever the
     pool's layout. Rows are copied as they are (no conversion). The host and
-    storage tiers do not move side buffers: a page loaded back from host gets
-    its K/V only.
+    storage tiers move a page's side rows with its K/V (a `HostKVCache` holds
+    a copy of every side buffer, inside each page); register them before the
+    pool backs a CacheManager's host tier.
     """
 
     _SIDE_MAX = 6  # the store kernel writes 8 sides, two of them the K/V
@@ -203,6 +204,10 @@ class SideBuffers:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if name in self._side_buffers:
             raise ValueError(f"name={name!r} is already a side buffer of this pool")
+        hook = getattr(self, "_layer_wait", None)
+        if hook is not None and hook.alive:
+            raise ValueError("register side buffers before the pool backs a CacheManager's host "
+                             "tier: its host pool holds a copy of each")
         if len(self._side_buffers) >= self._SIDE_MAX:
             raise ValueError(f"a pool has at most {self._SIDE_MAX} side buffers (the store kernel "
                              "writes them with the K/V in one call)")
@@ -237,6 +242,23 @@ class SideBuffers:
     def side_buffer_names(self) -> tuple:
         """Names of the registered side buffers, in registration order."""
         return tuple(self._side_buffers)
+
+    def side_buffer_specs(self) -> tuple:
+        """`(name, row_shape, dtype)` of each side buffer, in registration order."""
+        return tuple((name, shape, buf.dtype)
+                     for name, (buf, _, shape) in self._side_buffers.items())
+
+    def side_copy_layouts(self) -> tuple:
+        """`(buffer, CopyLayout, row_bytes)` of each side buffer, in registration
+        order: one-sided planes `[L, P, S, row]` for the host tier's copy engine."""
+        out = []
+        for buf, _, _ in self._side_buffers.values():
+            item = buf.element_size()
+            layer, page, row = (buf.stride(i) * item for i in range(3))
+            row_bytes = buf[0, 0, 0].numel() * item
+            out.append((buf, CopyLayout(0, layer, page, row, self.page_size, self.num_slots, 1),
+                        row_bytes))
+        return tuple(out)
 
     def _side_args(self, side, layer: int):
         """`side` ({name: rows}) as the kernel's (name, buffer, source) triples for

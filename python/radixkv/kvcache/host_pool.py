@@ -17,6 +17,13 @@ HOST_LAYOUTS = ("page_first", "layer_first")
 `layer_first` mirrors the device pool's LayerFirst layout."""
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 class HostKVCache:
     """Host memory for the K/V pages of `device_pool`, the second tier.
 
@@ -55,12 +62,36 @@ class HostKVCache:
         self._layout = layout
         L, S, sides = device_pool.num_layers, device_pool.page_size, device_pool.sides
         H, D = device_pool.row_shape
-        if layout == "page_first":
-            shape, to_view = (num_pages, sides, L, S, H, D), (1, 2, 0, 3, 4, 5)
+        pin = bool(pin_memory)
+        specs = device_pool.side_buffer_specs()
+        self._sides = {}  # name -> [L, P, S, *row_shape] view
+        if layout == "layer_first":
+            self._buffer = torch.zeros((sides, L, num_pages, S, H, D), dtype=device_pool.dtype,
+                                       pin_memory=pin)
+            self._view = self._buffer  # [sides, L, P, S, H, D]
+            for name, shape, dtype in specs:
+                self._sides[name] = torch.zeros((L, num_pages, S) + shape, dtype=dtype,
+                                                pin_memory=pin)
+        elif not specs:
+            self._buffer = torch.zeros((num_pages, sides, L, S, H, D), dtype=device_pool.dtype,
+                                       pin_memory=pin)
+            self._view = self._buffer.permute(1, 2, 0, 3, 4, 5)
         else:
-            shape, to_view = (sides, L, num_pages, S, H, D), (0, 1, 2, 3, 4, 5)
-        self._buffer = torch.zeros(shape, dtype=device_pool.dtype, pin_memory=bool(pin_memory))
-        self._view = self._buffer.permute(*to_view)  # [sides, L, P, S, H, D]
+            # One byte region per page: its K/V rows, then each side buffer's
+            # rows (16-byte aligned), so a storage tier moves a page whole.
+            parts = [((sides, L, S, H, D), device_pool.dtype)]
+            parts += [((L, S) + shape, dtype) for _, shape, dtype in specs]
+            offsets, end = [], 0
+            for shape, dtype in parts:
+                offsets.append(-(-end // 16) * 16)
+                end = offsets[-1] + _numel(shape) * dtype.itemsize
+            self._buffer = torch.zeros((num_pages, -(-end // 16) * 16), dtype=torch.uint8,
+                                       pin_memory=pin)
+            carved = [self._buffer[:, o:o + _numel(shape) * dtype.itemsize].view(dtype)
+                      .view((num_pages,) + shape) for o, (shape, dtype) in zip(offsets, parts)]
+            self._view = carved[0].permute(1, 2, 0, 3, 4, 5)
+            for (name, shape, _), part in zip(specs, carved[1:]):
+                self._sides[name] = part.transpose(0, 1)  # [L, P, S, *row_shape]
         # The value of an MLA row is its first kv_lora_rank columns.
         self._value_cols = getattr(device_pool, "kv_lora_rank", None)
 
@@ -77,10 +108,31 @@ class HostKVCache:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row (one token, layer and side)."""
-        return self._view.shape[4] * self._view.shape[5] * self._buffer.element_size()
+        return self._view.shape[4] * self._view.shape[5] * self._view.element_size()
+
+    def side_buffer(self, name: str, layer: int) -> torch.Tensor:
+        """Layer `layer`'s host rows of side buffer `name`, `[num_pages,
+        page_size, *row_shape]` (a view)."""
+        try:
+            return self._sides[name][layer]
+        except KeyError:
+            raise ValueError(f"name={name!r} is not a side buffer of the device pool "
+                             f"(registered: {sorted(self._sides)})") from None
+
+    def side_copy_layouts(self) -> tuple:
+        """`(buffer, CopyLayout, row_bytes)` of each side buffer's host rows, in
+        the device pool's registration order (the copy engine's side planes)."""
+        out = []
+        for view in self._sides.values():
+            item = view.element_size()
+            layer, page, row = (view.stride(i) * item for i in range(3))
+            out.append((view, CopyLayout(0, layer, page, row, self.page_size, self.num_slots, 1),
+                        view[0, 0, 0].numel() * item))
+        return tuple(out)
 
     def page(self, index: int) -> torch.Tensor:
-        """Page `index` as one contiguous `[sides, L, page_size, H, D]` tensor
+        """Page `index` as one contiguous `[sides, L, page_size, H, D]` tensor,
+        or with side buffers as its bytes (K/V rows, then each side buffer's)
         (`page_first` only: in `layer_first` a page is scattered)."""
         if self._layout != "page_first":
             raise ValueError("page() needs layout='page_first'")
@@ -111,7 +163,7 @@ class HostKVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._buffer.dtype
+        return self._device_pool.dtype
 
     @property
     def num_layers(self) -> int:

@@ -95,16 +95,19 @@ class HostTier:
             row_bytes = self.pool.row_bytes
             device_layout, host_layout = list(kv_cache.copy_layout()), list(self.pool.copy_layout())
             kind = kv_cache.device.type
+            # Each side buffer is a plane of its own, moved with the K/V.
+            planes = [(dev, list(dl), host, list(hl), rb) for (dev, dl, rb), (host, hl, _)
+                      in zip(kv_cache.side_copy_layouts(), self.pool.side_copy_layouts())]
             if kind == "cpu":
                 self.controller = _core.CacheController(
                     kv_cache.kv_buffer, device_layout, self.pool.kv_buffer, host_layout,
-                    row_bytes, kv_cache.num_layers, manual)
+                    row_bytes, kv_cache.num_layers, manual, planes)
             elif kind == "cuda":
                 from radixkv import _cuda  # copy streams, events and the transfer kernel
 
                 engine = _cuda.copy_engine(kv_cache.kv_buffer, device_layout,
                                            self.pool.kv_buffer, host_layout, row_bytes,
-                                           kv_cache.num_layers)
+                                           kv_cache.num_layers, side_planes=planes)
                 self.controller = _core.CacheController(engine, manual)
             else:
                 raise TypeError(f"kv_cache must be on the CPU or a CUDA device for the host "

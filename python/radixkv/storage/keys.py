@@ -4,7 +4,7 @@ fingerprint of everything that changes a page's bytes."""
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -20,7 +20,8 @@ def _field(value) -> bytes:
 def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size: int,
                        layout: str, num_layers: int, kv_heads: int, head_dim: int,
                        tp_rank: int = 0, tp_size: int = 1,
-                       namespace: Optional[str] = None, attention: str = "mha") -> bytes:
+                       namespace: Optional[str] = None, attention: str = "mha",
+                       side_buffers: Sequence[Tuple[str, Tuple[int, ...], object]] = ()) -> bytes:
     """32 bytes naming a configuration's page bytes: the model, the K/V dtype,
     the host layout, the page size, the shape of a page (layers, K/V heads on
     this rank, head dim), the tensor-parallel shard, a user namespace
@@ -29,7 +30,9 @@ def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size:
     configurations that differ in any of them get different keys for the same
     tokens, so they never read each other's pages from a shared store. An MLA
     page is the same on every tensor-parallel rank: give `tp_rank=0,
-    tp_size=1` on all of them (`pool_fingerprint` does) so they share keys."""
+    tp_size=1` on all of them (`pool_fingerprint` does) so they share keys.
+    `side_buffers` lists a pool's per-token side buffers as `(name, row_shape,
+    dtype)`: their rows are part of each page."""
     if attention not in ("mha", "mla"):
         raise ValueError(f"attention must be 'mha' or 'mla', got {attention!r}")
     parts = [b"radixkv-page-v1", _field(model), _field(str(dtype).removeprefix("torch.")),
@@ -40,6 +43,8 @@ def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size:
              b"\x00" if namespace is None else b"\x01" + _field(namespace)]
     if attention == "mla":  # MHA keys stay those of earlier versions
         parts.append(_field("mla"))
+    for name, shape, dtype in side_buffers:
+        parts.append(_field(f"side:{name}:{tuple(shape)}:{str(dtype).removeprefix('torch.')}"))
     return hashlib.sha256(b"".join(parts)).digest()
 
 
@@ -47,16 +52,19 @@ def pool_fingerprint(pool, *, model: str, layout: str = "page_first", tp_rank: i
                      namespace: Optional[str] = None) -> bytes:
     """`config_fingerprint` of a device pool (an MHAKVCache or MLAKVCache) and
     its host layout: an MHA pool's shard is (`tp_rank`, `pool.tp_size`); an
-    MLA pool's pages are the same on every rank, so its key ignores the rank."""
+    MLA pool's pages are the same on every rank, so its key ignores the rank.
+    The pool's side buffers are part of it."""
+    sides = pool.side_buffer_specs()
     if getattr(pool, "sides", 2) == 1:
         return config_fingerprint(model=model, dtype=pool.dtype, page_size=pool.page_size,
                                   layout=layout, num_layers=pool.num_layers, kv_heads=1,
                                   head_dim=pool.row_shape[1], namespace=namespace,
-                                  attention="mla")
+                                  attention="mla", side_buffers=sides)
     return config_fingerprint(model=model, dtype=pool.dtype, page_size=pool.page_size,
                               layout=layout, num_layers=pool.num_layers,
                               kv_heads=pool.local_kv_heads, head_dim=pool.head_dim,
-                              tp_rank=tp_rank, tp_size=pool.tp_size, namespace=namespace)
+                              tp_rank=tp_rank, tp_size=pool.tp_size, namespace=namespace,
+                              side_buffers=sides)
 
 
 def page_keys(input_ids, page_size: int, seed: Optional[bytes] = None) -> List[str]:
