@@ -175,6 +175,14 @@ def _renamed(err: Exception, names: dict) -> Exception:
     return type(err)(text)
 
 
+def _length(values, name: str) -> int:
+    try:
+        return len(values)
+    except TypeError:
+        raise TypeError(f"{name} must be a 1-D sequence or tensor, got "
+                        f"{type(values).__name__}") from None
+
+
 _MATCH_NAMES = {"input_ids": "key"}
 _INSERT_NAMES = {"input_ids": "key", "indices": "value"}
 _LOCK_NAMES = {"handle": "node"}
@@ -225,6 +233,7 @@ class RadixCache:
         dev = getattr(token_to_kv_pool_allocator, "device", None)
         self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else \
             torch.device("cpu")
+        self._on_cpu = self.device.type == "cpu"
         self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), policy)
         self._namespaces: dict = {}
         self.reset()
@@ -237,53 +246,54 @@ class RadixCache:
 
     # ---- keys ----
 
-    def _namespace(self, key) -> int:
-        """0 for extra_key None; otherwise this cache's id for the key's tag."""
+    def _key(self, key):
+        """(token ids, namespace id) of a RadixKey-like key (anything with
+        `token_ids`) or of plain token ids (namespace 0, extra_key None)."""
+        ids = getattr(key, "token_ids", None)
+        if ids is None:
+            if key is None:
+                raise TypeError("key must be a RadixKey or a sequence of token ids, got None")
+            return key, 0
+        if getattr(key, "is_bigram", False):
+            raise NotImplementedError("key.is_bigram: bigram keys are not supported")
+        limit = getattr(key, "limit", None)
+        if limit is not None and limit < len(ids):
+            ids = ids[:limit]
         extra = getattr(key, "extra_key", None)
         salt = getattr(key, "cache_salt", None)
-        if salt is not None:
-            extra = (extra, salt)
-        if extra is None:
-            return 0
+        if extra is None and salt is None:
+            return ids, 0
+        return ids, self._namespace_id(extra if salt is None else (extra, salt))
+
+    def _namespace_id(self, tag) -> int:
+        """This cache's namespace id (from 1) for an extra_key tag."""
         if not HAS_NAMESPACES:
             raise NotImplementedError(
-                f"extra_key={extra!r}: this radixkv build's RadixTree has no namespaces "
+                f"extra_key={tag!r}: this radixkv build's RadixTree has no namespaces "
                 "(match_prefix(..., namespace=)), so only extra_key=None is supported")
-        ns = self._namespaces.get(extra)
+        try:
+            ns = self._namespaces.get(tag)
+        except TypeError:
+            raise TypeError(f"extra_key must be hashable, got {type(tag).__name__}") from None
         if ns is None:
-            try:
-                hash(extra)
-            except TypeError:
-                raise TypeError(f"extra_key must be hashable, got {type(extra).__name__}") \
-                    from None
-            ns = self._namespaces[extra] = len(self._namespaces) + 1
+            ns = self._namespaces[tag] = len(self._namespaces) + 1
         return ns
 
-    @staticmethod
-    def _tokens(key):
-        """The token ids of a RadixKey-like key or of a plain sequence."""
-        if hasattr(key, "token_ids"):
-            if getattr(key, "is_bigram", False):
-                raise NotImplementedError("key.is_bigram: bigram keys are not supported")
-            ids = key.token_ids
-            limit = getattr(key, "limit", None)
-            if limit is not None and limit < len(ids):
-                ids = ids[:limit]
-            return ids
-        if key is None:
-            raise TypeError("key must be a RadixKey or a sequence of token ids, got None")
-        return key
-
     def _match(self, ids, ns: int):
+        if isinstance(ids, torch.Tensor):
+            ids = to_host(ids, "key", self.device)
         try:
             if ns:
-                return self._tree.match_prefix(to_host(ids, "key", self.device), namespace=ns)
-            return self._tree.match_prefix(to_host(ids, "key", self.device))
+                return self._tree.match_prefix(ids, namespace=ns)
+            return self._tree.match_prefix(ids)
         except (TypeError, ValueError) as e:
             raise _renamed(e, _MATCH_NAMES) from None
 
     def _device_indices(self, indices: torch.Tensor) -> torch.Tensor:
-        return indices.to(device=self.device, dtype=torch.int64)
+        # int64, as SGLang's: its kernels read prefix indices through int64 pointers
+        if self._on_cpu:
+            return indices.long()
+        return indices.to(device=self.device, dtype=torch.int64, non_blocking=True)
 
     # ---- SGLang's public API ----
 
@@ -299,12 +309,9 @@ class RadixCache:
         `params` is a MatchPrefixParams (or anything with `.key`), a RadixKey,
         or a plain sequence / 1-D tensor of token ids (extra_key None).
         """
-        key = params.key if hasattr(params, "key") and not hasattr(params, "token_ids") \
-            else params
-        ids = self._tokens(key)
         if self.disable:
             return MatchResult(self._empty, self.root_node, self.root_node)
-        ns = self._namespace(key)
+        ids, ns = self._key(getattr(params, "key", params))
         handle, indices = self._match(ids, ns)
         return MatchResult(self._device_indices(indices), handle, handle)
 
@@ -317,23 +324,22 @@ class RadixCache:
         did. prefix_len is how many leading tokens were cached already: the
         caller frees its own slots for those.
         """
-        as_params = hasattr(params, "key") and not hasattr(params, "token_ids")
+        as_params = hasattr(params, "key")
+        if self.disable:
+            return InsertResult(prefix_len=0) if as_params else 0
         if as_params:
             key, value, priority = params.key, params.value, params.priority
         else:
             key = params
-        ids = self._tokens(key)
+        ids, ns = self._key(key)
         priority = as_int(priority or 0, "priority")
-        if self.disable:
-            return InsertResult(prefix_len=0) if as_params else 0
-        ns = self._namespace(key)
-        n = len(ids)
+        n = _length(ids, "key")
         if value is None:
             value = ids
-        elif len(value) != n:
+        elif _length(value, "value") != n:
             if len(value) < n:
                 raise ValueError(f"value has length {len(value)} but key has length {n}")
-            value = value[:n]
+            value = value[:n]  # SGLang cuts value to the key
         try:
             if ns:
                 prefix = self._tree.insert_prefix(to_host(ids, "key", self.device),
@@ -493,7 +499,7 @@ class RadixCache:
         protected = self._protected_len(req)
         prefix = self.insert(key, kv_indices[:aligned], priority=getattr(req, "priority", 0) or 0)
         self._free(kv_indices[protected:prefix])
-        handle, tree_slots = self._match(key.token_ids, self._namespace(key))
+        handle, tree_slots = self._match(*self._key(key))
         new_indices = self._device_indices(tree_slots)
         n = len(new_indices)
         if n > protected:
