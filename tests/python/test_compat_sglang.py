@@ -13,6 +13,7 @@ import os
 import random
 import sys
 import warnings
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -93,16 +94,20 @@ class ReqToTokenPool:
 class Req:
     """The fields SGLang's RadixCache reads and writes on a request."""
 
-    def __init__(self, input_ids, extra_key=None):
-        self.origin_input_ids = list(input_ids)
-        self.output_ids = []
-        self.fill_ids = list(input_ids)
+    def __init__(self, input_ids, extra_key=None, container=list):
+        # Up to 0.5.9 token ids are lists; later releases keep them in array('q').
+        self.origin_input_ids = container(input_ids)
+        self.output_ids = container([])
+        self.fill_ids = container(input_ids)
         self.extra_key = extra_key
         self.priority = None
         self.req_pool_idx = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.cache_protected_len = 0
+
+    def get_fill_ids(self):  # 0.5.16's accessor
+        return self.fill_ids
 
 
 def cache_and_pools(page=1, slots=512, rows=8, ctx=256, **kw):
@@ -296,14 +301,14 @@ class Scheduler:
     (cache_unfinished_req after each but the last), decode, then
     cache_finished_req; the row is freed by the caller afterwards."""
 
-    def __init__(self, cache, pool, alloc):
+    def __init__(self, cache, pool, alloc, params=MatchPrefixParams, key=RadixKey):
         self.cache, self.pool, self.alloc = cache, pool, alloc
-        self.held = {}  # req -> slots in its row that the request owns
+        self.params, self.key = params, key
 
     def admit(self, req):
         # at least one token is computed: the match leaves out the last one
-        m = self.cache.match_prefix(MatchPrefixParams(
-            key=RadixKey(req.origin_input_ids[:-1], req.extra_key)))
+        m = self.cache.match_prefix(self.params(
+            key=self.key(req.origin_input_ids[:-1], req.extra_key)))
         req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
         req.cache_protected_len = len(req.prefix_indices)
         self.cache.inc_lock_ref(req.last_node)
@@ -340,12 +345,17 @@ def accounted(cache, alloc, live):
     assert everything == list(range(alloc.size)), "a slot leaked or is counted twice"
 
 
+def q_array(values):
+    return array("q", values)
+
+
+@pytest.mark.parametrize("container", [list, q_array])
 @pytest.mark.parametrize("page", [1, 4])
-def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page):
+def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page, container):
     c, pool, alloc = cache_and_pools(page)
     sched = Scheduler(c, pool, alloc)
     prompt = list(range(30))
-    r = Req(prompt)
+    r = Req(prompt, container=container)
     assert sched.admit(r) == 0
     sched.extend(r, 13)
     c.cache_unfinished_req(r, chunked=True)
@@ -360,7 +370,7 @@ def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page):
 
     # A second request with the same prompt, admitted before the first caches
     # more, computes the same tokens again: its copies are the duplicates.
-    r2 = Req(prompt)
+    r2 = Req(prompt, container=container)
     assert sched.admit(r2) == whole
     sched.extend(r, 30)
     sched.extend(r2, 30)
@@ -372,7 +382,7 @@ def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page):
         pool.req_to_token[r.req_pool_idx, :30 // page * page].tolist()
     accounted(c, alloc, [sched.row_owned(r, 30), sched.row_owned(r2, 30)])
 
-    r.output_ids, r2.output_ids = [900, 901, 902], [900, 903]
+    r.output_ids, r2.output_ids = container([900, 901, 902]), container([900, 903])
     sched.extend(r, 32)
     sched.extend(r2, 31)
     sched.finish(r)
@@ -396,8 +406,10 @@ def test_many_requests_with_shared_prefixes_leak_nothing(page):
     running = []
     reused = 0
     for step in range(300):
-        if len(running) < 5 and rng.random() < 0.6:
-            sys_prompt = rng.choice(systems)
+        for _ in range(rng.randrange(3) if len(running) < 5 else 0):  # same-step requests
+            if rng.random() < 0.3:                         # a new shared prompt appears
+                systems.append([rng.randrange(1000) for _ in range(40)])
+            sys_prompt = rng.choice(systems[-3:])
             prompt = sys_prompt[: rng.randrange(10, 41)] + [rng.randrange(1000) for _ in
                                                              range(rng.randrange(1, 30))]
             need = len(prompt) + 12
@@ -641,3 +653,92 @@ def test_same_results_as_sglangs_radix_cache(sglang_modules, page):
             assert sorted(s for f in theirs.alloc.freed for s in f) == \
                 sorted(s for f in ours.token_to_kv_pool_allocator.freed for s in f), k
         assert theirs.sizes() == (ours.evictable_size(), ours.protected_size()), k
+
+
+def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_modules):
+    """The scheduler's per-request calls (match, lock, chunked prefill with
+    cache_unfinished_req, decode, cache_finished_req) for 200 steps of random
+    requests over shared prompts, page size 4, on both caches with their own
+    pools: after every step the same slots are free, every running request's
+    row, prefix_indices and cache_protected_len are equal, and so are the
+    evictable and protected sizes."""
+    import inspect
+
+    rc, bpc = sglang_modules
+    if not hasattr(rc.RadixCache, "cache_finished_req"):
+        pytest.skip("this SGLang's RadixCache has no cache_finished_req (0.5.17+ replaced "
+                    "it with checkpoint / release_kv_cache)")
+    takes_len = "kv_len_to_handle" in inspect.signature(rc.RadixCache.cache_finished_req).parameters
+    page = 4
+    sides = []
+    for theirs in (True, False):
+        alloc, pool = Allocator(4096, page), ReqToTokenPool(6, 160)
+        if theirs:
+            cache = rc.RadixCache.create_simulated(mock_allocator=alloc, page_size=page)
+            cache.req_to_token_pool = pool
+            sched = Scheduler(cache, pool, alloc, bpc.MatchPrefixParams,
+                              lambda t, e: rc.RadixKey(t, e))
+        else:
+            cache = RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc,
+                               page_size=page)
+            sched = Scheduler(cache, pool, alloc)
+        sides.append(sched)
+
+    def finish(sched, r, is_insert):
+        if takes_len:
+            sched.cache.cache_finished_req(r, is_insert, kv_len_to_handle=r.computed)
+        else:
+            r.pop_committed_kv_cache = lambda: r.computed
+            sched.cache.cache_finished_req(r, is_insert)
+        sched.pool.free_rows.append(r.req_pool_idx)
+
+    rng = random.Random(7)
+    systems = [[rng.randrange(1000) for _ in range(40)] for _ in range(3)]
+    running = []  # (their req, our req)
+    for step in range(200):
+        # Requests admitted in the same step compute their shared prompt twice:
+        # the one caching it second frees its duplicates.
+        for _ in range(rng.randrange(3) if len(running) < 5 else 0):
+            if rng.random() < 0.3:                         # a new shared prompt appears
+                systems.append([rng.randrange(1000) for _ in range(40)])
+            prompt = rng.choice(systems[-3:])[: rng.randrange(10, 41)] + [
+                rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
+            pair = (Req(prompt, container=q_array), Req(prompt, container=q_array))
+            for sched, r in zip(sides, pair):
+                sched.admit(r)
+                r.computed = len(r.prefix_indices)
+            running.append(pair)
+        for pair in list(running):
+            a = pair[0]
+            if a.computed < len(a.origin_input_ids):
+                upto = min(a.computed + 16, len(a.origin_input_ids))
+                more = upto < len(a.origin_input_ids)
+                tok = rng.randrange(1000)
+                for sched, r in zip(sides, pair):
+                    sched.extend(r, upto)
+                    r.computed = upto
+                    if more:
+                        sched.cache.cache_unfinished_req(r)
+                    else:
+                        r.output_ids.append(tok)
+            elif len(a.output_ids) < 10 and rng.random() < 0.8:
+                tok = rng.randrange(1000)
+                for sched, r in zip(sides, pair):
+                    total = len(r.origin_input_ids) + len(r.output_ids)
+                    sched.extend(r, total)
+                    r.computed = total
+                    r.output_ids.append(tok)
+            else:
+                is_insert = rng.random() > 0.1
+                for sched, r in zip(sides, pair):
+                    finish(sched, r, is_insert)
+                running.remove(pair)
+        (a_sched, b_sched) = sides
+        assert a_sched.alloc.free_slots == b_sched.alloc.free_slots, step
+        for a, b in running:
+            assert a_sched.pool.req_to_token[a.req_pool_idx, :a.computed].tolist() == \
+                b_sched.pool.req_to_token[b.req_pool_idx, :b.computed].tolist(), step
+            assert a.prefix_indices.tolist() == b.prefix_indices.tolist(), step
+            assert a.cache_protected_len == b.cache_protected_len, step
+        assert (a_sched.cache.evictable_size(), a_sched.cache.protected_size()) == \
+            (b_sched.cache.evictable_size(), b_sched.cache.protected_size()), step
