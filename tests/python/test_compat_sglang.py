@@ -503,15 +503,18 @@ def test_extra_key_none_is_the_default_namespace():
     assert c.match_prefix(MatchPrefixParams(key=RadixKey([1, 2], None))).device_prefix_len == 2
 
 
-@pytest.mark.skipif(compat.HAS_NAMESPACES, reason="the installed radixkv._core.RadixTree has "
-                    "namespaces, so extra_key is supported")
-def test_extra_key_without_native_namespaces_is_refused_by_name():
+def test_extra_key_without_native_namespaces_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(compat, "HAS_NAMESPACES", False)  # as on a tree built without them
     c, pool, alloc = cache_and_pools()
     with pytest.raises(NotImplementedError, match="extra_key='lora-a'"):
         c.match_prefix(MatchPrefixParams(key=RadixKey([1, 2], extra_key="lora-a")))
     with pytest.raises(NotImplementedError, match="extra_key"):
         c.insert(InsertParams(key=RadixKey([1, 2], extra_key="lora-a"), value=torch.tensor([1, 2])))
-    assert c.total_size() == 0
+    r = Req(range(8), extra_key="lora-a")
+    r.req_pool_idx, r.last_node = 0, None
+    with pytest.raises(NotImplementedError, match="extra_key"):
+        c.cache_unfinished_req(r)
+    assert c.total_size() == 0 and alloc.available_size() == alloc.size
 
 
 @pytest.mark.skipif(not compat.HAS_NAMESPACES, reason="the installed radixkv._core.RadixTree "
@@ -582,19 +585,18 @@ class TheirCache:
         self.alloc = Sink(page)
         self.cache = rc.RadixCache.create_simulated(mock_allocator=self.alloc, page_size=page)
 
-    def key(self, tokens):
-        from array import array
-        return self.rc.RadixKey(array("q", tokens))
+    def key(self, tokens, extra=None):
+        return self.rc.RadixKey(array("q", tokens), extra)
 
-    def match(self, tokens):
-        r = self.cache.match_prefix(self.bpc.MatchPrefixParams(key=self.key(tokens)))
+    def match(self, tokens, extra=None):
+        r = self.cache.match_prefix(self.bpc.MatchPrefixParams(key=self.key(tokens, extra)))
         if hasattr(r, "device_indices"):
             return r.last_device_node, r.device_indices.tolist()
         path = self.cache.path_device_indices(r.last_device_node)
         return r.last_device_node, path[: r.device_prefix_len].tolist()
 
-    def insert(self, tokens, value):
-        return self.cache.insert(self.bpc.InsertParams(key=self.key(tokens),
+    def insert(self, tokens, value, extra=None):
+        return self.cache.insert(self.bpc.InsertParams(key=self.key(tokens, extra),
                                                        value=value)).prefix_len
 
     def lock(self, node, unlock):
@@ -610,8 +612,9 @@ class TheirCache:
 
 @pytest.mark.parametrize("page", [1, 4])
 def test_same_results_as_sglangs_radix_cache(sglang_modules, page):
-    """2,000 random matches, inserts, locks, unlocks and evictions on both:
-    equal matched indices, insert results, lock deltas and evictable /
+    """2,000 random matches, inserts, locks, unlocks and evictions on both
+    (over three extra_keys where the native tree has namespaces): equal
+    matched indices, insert results, lock deltas and evictable /
     protected sizes after every step. An eviction frees at least what was
     asked on both; which leaves go first may differ, as SGLang also refreshes
     the unmatched rest of a node that a match or insert splits (radixkv
@@ -622,15 +625,18 @@ def test_same_results_as_sglangs_radix_cache(sglang_modules, page):
     ours = RadixCache.create_simulated(mock_allocator=Sink(page), page_size=page)
     rng = random.Random(page)
     bases = [[rng.randrange(50) for _ in range(48)] for _ in range(4)]
+    # extra_key namespaces where the native tree has them
+    extras = [None, "lora-a", "lora-b"] if compat.HAS_NAMESPACES else [None]
     slot = 0
     held = []  # (their node, our node)
     for k in range(2000):
         base = rng.choice(bases)
         tokens = base[: rng.randrange(49)] + [rng.randrange(50) for _ in range(rng.randrange(9))]
+        extra = rng.choice(extras)
         op = rng.random()
         if op < 0.45:
-            (tn, ti), m = theirs.match(tokens), ours.match_prefix(
-                MatchPrefixParams(key=RadixKey(tokens)))
+            (tn, ti), m = theirs.match(tokens, extra), ours.match_prefix(
+                MatchPrefixParams(key=RadixKey(tokens, extra)))
             assert m.device_indices.tolist() == ti, k
             if rng.random() < 0.3:
                 assert theirs.lock(tn, False) == ours.inc_lock_ref(m.last_device_node), k
@@ -638,8 +644,8 @@ def test_same_results_as_sglangs_radix_cache(sglang_modules, page):
         elif op < 0.85:
             value = torch.arange(slot, slot + len(tokens), dtype=torch.int64)
             slot += len(tokens)
-            assert theirs.insert(tokens, value) == ours.insert(
-                InsertParams(key=RadixKey(tokens), value=value)).prefix_len, k
+            assert theirs.insert(tokens, value, extra) == ours.insert(
+                InsertParams(key=RadixKey(tokens, extra), value=value)).prefix_len, k
         elif op < 0.93 and held:
             tn, on = held.pop(rng.randrange(len(held)))
             assert theirs.lock(tn, True) == ours.dec_lock_ref(on), k
@@ -661,7 +667,8 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
     requests over shared prompts, page size 4, on both caches with their own
     pools: after every step the same slots are free, every running request's
     row, prefix_indices and cache_protected_len are equal, and so are the
-    evictable and protected sizes."""
+    evictable and protected sizes. Requests carry an extra_key of two where
+    the native tree has namespaces."""
     import inspect
 
     rc, bpc = sglang_modules
@@ -693,6 +700,7 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
         sched.pool.free_rows.append(r.req_pool_idx)
 
     rng = random.Random(7)
+    extras = [None, "lora-a"] if compat.HAS_NAMESPACES else [None]
     systems = [[rng.randrange(1000) for _ in range(40)] for _ in range(3)]
     running = []  # (their req, our req)
     for step in range(200):
@@ -703,7 +711,8 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
                 systems.append([rng.randrange(1000) for _ in range(40)])
             prompt = rng.choice(systems[-3:])[: rng.randrange(10, 41)] + [
                 rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
-            pair = (Req(prompt, container=q_array), Req(prompt, container=q_array))
+            extra = rng.choice(extras)
+            pair = (Req(prompt, extra, q_array), Req(prompt, extra, q_array))
             for sched, r in zip(sides, pair):
                 sched.admit(r)
                 r.computed = len(r.prefix_indices)
