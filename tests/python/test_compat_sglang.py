@@ -472,6 +472,28 @@ def test_cache_finished_req_default_length_and_pop_committed_kv_cache():
     accounted(c, alloc, [])
 
 
+def test_bad_request_fields_raise_before_anything_changes():
+    c, pool, alloc = cache_and_pools()
+    sched = Scheduler(c, pool, alloc)
+    c.insert(list(range(8)), alloc.alloc(8))
+    r = Req(range(8))
+    sched.admit(r)
+    sched.extend(r, 8)
+    state = (c._tree.dump(), c.protected_size(), set(alloc.free_slots))
+    with pytest.raises(TypeError, match="kv_len_to_handle"):
+        c.cache_finished_req(r, kv_len_to_handle="8")
+    r.priority = "high"
+    with pytest.raises(TypeError, match="req.priority"):
+        c.cache_finished_req(r, kv_len_to_handle=8)
+    with pytest.raises(TypeError, match="req.priority"):
+        c.cache_unfinished_req(r)
+    assert (c._tree.dump(), c.protected_size(), set(alloc.free_slots)) == state
+    r.priority = None
+    sched.finish(r)
+    assert c.protected_size() == 0
+    accounted(c, alloc, [])
+
+
 def test_disabled_cache_caches_nothing_and_frees_everything():
     c, pool, alloc = cache_and_pools(page=2, disable=True)
     sched = Scheduler(c, pool, alloc)

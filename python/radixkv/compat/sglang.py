@@ -280,7 +280,7 @@ class RadixCache:
         return ns
 
     def _match(self, ids, ns: int):
-        if isinstance(ids, torch.Tensor):
+        if not self._on_cpu:
             ids = to_host(ids, "key", self.device)
         try:
             if ns:
@@ -288,6 +288,17 @@ class RadixCache:
             return self._tree.match_prefix(ids)
         except (TypeError, ValueError) as e:
             raise _renamed(e, _MATCH_NAMES) from None
+
+    def _insert_ids(self, ids, values, priority: int, ns: int) -> int:
+        """The native insert (whole pages of ids; values as long as ids)."""
+        if not self._on_cpu:
+            ids, values = to_host(ids, "key", self.device), to_host(values, "value", self.device)
+        try:
+            if ns:
+                return self._tree.insert_prefix(ids, values, priority, namespace=ns)
+            return self._tree.insert_prefix(ids, values, priority)
+        except (TypeError, ValueError) as e:
+            raise _renamed(e, _INSERT_NAMES) from None
 
     def _device_indices(self, indices: torch.Tensor) -> torch.Tensor:
         # int64, as SGLang's: its kernels read prefix indices through int64 pointers
@@ -340,16 +351,7 @@ class RadixCache:
             if len(value) < n:
                 raise ValueError(f"value has length {len(value)} but key has length {n}")
             value = value[:n]  # SGLang cuts value to the key
-        try:
-            if ns:
-                prefix = self._tree.insert_prefix(to_host(ids, "key", self.device),
-                                                  to_host(value, "value", self.device), priority,
-                                                  namespace=ns)
-            else:
-                prefix = self._tree.insert_prefix(to_host(ids, "key", self.device),
-                                                  to_host(value, "value", self.device), priority)
-        except (TypeError, ValueError) as e:
-            raise _renamed(e, _INSERT_NAMES) from None
+        prefix = self._insert_ids(ids, value, priority, ns)
         return InsertResult(prefix_len=prefix) if as_params else prefix
 
     def evict(self, params) -> EvictResult:
@@ -445,6 +447,18 @@ class RadixCache:
         if len(indices):
             self.token_to_kv_pool_allocator.free(indices)
 
+    def _req_namespace(self, req) -> int:
+        extra = getattr(req, "extra_key", None)
+        salt = getattr(req, "cache_salt", None)
+        if extra is None and salt is None:
+            return 0
+        return self._namespace_id(extra if salt is None else (extra, salt))
+
+    def _insert_req(self, req, token_ids, kv_indices, ns: int) -> int:
+        # The native tree takes the whole pages of equal-length ids and slots.
+        return self._insert_ids(token_ids, kv_indices, as_int(getattr(req, "priority", 0) or 0,
+                                                              "req.priority"), ns)
+
     def cache_finished_req(self, req, is_insert: bool = True, *,
                            kv_len_to_handle: Optional[int] = None, **kwargs) -> None:
         """A finished request hands its KV to the cache.
@@ -465,19 +479,19 @@ class RadixCache:
         if self.disable:
             self._free(self._row(req, kv_len)[protected:])
             return
+        ns = self._req_namespace(req)
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len]
-        kv_indices = self._row(req, len(token_ids))
-        aligned = len(token_ids) // self.page_size * self.page_size
-        key = RadixKey(token_ids[:aligned], getattr(req, "extra_key", None))
-        if getattr(req, "cache_salt", None) is not None:
-            key.extra_key = (key.extra_key, req.cache_salt)
+        n = len(token_ids)
+        kv_indices = self._row(req, n)
+        aligned = n // self.page_size * self.page_size
         if is_insert:
-            prefix = self.insert(key, kv_indices[:aligned],
-                                 priority=getattr(req, "priority", 0) or 0)
-            self._free(kv_indices[protected:prefix])
-        else:
+            prefix = self._insert_req(req, token_ids, kv_indices, ns)
+            if prefix > protected:  # duplicates of what another request cached meanwhile
+                self._free(kv_indices[protected:prefix])
+        elif aligned > protected:
             self._free(kv_indices[protected:aligned])
-        self._free(kv_indices[aligned:])
+        if aligned < n:
+            self._free(kv_indices[aligned:])
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
 
@@ -489,17 +503,15 @@ class RadixCache:
         `req.prefix_indices`, `req.cache_protected_len` are updated)."""
         if self.disable:
             return
+        ns = self._req_namespace(req)
         get = getattr(req, "get_fill_ids", None)
         token_ids = get() if get is not None else req.fill_ids
         kv_indices = self._row(req, len(token_ids))
-        aligned = len(token_ids) // self.page_size * self.page_size
-        key = RadixKey(token_ids[:aligned], getattr(req, "extra_key", None))
-        if getattr(req, "cache_salt", None) is not None:
-            key.extra_key = (key.extra_key, req.cache_salt)
         protected = self._protected_len(req)
-        prefix = self.insert(key, kv_indices[:aligned], priority=getattr(req, "priority", 0) or 0)
-        self._free(kv_indices[protected:prefix])
-        handle, tree_slots = self._match(*self._key(key))
+        prefix = self._insert_req(req, token_ids, kv_indices, ns)
+        if prefix > protected:
+            self._free(kv_indices[protected:prefix])
+        handle, tree_slots = self._match(token_ids, ns)
         new_indices = self._device_indices(tree_slots)
         n = len(new_indices)
         if n > protected:
