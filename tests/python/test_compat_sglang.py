@@ -95,7 +95,7 @@ class Req:
     """The fields SGLang's RadixCache reads and writes on a request."""
 
     def __init__(self, input_ids, extra_key=None, container=list):
-        # Up to 0.5.9 token ids are lists; later releases keep them in array('q').
+        # 0.5.9 keeps token ids in lists, 0.5.16 and later in array('q').
         self.origin_input_ids = container(input_ids)
         self.output_ids = container([])
         self.fill_ids = container(input_ids)
@@ -142,7 +142,7 @@ def test_match_returns_longest_cached_prefix_in_whole_pages(page):
     assert m.device_indices.dtype == torch.int64
     assert m.device_indices.tolist() == list(range(1000, 1000 + 11 // page * page))
     assert m.device_prefix_len == 11 // page * page
-    # The plain forms (0.5.0-0.5.5): a list of ids, insert(key, value) -> int.
+    # The plain forms of early 0.5.x: a list of ids, insert(key, value) -> int.
     assert c.match_prefix(a).device_indices.tolist() == list(range(1000, 1000 + whole))
     b = a[:9] + list(range(300, 309))
     assert c.insert(b, torch.arange(2000, 2018)) == 9 // page * page
@@ -695,8 +695,8 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
 
     rc, bpc = sglang_modules
     if not hasattr(rc.RadixCache, "cache_finished_req"):
-        pytest.skip("this SGLang's RadixCache has no cache_finished_req (0.5.17+ replaced "
-                    "it with checkpoint / release_kv_cache)")
+        pytest.skip("this SGLang's RadixCache has no cache_finished_req (releases after "
+                    "0.5.16 replaced it with checkpoint / release_kv_cache)")
     takes_len = "kv_len_to_handle" in inspect.signature(rc.RadixCache.cache_finished_req).parameters
     page = 4
     sides = []

@@ -5,10 +5,14 @@ SGLang's scheduler drives its prefix cache through `match_prefix`, `insert`,
 `protected_size()` and, per request, `cache_finished_req` /
 `cache_unfinished_req` over its req-to-token pool and token-to-KV allocator.
 `RadixCache` here keeps those names, arguments and results as SGLang 0.5.x
-has them, from the plain forms of 0.5.0-0.5.5 (`match_prefix(token_ids)`,
-`insert(key, value) -> int`, `evict(num_tokens)`) to the parameter objects of
-0.5.6-0.5.16 (`MatchPrefixParams`, `InsertParams -> InsertResult`,
-`EvictParams -> EvictResult`). An engine swaps its cache by changing an import:
+has them, in both of the forms its releases used: the plain calls of the
+early ones (0.5.2: `match_prefix(token_ids)`, `insert(key, value) -> int`,
+`evict(num_tokens)`) and the parameter objects of the later ones (0.5.9 and
+0.5.16: `MatchPrefixParams`, `InsertParams -> InsertResult`, `EvictParams ->
+EvictResult`). Releases after 0.5.16 moved the per-request calls to
+`checkpoint` / `release_kv_cache`, which are not provided; of 0.5.23's
+names, MatchResult's `device_prefix_len` and `path_device_indices(node)`
+are. An engine swaps its cache by changing an import:
 
     from radixkv.compat.sglang import RadixCache
 
@@ -21,7 +25,7 @@ What differs, on purpose:
   eviction is exact LRU on a logical clock (SGLang also refreshes the unmatched
   rest of a node a match splits; radixkv refreshes exactly the matched tokens).
 - `insert(InsertParams)` returns an InsertResult whose `last_device_node` is
-  None (nothing in SGLang's RadixCache path reads it).
+  None (the native insert returns no node; a match of the key gives it).
 - Not supported (a clear exception): bigram keys (`is_eagle`), KV events,
   and, on a native tree without namespaces, a non-None `extra_key`.
 Requests whose `extra_key` (with `cache_salt`, where the key has one) differ
@@ -120,8 +124,8 @@ class EvictResult:
 
 
 class IncLockRefResult(int):
-    """The change of evictable_size a lock made: an int, as 0.5.0-0.5.9 return
-    it, with `.delta`, as later versions read it."""
+    """The change of evictable_size a lock made: an int, as 0.5.2 and 0.5.9
+    return it, with `.delta`, as 0.5.16 and later read it."""
 
     @property
     def delta(self) -> int:
@@ -191,8 +195,8 @@ _LOCK_NAMES = {"handle": "node"}
 class RadixCache:
     """SGLang's RadixCache over one radixkv native tree.
 
-    Construct it as SGLang 0.5.6+ does, `RadixCache(params)` with a
-    CacheInitParams (SGLang's, or any object with its fields), as 0.5.0-0.5.5
+    Construct it as later SGLang 0.5.x does, `RadixCache(params)` with a
+    CacheInitParams (SGLang's, or any object with its fields), as early 0.5.x
     did, `RadixCache(req_to_token_pool, token_to_kv_pool_allocator, page_size,
     disable=False, ...)`, by keywords, or with `create_simulated(...)`.
     `max_slots` (radixkv's) refuses slots at or past the KV pool's size.
@@ -212,7 +216,7 @@ class RadixCache:
             eviction_policy = getattr(p, "eviction_policy", "lru")
             is_eagle = getattr(p, "is_eagle", False)
         elif params is not None:
-            req_to_token_pool = params  # 0.5.0-0.5.5: the first argument is the pool
+            req_to_token_pool = params  # early 0.5.x: the first argument is the pool
         page_size = as_count(1 if page_size is None else page_size, "page_size")
         if is_eagle:
             raise NotImplementedError("is_eagle: bigram keys are not supported by radixkv's tree")
@@ -331,7 +335,7 @@ class RadixCache:
         (their KV slots; the token ids themselves when None, as SGLang does).
 
         With an InsertParams returns InsertResult(prefix_len); with a key (a
-        RadixKey or token ids) and `value` returns prefix_len, as 0.5.0-0.5.5
+        RadixKey or token ids) and `value` returns prefix_len, as early 0.5.x
         did. prefix_len is how many leading tokens were cached already: the
         caller frees its own slots for those.
         """
