@@ -487,6 +487,14 @@ def test_bad_request_fields_raise_before_anything_changes():
         c.cache_finished_req(r, kv_len_to_handle=8)
     with pytest.raises(TypeError, match="req.priority"):
         c.cache_unfinished_req(r)
+    with pytest.raises(TypeError, match="fill_ids"):
+        c.cache_unfinished_req(SimpleNamespace(req_pool_idx=0, last_node=None,
+                                               prefix_indices=r.prefix_indices))
+    with pytest.raises(TypeError, match="req has no output_ids"):
+        c.cache_finished_req(SimpleNamespace(req_pool_idx=0, origin_input_ids=[1],
+                                             last_node=None, prefix_indices=r.prefix_indices))
+    with pytest.raises(ValueError, match="create_simulated"):
+        RadixCache.create_simulated().cache_finished_req(r)
     assert (c._tree.dump(), c.protected_size(), set(alloc.free_slots)) == state
     r.priority = None
     sched.finish(r)

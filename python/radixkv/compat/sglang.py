@@ -187,6 +187,12 @@ def _length(values, name: str) -> int:
                         f"{type(values).__name__}") from None
 
 
+# The Req fields the per-request calls read (prefix_indices stands in for
+# cache_protected_len on releases without it).
+_FINISHED_FIELDS = ("req_pool_idx", "origin_input_ids", "output_ids", "last_node",
+                    "prefix_indices")
+_UNFINISHED_FIELDS = ("req_pool_idx", "last_node", "prefix_indices")
+
 _MATCH_NAMES = {"input_ids": "key"}
 _INSERT_NAMES = {"input_ids": "key", "indices": "value"}
 _LOCK_NAMES = {"handle": "node"}
@@ -442,6 +448,14 @@ class RadixCache:
     def _row(self, req, length: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
 
+    def _check_req(self, req, fields: tuple) -> None:
+        if self.req_to_token_pool is None or self.token_to_kv_pool_allocator is None:
+            raise ValueError("this cache has no req_to_token_pool or token_to_kv_pool_allocator "
+                             "(create_simulated): it cannot cache requests")
+        for field in fields:
+            if not hasattr(req, field):
+                raise TypeError(f"req has no {field}: SGLang's Req has it")
+
     @staticmethod
     def _protected_len(req) -> int:
         n = getattr(req, "cache_protected_len", None)
@@ -474,6 +488,7 @@ class RadixCache:
         and of the partial last page, go back to the allocator; the request's
         lock is dropped. Its req-to-token row is the caller's to free.
         """
+        self._check_req(req, _FINISHED_FIELDS)
         if kv_len_to_handle is None:
             pop = getattr(req, "pop_committed_kv_cache", None)
             kv_len_to_handle = pop() if pop is not None else \
@@ -507,6 +522,9 @@ class RadixCache:
         `req.prefix_indices`, `req.cache_protected_len` are updated)."""
         if self.disable:
             return
+        self._check_req(req, _UNFINISHED_FIELDS)
+        if not hasattr(req, "fill_ids") and not hasattr(req, "get_fill_ids"):
+            raise TypeError("req has neither fill_ids nor get_fill_ids(): SGLang's Req has one")
         ns = self._req_namespace(req)
         get = getattr(req, "get_fill_ids", None)
         token_ids = get() if get is not None else req.fill_ids
