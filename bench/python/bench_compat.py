@@ -22,8 +22,10 @@ Every query is a distinct request, in shuffled order:
                continued by new tokens: the match ends inside a node (a split)
   match_new    a new request on a cached system prompt (a 512-token hit)
   insert       a new request on a cached system prompt (512 already cached)
+  lock         inc_lock_ref + dec_lock_ref on a matched request's node
   finish       cache_finished_req of such a request, which also frees its
                duplicate slots (where the installed SGLang still has it)
+  evict        1,024 tokens (two requests' own parts) from ~2,000 leaves
 
 python bench/python/bench_compat.py [--reps N] [--only minisgl|sglang] [--page P]
 """
@@ -166,6 +168,8 @@ class SglangWorkload:
         self.news = [key(rng.choice(self.systems) + tokens(512)) for _ in range(n)]
         self.inserts = [rng.choice(self.systems) + tokens(512) for _ in range(reps * 5)]
         self.insert_keys = [key(t) for t in self.inserts]
+        self.insert_heads = [key(t[:512]) for t in self.inserts]
+        self.refills = [key(rng.choice(self.systems) + tokens(512)) for _ in range(reps * 2)]
 
 
 def sglang_timings(make, rc, bpc, work: SglangWorkload, reps: int, page: int) -> dict:
@@ -211,6 +215,20 @@ def sglang_timings(make, rc, bpc, work: SglangWorkload, reps: int, page: int) ->
         samples.append((time.perf_counter_ns() - t0) / 5)
     out["insert"] = statistics.median(samples) / 1e3
 
+    # A lock and its unlock on a matched request's node (what admitting and
+    # finishing a request costs the tree besides the match and the insert).
+    nodes = [cache.match_prefix(bpc.MatchPrefixParams(key=k)).last_device_node
+             for k in work.hits[:1000]]
+    samples = []
+    for r in range(reps):
+        batch = nodes[(r * 20) % 1000:(r * 20) % 1000 + 20]
+        t0 = time.perf_counter_ns()
+        for node in batch:
+            cache.inc_lock_ref(node)
+            cache.dec_lock_ref(node)
+        samples.append((time.perf_counter_ns() - t0) / 20)
+    out["lock"] = statistics.median(samples) / 1e3
+
     # cache_finished_req: a request on a cached system prompt, admitted
     # (matched and locked) untimed, whose own 512 tokens another request with
     # the same prompt cached meanwhile (the inserts above): the finish inserts
@@ -220,7 +238,9 @@ def sglang_timings(make, rc, bpc, work: SglangWorkload, reps: int, page: int) ->
         for r in range(reps):
             reqs = []
             for i in range(r * 5, r * 5 + 5):
-                m = cache.match_prefix(bpc.MatchPrefixParams(key=work.insert_keys[i]))
+                # admitted before the other request cached its own part: a
+                # 512-token hit, the rest computed into fresh slots
+                m = cache.match_prefix(bpc.MatchPrefixParams(key=work.insert_heads[i]))
                 node, prefix = m.last_device_node, indices(m)
                 cache.inc_lock_ref(node)
                 row = i + 1
@@ -231,11 +251,28 @@ def sglang_timings(make, rc, bpc, work: SglangWorkload, reps: int, page: int) ->
                     req_pool_idx=row, origin_input_ids=array("q", work.inserts[i]),
                     output_ids=array("q", [7]), extra_key=None, priority=None, last_node=node,
                     prefix_indices=prefix, cache_protected_len=len(prefix), cache_salt=None))
+            freed = sink.freed
             t0 = time.perf_counter_ns()
             for req in reqs:
                 cache.cache_finished_req(req, kv_len_to_handle=1024)
             samples.append((time.perf_counter_ns() - t0) / 5)
+            if sink.freed - freed != 5 * 512:
+                raise RuntimeError(f"finish freed {sink.freed - freed} slots, not 5 x 512")
         out["finish"] = statistics.median(samples) / 1e3
+
+    # Evict 1,024 tokens (two requests' own parts) from the tree's ~2,000
+    # unlocked leaves; two new requests are inserted untimed to keep its size.
+    samples = []
+    for r in range(reps):
+        t0 = time.perf_counter_ns()
+        cache.evict(bpc.EvictParams(num_tokens=1024))
+        samples.append(time.perf_counter_ns() - t0)
+        for k in work.refills[2 * r:2 * r + 2]:
+            head = indices(cache.match_prefix(bpc.MatchPrefixParams(key=k)))
+            cache.insert(bpc.InsertParams(key=k, value=torch.cat(
+                [head, torch.arange(slot, slot + 1024 - len(head))])))
+            slot += 1024
+    out["evict"] = statistics.median(samples) / 1e3
     return out
 
 
