@@ -703,8 +703,8 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
 
     rc, bpc = sglang_modules
     if not hasattr(rc.RadixCache, "cache_finished_req"):
-        pytest.skip("this SGLang's RadixCache has no cache_finished_req (releases after "
-                    "0.5.16 replaced it with checkpoint / release_kv_cache)")
+        pytest.skip("this SGLang's RadixCache has no cache_finished_req (0.5.23 has "
+                    "checkpoint / release_kv_cache instead)")
     takes_len = "kv_len_to_handle" in inspect.signature(rc.RadixCache.cache_finished_req).parameters
     page = 4
     sides = []

@@ -9,8 +9,8 @@ has them, in both of the forms its releases used: the plain calls of the
 early ones (0.5.2: `match_prefix(token_ids)`, `insert(key, value) -> int`,
 `evict(num_tokens)`) and the parameter objects of the later ones (0.5.9 and
 0.5.16: `MatchPrefixParams`, `InsertParams -> InsertResult`, `EvictParams ->
-EvictResult`). Releases after 0.5.16 moved the per-request calls to
-`checkpoint` / `release_kv_cache`, which are not provided; of 0.5.23's
+EvictResult`). By 0.5.23 the per-request calls had moved to `checkpoint` /
+`release_kv_cache`, which are not provided; of 0.5.23's
 names, MatchResult's `device_prefix_len` and `path_device_indices(node)`
 are. An engine swaps its cache by changing an import:
 
