@@ -36,8 +36,8 @@ class Allocator:
     """A token-to-KV allocator of SGLang's shape that refuses a slot freed
     twice or never handed out, so every test can count slots exactly."""
 
-    def __init__(self, size: int, page_size: int = 1):
-        self.device = torch.device("cpu")
+    def __init__(self, size: int, page_size: int = 1, device="cpu"):
+        self.device = torch.device(device)
         self.page_size = page_size
         self.size = size
         self.free_slots = set(range(size))
@@ -48,9 +48,11 @@ class Allocator:
             raise RuntimeError("out of slots")
         out = sorted(self.free_slots)[:n]
         self.free_slots.difference_update(out)
-        return torch.tensor(out, dtype=torch.int64)
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def free(self, indices: torch.Tensor) -> None:
+        if indices.device != self.device:
+            raise AssertionError(f"slots on {indices.device}, the pool is on {self.device}")
         slots = indices.tolist()
         if len(set(slots)) != len(slots) or self.free_slots.intersection(slots):
             raise AssertionError(f"double free: {slots}")
@@ -83,8 +85,9 @@ class Sink:
 
 
 class ReqToTokenPool:
-    def __init__(self, size: int, max_context_len: int):
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32)
+    def __init__(self, size: int, max_context_len: int, device="cpu"):
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32,
+                                        device=device)
         self.free_rows = list(range(size))
 
     def write(self, indices, values) -> None:
@@ -110,9 +113,9 @@ class Req:
         return self.fill_ids
 
 
-def cache_and_pools(page=1, slots=512, rows=8, ctx=256, **kw):
-    alloc = Allocator(slots, page)
-    pool = ReqToTokenPool(rows, ctx)
+def cache_and_pools(page=1, slots=512, rows=8, ctx=256, device="cpu", **kw):
+    alloc = Allocator(slots, page, device)
+    pool = ReqToTokenPool(rows, ctx, device)
     return RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=page,
                       **kw), pool, alloc
 
@@ -349,10 +352,18 @@ def q_array(values):
     return array("q", values)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU on this machine (torch.cuda)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("container", [list, q_array])
 @pytest.mark.parametrize("page", [1, 4])
-def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page, container):
-    c, pool, alloc = cache_and_pools(page)
+def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page, container, device):
+    """The pools, the slots and the matched indices all live on `device`
+    (SGLang's allocator says where); the tree reads them on the host."""
+    c, pool, alloc = cache_and_pools(page, device=device)
+    assert c.device == torch.device(device)
     sched = Scheduler(c, pool, alloc)
     prompt = list(range(30))
     r = Req(prompt, container=container)
@@ -362,6 +373,7 @@ def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page, container)
     whole = 13 // page * page
     assert r.cache_protected_len == whole
     assert r.last_node.cached_len == whole and r.last_node.lock_count == 1
+    assert r.prefix_indices.device == c.device and r.prefix_indices.dtype == torch.int64
     assert c.protected_size() == whole and c.evictable_size() == 0
     row = pool.req_to_token[r.req_pool_idx, :13].tolist()
     assert row[:whole] == c.path_device_indices(r.last_node).tolist()
