@@ -270,6 +270,12 @@ def test_constructor_forms():
         RadixCache(pool, alloc, 1, is_eagle=True)
     with pytest.raises(NotImplementedError, match="enable_kv_cache_events"):
         RadixCache(pool, alloc, 1, enable_kv_cache_events=True)
+    c = RadixCache(pool, alloc, 4)
+    assert c.is_tree_cache() and not (c.is_chunk_cache() or c.supports_swa()
+                                      or c.supports_mamba() or c.supports_fast_match_prefix())
+    c.insert(list(range(8)), torch.arange(8))
+    assert c.available_and_evictable_str() == (
+        "Available tokens: 72 (available_size=64 + evictable_size=8)\n")
     fifo = RadixCache.create_simulated(eviction_policy="fifo")
     fifo.insert([1], torch.tensor([1]))
     fifo.insert([2], torch.tensor([2]))

@@ -411,14 +411,37 @@ class RadixCache:
         evictable, protected = self._tree.size_info()
         return evictable + protected
 
+    # What SGLang's scheduler asks a plain RadixCache: no sliding-window or
+    # mamba state, no fast path, no host tier acks, no KV events.
     def supports_prefix_sharing(self) -> bool:
         return not self.disable
 
     def is_chunk_cache(self) -> bool:
         return False
 
+    def is_tree_cache(self) -> bool:
+        return True
+
+    def supports_swa(self) -> bool:
+        return False
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def supports_fast_match_prefix(self) -> bool:
+        return False
+
+    def flush_write_through_acks(self) -> None:
+        pass
+
     def take_events(self) -> list:
         return []
+
+    def available_and_evictable_str(self) -> str:
+        available = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.evictable_size()
+        return (f"Available tokens: {available + evictable} "
+                f"(available_size={available} + evictable_size={evictable})\n")
 
     def path_device_indices(self, node) -> torch.Tensor:
         """The slots on the path from the root to `node` (int64, the cache's device)."""
