@@ -733,9 +733,12 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
             cache.req_to_token_pool = pool
             sched = Scheduler(cache, pool, alloc, bpc.MatchPrefixParams,
                               lambda t, e: rc.RadixKey(t, e))
-        else:
-            cache = RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc,
-                               page_size=page)
+        else:  # built from SGLang's own CacheInitParams
+            cip = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
+            cache = RadixCache(cip.CacheInitParams(disable=False, req_to_token_pool=pool,
+                                                   token_to_kv_pool_allocator=alloc,
+                                                   page_size=page))
+            assert (cache.page_size, cache.req_to_token_pool) == (page, pool)
             sched = Scheduler(cache, pool, alloc)
         sides.append(sched)
 
