@@ -120,10 +120,6 @@ def cache_and_pools(page=1, slots=512, rows=8, ctx=256, device="cpu", **kw):
                       **kw), pool, alloc
 
 
-def ids(*ranges):
-    return [t for r in ranges for t in r]
-
-
 # ---------------------------------------------------------------------------
 # The documented behaviour
 # ---------------------------------------------------------------------------
