@@ -590,6 +590,40 @@ def test_requests_with_different_extra_keys_never_share_a_prefix():
     assert alloc.available_size() == alloc.size
 
 
+@pytest.mark.skipif(not compat.HAS_NAMESPACES, reason="the installed radixkv._core.RadixTree "
+                    "has no namespace= keyword on match_prefix/insert_prefix")
+def test_extra_key_names_salts_and_their_bound():
+    ids = [1, 2, 3, 4]
+
+    def salted(extra, salt):  # 0.5.23's RadixKey carries a cache_salt beside extra_key
+        return SimpleNamespace(token_ids=ids, extra_key=extra, cache_salt=salt)
+
+    c = RadixCache.create_simulated()
+    c.insert(RadixKey(ids, "a"), torch.tensor([10, 11, 12, 13]))
+    c.insert(salted("a", "s"), torch.tensor([20, 21, 22, 23]))      # a salted key: its own
+    assert c.match_prefix(RadixKey(ids, "a")).device_indices.tolist() == [10, 11, 12, 13]
+    assert c.match_prefix(salted("a", "s")).device_indices.tolist() == [20, 21, 22, 23]
+    for other in (salted("a", "t"), salted(None, "s"), salted("s", "a"), RadixKey(ids, b"a"),
+                  RadixKey(ids, "s")):
+        assert c.match_prefix(other).device_prefix_len == 0
+    with pytest.raises(TypeError, match="extra_key"):
+        c.match_prefix(RadixKey(ids, 1.5))
+    with pytest.raises(TypeError, match="cache_salt"):
+        c.match_prefix(salted("a", ["s"]))
+
+    # Two names are remembered: a third forgets the least recently used one,
+    # whose prefixes are then a miss (never another name's hit) and age out.
+    c = RadixCache.create_simulated(max_namespaces=2)
+    c.insert(RadixKey(ids, "a"), torch.tensor([10, 11, 12, 13]))
+    c.insert(RadixKey(ids, "b"), torch.tensor([20, 21, 22, 23]))
+    assert c.match_prefix(RadixKey(ids, "a")).device_prefix_len == 4   # b is now the oldest
+    assert c.match_prefix(RadixKey(ids, "c")).device_prefix_len == 0   # forgets b
+    assert c.match_prefix(RadixKey(ids, "a")).device_prefix_len == 4
+    assert c.match_prefix(RadixKey(ids, "b")).device_prefix_len == 0
+    assert c.total_size() == 8
+    assert c.evict(8).num_tokens_evicted == 8
+
+
 # ---------------------------------------------------------------------------
 # Against SGLang's own RadixCache
 # ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ What differs, on purpose:
   and, on a native tree without namespaces, a non-None `extra_key`.
 Requests whose `extra_key` (with `cache_salt`, where the key has one) differ
 never share a prefix: each distinct value gets a namespace of the one native
-tree.
+tree (radixkv.scheduler.namespaces names them).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch
 from radixkv import _core
 from radixkv._checks import as_count, as_int, as_max_slots, to_host
 from radixkv.kvcache.radix_manager import EVICTION_POLICIES
+from radixkv.scheduler.namespaces import Namespaces
 
 __all__ = ["DecLockRefResult", "EvictParams", "EvictResult", "IncLockRefResult", "InsertParams",
            "InsertResult", "MatchPrefixParams", "MatchResult", "RadixCache", "RadixKey",
@@ -206,12 +207,16 @@ class RadixCache:
     did, `RadixCache(req_to_token_pool, token_to_kv_pool_allocator, page_size,
     disable=False, ...)`, by keywords, or with `create_simulated(...)`.
     `max_slots` (radixkv's) refuses slots at or past the KV pool's size.
+    `max_namespaces` bounds the extra_key names remembered (least recently
+    used forgotten first: its prefixes become a miss, never a wrong hit; see
+    radixkv.scheduler.namespaces).
     """
 
     def __init__(self, params=None, token_to_kv_pool_allocator=None, page_size=None,
                  disable: bool = False, enable_kv_cache_events: bool = False,
                  eviction_policy: str = "lru", is_eagle: bool = False, *,
-                 req_to_token_pool=None, max_slots: Optional[int] = None):
+                 req_to_token_pool=None, max_slots: Optional[int] = None,
+                 max_namespaces: int = 1 << 16):
         if _looks_like_init_params(params):
             p = params
             req_to_token_pool = p.req_to_token_pool
@@ -245,7 +250,7 @@ class RadixCache:
             torch.device("cpu")
         self._on_cpu = self.device.type == "cpu"
         self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), policy)
-        self._namespaces: dict = {}
+        self._max_namespaces = as_count(max_namespaces, "max_namespaces")
         self.reset()
 
     @classmethod
@@ -273,21 +278,23 @@ class RadixCache:
         salt = getattr(key, "cache_salt", None)
         if extra is None and salt is None:
             return ids, 0
-        return ids, self._namespace_id(extra if salt is None else (extra, salt))
+        return ids, self._namespace_id(extra, salt)
 
-    def _namespace_id(self, tag) -> int:
-        """This cache's namespace id (from 1) for an extra_key tag."""
+    def _namespace_id(self, extra, salt=None) -> int:
+        """The tree's namespace id for an extra_key (and cache_salt)."""
         if not HAS_NAMESPACES:
             raise NotImplementedError(
-                f"extra_key={tag!r}: this radixkv build's RadixTree has no namespaces "
+                f"extra_key={extra!r}: this radixkv build's RadixTree has no namespaces "
                 "(match_prefix(..., namespace=)), so only extra_key=None is supported")
-        try:
-            ns = self._namespaces.get(tag)
-        except TypeError:
-            raise TypeError(f"extra_key must be hashable, got {type(tag).__name__}") from None
-        if ns is None:
-            ns = self._namespaces[tag] = len(self._namespaces) + 1
-        return ns
+        if salt is not None:
+            # SGLang's names are str; the pair becomes one bytes name, both parts
+            # length-prefixed, so no two pairs and no str name share it.
+            Namespaces.check(extra, "extra_key")
+            Namespaces.check(salt, "cache_salt")
+            parts = [repr(bytes(x) if isinstance(x, (bytearray, memoryview)) else x
+                          ).encode("utf-8") for x in (extra, salt)]
+            extra = b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+        return self._namespaces.id(extra, "extra_key")
 
     def _match(self, ids, ns: int):
         if not self._on_cpu:
@@ -320,7 +327,7 @@ class RadixCache:
 
     def reset(self) -> None:
         self._tree.reset()
-        self._namespaces.clear()
+        self._namespaces = Namespaces(self._max_namespaces)
         self.root_node, empty = self._tree.match_prefix([])
         self._empty = self._device_indices(empty)
 
@@ -493,7 +500,7 @@ class RadixCache:
         salt = getattr(req, "cache_salt", None)
         if extra is None and salt is None:
             return 0
-        return self._namespace_id(extra if salt is None else (extra, salt))
+        return self._namespace_id(extra, salt)
 
     def _insert_req(self, req, token_ids, kv_indices, ns: int) -> int:
         # The native tree takes the whole pages of equal-length ids and slots.
