@@ -1,1 +1,8 @@
-"""Compatibility layers: radixkv behind the names engines already call."""
+"""Compatibility layers: radixkv behind the names engines already call.
+
+- `radixkv.compat.minisgl`: mini-SGLang's prefix cache (`create_prefix_cache`,
+  `match_prefix`, `insert_prefix`, `lock_handle`, `evict`, `size_info`).
+- `radixkv.compat.sglang`: SGLang 0.5.x's `RadixCache` (`match_prefix`,
+  `insert`, `evict`, `inc_lock_ref` / `dec_lock_ref`, `cache_finished_req`,
+  `cache_unfinished_req`), `extra_key` namespaces included.
+"""
