@@ -79,21 +79,40 @@ void CheckSameSides(const Pool& a, const Pool& b, const char* a_name, const char
 }
 
 std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bool cuda,
+                                      const Pool& kv_device, const Pool& kv_host,
                                       std::vector<Pool>* pools) {
   std::vector<CopyPlane> planes;
   if (side_planes.is_none()) return planes;
+  if (!PySequence_Check(side_planes.ptr())) {
+    throw py::type_error("side_planes must be a sequence of (device, device_layout, host, "
+                         "host_layout, row_bytes)");
+  }
   for (py::handle item : py::reinterpret_borrow<py::sequence>(side_planes)) {
-    const py::tuple t = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
-    if (t.size() != 5) {
-      throw py::value_error("side_planes items must be (device, device_layout, host, "
+    if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 5) {
+      throw py::value_error("side_planes items must be tuples (device, device_layout, host, "
                             "host_layout, row_bytes)");
     }
-    const int64_t row_bytes = t[4].cast<int64_t>();
-    Pool d = ReadPool(t[0], t[1].cast<std::vector<int64_t>>(), "side device", row_bytes, layers,
-                      cuda);
-    Pool h = ReadPool(t[2], t[3].cast<std::vector<int64_t>>(), "side host", row_bytes, layers,
-                      false);
+    const py::tuple t = py::reinterpret_borrow<py::tuple>(item);
+    const int64_t row_bytes = ToInt64(t[4], "row_bytes");
+    std::vector<int64_t> device_layout, host_layout;
+    try {
+      device_layout = t[1].cast<std::vector<int64_t>>();
+      host_layout = t[3].cast<std::vector<int64_t>>();
+    } catch (const py::cast_error&) {
+      throw py::type_error("side_planes layouts must be sequences of ints");
+    }
+    Pool d = ReadPool(t[0], device_layout, "side device", row_bytes, layers, cuda);
+    Pool h = ReadPool(t[2], host_layout, "side host", row_bytes, layers, false);
     CheckSameSides(d, h, "side device", "side host");
+    // A copy checks its slots against the K/V plane's pools: every plane must
+    // have their slots, or a copy would fail half done.
+    const PoolLayout* pairs[2][2] = {{&d.layout, &kv_device.layout}, {&h.layout, &kv_host.layout}};
+    for (const auto& pair : pairs) {
+      if (pair[0]->num_slots != pair[1]->num_slots || pair[0]->page_size != pair[1]->page_size) {
+        throw py::value_error("side_planes: a side buffer must have the slots and page size of "
+                              "the K/V it moves with");
+      }
+    }
     planes.push_back(CopyPlane{d.layout, h.layout, row_bytes});
     pools->push_back(std::move(d));
     pools->push_back(std::move(h));
@@ -137,7 +156,9 @@ class PyController {
         host_(ReadPool(host, host_layout, "host", row_bytes, layers, false)) {
     CheckSameSides(device_, host_, "device", "host");
     std::vector<CopyPlane> planes{CopyPlane{device_.layout, host_.layout, row_bytes}};
-    for (CopyPlane& p : ReadSidePlanes(side_planes, layers, false, &sides_)) planes.push_back(p);
+    for (CopyPlane& p : ReadSidePlanes(side_planes, layers, false, device_, host_, &sides_)) {
+      planes.push_back(p);
+    }
     c_ = std::make_unique<CacheController>(MakeCpuCopyEngine(std::move(planes), layers), manual);
   }
   // Bookkeeping only: copies succeed at once.

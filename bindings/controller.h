@@ -39,9 +39,11 @@ Pool ReadPool(pybind11::handle buffer, const std::vector<int64_t>& strides, cons
 void CheckSameSides(const Pool& a, const Pool& b, const char* a_name, const char* b_name);
 
 /// Reads the side buffers of a copy engine: a sequence of (device, device_layout,
-/// host, host_layout, row_bytes), each a one-sided plane. Appends the pools to
-/// `pools` (device then host for each) and returns the planes.
+/// host, host_layout, row_bytes), each a one-sided plane whose slots and pages
+/// are those of the K/V plane `kv` (its device and host pools). Appends the
+/// pools to `pools` (device then host for each) and returns the planes.
 std::vector<CopyPlane> ReadSidePlanes(pybind11::handle side_planes, int64_t layers, bool cuda,
+                                      const Pool& kv_device, const Pool& kv_host,
                                       std::vector<Pool>* pools);
 
 /// A copy engine in a capsule named kEngineCapsule, made by one extension

@@ -161,7 +161,8 @@ py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_lay
   std::vector<radixkv::CopyPlane> planes{
       radixkv::CopyPlane{box->device.layout, box->host.layout, row_bytes}};
   for (radixkv::CopyPlane& p :
-       radixkv::bindings::ReadSidePlanes(side_planes, layers, true, &box->sides)) {
+       radixkv::bindings::ReadSidePlanes(side_planes, layers, true, box->device, box->host,
+                                         &box->sides)) {
     planes.push_back(p);
   }
   for (size_t i = 1; i < box->sides.size(); i += 2) {

@@ -563,3 +563,28 @@ def test_namespaces_are_distinct_blocks(publisher, subscriber):
     (batch,) = decode_frames(subscriber.receive(), subscriber.start_seq + 1)
     (removed,) = batch.events
     assert sorted(removed.block_hashes) == sorted(h for x in want for h in x)
+
+
+def test_namespaced_pages_have_one_hash_on_every_medium(tmp_path, publisher, subscriber):
+    from radixkv.kvcache import MHAKVCache
+    from radixkv.scheduler.namespaces import Namespaces
+    from radixkv.storage import pool_fingerprint
+
+    pool = MHAKVCache(1, 1, 8, 8, torch.float32, page_size=2)
+    fp = pool_fingerprint(pool, model="m")
+    cm = CacheManager(8, 2, host_num_pages=8, kv_cache=pool,
+                      storage=FileStorage(str(tmp_path), fingerprint=fp), kv_events=publisher)
+    ids = torch.arange(100, 105)
+    h, _ = cm.match_req(ids, namespace="tenant")
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids, cm.allocate(5))
+    cm.drain()
+    spaces = Namespaces()
+    want = [block_hash(k) for k in page_keys(ids[:4].to(torch.int32), 2,
+                                              spaces.seed(spaces.id("tenant"), fp))]
+    media = {}
+    for batch in decode_frames(subscriber.receive(), subscriber.start_seq):
+        for e in batch.events:
+            media.setdefault(e.medium, []).extend(e.block_hashes)
+    assert media == {"GPU": want, "CPU_PINNED": want, "DISK": want}
+    cm.close()

@@ -145,6 +145,8 @@ def test_mla_fingerprints_leave_the_rank_out_and_name_the_page_kind():
     assert pool_fingerprint(mha, model="m") != pool_fingerprint(mla, model="m")
     assert pool_fingerprint(mha, model="m", tp_rank=0) != pool_fingerprint(mha, model="m",
                                                                           tp_rank=1)
+    other_split = MLAKVCache(LORA + 1, ROPE - 1, LAYERS, 16, torch.float32, page_size=2)
+    assert pool_fingerprint(other_split, model="m") != pool_fingerprint(mla, model="m")
     fp8 = _pool(dtype=torch.float8_e4m3fn)
     assert pool_fingerprint(fp8, model="m") != pool_fingerprint(mla, model="m")
     with pytest.raises(ValueError, match="^tp_rank must be >= 0"):

@@ -136,3 +136,31 @@ def test_side_buffers_are_registered_before_the_host_tier_and_named_in_keys():
         pool.register_side_buffer("late", (1,), torch.float32)
     assert pool.side_buffer_names == ("scale", "label")
     cm.close()
+
+
+def test_controller_refuses_side_planes_that_do_not_match_the_kv():
+    from radixkv import _core
+
+    pool = _pool("mha")
+    host = HostKVCache(pool, 8, pin_memory=False)
+    (dev_buf, dev_layout, rb), _ = pool.side_copy_layouts()
+    (host_buf, host_layout, _), _ = host.side_copy_layouts()
+    kv = (pool.kv_buffer, list(pool.copy_layout()), host.kv_buffer, list(host.copy_layout()),
+          host.row_bytes, LAYERS)
+    small = HostKVCache(_pool("mha", pages=4), 4, pin_memory=False)
+    (small_buf, small_layout, _), _ = small.side_copy_layouts()
+    bad = [
+        ([(dev_buf, list(dev_layout), small_buf, list(small_layout), rb)], ValueError,
+         "slots and page size"),
+        ([(dev_buf, list(dev_layout), host_buf, list(host_layout), "x")], TypeError,
+         "row_bytes"),
+        ([(dev_buf, list(dev_layout), host_buf)], ValueError, "side_planes items"),
+        ([(dev_buf, ["a"], host_buf, list(host_layout), rb)], TypeError, "layouts"),
+        (5, TypeError, "side_planes must be a sequence"),
+    ]
+    for planes, error, message in bad:
+        with pytest.raises(error, match=message):
+            _core.CacheController(*kv, False, planes)
+    c = _core.CacheController(*kv, True, [(dev_buf, list(dev_layout), host_buf,
+                                           list(host_layout), rb)])
+    assert c.num_layers == LAYERS

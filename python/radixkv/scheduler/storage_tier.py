@@ -253,7 +253,7 @@ class StorageTier:
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         self._writes_in_flight += 1
         self._writing_tokens += len(host_slots)
-        blocks = (self.events.blocks(tokens.to(torch.int32).numpy(), copy[2] // ps)
+        blocks = (self.events.blocks(tokens.to(torch.int32).numpy(), copy[2] // ps, -1, ns)
                   if self.events is not None else None)
         self._jobs.put(_Write(copy, keys, pages, blocks=blocks))
 

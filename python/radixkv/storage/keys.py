@@ -21,12 +21,14 @@ def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size:
                        layout: str, num_layers: int, kv_heads: int, head_dim: int,
                        tp_rank: int = 0, tp_size: int = 1,
                        namespace: Optional[str] = None, attention: str = "mha",
-                       side_buffers: Sequence[Tuple[str, Tuple[int, ...], object]] = ()) -> bytes:
+                       side_buffers: Sequence[Tuple[str, Tuple[int, ...], object]] = (),
+                       kv_lora_rank: Optional[int] = None) -> bytes:
     """32 bytes naming a configuration's page bytes: the model, the K/V dtype,
     the host layout, the page size, the shape of a page (layers, K/V heads on
     this rank, head dim), the tensor-parallel shard, a user namespace
     (SGLang's extra_key / vLLM's cache_salt) and the attention's page kind
-    (`mha`: K and V rows; `mla`: one latent row, `head_dim` wide). Two
+    (`mha`: K and V rows; `mla`: one latent row, `head_dim` wide, whose
+    first `kv_lora_rank` columns are the latent). Two
     configurations that differ in any of them get different keys for the same
     tokens, so they never read each other's pages from a shared store. An MLA
     page is the same on every tensor-parallel rank: give `tp_rank=0,
@@ -42,7 +44,9 @@ def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size:
              _field(as_count(tp_size, "tp_size")),
              b"\x00" if namespace is None else b"\x01" + _field(namespace)]
     if attention == "mla":  # MHA keys stay those of earlier versions
-        parts.append(_field("mla"))
+        if kv_lora_rank is None:
+            raise ValueError("kv_lora_rank: an MLA page's key names where its latent ends")
+        parts.append(_field(f"mla:{as_count(kv_lora_rank, 'kv_lora_rank')}"))
     for name, shape, dtype in side_buffers:
         parts.append(_field(f"side:{name}:{tuple(shape)}:{str(dtype).removeprefix('torch.')}"))
     return hashlib.sha256(b"".join(parts)).digest()
@@ -59,7 +63,8 @@ def pool_fingerprint(pool, *, model: str, layout: str = "page_first", tp_rank: i
         return config_fingerprint(model=model, dtype=pool.dtype, page_size=pool.page_size,
                                   layout=layout, num_layers=pool.num_layers, kv_heads=1,
                                   head_dim=pool.row_shape[1], namespace=namespace,
-                                  attention="mla", side_buffers=sides)
+                                  attention="mla", side_buffers=sides,
+                                  kv_lora_rank=pool.kv_lora_rank)
     return config_fingerprint(model=model, dtype=pool.dtype, page_size=pool.page_size,
                               layout=layout, num_layers=pool.num_layers,
                               kv_heads=pool.local_kv_heads, head_dim=pool.head_dim,
