@@ -435,7 +435,13 @@ StoreCheck StoreRows(const StoreParams& params, int max_threads) {
     check.slot = LoadSlot(indices, params.index_type, check.position);
     return check;
   }
-  StoreParams p = params;
+  // A copy of what the store reads (the sides in use, not all kMaxStoreSides).
+  StoreParams p;
+  p.num_sides = params.num_sides;
+  std::copy(params.side, params.side + params.num_sides, p.side);
+  p.index_type = params.index_type;
+  p.num_tokens = params.num_tokens;
+  p.num_slots = params.num_slots;
   p.indices = indices;
   SimplifyStore(&p);
   const int64_t written = p.num_tokens * RowBytes(p);
