@@ -272,7 +272,8 @@ def test_store_mla_kernel_on_caller_caches():
     g = torch.Generator().manual_seed(3)
     for shape in ((40, 24), (40, 1, 24)):
         kv = random_bytes(shape, torch.float16, g)
-        k_nope, k_rope = random_bytes((9, 16), torch.float16, g), random_bytes((9, 8), torch.float16, g)
+        k_nope = random_bytes((9, 16), torch.float16, g)
+        k_rope = random_bytes((9, 8), torch.float16, g)
         loc = torch.randperm(40, generator=g)[:9]
         want = kv.clone().view(40, 24)
         want[loc, :16], want[loc, 16:] = k_nope, k_rope
@@ -384,7 +385,8 @@ def error_cases(device, dtype):
          r"^k_nope has shape \[3, 2, 4\]"),
         ("k_rope width", dict(k_rope=torch.ones(3, 5, dtype=dtype, device=dev)), ValueError,
          r"^k_rope must have shape \[num_tokens, 4\]"),
-        ("k_rope tokens", dict(k_rope=rope[:2]), ValueError, r"^k_rope has 2 tokens but k_nope has 3"),
+        ("k_rope tokens", dict(k_rope=rope[:2]), ValueError,
+         r"^k_rope has 2 tokens but k_nope has 3"),
         ("k_rope dtype", dict(k_rope=rope.to(torch.int32)), TypeError, r"^k_rope has dtype int32"),
         ("k_nope device", dict(k_nope=nope.to(other)), TypeError, r"^k_nope must"),
         ("out_loc rank", dict(out_loc=loc.view(1, 3)), ValueError, r"^out_loc must be 1-D"),
