@@ -16,10 +16,10 @@ from radixkv.kvcache import (
     BaseKVCache,
     KVCacheLayout,
     KVCacheType,
-    MLACopyLayout,
     MLAKVCache,
     create_kvcache,
 )
+from radixkv.kvcache.base import CopyLayout
 
 CUDA = pytest.param(
     "cuda",
@@ -138,9 +138,9 @@ def test_views_index_the_one_buffer_in_storage_order(layout):
 def test_copy_layout_locates_every_row(layout, page_size):
     c = MLAKVCache(8, 4, 3, 5, torch.float16, kv_layout=layout, page_size=page_size)
     cl = c.copy_layout()
-    assert isinstance(cl, MLACopyLayout)
-    assert cl.side_stride == 0 and cl.num_sides == 1
-    assert cl.row_bytes == 12 * 2 and cl.page_size == page_size and cl.num_slots == c.num_slots
+    assert isinstance(cl, CopyLayout) and len(cl) == 6  # what the copy engine reads
+    assert cl.side_stride == 0  # one side
+    assert c.row_bytes == 12 * 2 and cl.page_size == page_size and cl.num_slots == c.num_slots
     base = c.kv_buffer.data_ptr()
     for layer in range(3):
         rows = c.k_cache(layer).view(-1, 12) if layout is KVCacheLayout.LayerFirst else None
@@ -151,6 +151,27 @@ def test_copy_layout_locates_every_row(layout, page_size):
             assert base + at == want
             if rows is not None:
                 assert rows[slot].data_ptr() == want
+
+
+def test_copy_layout_is_what_the_copy_engine_reads():
+    """The native row copy of the host tier takes an MLA pool's layout as it is
+    (one side: side_stride 0), here between two pools of different layouts."""
+    from radixkv import _core
+
+    g = torch.Generator().manual_seed(12)
+    src = MLAKVCache(8, 4, 3, 6, torch.bfloat16, page_size=4)
+    dst = MLAKVCache(8, 4, 3, 6, torch.bfloat16, kv_layout=KVCacheLayout.PageFirst, page_size=4)
+    fill_random(src, g)
+    fill_random(dst, g)
+    before = snapshot(dst)
+    a, b = [3, 10, 22], [0, 17, 5]
+    _core.transfer_rows(src.kv_buffer, list(src.copy_layout()), dst.kv_buffer,
+                        list(dst.copy_layout()), src.row_bytes, 3,
+                        torch.tensor(a, dtype=torch.int32), torch.tensor(b, dtype=torch.int32))
+    for layer in range(3):
+        want = before[layer].clone()
+        want[b] = layer_rows(src, layer)[a]
+        assert torch.equal(layer_rows(dst, layer), want)
 
 
 def test_tp_size_splits_nothing():

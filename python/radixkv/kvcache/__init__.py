@@ -20,7 +20,7 @@ from radixkv.kvcache.mha_pool import (
     kv_bytes_per_page,
     num_pages_for_memory,
 )
-from radixkv.kvcache.mla_pool import MLACopyLayout, MLAKVCache
+from radixkv.kvcache.mla_pool import MLAKVCache
 from radixkv.kvcache.naive_manager import NaiveCacheHandle, NaiveCacheManager
 from radixkv.kvcache.radix_manager import EVICTION_POLICIES, RadixCacheHandle, RadixCacheManager
 
@@ -54,7 +54,6 @@ __all__ = [
     "KVCacheLayout",
     "KVCacheType",
     "MHAKVCache",
-    "MLACopyLayout",
     "MLAKVCache",
     "NaiveCacheHandle",
     "NaiveCacheManager",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -11,29 +11,8 @@ from radixkv import _core
 from radixkv._checks import as_count as _count
 from radixkv._checks import as_int as _checks_int
 from radixkv.kernel import store_mla
-from radixkv.kvcache.base import BaseKVCache, KVCacheLayout, SideBuffers
+from radixkv.kvcache.base import BaseKVCache, CopyLayout, KVCacheLayout, SideBuffers
 from radixkv.kvcache.mha_pool import DTypeLike, _dtype, _layout, resolve_tp_size
-
-
-class MLACopyLayout(NamedTuple):
-    """Where an MLA pool's rows lie, in bytes from its buffer's first element:
-    the row of (layer, slot) starts at `layer * layer_stride + (slot //
-    page_size) * page_stride + (slot % page_size) * row_stride` and is
-    `row_bytes` contiguous bytes (`kv_lora_rank + qk_rope_head_dim` elements).
-
-    The first six fields are a `CopyLayout` with `side_stride == 0`: an MLA
-    pool has one side, not K and V. A copy engine built for two sides of equal
-    rows would copy each row twice onto itself (correct, twice the traffic);
-    one for this pool copies side 0 only, `row_bytes` per row."""
-
-    side_stride: int
-    layer_stride: int
-    page_stride: int
-    row_stride: int
-    page_size: int
-    num_slots: int
-    row_bytes: int
-    num_sides: int
 
 
 class MLAKVCache(SideBuffers, BaseKVCache):
@@ -152,13 +131,19 @@ class MLAKVCache(SideBuffers, BaseKVCache):
             self._store(self._k_layers[i], out_loc, k_nope, k_rope, self._kv_lora_rank,
                         k_scale=k_scale, side=sides)
 
-    def copy_layout(self) -> MLACopyLayout:
-        """Where this pool's rows lie, for the copy engine of a host tier (see
-        MLACopyLayout: one side of `row_bytes` per layer and slot)."""
+    def copy_layout(self) -> CopyLayout:
+        """Where this pool's rows lie, for the copy engine of a host tier: the
+        row of (layer, slot) starts at `layer * layer_stride + (slot //
+        page_size) * page_stride + (slot % page_size) * row_stride` bytes from
+        `kv_buffer`'s first element and is `row_bytes` contiguous bytes.
+
+        An MLA pool has one side, not K and V, so `side_stride` is 0: an
+        engine that copies two sides of `row_bytes` each would copy every row
+        twice onto itself (the right bytes, twice the traffic); one that knows
+        this pool copies side 0 only."""
         item = self._kv_buffer.element_size()
         layer, page, row = (self._view.stride(i) * item for i in range(3))
-        return MLACopyLayout(0, layer, page, row, self._page_size, self.num_slots,
-                             self.row_bytes, 1)
+        return CopyLayout(0, layer, page, row, self._page_size, self.num_slots)
 
     @property
     def device(self) -> torch.device:
