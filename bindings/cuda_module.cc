@@ -28,6 +28,7 @@ using radixkv::bindings::CheckMlaTensors;
 using radixkv::bindings::CheckStoreTensors;
 using radixkv::bindings::ScaleArg;
 using radixkv::bindings::SideArgs;
+using radixkv::bindings::TensorList;
 using radixkv::bindings::CurrentStream;
 using radixkv::bindings::MarkWritten;
 using radixkv::bindings::SetStoreIndices;
@@ -72,7 +73,7 @@ void LaunchStoreOn(const Tensor& cache, const radixkv::StoreParams& p) {
 }
 
 // Step one, then step two, for every tensor of a call (scales included).
-void CheckAndView(const std::vector<Tensor*>& tensors, std::initializer_list<ScaleArg*> scales) {
+void CheckAndView(const TensorList& tensors, std::initializer_list<ScaleArg*> scales) {
   for (Tensor* t : tensors) t->Check();
   for (ScaleArg* s : scales) {
     if (s->tensor()) s->tensor()->Check();
@@ -92,8 +93,8 @@ void Kernel_StoreCache(py::handle k_cache, py::handle v_cache, py::handle out_lo
   Tensor kc(k_cache, "k_cache", Tensor::kWritten), vc(v_cache, "v_cache", Tensor::kWritten);
   Tensor loc(out_loc, "out_loc");
   Tensor kt(k, "k"), vt(v, "v");
-  std::vector<Tensor*> tensors = sides.tensors();
-  tensors.insert(tensors.begin(), {&kc, &vc, &loc, &kt, &vt});
+  TensorList tensors{&kc, &vc, &loc, &kt, &vt};
+  sides.AppendTo(&tensors);
   CheckAndView(tensors, {&ks, &vs});
   radixkv::StoreParams p = CheckStoreTensors(kc, vc, kt, vt, ks, vs, kDLCUDA);
   sides.AddTo(&p, {&kc, &vc}, {&kt, &vt});
@@ -111,8 +112,8 @@ void Kernel_StoreMla(py::handle kv_cache, py::handle out_loc, py::handle k_nope,
   Tensor kv(kv_cache, "kv_cache", Tensor::kWritten);
   Tensor loc(out_loc, "out_loc");
   Tensor nope(k_nope, "k_nope"), rope(k_rope, "k_rope");
-  std::vector<Tensor*> tensors = sides.tensors();
-  tensors.insert(tensors.begin(), {&kv, &loc, &nope, &rope});
+  TensorList tensors{&kv, &loc, &nope, &rope};
+  sides.AppendTo(&tensors);
   CheckAndView(tensors, {&ks});
   radixkv::StoreParams p = CheckMlaTensors(kv, nope, rope, kv_lora_rank, ks, kDLCUDA);
   sides.AddTo(&p, {&kv}, {&nope, &rope});

@@ -1,5 +1,6 @@
 // Vectorcall methods and plain C types for the calls a scheduler makes
-// millions of times: the tree's match, insert, lock and evict, and its handle.
+// millions of times: the tree's match, insert, lock and evict, and its handle;
+// and the CPU store kernels (a model stores K/V once per layer and step).
 //
 // pybind11's dispatcher costs about 150 ns a call, 300 ns more when an
 // argument comes by keyword (`lock_handle(h, unlock=True)`), and its
@@ -21,9 +22,12 @@ namespace py = pybind11;
 
 /// A fast method's parameters: its name (for messages), the parameter names,
 /// how many there are and how many must be given.
+/// Most parameters a fast function has.
+constexpr int kMaxParams = 9;
+
 struct Params {
   const char* function;
-  std::array<const char*, 4> names;
+  std::array<const char*, kMaxParams> names;
   int count;
   int required;
 };
@@ -59,7 +63,7 @@ T& Unbox(PyObject* o) {
 /// py::object) or throws.
 template <typename T, py::object (*Impl)(T&, PyObject* const*), const Params& P>
 PyObject* FastMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  PyObject* bound[4] = {nullptr, nullptr, nullptr, nullptr};
+  PyObject* bound[kMaxParams] = {};
   if (!BindArgs(P, args, nargs, kwnames, bound)) return nullptr;
   try {
     return Impl(Unbox<T>(self), bound).release().ptr();

@@ -1,5 +1,7 @@
 #include "kernels.h"
 
+#include "fast_call.h"
+
 #include "tensor_view.h"
 #include "torch_api.h"
 
@@ -78,7 +80,7 @@ constexpr unsigned kMaxStoreThreads = 2;
 // indices; after `Own`/`Pin` both run again, so no Python code runs between a
 // view and the store.
 template <typename CheckAll, typename ViewAll>
-void RunStoreCpu(Int32View& loc, const std::vector<Tensor*>& tensors, CheckAll check_all,
+void RunStoreCpu(Int32View& loc, const TensorList& tensors, CheckAll check_all,
                  ViewAll view_all) {
   check_all();
   FinishViews(loc);
@@ -113,8 +115,8 @@ void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, p
   Int32View loc(out_loc, "out_loc");
   Tensor kc(k_cache, "k_cache", cache_checks), vc(v_cache, "v_cache", cache_checks);
   Tensor kt(k, "k"), vt(v, "v");
-  std::vector<Tensor*> tensors = sides.tensors();
-  tensors.insert(tensors.begin(), {&kc, &vc, &kt, &vt});
+  TensorList tensors{&kc, &vc, &kt, &vt};
+  sides.AppendTo(&tensors);
   RunStoreCpu(
       loc, tensors,
       [&] {
@@ -139,8 +141,8 @@ void StoreMlaCpu(py::handle kv_cache, py::handle out_loc, py::handle k_nope, py:
   Int32View loc(out_loc, "out_loc");
   Tensor kv(kv_cache, "kv_cache", cache_checks);
   Tensor nope(k_nope, "k_nope"), rope(k_rope, "k_rope");
-  std::vector<Tensor*> tensors = sides.tensors();
-  tensors.insert(tensors.begin(), {&kv, &nope, &rope});
+  TensorList tensors{&kv, &nope, &rope};
+  sides.AppendTo(&tensors);
   RunStoreCpu(
       loc, tensors,
       [&] {
@@ -408,7 +410,6 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
                               DLDeviceType device_type) {
   kc.CheckDevice(device_type);
   for (const Tensor* t : {&vc, &k, &v}) t->CheckSameDevice(kc);
-
   KERNEL_CHECK_VALUE(kc.ndim() >= 2 && kc.ndim() <= 4,
                      "k_cache must have shape [num_pages, page_size, heads, head_dim], "
                      "[num_slots, heads, head_dim] or [num_slots, row], got ",
@@ -420,7 +421,7 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
                     DTypeName(vc.dtype()), " but k_cache has dtype ", DTypeName(kc.dtype()));
   const bool rows = kc.ndim() == 2;  // mini-SGLang's [num_slots, row] caches
   const int64_t heads = rows ? 1 : kc.size(kc.ndim() - 2), head_dim = kc.size(kc.ndim() - 1);
-  StoreParams p{};
+  StoreParams p;  // only what num_sides names is read: no need to clear the rest
   p.num_sides = 2;
   p.side[0] = CheckStoreSide(kc, CacheLayout(kc), 0, k, heads, head_dim, rows, k_scale);
   p.side[1] = CheckStoreSide(vc, CacheLayout(vc), 0, v, heads, head_dim, rows, v_scale);
@@ -467,7 +468,7 @@ StoreParams CheckMlaTensors(const Tensor& kv, const Tensor& k_nope, const Tensor
                        "[num_tokens, 1, ", x == &k_nope ? kv_lora_rank : rope, "] or [num_tokens, ",
                        x == &k_nope ? kv_lora_rank : rope, "], got ", x->ShapeString());
   }
-  StoreParams p{};
+  StoreParams p;  // only what num_sides names is read
   p.num_sides = 2;
   p.side[0] = CheckStoreSide(kv, layout, 0, k_nope, 1, kv_lora_rank, k_nope.ndim() == 2, k_scale);
   p.side[1] = CheckStoreSide(kv, layout, kv_lora_rank, k_rope, 1, rope, k_rope.ndim() == 2,
@@ -488,6 +489,9 @@ SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
                     Py_TYPE(sides.ptr())->tp_name);
   py::sequence seq = py::reinterpret_borrow<py::sequence>(sides);
   const size_t count = static_cast<size_t>(py::len(seq));
+  KERNEL_CHECK_VALUE(count <= kMaxStoreSides - 2, "side has ", count,
+                     " buffers; a store writes at most ", kMaxStoreSides - 2,
+                     " beside its caches");
   names_.reserve(2 * count);  // the Tensors keep pointers into it: never reallocated
   for (size_t i = 0; i < count; ++i) {
     py::handle entry = seq[i];
@@ -504,18 +508,17 @@ SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
   }
 }
 
-std::vector<Tensor*> SideArgs::tensors() {
-  std::vector<Tensor*> out;
+void SideArgs::AppendTo(TensorList* tensors) {
   for (size_t i = 0; i < buffers_.size(); ++i) {
-    out.push_back(buffers_[i].get());
-    out.push_back(sources_[i].get());
+    tensors->push_back(buffers_[i].get());
+    tensors->push_back(sources_[i].get());
   }
-  return out;
 }
 
-void SideArgs::AddTo(StoreParams* p, const std::vector<const Tensor*>& caches,
-                     const std::vector<const Tensor*>& sources) const {
+void SideArgs::AddTo(StoreParams* p, std::initializer_list<const Tensor*> caches,
+                     std::initializer_list<const Tensor*> sources) const {
   const int64_t count = static_cast<int64_t>(buffers_.size());
+  if (count == 0) return;
   KERNEL_CHECK_VALUE(p->num_sides + count <= kMaxStoreSides, "side has ", count,
                      " buffers; a store writes at most ", kMaxStoreSides - p->num_sides,
                      " beside its caches");
@@ -523,7 +526,7 @@ void SideArgs::AddTo(StoreParams* p, const std::vector<const Tensor*>& caches,
   for (int64_t i = 0; i < count; ++i) {
     const Tensor& buf = *buffers_[i];
     const Tensor& src = *sources_[i];
-    buf.CheckSameDevice(*caches[0]);
+    buf.CheckSameDevice(**caches.begin());
     KERNEL_CHECK_VALUE(buf.ndim() == 2, buf.name(), " must be [num_slots, row], got ",
                        buf.ShapeString());
     KERNEL_CHECK_VALUE(buf.size(0) == p->num_slots, buf.name(), " has ", buf.size(0),
@@ -538,7 +541,7 @@ void SideArgs::AddTo(StoreParams* p, const std::vector<const Tensor*>& caches,
         CheckStoreSide(buf, CacheLayout(buf), 0, src, 1, buf.size(1), true, none);
     ++p->num_sides;
     KERNEL_CHECK_VALUE(src.size(0) == p->num_tokens, src.name(), " has ", src.size(0),
-                       " tokens but ", sources[0]->name(), " has ", p->num_tokens);
+                       " tokens but ", (*sources.begin())->name(), " has ", p->num_tokens);
     // Sources are read while caches and buffers are written: none may meet.
     for (const Tensor* c : caches) {
       KERNEL_CHECK_VALUE(!src.Overlaps(*c), src.name(), " lies in the memory of ", c->name(),
@@ -652,13 +655,73 @@ void* CurrentStream(const DLDevice& device) {
   return stream;
 }
 
+namespace {
+
+constexpr Params kStoreCache{
+    "store_cache",
+    {"k_cache", "v_cache", "out_loc", "k", "v", "pool_views", "k_scale", "v_scale", "side"},
+    9,
+    5};
+constexpr Params kStoreMla{
+    "store_mla",
+    {"kv_cache", "out_loc", "k_nope", "k_rope", "kv_lora_rank", "pool_views", "k_scale", "side"},
+    8,
+    5};
+
+py::handle OrNone(PyObject* o) { return o != nullptr ? o : Py_None; }
+
+bool PoolViews(PyObject* o) {
+  KERNEL_CHECK_TYPE(o == nullptr || PyBool_Check(o), "pool_views must be a bool, got ",
+                    Py_TYPE(o)->tp_name);
+  return o == Py_True;
+}
+
+// The store entry points as METH_FASTCALL functions: pybind11's dispatcher
+// would cost more than a decode step's store of a few tokens (fast_call.h).
+PyObject* StoreCacheFast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  PyObject* a[kMaxParams] = {};
+  if (!BindArgs(kStoreCache, args, nargs, kwnames, a)) return nullptr;
+  try {
+    StoreCacheCpu(a[0], a[1], a[2], a[3], a[4], PoolViews(a[5]), OrNone(a[6]), OrNone(a[7]),
+                  OrNone(a[8]));
+  } catch (...) {
+    SetErrorFromException();
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* StoreMlaFast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  PyObject* a[kMaxParams] = {};
+  if (!BindArgs(kStoreMla, args, nargs, kwnames, a)) return nullptr;
+  try {
+    KERNEL_CHECK_TYPE(PyLong_Check(a[4]) && !PyBool_Check(a[4]), "kv_lora_rank must be an int, "
+                      "got ", Py_TYPE(a[4])->tp_name);
+    const long long rank = PyLong_AsLongLong(a[4]);
+    if (rank == -1 && PyErr_Occurred()) throw py::error_already_set();
+    StoreMlaCpu(a[0], a[1], a[2], a[3], rank, PoolViews(a[5]), OrNone(a[6]), OrNone(a[7]));
+  } catch (...) {
+    SetErrorFromException();
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kStoreFunctions[] = {
+    {"store_cache", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&StoreCacheFast)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "store_cache(k_cache, v_cache, out_loc, k, v, pool_views=False, k_scale=None, "
+     "v_scale=None, side=None): see radixkv.kernel.store_cache."},
+    {"store_mla", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&StoreMlaFast)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "store_mla(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, pool_views=False, "
+     "k_scale=None, side=None): see radixkv.kernel.store_mla."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 void RegisterKernels(py::module_& m) {
-  m.def("store_cache", &StoreCacheCpu, py::arg("k_cache"), py::arg("v_cache"), py::arg("out_loc"),
-        py::arg("k"), py::arg("v"), py::arg("pool_views") = false, py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), py::arg("side") = py::none());
-  m.def("store_mla", &StoreMlaCpu, py::arg("kv_cache"), py::arg("out_loc"), py::arg("k_nope"),
-        py::arg("k_rope"), py::arg("kv_lora_rank"), py::arg("pool_views") = false,
-        py::arg("k_scale") = py::none(), py::arg("side") = py::none());
+  if (PyModule_AddFunctions(m.ptr(), kStoreFunctions) != 0) throw py::error_already_set();
   m.def("first_mismatch_batched", &FirstMismatchBatchedCpu, py::arg("query"), py::arg("keys"),
         py::arg("key_lens"), py::arg("out"));
 }

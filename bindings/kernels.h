@@ -21,6 +21,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -154,6 +155,24 @@ StoreParams CheckMlaTensors(const Tensor& kv_cache, const Tensor& k_nope, const 
                             int64_t kv_lora_rank, const ScaleArg& k_scale,
                             DLDeviceType device_type);
 
+/// The tensors of one store call (caches, sources, side buffers), in a fixed
+/// array: a call allocates nothing on the heap for them.
+class TensorList {
+ public:
+  TensorList(std::initializer_list<Tensor*> first) {
+    for (Tensor* t : first) items_[size_++] = t;
+  }
+  void push_back(Tensor* t) { items_[size_++] = t; }
+  Tensor* const* begin() const { return items_; }
+  Tensor* const* end() const { return items_ + size_; }
+  size_t size() const { return static_cast<size_t>(size_); }
+  Tensor* operator[](size_t i) const { return items_[i]; }
+
+ private:
+  Tensor* items_[2 * kMaxStoreSides + 2] = {};
+  int size_ = 0;
+};
+
 /// The per-token side buffers of a pool a store also writes (`side` of
 /// store_cache and store_mla): a sequence of `(name, buffer, source)`, each
 /// buffer `[num_slots, W]` (a pool's layer view) and each source `[n, W]` of
@@ -165,14 +184,14 @@ class SideArgs {
   SideArgs(const SideArgs&) = delete;
   SideArgs& operator=(const SideArgs&) = delete;
 
-  /// Every tensor, buffers and sources, for Check, View and Pin.
-  std::vector<Tensor*> tensors();
+  /// Appends every tensor, buffer then source per entry, for Check, View, Pin.
+  void AppendTo(TensorList* tensors);
   /// Appends one side per entry to `p` (whose caches are `caches`, its
   /// sources `sources`): checks shapes, dtypes, slot counts, token counts,
   /// and that no source lies in a buffer or cache and no buffer in a cache.
   /// Raises ValueError when `p` would have more than kMaxStoreSides sides.
-  void AddTo(StoreParams* p, const std::vector<const Tensor*>& caches,
-             const std::vector<const Tensor*>& sources) const;
+  void AddTo(StoreParams* p, std::initializer_list<const Tensor*> caches,
+             std::initializer_list<const Tensor*> sources) const;
 
  private:
   std::vector<std::string> names_;  // "side[<name>]" and "side buffer <name>", two per entry

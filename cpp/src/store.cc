@@ -123,7 +123,9 @@ void StoreDense(const StoreParams& p, const Index* idx, int64_t begin, int64_t e
   }
   for (int64_t i = begin; i < end; ++i) {
     const int64_t slot = static_cast<int64_t>(idx[i]);
-    for (int s = 0; s < sides; ++s) copy(dst[s] + slot * dst_stride[s], src[s] + i * src_stride[s], bytes[s]);
+    for (int s = 0; s < sides; ++s) {
+      copy(dst[s] + slot * dst_stride[s], src[s] + i * src_stride[s], bytes[s]);
+    }
   }
 }
 
@@ -190,7 +192,8 @@ __attribute__((target("avx2,f16c"))) void ConvertRunAvx2(uint8_t* dst, const cha
     shift = _mm256_min_epi32(shift, _mm256_set1_epi32(31));
     __m256i code = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epi32(exp, one), one), kManBits);
     code = _mm256_add_epi32(code, _mm256_srlv_epi32(sig, shift));
-    const __m256i rest = _mm256_and_si256(sig, _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one));
+    const __m256i low_mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one);
+    const __m256i rest = _mm256_and_si256(sig, low_mask);
     const __m256i half = _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one));
     // rest and half are below 2^31: signed comparisons are exact.
     const __m256i up = _mm256_or_si256(
@@ -435,7 +438,13 @@ StoreCheck StoreRows(const StoreParams& params, int max_threads) {
     check.slot = LoadSlot(indices, params.index_type, check.position);
     return check;
   }
-  StoreParams p = params;
+  // A copy of what the store reads (the sides in use, not all kMaxStoreSides).
+  StoreParams p;
+  p.num_sides = params.num_sides;
+  std::copy(params.side, params.side + params.num_sides, p.side);
+  p.index_type = params.index_type;
+  p.num_tokens = params.num_tokens;
+  p.num_slots = params.num_slots;
   p.indices = indices;
   SimplifyStore(&p);
   const int64_t written = p.num_tokens * RowBytes(p);

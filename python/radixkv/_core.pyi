@@ -25,7 +25,8 @@ def store_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Ten
                 k: torch.Tensor, v: torch.Tensor, pool_views: bool = False, k_scale: _Scale = None,
                 v_scale: _Scale = None, side: _Sides = None) -> None: ...
 def store_mla(kv_cache: torch.Tensor, out_loc: torch.Tensor, k_nope: torch.Tensor,
-              k_rope: torch.Tensor, kv_lora_rank: int, pool_views: bool = False, k_scale: _Scale = None,
+              k_rope: torch.Tensor, kv_lora_rank: int, pool_views: bool = False,
+              k_scale: _Scale = None,
               side: _Sides = None) -> None: ...
 def first_mismatch_batched(query: torch.Tensor, keys: torch.Tensor,
                            key_lens: Optional[torch.Tensor], out: torch.Tensor) -> None: ...

@@ -379,7 +379,8 @@ Problem RandomProblem(std::mt19937_64& rng, int64_t n, bool dense, int num_sides
     if (convert && pick(0, 1)) {
       d.source = static_cast<SourceFloat>(pick(1, 3));
       d.format = pick(0, 1) ? Float8Format::kE4M3Fn : Float8Format::kE5M2;
-      d.scale = std::ldexp(static_cast<float>(pick(1, 1000)) / 97.0f, static_cast<int>(pick(-8, 8)));
+      d.scale =
+          std::ldexp(static_cast<float>(pick(1, 1000)) / 97.0f, static_cast<int>(pick(-8, 8)));
     }
     const int64_t elem = d.source != SourceFloat::kNone ? 1 : int64_t{1} << pick(0, 2);
     const int64_t src_elem = d.source != SourceFloat::kNone ? SourceBytes(d.source) : elem;
@@ -388,7 +389,8 @@ Problem RandomProblem(std::mt19937_64& rng, int64_t n, bool dense, int num_sides
     const int64_t src_run = d.head_bytes / elem * src_elem;
     d.src_head_stride = src_run + pad * src_elem * pick(0, 3);
     d.src_stride = d.heads * d.src_head_stride + pad * src_elem * pick(0, 5);
-    d.src_offset = pad * src_elem * pick(0, 17) + (d.source == SourceFloat::kNone ? pad * pick(0, 3) : 0);
+    d.src_offset = pad * src_elem * pick(0, 17) +
+                   (d.source == SourceFloat::kNone ? pad * pick(0, 3) : 0);
     d.dst_offset = pad * pick(0, 17);
     d.dst_head_stride = d.head_bytes + pad * elem * pick(0, 3);
     d.dst_row_stride = d.heads * d.dst_head_stride + pad * elem * pick(0, 3);
@@ -509,10 +511,12 @@ TEST(StoreRowsTest, ConvertingRunsMatchTheScalarConversion) {
   for (uint64_t b = 0; b <= 0xFFFFFFFFull; b += 4099) f32.push_back(static_cast<uint32_t>(b));
   std::vector<uint16_t> f16(65536);
   for (uint32_t h = 0; h < 65536; ++h) f16[h] = static_cast<uint16_t>(h);
-  for (SourceFloat source : {SourceFloat::kFloat32, SourceFloat::kFloat16, SourceFloat::kBFloat16}) {
+  for (SourceFloat source :
+       {SourceFloat::kFloat32, SourceFloat::kFloat16, SourceFloat::kBFloat16}) {
     const void* data = source == SourceFloat::kFloat32 ? static_cast<const void*>(f32.data())
                                                        : static_cast<const void*>(f16.data());
-    const int64_t count = source == SourceFloat::kFloat32 ? static_cast<int64_t>(f32.size()) : 65536;
+    const int64_t count =
+        source == SourceFloat::kFloat32 ? static_cast<int64_t>(f32.size()) : 65536;
     for (Float8Format format : {Float8Format::kE4M3Fn, Float8Format::kE5M2}) {
       for (float scale : {1.0f, 0.37f, 3.0e-5f, 700.0f}) {
         // One token of `count - 3` elements (an odd tail), starting 3 in.
@@ -561,7 +565,8 @@ TEST(StoreRowsTest, SidesOfTheirOwnWidthsShareOneRowBuffer) {
       const int64_t src_elem = 2, cache_elem = convert ? 1 : 2;
       const int64_t layers = 3, layer = 1;  // PageFirst: a page holds all layers
       const int64_t fused = lora + 128 + rope;  // [k_nope | other | k_rope] per token
-      std::vector<uint8_t> src(n * fused * src_elem), cache(pages * layers * page * row * cache_elem);
+      std::vector<uint8_t> src(n * fused * src_elem);
+      std::vector<uint8_t> cache(pages * layers * page * row * cache_elem);
       for (auto& b : src) b = static_cast<uint8_t>(rng());
       for (auto& b : cache) b = static_cast<uint8_t>(rng());
       std::vector<int32_t> slots(pages * page);
@@ -594,7 +599,8 @@ TEST(StoreRowsTest, SidesOfTheirOwnWidthsShareOneRowBuffer) {
       std::vector<uint8_t> expected = cache;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t s = slots[i];
-        const int64_t at = ((s / page) * layers + layer) * page * row_bytes + (s % page) * row_bytes;
+        const int64_t at =
+            ((s / page) * layers + layer) * page * row_bytes + (s % page) * row_bytes;
         for (int side = 0; side < 2; ++side) {
           for (int64_t c = 0; c < widths[side]; ++c) {
             const uint8_t* from = src.data() + (i * fused + src_cols[side] + c) * src_elem;

@@ -569,7 +569,8 @@ def test_float8_bad_scales_and_dtype_pairs_name_the_argument(device):
         (c, dict(k=k.to(fp8), k_scale=2.0), ValueError, r"^k_scale is given, but k already has"),
         (plain, dict(k=k.bfloat16(), v=k.bfloat16(), k_scale=2.0), ValueError,
          r"^k_scale is given, but k already has k_cache's dtype bfloat16"),
-        (plain, dict(k=k.bfloat16(), v=k.bfloat16(), v_scale=2.0), ValueError, r"^v_scale is given"),
+        (plain, dict(k=k.bfloat16(), v=k.bfloat16(), v_scale=2.0), ValueError,
+         r"^v_scale is given"),
         (plain, dict(), TypeError, r"^k has dtype float32 but k_cache has dtype bfloat16"),
     ]
     for pool, bad, exc, pattern in cases:

@@ -20,6 +20,7 @@ from radixkv.kvcache import (
     MLAKVCache,
     create_kvcache,
 )
+from radixkv.kvcache.base import CopyLayout
 
 CUDA = pytest.param(
     "cuda",
@@ -153,6 +154,27 @@ def test_copy_layout_locates_every_row(layout, page_size):
                 assert rows[slot].data_ptr() == want
 
 
+def test_copy_layout_is_what_the_copy_engine_reads():
+    """The native row copy of the host tier takes an MLA pool's layout as it is
+    (one side: side_stride 0), here between two pools of different layouts."""
+    from radixkv import _core
+
+    g = torch.Generator().manual_seed(12)
+    src = MLAKVCache(8, 4, 3, 6, torch.bfloat16, page_size=4)
+    dst = MLAKVCache(8, 4, 3, 6, torch.bfloat16, kv_layout=KVCacheLayout.PageFirst, page_size=4)
+    fill_random(src, g)
+    fill_random(dst, g)
+    before = snapshot(dst)
+    a, b = [3, 10, 22], [0, 17, 5]
+    _core.transfer_rows(src.kv_buffer, list(src.copy_layout()), dst.kv_buffer,
+                        list(dst.copy_layout()), src.row_bytes, 3,
+                        torch.tensor(a, dtype=torch.int32), torch.tensor(b, dtype=torch.int32))
+    for layer in range(3):
+        want = before[layer].clone()
+        want[b] = layer_rows(src, layer)[a]
+        assert torch.equal(layer_rows(dst, layer), want)
+
+
 def test_tp_size_splits_nothing():
     a = MLAKVCache(64, 16, 2, 3, torch.bfloat16, tp_size=8)
     b = MLAKVCache(64, 16, 2, 3, torch.bfloat16, tp_size=1)
@@ -272,7 +294,8 @@ def test_store_mla_kernel_on_caller_caches():
     g = torch.Generator().manual_seed(3)
     for shape in ((40, 24), (40, 1, 24)):
         kv = random_bytes(shape, torch.float16, g)
-        k_nope, k_rope = random_bytes((9, 16), torch.float16, g), random_bytes((9, 8), torch.float16, g)
+        k_nope = random_bytes((9, 16), torch.float16, g)
+        k_rope = random_bytes((9, 8), torch.float16, g)
         loc = torch.randperm(40, generator=g)[:9]
         want = kv.clone().view(40, 24)
         want[loc, :16], want[loc, 16:] = k_nope, k_rope
@@ -384,7 +407,8 @@ def error_cases(device, dtype):
          r"^k_nope has shape \[3, 2, 4\]"),
         ("k_rope width", dict(k_rope=torch.ones(3, 5, dtype=dtype, device=dev)), ValueError,
          r"^k_rope must have shape \[num_tokens, 4\]"),
-        ("k_rope tokens", dict(k_rope=rope[:2]), ValueError, r"^k_rope has 2 tokens but k_nope has 3"),
+        ("k_rope tokens", dict(k_rope=rope[:2]), ValueError,
+         r"^k_rope has 2 tokens but k_nope has 3"),
         ("k_rope dtype", dict(k_rope=rope.to(torch.int32)), TypeError, r"^k_rope has dtype int32"),
         ("k_nope device", dict(k_nope=nope.to(other)), TypeError, r"^k_nope must"),
         ("out_loc rank", dict(out_loc=loc.view(1, 3)), ValueError, r"^out_loc must be 1-D"),

@@ -82,7 +82,8 @@ def store_cache(
     division, round to nearest even; e4m3fn saturates at 448, e5m2 overflows to
     inf, NaN stays NaN), likewise v with `v_scale`. A scale is a Python number
     or a one-element floating tensor, rounded to float32 like a Python scalar
-    in torch; None means 1. On CUDA a float32 scale tensor on the cache's
+    in torch (a float64 tensor too, where torch would divide in float64); None
+    means 1. On CUDA a float32 scale tensor on the cache's
     device is read by the kernel (no synchronization; its value is checked
     only with `check_bounds`). A scale that is not positive and finite, a
     scale where nothing is converted (a non-float8 cache, or k already in the

@@ -124,14 +124,16 @@ class BaseKVCache(ABC):
 
     @abstractmethod
     def v_cache(self, index: int) -> torch.Tensor:
-        """Layer `index`'s value cache, shaped like `k_cache(index)`."""
+        """Layer `index`'s value cache: shaped like `k_cache(index)` in an MHA pool,
+        a view of its first `kv_lora_rank` columns in an MLA pool."""
 
     @abstractmethod
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
     ) -> None:
         """Write `k[i], v[i]` (`[n, local_kv_heads, head_dim]`) to token slot `out_loc[i]`
-        of layer `layer_id`."""
+        of layer `layer_id` (an MLA pool: the two parts of its row, `k_nope` and
+        `k_rope`)."""
 
     @property
     @abstractmethod

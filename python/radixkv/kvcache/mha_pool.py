@@ -233,7 +233,6 @@ class MHAKVCache(SideBuffers, BaseKVCache):
         v: torch.Tensor,
         out_loc: torch.Tensor,
         layer_id: int,
-        *,
         k_scale=None,
         v_scale=None,
         side=None,
@@ -245,19 +244,22 @@ class MHAKVCache(SideBuffers, BaseKVCache):
         `side` ({name: rows of [n, *row_shape]}) writes registered side buffers
         in the same kernel call."""
         i = self._layer(layer_id, "layer_id")
-        sides = None if side is None else self._side_args(side, i)
         if self._store is _core.store_cache:
             # The caches are this pool's own views (no grad, no lazy negation):
             # the kernel checks only k, v and out_loc (pool_views, positional).
-            _core.store_cache(
-                self._k_layers[i], self._v_layers[i], out_loc, k, v, True, k_scale, v_scale,
-                sides,
-            )
-        else:
-            self._store(
-                self._k_layers[i], self._v_layers[i], out_loc, k, v,
-                k_scale=k_scale, v_scale=v_scale, side=sides,
-            )
+            if k_scale is None and v_scale is None and side is None:  # the common call
+                _core.store_cache(self._k_layers[i], self._v_layers[i], out_loc, k, v, True)
+            else:
+                _core.store_cache(
+                    self._k_layers[i], self._v_layers[i], out_loc, k, v, True, k_scale, v_scale,
+                    None if side is None else self._side_args(side, i),
+                )
+            return
+        sides = None if side is None else self._side_args(side, i)
+        self._store(
+            self._k_layers[i], self._v_layers[i], out_loc, k, v,
+            k_scale=k_scale, v_scale=v_scale, side=sides,
+        )
 
     @property
     def device(self) -> torch.device:

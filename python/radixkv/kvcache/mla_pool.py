@@ -109,7 +109,6 @@ class MLAKVCache(SideBuffers, BaseKVCache):
         k_rope: torch.Tensor,
         out_loc: torch.Tensor,
         layer_id: int,
-        *,
         k_scale=None,
         side=None,
     ) -> None:
