@@ -5,8 +5,6 @@ in the kernel."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from radixkv import _core

@@ -8,7 +8,7 @@ from typing import List, NamedTuple, Tuple
 import torch
 
 from radixkv import _core
-from radixkv._checks import to_host
+from radixkv._checks import as_int, to_host
 
 
 class SizeInfo(NamedTuple):
@@ -149,6 +149,79 @@ class BaseKVCache(ABC):
     @abstractmethod
     def num_layers(self) -> int:
         """Layers in the pool."""
+
+
+class PagedPool(BaseKVCache):
+    """What the paged pools (MHAKVCache, MLAKVCache) share: one buffer of
+    `num_pages` pages of `page_size` token slots per layer, per-layer views of
+    it (`_k_layers`, `_v_layers`), and the host tier's hook that makes
+    `k_cache(i)` and `v_cache(i)` wait for loads of layer i."""
+
+    _k_layers: tuple
+    _v_layers: tuple
+    _layer_wait = None
+
+    def _layer(self, index, name: str) -> int:
+        if type(index) is not int:  # the common case skips the call
+            index = as_int(index, name)
+        if not 0 <= index < self._num_layers:
+            raise ValueError(f"{name}={index} is out of range for {self._num_layers} layers")
+        return index
+
+    def k_cache(self, index: int) -> torch.Tensor:
+        index = self._layer(index, "index")
+        if self._layer_wait is not None:
+            self._layer_wait(index)
+        return self._k_layers[index]
+
+    def v_cache(self, index: int) -> torch.Tensor:
+        index = self._layer(index, "index")
+        if self._layer_wait is not None:
+            self._layer_wait(index)
+        return self._v_layers[index]
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._kv_buffer.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer: `num_pages * page_size`."""
+        return self._num_pages * self._page_size
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp_size
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        return self._kv_layout
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        """The one buffer behind every view, in storage order (see the class doc)."""
+        return self._kv_buffer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer."""
+        return self._kv_buffer.numel() * self._kv_buffer.element_size()
 
 
 class CopyLayout(NamedTuple):

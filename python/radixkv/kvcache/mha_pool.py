@@ -16,6 +16,7 @@ from radixkv.kvcache.base import (
     CopyLayout,
     KVCacheLayout,
     KVCacheType,
+    PagedPool,
     SideBuffers,
     copy_layout,
 )
@@ -134,7 +135,7 @@ def num_pages_for_memory(
     return pages
 
 
-class MHAKVCache(SideBuffers, BaseKVCache):
+class MHAKVCache(SideBuffers, PagedPool):
     """Keys and values of every layer in one preallocated, zero-filled buffer.
 
     Storage is `[2, num_layers, num_pages, page_size, H, D]` (LayerFirst) or
@@ -204,25 +205,6 @@ class MHAKVCache(SideBuffers, BaseKVCache):
         else:
             self._store = functools.partial(store_cache, check_bounds=check_bounds)
 
-    def _layer(self, index, name: str) -> int:
-        if type(index) is not int:  # the common case skips the call
-            index = as_int(index, name)
-        if not 0 <= index < self._num_layers:
-            raise ValueError(f"{name}={index} is out of range for {self._num_layers} layers")
-        return index
-
-    def k_cache(self, index: int) -> torch.Tensor:
-        index = self._layer(index, "index")
-        if self._layer_wait is not None:
-            self._layer_wait(index)
-        return self._k_layers[index]
-
-    def v_cache(self, index: int) -> torch.Tensor:
-        index = self._layer(index, "index")
-        if self._layer_wait is not None:
-            self._layer_wait(index)
-        return self._v_layers[index]
-
     def copy_layout(self) -> CopyLayout:
         """Where this pool's rows lie, for the copy engine of a host tier."""
         return copy_layout(self._view, self._page_size)
@@ -262,31 +244,6 @@ class MHAKVCache(SideBuffers, BaseKVCache):
         )
 
     @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._kv_buffer.dtype
-
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-    @property
-    def num_pages(self) -> int:
-        return self._num_pages
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
-    @property
-    def num_slots(self) -> int:
-        """Token slots per layer: `num_pages * page_size`."""
-        return self._num_pages * self._page_size
-
-    @property
     def num_kv_heads(self) -> int:
         """KV heads of the whole model (all ranks)."""
         return self._num_kv_heads
@@ -301,10 +258,6 @@ class MHAKVCache(SideBuffers, BaseKVCache):
         return self._head_dim
 
     @property
-    def tp_size(self) -> int:
-        return self._tp_size
-
-    @property
     def sides(self) -> int:
         """Rows a token has per layer: 2, its key and its value."""
         return 2
@@ -313,20 +266,6 @@ class MHAKVCache(SideBuffers, BaseKVCache):
     def row_shape(self) -> tuple:
         """The shape of one row: `(local_kv_heads, head_dim)`."""
         return (self._local_kv_heads, self._head_dim)
-
-    @property
-    def kv_layout(self) -> KVCacheLayout:
-        return self._kv_layout
-
-    @property
-    def kv_buffer(self) -> torch.Tensor:
-        """The one buffer behind every view, in storage order (see the class doc)."""
-        return self._kv_buffer
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffer."""
-        return self._kv_buffer.numel() * self._kv_buffer.element_size()
 
     def __repr__(self) -> str:
         return (

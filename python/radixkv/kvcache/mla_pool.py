@@ -9,13 +9,12 @@ import torch
 
 from radixkv import _core
 from radixkv._checks import as_count as _count
-from radixkv._checks import as_int as _checks_int
 from radixkv.kernel import store_mla
-from radixkv.kvcache.base import BaseKVCache, CopyLayout, KVCacheLayout, SideBuffers
+from radixkv.kvcache.base import CopyLayout, KVCacheLayout, PagedPool, SideBuffers
 from radixkv.kvcache.mha_pool import DTypeLike, _dtype, _layout, resolve_tp_size
 
 
-class MLAKVCache(SideBuffers, BaseKVCache):
+class MLAKVCache(SideBuffers, PagedPool):
     """The latent K/V of multi-head latent attention (DeepSeek's MLA) for every
     layer in one preallocated, zero-filled buffer, as SGLang's
     MLATokenToKVPool stores it.
@@ -81,28 +80,6 @@ class MLAKVCache(SideBuffers, BaseKVCache):
         else:
             self._store = functools.partial(store_mla, check_bounds=check_bounds)
 
-    def _layer(self, index, name: str) -> int:
-        if type(index) is not int:
-            index = _checks_int(index, name)
-        if not 0 <= index < self._num_layers:
-            raise ValueError(f"{name}={index} is out of range for {self._num_layers} layers")
-        return index
-
-    def k_cache(self, index: int) -> torch.Tensor:
-        """Layer `index`'s rows, `[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]`."""
-        index = self._layer(index, "index")
-        if self._layer_wait is not None:
-            self._layer_wait(index)
-        return self._k_layers[index]
-
-    def v_cache(self, index: int) -> torch.Tensor:
-        """Layer `index`'s values: the first `kv_lora_rank` columns of
-        `k_cache(index)`, `[num_pages, page_size, 1, kv_lora_rank]` (a view)."""
-        index = self._layer(index, "index")
-        if self._layer_wait is not None:
-            self._layer_wait(index)
-        return self._v_layers[index]
-
     def store_kv(
         self,
         k_nope: torch.Tensor,
@@ -149,31 +126,6 @@ class MLAKVCache(SideBuffers, BaseKVCache):
         return (1, self.row_dim)
 
     @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._kv_buffer.dtype
-
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-    @property
-    def num_pages(self) -> int:
-        return self._num_pages
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
-    @property
-    def num_slots(self) -> int:
-        """Token slots per layer: `num_pages * page_size`."""
-        return self._num_pages * self._page_size
-
-    @property
     def kv_lora_rank(self) -> int:
         """Columns of the compressed latent (the value), first in each row."""
         return self._kv_lora_rank
@@ -192,24 +144,6 @@ class MLAKVCache(SideBuffers, BaseKVCache):
     def row_bytes(self) -> int:
         """Bytes per row."""
         return self.row_dim * self._kv_buffer.element_size()
-
-    @property
-    def tp_size(self) -> int:
-        return self._tp_size
-
-    @property
-    def kv_layout(self) -> KVCacheLayout:
-        return self._kv_layout
-
-    @property
-    def kv_buffer(self) -> torch.Tensor:
-        """The one buffer behind every view, in storage order (see the class doc)."""
-        return self._kv_buffer
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffer."""
-        return self._kv_buffer.numel() * self._kv_buffer.element_size()
 
     def __repr__(self) -> str:
         return (
