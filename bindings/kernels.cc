@@ -437,7 +437,8 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
   }
   // K and V caches may interleave (pages holding both), so only the same rows
   // twice is refused: v would overwrite k.
-  bool same = kc.data() == vc.data();
+  // (Caches with no elements hold no memory: nothing can be overwritten.)
+  bool same = kc.data() == vc.data() && kc.Extent().first != kc.Extent().second;
   for (int d = 0; same && d < kc.ndim(); ++d) same = kc.stride(d) == vc.stride(d);
   KERNEL_CHECK_VALUE(!same, "v_cache is the same memory as k_cache: the store would write v "
                      "over k");
@@ -487,8 +488,13 @@ SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
   KERNEL_CHECK_TYPE(PyTuple_Check(sides.ptr()) || PyList_Check(sides.ptr()),
                     "side must be a sequence of (name, buffer, source), got ",
                     Py_TYPE(sides.ptr())->tp_name);
-  py::sequence seq = py::reinterpret_borrow<py::sequence>(sides);
-  const size_t count = static_cast<size_t>(py::len(seq));
+  // A snapshot this object owns: Python code run later in the call (an
+  // out_loc item's __index__) may empty the caller's list, but not free the
+  // entries or their tensors while the store still uses them.
+  entries_ = py::reinterpret_steal<py::tuple>(PySequence_Tuple(sides.ptr()));
+  if (!entries_) throw py::error_already_set();
+  const py::tuple& seq = entries_;
+  const size_t count = seq.size();
   KERNEL_CHECK_VALUE(count <= kMaxStoreSides - 2, "side has ", count,
                      " buffers; a store writes at most ", kMaxStoreSides - 2,
                      " beside its caches");
@@ -499,7 +505,13 @@ SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
                       "side[", i, "] must be a (name, buffer, source) tuple");
     py::tuple t = py::reinterpret_borrow<py::tuple>(entry);
     KERNEL_CHECK_TYPE(PyUnicode_Check(t[0].ptr()), "side[", i, "]'s name must be a str");
-    const std::string name = t[0].cast<std::string>();
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(t[0].ptr(), &size);
+    if (utf8 == nullptr) {
+      PyErr_Clear();
+      KERNEL_CHECK_VALUE(false, "side[", i, "]'s name is not valid text");
+    }
+    const std::string name(utf8, static_cast<size_t>(size));
     names_.push_back("side[" + name + "]");
     names_.push_back("side buffer " + name);
     sources_.push_back(std::make_unique<Tensor>(t[2], names_[names_.size() - 2].c_str()));

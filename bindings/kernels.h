@@ -194,6 +194,7 @@ class SideArgs {
              std::initializer_list<const Tensor*> sources) const;
 
  private:
+  pybind11::tuple entries_;  // the caller's entries, owned: they outlive every borrow below
   std::vector<std::string> names_;  // "side[<name>]" and "side buffer <name>", two per entry
   std::vector<std::unique_ptr<Tensor>> buffers_, sources_;
 };

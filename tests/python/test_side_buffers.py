@@ -201,3 +201,46 @@ def test_side_buffers_in_a_large_batch(device):
     assert torch.equal(pool.side_buffer("scale", 1).reshape(-1, 8)[loc], s)
     assert torch.equal(pool.k_cache(1).reshape(-1, 8, 128)[loc], k)
     assert pool.side_buffer("scale", 0).eq(0).all()
+
+
+def test_side_entries_outlive_python_code_run_while_out_loc_is_read():
+    """An out_loc item's __index__ may empty the caller's side list: the store
+    keeps the entries it was given, and writes exactly them."""
+    import gc
+
+    from radixkv import _core
+
+    kc, vc = torch.zeros(64, 2, 4), torch.zeros(64, 2, 4)
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    buf, src = torch.zeros(64, 16), torch.full((3, 16), 7.0)
+    side = [("s", buf, src)]
+    victims = []
+
+    class Evil:
+        def __index__(self):
+            side.clear()
+            gc.collect()
+            for _ in range(50):
+                victims.append(torch.full((3, 16), 7.0))
+                victims.append(torch.zeros(64, 16))
+            return 1
+
+    _core.store_cache(kc, vc, [Evil(), 2, 3], k, v, False, None, None, side)
+    assert torch.equal(buf[1:4], src) and buf[0].eq(0).all() and buf[4:].eq(0).all()
+    assert all(x.eq(0).all() for x in victims[1::2])
+
+
+def test_empty_batches_with_side_buffers_and_empty_caches_are_no_ops():
+    from radixkv import _core
+
+    pool = MHAKVCache(2, 2, 4, 8, torch.bfloat16, page_size=2)
+    pool.register_side_buffer("sc", (2, 3), torch.float32)
+    empty = torch.zeros(0, 2, 4, dtype=torch.bfloat16)
+    pool.store_kv(empty, empty, torch.zeros(0, dtype=torch.int64), 1,
+                  side={"sc": torch.zeros(0, 2, 3)})
+    assert pool.kv_buffer.eq(0).all()
+    _core.store_cache(torch.zeros(0, 2, 4), torch.zeros(0, 2, 4), [], torch.zeros(0, 2, 4),
+                      torch.zeros(0, 2, 4))
+    with pytest.raises(ValueError, match="out_loc"):
+        _core.store_cache(torch.zeros(0, 2, 4), torch.zeros(0, 2, 4), [0], torch.zeros(1, 2, 4),
+                          torch.zeros(1, 2, 4))

@@ -355,5 +355,6 @@ class SideBuffers:
                 want = ", ".join(str(d) for d in shape)
                 raise ValueError(f"side[{name}] must have shape [num_tokens, {want}], got "
                                  f"{list(rows.shape)}")
-            out.append((name, entry[1][layer], rows.reshape(rows.shape[0], -1)))
+            width = entry[1][layer].shape[1]  # known, so an empty batch reshapes too
+            out.append((name, entry[1][layer], rows.reshape(rows.shape[0], width)))
         return tuple(out) or None
