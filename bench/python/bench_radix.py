@@ -40,6 +40,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from radixkv import _core
 from radixkv.kvcache import RadixCacheManager
 
 VOCAB = 32000
@@ -275,6 +276,30 @@ def bench_evict(factory, name: str, leaves: int, reps: int, seed: int) -> float:
     return median_us(samples)
 
 
+def bench_namespaces(reps: int, seed: int, distinct: int = 2000) -> Dict[str, float]:
+    """Matches of 1,024-token requests in the default namespace and in another,
+    on one tree holding each request in both (the root then has twice the
+    children): a namespace is keyed at the root only. Alternated samples."""
+    rng = torch.Generator().manual_seed(seed)
+    tree = _core.RadixTree(1)
+    reqs, slot = [], 0
+    for _ in range(distinct):
+        ids = torch.randint(0, 50_000, (1024,), dtype=torch.int32, generator=rng)
+        for ns in (0, 7):
+            tree.insert_prefix(ids, torch.arange(slot, slot + 1024, dtype=torch.int32), 0, ns)
+            slot += 1024
+        reqs.append(ids)
+    order = torch.randperm(distinct, generator=rng).tolist()
+    samples: Dict[int, List[float]] = {0: [], 7: []}
+    for r in range(reps):
+        for ns in (0, 7) if r % 2 == 0 else (7, 0):
+            ids = reqs[order[r % distinct]]
+            t = now_ns()
+            tree.match_prefix(ids, ns)
+            samples[ns].append(now_ns() - t)
+    return {"match_ns0": median_us(samples[0]), "match_ns7": median_us(samples[7])}
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -357,6 +382,12 @@ def main(argv=None) -> int:
                               "ratio_vs_radixkv": round(v / base, 2) if base else None}))
     print(json.dumps({"bench": "radix", "impl": "radixkv", "case": "bytes_per_token",
                       "value": round(bpt, 2)}))
+    ns = bench_namespaces(max(args.reps, 2000), args.seed)
+    print(f"\nnamespaces: match of a 1,024-token request, default namespace "
+          f"{ns['match_ns0']:.3f} us, namespace 7 {ns['match_ns7']:.3f} us "
+          f"(ratio {ns['match_ns7'] / ns['match_ns0']:.2f})")
+    print(json.dumps({"bench": "radix", "impl": "radixkv", "case": "namespaces", **{
+        k: round(v, 4) for k, v in ns.items()}}))
     return 0
 
 
