@@ -11,7 +11,6 @@
 namespace radixkv {
 namespace {
 constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
-constexpr ErrorCode kBroken = ErrorCode::kIntegrity;
 }  // namespace
 
 template <typename Fn>

@@ -9,6 +9,7 @@
 #include "radixkv/slot_set.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define RADIXKV_STREAM_STORES 1
 #endif
@@ -220,7 +221,11 @@ __attribute__((target("avx2,f16c"))) void ConvertRunAvx2(uint8_t* dst, const cha
 }
 
 bool HasF16c() noexcept {
-  static const bool has = __builtin_cpu_supports("f16c");
+  // CPUID leaf 1, ECX bit 29 (clang's __builtin_cpu_supports has no "f16c").
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+  }();
   return has;
 }
 #endif
