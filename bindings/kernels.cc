@@ -334,18 +334,26 @@ ScaleArg::ScaleArg(py::handle obj, const char* name, DLDeviceType device_type) :
       tensor_.emplace(obj, name);
       return;  // read by the kernel; checked with the other tensors
     }
+    KERNEL_CHECK_TYPE(!t.attr("is_meta").cast<bool>(), name,
+                      " is a tensor on the meta device: it has no value");
     value = t.attr("item")().cast<double>();
   } else {
-    // A number: what has float() or index() (not a string, which float() parses).
+    // A number: what has float() or index() (not a string, which float() parses,
+    // nor a bool, Python's or NumPy's).
     const PyNumberMethods* num = Py_TYPE(o)->tp_as_number;
     const bool numeric = num != nullptr && (num->nb_float != nullptr || num->nb_index != nullptr);
-    KERNEL_CHECK_TYPE(numeric && !PyBool_Check(o), name,
-                      " must be a number or a one-element tensor, got ", Py_TYPE(o)->tp_name);
+    const std::string type = Py_TYPE(o)->tp_name;
+    const bool boolean = PyBool_Check(o) || type == "numpy.bool" || type == "numpy.bool_";
+    KERNEL_CHECK_TYPE(numeric && !boolean, name,
+                      " must be a number or a one-element tensor, got ", type);
     PyObject* f = PyNumber_Float(o);
     if (f == nullptr) {
+      const bool overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
       PyErr_Clear();
+      KERNEL_CHECK_VALUE(!overflow, name, " must be positive and finite in float32, got a "
+                         "number too large for a float");
       throw Error(ErrorCode::kWrongType, StrCat(name, " must be a number or a one-element tensor, "
-                                                "got ", Py_TYPE(o)->tp_name));
+                                                "got ", type));
     }
     value = PyFloat_AS_DOUBLE(f);
     Py_DECREF(f);

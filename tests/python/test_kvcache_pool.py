@@ -7,6 +7,7 @@ random bit patterns (NaNs included) compare exactly.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -564,6 +565,10 @@ def test_float8_bad_scales_and_dtype_pairs_name_the_argument(device):
         (c, dict(k_scale=torch.tensor([0.0], device=device)), ValueError, r"^k_scale must be"),
         (c, dict(v_scale=torch.ones(2)), ValueError, r"^v_scale must be a number or a one-element"),
         (c, dict(k_scale=True), TypeError, r"^k_scale must be a number"),
+        (c, dict(k_scale=np.bool_(True)), TypeError, r"^k_scale must be a number"),
+        (c, dict(v_scale=2**2000), ValueError, r"^v_scale must be positive and finite in float32"),
+        (c, dict(k_scale=torch.ones(1, device="meta")), TypeError, r"^k_scale is a tensor on the "
+         "meta device"),
         (c, dict(k=k.double()), TypeError, r"^k has dtype float64 but k_cache has dtype float8"),
         (c, dict(v=k.to(torch.int32)), TypeError, r"^v has dtype int32 but v_cache"),
         (c, dict(k=k.to(fp8), k_scale=2.0), ValueError, r"^k_scale is given, but k already has"),
