@@ -102,7 +102,7 @@ void Kernel_StoreCache(py::handle k_cache, py::handle v_cache, py::handle out_lo
   if (p.num_tokens == 0) return;
   LaunchStoreOn(kc, p);
   MarkWritten(k_cache, v_cache);
-  for (size_t i = 5; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
+  sides.MarkWritten();
 }
 
 void Kernel_StoreMla(py::handle kv_cache, py::handle out_loc, py::handle k_nope, py::handle k_rope,
@@ -121,7 +121,7 @@ void Kernel_StoreMla(py::handle kv_cache, py::handle out_loc, py::handle k_nope,
   if (p.num_tokens == 0) return;
   LaunchStoreOn(kv, p);
   MarkWritten(kv_cache);
-  for (size_t i = 4; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
+  sides.MarkWritten();
 }
 
 void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle key_lens,

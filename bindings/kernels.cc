@@ -75,13 +75,19 @@ constexpr int64_t kReleaseGilBytes = int64_t{1} << 20;
 // was measured (bench/README.md).
 constexpr unsigned kMaxStoreThreads = 2;
 
-// Runs a checked store on the CPU. `check_all` runs step one (Check) on every
-// tensor, `view_all` step two (View) and returns the parameters with their
-// indices; after `Own`/`Pin` both run again, so no Python code runs between a
-// view and the store.
-template <typename CheckAll, typename ViewAll>
-void RunStoreCpu(Int32View& loc, const TensorList& tensors, CheckAll check_all,
-                 ViewAll view_all) {
+// Runs a checked store on the CPU: step one (Check) on every tensor, then
+// step two (View) and `params`, which returns the parameters with their
+// indices; after `Own`/`Pin` both steps run again, so no Python code runs
+// between a view and the store.
+template <typename Params>
+void RunStoreCpu(Int32View& loc, const TensorList& tensors, Params params) {
+  const auto check_all = [&] {
+    for (Tensor* t : tensors) t->Check();
+  };
+  const auto view_all = [&] {
+    for (Tensor* t : tensors) t->View();
+    return params();
+  };
   check_all();
   FinishViews(loc);
   StoreParams p = view_all();
@@ -117,20 +123,14 @@ void StoreCacheCpu(py::handle k_cache, py::handle v_cache, py::handle out_loc, p
   Tensor kt(k, "k"), vt(v, "v");
   TensorList tensors{&kc, &vc, &kt, &vt};
   sides.AppendTo(&tensors);
-  RunStoreCpu(
-      loc, tensors,
-      [&] {
-        for (Tensor* t : tensors) t->Check();
-      },
-      [&] {
-        for (Tensor* t : tensors) t->View();
-        StoreParams p = CheckStoreTensors(kc, vc, kt, vt, ks, vs, kDLCPU);
-        sides.AddTo(&p, {&kc, &vc}, {&kt, &vt});
-        SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
-        return p;
-      });
+  RunStoreCpu(loc, tensors, [&] {
+    StoreParams p = CheckStoreTensors(kc, vc, kt, vt, ks, vs, kDLCPU);
+    sides.AddTo(&p, {&kc, &vc}, {&kt, &vt});
+    SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size());
+    return p;
+  });
   MarkWritten(kc.object(), vc.object());
-  for (size_t i = 4; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
+  sides.MarkWritten();
 }
 
 void StoreMlaCpu(py::handle kv_cache, py::handle out_loc, py::handle k_nope, py::handle k_rope,
@@ -143,20 +143,14 @@ void StoreMlaCpu(py::handle kv_cache, py::handle out_loc, py::handle k_nope, py:
   Tensor nope(k_nope, "k_nope"), rope(k_rope, "k_rope");
   TensorList tensors{&kv, &nope, &rope};
   sides.AppendTo(&tensors);
-  RunStoreCpu(
-      loc, tensors,
-      [&] {
-        for (Tensor* t : tensors) t->Check();
-      },
-      [&] {
-        for (Tensor* t : tensors) t->View();
-        StoreParams p = CheckMlaTensors(kv, nope, rope, kv_lora_rank, ks, kDLCPU);
-        sides.AddTo(&p, {&kv}, {&nope, &rope});
-        SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size(), "k_nope");
-        return p;
-      });
+  RunStoreCpu(loc, tensors, [&] {
+    StoreParams p = CheckMlaTensors(kv, nope, rope, kv_lora_rank, ks, kDLCPU);
+    sides.AddTo(&p, {&kv}, {&nope, &rope});
+    SetStoreIndices(&p, loc.data(), IndexType::kInt32, loc.size(), "k_nope");
+    return p;
+  });
   MarkWritten(kv.object());
-  for (size_t i = 3; i < tensors.size(); i += 2) MarkWritten(tensors[i]->object());
+  sides.MarkWritten();
 }
 
 void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_lens,
@@ -526,6 +520,10 @@ SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
     buffers_.push_back(
         std::make_unique<Tensor>(t[1], names_.back().c_str(), buffer_checks));
   }
+}
+
+void SideArgs::MarkWritten() const {
+  for (const auto& b : buffers_) bindings::MarkWritten(b->object());
 }
 
 void SideArgs::AppendTo(TensorList* tensors) {

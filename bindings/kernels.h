@@ -192,6 +192,8 @@ class SideArgs {
   /// Raises ValueError when `p` would have more than kMaxStoreSides sides.
   void AddTo(StoreParams* p, std::initializer_list<const Tensor*> caches,
              std::initializer_list<const Tensor*> sources) const;
+  /// Bumps every side buffer's version counter, after a store wrote them.
+  void MarkWritten() const;
 
  private:
   pybind11::tuple entries_;  // the caller's entries, owned: they outlive every borrow below

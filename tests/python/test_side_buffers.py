@@ -244,3 +244,21 @@ def test_empty_batches_with_side_buffers_and_empty_caches_are_no_ops():
     with pytest.raises(ValueError, match="out_loc"):
         _core.store_cache(torch.zeros(0, 2, 4), torch.zeros(0, 2, 4), [0], torch.zeros(1, 2, 4),
                           torch.zeros(1, 2, 4))
+
+
+def test_stores_bump_the_version_of_every_side_buffer_they_write():
+    from radixkv import _core
+
+    kc, vc = torch.zeros(8, 1, 4), torch.zeros(8, 1, 4)
+    a, b = torch.zeros(8, 2), torch.zeros(8, 3)
+    k = torch.ones(2, 1, 4)
+    before = (kc._version, vc._version, a._version, b._version)
+    _core.store_cache(kc, vc, [1, 2], k, k, False, None, None,
+                      [("a", a, torch.ones(2, 2)), ("b", b, torch.ones(2, 3))])
+    after = (kc._version, vc._version, a._version, b._version)
+    assert all(y > x for x, y in zip(before, after))
+    kv, side = torch.zeros(8, 1, 6), torch.zeros(8, 2)
+    before = (kv._version, side._version)
+    _core.store_mla(kv, [3], torch.ones(1, 1, 4), torch.ones(1, 1, 2), 4, False, None,
+                    [("s", side, torch.ones(1, 2))])
+    assert kv._version > before[0] and side._version > before[1]
