@@ -251,6 +251,16 @@ def copy_layout(view: torch.Tensor, page_size: int) -> CopyLayout:
                       view.shape[0])
 
 
+def side_plane(view: torch.Tensor, page_size: int) -> Tuple[torch.Tensor, CopyLayout, int]:
+    """A one-sided plane of rows, `view` being `[L, P, S, *row]` (each row
+    contiguous): `(view, CopyLayout, row_bytes)`, as the copy engine takes an
+    MLA pool's latent rows and each side buffer's."""
+    item = view.element_size()
+    layer, page, row = (view.stride(i) * item for i in range(3))
+    return (view, CopyLayout(0, layer, page, row, page_size, view.shape[1] * page_size, 1),
+            view[0, 0, 0].numel() * item)
+
+
 class SideBuffers:
     """Per-token side buffers of a pool: named rows beside the K/V (per-token
     quantization scales, an indexer's keys) stored by the same kernel call as
@@ -326,14 +336,7 @@ class SideBuffers:
     def side_copy_layouts(self) -> tuple:
         """`(buffer, CopyLayout, row_bytes)` of each side buffer, in registration
         order: one-sided planes `[L, P, S, row]` for the host tier's copy engine."""
-        out = []
-        for buf, _, _ in self._side_buffers.values():
-            item = buf.element_size()
-            layer, page, row = (buf.stride(i) * item for i in range(3))
-            row_bytes = buf[0, 0, 0].numel() * item
-            out.append((buf, CopyLayout(0, layer, page, row, self.page_size, self.num_slots, 1),
-                        row_bytes))
-        return tuple(out)
+        return tuple(side_plane(buf, self.page_size) for buf, _, _ in self._side_buffers.values())
 
     def _side_args(self, side, layer: int):
         """`side` ({name: rows}) as the kernel's (name, buffer, source) triples for

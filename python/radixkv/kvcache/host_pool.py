@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
 
 from radixkv._checks import as_count
-from radixkv.kvcache.base import CopyLayout, copy_layout
+from radixkv.kvcache.base import CopyLayout, copy_layout, side_plane
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
 
@@ -15,13 +16,6 @@ HOST_LAYOUTS = ("page_first", "layer_first")
 """Host pool layouts: `page_first` keeps each page in one contiguous region
 (all layers, keys then values), which is what a storage tier moves;
 `layer_first` mirrors the device pool's LayerFirst layout."""
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class HostKVCache:
@@ -84,10 +78,10 @@ class HostKVCache:
             offsets, end = [], 0
             for shape, dtype in parts:
                 offsets.append(-(-end // 16) * 16)
-                end = offsets[-1] + _numel(shape) * dtype.itemsize
+                end = offsets[-1] + math.prod(shape) * dtype.itemsize
             self._buffer = torch.zeros((num_pages, -(-end // 16) * 16), dtype=torch.uint8,
                                        pin_memory=pin)
-            carved = [self._buffer[:, o:o + _numel(shape) * dtype.itemsize].view(dtype)
+            carved = [self._buffer[:, o:o + math.prod(shape) * dtype.itemsize].view(dtype)
                       .view((num_pages,) + shape) for o, (shape, dtype) in zip(offsets, parts)]
             self._view = carved[0].permute(1, 2, 0, 3, 4, 5)
             for (name, shape, _), part in zip(specs, carved[1:]):
@@ -122,13 +116,7 @@ class HostKVCache:
     def side_copy_layouts(self) -> tuple:
         """`(buffer, CopyLayout, row_bytes)` of each side buffer's host rows, in
         the device pool's registration order (the copy engine's side planes)."""
-        out = []
-        for view in self._sides.values():
-            item = view.element_size()
-            layer, page, row = (view.stride(i) * item for i in range(3))
-            out.append((view, CopyLayout(0, layer, page, row, self.page_size, self.num_slots, 1),
-                        view[0, 0, 0].numel() * item))
-        return tuple(out)
+        return tuple(side_plane(view, self.page_size) for view in self._sides.values())
 
     def page(self, index: int) -> torch.Tensor:
         """Page `index` as one contiguous `[sides, L, page_size, H, D]` tensor,

@@ -10,7 +10,7 @@ import torch
 from radixkv import _core
 from radixkv._checks import as_count as _count
 from radixkv.kernel import store_mla
-from radixkv.kvcache.base import CopyLayout, KVCacheLayout, PagedPool, SideBuffers
+from radixkv.kvcache.base import CopyLayout, KVCacheLayout, PagedPool, SideBuffers, side_plane
 from radixkv.kvcache.mha_pool import DTypeLike, _dtype, _layout, resolve_tp_size
 
 
@@ -111,9 +111,7 @@ class MLAKVCache(SideBuffers, PagedPool):
     def copy_layout(self) -> CopyLayout:
         """Where this pool's rows lie, for the copy engine of a host tier: one
         side (`sides == 1`) of `row_bytes` per layer and slot."""
-        item = self._kv_buffer.element_size()
-        layer, page, row = (self._view.stride(i) * item for i in range(3))
-        return CopyLayout(0, layer, page, row, self._page_size, self.num_slots, 1)
+        return side_plane(self._view, self._page_size)[1]
 
     @property
     def sides(self) -> int:
