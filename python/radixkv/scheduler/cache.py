@@ -195,17 +195,19 @@ class CacheManager:
         if not isinstance(batch, (list, tuple)):
             raise TypeError("batch must be a list or tuple of token id sequences, got "
                             f"{type(batch).__name__}")
-        names = namespace if isinstance(namespace, (list, tuple)) else [namespace] * len(batch)
-        if len(names) != len(batch):
-            raise ValueError(f"namespace has {len(names)} entries but batch has {len(batch)}")
+        per_request = isinstance(namespace, (list, tuple))
+        if per_request and len(namespace) != len(batch):
+            raise ValueError(f"namespace has {len(namespace)} entries but batch has {len(batch)}")
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
             if len(x) == 0:
                 raise ValueError(f"batch[{i}] must hold at least one token")
-        arg = "namespace" if names is not namespace else "namespace[{}]"
-        for i, x in enumerate(names):  # all checked before any is remembered
-            Namespaces.check(x, arg.format(i))
-        spaces = [self._namespaces.id(x) for x in names]
+        if per_request:  # all checked before any is remembered
+            for i, x in enumerate(namespace):
+                Namespaces.check(x, f"namespace[{i}]")
+            spaces = [self._namespaces.id(x) for x in namespace]
+        else:
+            spaces = [self._namespaces.id(namespace)] * len(batch)
         out = self.manager.match_prefix_batch([x[:-1] for x in ids], spaces)
         for x, (handle, _) in zip(ids, out):
             self._count_match(len(x) - 1, handle)
@@ -407,6 +409,18 @@ class CacheManager:
         if self._tier is not None and self._tier.write_policy == "write_through":
             self._tier.back_up(input_ids, ns=ns)
 
+    def _insert(self, old_handle, input_ids, indices, n: int, cached: int,
+                priority: int) -> Tuple[int, int]:
+        """Caches a request's whole pages in the namespace of `old_handle`'s
+        match (announcing those that are new); returns how many leading tokens
+        were cached already, and the namespace."""
+        ns = getattr(old_handle, "namespace", 0)
+        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
+        full = n - n % self.page_size
+        if self._events is not None and in_cache < full:
+            self._events.device_inserted(input_ids, indices, in_cache, full, cached, ns)
+        return in_cache, ns
+
     def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices,
                                     priority: int = 0) -> None:
         """Cache a finished request's tokens and return every page it held.
@@ -417,11 +431,8 @@ class CacheManager:
         namespace of `old_handle`'s match.
         """
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
-        ns = getattr(old_handle, "namespace", 0)
+        in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
         full = n - n % self.page_size
-        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
-        if self._events is not None and in_cache < full:
-            self._events.device_inserted(input_ids, indices, in_cache, full, cached, ns)
         self._pages.free(indices[cached:in_cache])
         self._pages.free(indices[full:])
         self._held_pages -= (len(indices) - cached) // self.page_size
@@ -440,11 +451,7 @@ class CacheManager:
         The tokens are cached in the namespace of `old_handle`'s match.
         """
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
-        ns = getattr(old_handle, "namespace", 0)
-        in_cache = self.manager.insert_prefix(input_ids, indices[:n], priority, ns)
-        full = n - n % self.page_size
-        if self._events is not None and in_cache < full:
-            self._events.device_inserted(input_ids, indices, in_cache, full, cached, ns)
+        in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
         new_handle, tree_indices = self.manager.match_prefix(input_ids, ns)
         now_cached = new_handle.cached_len
         self._pages.free(indices[cached:min(in_cache, now_cached)])
