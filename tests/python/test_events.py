@@ -587,4 +587,7 @@ def test_namespaced_pages_have_one_hash_on_every_medium(tmp_path, publisher, sub
         for e in batch.events:
             media.setdefault(e.medium, []).extend(e.block_hashes)
     assert media == {"GPU": want, "CPU_PINNED": want, "DISK": want}
+    # The pages were written under the namespace's keys (the events' chain).
+    keys = page_keys(ids[:4].to(torch.int32), 2, spaces.seed(spaces.id("tenant"), fp))
+    assert FileStorage(str(tmp_path), fingerprint=fp).batch_exists(keys) == 2
     cm.close()

@@ -249,12 +249,16 @@ class StorageTier:
             self.tree.finish_store(copy)
             return
         ps = self.page_size
-        keys = page_keys(tokens, ps, self.namespaces.seed(ns, self.seed))[copy[2] // ps:]
+        blocks = None
+        if self.events is not None:
+            # The blocks hold the pages' keys: the chain is hashed once.
+            blocks = self.events.blocks(tokens.to(torch.int32).numpy(), copy[2] // ps, -1, ns)
+            keys = [bytes(k).hex() for k in blocks["key"]]
+        else:
+            keys = page_keys(tokens, ps, self.namespaces.seed(ns, self.seed))[copy[2] // ps:]
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         self._writes_in_flight += 1
         self._writing_tokens += len(host_slots)
-        blocks = (self.events.blocks(tokens.to(torch.int32).numpy(), copy[2] // ps, -1, ns)
-                  if self.events is not None else None)
         self._jobs.put(_Write(copy, keys, pages, blocks=blocks))
 
     # -- prefetch -------------------------------------------------------------------
