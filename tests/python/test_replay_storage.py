@@ -5,6 +5,7 @@ back is checked (kv_mismatches)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -209,3 +210,52 @@ def test_the_driver_numbers_fresh_tokens_as_one_instance_would_across_the_wrap()
             one.prompt(r), one.output(r.output_length)
             driver.advance(r)
             assert driver.position == one.position
+
+
+def _ctrl_c_during_the_backup(monkeypatch, nth, times=1):
+    """Sends the process SIGINT (`times` times) from inside the host tier's
+    `nth` backup: the middle of a request, with copies in flight. Returns
+    the count of requests the replay began."""
+    from radixkv.replay.replay import _Instance
+    from radixkv.scheduler.host_tier import HostTier
+
+    calls, began = [0], [0]
+    start_backup, serve = HostTier._start_backup, _Instance.serve
+
+    def start_backup_then_ctrl_c(self, copy):
+        n = start_backup(self, copy)
+        calls[0] += 1
+        if calls[0] == nth:
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)
+        return n
+
+    def counting_serve(self, *args):
+        began[0] += 1
+        return serve(self, *args)
+
+    monkeypatch.setattr(HostTier, "_start_backup", start_backup_then_ctrl_c)
+    monkeypatch.setattr(_Instance, "serve", counting_serve)
+    return began
+
+
+def test_ctrl_c_in_the_middle_of_a_request_stops_after_it(tmp_path, monkeypatch):
+    """Ctrl-C lands inside the tiers' bookkeeping; the request finishes, its
+    copies with it, and the run stops with the pool whole (finish checks
+    it) and every row read back right."""
+    requests = chat_sessions(60, BLOCK, seed=5)
+    began = _ctrl_c_during_the_backup(monkeypatch, nth=20)
+    r = run(requests, StorageConfig("file", directory=str(tmp_path)))
+    assert r.interrupted
+    assert 0 < r.requests == began[0] < len(requests)
+    assert r.kv_mismatches == 0 and r.failed_loads == 0
+    assert r.backed_up_tokens > 0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch):
+    requests = chat_sessions(60, BLOCK, seed=5)
+    _ctrl_c_during_the_backup(monkeypatch, nth=20, times=2)
+    with pytest.raises(KeyboardInterrupt):
+        run(requests, StorageConfig("file", directory=str(tmp_path)))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -13,8 +13,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from radixkv.replay.replay import (ReplayResult, StorageUnavailable, _Instance, _percentiles,
-                                   _Progress, _too_large)
+from radixkv.replay.replay import (ReplayResult, StopOnCtrlC, StorageUnavailable, _Instance,
+                                   _percentiles, _Progress, _too_large)
 from radixkv.replay.traces import Request, TokenMaker
 
 # Counters summed over instances.
@@ -39,7 +39,6 @@ def _worker(conn, config: dict, overlap: bool) -> None:
         conn.send(("error", repr(e)))
         return
     conn.send(("ready", None))
-    interrupted = False
     while True:
         msg = conn.recv()
         if msg is None:
@@ -47,15 +46,12 @@ def _worker(conn, config: dict, overlap: bool) -> None:
         req, fresh_at = msg
         try:
             inst.serve(req, fresh_at)
-        except KeyboardInterrupt:
-            interrupted = True
-            break
         except Exception:
             conn.send(("error", traceback.format_exc()))
             return
         if not overlap:
             conn.send(("done", None))
-    result = inst.finish(interrupted)
+    result = inst.finish()
     conn.send(("result", (result, inst.lat)))
 
 
@@ -119,8 +115,11 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
         bar = _Progress(len(requests), progress)
         interrupted = False
         t_start = time.perf_counter()
-        try:
+        with StopOnCtrlC() as ctrl_c:
             for i, req in enumerate(requests):
+                if ctrl_c.stop:
+                    interrupted = True
+                    break
                 bar.update(i)
                 k = route(req, i, instances)
                 _send(pipes[k], procs[k], k, (req, maker.position))
@@ -130,8 +129,6 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
                     kind, what = _recv(pipes[k], procs[k], k)
                     if kind != "done":
                         raise RuntimeError(f"replay instance {k} failed:\n{what}")
-        except KeyboardInterrupt:
-            interrupted = True
         for k, conn in enumerate(pipes):
             _send(conn, procs[k], k, None)
         results, lats = [], []

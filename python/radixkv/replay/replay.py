@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -423,10 +425,10 @@ class _Instance:
             result.prefetched_tokens = storage.prefetched_tokens
             result.storage_written_pages = storage.written_pages
             result.storage_errors = storage.errors
-        if not interrupted:
-            cm.check_integrity()
-            if cm.held_pages != 0:
-                raise RuntimeError(f"replay leaked {cm.held_pages} pages")
+        # A stop (Ctrl-C) comes between requests: the pool is whole either way.
+        cm.check_integrity()
+        if cm.held_pages != 0:
+            raise RuntimeError(f"replay leaked {cm.held_pages} pages")
         cm.close()
         return result
 
@@ -440,9 +442,9 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
     """Drives `requests` through `instances` serving instances (see _Instance).
 
     A request larger than the whole pool is skipped and counted. Ctrl-C stops
-    the run: the result covers the requests finished (`interrupted`); with
-    one instance the request in flight is dropped, with several each
-    instance finishes its own and then stops. With `host_pages` each instance has a host tier of that
+    the run between requests: the request in flight finishes (each
+    instance's, with several), and the result covers the requests finished
+    (`interrupted`). A second Ctrl-C stops at once, without a result. With `host_pages` each instance has a host tier of that
     many pages (capped at what the requests can use) under `write_policy`;
     with `storage` they share a storage tier. When storing, K/V rows are
     derived from token and position (KVShape.rows) and every row loaded back
@@ -491,19 +493,48 @@ def _too_large(req: Request, page_size: int, capacity_pages: int) -> bool:
     return -(-(req.input_length + req.output_length) // page_size) > capacity_pages
 
 
+class StopOnCtrlC:
+    """Ctrl-C as a request to stop between requests. The first sets `stop`
+    and gives SIGINT back to Python, so a second raises KeyboardInterrupt as
+    usual. A request is never cut half-way: an exception landing inside the
+    cache's bookkeeping (a copy started but not yet recorded) would leave
+    the tiers in a state no later call can make sense of.
+
+    Only Python's default handler is replaced, and only on the main thread
+    (the only one signals reach); elsewhere nothing changes."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self._previous = None
+
+    def __enter__(self) -> "StopOnCtrlC":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.default_int_handler
+            signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.stop = True
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def _replay_here(requests, config, progress) -> ReplayResult:
     inst = _Instance(**config)
     bar = _Progress(len(requests), progress)
     interrupted = False
     t_start = time.perf_counter()
-    try:
+    with StopOnCtrlC() as ctrl_c:
         for i, req in enumerate(requests):
+            if ctrl_c.stop:
+                interrupted = True
+                break
             bar.update(i)
             inst.serve(req)
-    except KeyboardInterrupt:
-        # A request interrupted half-way holds pages and a lock: the figures
-        # stop at the last finished request, and the pool's check is skipped.
-        interrupted = True
     wall = time.perf_counter() - t_start
     bar.close()
     result = inst.finish(interrupted)
