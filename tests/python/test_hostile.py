@@ -528,13 +528,15 @@ HUGE = {
 @pytest.mark.parametrize("kind", sorted(HUGE))
 @pytest.mark.parametrize("entry, p", ENTRY_P)
 def test_huge_length(entry, p, kind):
-    """A stride-0 view of 2**31 elements or more: refused, fast, with no huge copy."""
+    """A stride-0 view of 2**31 elements or more: refused by its length, with
+    no huge copy and no walk over its elements (over the 2**40 view a walk
+    would take hours: the bound catches one, it is no speed limit)."""
     s = build(entry, p)
     bad = HUGE[kind]()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     t0 = time.perf_counter()
     check_refused(s, bad, ValueError)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 60
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 256 * 1024
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -190,9 +191,9 @@ def test_cli_trace_file_mistakes_name_the_file_and_line(tmp_path):
 def test_cli_sweep_checks_out_before_replaying(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    started = time.perf_counter()
-    one_error_line(run_cli("replay", "--sweep", "3", "--out", str(blocker / "sub")), "--out")
-    assert time.perf_counter() - started < 30
+    r = run_cli("replay", "--sweep", "3", "--out", str(blocker / "sub"), "--progress")
+    one_error_line(r, "--out")
+    assert "replay [" not in r.stderr  # refused before the first replay began
 
 
 def test_cli_warns_when_the_block_size_disagrees(tmp_path):
@@ -217,13 +218,33 @@ def test_cli_optimum_is_over_the_requests_replayed(tmp_path):
     assert r["hit_tokens"] <= r["optimal_hit_tokens"]
 
 
+def wait_for_the_progress_bar(p, timeout=120):
+    """Reads `p`'s stderr until the replay's progress bar shows (the replay
+    has begun, past loading); returns what it read."""
+    seen, deadline = b"", time.monotonic() + timeout
+    fd = p.stderr.fileno()
+    while b"replay [" not in seen:
+        assert time.monotonic() < deadline and p.poll() is None, seen
+        if select.select([fd], [], [], 0.1)[0]:
+            seen += os.read(fd, 1 << 16)
+    return seen.decode()
+
+
+def test_cli_progress_flag_shows_the_bar_in_a_log():
+    """The bar shows once a replay has run a second."""
+    r = run_cli("replay", "--sessions", "2000", "--no-store", "--progress", check=True)
+    assert "replay [" in r.stderr and "token hit rate" in r.stdout
+    assert "replay [" not in run_cli("replay", "--sessions", "2000", "--no-store").stderr
+
+
 def test_cli_ctrl_c_prints_the_partial_result():
     p = subprocess.Popen([sys.executable, "-m", "radixkv", "replay", "--sessions", "50000",
-                          "--no-store", "--capacity-tokens", "100000000"],
+                          "--no-store", "--capacity-tokens", "100000000", "--progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)
+    seen = wait_for_the_progress_bar(p)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
+    err = seen + err
     assert p.returncode == 130, err
     assert "token hit rate" in out and "Traceback" not in err
     assert "interrupted: the figures cover the first" in err

@@ -183,15 +183,15 @@ def test_cli_storage_mistakes_get_one_error_line(args, words):
 
 def test_cli_ctrl_c_with_instances_prints_the_partial_result():
     """Ctrl-C reaches the whole process group, as from a terminal."""
-    import signal
-    import time
+    from test_replay import wait_for_the_progress_bar
 
     p = subprocess.Popen([sys.executable, "-m", "radixkv", "replay", "--sessions", "5000",
-                          "--instances", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    time.sleep(10)
+                          "--instances", "2", "--progress"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = wait_for_the_progress_bar(p)
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
+    err = seen + err
     assert p.returncode == 130, err
     assert "token hit rate" in out and "Traceback" not in err
     assert "interrupted: the figures cover the first" in err

@@ -102,6 +102,8 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=positive, default=400, help="built-in workload: sessions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--progress", action="store_true",
+                   help="show the progress bar on stderr even when it is not a terminal (a log)")
     p.add_argument("--sweep", type=positive, nargs="?", const=8, metavar="N",
                    help="replay at N capacities (unbounded / 2^k) and write a hit-rate plot")
     p.add_argument("--out", default=".", help="directory for --sweep's JSON and PNG")
@@ -392,7 +394,7 @@ def _eviction_policies(args) -> List[str]:
 def _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage) -> int:
     policies = _eviction_policies(args)
     common = dict(block_size=block, page_size=page, policy=args.policy, kv=kv,
-                  store=not args.no_store, progress=sys.stderr.isatty(),
+                  store=not args.no_store, progress=args.progress or sys.stderr.isatty(),
                   write_policy=args.write_policy, instances=args.instances,
                   overlap=args.overlap)
 
