@@ -259,3 +259,52 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run(requests, StorageConfig("file", directory=str(tmp_path)))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("overlap", [[], ["--overlap"]])
+def test_a_second_ctrl_c_leaves_no_storage_behind(tmp_path, monkeypatch, capsys, overlap):
+    """The storage thread stops with the run before its temporary directory
+    goes: none is left behind, and no traceback."""
+    import tempfile
+
+    from radixkv.replay import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    _ctrl_c_during_the_backup(monkeypatch, nth=50, times=2)
+    assert cli.main(["--sessions", "100", *overlap]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+    assert list(tmp_path.iterdir()) == []
+
+
+def _ctrl_c_during_the_final_figures(monkeypatch):
+    from radixkv.replay.replay import _Instance
+
+    final, calls = _Instance._final_figures, [0]
+
+    def ctrl_c_first(self, interrupted):
+        calls[0] += 1
+        if calls[0] == 1:
+            signal.raise_signal(signal.SIGINT)
+        return final(self, interrupted)
+
+    monkeypatch.setattr(_Instance, "_final_figures", ctrl_c_first)
+
+
+def test_ctrl_c_after_the_last_request_keeps_the_whole_result(monkeypatch, capsys):
+    from radixkv.replay import cli
+
+    _ctrl_c_during_the_final_figures(monkeypatch)
+    assert cli.main(["--sessions", "40"]) == 0
+    out = capsys.readouterr()
+    assert "token hit rate" in out.out and "interrupted" not in out.err
+
+
+def test_ctrl_c_between_sweep_points_stops_the_sweep_and_writes_it(tmp_path, monkeypatch,
+                                                                   capsys):
+    from radixkv.replay import cli
+
+    _ctrl_c_during_the_final_figures(monkeypatch)
+    assert cli.main(["--sessions", "40", "--sweep", "3", "--out", str(tmp_path)]) == 130
+    points = json.loads((tmp_path / "replay_sweep.json").read_text())["points"]
+    assert len(points) == 1 and not points[0]["interrupted"]
+    assert "interrupted: the sweep covers 1 of 3 points" in capsys.readouterr().err

@@ -533,3 +533,42 @@ def test_faults_report_the_wrapped_backends_counts_too(tmp_path):
         fh.write(b"garbage!")
     assert f.batch_get(k, [1]) == [False]
     assert f.counts() == (0, 1)
+
+
+def test_close_without_waiting_drops_the_queued_writes(tmp_path):
+    """`close(wait=False)`: the write running finishes, the ones queued behind
+    it are dropped, the thread stops and the backend is closed."""
+    class Held(FileStorage):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.release, self.sets, self.closed = threading.Event(), 0, False
+
+        def batch_set(self, keys, pages):
+            self.sets += 1
+            self.release.wait()
+            return super().batch_set(keys, pages)
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    store = Held(str(tmp_path), fingerprint())
+    a = Instance(store, host_pages=48)
+    for k in range(4):
+        a.serve(prompt(60 + k, 2), drain=False)
+    a.cm._tier.controller.drain()
+    a.cm._tier.writing_check()  # every backup landed: four writes queued or running
+    tier = a.cm._storage
+    assert tier._jobs.qsize() >= 2  # behind the one the thread holds
+    closer = threading.Thread(target=a.cm.close, kwargs={"wait": False})
+    closer.start()
+    deadline = time.monotonic() + 60  # a hang guard
+    while not (tier._closed and tier._jobs.qsize() <= 1):  # only the stop is queued
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    store.release.set()
+    closer.join()
+    assert store.sets == 1 and store.closed
+    assert not tier._thread.is_alive()
+    assert a.cm.prefetch(prompt(60, 2)) is None  # closed: no more storage calls
+    assert store.sets == 1

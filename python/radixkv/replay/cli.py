@@ -11,8 +11,8 @@ import sys
 import tempfile
 from typing import List, NoReturn, Optional, Sequence
 
-from radixkv.replay.replay import (KVShape, ReplayResult, StorageConfig, StorageUnavailable,
-                                   pages_for_all, replay)
+from radixkv.replay.replay import (KVShape, ReplayResult, StopOnCtrlC, StorageConfig,
+                                   StorageUnavailable, pages_for_all, replay)
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
 from radixkv.kvcache import EVICTION_POLICIES
@@ -312,10 +312,14 @@ def _run(args) -> int:
     elif args.instances > 1:
         raise UsageError("--instances shares a storage tier: give --storage file or mooncake")
     _check_storage_flags(args, storage_kind)
-    with _storage(args, storage_kind) as storage:
+    # From here Ctrl-C stops the replay between requests, and the figures,
+    # the sweep's files and the storage's clean-up are still made.
+    with StopOnCtrlC() as ctrl_c, _storage(args, storage_kind) as storage:
+        if ctrl_c.stop:  # while the storage started: nothing replayed yet
+            raise KeyboardInterrupt
         try:
             return _replays(args, requests, name, block, page, kv, capacity, host_tokens,
-                            storage)
+                            storage, ctrl_c)
         except StorageUnavailable as e:
             raise UsageError(f"--storage {storage_kind}: {e}") from None
 
@@ -355,7 +359,8 @@ def _storage(args, kind: str):
                 raise UsageError(f"--storage-dir {args.storage_dir}: {e.strerror or e}") from None
             yield StorageConfig("file", directory=args.storage_dir, prefetch_policy=policy)
         else:
-            with tempfile.TemporaryDirectory(prefix="radixkv-store.") as d:
+            with tempfile.TemporaryDirectory(prefix="radixkv-store.",
+                                             ignore_cleanup_errors=True) as d:
                 yield StorageConfig("file", directory=d, prefetch_policy=policy)
         return
     if args.mooncake_master:
@@ -391,7 +396,8 @@ def _eviction_policies(args) -> List[str]:
     return names
 
 
-def _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage) -> int:
+def _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage,
+             ctrl_c: StopOnCtrlC) -> int:
     policies = _eviction_policies(args)
     common = dict(block_size=block, page_size=page, policy=args.policy, kv=kv,
                   store=not args.no_store, progress=args.progress or sys.stderr.isatty(),
@@ -411,29 +417,29 @@ def _replays(args, requests, name, block, page, kv, capacity, host_tokens, stora
                 f"but the pool has {r.capacity_tokens // page:,}: raise --capacity-tokens")
 
     if args.sweep:
-        points = []
-        for evict in policies:
-            for k in range(args.sweep):
-                pages = max(1, capacity >> (args.sweep - 1 - k))
-                # Each point starts from an empty store: its own namespace.
-                point_storage = (dataclasses.replace(storage, namespace=f"sweep-{evict}-{k}")
-                                 if storage is not None else None)
-                r = replay(requests, capacity_pages=pages, host_pages=host_pages_for(pages),
-                           storage=point_storage, eviction_policy=evict, **common)
-                points.append(r.to_json())
-                if not args.json:
-                    tiers = (f" (device {100 * r.device_hit_tokens / max(1, r.input_tokens):.2f}%"
-                             f" + host {100 * r.host_hit_tokens / max(1, r.input_tokens):.2f}%)"
-                             if r.host_capacity_tokens else "")
-                    who = f"{evict:<9}" if len(policies) > 1 else ""
-                    print(f"{who}capacity {r.capacity_tokens:>14,} tokens: hit rate "
-                          f"{100 * r.token_hit_rate:6.2f}%{tiers}  evicted "
-                          f"{r.evicted_tokens:,}  skipped {r.skipped_requests:,}  "
-                          f"{r.wall_s:.2f} s")
-                if r.interrupted:
-                    break
-            if points and points[-1]["interrupted"]:
+        points: List[dict] = []
+        planned = [(evict, k) for evict in policies for k in range(args.sweep)]
+        for evict, k in planned:
+            if ctrl_c.stop or (points and points[-1]["interrupted"]):
                 break
+            pages = max(1, capacity >> (args.sweep - 1 - k))
+            # Each point starts from an empty store: its own namespace.
+            point_storage = (dataclasses.replace(storage, namespace=f"sweep-{evict}-{k}")
+                             if storage is not None else None)
+            r = replay(requests, capacity_pages=pages, host_pages=host_pages_for(pages),
+                       storage=point_storage, eviction_policy=evict, **common)
+            if r.interrupted and r.requests + r.skipped_requests == 0:
+                break  # stopped before its first request: no point
+            points.append(r.to_json())
+            if not args.json:
+                tiers = (f" (device {100 * r.device_hit_tokens / max(1, r.input_tokens):.2f}%"
+                         f" + host {100 * r.host_hit_tokens / max(1, r.input_tokens):.2f}%)"
+                         if r.host_capacity_tokens else "")
+                who = f"{evict:<9}" if len(policies) > 1 else ""
+                print(f"{who}capacity {r.capacity_tokens:>14,} tokens: hit rate "
+                      f"{100 * r.token_hit_rate:6.2f}%{tiers}  evicted "
+                      f"{r.evicted_tokens:,}  skipped {r.skipped_requests:,}  "
+                      f"{r.wall_s:.2f} s")
         json_path = os.path.join(args.out, "replay_sweep.json")
         _write_json(json_path, {"trace": name, "points": points})
         png = os.path.join(args.out, "replay_sweep.png")
@@ -442,7 +448,10 @@ def _replays(args, requests, name, block, page, kv, capacity, host_tokens, stora
             print(json.dumps({"trace": name, "points": points}))
         else:
             print(f"wrote {json_path}" + (f" and {png}" if plotted else ""))
-        if points and points[-1]["interrupted"]:
+        if len(points) < len(planned) or points[-1]["interrupted"]:
+            print(f"interrupted: the sweep covers {len(points)} of {len(planned)} points"
+                  + (", the last one partial" if points and points[-1]["interrupted"] else ""),
+                  file=sys.stderr)
             return INTERRUPTED
         bad = sum(p["kv_mismatches"] for p in points)
         if bad:

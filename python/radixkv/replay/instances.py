@@ -3,9 +3,11 @@ and host tiers, sharing one storage tier."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import signal
+import threading
 import time
 import traceback
 import zlib
@@ -81,6 +83,21 @@ def _send(conn, proc, k: int, msg) -> None:
                 raise RuntimeError(f"replay instance {k} failed:\n{what}") from None
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while a process is started: a spawned Python that
+    starts with SIGINT ignored keeps ignoring it, so Ctrl-C reaching the
+    process group while it imports prints no traceback there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def route(req: Request, index: int, instances: int) -> int:
     """The instance that serves request `index`: by session when the trace
     names one (a conversation stays on one instance), else round robin."""
@@ -98,7 +115,8 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
     for _ in range(instances):
         here, there = ctx.Pipe()
         p = ctx.Process(target=_worker, args=(there, config, overlap), daemon=True)
-        p.start()
+        with _sigint_ignored():
+            p.start()  # ignoring SIGINT from its first instruction, not once it imported
         there.close()  # the child's end: its death then reads as EOF here
         pipes.append(here)
         procs.append(p)
@@ -145,9 +163,13 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
         bar.close()
         finished = True
     finally:
-        # After a failure the other instances are stopped, not waited for.
+        # After a failure (or a second Ctrl-C) the instances are stopped, not
+        # waited for: all are killed before any is joined.
+        if not finished:
+            for p in procs:
+                p.kill()
         for p in procs:
-            p.join(timeout=60 if finished else 0)
+            p.join(timeout=60 if finished else None)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -412,6 +412,15 @@ class _Instance:
         result.output_tokens += out
 
     def finish(self, interrupted: bool = False) -> ReplayResult:
+        try:
+            result = self._final_figures(interrupted)
+        except BaseException:  # the storage thread stops with the run
+            self.cm.close(wait=False)
+            raise
+        self.cm.close()
+        return result
+
+    def _final_figures(self, interrupted: bool) -> ReplayResult:
         cm, result = self.cm, self.result
         result.interrupted = interrupted
         if self.host_pages:
@@ -429,7 +438,6 @@ class _Instance:
         cm.check_integrity()
         if cm.held_pages != 0:
             raise RuntimeError(f"replay leaked {cm.held_pages} pages")
-        cm.close()
         return result
 
 
@@ -442,9 +450,10 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
     """Drives `requests` through `instances` serving instances (see _Instance).
 
     A request larger than the whole pool is skipped and counted. Ctrl-C stops
-    the run between requests: the request in flight finishes (each
-    instance's, with several), and the result covers the requests finished
-    (`interrupted`). A second Ctrl-C stops at once, without a result. With `host_pages` each instance has a host tier of that
+    the run between requests: the request in flight finishes (with several
+    instances, each finishes the requests already sent to it), and the
+    result covers the requests finished (`interrupted`). A second Ctrl-C
+    stops at once, without a result. With `host_pages` each instance has a host tier of that
     many pages (capped at what the requests can use) under `write_policy`;
     with `storage` they share a storage tier. When storing, K/V rows are
     derived from token and position (KVShape.rows) and every row loaded back
@@ -500,27 +509,36 @@ class StopOnCtrlC:
     cache's bookkeeping (a copy started but not yet recorded) would leave
     the tiers in a state no later call can make sense of.
 
-    Only Python's default handler is replaced, and only on the main thread
-    (the only one signals reach); elsewhere nothing changes."""
+    Nested, the inner `with` gets the outer one (one flag for a whole run: a
+    sweep's points, the steps after the last request). Only Python's
+    default handler is replaced, and only on the main thread (the only one
+    signals reach); elsewhere nothing changes."""
+
+    _active: Optional["StopOnCtrlC"] = None
 
     def __init__(self) -> None:
         self.stop = False
-        self._previous = None
+        self._installed = False
 
     def __enter__(self) -> "StopOnCtrlC":
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._previous = signal.default_int_handler
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        if StopOnCtrlC._active is not None:
+            return StopOnCtrlC._active
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
+            StopOnCtrlC._active = self
         return self
 
     def _on_sigint(self, signum, frame) -> None:
         self.stop = True
-        signal.signal(signal.SIGINT, self._previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        if self._installed:
+            StopOnCtrlC._active = None
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _replay_here(requests, config, progress) -> ReplayResult:
@@ -528,13 +546,17 @@ def _replay_here(requests, config, progress) -> ReplayResult:
     bar = _Progress(len(requests), progress)
     interrupted = False
     t_start = time.perf_counter()
-    with StopOnCtrlC() as ctrl_c:
-        for i, req in enumerate(requests):
-            if ctrl_c.stop:
-                interrupted = True
-                break
-            bar.update(i)
-            inst.serve(req)
+    try:
+        with StopOnCtrlC() as ctrl_c:
+            for i, req in enumerate(requests):
+                if ctrl_c.stop:
+                    interrupted = True
+                    break
+                bar.update(i)
+                inst.serve(req)
+    except BaseException:  # a second Ctrl-C, a failure: the storage thread stops too
+        inst.cm.close(wait=False)
+        raise
     wall = time.perf_counter() - t_start
     bar.close()
     result = inst.finish(interrupted)

@@ -567,14 +567,19 @@ class CacheManager:
     def storage_counters(self) -> Optional[StorageCounters]:
         return self._storage.counters() if self._storage is not None else None
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stops the storage tier's thread and closes its backend (after
         waiting for what is queued), and publishes the pending KV events (the
-        publisher stays open: it is its creator's to close)."""
+        publisher stays open: it is its creator's to close).
+
+        `wait=False` is the shutdown after an error or a second Ctrl-C: the
+        storage tier's queued writes and prefetches are dropped, its thread
+        stops after its current job, and no events are published. The
+        manager is not to be used afterwards."""
         if self._storage is not None:
-            self._storage.drain()
-            self._storage.close()
-        self.flush_events()
+            self._storage.close(wait)
+        if wait:
+            self.flush_events()
 
     # -- KV events --------------------------------------------------------------------
 

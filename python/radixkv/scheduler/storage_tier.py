@@ -402,18 +402,32 @@ class StorageTier:
                                         True)
         return sum(op.num_tokens for op in self._prefetches)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Finishes what is queued (the host tier's copies first: a backup
         that lands later would queue a write), then stops the thread and
-        closes the backend. Later writes and prefetches are not made."""
+        closes the backend. Later writes and prefetches are not made.
+
+        With `wait=False` (a shutdown that cannot wait, after an error) the
+        queued writes and prefetches are dropped instead: the thread stops
+        after the job it is running, and the backend is closed."""
         if self._closed:
             return
-        self.host.controller.drain()
-        self.host.writing_check()
-        self.drain()
+        if wait:
+            self.host.controller.drain()
+            self.host.writing_check()
+            self.drain()
         self._closed = True
         self.host.on_backed_up = None
         if self._thread.is_alive():
+            if not wait:
+                self._drop_queued_jobs()
             self._jobs.put(None)
             self._thread.join()
         self.backend.close()
+
+    def _drop_queued_jobs(self) -> None:
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                return
