@@ -15,8 +15,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from radixkv.replay.replay import (ReplayResult, StopOnCtrlC, StorageUnavailable, _Instance,
-                                   _percentiles, _Progress, _too_large)
+from radixkv.replay.replay import (ReplayResult, StopOnCtrlC, StorageUnavailable, UntilStopped,
+                                   _Instance, _percentiles, _Progress, _too_large)
 from radixkv.replay.traces import Request, TokenMaker
 
 # Counters summed over instances.
@@ -131,14 +131,10 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
         # instance would hand them out, so the tokens do not depend on N.
         maker = TokenMaker(config["block_size"], config["max_hash"])
         bar = _Progress(len(requests), progress)
-        interrupted = False
         t_start = time.perf_counter()
         with StopOnCtrlC() as ctrl_c:
-            for i, req in enumerate(requests):
-                if ctrl_c.stop:
-                    interrupted = True
-                    break
-                bar.update(i)
+            todo = UntilStopped(requests, bar, ctrl_c)
+            for i, req in todo:
                 k = route(req, i, instances)
                 _send(pipes[k], procs[k], k, (req, maker.position))
                 if not _too_large(req, config["page_size"], config["capacity_pages"]):
@@ -173,7 +169,7 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
             if p.is_alive():
                 p.kill()
                 p.join()
-    return _combine(results, lats, wall, interrupted)
+    return _combine(results, lats, wall, todo.interrupted)
 
 
 def _combine(results: List[ReplayResult], lats: List[Dict[str, List[int]]], wall: float,

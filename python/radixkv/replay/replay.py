@@ -541,22 +541,36 @@ class StopOnCtrlC:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+class UntilStopped:
+    """The requests in order, moving the progress bar, until Ctrl-C asks the
+    run to stop; `interrupted` then says requests were left."""
+
+    def __init__(self, requests: Sequence[Request], bar: _Progress, ctrl_c: StopOnCtrlC):
+        self.requests, self.bar, self.ctrl_c = requests, bar, ctrl_c
+        self.interrupted = False
+
+    def __iter__(self):
+        for i, req in enumerate(self.requests):
+            if self.ctrl_c.stop:
+                self.interrupted = True
+                return
+            self.bar.update(i)
+            yield i, req
+
+
 def _replay_here(requests, config, progress) -> ReplayResult:
     inst = _Instance(**config)
     bar = _Progress(len(requests), progress)
-    interrupted = False
     t_start = time.perf_counter()
     try:
         with StopOnCtrlC() as ctrl_c:
-            for i, req in enumerate(requests):
-                if ctrl_c.stop:
-                    interrupted = True
-                    break
-                bar.update(i)
+            todo = UntilStopped(requests, bar, ctrl_c)
+            for _, req in todo:
                 inst.serve(req)
     except BaseException:  # a second Ctrl-C, a failure: the storage thread stops too
         inst.cm.close(wait=False)
         raise
+    interrupted = todo.interrupted
     wall = time.perf_counter() - t_start
     bar.close()
     result = inst.finish(interrupted)
