@@ -565,6 +565,29 @@ def test_namespaces_are_distinct_blocks(publisher, subscriber):
     assert sorted(removed.block_hashes) == sorted(h for x in want for h in x)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_request_whose_namespace_was_forgotten_finishes(publisher, subscriber, chunked):
+    """Its name leaves the table while the request runs: the request still
+    caches and frees as it would with events off; its pages, which no
+    request can hit any more, are not announced."""
+    ps = 4
+    cm = CacheManager(num_pages=32, page_size=ps, max_namespaces=1, kv_events=publisher)
+    ids = torch.arange(20, dtype=torch.int32)
+    h, _ = cm.match_req(ids, namespace="a")
+    cm.lock(h)
+    own = cm.allocate(len(ids))
+    cm.match_req(torch.arange(3), namespace="b")  # "a" is forgotten
+    if chunked:  # a first chunk cached before the rest
+        h, idx = cm.cache_unfinished_req(h, ids[:12], own[:12])
+        own = torch.cat([idx, own[12:]])
+    cm.free_and_cache_finished_req(h, ids, own)
+    cm.check_integrity()
+    assert cm.held_pages == 0
+    cm.flush_events()
+    batches = decode_frames(subscriber.receive(), subscriber.start_seq)
+    assert not any(isinstance(e, VStored) for b in batches for e in b.events)
+
+
 def test_namespaced_pages_have_one_hash_on_every_medium(tmp_path, publisher, subscriber):
     from radixkv.kvcache import MHAKVCache
     from radixkv.scheduler.namespaces import Namespaces

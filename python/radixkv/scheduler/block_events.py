@@ -184,7 +184,11 @@ class BlockEvents:
                         known: int, ns: int = 0) -> None:
         """tokens[start:end) (whole pages; int32 on the CPU; namespace `ns`)
         joined the tree on the device, with `slots[start:end)`; `slots[:known]`
-        are the tree's slots of the tokens before them."""
+        are the tree's slots of the tokens before them. Pages of a namespace
+        forgotten since the request matched are not announced: no request
+        can hit them any more (a name coming back gets a new id)."""
+        if not self.namespaces.known(ns):
+            return
         ps = self.page_size
         ids, slots = tokens.numpy(), slots.numpy()
         parent_page = int(slots[start - ps]) // ps if 0 < start <= known else -1
