@@ -832,3 +832,81 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
             assert a.cache_protected_len == b.cache_protected_len, step
         assert (a_sched.cache.evictable_size(), a_sched.cache.protected_size()) == \
             (b_sched.cache.evictable_size(), b_sched.cache.protected_size()), step
+
+
+def _admitted(c, pool, alloc, ids, extra_key=None):
+    """A request matched, locked and extended to all its tokens: (scheduler,
+    request, tokens it matched)."""
+    sched = Scheduler(c, pool, alloc)
+    r = Req(ids, extra_key)
+    n = sched.admit(r)
+    sched.extend(r, len(ids))
+    return sched, r, n
+
+
+def test_a_request_that_does_not_hold_its_lock_is_refused_before_anything_changes():
+    """A lock of another cache, not a node, a protected length below the
+    lock's prefix or past the tokens, a second finish: refused with the
+    tree, the locks and the allocator as they were (freeing first would
+    give the allocator slots the tree still maps)."""
+    c, pool, alloc = cache_and_pools(page=4)
+    sched, r0, _ = _admitted(c, pool, alloc, list(range(41)))
+    sched.finish(r0)
+    sched, r, n = _admitted(c, pool, alloc, list(range(45)))
+    assert n == 40
+    other, _, _ = cache_and_pools(page=4)
+    foreign = other.match_prefix(RadixKey(list(range(8)))).last_device_node
+    other.inc_lock_ref(foreign)
+    state = lambda: (c._tree.dump(), c.protected_size(), set(alloc.free_slots))  # noqa: E731
+    before, node = state(), r.last_node
+    for last_node, protected, exc, words in [
+            (foreign, 40, ValueError, "another cache"),
+            ("node", 40, TypeError, "req.last_node"),
+            (node, 36, ValueError, "cache_protected_len"),
+            (node, 60, ValueError, "cache_protected_len")]:
+        r.last_node, r.cache_protected_len = last_node, protected
+        for call in (c.cache_finished_req, c.cache_unfinished_req):
+            with pytest.raises(exc, match=words):
+                call(r)
+            assert state() == before
+    r.last_node, r.cache_protected_len = node, 40
+    row = r.req_pool_idx
+    sched.finish(r)
+    after = state()
+    r.req_pool_idx = row
+    with pytest.raises(ValueError, match="not locked"):
+        c.cache_finished_req(r)  # finished twice
+    assert state() == after
+    accounted(c, alloc, [])
+
+
+def test_a_request_whose_extra_key_was_forgotten_finishes_in_its_namespace():
+    c, pool, alloc = cache_and_pools(page=4, max_namespaces=1)
+    sched, r0, _ = _admitted(c, pool, alloc, list(range(41)), extra_key="a")
+    sched.finish(r0)
+    sched, r1, n = _admitted(c, pool, alloc, list(range(45)), extra_key="a")
+    assert n == 40
+    c.match_prefix(RadixKey([1, 2, 3, 4, 5], "b"))  # "a" leaves the table
+    sched.finish(r1)
+    assert c.protected_size() == 0
+    accounted(c, alloc, [])
+
+
+def test_request_fields_sglang_never_has_are_refused():
+    """Token ids as a NumPy array would broadcast `+` into other tokens; a
+    negative length would drop slots."""
+    import numpy as np
+
+    c, pool, alloc = cache_and_pools(page=4)
+    sched, r, _ = _admitted(c, pool, alloc, list(range(20)))
+    before = (c._tree.dump(), set(alloc.free_slots))
+    r.origin_input_ids = np.array(r.origin_input_ids)
+    with pytest.raises(TypeError, match="req.origin_input_ids"):
+        c.cache_finished_req(r, kv_len_to_handle=20)
+    r.origin_input_ids = list(range(20))
+    with pytest.raises(ValueError, match="kv_len_to_handle"):
+        c.cache_finished_req(r, kv_len_to_handle=-8)
+    assert (c._tree.dump(), set(alloc.free_slots)) == before
+    r.output_ids = array("q", [])  # a list and an array together are fine
+    sched.finish(r)
+    accounted(c, alloc, [])

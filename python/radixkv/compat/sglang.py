@@ -36,6 +36,7 @@ tree (radixkv.scheduler.namespaces names them).
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -496,11 +497,48 @@ class RadixCache:
             self.token_to_kv_pool_allocator.free(indices)
 
     def _req_namespace(self, req) -> int:
+        """The namespace the request matched in: its lock's (`req.last_node`,
+        which stays right when its name has left the table meanwhile), else
+        its extra_key's (a lock on the root of the default namespace)."""
+        node = req.last_node
+        if isinstance(node, _core.RadixCacheHandle) and node.namespace:
+            return node.namespace
         extra = getattr(req, "extra_key", None)
         salt = getattr(req, "cache_salt", None)
         if extra is None and salt is None:
             return 0
         return self._namespace_id(extra, salt)
+
+    def _check_lock(self, req, protected: int, n: int, length_name: str) -> None:
+        """What the request holds is checked before anything changes: its
+        lock is one of this cache's and held, the part of its row the tree
+        owns (`cache_protected_len`) covers its lock's cached prefix and lies
+        within the tokens handed over."""
+        node = req.last_node
+        if node is not None:
+            if not isinstance(node, _core.RadixCacheHandle):
+                raise TypeError("req.last_node must be a node from this cache's match_prefix, "
+                                f"got {type(node).__name__}")
+            if not self._tree.is_valid(node):
+                raise ValueError("req.last_node is stale or belongs to another cache")
+            if node.lock_count < 1:
+                raise ValueError("req.last_node is not locked: inc_lock_ref it after the match")
+            if protected < node.cached_len:
+                raise ValueError(f"req.cache_protected_len is {protected} but req.last_node "
+                                 f"covers {node.cached_len} tokens the tree owns")
+        if protected < 0 or protected > n:
+            raise ValueError(f"{length_name} is {n} but req.cache_protected_len is {protected}: "
+                             "the tree owns the request's first cache_protected_len tokens")
+
+    @staticmethod
+    def _request_ids(req):
+        """The request's tokens: prompt then output, as SGLang keeps them."""
+        ids, out = req.origin_input_ids, req.output_ids
+        for name, v in (("req.origin_input_ids", ids), ("req.output_ids", out)):
+            if not isinstance(v, (list, tuple, array)):
+                raise TypeError(f"{name} must be a list or array of token ids, as SGLang's Req "
+                                f"keeps them, got {type(v).__name__}")
+        return ids + out if type(ids) is type(out) else list(ids) + list(out)
 
     def _insert_req(self, req, token_ids, kv_indices, ns: int) -> int:
         # The native tree takes the whole pages of equal-length ids and slots.
@@ -524,13 +562,16 @@ class RadixCache:
             kv_len_to_handle = pop() if pop is not None else \
                 len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
         kv_len = as_int(kv_len_to_handle, "kv_len_to_handle")
+        if kv_len < 0:
+            raise ValueError(f"kv_len_to_handle must be >= 0, got {kv_len}")
         protected = self._protected_len(req)
         if self.disable:
             self._free(self._row(req, kv_len)[protected:])
             return
-        ns = self._req_namespace(req)
-        token_ids = (req.origin_input_ids + req.output_ids)[:kv_len]
+        token_ids = self._request_ids(req)[:kv_len]
         n = len(token_ids)
+        self._check_lock(req, protected, n, "the length handed over (kv_len_to_handle)")
+        ns = self._req_namespace(req)
         kv_indices = self._row(req, n)
         aligned = n // self.page_size * self.page_size
         if is_insert:
@@ -555,11 +596,12 @@ class RadixCache:
         self._check_req(req, _UNFINISHED_FIELDS)
         if not hasattr(req, "fill_ids") and not hasattr(req, "get_fill_ids"):
             raise TypeError("req has neither fill_ids nor get_fill_ids(): SGLang's Req has one")
-        ns = self._req_namespace(req)
         get = getattr(req, "get_fill_ids", None)
         token_ids = get() if get is not None else req.fill_ids
-        kv_indices = self._row(req, len(token_ids))
         protected = self._protected_len(req)
+        self._check_lock(req, protected, len(token_ids), "len(req.fill_ids)")
+        ns = self._req_namespace(req)
+        kv_indices = self._row(req, len(token_ids))
         prefix = self._insert_req(req, token_ids, kv_indices, ns)
         if prefix > protected:
             self._free(kv_indices[protected:prefix])
