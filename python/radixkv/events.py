@@ -166,11 +166,13 @@ def _check_endpoint(endpoint, name: str) -> str:
     return endpoint
 
 
-def _check_count(value, name: str, minimum: int) -> int:
+def _check_count(value, name: str, minimum: int, maximum: int = 2**31 - 1) -> int:
+    """An int in [minimum, maximum] (by default what ZeroMQ's int options
+    and msgpack's integers hold)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
     return value
 
 
@@ -208,7 +210,7 @@ class EventPublisher:
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
         self.data_parallel_rank = _check_count(data_parallel_rank, "data_parallel_rank", 0)
-        buffer_steps = _check_count(buffer_steps, "buffer_steps", 0)
+        buffer_steps = _check_count(buffer_steps, "buffer_steps", 0, 2**29)
         hwm = _check_count(hwm, "hwm", 0)
         try:
             import msgpack  # noqa: F401

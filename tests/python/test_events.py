@@ -483,14 +483,18 @@ def test_bad_configuration_raises_naming_the_argument(publisher):
         EventPublisher("tcp://127.0.0.1:*", replay_endpoint="127.0.0.1:9")
     with pytest.raises(TypeError, match="topic"):
         EventPublisher("tcp://127.0.0.1:*", topic=b"kv")
-    with pytest.raises(ValueError, match="data_parallel_rank must be >= 0"):
-        EventPublisher("tcp://127.0.0.1:*", data_parallel_rank=-1)
+    for rank in (-1, 2**64):  # the second would fail every publish
+        with pytest.raises(ValueError, match=r"data_parallel_rank must be in \[0, "):
+            EventPublisher("tcp://127.0.0.1:*", data_parallel_rank=rank)
     with pytest.raises(TypeError, match="data_parallel_rank"):
         EventPublisher("tcp://127.0.0.1:*", data_parallel_rank=True)
     with pytest.raises(TypeError, match="buffer_steps"):
         EventPublisher("tcp://127.0.0.1:*", buffer_steps="10")
-    with pytest.raises(ValueError, match="hwm must be >= 0"):
-        EventPublisher("tcp://127.0.0.1:*", hwm=-1)
+    for hwm in (-1, 2**31):
+        with pytest.raises(ValueError, match=r"hwm must be in \[0, "):
+            EventPublisher("tcp://127.0.0.1:*", hwm=hwm)
+    with pytest.raises(ValueError, match="buffer_steps"):
+        EventPublisher("tcp://127.0.0.1:*", buffer_steps=2**30)
     with pytest.raises(OSError, match="replay_endpoint=.*cannot bind"):
         EventPublisher("tcp://127.0.0.1:*", replay_endpoint=publisher.endpoint)
     with pytest.raises(TypeError, match="kv_events must be a radixkv.events.EventPublisher"):

@@ -79,3 +79,6 @@ def test_host_tier_counters_and_prometheus_text():
             m.prometheus(bad)
     with pytest.raises(ValueError, match="labels"):
         m.prometheus(labels={"\u00f1ame": "x"})
+    for bad in ("instance", [("instance", "a")]):
+        with pytest.raises(TypeError, match="labels must be a dict"):
+            m.prometheus(labels=bad)

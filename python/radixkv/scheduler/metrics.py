@@ -64,6 +64,9 @@ class CacheMetrics:
         if not isinstance(prefix, str) or not _METRIC_NAME.fullmatch(prefix):
             raise ValueError(f"prefix must be a Prometheus metric name, got {prefix!r}")
         label = ""
+        if labels is not None and not isinstance(labels, dict):
+            raise TypeError(f"labels must be a dict of label names to values, got "
+                            f"{type(labels).__name__}")
         if labels:
             parts = []
             for key, value in labels.items():
