@@ -323,6 +323,10 @@ class EventPublisher:
         return seq
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def next_seq(self) -> int:
         """The sequence number the next batch will get."""
         return self._next_seq

@@ -433,6 +433,31 @@ def test_reset_refuses_while_a_request_holds_a_lock(publisher, subscriber):
     assert events[0].block_hashes == events[1].block_hashes == events[2].block_hashes
 
 
+def test_a_manager_goes_on_without_events_once_its_publisher_is_closed():
+    """A shutdown that closes the publisher first: the manager's calls,
+    reset and the bound's flushes included, work as with events off."""
+    from radixkv.scheduler.block_events import MAX_PENDING_EVENTS
+
+    publisher = EventPublisher("tcp://127.0.0.1:*")
+    cm = CacheManager(num_pages=8, page_size=2, kv_events=publisher, host_num_pages=8)
+    ids = torch.arange(7)
+    h, _ = cm.match_req(ids)
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids, cm.allocate(7))
+    publisher.close()
+    assert cm.drain() == [] and cm.flush_events() == 0
+    for k in range(MAX_PENDING_EVENTS // 2 + 1):  # past the bound: flushes from inside calls
+        ids = torch.arange(100 + 10 * k, 107 + 10 * k)
+        h, _ = cm.match_req(ids)
+        cm.lock(h)
+        cm.free_and_cache_finished_req(h, ids, cm.allocate(7))
+        cm.make_room(8 * 2)
+    cm.reset()
+    cm.check_integrity()
+    assert cm.held_pages == 0 and cm.flush_events() == 0
+    cm.close()
+
+
 def test_events_past_the_bound_are_published_without_waiting(publisher, subscriber,
                                                               monkeypatch):
     from radixkv.scheduler import block_events

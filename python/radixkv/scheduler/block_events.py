@@ -171,10 +171,14 @@ class BlockEvents:
             self.flush()
 
     def flush(self) -> int:
-        """Publishes the pending events as one batch; returns how many."""
+        """Publishes the pending events as one batch; returns how many. Once
+        the publisher is closed (its creator's call: a shutdown in any order)
+        the events have nowhere to go and are dropped; the manager goes on."""
         n = len(self.pending)
         if n:
             events, self.pending = self.pending, []
+            if self.publisher.closed:
+                return 0
             self.publisher.publish(events)
         return n
 

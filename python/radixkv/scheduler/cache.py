@@ -590,7 +590,8 @@ class CacheManager:
 
     def flush_events(self) -> int:
         """Publishes the KV events since the last call as one batch (none
-        when there are none, or events are off); returns how many. Call once
+        when there are none, events are off, or the publisher was closed:
+        then they are dropped); returns how many. Call once
         per scheduling round if the engine calls none of `writing_check()`,
         `loading_check()` and `storage_check()`, which do."""
         return self._events.flush() if self._events is not None else 0
