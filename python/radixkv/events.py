@@ -197,13 +197,18 @@ class EventPublisher:
     one publisher (a lock orders them). `close()` closes the sockets after
     what was sent has gone out (up to a second). Usable as a context
     manager.
+
+    `context`: the ZeroMQ context of the sockets. By default the publisher
+    has one of its own, so an inproc:// endpoint is reachable only through
+    that; give `zmq.Context.instance()` (say) to reach it from other sockets
+    of the process. A context given stays open at `close()`.
     """
 
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
     def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: Optional[str] = None,
                  topic: str = "", data_parallel_rank: int = 0, buffer_steps: int = 10_000,
-                 hwm: int = 100_000):
+                 hwm: int = 100_000, context=None):
         endpoint = _check_endpoint(endpoint, "endpoint")
         if replay_endpoint is not None:
             replay_endpoint = _check_endpoint(replay_endpoint, "replay_endpoint")
@@ -218,9 +223,12 @@ class EventPublisher:
         except ImportError as e:
             raise ImportError(f"KV events need pyzmq and msgpack (pip install "
                               f"'radixkv[events]'): {e}") from None
+        if context is not None and not isinstance(context, zmq.Context):
+            raise TypeError(f"context must be a zmq.Context, got {type(context).__name__}")
         self._zmq = zmq
         self._topic = topic.encode("utf-8")
-        self._ctx = zmq.Context()
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
         self._pub = self._replay = None
         try:
             self._pub = self._ctx.socket(zmq.PUB)
@@ -274,7 +282,8 @@ class EventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=1000)  # what was sent reaches connected subscribers
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
     def _serve_replays(self) -> None:
         # The replay socket is this thread's alone; the kept batches are

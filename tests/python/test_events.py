@@ -433,6 +433,35 @@ def test_reset_refuses_while_a_request_holds_a_lock(publisher, subscriber):
     assert events[0].block_hashes == events[1].block_hashes == events[2].block_hashes
 
 
+def test_an_inproc_endpoint_on_a_shared_context_reaches_other_sockets():
+    ctx = zmq.Context()
+    with pytest.raises(TypeError, match="context must be a zmq.Context"):
+        EventPublisher("inproc://kv-shared", context="ctx")
+    publisher = EventPublisher("inproc://kv-shared", context=ctx, topic=TOPIC,
+                               data_parallel_rank=3)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect("inproc://kv-shared")
+    deadline = time.monotonic() + 20
+    while not sub.poll(50):  # until the subscription reached the publisher
+        assert time.monotonic() < deadline
+        publisher.publish([])
+    while sub.poll(50):
+        sub.recv_multipart()
+    cm = CacheManager(num_pages=8, page_size=2, kv_events=publisher)
+    h, _ = cm.match_req(torch.arange(5))
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, torch.arange(5), cm.allocate(5))
+    seq = publisher.next_seq
+    cm.flush_events()
+    (batch,) = decode_frames([tuple(sub.recv_multipart())], seq)
+    assert [len(e.block_hashes) for e in batch.events] == [2]
+    sub.close(linger=0)
+    publisher.close()
+    assert not ctx.closed  # the caller's to close
+    ctx.term()
+
+
 def test_a_manager_goes_on_without_events_once_its_publisher_is_closed():
     """A shutdown that closes the publisher first: the manager's calls,
     reset and the bound's flushes included, work as with events off."""
