@@ -145,15 +145,18 @@ _TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
 def _event_from_wire(raw) -> KVEvent:
     if isinstance(raw, dict):
         tag = raw.get("type")
-        values = [raw.get(f) for f in _FIELDS.get(tag, ())]
     elif isinstance(raw, list) and raw:
         tag = raw[0]
-        values = list(raw[1:1 + len(_FIELDS.get(tag, ()))])
-        values += [None] * (len(_FIELDS.get(tag, ())) - len(values))
     else:
         raise ValueError(f"an event must be a tagged array or map, got {raw!r}")
-    if tag not in _TYPES:
+    if not isinstance(tag, str) or tag not in _TYPES:
         raise ValueError(f"unknown event tag {tag!r}")
+    fields = _FIELDS[tag]
+    if isinstance(raw, dict):
+        values = [raw.get(f) for f in fields]
+    else:
+        values = list(raw[1:1 + len(fields)])
+        values += [None] * (len(fields) - len(values))
     return _TYPES[tag](*values)
 
 
@@ -163,6 +166,9 @@ def _check_endpoint(endpoint, name: str) -> str:
                         f"{type(endpoint).__name__}")
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"{name} must start with tcp://, ipc:// or inproc://, got {endpoint!r}")
+    port = endpoint.rpartition(":")[2] if endpoint.startswith("tcp://") else "*"
+    if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"{name} must end with a port in [1, 65535] or *, got {endpoint!r}")
     return endpoint
 
 
@@ -314,6 +320,8 @@ class EventPublisher:
         data parallel rank. Returns its sequence number, or None when ZeroMQ
         refused it (counted in `dropped`; the number stays used, so
         subscribers see the gap)."""
+        if not isinstance(events, (list, tuple)):
+            raise TypeError(f"events must be a list of KV events, got {type(events).__name__}")
         if self._closed:
             raise RuntimeError("the EventPublisher is closed")
         payload = encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank))

@@ -526,6 +526,11 @@ def test_map_encoded_events_decode_too():
         2.5, [BlockStored([7, 8], 6, [1, 2, 3, 4], 2, None, "CPU_PINNED")], 1)
     with pytest.raises(ValueError, match="payload"):
         decode_batch(b"\x93\x01")
+    import msgpack
+
+    for event in ([[1]], {"type": [1]}, [{"type": "BlockStored"}], ["Unknown", 1]):
+        with pytest.raises(ValueError, match="unknown event tag"):
+            decode_batch(msgpack.packb([0.0, [event], 0]))
 
 
 def test_bad_configuration_raises_naming_the_argument(publisher):
@@ -533,6 +538,11 @@ def test_bad_configuration_raises_naming_the_argument(publisher):
         EventPublisher(5557)
     with pytest.raises(ValueError, match="endpoint must start with tcp://"):
         EventPublisher("http://127.0.0.1:5557")
+    for bad in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://router:55x"):
+        with pytest.raises(ValueError, match="endpoint must end with a port"):
+            EventPublisher(bad)
+    with pytest.raises(TypeError, match="events must be a list"):
+        publisher.publish(None)
     with pytest.raises(ValueError, match="replay_endpoint"):
         EventPublisher("tcp://127.0.0.1:*", replay_endpoint="127.0.0.1:9")
     with pytest.raises(TypeError, match="topic"):
