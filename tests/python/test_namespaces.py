@@ -146,6 +146,10 @@ def test_namespace_ids_are_exact_and_typed():
     # The seed depends on the name only, not on the order ids were handed out.
     other = Namespaces()
     assert other.seed(other.id(5), base) == spaces.seed(c, base)
+    # Lone surrogates (what JSON's "\ud800" decodes to) are names too, none
+    # equal to another or to a valid string's.
+    odd = [spaces.id(x) for x in ("\ud800", "\udc00", "\ud800\udc00", "\U00010000")]
+    assert len(set(odd)) == 4 and spaces.id("\ud800") == odd[0]
 
 
 def test_forgotten_names_miss_and_never_hit_wrongly():

@@ -15,7 +15,9 @@ def _encode(name) -> bytes:
     """The bytes a name stands for: its type and value, so that 5, "5" and
     b"5" are three namespaces."""
     if isinstance(name, str):
-        return b"s" + name.encode("utf-8")
+        # A lone surrogate (JSON's "\ud800" decodes to one) is a name too;
+        # its bytes are no valid string's.
+        return b"s" + name.encode("utf-8", "surrogatepass")
     if isinstance(name, (bytes, bytearray, memoryview)):
         return b"b" + bytes(name)
     return b"i" + str(name).encode("ascii")
