@@ -245,7 +245,12 @@ def test_errors_name_the_argument_and_change_nothing():
         c.insert([5, 6], torch.tensor([1, 2]), priority="high")
     with pytest.raises(NotImplementedError, match="bigram"):
         c.match_prefix(RadixKey([1, 2], is_bigram=True))
+    with pytest.raises(ValueError, match="key.limit"):
+        c.insert(RadixKey([5, 6, 7, 8], limit=-2), torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(TypeError, match="key.limit"):
+        c.match_prefix(RadixKey([1, 2], limit="2"))
     assert (c._tree.dump(), c.evictable_size(), c.protected_size()) == before
+    assert c.match_prefix(RadixKey([1, 2, 3, 4], limit=2)).device_indices.tolist() == [10, 11]
 
 
 def test_constructor_forms():

@@ -273,8 +273,10 @@ class RadixCache:
         if getattr(key, "is_bigram", False):
             raise NotImplementedError("key.is_bigram: bigram keys are not supported")
         limit = getattr(key, "limit", None)
-        if limit is not None and limit < len(ids):
-            ids = ids[:limit]
+        if limit is not None:
+            limit = as_count(limit, "key.limit", 0)
+            if limit < len(ids):
+                ids = ids[:limit]
         extra = getattr(key, "extra_key", None)
         salt = getattr(key, "cache_salt", None)
         if extra is None and salt is None:
