@@ -37,6 +37,21 @@ def as_max_slots(value) -> int:
     return value
 
 
+def as_device(device, name: str = "device") -> torch.device:
+    """`device` as a torch.device that holds data: the meta device, whose
+    tensors have none, is refused, as is anything torch cannot name."""
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise TypeError(f"{name} must be a torch.device or a device name, got "
+                        f"{type(device).__name__}")
+    try:
+        out = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{name}: {e}") from None
+    if out.type == "meta":
+        raise ValueError(f"{name} must be a device that holds data, got meta")
+    return out
+
+
 def to_host(values, name: str, device: torch.device):
     """Inputs are read on the host. A manager on an accelerator takes tensors
     on any real device (they are copied to the host); a CPU manager takes CPU

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import radixkv
-from radixkv.kvcache import NaiveCacheManager, RadixCacheManager, SizeInfo
+from radixkv.kvcache import NaiveCacheManager, RadixCacheManager, SizeInfo, create_cache_manager
+from radixkv.scheduler import CacheManager
 from assertions import raises
 
 P_VALUES = [1, 4]
@@ -577,3 +578,21 @@ def test_radix_evict_beyond_int64():
         case.m.evict(2**70)
     assert "size" in str(e.value)
     case.check_unchanged()
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: CacheManager(8, device=d),
+    lambda d: create_cache_manager(d, "radix", 1),
+    lambda d: create_cache_manager(d, "naive", 1),
+])
+@pytest.mark.parametrize("device, exc, words", [
+    ("meta", ValueError, "device must be a device that holds data, got meta"),
+    (torch.device("meta"), ValueError, "holds data"),
+    ("bogus", ValueError, "device: "),
+    (3.5, TypeError, "device must be a torch.device or a device name, got float"),
+    (True, TypeError, "got bool"),
+])
+def test_managers_refuse_a_device_that_holds_no_data(make, device, exc, words):
+    """A manager on the meta device would hand out indices that hold nothing."""
+    with pytest.raises(exc, match=words):
+        make(device)

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_count, as_int, as_max_slots, to_host
+from radixkv._checks import as_count, as_device, as_int, as_max_slots, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 
@@ -39,7 +39,7 @@ class NaiveCacheManager(BaseCacheManager):
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
                  max_slots: Optional[int] = None):
         page_size = as_count(page_size, "page_size")
-        self.device = torch.device(device)
+        self.device = as_device(device)
         self.page_size = page_size
         self._max_slots = as_max_slots(max_slots)
 

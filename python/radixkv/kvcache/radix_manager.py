@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_count, as_max_slots, to_host
+from radixkv._checks import as_count, as_device, as_max_slots, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 RadixCacheHandle = _core.RadixCacheHandle
@@ -46,7 +46,7 @@ class RadixCacheManager(BaseCacheManager):
         if eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
                              f"got {eviction_policy!r}")
-        self.device = torch.device(device)
+        self.device = as_device(device)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), eviction_policy)

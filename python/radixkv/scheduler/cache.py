@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_count, as_int, int32_tensor, to_host
+from radixkv._checks import as_count, as_device, as_int, int32_tensor, to_host
 from radixkv.events import EventPublisher
 from radixkv.kvcache import (BaseCacheHandle, MHAKVCache, MLAKVCache, RadixCacheManager,
                              create_cache_manager)
@@ -128,7 +128,7 @@ class CacheManager:
         self.manager = create_cache_manager(device, type, page_size,
                                             max_slots=num_pages * page_size,
                                             eviction_policy=eviction_policy)
-        self.device = torch.device(device)
+        self.device = as_device(device)
         self.page_size = page_size
         self.num_pages = num_pages
         # Pages held by requests: allocated, not yet freed or cached.
