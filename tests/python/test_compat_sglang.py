@@ -911,6 +911,17 @@ def test_request_fields_sglang_never_has_are_refused():
     r.origin_input_ids = list(range(20))
     with pytest.raises(ValueError, match="kv_len_to_handle"):
         c.cache_finished_req(r, kv_len_to_handle=-8)
+    row = r.req_pool_idx
+    for idx, exc in ((None, TypeError), (100, ValueError), (-1, ValueError), ("0", TypeError)):
+        r.req_pool_idx = idx
+        for call in (c.cache_finished_req, c.cache_unfinished_req):
+            with pytest.raises(exc, match="req.req_pool_idx"):
+                call(r)
+    r.req_pool_idx, fill = row, r.fill_ids
+    r.fill_ids = None
+    with pytest.raises(TypeError, match="req.fill_ids"):
+        c.cache_unfinished_req(r)
+    r.fill_ids = fill
     assert (c._tree.dump(), set(alloc.free_slots)) == before
     r.output_ids = array("q", [])  # a list and an array together are fine
     sched.finish(r)

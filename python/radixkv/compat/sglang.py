@@ -479,7 +479,15 @@ class RadixCache:
     # ---- per request ----
 
     def _row(self, req, length: int) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
+        rows = self.req_to_token_pool.req_to_token
+        idx = req.req_pool_idx
+        if idx is None or isinstance(idx, bool):
+            raise TypeError(f"req.req_pool_idx must be the request's row, got {idx!r}")
+        idx = as_int(idx, "req.req_pool_idx")
+        if not 0 <= idx < rows.shape[0]:
+            raise ValueError(f"req.req_pool_idx is {idx} but req_to_token_pool has "
+                             f"{rows.shape[0]} rows")
+        return rows[idx, :length]
 
     def _check_req(self, req, fields: tuple) -> None:
         if self.req_to_token_pool is None or self.token_to_kv_pool_allocator is None:
@@ -600,6 +608,9 @@ class RadixCache:
             raise TypeError("req has neither fill_ids nor get_fill_ids(): SGLang's Req has one")
         get = getattr(req, "get_fill_ids", None)
         token_ids = get() if get is not None else req.fill_ids
+        if not isinstance(token_ids, (list, tuple, array, torch.Tensor)):
+            raise TypeError(f"req.fill_ids must be the request's token ids, got "
+                            f"{type(token_ids).__name__}")
         protected = self._protected_len(req)
         self._check_lock(req, protected, len(token_ids), "len(req.fill_ids)")
         ns = self._req_namespace(req)
