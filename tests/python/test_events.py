@@ -281,6 +281,13 @@ def serve(cm, ids, rng):
     cm.storage_check()
 
 
+def cache_new(cm, ids):
+    """A request over `ids` (none of them cached) computed and cached."""
+    h, _ = cm.match_req(ids)
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids, cm.allocate(len(ids)))
+
+
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 def test_replayed_events_are_exactly_the_blocks_of_each_tier(tmp_path, publisher, subscriber,
                                                              write_policy):
@@ -449,9 +456,7 @@ def test_an_inproc_endpoint_on_a_shared_context_reaches_other_sockets():
     while sub.poll(50):
         sub.recv_multipart()
     cm = CacheManager(num_pages=8, page_size=2, kv_events=publisher)
-    h, _ = cm.match_req(torch.arange(5))
-    cm.lock(h)
-    cm.free_and_cache_finished_req(h, torch.arange(5), cm.allocate(5))
+    cache_new(cm, torch.arange(5))
     seq = publisher.next_seq
     cm.flush_events()
     (batch,) = decode_frames([tuple(sub.recv_multipart())], seq)
@@ -469,17 +474,11 @@ def test_a_manager_goes_on_without_events_once_its_publisher_is_closed():
 
     publisher = EventPublisher("tcp://127.0.0.1:*")
     cm = CacheManager(num_pages=8, page_size=2, kv_events=publisher, host_num_pages=8)
-    ids = torch.arange(7)
-    h, _ = cm.match_req(ids)
-    cm.lock(h)
-    cm.free_and_cache_finished_req(h, ids, cm.allocate(7))
+    cache_new(cm, torch.arange(7))
     publisher.close()
     assert cm.drain() == [] and cm.flush_events() == 0
     for k in range(MAX_PENDING_EVENTS // 2 + 1):  # past the bound: flushes from inside calls
-        ids = torch.arange(100 + 10 * k, 107 + 10 * k)
-        h, _ = cm.match_req(ids)
-        cm.lock(h)
-        cm.free_and_cache_finished_req(h, ids, cm.allocate(7))
+        cache_new(cm, torch.arange(100 + 10 * k, 107 + 10 * k))
         cm.make_room(8 * 2)
     cm.reset()
     cm.check_integrity()
