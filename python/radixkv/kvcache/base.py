@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import List, NamedTuple, Tuple
 
@@ -161,6 +162,23 @@ class PagedPool(BaseKVCache):
     _v_layers: tuple
     _layer_wait = None
 
+    def _allocate(self, lead: tuple, row: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """Allocates the pool's buffer, zero-filled, and returns its logical
+        view `[*lead, L, P, S, *row]`: stored so with LayerFirst, with pages
+        before layers (`[*lead, P, L, S, *row]`) with PageFirst."""
+        L, P, S = self._num_layers, self._num_pages, self._page_size
+        if self._kv_layout is KVCacheLayout.LayerFirst:
+            self._kv_buffer = torch.zeros((*lead, L, P, S, *row), dtype=dtype, device=device)
+            self._view = self._kv_buffer
+        else:
+            self._kv_buffer = torch.zeros((*lead, P, L, S, *row), dtype=dtype, device=device)
+            self._view = self._kv_buffer.transpose(len(lead), len(lead) + 1)
+        # Set by a CacheManager with a host tier: waits until loads from host
+        # have put layer i in place (see CacheManager.wait_layer).
+        self._layer_wait = None
+        self._device = self._kv_buffer.device
+        return self._view
+
     def _layer(self, index, name: str) -> int:
         if type(index) is not int:  # the common case skips the call
             index = as_int(index, name)
@@ -306,9 +324,7 @@ class SideBuffers:
             raise TypeError(f"dtype must be a real torch dtype, got {dtype!r}")
         buf = torch.zeros((self.num_layers, self.num_pages, self.page_size) + shape, dtype=dtype,
                           device=self.device)
-        width = 1
-        for d in shape:
-            width *= d
+        width = math.prod(shape)
         rows = tuple(buf[i].view(self.num_pages * self.page_size, width)
                      for i in range(self.num_layers))
         self._side_buffers[name] = (buf, rows, shape)

@@ -179,26 +179,9 @@ class MHAKVCache(SideBuffers, PagedPool):
         self._kv_layout = _layout(kv_layout)
         dtype = _dtype(dtype)
 
-        L, P, S, H, D = (
-            self._num_layers,
-            self._num_pages,
-            self._page_size,
-            self._local_kv_heads,
-            self._head_dim,
-        )
-        if self._kv_layout is KVCacheLayout.LayerFirst:
-            self._kv_buffer = torch.zeros((2, L, P, S, H, D), dtype=dtype, device=device)
-            view = self._kv_buffer
-        else:
-            self._kv_buffer = torch.zeros((2, P, L, S, H, D), dtype=dtype, device=device)
-            view = self._kv_buffer.permute(0, 2, 1, 3, 4, 5)
-        self._view = view  # [2, L, P, S, H, D] whatever the layout
-        self._k_layers = view[0].unbind(0)
+        view = self._allocate((2,), (self._local_kv_heads, self._head_dim), dtype, device)
+        self._k_layers = view[0].unbind(0)  # view: [2, L, P, S, H, D] whatever the layout
         self._v_layers = view[1].unbind(0)
-        # Set by a CacheManager with a host tier: waits until loads from host
-        # have put layer i in place (see CacheManager.wait_layer).
-        self._layer_wait = None
-        self._device = self._kv_buffer.device
         self._init_side_buffers()
         if self._device.type == "cpu":
             self._store = _core.store_cache

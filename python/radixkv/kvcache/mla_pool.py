@@ -62,18 +62,9 @@ class MLAKVCache(SideBuffers, PagedPool):
         self._kv_layout = _layout(kv_layout)
         dtype = _dtype(dtype)
 
-        L, P, S, R = self._num_layers, self._num_pages, self._page_size, self.row_dim
-        if self._kv_layout is KVCacheLayout.LayerFirst:
-            self._kv_buffer = torch.zeros((L, P, S, 1, R), dtype=dtype, device=device)
-            view = self._kv_buffer
-        else:
-            self._kv_buffer = torch.zeros((P, L, S, 1, R), dtype=dtype, device=device)
-            view = self._kv_buffer.permute(1, 0, 2, 3, 4)
-        self._view = view  # [L, P, S, 1, R] whatever the layout
+        view = self._allocate((), (1, self.row_dim), dtype, device)  # [L, P, S, 1, R]
         self._k_layers = view.unbind(0)
         self._v_layers = tuple(k[..., : self._kv_lora_rank] for k in self._k_layers)
-        self._layer_wait = None
-        self._device = self._kv_buffer.device
         self._init_side_buffers()
         if self._device.type == "cpu":
             self._store = None  # the native kernel, called directly
