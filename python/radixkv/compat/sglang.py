@@ -43,7 +43,7 @@ import torch
 
 from radixkv import _core
 from radixkv._checks import as_count, as_int, as_max_slots, to_host
-from radixkv.kvcache.radix_manager import EVICTION_POLICIES
+from radixkv.kvcache.radix_manager import check_eviction_policy
 from radixkv.scheduler.namespaces import Namespaces
 
 __all__ = ["DecLockRefResult", "EvictParams", "EvictResult", "IncLockRefResult", "InsertParams",
@@ -236,10 +236,7 @@ class RadixCache:
             raise NotImplementedError("enable_kv_cache_events: radixkv emits no KV events")
         if not isinstance(eviction_policy, str):
             raise TypeError(f"eviction_policy must be a str, got {type(eviction_policy).__name__}")
-        policy = eviction_policy.lower()
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
-                             f"got {eviction_policy!r}")
+        policy = check_eviction_policy(eviction_policy.lower(), eviction_policy)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size

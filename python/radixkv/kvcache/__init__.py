@@ -23,7 +23,8 @@ from radixkv.kvcache.mha_pool import (
 )
 from radixkv.kvcache.mla_pool import MLAKVCache
 from radixkv.kvcache.naive_manager import NaiveCacheHandle, NaiveCacheManager
-from radixkv.kvcache.radix_manager import EVICTION_POLICIES, RadixCacheHandle, RadixCacheManager
+from radixkv.kvcache.radix_manager import (EVICTION_POLICIES, RadixCacheHandle, RadixCacheManager,
+                                           check_eviction_policy)
 
 _MANAGERS = {"naive": NaiveCacheManager, "radix": RadixCacheManager}
 
@@ -42,9 +43,7 @@ def create_cache_manager(
     if cls is RadixCacheManager:
         return cls(device=device, page_size=page_size, max_slots=max_slots,
                    eviction_policy=eviction_policy)
-    if eviction_policy not in EVICTION_POLICIES:
-        raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
-                         f"got {eviction_policy!r}")
+    check_eviction_policy(eviction_policy)
     return cls(device=device, page_size=page_size, max_slots=max_slots)
 
 

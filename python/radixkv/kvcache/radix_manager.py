@@ -15,6 +15,16 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "priority")
 BaseCacheHandle.register(RadixCacheHandle)
 
 
+def check_eviction_policy(policy, given=None) -> str:
+    """`policy` when it is one of EVICTION_POLICIES; otherwise ValueError
+    naming eviction_policy and showing `given` (what the caller was given,
+    by default `policy`)."""
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                         f"got {policy if given is None else given!r}")
+    return policy
+
+
 class RadixCacheManager(BaseCacheManager):
     """Shares the KV slots of common prefixes between requests.
 
@@ -43,9 +53,7 @@ class RadixCacheManager(BaseCacheManager):
     def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
                  max_slots: Optional[int] = None, eviction_policy: str = "lru"):
         page_size = as_count(page_size, "page_size")
-        if eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
-                             f"got {eviction_policy!r}")
+        check_eviction_policy(eviction_policy)
         self.device = as_device(device)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
