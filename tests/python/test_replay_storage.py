@@ -279,15 +279,15 @@ def test_a_second_ctrl_c_leaves_no_storage_behind(tmp_path, monkeypatch, capsys,
 def _ctrl_c_during_the_final_figures(monkeypatch):
     from radixkv.replay.replay import _Instance
 
-    final, calls = _Instance._final_figures, [0]
+    final, calls = _Instance.finish, [0]
 
-    def ctrl_c_first(self, interrupted):
+    def ctrl_c_first(self, interrupted=False):
         calls[0] += 1
         if calls[0] == 1:
             signal.raise_signal(signal.SIGINT)
         return final(self, interrupted)
 
-    monkeypatch.setattr(_Instance, "_final_figures", ctrl_c_first)
+    monkeypatch.setattr(_Instance, "finish", ctrl_c_first)
 
 
 def test_ctrl_c_after_the_last_request_keeps_the_whole_result(monkeypatch, capsys):

@@ -412,15 +412,6 @@ class _Instance:
         result.output_tokens += out
 
     def finish(self, interrupted: bool = False) -> ReplayResult:
-        try:
-            result = self._final_figures(interrupted)
-        except BaseException:  # the storage thread stops with the run
-            self.cm.close(wait=False)
-            raise
-        self.cm.close()
-        return result
-
-    def _final_figures(self, interrupted: bool) -> ReplayResult:
         cm, result = self.cm, self.result
         result.interrupted = interrupted
         if self.host_pages:
@@ -438,6 +429,7 @@ class _Instance:
         cm.check_integrity()
         if cm.held_pages != 0:
             raise RuntimeError(f"replay leaked {cm.held_pages} pages")
+        cm.close()
         return result
 
 
@@ -567,13 +559,12 @@ def _replay_here(requests, config, progress) -> ReplayResult:
             todo = UntilStopped(requests, bar, ctrl_c)
             for _, req in todo:
                 inst.serve(req)
+        wall = time.perf_counter() - t_start
+        bar.close()
+        result = inst.finish(todo.interrupted)
     except BaseException:  # a second Ctrl-C, a failure: the storage thread stops too
         inst.cm.close(wait=False)
         raise
-    interrupted = todo.interrupted
-    wall = time.perf_counter() - t_start
-    bar.close()
-    result = inst.finish(interrupted)
     result.wall_s = wall
     result.latency_us = {k: _percentiles(v) for k, v in inst.lat.items()}
     return result
