@@ -18,6 +18,7 @@
 #include "errors.h"
 #include "fast_call.h"
 #include "kernels.h"
+#include "signal_shield.h"
 #include "radixkv/checksum.h"
 #include "radixkv/compare.h"
 #include "radixkv/page_allocator.h"
@@ -638,27 +639,54 @@ uint32_t Crc32c(py::handle data, uint32_t value) {
   return radixkv::Crc32c(view.buf, n, value);
 }
 
-// The storage tier's page keys, as hex strings (a store's keys) or raw bytes.
-py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed, bool raw) {
+// 32-byte keys back to back as a list of hex strings (a store's keys).
+py::list HexKeys(const uint8_t* keys, int64_t n) {
+  static const char kHex[] = "0123456789abcdef";
+  py::list out(n);
+  char text[2 * radixkv::kPageKeyBytes];
+  for (int64_t p = 0; p < n; ++p) {
+    const uint8_t* k = keys + p * radixkv::kPageKeyBytes;
+    for (int64_t i = 0; i < radixkv::kPageKeyBytes; ++i) {
+      text[2 * i] = kHex[k[i] >> 4];
+      text[2 * i + 1] = kHex[k[i] & 15];
+    }
+    PyObject* str = PyUnicode_FromStringAndSize(text, sizeof(text));
+    if (str == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), p, str);
+  }
+  return out;
+}
+
+// `obj` as 32 bytes (a seed or a key), or empty for None.
+std::string Bytes32(py::handle obj, const char* name) {
+  if (obj.is_none()) return {};
+  if (!PyBytes_Check(obj.ptr())) throw py::type_error(std::string(name) + " must be bytes or None");
+  std::string out = py::cast<std::string>(obj);
+  if (out.size() != radixkv::kPageKeyBytes) {
+    throw py::value_error(std::string(name) + " must be 32 bytes, got " +
+                          std::to_string(out.size()));
+  }
+  return out;
+}
+
+const uint8_t* U8(const std::string& s) { return reinterpret_cast<const uint8_t*>(s.data()); }
+
+// The storage tier's page keys, as hex strings (a store's keys) or raw bytes;
+// with `key`, each is then keyed (HMAC-SHA-256 under it).
+py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed, bool raw,
+                    py::handle key) {
   Int32View ids(input_ids, "input_ids");
   const int64_t page = ToInt64(page_size, "page_size");
   if (page < 1) throw py::value_error("page_size must be >= 1, got " + std::to_string(page));
-  std::string seed_bytes;
-  if (!seed.is_none()) {
-    if (!PyBytes_Check(seed.ptr())) throw py::type_error("seed must be bytes or None");
-    seed_bytes = py::cast<std::string>(seed);
-    if (seed_bytes.size() != radixkv::kPageKeyBytes) {
-      throw py::value_error("seed must be 32 bytes, got " + std::to_string(seed_bytes.size()));
-    }
-  }
+  const std::string seed_bytes = Bytes32(seed, "seed"), key_bytes = Bytes32(key, "key");
   FinishViews(ids);
   const int64_t pages = ids.size() / page;
   std::string keys(static_cast<size_t>(pages * radixkv::kPageKeyBytes), '\0');
+  auto* out = reinterpret_cast<uint8_t*>(keys.data());
   auto hash = [&] {
     radixkv::PageKeys(ids.data(), ids.size(), page,
-                      seed_bytes.empty() ? nullptr
-                                         : reinterpret_cast<const uint8_t*>(seed_bytes.data()),
-                      reinterpret_cast<uint8_t*>(keys.data()));
+                      seed_bytes.empty() ? nullptr : U8(seed_bytes), out);
+    if (!key_bytes.empty()) radixkv::KeyPageKeys(out, pages, U8(key_bytes), out);
   };
   if (ids.size() >= kReleaseGilTokens) {
     ids.Own();
@@ -668,20 +696,62 @@ py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed,
     hash();
   }
   if (raw) return py::bytes(keys);
-  static const char kHex[] = "0123456789abcdef";
-  py::list out(pages);
-  char text[2 * radixkv::kPageKeyBytes];
-  for (int64_t p = 0; p < pages; ++p) {
-    const auto* k = reinterpret_cast<const uint8_t*>(keys.data()) + p * radixkv::kPageKeyBytes;
-    for (int64_t i = 0; i < radixkv::kPageKeyBytes; ++i) {
-      text[2 * i] = kHex[k[i] >> 4];
-      text[2 * i + 1] = kHex[k[i] & 15];
-    }
-    PyObject* str = PyUnicode_FromStringAndSize(text, sizeof(text));
-    if (str == nullptr) throw py::error_already_set();
-    PyList_SET_ITEM(out.ptr(), p, str);
+  return HexKeys(out, pages);
+}
+
+// Page keys made elsewhere (32 bytes each, back to back in a buffer), keyed
+// under `key`, as hex strings.
+py::list KeyedPageKeys(py::handle raw_keys, py::handle key) {
+  const std::string key_bytes = Bytes32(key, "key");
+  if (key_bytes.empty()) throw py::type_error("key must be 32 bytes");
+  Py_buffer view;
+  if (PyObject_GetBuffer(raw_keys.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+    throw py::error_already_set();
   }
-  return std::move(out);
+  std::string keys(static_cast<const char*>(view.buf), static_cast<size_t>(view.len));
+  PyBuffer_Release(&view);
+  if (keys.size() % radixkv::kPageKeyBytes) {
+    throw py::value_error("raw_keys must be 32-byte keys back to back, got " +
+                          std::to_string(keys.size()) + " bytes");
+  }
+  const int64_t n = static_cast<int64_t>(keys.size()) / radixkv::kPageKeyBytes;
+  auto* data = reinterpret_cast<uint8_t*>(keys.data());
+  radixkv::KeyPageKeys(data, n, U8(key_bytes), data);
+  return HexKeys(data, n);
+}
+
+// HMAC-SHA-256 under `key` of the concatenation of `parts` (buffers: bytes,
+// memoryviews, NumPy arrays): the page tags of a store with a secret. The
+// buffers are held while the GIL is released.
+py::bytes HmacSha256(py::bytes key, py::sequence parts) {
+  const std::string k = key;
+  std::vector<Py_buffer> views;
+  struct Release {
+    std::vector<Py_buffer>* v;
+    ~Release() {
+      for (Py_buffer& b : *v) PyBuffer_Release(&b);
+    }
+  } release{&views};
+  std::vector<radixkv::ByteSpan> spans;
+  size_t total = 0;
+  views.reserve(py::len(parts));
+  for (py::handle part : parts) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(part.ptr(), &b, PyBUF_C_CONTIGUOUS) != 0) {
+      throw py::error_already_set();
+    }
+    views.push_back(b);
+    spans.push_back({b.buf, static_cast<size_t>(b.len)});
+    total += static_cast<size_t>(b.len);
+  }
+  uint8_t out[radixkv::kPageKeyBytes];
+  if (total < (64u << 10)) {
+    radixkv::HmacSha256(U8(k), k.size(), spans.data(), spans.size(), out);
+  } else {
+    py::gil_scoped_release nogil;
+    radixkv::HmacSha256(U8(k), k.size(), spans.data(), spans.size(), out);
+  }
+  return py::bytes(reinterpret_cast<const char*>(out), sizeof(out));
 }
 
 constexpr const char* kMatchDoc =
@@ -861,15 +931,21 @@ PYBIND11_MODULE(_core, m) {
   radixkv::bindings::RegisterErrors(m);
   radixkv::bindings::RegisterKernels(m);
   radixkv::bindings::RegisterController(m);
+  radixkv::bindings::RegisterSignalShield(m);
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
   m.def("int32_tensor", &Int32Tensor, py::arg("values"), py::arg("name") = "values");
   m.def("crc32c", &Crc32c, py::arg("data"), py::arg("value") = 0,
         "crc32c(data, value=0) -> CRC-32C of a contiguous buffer, continuing from value.");
   m.def("page_keys", &PageKeys, py::arg("input_ids"), py::arg("page_size"),
-        py::arg("seed") = py::none(), py::arg("raw") = false,
-        "page_keys(input_ids, page_size, seed=None, raw=False) -> list of hex keys (or the\n"
-        "raw 32-byte keys back to back): the SHA-256 chain over the whole pages of\n"
-        "input_ids, seeded with `seed` (32 bytes) or, without one, SGLang's page hash.");
+        py::arg("seed") = py::none(), py::arg("raw") = false, py::arg("key") = py::none(),
+        "page_keys(input_ids, page_size, seed=None, raw=False, key=None) -> list of hex keys\n"
+        "(or the raw 32-byte keys back to back): the SHA-256 chain over the whole pages of\n"
+        "input_ids, seeded with `seed` (32 bytes) or, without one, SGLang's page hash;\n"
+        "with `key` (32 bytes) each is keyed: HMAC-SHA-256(key, chain key).");
+  m.def("keyed_page_keys", &KeyedPageKeys, py::arg("raw_keys"), py::arg("key"),
+        "keyed_page_keys(raw_keys, key) -> hex of HMAC-SHA-256(key, k) for each 32-byte k.");
+  m.def("hmac_sha256", &HmacSha256, py::arg("key"), py::arg("parts"),
+        "hmac_sha256(key, parts) -> HMAC-SHA-256 under key of the buffers in parts, joined.");
   m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));
   m.def("check_slots", &CheckSlots, py::arg("values"), py::arg("name"), py::arg("limit") = -1);
 

@@ -61,4 +61,44 @@ void PageKeys(const int32_t* tokens, int64_t n, int64_t page_size, const uint8_t
   }
 }
 
+void HmacSha256(const uint8_t* key, size_t key_len, const ByteSpan* parts, size_t n_parts,
+                uint8_t* out) {
+  constexpr size_t kBlock = 64;  // SHA-256's block
+  uint8_t block[kBlock] = {};
+  std::unique_ptr<EVP_MD_CTX, CtxFree> ctx(EVP_MD_CTX_new());
+  const EVP_MD* sha256 = EVP_sha256();
+  if (!ctx || sha256 == nullptr) throw std::runtime_error("libcrypto: no SHA-256 context");
+  unsigned int len = 0;
+  if (key_len > kBlock) {  // a long key is hashed first
+    if (EVP_DigestInit_ex(ctx.get(), sha256, nullptr) != 1 ||
+        EVP_DigestUpdate(ctx.get(), key, key_len) != 1 ||
+        EVP_DigestFinal_ex(ctx.get(), block, &len) != 1) {
+      throw std::runtime_error("libcrypto: SHA-256 failed");
+    }
+  } else if (key_len > 0) {
+    std::memcpy(block, key, key_len);
+  }
+  uint8_t pad[kBlock], inner[kPageKeyBytes];
+  for (size_t i = 0; i < kBlock; ++i) pad[i] = block[i] ^ 0x36;
+  bool ok = EVP_DigestInit_ex(ctx.get(), sha256, nullptr) == 1 &&
+            EVP_DigestUpdate(ctx.get(), pad, kBlock) == 1;
+  for (size_t p = 0; ok && p < n_parts; ++p) {
+    ok = parts[p].size == 0 || EVP_DigestUpdate(ctx.get(), parts[p].data, parts[p].size) == 1;
+  }
+  ok = ok && EVP_DigestFinal_ex(ctx.get(), inner, &len) == 1;
+  for (size_t i = 0; i < kBlock; ++i) pad[i] = block[i] ^ 0x5c;
+  ok = ok && EVP_DigestInit_ex(ctx.get(), sha256, nullptr) == 1 &&
+       EVP_DigestUpdate(ctx.get(), pad, kBlock) == 1 &&
+       EVP_DigestUpdate(ctx.get(), inner, sizeof(inner)) == 1 &&
+       EVP_DigestFinal_ex(ctx.get(), out, &len) == 1;
+  if (!ok) throw std::runtime_error("libcrypto: SHA-256 failed");
+}
+
+void KeyPageKeys(const uint8_t* keys, int64_t n, const uint8_t* secret, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const ByteSpan part{keys + i * kPageKeyBytes, static_cast<size_t>(kPageKeyBytes)};
+    HmacSha256(secret, kPageKeyBytes, &part, 1, out + i * kPageKeyBytes);
+  }
+}
+
 }  // namespace radixkv

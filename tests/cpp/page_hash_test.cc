@@ -71,5 +71,42 @@ TEST(PageHashTest, AKeyDependsOnEveryEarlierPage) {
   EXPECT_TRUE(Keys({1, 2, 3}, 4).empty());
 }
 
+std::string Hex(const uint8_t* bytes, size_t n) {
+  std::string s;
+  char buf[3];
+  for (size_t i = 0; i < n; ++i) {
+    std::snprintf(buf, sizeof(buf), "%02x", bytes[i]);
+    s += buf;
+  }
+  return s;
+}
+
+// RFC 4231's test cases 1 (a short key) and 6 (a key longer than a block),
+// and a message in two parts: the same as in one.
+TEST(PageHashTest, HmacSha256MatchesRfc4231) {
+  uint8_t out[32];
+  const std::vector<uint8_t> short_key(20, 0x0b), long_key(131, 0xaa);
+  const std::string hi = "Hi There";
+  const ByteSpan one{hi.data(), hi.size()};
+  HmacSha256(short_key.data(), short_key.size(), &one, 1, out);
+  EXPECT_EQ(Hex(out, 32), "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  const std::string a = "Test Using Larger Than Block-Siz", b = "e Key - Hash Key First";
+  const ByteSpan two[] = {{a.data(), a.size()}, {b.data(), b.size()}};
+  HmacSha256(long_key.data(), long_key.size(), two, 2, out);
+  EXPECT_EQ(Hex(out, 32), "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+}
+
+// Keyed page keys are HMAC-SHA-256(secret, key) each, computed in place.
+TEST(PageHashTest, KeyedPageKeysAreEachKeysHmac) {
+  std::vector<uint8_t> secret(32), keys(64);
+  std::iota(secret.begin(), secret.end(), 0);
+  std::iota(keys.begin(), keys.end(), 0);
+  KeyPageKeys(keys.data(), 2, secret.data(), keys.data());
+  EXPECT_EQ(Hex(keys.data(), 32),
+            "e8499be4f1980d68f13222a418df5cbd97d53fddf590c2108e22d40005b70713");
+  EXPECT_EQ(Hex(keys.data() + 32, 32),
+            "62215de7bddcea7e2c4047ff6bb94f8d18262fc8b3f3648134bb7d44158ff84d");
+}
+
 }  // namespace
 }  // namespace radixkv

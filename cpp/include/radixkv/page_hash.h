@@ -2,6 +2,7 @@
 // sequence, so a page's key names the page and everything before it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace radixkv {
@@ -19,5 +20,23 @@ inline constexpr int64_t kPageKeyBytes = 32;
 /// `n < 0` or `page_size < 1`, std::runtime_error if libcrypto fails.
 void PageKeys(const int32_t* tokens, int64_t n, int64_t page_size, const uint8_t* seed,
               uint8_t* out);
+
+/// A run of bytes, one of the parts a MAC is taken over.
+struct ByteSpan {
+  const void* data;
+  size_t size;
+};
+
+/// HMAC-SHA-256 (RFC 2104) under `key[0, key_len)` of the concatenation of
+/// `parts[0, n_parts)`; writes 32 bytes to `out`. Throws std::runtime_error
+/// if libcrypto fails.
+void HmacSha256(const uint8_t* key, size_t key_len, const ByteSpan* parts, size_t n_parts,
+                uint8_t* out);
+
+/// Keyed page keys: out_i = HMAC-SHA-256(`secret`, keys_i) for `n` keys of
+/// 32 bytes (`secret` is 32 bytes). With a deployment secret a store's page
+/// names come from this: nobody without the secret can compute one, so a
+/// page can be neither planted under a prompt's name nor probed for.
+void KeyPageKeys(const uint8_t* keys, int64_t n, const uint8_t* secret, uint8_t* out);
 
 }  // namespace radixkv
