@@ -12,6 +12,20 @@ from radixkv import _core
 from radixkv._checks import as_int, to_host
 
 
+def fixed_zeros(shape: tuple, dtype: torch.dtype, device="cpu",
+                pin_memory: bool = False) -> torch.Tensor:
+    """A zero-filled buffer whose storage cannot be resized: what the pools
+    allocate. The copy controller's thread reads and writes their memory
+    while the caller holds the tensors, so `untyped_storage().resize_(0)` on
+    one must raise instead of freeing memory a copy is using. The memory is
+    torch's, held through DLPack, whose tensors have fixed-size storage."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.zeros(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    if raw.device.type in ("cpu", "cuda"):  # (meta tensors have no memory to hold)
+        raw = torch.from_dlpack(raw)
+    return raw.view(dtype).view(shape)
+
+
 class SizeInfo(NamedTuple):
     """Cached tokens, split by whether they may be evicted."""
 
@@ -168,10 +182,10 @@ class PagedPool(BaseKVCache):
         before layers (`[*lead, P, L, S, *row]`) with PageFirst."""
         L, P, S = self._num_layers, self._num_pages, self._page_size
         if self._kv_layout is KVCacheLayout.LayerFirst:
-            self._kv_buffer = torch.zeros((*lead, L, P, S, *row), dtype=dtype, device=device)
+            self._kv_buffer = fixed_zeros((*lead, L, P, S, *row), dtype, device)
             self._view = self._kv_buffer
         else:
-            self._kv_buffer = torch.zeros((*lead, P, L, S, *row), dtype=dtype, device=device)
+            self._kv_buffer = fixed_zeros((*lead, P, L, S, *row), dtype, device)
             self._view = self._kv_buffer.transpose(len(lead), len(lead) + 1)
         # Set by a CacheManager with a host tier: waits until loads from host
         # have put layer i in place (see CacheManager.wait_layer).
@@ -322,8 +336,8 @@ class SideBuffers:
             raise ValueError("row_shape must have at least one dimension")
         if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
             raise TypeError(f"dtype must be a real torch dtype, got {dtype!r}")
-        buf = torch.zeros((self.num_layers, self.num_pages, self.page_size) + shape, dtype=dtype,
-                          device=self.device)
+        buf = fixed_zeros((self.num_layers, self.num_pages, self.page_size) + shape, dtype,
+                          self.device)
         width = math.prod(shape)
         rows = tuple(buf[i].view(self.num_pages * self.page_size, width)
                      for i in range(self.num_layers))

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 
 from radixkv._checks import as_count
-from radixkv.kvcache.base import CopyLayout, copy_layout, side_plane
+from radixkv.kvcache.base import CopyLayout, copy_layout, fixed_zeros, side_plane
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
 
@@ -60,14 +60,14 @@ class HostKVCache:
         specs = device_pool.side_buffer_specs()
         self._sides = {}  # name -> [L, P, S, *row_shape] view
         if layout == "layer_first":
-            self._buffer = torch.zeros((sides, L, num_pages, S, H, D), dtype=device_pool.dtype,
+            self._buffer = fixed_zeros((sides, L, num_pages, S, H, D), device_pool.dtype,
                                        pin_memory=pin)
             self._view = self._buffer  # [sides, L, P, S, H, D]
             for name, shape, dtype in specs:
-                self._sides[name] = torch.zeros((L, num_pages, S) + shape, dtype=dtype,
+                self._sides[name] = fixed_zeros((L, num_pages, S) + shape, dtype,
                                                 pin_memory=pin)
         elif not specs:
-            self._buffer = torch.zeros((num_pages, sides, L, S, H, D), dtype=device_pool.dtype,
+            self._buffer = fixed_zeros((num_pages, sides, L, S, H, D), device_pool.dtype,
                                        pin_memory=pin)
             self._view = self._buffer.permute(1, 2, 0, 3, 4, 5)
         else:
@@ -79,7 +79,7 @@ class HostKVCache:
             for shape, dtype in parts:
                 offsets.append(-(-end // 16) * 16)
                 end = offsets[-1] + math.prod(shape) * dtype.itemsize
-            self._buffer = torch.zeros((num_pages, -(-end // 16) * 16), dtype=torch.uint8,
+            self._buffer = fixed_zeros((num_pages, -(-end // 16) * 16), torch.uint8,
                                        pin_memory=pin)
             carved = [self._buffer[:, o:o + math.prod(shape) * dtype.itemsize].view(dtype)
                       .view((num_pages,) + shape) for o, (shape, dtype) in zip(offsets, parts)]
