@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -67,3 +68,15 @@ def to_host(values, name: str, device: torch.device):
 def int32_tensor(values, name: str, device: torch.device) -> torch.Tensor:
     """A checked 1-D int32 CPU tensor holding `values` (any 1-D integer input)."""
     return _core.int32_tensor(to_host(values, name, device), name)
+
+
+def as_seconds(value, name: str, *, positive: bool = False) -> float:
+    """`value` as a finite number of seconds >= 0 (> 0 when `positive`):
+    ints and floats, not bools; TypeError or ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number of seconds "
+                         f"{'> 0' if positive else '>= 0'}, got {value}")
+    return value

@@ -49,6 +49,9 @@ import time
 from collections import deque
 from typing import List, NamedTuple, Optional, Union
 
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+"""Where a publisher binds by default: loopback only (the events carry prompts' token ids)."""
+
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU_PINNED = "CPU_PINNED"
 MEDIUM_DISK = "DISK"
@@ -185,10 +188,15 @@ def _check_count(value, name: str, minimum: int, maximum: int = 2**31 - 1) -> in
 class EventPublisher:
     """Publishes KV event batches on a ZeroMQ PUB socket (vLLM's framing).
 
-    `endpoint`: binds when it has a wildcard (`tcp://*:5557`, or
-    `tcp://127.0.0.1:*` for any free port), `::`, or is ipc:// or inproc://;
-    connects otherwise (`tcp://router-host:5557`), as vLLM does. `endpoint`
-    (the property) is where it was bound, port included. `replay_endpoint`
+    `endpoint`: by default (None) the socket is bound on the loopback
+    interface, `tcp://127.0.0.1:5557` (DEFAULT_ENDPOINT): the events carry
+    the token ids of users' prompts, so only processes of this machine may
+    read them unless the deployment says otherwise. An endpoint given binds
+    when it has a wildcard (`tcp://*:5557`, every interface: only on a
+    network you trust; or `tcp://127.0.0.1:*` for any free port), `::`, or
+    is ipc:// or inproc://, and connects otherwise (`tcp://router-host:5557`),
+    as vLLM does; `bind=True` (or False) says which instead. `endpoint` (the
+    property) is where it was bound, port included. `replay_endpoint`
     (bound, optional): a ROUTER socket where a client (DEALER or REQ) sends
     a start sequence number (8 bytes, big-endian) and gets back, for every
     kept batch from it on, `[topic, seq, payload]`, then `[b"", -1 as 8
@@ -212,10 +220,14 @@ class EventPublisher:
 
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-    def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: Optional[str] = None,
+    def __init__(self, endpoint: Optional[str] = None, *, replay_endpoint: Optional[str] = None,
                  topic: str = "", data_parallel_rank: int = 0, buffer_steps: int = 10_000,
-                 hwm: int = 100_000, context=None):
+                 hwm: int = 100_000, context=None, bind: Optional[bool] = None):
+        if endpoint is None:
+            endpoint, bind = DEFAULT_ENDPOINT, True
         endpoint = _check_endpoint(endpoint, "endpoint")
+        if bind is not None and not isinstance(bind, bool):
+            raise TypeError(f"bind must be True, False or None, got {type(bind).__name__}")
         if replay_endpoint is not None:
             replay_endpoint = _check_endpoint(replay_endpoint, "replay_endpoint")
         if not isinstance(topic, str):
@@ -239,7 +251,7 @@ class EventPublisher:
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
-            self.endpoint = self._open(self._pub, endpoint, "endpoint", zmq)
+            self.endpoint = self._open(self._pub, endpoint, "endpoint", zmq, bind)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 # Room for a whole replay and its end marker.
@@ -267,8 +279,11 @@ class EventPublisher:
     # -- sockets ---------------------------------------------------------------------
 
     @classmethod
-    def _open(cls, sock, endpoint: str, name: str, zmq) -> str:
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+    def _open(cls, sock, endpoint: str, name: str, zmq, bind: Optional[bool] = None) -> str:
+        if bind is None:
+            bind = ("*" in endpoint or "::" in endpoint
+                    or endpoint.startswith(("ipc://", "inproc://")))
+        if bind:
             return cls._bind(sock, endpoint, name, zmq)
         try:
             sock.connect(endpoint)

@@ -232,9 +232,9 @@ def wait_for_the_progress_bar(p, timeout=120):
 
 def test_cli_progress_flag_shows_the_bar_in_a_log():
     """The bar shows once a replay has run a second."""
-    r = run_cli("replay", "--sessions", "2000", "--no-store", "--progress", check=True)
+    r = run_cli("replay", "--sessions", "8000", "--no-store", "--progress", check=True)
     assert "replay [" in r.stderr and "token hit rate" in r.stdout
-    assert "replay [" not in run_cli("replay", "--sessions", "2000", "--no-store").stderr
+    assert "replay [" not in run_cli("replay", "--sessions", "8000", "--no-store").stderr
 
 
 def test_cli_ctrl_c_prints_the_partial_result():

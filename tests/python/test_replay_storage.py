@@ -16,7 +16,7 @@ from radixkv.replay.replay import StorageConfig
 from radixkv.storage import MooncakeMaster
 
 from test_replay import TRACE
-from test_storage import needs_mooncake
+from storage_env import needs_mooncake
 
 BLOCK = 16
 

@@ -4,7 +4,6 @@ that must never read each other's pages, and faults injected into every call.
 Every page a request is handed is checked against the K/V stored for its
 tokens."""
 
-import importlib.util
 import os
 import threading
 import time
@@ -17,114 +16,11 @@ from radixkv.kvcache import MHAKVCache
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.replay.replay import KVShape
 from radixkv.scheduler import CacheManager
-from radixkv.storage import (
-    FaultyStorage,
-    FileStorage,
-    MooncakeMaster,
-    MooncakeStorage,
-    StorageBackend,
-    config_fingerprint,
-)
-
-KV = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
-PAGE = 4
-
-HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
-# CI installs Mooncake and sets this: there its tests must run, not skip.
-needs_mooncake = pytest.mark.skipif(
-    not HAS_MOONCAKE and not os.environ.get("RADIXKV_REQUIRE_MOONCAKE"),
-    reason="Mooncake Store is not installed (pip install 'radixkv[mooncake]')")
-
-
-def fingerprint(**change):
-    base = dict(model="test", dtype=KV.dtype, page_size=PAGE, layout="page_first",
-                num_layers=KV.num_layers, kv_heads=KV.num_kv_heads, head_dim=KV.head_dim)
-    return config_fingerprint(**{**base, **change})
-
-
-class Instance:
-    """A serving instance: pool, manager with host and storage tiers, and the
-    request loop of the replay, checking every cached row it is handed."""
-
-    def __init__(self, backend, *, pages=12, host_pages=24, policy="wait_complete",
-                 seed=None, kv=KV, retry_after_s=None):
-        self.kv = kv
-        self.pool = MHAKVCache(kv.num_kv_heads, kv.num_layers, kv.head_dim, pages, kv.dtype,
-                               page_size=PAGE)
-        self.cm = CacheManager(pages, page_size=PAGE, host_num_pages=host_pages,
-                               kv_cache=self.pool, storage=backend,
-                               storage_seed=fingerprint() if seed is None else seed,
-                               prefetch_policy=policy)
-        if retry_after_s is not None:
-            self.cm._storage.retry_after_s = retry_after_s
-        self.device = self.host = self.storage = 0
-
-    def store(self, slots, ids, start):
-        for layer in range(self.kv.num_layers):
-            self.pool.store_kv(self.kv.rows(ids, start, layer, 0),
-                               self.kv.rows(ids, start, layer, 1), slots, layer)
-
-    def rows_ok(self, slots, ids):
-        for layer in range(self.kv.num_layers):
-            for side, cache in ((0, self.pool.k_cache(layer)), (1, self.pool.v_cache(layer))):
-                rows = cache.reshape(-1, self.kv.num_kv_heads, self.kv.head_dim)[slots.long()]
-                if not torch.equal(rows.view(torch.uint8),
-                                   self.kv.rows(ids, 0, layer, side).view(torch.uint8)):
-                    return False
-        return True
-
-    def serve(self, ids, drain=True):
-        ids = torch.as_tensor(ids, dtype=torch.int32)
-        cm = self.cm
-        op = cm.prefetch(ids)
-        got = cm.wait_prefetch(op) if op is not None else 0
-        h, idx = cm.match_req(ids)
-        device = h.cached_len
-        h, idx = cm.load_back(h)
-        assert self.rows_ok(idx, ids[: h.cached_len]), "a cached row differs from the stored one"
-        own = cm.allocate(len(ids) - h.cached_len)
-        self.store(own[: len(ids) - h.cached_len], ids[h.cached_len:], h.cached_len)
-        cm.free_and_cache_finished_req(h, ids, torch.cat([idx, own]))
-        if drain:
-            assert cm.drain() == []
-        cm.check_integrity()
-        self.device += device
-        self.storage += min(got, h.cached_len - device)
-        self.host += h.cached_len - device - min(got, h.cached_len - device)
-        return device, h.cached_len - device, got
-
-    def evict_everything(self):
-        cm = self.cm
-        cm.drain()
-        cm.make_room(cm.num_pages * PAGE)
-        tier = cm._tier
-        tier.make_room(tier.num_pages * PAGE)
-        cm.check_integrity()
-
-    def close(self):
-        self.cm.close()
-
-
-def prompt(seed, pages, tail=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 50_000, (pages * PAGE + tail,), generator=g, dtype=torch.int32)
-
+from radixkv.storage import (FaultyStorage, FileStorage, MooncakeMaster, MooncakeStorage,
+                             StorageBackend)
+from storage_env import KV, PAGE, Instance, fingerprint, host_pool, keys, needs_mooncake, prompt
 
 # -- the file backend ---------------------------------------------------------------
-
-
-def host_pool(pages=8):
-    dev = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 4, KV.dtype, page_size=PAGE)
-    pool = HostKVCache(dev, pages, pin_memory=False)
-    g = torch.Generator().manual_seed(0)
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(KV.dtype))
-    return pool
-
-
-def keys(n, salt="k"):
-    import hashlib
-
-    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
 
 
 def test_file_pages_round_trip_and_exists_counts_from_the_first(tmp_path):
@@ -305,9 +201,10 @@ def test_faults_in_every_call_give_no_wrong_kv_no_leak_no_hang(tmp_path, seed, p
 
 
 def test_a_store_that_stops_answering_is_left_alone_then_retried(tmp_path):
-    """A dead store costs one failed call per back-off window, not one per
-    request: writes and prefetches are skipped and counted meanwhile, and
-    the first call after the window that succeeds ends the back-off."""
+    """A dead store costs a few failed calls per back-off window, not one per
+    request: after three failures in a row a direction is left alone, its
+    calls skipped and counted meanwhile; a failed retry doubles the window,
+    and the first call after it that succeeds ends the back-off."""
     class Switch(FileStorage):
         down = False
         calls = 0
@@ -333,22 +230,26 @@ def test_a_store_that_stops_answering_is_left_alone_then_retried(tmp_path):
     a.serve(prompt(1, 3))
     assert a.cm.storage_counters.written_pages == 3
     store.down = True
-    a.serve(prompt(2, 3))            # its write fails: the store is down
-    assert tier.store_down()
+    for k in range(3):               # reads and writes fail three times in a row
+        a.serve(prompt(2 + k, 3))
+    assert tier.reads_down() and tier.writes_down()
     calls = store.calls
     for k in range(5):
         a.evict_everything()
-        a.serve(prompt(3 + k, 3))      # neither prefetched nor written
+        a.serve(prompt(5 + k, 3))      # neither prefetched nor written
     assert store.calls == calls
-    assert a.cm.storage_counters.skipped >= 5
+    c = a.cm.storage_counters
+    assert c.skipped_reads >= 5 and c.skipped_writes >= 5
+    assert c.skipped == c.skipped_reads + c.skipped_writes
     time.sleep(1.1)
-    a.serve(prompt(20, 3))           # the retry fails: the window doubles
-    assert tier.store_down() and tier._backoff_s == pytest.approx(2.0)
+    a.serve(prompt(20, 3))           # the retries fail: the windows double
+    assert tier.reads_down() and tier._store.reads.backoff_s == pytest.approx(2.0)
+    assert tier.writes_down() and tier._store.writes.backoff_s == pytest.approx(2.0)
     store.down = False
     time.sleep(2.1)
     a.evict_everything()
     assert a.serve(prompt(1, 3))[2] == 3 * PAGE  # back: prefetched again
-    assert not tier.store_down()
+    assert not tier.reads_down() and tier._store.reads.backoff_s == 0
     a.cm.check_integrity()
     info = a.cm.host_size_info
     a.cm.drain()
@@ -483,13 +384,14 @@ def test_back_off_doubles_while_writes_fail_though_queries_answer(tmp_path, rais
     a = Instance(store, retry_after_s=0.05)
     tier = a.cm._storage
     windows = []
-    for k in range(4):
+    for k in range(6):
         a.serve(prompt(40 + k, 2))
-        windows.append(round(tier._backoff_s, 3))
-        time.sleep(tier._backoff_s + 0.01)
-    assert windows == [0.05, 0.1, 0.2, 0.4]
+        windows.append(round(tier._store.writes.backoff_s, 3))
+        time.sleep(tier._store.writes.backoff_s + 0.01)
+    assert windows == [0, 0, 0.05, 0.1, 0.2, 0.4]  # from the third failure in a row
+    assert not tier.reads_down()  # reads answer: they are not left alone
     counters = a.cm.storage_counters
-    assert counters.write_failures == 4 * 2 and counters.errors >= 4 * 2
+    assert counters.write_failures == 6 * 2 and counters.errors >= 6 * 2
     a.close()
 
 
@@ -559,16 +461,20 @@ def test_close_without_waiting_drops_the_queued_writes(tmp_path):
     a.cm._tier.controller.drain()
     a.cm._tier.writing_check()  # every backup landed: four writes queued or running
     tier = a.cm._storage
-    assert tier._jobs.qsize() >= 2  # behind the one the thread holds
+    assert tier._store.jobs.qsize() >= 2  # behind the one the thread holds
     closer = threading.Thread(target=a.cm.close, kwargs={"wait": False})
     closer.start()
     deadline = time.monotonic() + 60  # a hang guard
-    while not (tier._closed and tier._jobs.qsize() <= 1):  # only the stop is queued
+    while not (tier._closed and tier._store.jobs.qsize() <= 1):  # only the stop is queued
         assert time.monotonic() < deadline
         time.sleep(0.01)
     store.release.set()
     closer.join()
     assert store.sets == 1 and store.closed
     assert not tier._thread.is_alive()
+    # The dropped writes' host pages were released, the one made was applied.
+    assert a.cm._tree.tier_sizes()[6] == 0
+    assert a.cm.storage_counters.written_pages == 2
+    a.cm.check_integrity()
     assert a.cm.prefetch(prompt(60, 2)) is None  # closed: no more storage calls
     assert store.sets == 1

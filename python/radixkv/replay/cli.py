@@ -353,6 +353,8 @@ def _storage(args, kind: str):
     segment = (args.mooncake_segment_mib or 256) << 20
     if kind == "file":
         if args.storage_dir:
+            if os.path.exists(args.storage_dir) and not os.path.isdir(args.storage_dir):
+                raise UsageError(f"--storage-dir {args.storage_dir} is not a directory")
             try:
                 os.makedirs(args.storage_dir, exist_ok=True)
             except OSError as e:

@@ -219,6 +219,9 @@ class StorageConfig:
     prefetch_policy: str = "wait_complete"
     namespace: Optional[str] = None
     fault_seed: Optional[int] = None     # wrap the backend in FaultyStorage (tests)
+    fault_call: float = 0.05             # ... failing this share of calls
+    fault_page: float = 0.1              # ... and of pages
+    faults: Optional[object] = None      # the tier's StorageFaultPolicy (None: defaults)
 
     def backend(self, kv: "KVShape", page_size: int):
         from radixkv.storage import FaultyStorage, FileStorage, MooncakeStorage
@@ -236,7 +239,8 @@ class StorageConfig:
             where = self.directory if self.kind == "file" else self.master_address
             raise StorageUnavailable(f"{where}: {e}") from e
         if self.fault_seed is not None:
-            backend = FaultyStorage(backend, seed=self.fault_seed)
+            backend = FaultyStorage(backend, seed=self.fault_seed, fail_call=self.fault_call,
+                                    fail_page=self.fault_page)
         return backend
 
     def fingerprint(self, kv: "KVShape", page_size: int) -> bytes:
@@ -284,6 +288,7 @@ class _Instance:
             storage=backend,
             storage_seed=storage.fingerprint(kv, page_size) if storage is not None else None,
             prefetch_policy=storage.prefetch_policy if storage is not None else "best_effort",
+            storage_faults=storage.faults if storage is not None else None,
             eviction_policy=eviction_policy)
         r = self.result = ReplayResult(policy, page_size, capacity_pages * page_size)
         r.eviction_policy = eviction_policy

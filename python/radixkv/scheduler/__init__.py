@@ -3,5 +3,6 @@
 from radixkv.scheduler.cache import CacheManager
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.req_to_token import ReqToTokenPool
+from radixkv.scheduler.storage_tier import StorageFaultPolicy
 
-__all__ = ["CacheManager", "CacheMetrics", "ReqToTokenPool"]
+__all__ = ["CacheManager", "CacheMetrics", "ReqToTokenPool", "StorageFaultPolicy"]

@@ -7,6 +7,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from radixkv import _core
+from radixkv._core import shielded
 from radixkv._checks import as_count, as_device, as_int, int32_tensor, to_host
 from radixkv.events import EventPublisher
 from radixkv.kvcache import (BaseCacheHandle, MHAKVCache, MLAKVCache, RadixCacheManager,
@@ -16,7 +17,8 @@ from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
-from radixkv.scheduler.storage_tier import StorageCounters, StorageTier
+from radixkv.scheduler.storage_tier import (Prefetch, StorageCounters, StorageFaultPolicy,
+                                            StorageTier)
 from radixkv.storage.base import StorageBackend
 from radixkv.scheduler.host_tier import (
     WRITE_POLICIES,
@@ -94,6 +96,7 @@ class CacheManager:
                  host_layout: str = "page_first", manual_copies: bool = False,
                  storage: Optional[StorageBackend] = None, storage_seed: Optional[bytes] = None,
                  prefetch_policy: str = "best_effort", min_prefetch_tokens: int = 0,
+                 storage_faults: Optional[StorageFaultPolicy] = None,
                  eviction_policy: str = "lru", max_namespaces: int = 1 << 16,
                  tp_rank: Optional[int] = None, kv_events: Optional[EventPublisher] = None):
         if kv_events is not None and not isinstance(kv_events, EventPublisher):
@@ -102,6 +105,10 @@ class CacheManager:
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
         host_num_pages = as_count(host_num_pages, "host_num_pages", minimum=0)
+        min_prefetch_tokens = as_count(min_prefetch_tokens, "min_prefetch_tokens", minimum=0)
+        if storage_faults is not None and not isinstance(storage_faults, StorageFaultPolicy):
+            raise TypeError("storage_faults must be a StorageFaultPolicy (or None), got "
+                            f"{_type_name(storage_faults)}")
         tp_rank = resolve_tp_rank(tp_rank)
         if host_layout not in HOST_LAYOUTS:
             raise ValueError(f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, "
@@ -154,7 +161,8 @@ class CacheManager:
             writer = kv_cache.sides == 2 or tp_rank == 0
             self._storage = StorageTier(self._tier, storage, storage_seed, self._namespaces,
                                         prefetch_policy, writer=writer,
-                                        min_prefetch_tokens=min_prefetch_tokens)
+                                        min_prefetch_tokens=min_prefetch_tokens,
+                                        faults=storage_faults)
         self._events: Optional[BlockEvents] = None
         if kv_events is not None:
             # Blocks hash like the storage tier's page keys, so a page keeps
@@ -169,6 +177,7 @@ class CacheManager:
 
     # -- matching and locking -------------------------------------------------
 
+    @shielded
     def match_req(self, input_ids, namespace=None) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Match `input_ids[:-1]`: the last token is always computed."""
         ids = int32_tensor(input_ids, "input_ids", self.device)
@@ -187,6 +196,7 @@ class CacheManager:
         self._device_hits += handle.cached_len
         self._host_hits += handle.host_hit_len
 
+    @shielded
     def match_req_batch(self, batch, namespace=None) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
         """`match_req` of each request of a prefill batch, in order, in one
         native call for the radix cache; every input is checked first.
@@ -216,6 +226,7 @@ class CacheManager:
                 self._tier.back_up(x[:-1], ns=ns)
         return out
 
+    @shielded
     def load_back(self, handle: BaseCacheHandle) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Brings the host part of `handle`'s match to the device.
 
@@ -294,9 +305,11 @@ class CacheManager:
             return torch.empty(0, dtype=torch.int32, device=self.device)
         return self._tree.handle_slots(handle).to(self.device, non_blocking=True)
 
+    @shielded
     def lock(self, handle: BaseCacheHandle) -> None:
         self.manager.lock_handle(handle, unlock=False)
 
+    @shielded
     def unlock(self, handle: BaseCacheHandle) -> None:
         self.manager.lock_handle(handle, unlock=True)
 
@@ -312,6 +325,7 @@ class CacheManager:
         """Tokens that `allocate` can serve: free plus evictable."""
         return self._pages.num_free_pages * self.page_size + self.manager.size_info.evictable_size
 
+    @shielded
     def make_room(self, num_tokens: int) -> int:
         """Evict just enough that `allocate(num_tokens)` needs no eviction.
 
@@ -348,6 +362,7 @@ class CacheManager:
             self._events.device_evicted(evicted)
         return len(evicted)
 
+    @shielded
     def allocate(self, num_tokens: int) -> torch.Tensor:
         """Slots of ceil(num_tokens / page_size) pages, evicting only what is missing.
 
@@ -359,6 +374,7 @@ class CacheManager:
         self._held_pages += len(slots) // self.page_size
         return slots if self.device.type == "cpu" else slots.to(self.device, non_blocking=True)
 
+    @shielded
     def free(self, indices) -> None:
         """Return pages a request holds (whole pages, not cached ones)."""
         indices = to_host(indices, "indices", self.device)
@@ -421,6 +437,7 @@ class CacheManager:
             self._events.device_inserted(input_ids, indices, in_cache, full, cached, ns)
         return in_cache, ns
 
+    @shielded
     def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices,
                                     priority: int = 0) -> None:
         """Cache a finished request's tokens and return every page it held.
@@ -439,6 +456,7 @@ class CacheManager:
         self.unlock(old_handle)
         self._write_through(input_ids, ns)
 
+    @shielded
     def cache_unfinished_req(
         self, old_handle: BaseCacheHandle, input_ids, indices, priority: int = 0
     ) -> Tuple[BaseCacheHandle, torch.Tensor]:
@@ -464,6 +482,7 @@ class CacheManager:
 
     # -- the host tier ----------------------------------------------------------
 
+    @shielded
     def writing_check(self) -> int:
         """Applies finished backups: their nodes have host copies from now on
         (a failed one's host pages are freed). Returns how many were applied;
@@ -473,6 +492,7 @@ class CacheManager:
         self.flush_events()
         return applied
 
+    @shielded
     def loading_check(self) -> List[BaseCacheHandle]:
         """Applies finished loads: their nodes are on the device from now on.
         Returns the handles (from `load_back`) whose loads failed since the
@@ -527,6 +547,7 @@ class CacheManager:
 
     # -- the storage tier ----------------------------------------------------------
 
+    @shielded
     def prefetch(self, input_ids, namespace=None):
         """Starts reading from storage the pages of `input_ids[:-1]` beyond
         what the cache holds (device and host), that the store has, into host
@@ -551,11 +572,16 @@ class CacheManager:
         length for timeout), then applies what arrived: those pages join the
         tree as host-only nodes, and the next `match_req` sees them as host
         hits. Returns the tokens the tree took from it (so far)."""
+        if prefetch is not None and not isinstance(prefetch, Prefetch):
+            raise TypeError(f"prefetch must be what prefetch() returned (or None), got "
+                            f"{_type_name(prefetch)}")
         if self._storage is None or prefetch is None:
             return 0
-        self._storage.wait_for(prefetch)
+        self._storage.wait(prefetch)
+        self.storage_check()
         return prefetch.inserted
 
+    @shielded
     def storage_check(self) -> int:
         """Applies finished writes to storage (their host pages are released)
         and reads (their pages join the tree). Call once per scheduling round."""
@@ -570,14 +596,22 @@ class CacheManager:
     def close(self, wait: bool = True) -> None:
         """Stops the storage tier's thread and closes its backend (after
         waiting for what is queued), and publishes the pending KV events (the
-        publisher stays open: it is its creator's to close).
+        publisher stays open: it is its creator's to close). Bounded whatever
+        the storage does: after `StorageFaultPolicy.close_timeout_s` what is
+        still queued is dropped and a thread stuck in a backend call is left
+        to it (the pages it holds stay out of use).
 
         `wait=False` is the shutdown after an error or a second Ctrl-C: the
         storage tier's queued writes and prefetches are dropped, its thread
-        stops after its current job, and no events are published. The
-        manager is not to be used afterwards."""
-        if self._storage is not None:
-            self._storage.close(wait)
+        stops after its current job, and no events are published. The cache
+        goes on serving without storage (it is not to be used afterwards
+        when the close ends a run)."""
+        storage = self._storage
+        if storage is not None:
+            if wait:  # backups that land later would queue writes
+                self._tier.controller.drain()
+                self._tier.writing_check()
+            storage.close(storage.wait_closed(wait))
         if wait:
             self.flush_events()
 
@@ -588,6 +622,7 @@ class CacheManager:
         """The publisher of this manager's KV events (None: events are off)."""
         return self._events.publisher if self._events is not None else None
 
+    @shielded
     def flush_events(self) -> int:
         """Publishes the KV events since the last call as one batch (none
         when there are none, events are off, or the publisher was closed:
@@ -613,6 +648,11 @@ class CacheManager:
             tier.loading_check(self._free_loaded)
             if self._storage is not None:
                 self._storage.drain()
+        self._reset_now()
+
+    @shielded
+    def _reset_now(self) -> None:
+        tier = self._tier
         locked = self.manager.size_info.protected_size
         if locked:
             raise RuntimeError(f"cannot reset: requests hold locks on {locked} cached tokens "
@@ -676,6 +716,10 @@ class CacheManager:
             storage_written_pages=storage.written_pages if storage else 0,
             storage_prefetched_tokens=storage.prefetched_tokens if storage else 0,
             storage_errors=storage.errors if storage else 0,
+            storage_corrupt_pages=storage.corrupt_pages if storage else 0,
+            storage_skipped_reads=storage.skipped_reads if storage else 0,
+            storage_skipped_writes=storage.skipped_writes if storage else 0,
+            storage_query_timeouts=storage.query_timeouts if storage else 0,
             device_free_tokens=self._pages.num_free_pages * self.page_size,
             device_cached_tokens=self.manager.size_info.total_size,
             host_free_tokens=host.free if host else 0,

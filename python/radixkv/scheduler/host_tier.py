@@ -4,7 +4,8 @@ copies in flight between the device pool and the host pool."""
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+from collections import deque
+from typing import Deque, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -122,6 +123,10 @@ class HostTier:
         self._backup_tokens = 0  # host slots owned by backups in flight
         self._load_tokens = 0    # device slots owned by loads in flight
         self._failed_loads: List[object] = []  # handles, until the scheduler takes them
+        # Acknowledgements taken from the controller and not yet applied: an
+        # exception while one is applied leaves the rest for the next call.
+        self._backup_acks: Deque[Tuple[int, bool]] = deque()
+        self._load_acks: Deque[Tuple[int, bool]] = deque()
         self.prefetch_tokens = 0  # host slots owned by reads from storage in flight
         # Called with each finished backup's copy that gave nodes host copies
         # (the storage tier writes them on).
@@ -227,12 +232,16 @@ class HostTier:
         self._backup_tokens += n
         return n
 
+    @_core.shielded
     def writing_check(self) -> int:
         """Applies finished backups to the tree: the nodes take their host
         copies (or, for a failed copy, the host pages go back). Returns the
         backups applied."""
-        acks = self.controller.take_backup_acks()
-        for op, ok in acks:
+        acks = self._backup_acks
+        acks.extend(self.controller.take_backup_acks())
+        applied = len(acks)
+        while acks:
+            op, ok = acks.popleft()
             copy, host_slots, device_slots = self._backups.pop(op)
             rejected = self.tree.finish_backup(copy, host_slots, ok)
             if len(rejected):
@@ -244,7 +253,7 @@ class HostTier:
             self.failed_copies += 0 if ok else len(host_slots)
             if self.on_backed_up is not None and len(rejected) < len(host_slots):
                 self.on_backed_up(copy)
-        return len(acks)
+        return applied
 
     # -- loads --------------------------------------------------------------------
 
@@ -254,11 +263,15 @@ class HostTier:
         self._loads[op] = (copy, device_slots, handle, host_slots)
         self._load_tokens += len(device_slots)
 
+    @_core.shielded
     def loading_check(self, free_device) -> None:
         """Applies finished loads to the tree: the nodes are on the device with
         the loads' pages, or, for a failed load, stay host only and the pages
         are freed (`free_device`); its handle waits in `take_failed_loads`."""
-        for op, ok in self.controller.take_load_acks():
+        acks = self._load_acks
+        acks.extend(self.controller.take_load_acks())
+        while acks:
+            op, ok = acks.popleft()
             copy, device_slots, handle, host_slots = self._loads.pop(op)
             self._load_tokens -= len(device_slots)
             taken = self.tree.finish_load(copy, device_slots, ok)

@@ -23,6 +23,14 @@ _DOC = {
     "storage_written_pages": ("counter", "Pages written to the storage tier."),
     "storage_prefetched_tokens": ("counter", "Tokens read from the storage tier into host."),
     "storage_errors": ("counter", "Failed storage calls and pages."),
+    "storage_corrupt_pages": ("counter", "Pages read from storage that failed their checks "
+                              "(and entries there that were not pages), removed."),
+    "storage_skipped_reads": ("counter", "Prefetches not tried while reads were left alone "
+                              "(or a query was unanswered)."),
+    "storage_skipped_writes": ("counter", "Writes to storage not tried while writes were "
+                               "left alone."),
+    "storage_query_timeouts": ("counter", "Existence queries to storage that did not answer "
+                               "within the bound."),
     "device_free_tokens": ("gauge", "Free slots of the device pool."),
     "device_cached_tokens": ("gauge", "Device slots the cache holds."),
     "host_free_tokens": ("gauge", "Free slots of the host pool."),
@@ -46,6 +54,10 @@ class CacheMetrics:
     storage_written_pages: int = 0
     storage_prefetched_tokens: int = 0
     storage_errors: int = 0
+    storage_corrupt_pages: int = 0
+    storage_skipped_reads: int = 0
+    storage_skipped_writes: int = 0
+    storage_query_timeouts: int = 0
     device_free_tokens: int = 0
     device_cached_tokens: int = 0
     host_free_tokens: int = 0

@@ -3,18 +3,25 @@ their backup to host, and prefetched from it into host pages after a match."""
 
 from __future__ import annotations
 
+import atexit
+import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Set
 
+import numpy as np
 import torch
 
 from radixkv import _core
-from radixkv.storage.base import MAX_BATCH, StorageBackend
+from radixkv._checks import as_count, as_seconds
 from radixkv.scheduler.namespaces import Namespaces
+from radixkv.storage.base import MAX_BATCH, StorageBackend
 from radixkv.storage.keys import page_keys
+
+log = logging.getLogger("radixkv")
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 """When the scheduler takes a prefetch's pages: as far as they have arrived
@@ -22,14 +29,94 @@ when the request is scheduled (`best_effort`), once all have (`wait_complete`),
 or waiting up to a bound that grows with the length (`timeout`)."""
 
 
+@dataclass(frozen=True)
+class StorageFaultPolicy:
+    """How the storage tier treats a store that fails, stalls or hangs.
+
+    Reads and writes are judged apart: a store that cannot take writes (a
+    full disk, a read-only mount) still serves what it has. A direction
+    whose calls failed `failures_in_a_row` times in a row is left alone for
+    `retry_after_s`; its calls are skipped (and counted) meanwhile; the first
+    call after the window is a retry: if it fails the window doubles, up to
+    `max_retry_after_s`; the first that succeeds ends the back-off. A single
+    failure among successes costs only its own pages.
+
+    Bounds on what the scheduler's thread waits for:
+    - `query_timeout_s`: an existence query (at `prefetch`) to a backend
+      whose queries may block (Mooncake Store, a network file system) is
+      asked on a thread of its own; no answer within the bound is a miss,
+      counted in `query_timeouts` and as a failed read.
+    - `wait_limit_s`: the longest `wait_prefetch` waits under `wait_complete`.
+    - `close_timeout_s`: `close()` waits at most this long for the storage
+      thread; a thread still inside a backend call is left to finish alone,
+      the pages it holds kept from every other use.
+    """
+
+    retry_after_s: float = 1.0
+    max_retry_after_s: float = 30.0
+    failures_in_a_row: int = 3
+    query_timeout_s: float = 0.05
+    wait_limit_s: float = 60.0
+    close_timeout_s: float = 5.0
+
+    def __post_init__(self):
+        for name in ("retry_after_s", "max_retry_after_s"):
+            object.__setattr__(self, name, as_seconds(getattr(self, name), name))
+        for name in ("query_timeout_s", "wait_limit_s", "close_timeout_s"):
+            object.__setattr__(self, name, as_seconds(getattr(self, name), name, positive=True))
+        object.__setattr__(self, "failures_in_a_row",
+                           as_count(self.failures_in_a_row, "failures_in_a_row"))
+
+
 class StorageCounters(NamedTuple):
     written_pages: int     # pages whose write succeeded
     prefetched_tokens: int  # tokens read from storage and added to the tree
     errors: int            # failed calls and pages (the backend's count)
-    corrupt_pages: int     # pages read back that failed their checks
+    corrupt_pages: int     # pages read back that failed their checks, bad entries
     write_failures: int    # pages whose write failed
-    skipped: int           # writes and prefetches not tried while the store was down
+    skipped: int           # reads and writes not tried while the store was left alone
     present_pages: int     # pages not written: the store had them already
+    skipped_reads: int = 0   # of `skipped`: prefetches not tried (reads left alone)
+    skipped_writes: int = 0  # of `skipped`: writes not tried (writes left alone)
+    query_timeouts: int = 0  # existence queries that did not answer within the bound
+    lost: bool = False       # the storage thread died: storage was switched off
+
+
+class _Health:
+    """How one direction of the store (reads or writes) has been answering;
+    set from the storage thread, the query thread and the scheduler's."""
+
+    def __init__(self, policy: StorageFaultPolicy) -> None:
+        self._policy = policy
+        self._lock = threading.Lock()
+        self.backoff_s = 0.0
+        self._down_until = 0.0
+        self._in_a_row = 0
+
+    def down(self) -> bool:
+        """True while the direction is left alone."""
+        return time.monotonic() < self._down_until
+
+    def failed(self) -> None:
+        p = self._policy
+        with self._lock:
+            self._in_a_row += 1
+            if self.backoff_s:  # the retry after a back-off failed: wait longer
+                self.backoff_s = min(self.backoff_s * 2, p.max_retry_after_s)
+            elif self._in_a_row >= p.failures_in_a_row:
+                self.backoff_s = min(p.retry_after_s, p.max_retry_after_s)
+            else:
+                return
+            self._down_until = time.monotonic() + self.backoff_s
+
+    def succeeded(self, ends_backoff: bool = True) -> None:
+        """A call that worked. An existence query ends the run of failures
+        but not a back-off: a store may answer queries and fail every read."""
+        with self._lock:
+            self._in_a_row = 0
+            if ends_backoff and self.backoff_s:
+                self.backoff_s = 0.0
+                self._down_until = 0.0
 
 
 @dataclass(eq=False)  # identity: jobs are found by `is`, never compared
@@ -38,9 +125,10 @@ class _Write:
     keys: List[str]
     pages: List[int]
     ok: List[bool] = field(default_factory=list)
-    skipped: bool = False  # the store went down before every page was tried
+    skipped: bool = False  # writes were left alone before every page was tried
     present: int = 0       # pages from the first that the store had already
     blocks: Optional[list] = None  # the pages' blocks, when KV events are on
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(eq=False)
@@ -53,21 +141,239 @@ class Prefetch:
     host_slots: torch.Tensor
     pin: Optional[tuple]   # the tree's pin on the host copy the pages join under
     ns: int = 0            # the path's cache namespace
+    pages: List[int] = field(default_factory=list)  # the host pages read into
     done: threading.Event = field(default_factory=threading.Event)
     pages_ok: int = 0      # consecutive pages read from the first
     applied: bool = False
     inserted: int = 0      # tokens the tree took
-    skipped: bool = False  # the store went down before every page was tried
+    skipped: bool = False  # reads were left alone before every page was tried
 
     @property
     def num_tokens(self) -> int:
         return len(self.host_slots)
 
 
+# The queues of the tiers' threads while they run, by thread: at exit they
+# are stopped and waited for (briefly) before the interpreter is torn down,
+# so none of them runs Python code while it is.
+_RUNNING: Dict[int, "queue.SimpleQueue"] = {}
+
+
+@atexit.register
+def _stop_threads_at_exit(limit_s: float = 2.0) -> None:
+    running = dict(_RUNNING)
+    for requests in running.values():
+        _drop_queued(requests)
+        requests.put(None)
+    deadline = time.monotonic() + limit_s
+    for t in threading.enumerate():
+        if t.ident in running:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _drop_queued(requests: "queue.SimpleQueue") -> None:
+    while True:
+        try:
+            requests.get_nowait()
+        except queue.Empty:
+            return
+
+
+class _Store:
+    """The backend, how it has been answering, and the storage thread's
+    queues: what the storage thread, the query thread and the scheduler's
+    thread share. It holds nothing of the tier or the tree, so a thread
+    still running never keeps a dropped manager alive."""
+
+    def __init__(self, backend: StorageBackend, policy: StorageFaultPolicy) -> None:
+        self.backend = backend
+        self.reads = _Health(policy)
+        self.writes = _Health(policy)
+        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.finished: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.closing = False
+
+    def call(self, health: _Health, fn, keys, *args, query: bool = False):
+        """Runs one backend call and notes how the store answered: a call
+        that raised (anything, a backend's CancelledError too), or counted
+        errors on this thread with no page found, read or written, failed."""
+        before = self.backend.thread_errors()
+        try:
+            got = fn(keys, *args)
+        except BaseException:  # noqa: BLE001 - the backend's, counted, never fatal here
+            self.backend.count_error(max(1, len(keys)))
+            got = 0 if query else [False] * len(keys)
+        ok = got > 0 if query else any(got)
+        if ok:
+            health.succeeded(ends_backoff=not query)
+        elif self.backend.thread_errors() != before:
+            health.failed()
+        return got
+
+    def exists(self, keys: List[str]) -> Optional[int]:
+        """How many of `keys`, from the first, the store has, asked in
+        batches of MAX_BATCH; None while reads are left alone."""
+        present = 0
+        while present < len(keys):
+            if self.reads.down():
+                return None
+            batch = keys[present:present + MAX_BATCH]
+            got = self.call(self.reads, self.backend.batch_exists, batch, query=True)
+            present += got
+            if got < len(batch):
+                break
+        return present
+
+    # -- the storage thread --------------------------------------------------------
+
+    def run(self) -> None:
+        jobs, finished = self.jobs, self.finished
+        _RUNNING[threading.get_ident()] = jobs
+        try:
+            self._serve(jobs, finished)
+        finally:
+            _RUNNING.pop(threading.get_ident(), None)
+        self.closing = True  # its jobs are done; closing the backend may take a while
+        try:
+            self.backend.close()
+        except BaseException:  # noqa: BLE001
+            pass
+
+    def _serve(self, jobs: "queue.SimpleQueue", finished: "queue.SimpleQueue") -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            try:
+                if isinstance(job, _Write):
+                    self._write(job)
+                else:
+                    self._read(job)
+            except BaseException:  # noqa: BLE001 - a bug here must not kill the thread
+                self.backend.count_error()
+            finally:
+                # Queued before `done` is set: a waiter that wakes finds it.
+                finished.put(job)
+                job.done.set()
+            del job  # not held while waiting for the next
+
+    def _write(self, job: _Write) -> None:
+        if self.writes.down():
+            job.skipped = True
+            return
+        # Pages the store has already (another instance wrote them, or a
+        # host copy made again) are not written twice.
+        present = job.present = self.exists(job.keys) or 0
+        job.ok = [True] * present
+        for i in range(present, len(job.keys), MAX_BATCH):
+            if self.writes.down():
+                job.skipped = True
+                return
+            job.ok += self.call(self.writes, self.backend.batch_set, job.keys[i:i + MAX_BATCH],
+                                job.pages[i:i + MAX_BATCH])
+
+    def _read(self, job: Prefetch) -> None:
+        ok = 0
+        for i in range(0, len(job.keys), MAX_BATCH):
+            if self.reads.down():
+                job.skipped = True
+                break
+            got = self.call(self.reads, self.backend.batch_get, job.keys[i:i + MAX_BATCH],
+                            job.pages[i:i + MAX_BATCH])
+            for g in got:
+                if not g:
+                    job.pages_ok = ok
+                    return
+                ok += 1
+        job.pages_ok = ok
+
+    @staticmethod
+    def stop_soon(store: "_Store", asker: Optional["_Asker"]) -> None:
+        """Stops the threads of a tier that was dropped: nobody will apply
+        what is queued, so it is dropped; the storage thread ends after its
+        call and closes the backend."""
+        _drop_queued(store.jobs)
+        store.jobs.put(None)
+        if asker is not None:
+            asker.stop()
+
+
+@dataclass(eq=False)
+class _Ask:
+    keys: List[str]
+    done: threading.Event = field(default_factory=threading.Event)
+    hits: Optional[int] = None
+
+
+class _Asker:
+    """Existence queries from the scheduler's thread to a backend whose
+    queries may block, asked on a thread of their own and waited for at most
+    a bound. One at a time: while one is still unanswered, others are misses
+    without asking."""
+
+    def __init__(self, store: _Store) -> None:
+        self._store = store
+        self._asks: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._stuck: Optional[_Ask] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def ask(self, keys: List[str], timeout_s: float):
+        """(hits or None, why): why is "" (answered), "busy" (an earlier query
+        is still unanswered) or "timeout"."""
+        if self._stuck is not None:
+            if not self._stuck.done.is_set():
+                return None, "busy"
+            self._stuck = None
+        if self._thread is None:
+            self._thread = threading.Thread(target=_Asker._serve, args=(self._asks, self._store),
+                                            name="radixkv-storage-query", daemon=True)
+            self._thread.start()
+        a = _Ask(keys)
+        self._asks.put(a)
+        if a.done.wait(timeout_s):
+            return a.hits, ""
+        self._stuck = a
+        return None, "timeout"
+
+    @staticmethod
+    def _serve(asks: "queue.SimpleQueue", store: _Store) -> None:
+        _RUNNING[threading.get_ident()] = asks
+        try:
+            while True:
+                a = asks.get()
+                if a is None:
+                    return
+                try:
+                    a.hits = store.exists(a.keys)
+                except BaseException:  # noqa: BLE001
+                    store.backend.count_error()
+                finally:
+                    a.done.set()
+                del a
+        finally:
+            _RUNNING.pop(threading.get_ident(), None)
+
+    def stop(self) -> None:
+        self._asks.put(None)
+
+
+def _weakly(method):
+    """`method` called through a weak reference: the host tier's hook does
+    not keep the storage tier alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        fn = ref()
+        if fn is not None:
+            fn(*args)
+    return call
+
+
 class StorageTier:
     """Writes and prefetches between the host tier and a StorageBackend.
 
-    Backend calls run on the tier's own thread; the tree and the host pages
+    Backend calls run on the tier's own thread (and existence queries of a
+    blocking backend on one more, with a bound); the tree and the host pages
     change only on the scheduler's thread, when it applies what finished
     (`storage_check`). A write pins its host pages (the tree's BeginStore)
     until the thread reports it, so they are never evicted, freed or reused
@@ -75,11 +381,12 @@ class StorageTier:
     applied: the pages read (consecutive from the first) join the tree as a
     host-only node under the path's host copy (InsertHost), the rest go back.
 
-    A store that stops answering (a backend call whose pages all failed with
-    an error) is left alone for `retry_after_s`, doubling at each failed
-    retry up to `max_retry_after_s`: meanwhile writes and prefetches are
-    skipped and counted, so a dead store costs one stalled call per window,
-    not one per request. The first call that succeeds ends the back-off.
+    Faults (`StorageFaultPolicy`): reads and writes back off apart after
+    failures in a row; a backend's exception of any kind is an error, never
+    the thread's end. If the thread is lost all the same, storage is switched
+    off: what it held is released and the manager goes on without it.
+    `close()` is bounded. A tier that is dropped without `close()` stops its
+    threads (a finalizer) and frees its pools.
 
     With `writer=False` the tier only reads: the pages of a pool that is the
     same on every tensor-parallel rank (MLA) are written by one rank, and
@@ -90,11 +397,16 @@ class StorageTier:
                  namespaces: Namespaces,
                  prefetch_policy: str = "best_effort", timeout_base_s: float = 1.0,
                  timeout_per_1k_tokens_s: float = 0.25, min_prefetch_tokens: int = 0,
-                 retry_after_s: float = 1.0, max_retry_after_s: float = 30.0,
-                 writer: bool = True):
+                 faults: Optional[StorageFaultPolicy] = None, writer: bool = True):
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
                              f"got {prefetch_policy!r}")
+        min_prefetch_tokens = as_count(min_prefetch_tokens, "min_prefetch_tokens", minimum=0)
+        if faults is None:
+            faults = StorageFaultPolicy()
+        elif not isinstance(faults, StorageFaultPolicy):
+            raise TypeError("storage_faults must be a StorageFaultPolicy (or None), got "
+                            f"{type(faults).__name__}")
         if host_tier.pool is None:
             raise ValueError("a storage tier moves K/V bytes: the CacheManager needs kv_cache")
         if seed is None:
@@ -111,126 +423,51 @@ class StorageTier:
         self.page_size = host_tier.page_size
         self.backend = backend
         self.seed = seed or None
+        self.name_key = backend.name_key  # pages named by a keyed hash (a secret)
         self.namespaces = namespaces
         self.writer = bool(writer)
         self.policy = prefetch_policy
+        self.faults = faults
         self.timeout_base_s = timeout_base_s
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self.min_prefetch_tokens = max(min_prefetch_tokens, self.page_size)
-        self.retry_after_s = retry_after_s
-        self.max_retry_after_s = max_retry_after_s
-        self._health = threading.Lock()  # the back-off is set from both threads
-        self._backoff_s = 0.0
-        self._down_until = 0.0  # monotonic time before which the store is left alone
-        self._closed = False
-        self.skipped = 0
         backend.attach(host_tier.pool)
-        self._jobs: "queue.Queue" = queue.Queue()
-        self._finished: "queue.Queue" = queue.Queue()
-        self._writes_in_flight = 0
-        self._writing_tokens = 0
+        self._store = _Store(backend, faults)
+        self._asker = _Asker(self._store) if backend.blocking_queries else None
+        self._closed = False
+        self.lost = False        # the storage thread died: storage is off
+        self.abandoned = False   # close() left a thread stuck in a backend call
+        self._writes: Set[_Write] = set()
         self._prefetches: List[Prefetch] = []
         self.written_pages = self.prefetched_tokens = self.write_failures = 0
         self.present_pages = 0
+        self.skipped_reads = self.skipped_writes = self.query_timeouts = 0
         self.events = None  # the manager's BlockEvents when KV events are on
-        self._thread = threading.Thread(target=self._run, name="radixkv-storage", daemon=True)
+        self._thread = threading.Thread(target=self._store.run, name="radixkv-storage",
+                                        daemon=True)
         self._thread.start()
-        host_tier.on_backed_up = self.write
+        stop = weakref.finalize(self, _Store.stop_soon, self._store, self._asker)
+        stop.atexit = False
+        host_tier.on_backed_up = _weakly(self.write)
 
     # -- the store's health -----------------------------------------------------------
 
-    def store_down(self) -> bool:
-        """True while the tier is leaving a failed store alone."""
-        return time.monotonic() < self._down_until
+    def reads_down(self) -> bool:
+        """True while reads (prefetches) are left alone."""
+        return self._store.reads.down()
 
-    def _call(self, fn, keys, *args):
-        """Runs one backend call and notes how the store answered. A call that
-        raised, or counted errors (on this thread) with no page succeeding,
-        is a failure: the store is left alone for a while, longer each time.
-        Only a page read or written ends that (an existence query proves
-        little: a store may answer it and fail every write)."""
-        before = self.backend.thread_errors()
-        try:
-            got = fn(keys, *args)
-        except Exception:
-            self.backend.count_error(max(1, len(keys)))
-            got = 0 if fn == self.backend.batch_exists else [False] * len(keys)
-        ok = got > 0 if isinstance(got, int) else any(got)
-        if not ok and self.backend.thread_errors() != before:
-            with self._health:
-                self._backoff_s = min(max(self._backoff_s * 2, self.retry_after_s),
-                                      self.max_retry_after_s)
-                self._down_until = time.monotonic() + self._backoff_s
-        elif ok and fn != self.backend.batch_exists:
-            with self._health:
-                self._backoff_s = 0.0
-                self._down_until = 0.0
-        return got
+    def writes_down(self) -> bool:
+        """True while writes are left alone."""
+        return self._store.writes.down()
 
-    def _exists(self, keys: List[str]) -> Optional[int]:
-        """How many of `keys`, from the first, the store has, asked in
-        batches of MAX_BATCH; None when the store is being left alone."""
-        present = 0
-        while present < len(keys):
-            if self.store_down():
-                return None
-            got = self._call(self.backend.batch_exists, keys[present:present + MAX_BATCH])
-            present += got
-            if got < min(MAX_BATCH, len(keys) - present + got):
-                break
-        return present
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
 
-    # -- the storage thread --------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                if isinstance(job, _Write):
-                    self._do_write(job)
-                else:
-                    self._do_read(job)
-            except Exception:  # a backend bug must not kill the thread
-                self.backend.count_error()
-            finally:
-                # Queued before `done` is set: a waiter that wakes finds it.
-                self._finished.put(job)
-                if isinstance(job, Prefetch):
-                    job.done.set()
-
-    def _do_write(self, job: _Write) -> None:
-        # Pages the store has already (another instance wrote them, or a
-        # host copy made again) are not written twice.
-        present = self._exists(job.keys)
-        if present is None:
-            job.skipped = True
-            return
-        job.present = present
-        job.ok = [True] * present
-        for i in range(present, len(job.keys), MAX_BATCH):
-            if self.store_down():
-                job.skipped = True
-                return
-            job.ok += self._call(self.backend.batch_set, job.keys[i:i + MAX_BATCH],
-                                 job.pages[i:i + MAX_BATCH])
-
-    def _do_read(self, job: Prefetch) -> None:
-        pages = job.host_slots[::self.page_size].div(self.page_size, rounding_mode="floor").tolist()
-        ok = 0
-        for i in range(0, len(job.keys), MAX_BATCH):
-            if self.store_down():
-                job.skipped = True
-                break
-            got = self._call(self.backend.batch_get, job.keys[i:i + MAX_BATCH],
-                             pages[i:i + MAX_BATCH])
-            for g in got:
-                if not g:
-                    job.pages_ok = ok
-                    return
-                ok += 1
-        job.pages_ok = ok
+    def keys_of(self, tokens, ns: int = 0) -> List[str]:
+        """The store's keys of the whole pages of `tokens` in namespace `ns`."""
+        return page_keys(tokens, self.page_size, self.namespaces.seed(ns, self.seed),
+                         key=self.name_key)
 
     # -- writes ---------------------------------------------------------------------
 
@@ -238,8 +475,8 @@ class StorageTier:
         """Queues the write of what a finished backup gave a host copy."""
         if self._closed or not self.writer:
             return
-        if self.store_down():
-            self.skipped += 1
+        if self._store.writes.down():
+            self.skipped_writes += 1
             return
         began = self.tree.begin_store(backup_copy)
         if began is None:
@@ -251,15 +488,18 @@ class StorageTier:
         ps = self.page_size
         blocks = None
         if self.events is not None:
-            # The blocks hold the pages' keys: the chain is hashed once.
+            # The blocks hold the pages' chain keys: the chain is hashed once.
             blocks = self.events.blocks(tokens.to(torch.int32).numpy(), copy[2] // ps, -1, ns)
-            keys = [bytes(k).hex() for k in blocks["key"]]
+            if self.name_key is not None:
+                keys = _core.keyed_page_keys(np.ascontiguousarray(blocks["key"]), self.name_key)
+            else:
+                keys = [bytes(k).hex() for k in blocks["key"]]
         else:
-            keys = page_keys(tokens, ps, self.namespaces.seed(ns, self.seed))[copy[2] // ps:]
+            keys = self.keys_of(tokens, ns)[copy[2] // ps:]
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
-        self._writes_in_flight += 1
-        self._writing_tokens += len(host_slots)
-        self._jobs.put(_Write(copy, keys, pages, blocks=blocks))
+        job = _Write(copy, keys, pages, blocks=blocks)
+        self._writes.add(job)
+        self._store.jobs.put(job)
 
     # -- prefetch -------------------------------------------------------------------
 
@@ -267,20 +507,21 @@ class StorageTier:
         """Starts reading the pages of `tokens` (in namespace `ns`) beyond
         the cache's match (whole pages) that the store has, consecutive from
         the first, into fresh host pages. None when there is nothing worth
-        fetching or no host room."""
+        fetching, no host room, or reads are left alone."""
         if self._closed:
             return None
+        self._check_thread()
         ps = self.page_size
         n = len(tokens) - len(tokens) % ps
         start, host_backed = self.tree.storage_prefix_end(tokens[:n], ns)
         if n - start < self.min_prefetch_tokens:
             return None
-        keys = page_keys(tokens[:n], ps, self.namespaces.seed(ns, self.seed))[start // ps:]
-        hits = self._exists(keys)
-        if hits is None:
-            self.skipped += 1
+        if self._store.reads.down():
+            self.skipped_reads += 1
             return None
-        if hits * ps < self.min_prefetch_tokens:
+        keys = self.keys_of(tokens[:n], ns)[start // ps:]
+        hits = self._exists(keys)
+        if hits is None or hits * ps < self.min_prefetch_tokens:
             return None
         if not host_backed and not self.host.copy_path_to_host(tokens[:start], ns):
             return None
@@ -295,21 +536,42 @@ class StorageTier:
                 self.tree.unpin_host(pin)
             return None
         host_slots = self.host.pages.allocate(hits * ps)
+        pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
+        op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots, pin, ns,
+                      pages)
         self.host.prefetch_tokens += hits * ps
-        op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots, pin, ns)
         self._prefetches.append(op)
-        self._jobs.put(op)
+        self._store.jobs.put(op)
         return op
 
-    def wait_for(self, op: Prefetch) -> None:
-        """Waits as the policy says for `op`'s pages, then applies what arrived."""
+    def _exists(self, keys: List[str]) -> Optional[int]:
+        """The store's consecutive hits among `keys`, asked from the
+        scheduler's thread: within `query_timeout_s` for a blocking backend.
+        None (counted) when reads are left alone or no answer came."""
+        if self._asker is None:
+            hits = self._store.exists(keys)
+        else:
+            hits, why = self._asker.ask(keys, self.faults.query_timeout_s)
+            if why:  # no answer in time, or an earlier query still waits for one
+                self.query_timeouts += why == "timeout"
+                self.skipped_reads += why == "busy"
+                self._store.reads.failed()
+                return None
+        if hits is None:
+            self.skipped_reads += 1
+        return hits
+
+    def wait(self, op: Prefetch) -> None:
+        """Waits for `op`'s pages as the policy says (none for best_effort;
+        up to `wait_limit_s` for wait_complete; a bound growing with the
+        length for timeout). Applying them is `storage_check`'s."""
         if self.policy == "wait_complete":
-            while not op.done.wait(1.0):
-                if not self._thread.is_alive():
-                    raise RuntimeError("the storage tier's thread is gone with a read in flight")
+            deadline = time.monotonic() + self.faults.wait_limit_s
+            while not op.done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline or not self._thread.is_alive():
+                    return
         elif self.policy == "timeout":
             op.done.wait(self.timeout_base_s + self.timeout_per_1k_tokens_s * op.num_tokens / 1000)
-        self.storage_check()
 
     def _apply_prefetch(self, op: Prefetch) -> None:
         ps = self.page_size
@@ -335,63 +597,99 @@ class StorageTier:
 
     # -- acknowledgements ----------------------------------------------------------------
 
+    @_core.shielded
     def storage_check(self) -> int:
         """Applies every finished write (unpins its host pages) and prefetch
         (its pages join the tree). Returns how many were applied."""
+        self._check_thread()
         applied = 0
         while True:
             try:
-                job = self._finished.get_nowait()
+                job = self._store.finished.get_nowait()
             except queue.Empty:
                 return applied
-            applied += 1
-            if isinstance(job, _Write):
-                self._writes_in_flight -= 1
-                self._writing_tokens -= len(job.pages) * self.page_size
-                self.tree.finish_store(job.copy)
-                # A failed page ends the run of pages that count as stored.
-                run = job.ok.index(False) if False in job.ok else len(job.ok)
-                self.written_pages += run - job.present
-                self.present_pages += min(job.present, run)
-                self.write_failures += job.ok.count(False)
-                if job.blocks is not None and run:
-                    self.events.disk_stored(job.blocks[:run])
-                self.skipped += job.skipped
-            else:
-                self._prefetches.remove(job)
-                self.skipped += job.skipped
-                self._apply_prefetch(job)
+            applied += self._apply(job)
+
+    def _apply(self, job) -> int:
+        """Applies one finished (or dropped) job; 0 if it was applied before."""
+        if isinstance(job, _Write):
+            if job not in self._writes:
+                return 0
+            self._writes.discard(job)
+            self.tree.finish_store(job.copy)
+            # A failed page ends the run of pages that count as stored.
+            run = job.ok.index(False) if False in job.ok else len(job.ok)
+            self.written_pages += run - job.present
+            self.present_pages += min(job.present, run)
+            self.write_failures += job.ok.count(False)
+            self.skipped_writes += job.skipped
+            if job.blocks is not None and run and self.events is not None:
+                self.events.disk_stored(job.blocks[:run])
+            return 1
+        if job.applied:
+            return 0
+        self._prefetches.remove(job)
+        self.skipped_reads += job.skipped
+        self._apply_prefetch(job)
+        return 1
 
     def drain(self) -> None:
         """Waits for every write and prefetch queued so far, and applies them."""
-        while self._writes_in_flight or self._prefetches:
-            try:
-                job = self._finished.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError("the storage tier's thread is gone with "
-                                       f"{self.in_flight} jobs in flight") from None
-                continue
-            self._finished.put(job)
+        while self._writes or self._prefetches:
+            self._check_thread()
+            if self.lost or self.abandoned:
+                return
+            self._oldest().done.wait(1.0)
             self.storage_check()
+
+    def _oldest(self):
+        """A job in flight, to wait for (only storage_check takes what
+        finished: a wait that is interrupted loses nothing)."""
+        return next(iter(self._writes)) if self._writes else self._prefetches[0]
+
+    def _check_thread(self) -> None:
+        """A storage thread that died while the tier was open is lost:
+        storage is switched off and what its jobs held is released (a dead
+        thread touches nothing), so the manager goes on without it."""
+        if self._closed or self._thread.is_alive():
+            return
+        self.lost = True
+        self._closed = True
+        self.host.on_backed_up = None
+        log.warning("radixkv: the storage tier's thread is gone; storage is switched off")
+        self._release_all()
+        threading.Thread(target=_close_quietly, args=(self.backend,), daemon=True).start()
+
+    def _release_all(self) -> None:
+        """Applies what finished, then every job still held, as not done."""
+        self.storage_check()
+        for job in list(self._writes):
+            job.ok = []
+            self._apply(job)
+        for op in list(self._prefetches):
+            op.pages_ok = 0
+            self._apply(op)
 
     @property
     def in_flight(self) -> int:
-        return self._writes_in_flight + len(self._prefetches)
+        return len(self._writes) + len(self._prefetches)
 
     def counters(self) -> StorageCounters:
         errors, corrupt = self.backend.counts()
         return StorageCounters(self.written_pages, self.prefetched_tokens, errors, corrupt,
-                               self.write_failures, self.skipped, self.present_pages)
+                               self.write_failures, self.skipped_reads + self.skipped_writes,
+                               self.present_pages, self.skipped_reads, self.skipped_writes,
+                               self.query_timeouts, self.lost)
 
     def check_integrity(self) -> int:
         """Host slots owned by prefetches in flight (for the host pool's sum);
         checks they are allocated and in no node, that the tree's pins are
         the prefetches' and its pages being written the writes'."""
         storing = self.tree.tier_sizes()[6]
-        if storing != self._writing_tokens:
+        writing = sum(len(job.pages) for job in self._writes) * self.page_size
+        if storing != writing:
             raise _core.IntegrityError(f"the tree pins {storing} host tokens for writes to "
-                                       f"storage, the writes in flight hold {self._writing_tokens}")
+                                       f"storage, the writes in flight hold {writing}")
         pins = sum(op.pin is not None and not op.applied for op in self._prefetches)
         if self.tree.host_pins != pins:
             raise _core.IntegrityError(f"the tree holds {self.tree.host_pins} host pins, "
@@ -402,32 +700,67 @@ class StorageTier:
                                         True)
         return sum(op.num_tokens for op in self._prefetches)
 
-    def close(self, wait: bool = True) -> None:
-        """Finishes what is queued (the host tier's copies first: a backup
-        that lands later would queue a write), then stops the thread and
-        closes the backend. Later writes and prefetches are not made.
+    # -- closing ----------------------------------------------------------------------
 
-        With `wait=False` (a shutdown that cannot wait, after an error) the
-        queued writes and prefetches are dropped instead: the thread stops
-        after the job it is running, and the backend is closed."""
-        if self._closed:
+    def wait_closed(self, wait: bool) -> float:
+        """What `close` waits for before it changes anything: with `wait`,
+        the queued writes and prefetches, until the close deadline (the host
+        tier's copies must have landed first: a backup that lands later would
+        queue a write). Returns the deadline."""
+        deadline = time.monotonic() + self.faults.close_timeout_s
+        if wait and not self._closed:
+            while (self._writes or self._prefetches) and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._oldest().done.wait(min(left, 1.0))
+                self.storage_check()
+        return deadline
+
+    def close(self, deadline: float) -> None:
+        """Stops the storage tier by `deadline` (from `wait_closed`): later
+        writes and prefetches are not made, queued ones are dropped (their
+        pages released), the thread is asked to stop and waited for until
+        the deadline, and the backend is closed (by the thread, once its
+        call returns). A thread still inside a backend call at the deadline
+        is left to it: the jobs it holds keep their host pages, which nothing
+        else uses, and `storage_check()` applies them if it ever finishes."""
+        if not self._stop():
             return
-        if wait:
-            self.host.controller.drain()
-            self.host.writing_check()
-            self.drain()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self.storage_check()
+        if self._thread.is_alive() and not self._store.closing:
+            self.abandoned = True
+            log.warning("radixkv: the storage tier's thread is still inside a backend call "
+                        "after close(); it is left to finish alone")
+
+    @_core.shielded
+    def _stop(self) -> bool:
+        """Closes the tier to new work and drops what is queued; False if
+        it was closed (or lost) already."""
+        if self._closed:
+            return False
+        self._check_thread()
+        if self._closed:  # lost
+            return False
         self._closed = True
         self.host.on_backed_up = None
-        if self._thread.is_alive():
-            if not wait:
-                self._drop_queued_jobs()
-            self._jobs.put(None)
-            self._thread.join()
-        self.backend.close()
-
-    def _drop_queued_jobs(self) -> None:
         while True:
             try:
-                self._jobs.get_nowait()
+                job = self._store.jobs.get_nowait()
             except queue.Empty:
-                return
+                break
+            job.skipped = True  # never started: what it held goes back now
+            self._apply(job)
+        self._store.jobs.put(None)
+        if self._asker is not None:
+            self._asker.stop()
+        return True
+
+
+def _close_quietly(backend: StorageBackend) -> None:
+    try:
+        backend.close()
+    except BaseException:  # noqa: BLE001
+        pass
+

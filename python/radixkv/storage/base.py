@@ -8,10 +8,25 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from radixkv import _core
 from radixkv.kvcache.host_pool import HostKVCache
 
 MAX_BATCH = 128
 """Pages per backend call: the storage tier splits longer runs."""
+
+TAG_BYTES = 32
+"""Bytes of a page's authentication tag (HMAC-SHA-256) in a store with a secret."""
+
+
+def _secret(secret) -> Optional[bytes]:
+    if secret is None:
+        return None
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"secret must be bytes (a deployment secret) or None, got "
+                        f"{type(secret).__name__}")
+    if len(secret) < 16:
+        raise ValueError(f"secret must be at least 16 bytes, got {len(secret)}")
+    return bytes(secret)
 
 
 class StorageBackend(ABC):
@@ -25,23 +40,56 @@ class StorageBackend(ABC):
     succeeded; a read of a corrupt, truncated or foreign page fails (a miss),
     never fills the host page with someone else's bytes as if it were ours.
     Failures are counted in `errors`, not raised: the cache keeps serving.
-    `batch_exists` may also be called from the scheduler's thread while a
-    call runs on the tier's thread: backends make that safe.
+    `batch_exists` may also be called from another thread while a call runs
+    on the tier's thread: backends make that safe.
 
     `fingerprint` (32 bytes, `config_fingerprint`) names the configuration
     whose pages the backend holds; the storage tier seeds its keys with it
     unless given a seed of its own.
+
+    `secret` (bytes, at least 16; None: none) is a deployment secret shared
+    by the instances that share the store. With it a page's name in the store
+    is keyed (HMAC-SHA-256 of its key, so nobody without the secret can name
+    the page of a prompt: neither plant one nor probe for one) and every page
+    carries an authentication tag over its key and bytes, checked on read: a
+    page written without the secret is a miss, counted and removed.
+    KV events keep the unkeyed chain, which says nothing of the secret.
+
+    `blocking_queries`: whether `batch_exists` may block for long (a remote
+    store, a network file system). The storage tier then asks it from the
+    scheduler's thread on a thread of its own, waiting a bounded time.
     """
 
-    def __init__(self) -> None:
+    blocking_queries = False
+
+    def __init__(self, secret: Optional[bytes] = None) -> None:
         self.fingerprint: Optional[bytes] = None
         self.pool: Optional[HostKVCache] = None
         self.page_bytes = 0
         self._bytes: Optional[torch.Tensor] = None
         self._lock = threading.Lock()
         self.errors = 0          # failed calls or pages
-        self.corrupt_pages = 0   # pages read back that failed their checks
+        self.corrupt_pages = 0   # pages read back that failed their checks (or bad entries)
         self._local = threading.local()  # errors counted by the calling thread
+        secret = _secret(secret)
+        # Keys derived from the secret, one per use; None without a secret.
+        self.name_key = self._derive(secret, b"radixkv page name v1")
+        self.tag_key = self._derive(secret, b"radixkv page tag v1")
+
+    @staticmethod
+    def _derive(secret: Optional[bytes], label: bytes) -> Optional[bytes]:
+        if secret is None:
+            return None
+        return _core.hmac_sha256(secret, [label])
+
+    @property
+    def keyed(self) -> bool:
+        """Whether pages carry a name and tag keyed by a deployment secret."""
+        return self.tag_key is not None
+
+    def tag(self, key: str, data) -> bytes:
+        """The authentication tag of page `key` (hex) holding `data`."""
+        return _core.hmac_sha256(self.tag_key, [bytes.fromhex(key), data])
 
     def attach(self, pool: HostKVCache) -> None:
         """Pages move to and from `pool` (its `page_first` buffer)."""
@@ -69,6 +117,10 @@ class StorageBackend(ABC):
         with self._lock:
             self.errors += n
         self._local.errors = self.thread_errors() + n
+
+    def count_corrupt(self, n: int = 1) -> None:
+        with self._lock:
+            self.corrupt_pages += n
 
     def counts(self):
         """(errors, corrupt pages) so far: what the storage tier reports."""

@@ -28,6 +28,9 @@ class FaultyStorage(StorageBackend):
         self.max_delay_s, self.scribble = max_delay_s, scribble
         self.injected = 0
         self.fingerprint = backend.fingerprint
+        # The wrapped store's keys and latency: the tier names pages as it does.
+        self.name_key, self.tag_key = backend.name_key, backend.tag_key
+        self.blocking_queries = backend.blocking_queries
         self._rng_lock = threading.Lock()  # batch_exists may come from another thread
 
     def _attached(self) -> None:

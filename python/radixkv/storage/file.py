@@ -3,60 +3,170 @@
 from __future__ import annotations
 
 import collections
+import errno
+import hmac
+import itertools
 import os
+import shutil
+import stat
 import struct
 from typing import List, Optional, Sequence
 
+from radixkv._checks import as_count
 from radixkv._core import crc32c
-from radixkv.storage.base import StorageBackend
+from radixkv.storage.base import TAG_BYTES, StorageBackend
 
 MAGIC = b"RKVPAGE2"
 # magic, key (32 raw bytes), configuration fingerprint (32), payload length, CRC-32C
 HEADER = struct.Struct("<8s32s32sQI")
+# A page of a store with a secret: magic, key, fingerprint, length, and the
+# page's authentication tag (HMAC-SHA-256 over its key and bytes).
+MAGIC_KEYED = b"RKVPAGE3"
+HEADER_KEYED = struct.Struct(f"<8s32s32sQ{TAG_BYTES}s")
+
+# File systems whose calls may hang on another machine: existence queries on
+# them are asked with a bound (StorageBackend.blocking_queries).
+NETWORK_FILE_SYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs",
+                                  "lustre", "gpfs", "beegfs", "9p", "afs", "ocfs2", "gfs2",
+                                  "fuse", "fuseblk"})
+
+
+def file_system_type(path: str) -> str:
+    """The type of the file system `path` is on, from /proc/self/mountinfo
+    ('' when it cannot be told)."""
+    path = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    best, kind = -1, ""
+    for line in lines:
+        parts = line.split()
+        if "-" not in parts or len(parts) < 5:
+            continue
+        point = parts[4].encode().decode("unicode_escape")  # octal escapes (\040)
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), parts[parts.index("-") + 1]
+    return kind
 
 
 class FileStorage(StorageBackend):
-    """Pages as files `directory/<fingerprint[:16]>/<key[:2]>/<key>.page`, each a header (magic, the
-    page key, the configuration fingerprint, the payload length and its
-    CRC-32C) and the page's bytes. A write goes to a temporary name and is
-    renamed into place, so a reader sees a whole page or none. A read checks
-    every header field and the checksum before the page counts: a corrupt,
-    truncated or foreign file is a miss (`corrupt_pages`), never wrong K/V.
+    """Pages as files `directory/<fingerprint[:16]>/<key[:2]>/<key>.page`,
+    each a header (magic, the page key, the configuration fingerprint, the
+    payload length and its CRC-32C, or with a secret its authentication tag)
+    and the page's bytes. A write goes to a temporary name and is renamed
+    into place, so a reader sees a whole page or none. A read checks every
+    header field and the checksum (the tag) before the page counts.
+
+    Whatever sits at a page's path that is not a page of ours is a miss for
+    that page alone, counted in `corrupt_pages` and removed (the next write
+    puts the page there): a corrupt, truncated or foreign file, a directory,
+    a FIFO or device, a symlink, a file the process may not read or (unless
+    `shared`) one another user owns. Reads never block on such an entry.
+
+    Trust. By default the store is this user's: the directories are created
+    0700 and the pages 0600, and a store directory that another user owns or
+    that others may write to is refused (PermissionError). `shared=True` says
+    the store is shared on purpose (with the group: directories 0770, pages
+    0640; pages of other users are read). Anyone who can write to a store can
+    plant pages in it; with a `secret` (see StorageBackend) they cannot: a
+    page that fails its tag is a miss, counted and removed.
 
     `max_bytes` bounds what this process knows of (the pages it wrote, and
     those found when it started): past it, the least recently used of them
     (written or read) are removed, at start too. Several processes may share
     the directory; each keeps its own order and bound (so two together may
     hold twice `max_bytes`), and a page removed under a reader is a miss.
+
+    `bounded_queries` (None: when the directory is on a network file system)
+    makes the storage tier ask existence queries from the scheduler's thread
+    with a bound, as a stat() there may hang.
     """
 
-    def __init__(self, directory: str, fingerprint: bytes, max_bytes: Optional[int] = None):
-        super().__init__()
+    def __init__(self, directory: str, fingerprint: bytes, max_bytes: Optional[int] = None, *,
+                 shared: bool = False, secret: Optional[bytes] = None,
+                 bounded_queries: Optional[bool] = None):
+        super().__init__(secret)
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+        directory = os.fspath(directory)
+        if not directory:
+            raise ValueError("directory must name a directory, got ''")
         if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
             raise ValueError("fingerprint must be 32 bytes (radixkv.storage.config_fingerprint)")
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        if max_bytes is not None:
+            max_bytes = as_count(max_bytes, "max_bytes")
+        self.shared = bool(shared)
+        self._uid = os.geteuid()
+        self._dir_mode, self._page_mode = (0o770, 0o640) if self.shared else (0o700, 0o600)
+        root = os.path.abspath(directory)
+        self._prepare_dir(root, parents=True)
         # Each configuration's pages in a directory of their own: one never
         # takes another's file for its page, and never skips a write for it.
-        self.directory = os.path.join(os.path.abspath(directory), fingerprint.hex()[:16])
+        self.directory = os.path.join(root, fingerprint.hex()[:16])
+        self._prepare_dir(self.directory)
         self.fingerprint = fingerprint
+        self._header = HEADER_KEYED if self.keyed else HEADER
         self._made: set = set()  # subdirectories known to exist
+        self._tmp_names = itertools.count()
         self.max_bytes = max_bytes
-        os.makedirs(self.directory, exist_ok=True)
         self._lru: "collections.OrderedDict[str, int]" = collections.OrderedDict()
         self._total = 0
         self.removed_pages = 0
+        if bounded_queries is None:
+            bounded_queries = file_system_type(root).split(".")[0] in NETWORK_FILE_SYSTEMS
+        self.blocking_queries = bool(bounded_queries)
         if max_bytes is not None:
             self._scan()
+
+    # -- the directories --------------------------------------------------------------
+
+    def _prepare_dir(self, path: str, parents: bool = False) -> None:
+        """Makes `path` a directory of the store (with the store's mode) or
+        checks the one there: a directory, and unless shared, this user's and
+        not writable by others."""
+        if parents:
+            parent = os.path.dirname(path)
+            if parent and not os.path.isdir(parent):
+                try:
+                    os.makedirs(parent, exist_ok=True)
+                except FileExistsError:
+                    pass  # a file in the way: reported below
+                except OSError as e:
+                    raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
+        try:
+            os.mkdir(path, self._dir_mode)
+        except FileExistsError:
+            pass
+        except NotADirectoryError:
+            raise NotADirectoryError(errno.ENOTDIR, f"directory {path!r}: a part of it is "
+                                     "not a directory") from None
+        except OSError as e:
+            raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
+        st = os.stat(path) if parents else os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, f"directory {path!r} is not a directory")
+        if self.shared:
+            return
+        if st.st_uid != self._uid:
+            raise PermissionError(errno.EPERM, f"directory {path!r} belongs to uid {st.st_uid}, "
+                                  f"not to this process (uid {self._uid}): pass shared=True "
+                                  "if the store is shared on purpose")
+        if st.st_mode & 0o022:
+            raise PermissionError(errno.EPERM, f"directory {path!r} is writable by others (mode "
+                                  f"{stat.S_IMODE(st.st_mode):o}): pass shared=True if the "
+                                  "store is shared on purpose")
 
     def _scan(self) -> None:
         found = []
         for sub in os.scandir(self.directory):
-            if not sub.is_dir():
+            if not sub.is_dir(follow_symlinks=False):
                 continue
             for entry in os.scandir(sub.path):
-                if entry.name.endswith(".page"):
-                    st = entry.stat()
+                if entry.name.endswith(".page") and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
                     found.append((st.st_mtime_ns, entry.path, st.st_size))
         for _, path, size in sorted(found):
             self._lru[path] = size
@@ -66,54 +176,116 @@ class FileStorage(StorageBackend):
     def path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], key + ".page")
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of one page's file."""
+        return self._header.size + self.page_bytes
+
+    def _ours(self, st: os.stat_result) -> bool:
+        """A page file of ours: a regular file of a page's size (once a pool
+        is attached) that this user owns (any user's, when shared)."""
+        return (stat.S_ISREG(st.st_mode)
+                and (st.st_size == self.file_bytes or not self.page_bytes)
+                and (self.shared or st.st_uid == self._uid))
+
+    # -- reads -------------------------------------------------------------------------
+
     def batch_exists(self, keys: Sequence[str]) -> int:
         for i, key in enumerate(keys):
-            if not os.path.exists(self.path(key)):
+            path = self.path(key)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return i
+            except OSError:
+                self.count_error()
+                return i
+            if not self._ours(st):
+                self._bad_entry(path)
                 return i
         return len(keys)
 
     def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
         return [self._get(k, p) for k, p in zip(keys, host_pages)]
 
+    def _open(self, path: str) -> Optional[int]:
+        """A descriptor of the page file at `path`, or None: a miss (a bad
+        entry there is removed). Never blocks on a FIFO or device."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            self._forget(path)
+            return None
+        except OSError:  # a symlink (ELOOP), EACCES, EIO, ...: this entry only
+            self._bad_entry(path)
+            return None
+        try:
+            ok = self._ours(os.fstat(fd))
+        except OSError:
+            ok = False
+        if not ok:
+            os.close(fd)
+            self._bad_entry(path)
+            return None
+        return fd
+
     def _get(self, key: str, page: int) -> bool:
         path = self.path(key)
+        fd = self._open(path)
+        if fd is None:
+            return False
         view = memoryview(self.page_view(page).numpy())
+        header = self._header
         try:
-            with open(path, "rb") as f:
-                header = f.read(HEADER.size)
-                if len(header) != HEADER.size:
-                    return self._corrupt(path)
-                magic, raw_key, fingerprint, length, crc = HEADER.unpack(header)
-                if (magic != MAGIC or raw_key != bytes.fromhex(key)
+            with open(fd, "rb", buffering=0) as f:
+                head = f.read(header.size)
+                if len(head) != header.size:
+                    return self._bad_entry(path)
+                magic, raw_key, fingerprint, length, check = header.unpack(head)
+                if (magic != (MAGIC_KEYED if self.keyed else MAGIC)
+                        or raw_key != bytes.fromhex(key)
                         or fingerprint != self.fingerprint or length != self.page_bytes):
-                    return self._corrupt(path)
+                    return self._bad_entry(path)
                 if f.readinto(view) != length or f.read(1):
-                    return self._corrupt(path)
-        except FileNotFoundError:
-            if path in self._lru:  # removed by another process
-                self._total -= self._lru.pop(path)
-            return False
-        except OSError:
-            self.count_error()
-            return False
-        if crc32c(view) != crc:
-            return self._corrupt(path)
+                    return self._bad_entry(path)
+        except OSError:  # EIO on this file
+            return self._bad_entry(path)
+        if self.keyed:
+            if not hmac.compare_digest(self.tag(key, view), check):
+                return self._bad_entry(path)
+        elif crc32c(view) != check:
+            return self._bad_entry(path)
         if path in self._lru:
             self._lru.move_to_end(path)
         return True
 
-    def _corrupt(self, path: str) -> bool:
-        """A page that failed its checks is a miss, and is removed: the next
-        write of it puts a good one in its place."""
-        with self._lock:
-            self.corrupt_pages += 1
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        if path in self._lru:
-            self._total -= self._lru.pop(path)
+    def _bad_entry(self, path: str) -> bool:
+        """What sits at a page's path is not a page of ours: a miss, counted
+        and removed, so the next write of the page puts a good one there.
+        Only an entry that cannot be removed is an error."""
+        self.count_corrupt()
+        if not self._remove(path):
+            self.count_error()
+        self._forget(path)
         return False
+
+    def _remove(self, path: str) -> bool:
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+        return True
+
+    def _forget(self, path: str) -> None:
+        if path in self._lru:  # removed, by us or another process
+            self._total -= self._lru.pop(path)
+
+    # -- writes ------------------------------------------------------------------------
 
     def batch_set(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
         return [self._set(k, p) for k, p in zip(keys, host_pages)]
@@ -121,18 +293,21 @@ class FileStorage(StorageBackend):
     def _set(self, key: str, page: int) -> bool:
         path = self.path(key)
         view = memoryview(self.page_view(page).numpy())
-        header = HEADER.pack(MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes,
-                             crc32c(view))
-        tmp = f"{path}.{os.getpid()}.{id(view):x}.tmp"
+        if self.keyed:
+            header = HEADER_KEYED.pack(MAGIC_KEYED, bytes.fromhex(key), self.fingerprint,
+                                       self.page_bytes, self.tag(key, view))
+        else:
+            header = HEADER.pack(MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes,
+                                 crc32c(view))
+        tmp = f"{path}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         try:
-            sub = os.path.dirname(path)
-            if sub not in self._made:
-                os.makedirs(sub, exist_ok=True)
-                self._made.add(sub)
-            with open(tmp, "wb") as f:
+            self._subdir(os.path.dirname(path))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         self._page_mode)
+            with open(fd, "wb") as f:
                 f.write(header)
                 f.write(view)
-            os.replace(tmp, path)
+            self._replace(tmp, path)
         except OSError:
             self.count_error()
             self._made.discard(os.path.dirname(path))  # removed under us? made again next time
@@ -142,8 +317,33 @@ class FileStorage(StorageBackend):
                 pass
             return False
         if self.max_bytes is not None:
-            self._account(path, HEADER.size + self.page_bytes)
+            self._account(path, self.file_bytes)
         return True
+
+    def _subdir(self, sub: str) -> None:
+        if sub in self._made:
+            return
+        try:
+            os.mkdir(sub, self._dir_mode)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(sub).st_mode):  # something else in the way
+                self.count_corrupt()
+                os.unlink(sub)
+                os.mkdir(sub, self._dir_mode)
+        self._made.add(sub)
+
+    def _replace(self, tmp: str, path: str) -> None:
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            # A directory (or another entry rename cannot replace) in the way
+            # of the page: removed like a corrupt page, then the page goes in.
+            if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            self.count_corrupt()
+            if not self._remove(path):
+                raise
+            os.replace(tmp, path)
 
     def _account(self, path: str, size: int) -> None:
         if path in self._lru:

@@ -72,10 +72,13 @@ def pool_fingerprint(pool, *, model: str, layout: str = "page_first", tp_rank: i
                               side_buffers=sides)
 
 
-def page_keys(input_ids, page_size: int, seed: Optional[bytes] = None) -> List[str]:
+def page_keys(input_ids, page_size: int, seed: Optional[bytes] = None,
+              key: Optional[bytes] = None) -> List[str]:
     """Hex keys of the whole pages of `input_ids`: key i = SHA256(key i-1 ||
     page i's tokens as little-endian uint32), key -1 being `seed` (32 bytes,
     from `config_fingerprint`). Without a seed the chain is SGLang's page hash
-    (`get_hash_str`), so a store SGLang wrote can be read. Computed in C++
-    with OpenSSL's libcrypto."""
-    return _core.page_keys(input_ids, page_size, seed)
+    (`get_hash_str`), so a store SGLang wrote can be read. With `key` (32
+    bytes, a backend's `name_key` from its deployment secret) each key is
+    then HMAC-SHA-256(key, key i): a name nobody without the secret can
+    compute. Computed in C++ with OpenSSL's libcrypto."""
+    return _core.page_keys(input_ids, page_size, seed, key=key)

@@ -7,15 +7,28 @@ librdmacm1 and libnuma1 (`.ci/setup` installs them).
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from typing import List, Optional, Sequence
 
-from radixkv.storage.base import StorageBackend
+import torch
+
+from radixkv._checks import as_seconds
+from radixkv.storage.base import TAG_BYTES, StorageBackend
+
+log = logging.getLogger("radixkv")
+
+# What batch_get_into answers for a key the store does not have: a miss, not an error.
+_NOT_FOUND = -704
+# Clients whose master did not answer when they were closed.
+_LEFT_OPEN: list = []
 
 
 def _free_port() -> int:
@@ -38,14 +51,17 @@ def master_binary() -> Optional[str]:
 
 class MooncakeMaster:
     """A `mooncake_master` on 127.0.0.1 with its HTTP metadata server (and its
-    metrics server), on free ports; stopped by `stop()` or at the end of a
-    `with` block."""
+    metrics server), on free ports (or those of `ports`: rpc, http, metrics,
+    to start one again where a stopped one was); stopped by `stop()` or at
+    the end of a `with` block."""
 
-    def __init__(self, binary: Optional[str] = None, start_timeout_s: float = 20.0):
+    def __init__(self, binary: Optional[str] = None, start_timeout_s: float = 20.0,
+                 ports: Optional[tuple] = None):
         binary = binary or master_binary()
         if binary is None:
             raise RuntimeError("mooncake_master not found: pip install 'radixkv[mooncake]'")
-        self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.rpc_port, self.http_port, self.metrics_port = (
+            ports if ports is not None else (_free_port(), _free_port(), _free_port()))
         self._log = tempfile.NamedTemporaryFile(prefix="mooncake_master.", suffix=".log",
                                                 delete=False)
         self.log_path = self._log.name
@@ -69,6 +85,10 @@ class MooncakeMaster:
         with socket.socket() as s:
             s.settimeout(0.2)
             return s.connect_ex(("127.0.0.1", port)) == 0
+
+    @property
+    def ports(self) -> tuple:
+        return self.rpc_port, self.http_port, self.metrics_port
 
     @property
     def master_address(self) -> str:
@@ -95,6 +115,37 @@ class MooncakeMaster:
         self.stop()
 
 
+_PROBE = """
+import os, sys
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+rc = store.setup(sys.argv[1], sys.argv[2], 0, 0, sys.argv[3], "", sys.argv[4])
+print(rc, flush=True)
+os._exit(0)
+"""
+
+
+def probe_master(master_address: str, metadata_server: str, local_hostname: str,
+                 protocol: str, timeout_s: float) -> None:
+    """Checks, in a subprocess, that a client can set up against the master
+    within `timeout_s`: Mooncake's own setup holds the GIL for as long as a
+    hung master keeps it waiting, so it is only called once this passed.
+    Raises RuntimeError naming the master otherwise."""
+    cmd = [sys.executable, "-c", _PROBE, local_hostname, metadata_server, protocol,
+           master_address]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"Mooncake master {master_address} (metadata {metadata_server}) did "
+                           f"not answer within {timeout_s:g} s") from None
+    out = r.stdout.strip().splitlines()
+    if not out or out[-1] != "0":
+        raise RuntimeError(f"Mooncake Store setup failed against master {master_address} "
+                           f"(metadata {metadata_server}): "
+                           f"{out[-1] if out else r.stderr.strip()[-500:]}")
+
+
 class MooncakeStorage(StorageBackend):
     """Pages in Mooncake Store: the host pool is registered with the client
     once, and pages move with its batched zero-copy calls
@@ -104,16 +155,32 @@ class MooncakeStorage(StorageBackend):
     miss. The client contributes `segment_bytes` of its memory to the store.
     `fingerprint` (optional) seeds the storage tier's keys when the
     CacheManager is given no `storage_seed`.
+
+    With a `secret` (see StorageBackend) a value is the page followed by its
+    authentication tag, moved from and into the host page and a registered
+    array of tags in one call (`batch_put_from_multi_buffers`); a value whose
+    tag does not check is a miss, counted and removed from the store.
+
+    A master that does not answer: setting up checks the master first, in a
+    subprocess given `setup_timeout_s` (RuntimeError after it, as for a
+    refused setup); existence queries from the scheduler's thread are asked
+    with a bound (`blocking_queries`); calls on the storage tier's thread end
+    with Mooncake's own RPC timeouts, and the tier leaves a failing store
+    alone meanwhile.
     """
+
+    blocking_queries = True
 
     def __init__(self, master_address: str, metadata_server: str,
                  local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  segment_bytes: int = 256 << 20, buffer_bytes: int = 64 << 20,
-                 prefix: str = "radixkv/", fingerprint: Optional[bytes] = None):
-        super().__init__()
+                 prefix: str = "radixkv/", fingerprint: Optional[bytes] = None, *,
+                 secret: Optional[bytes] = None, setup_timeout_s: float = 10.0):
+        super().__init__(secret)
         if fingerprint is not None and (not isinstance(fingerprint, bytes)
                                         or len(fingerprint) != 32):
             raise ValueError("fingerprint must be 32 bytes (radixkv.storage.config_fingerprint)")
+        setup_timeout_s = as_seconds(setup_timeout_s, "setup_timeout_s")
         self.fingerprint = fingerprint
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -121,6 +188,10 @@ class MooncakeStorage(StorageBackend):
             raise RuntimeError("Mooncake Store's client is not installed: "
                                "pip install 'radixkv[mooncake]'") from e
         self.prefix = prefix
+        self._closed = True
+        self._where = (master_address, metadata_server, local_hostname, protocol)
+        self._setup_timeout_s = setup_timeout_s
+        probe_master(*self._where, setup_timeout_s)
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(local_hostname, metadata_server, segment_bytes, buffer_bytes,
                               protocol, "", master_address)
@@ -128,15 +199,27 @@ class MooncakeStorage(StorageBackend):
             raise RuntimeError(f"Mooncake Store setup failed (code {rc}): master "
                                f"{master_address}, metadata {metadata_server}")
         self._closed = False
+        self._tags: Optional[torch.Tensor] = None
 
     def _attached(self) -> None:
-        rc = self.store.register_buffer(self._bytes.data_ptr(),
-                                        self.page_bytes * self.pool.num_pages)
+        self._register(self._bytes.data_ptr(), self.page_bytes * self.pool.num_pages, "host pool")
+        if self.keyed:  # one tag per host page, moved with the page
+            self._tags = torch.zeros((self.pool.num_pages, TAG_BYTES), dtype=torch.uint8)
+            self._register(self._tags.data_ptr(), self._tags.numel(), "page tags")
+
+    def _register(self, address: int, size: int, what: str) -> None:
+        rc = self.store.register_buffer(address, size)
         if rc != 0:
-            raise RuntimeError(f"Mooncake Store could not register the host pool (code {rc})")
+            raise RuntimeError(f"Mooncake Store could not register the {what} (code {rc})")
 
     def _keys(self, keys: Sequence[str]) -> List[str]:
         return [self.prefix + k for k in keys]
+
+    def _parts(self, host_pages: Sequence[int]):
+        """Each page's buffers and sizes: the page, then its tag."""
+        tags = self._tags.data_ptr()
+        ptrs = [[self.page_address(p), tags + p * TAG_BYTES] for p in host_pages]
+        return ptrs, [[self.page_bytes, TAG_BYTES]] * len(host_pages)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -158,20 +241,37 @@ class MooncakeStorage(StorageBackend):
     def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
         if not keys:
             return []
-        size = self.page_bytes
+        size = self.page_bytes + (TAG_BYTES if self.keyed else 0)
         try:
-            got = self.store.batch_get_into(self._keys(keys),
-                                            [self.page_address(p) for p in host_pages],
-                                            [size] * len(keys))
+            if self.keyed:
+                got = self.store.batch_get_into_multi_buffers(self._keys(keys),
+                                                              *self._parts(host_pages))
+            else:
+                got = self.store.batch_get_into(self._keys(keys),
+                                                [self.page_address(p) for p in host_pages],
+                                                [size] * len(keys))
         except Exception:
             self.count_error(len(keys))
             return [False] * len(keys)
         ok = [g == size for g in got]
+        if self.keyed:
+            forged = []
+            for i, (key, page) in enumerate(zip(keys, host_pages)):
+                if ok[i] and not hmac.compare_digest(
+                        self.tag(key, self.page_view(page).numpy()),
+                        self._tags[page].numpy().tobytes()):
+                    ok[i] = False
+                    forged.append(key)
+            if forged:  # planted without the secret: counted and removed
+                self.count_corrupt(len(forged))
+                try:
+                    self.store.batch_remove(self._keys(forged), True)
+                except Exception:
+                    self.count_error()
         bad = sum(1 for g in got if g != size and g > 0)
         if bad:
-            with self._lock:
-                self.corrupt_pages += bad
-        errors = sum(1 for g in got if g < 0)
+            self.count_corrupt(bad)
+        errors = sum(1 for g in got if g < 0 and g != _NOT_FOUND)
         if errors:
             self.count_error(errors)
         return ok
@@ -180,9 +280,16 @@ class MooncakeStorage(StorageBackend):
         if not keys:
             return []
         try:
-            rc = self.store.batch_put_from(self._keys(keys),
-                                           [self.page_address(p) for p in host_pages],
-                                           [self.page_bytes] * len(keys))
+            if self.keyed:
+                for key, page in zip(keys, host_pages):
+                    self._tags[page] = torch.frombuffer(
+                        bytearray(self.tag(key, self.page_view(page).numpy())), dtype=torch.uint8)
+                rc = self.store.batch_put_from_multi_buffers(self._keys(keys),
+                                                             *self._parts(host_pages))
+            else:
+                rc = self.store.batch_put_from(self._keys(keys),
+                                               [self.page_address(p) for p in host_pages],
+                                               [self.page_bytes] * len(keys))
         except Exception:
             self.count_error(len(keys))
             return [False] * len(keys)
@@ -193,9 +300,21 @@ class MooncakeStorage(StorageBackend):
         return ok
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            try:
-                self.store.close()
-            except Exception:
-                pass
+        """Unmounts from the master and closes the client. Mooncake's close
+        holds the GIL while it waits for a master that does not answer
+        (seconds, for the whole process), so the master is probed first: if
+        it does not answer within the setup bound the client is left as it
+        is (the master drops its segment when the client's lease runs out)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            probe_master(*self._where, min(self._setup_timeout_s, 2.0))
+        except RuntimeError as e:
+            log.warning("radixkv: not closing the Mooncake client: %s", e)
+            _LEFT_OPEN.append(self.store)  # never destroyed: its destructor would wait too
+            return
+        try:
+            self.store.close()
+        except Exception:
+            pass

@@ -1,0 +1,641 @@
+"""The host and storage tiers when storage, masters or callers misbehave: no
+hang, no lost hit, no leak, no crash. Real files (FIFOs, directories and
+unreadable files at page paths, a file-size limit), a real Mooncake master
+paused with SIGSTOP, real threads and real signals. Every row a request is
+handed is checked against the K/V stored for its tokens."""
+
+import asyncio
+import ctypes
+import errno
+import gc
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+import radixkv
+from radixkv.kvcache import KVCacheLayout, MHAKVCache, MLAKVCache
+from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.scheduler import CacheManager, StorageFaultPolicy
+from radixkv.scheduler import cache as cache_module
+from radixkv.scheduler import host_tier as host_tier_module
+from radixkv.scheduler import storage_tier as storage_tier_module
+from radixkv.storage import FaultyStorage, FileStorage, MooncakeMaster, MooncakeStorage
+from storage_env import KV, PAGE, Instance, fingerprint, host_pool, keys, needs_mooncake, prompt
+
+
+def finishes(fn, limit_s=20.0):
+    """Runs `fn` on a daemon thread; returns (finished in time, its result or
+    exception). A hang guard: the test fails instead of hanging."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit_s)
+    return not t.is_alive(), out
+
+
+def written(cm):
+    return cm.storage_counters.written_pages
+
+
+# -- 1. a FIFO at a page path ----------------------------------------------------------
+
+
+def test_a_fifo_at_a_page_path_is_a_miss_not_a_hang(tmp_path):
+    pool = host_pool()
+    fs = FileStorage(str(tmp_path), fingerprint())
+    fs.attach(pool)
+    k = keys(2)
+    assert fs.batch_set(k, [0, 1]) == [True, True]
+    os.unlink(fs.path(k[1]))
+    os.mkfifo(fs.path(k[1]))
+    assert fs.batch_exists(k) == 1  # the FIFO is not a page
+    done, out = finishes(lambda: fs.batch_get(k, [2, 3]))
+    assert done, "a read of a FIFO at a page path hung"
+    assert out["value"] == [True, False]
+    assert not os.path.exists(fs.path(k[1]))  # removed: the next write puts a page there
+    assert fs.batch_set(k[1:], [1]) == [True] and fs.batch_get(k[1:], [3]) == [True]
+
+
+def test_a_request_whose_page_is_a_fifo_is_served(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(1, 4)
+    a.serve(ids)
+    b = Instance(FileStorage(str(tmp_path), fingerprint()))
+    path = b.cm._storage.backend.path(b.cm._storage.keys_of(ids)[2])
+    os.unlink(path)
+    os.mkfifo(path)
+    done, out = finishes(lambda: b.serve(ids))
+    assert done, "the tier hung on a FIFO"
+    assert "error" not in out, out.get("error")
+    assert out["value"][2] == 2 * PAGE  # the two pages before the FIFO
+    a.close(), b.close()
+
+
+class Stuck(FileStorage):
+    """Every read blocks until released (a hung device, a FIFO of old)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.release = threading.Event()
+
+    def batch_get(self, keys, pages):
+        self.release.wait()
+        return super().batch_get(keys, pages)
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_shutdown_is_bounded_whatever_the_storage_does(tmp_path, wait):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(2, 4)
+    a.serve(ids)
+    store = Stuck(str(tmp_path), fingerprint())
+    b = Instance(store, policy="best_effort", faults=StorageFaultPolicy(close_timeout_s=0.5))
+    op = b.cm.prefetch(ids)  # its read blocks on the storage thread
+    assert op is not None
+    t0 = time.monotonic()
+    done, out = finishes(lambda: b.cm.close(wait=wait))
+    assert done and "error" not in out, out.get("error")
+    assert time.monotonic() - t0 < 5
+    # The read's host pages stay its own while it may still write them.
+    b.cm.check_integrity()
+    b.serve(prompt(3, 2))  # the cache goes on without storage
+    store.release.set()
+    a.close()
+
+
+# -- 2. an unreadable entry ---------------------------------------------------------------
+
+
+def test_a_directory_at_a_popular_page_path_does_not_turn_the_store_off(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()), host_pages=48)
+    popular = prompt(10, 2)
+    backend = a.cm._storage.backend
+    path = backend.path(a.cm._storage.keys_of(popular)[0])
+    os.makedirs(os.path.join(path, "inside"))  # a directory where the page goes
+    for _ in range(3):
+        a.evict_everything()
+        a.serve(popular)
+    for k in range(40):  # 160 unrelated pages
+        a.serve(prompt(100 + k, 4))
+    assert written(a.cm) >= 160 + 2
+    assert os.path.isfile(path)  # the entry was replaced by the page
+    counters = a.cm.storage_counters
+    assert counters.skipped_reads == counters.skipped_writes == 0
+    a.close()
+
+
+def test_an_entry_the_reader_may_not_read_is_a_miss_for_that_page(tmp_path):
+    """EACCES on one page: a miss for it, removed, the store stays on. Run
+    where permissions bind (root reads anything)."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from storage_env import Instance, fingerprint, prompt
+        from radixkv.storage import FileStorage
+        d = {str(tmp_path / "store")!r}
+        a = Instance(FileStorage(d, fingerprint()))
+        ids = prompt(1, 3)
+        a.serve(ids)
+        b = Instance(FileStorage(d, fingerprint()))
+        path = b.cm._storage.backend.path(b.cm._storage.keys_of(ids)[1])
+        os.chmod(path, 0)
+        assert not os.access(path, os.R_OK), "still readable"
+        dev, host, got = b.serve(ids)
+        assert got == 4, got                      # the page before the unreadable one
+        c = b.cm.storage_counters
+        assert c.corrupt_pages == 1 and c.skipped == 0, c
+        assert os.access(path, os.R_OK)           # removed, and written again by b
+        b.serve(prompt(2, 3))
+        assert b.cm.storage_counters.written_pages == 2 + 3  # the store stays on
+        b.evict_everything()
+        assert b.serve(ids)[2] == 12              # written again, read whole
+        print("ok")
+    """)
+    run_unprivileged(script, tmp_path)
+
+
+def run_unprivileged(script, tmp_path):
+    """Runs `script` in a Python subprocess that permissions bind: as root,
+    without the capabilities that let root read and write any file."""
+    os.makedirs(tmp_path / "store", exist_ok=True)
+    cmd = [sys.executable, "-c", script]
+    if os.geteuid() == 0:
+        caps = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"] + cmd
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+# -- 3. failing writes ------------------------------------------------------------------
+
+
+def test_a_store_that_cannot_take_writes_still_serves_what_it_has(tmp_path):
+    """Writes fail with EFBIG (a file-size limit, as a full disk or a
+    read-only mount fails them): reads go on."""
+    script = textwrap.dedent(f"""
+        import os, resource, signal, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from storage_env import Instance, fingerprint, prompt
+        from radixkv.scheduler import StorageFaultPolicy
+        from radixkv.storage import FileStorage
+        d = {str(tmp_path / "store")!r}
+        a = Instance(FileStorage(d, fingerprint()), host_pages=64)
+        prompts = [prompt(k, 4) for k in range(30)]
+        for ids in prompts:
+            a.serve(ids)
+        a.close()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # every page write fails
+        b = Instance(FileStorage(d, fingerprint()), host_pages=64,
+                     faults=StorageFaultPolicy(retry_after_s=30))
+        for k in range(30):
+            b.serve(prompt(1000 + k, 4))          # writes fail: the write side backs off
+        assert b.cm.storage_counters.write_failures > 0
+        assert b.cm.storage_counters.skipped_writes > 0
+        got = 0
+        for ids in prompts:
+            b.evict_everything()
+            got += b.serve(ids)[2]
+        assert got == 30 * 16, got                # every token in the store was read
+        assert b.cm.storage_counters.skipped_reads == 0
+        print("ok")
+    """)
+    run_unprivileged(script, tmp_path)
+
+
+# -- 4. rare transient failures -----------------------------------------------------------
+
+
+def _prefetched_with_faults(tmp_path, fail_call, seed):
+    d = str(tmp_path / f"s{fail_call}-{seed}")
+    a = Instance(FileStorage(d, fingerprint()), host_pages=64)
+    prompts = [prompt(5000 + k, 3) for k in range(60)]
+    for ids in prompts:
+        a.serve(ids)
+    a.close()
+    store = FileStorage(d, fingerprint())
+    if fail_call:
+        store = FaultyStorage(store, seed=seed, fail_call=fail_call, fail_page=0,
+                              max_delay_s=0, scribble=False)
+    b = Instance(store, host_pages=64)
+    got = 0
+    for ids in prompts:
+        b.evict_everything()
+        got += b.serve(ids)[2]
+    counters = b.cm.storage_counters
+    b.close()
+    return got, counters
+
+
+@pytest.mark.parametrize("fail_call, keep", [(0.01, 0.95), (0.05, 0.8)])
+def test_rare_transient_failures_cost_only_their_own_pages(tmp_path, fail_call, keep):
+    clean, _ = _prefetched_with_faults(tmp_path, 0, 0)
+    assert clean == 60 * 3 * PAGE
+    errors = 0
+    for seed in range(3):
+        got, counters = _prefetched_with_faults(tmp_path, fail_call, seed)
+        assert got >= keep * clean, (seed, got, clean)
+        errors += counters.errors
+        # Skipped calls are counted, per direction, if any back-off was tripped.
+        assert counters.skipped == counters.skipped_reads + counters.skipped_writes
+    assert errors > 0  # the faults happened and were counted
+
+
+def test_a_direction_backs_off_after_failures_in_a_row_and_says_how_much_it_skipped(
+        tmp_path):
+    store = FaultyStorage(FileStorage(str(tmp_path), fingerprint()), fail_call=1.0,
+                          fail_page=0, max_delay_s=0)
+    a = Instance(store, faults=StorageFaultPolicy(retry_after_s=60, failures_in_a_row=3))
+    for k in range(6):
+        a.serve(prompt(40 + k, 2))
+    c = a.cm.storage_counters
+    tier = a.cm._storage
+    assert tier.writes_down() and tier.reads_down()
+    assert c.skipped_writes >= 3 and c.skipped_reads >= 3
+    m = a.cm.metrics
+    assert m.storage_skipped_writes == c.skipped_writes
+    assert m.storage_skipped_reads == c.skipped_reads
+    assert "radixkv_storage_skipped_writes_total" in m.prometheus()
+    a.close()
+
+
+# -- 5. a paused Mooncake master --------------------------------------------------------------
+
+
+@needs_mooncake
+def test_a_paused_master_never_blocks_the_scheduler_thread():
+    m = MooncakeMaster()
+    try:
+        def backend():
+            return MooncakeStorage(m.master_address, m.metadata_server, segment_bytes=32 << 20,
+                                   buffer_bytes=16 << 20)
+
+        a = Instance(backend(), policy="best_effort",
+                     faults=StorageFaultPolicy(query_timeout_s=0.05, close_timeout_s=1))
+        ids = prompt(7, 4)
+        a.serve(ids)
+        a.evict_everything()
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        try:
+            slowest = 0.0
+            for k in range(6):
+                t0 = time.monotonic()
+                a.cm.prefetch(prompt(8 + k, 4))
+                slowest = max(slowest, time.monotonic() - t0)
+            assert slowest < 1.0, f"prefetch blocked the scheduler thread {slowest:.1f} s"
+            c = a.cm.storage_counters
+            assert c.query_timeouts >= 1
+            assert a.cm._storage.reads_down()  # left alone after repeated timeouts
+        finally:
+            os.kill(m.proc.pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        done, out = finishes(lambda: a.cm.close(wait=False), 30)
+        assert done and time.monotonic() - t0 < 5
+    finally:
+        m.stop()
+
+
+# -- 6. setup against a hung master ------------------------------------------------------------
+
+
+@needs_mooncake
+def test_mooncake_setup_against_a_hung_master_fails_in_bounded_time():
+    m = MooncakeMaster()
+    os.kill(m.proc.pid, signal.SIGSTOP)
+    try:
+        script = textwrap.dedent(f"""
+            import time
+            from radixkv.storage import MooncakeStorage
+            t0 = time.monotonic()
+            try:
+                MooncakeStorage({m.master_address!r}, {m.metadata_server!r},
+                                segment_bytes=32 << 20, buffer_bytes=16 << 20,
+                                setup_timeout_s=2)
+            except RuntimeError as e:
+                print("refused", round(time.monotonic() - t0, 1), e)
+        """)
+        try:
+            r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("Mooncake setup against a hung master did not return in 60 s")
+        assert "refused" in r.stdout, r.stdout + r.stderr[-2000:]
+        assert "did not answer" in r.stdout
+        assert float(r.stdout.split()[1]) < 20
+    finally:
+        os.kill(m.proc.pid, signal.SIGCONT)
+        m.stop()
+
+
+@needs_mooncake
+def test_close_with_the_master_killed_is_bounded():
+    m = MooncakeMaster()
+    a = Instance(MooncakeStorage(m.master_address, m.metadata_server, segment_bytes=32 << 20,
+                                 buffer_bytes=16 << 20),
+                 faults=StorageFaultPolicy(close_timeout_s=1))
+    a.serve(prompt(9, 3))
+    m.proc.kill()
+    m.stop()
+    t0 = time.monotonic()
+    done, _ = finishes(lambda: a.cm.close(), 60)
+    assert done and time.monotonic() - t0 < 5
+
+
+# -- 7. a manager dropped without close ------------------------------------------------------
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _eventually(check, limit_s=20.0):
+    deadline = time.monotonic() + limit_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_manager_with_storage_dropped_without_close_frees_everything(tmp_path):
+    pool = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 16, KV.dtype, page_size=PAGE)
+    threads = threading.active_count()
+    # 64 MiB of host pool per manager: 20 leaked would be 1.3 GiB.
+    host_pages = (64 << 20) // (2 * KV.num_layers * PAGE * KV.num_kv_heads * KV.head_dim * 2)
+    rss = _rss_bytes()
+    pools = []
+    gc.disable()  # freed by reference counts alone, as a manager without storage is
+    try:
+        for k in range(20):
+            cm = CacheManager(16, page_size=PAGE, host_num_pages=host_pages, kv_cache=pool,
+                              storage=FileStorage(str(tmp_path), fingerprint()),
+                              storage_seed=fingerprint())
+            ids = prompt(k, 3)
+            h, idx = cm.match_req(ids)
+            cm.lock(h)
+            own = cm.allocate(len(ids))
+            cm.free_and_cache_finished_req(h, ids, own)  # a backup and a write in flight
+            pools.append(weakref.ref(cm.host_pool))
+            del cm, h, idx, own
+        assert _eventually(lambda: all(p() is None for p in pools)), \
+            f"{sum(p() is not None for p in pools)} of 20 host pools are still alive"
+        assert _eventually(lambda: threading.active_count() <= threads), \
+            f"{threading.active_count() - threads} threads left behind"
+        assert _rss_bytes() - rss < 256 << 20
+        # The device pool can back another manager's host tier.
+        cm = CacheManager(16, page_size=PAGE, host_num_pages=8, kv_cache=pool)
+        cm.close()
+    finally:
+        gc.enable()
+
+
+# -- 8. a BaseException from a backend ------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc", [asyncio.CancelledError, KeyboardInterrupt, SystemExit])
+def test_a_base_exception_from_a_backend_is_an_error_not_a_dead_thread(tmp_path, exc):
+    class Raising(FileStorage):
+        left = 1
+
+        def batch_set(self, keys, pages):
+            if self.left:
+                self.left -= 1
+                raise exc()
+            return super().batch_set(keys, pages)
+
+    a = Instance(Raising(str(tmp_path), fingerprint()))
+    a.serve(prompt(20, 3))  # drains: must not raise
+    assert a.cm._storage.thread_alive
+    assert a.cm.storage_counters.errors >= 1
+    assert a.cm._tree.tier_sizes()[6] == 0  # no host page left pinned
+    a.serve(prompt(21, 3))
+    assert written(a.cm) == 3
+    a.close()
+
+
+def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    a.serve(prompt(22, 3))
+    tier = a.cm._storage
+    thread = tier._thread
+    # Kill the idle thread: the exception lands as it takes its next job.
+    assert ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit)) == 1
+    a.serve(prompt(23, 3), drain=False)
+    done, out = finishes(lambda: a.cm.drain())
+    assert done and "error" not in out, out.get("error")
+    thread.join(5)
+    assert not thread.is_alive()
+    assert tier.lost and a.cm.storage_counters.lost
+    assert a.cm._tree.tier_sizes()[6] == 0 and a.cm._tree.host_pins == 0
+    a.cm.check_integrity()
+    assert a.serve(prompt(24, 3))  # the cache goes on without storage
+    assert a.cm.prefetch(prompt(22, 3)) is None
+    a.close()
+
+
+# -- 9. Ctrl-C at any bytecode -----------------------------------------------------------------
+
+
+_TIER_FILES = {os.path.realpath(m.__file__) for m in (cache_module, host_tier_module,
+                                                      storage_tier_module)}
+
+
+def _cycle(inst, k):
+    """A request cycle that crosses every copy path: a prefetch and its read,
+    a load back, backups, writes to storage, device and host eviction."""
+    ids = prompt(300 + k % 5, 3)
+    inst.serve(ids, drain=k % 2 == 0)
+    if k % 3 == 0:
+        inst.cm.make_room(inst.cm.num_pages * PAGE)
+    if k % 4 == 0:
+        inst.cm._tier.make_room(PAGE * 4)
+    inst.cm.writing_check()
+    inst.cm.loading_check()
+    inst.cm.storage_check()
+
+
+def test_ctrl_c_at_any_bytecode_of_the_tiers_keeps_their_bookkeeping_whole(tmp_path):
+    def fresh():
+        return Instance(FileStorage(str(tmp_path), fingerprint()), pages=16, host_pages=12,
+                        policy="best_effort")
+
+    inst = fresh()
+    for k in range(6):
+        _cycle(inst, k)
+    hits, k, stride = 0, 1, 3
+    while True:
+        count, fired = [0], [False]
+
+        def tracer(frame, event, arg):
+            if frame.f_code.co_filename not in _TIER_FILES:
+                return None
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                count[0] += 1
+                if count[0] == k:
+                    fired[0] = True
+                    signal.raise_signal(signal.SIGINT)
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            _cycle(inst, k)
+        except KeyboardInterrupt:
+            hits += 1
+        except AssertionError:
+            raise
+        finally:
+            sys.settrace(None)
+        # Whatever the caller lost (a handle, pages it was handed), the
+        # tiers' bookkeeping is whole, and the manager drains and closes.
+        inst.cm.drain()
+        inst.cm.check_integrity()
+        if not fired[0]:
+            break
+        if inst.cm.held_pages or inst.cm.manager.size_info.protected_size:
+            inst.close()  # the interrupted caller lost what it held: start over
+            inst = fresh()
+        k += stride
+    assert hits > 100, hits
+    inst.close()
+
+
+# -- 10. pool storage freed under a copy ---------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst])
+def test_pool_storage_cannot_be_resized_away(layout):
+    dev = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 8, KV.dtype, page_size=PAGE,
+                     kv_layout=layout)
+    side = dev.register_side_buffer("scale", (2,), torch.float32)
+    mla = MLAKVCache(16, 8, 2, 4, torch.float16, kv_layout=layout, page_size=PAGE)
+    host = HostKVCache(dev, 8, pin_memory=False)
+    buffers = [dev.kv_buffer, host.kv_buffer, mla.kv_buffer, side, host.side_buffer("scale", 0)]
+    for buf in buffers:
+        with pytest.raises(RuntimeError, match="not resizable"):
+            buf.untyped_storage().resize_(0)
+        assert buf.untyped_storage().nbytes() > 0
+
+
+def test_resizing_a_pool_while_its_copies_run_raises_in_the_caller(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()), pages=16, host_pages=32)
+    stop = threading.Event()
+
+    def copies():
+        k = 0
+        while not stop.is_set():
+            a.serve(prompt(400 + k % 7, 3), drain=False)
+            a.evict_everything()
+            k += 1
+
+    t = threading.Thread(target=copies)
+    t.start()
+    try:
+        for _ in range(50):
+            for buf in (a.pool.kv_buffer, a.cm.host_pool.kv_buffer):
+                with pytest.raises(RuntimeError):
+                    buf.untyped_storage().resize_(0)
+            time.sleep(0.002)
+    finally:
+        stop.set()
+        t.join()
+    a.cm.drain()
+    a.cm.check_integrity()
+    a.close()
+
+
+# -- smaller points -----------------------------------------------------------------------
+
+
+def test_storage_arguments_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="directory"):
+        FileStorage("", fingerprint())
+    for bad in (math.nan, math.inf, 1.5, "10"):
+        with pytest.raises((TypeError, ValueError), match="max_bytes"):
+            FileStorage(str(tmp_path), fingerprint(), max_bytes=bad)
+    with pytest.raises(NotADirectoryError, match="directory '/etc/passwd' is not a directory"):
+        FileStorage("/etc/passwd", fingerprint())
+    dev = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 4, KV.dtype, page_size=PAGE)
+    with pytest.raises(TypeError, match="min_prefetch_tokens"):
+        CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8,
+                     storage=FileStorage(str(tmp_path), fingerprint()),
+                     min_prefetch_tokens="x")
+    with pytest.raises(TypeError, match="storage_faults"):
+        CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8,
+                     storage=FileStorage(str(tmp_path), fingerprint()), storage_faults=3)
+    for field, bad in (("query_timeout_s", 0), ("retry_after_s", -1),
+                       ("failures_in_a_row", 0), ("close_timeout_s", math.nan)):
+        with pytest.raises((TypeError, ValueError), match=field):
+            StorageFaultPolicy(**{field: bad})
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    with pytest.raises(TypeError, match="prefetch"):
+        a.cm.wait_prefetch("x")
+    a.close()
+
+
+def test_cli_storage_dir_that_is_a_file_says_so():
+    r = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--storage", "file",
+                        "--storage-dir", "/etc/passwd", "--limit", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "not a directory" in r.stderr, r.stderr
+    assert "File exists" not in r.stderr
+
+
+@pytest.mark.parametrize("sig, exc", [(signal.SIGINT, KeyboardInterrupt),
+                                      (signal.SIGTERM, SystemExit)])
+def test_a_signal_during_a_call_is_delivered_when_it_returns(sig, exc):
+    """Ctrl-C, or a server's SIGTERM handler raising SystemExit, arrives when
+    the CacheManager call it landed in returns, complete; the shielded
+    methods keep their names, docs and signatures."""
+    import inspect
+
+    cm = CacheManager(8, page_size=PAGE, host_num_pages=8)
+    ids = prompt(2, 2)
+    h, _ = cm.match_req(ids)
+    cm.lock(h)
+    own = cm.allocate(len(ids))
+    previous = signal.getsignal(signal.SIGTERM)
+    if sig == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))
+    fired = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename in _TIER_FILES:
+            if event == "call" and frame.f_code.co_name == "_insert" and not fired:
+                fired.append(1)
+                signal.raise_signal(sig)
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(exc):
+            cm.free_and_cache_finished_req(h, ids, own)
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGTERM, previous)
+    assert fired == [1] and cm.held_pages == 0  # the call finished before the signal
+    cm.drain()
+    cm.check_integrity()
+    assert cm.match_req(ids)[0].cached_len == 2 * PAGE
+    assert CacheManager.allocate.__name__ == "allocate" and "pages" in CacheManager.allocate.__doc__
+    assert list(inspect.signature(CacheManager.allocate).parameters) == ["self", "num_tokens"]
