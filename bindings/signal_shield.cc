@@ -1,6 +1,7 @@
 #include "signal_shield.h"
 
 #include <Python.h>
+#include <pthread.h>
 #include <pythread.h>
 #include <structmember.h>
 
@@ -8,7 +9,6 @@
 #include <csignal>
 #include <cstring>
 #include <ctime>
-#include <iterator>
 
 #include "fast_call.h"
 
@@ -20,51 +20,52 @@ namespace py = pybind11;
 constexpr int kSignals[] = {SIGINT, SIGTERM};
 using Handler = void (*)(int);
 
-// How often the front handlers are checked for (and put back in front of a
-// handler installed since) when the Python handlers look unchanged: a
-// syscall per signal, so not on every call.
+// SIGTERM's front handler is checked for (and put back in front of Python's
+// C handler, which signal.signal() installs) when its Python handler changed,
+// and at least this often: asking the kernel is a system call. SIGINT's is
+// checked on every outermost call.
 constexpr int64_t kRecheckNs = 10'000'000;
 
 std::atomic<int> g_depth{0};        // shielded calls under way on the main thread
-int64_t g_next_check_ns = 0;        // main thread only
-// _signal.getsignal, each signal as a Python int, and the Python handler each
-// had at the last check (held, so a new handler is never at an old address).
-PyObject* g_getsignal = nullptr;
-PyObject* g_signums[std::size(kSignals)] = {};
-PyObject* g_seen[std::size(kSignals)] = {};
-
-// Whether a Python handler changed since the last check (signal.signal()
-// puts Python's own C handler back in front of ours): then it is time to
-// check. One call of signal.getsignal per signal, far cheaper than asking
-// the kernel.
-bool HandlersChanged() {
-  bool changed = false;
-  for (size_t i = 0; i < std::size(kSignals); ++i) {
-    PyObject* now = PyObject_Vectorcall(g_getsignal, &g_signums[i], 1, nullptr);
-    if (now == nullptr) {
-      PyErr_Clear();
-      return true;
-    }
-    if (now != g_seen[i]) {
-      changed = true;
-      Py_XSETREF(g_seen[i], now);
-    } else {
-      Py_DECREF(now);
-    }
-  }
-  return changed;
-}
 std::atomic<int> g_pending[NSIG];   // signals held back, by number
 std::atomic<Handler> g_next[NSIG];  // the handler each front handler passes to
 unsigned long g_main_thread = 0;
+// Python's own C handler (what signal.signal() installs for a Python
+// callable): the only handler the front is ever placed before, so a handler
+// that chains to the one it replaced can never lead back to ours.
+Handler g_python_handler = nullptr;
+int64_t g_next_check_ns = 0;        // main thread only
+// _signal.getsignal, SIGTERM as a Python int, and its Python handler at the
+// last check (held, so a new handler is never at an old address).
+PyObject* g_getsignal = nullptr;
+PyObject* g_sigterm = nullptr;
+PyObject* g_seen_sigterm = nullptr;
 
 extern "C" void FrontHandler(int sig) {
+  const Handler next = g_next[sig].load(std::memory_order_acquire);
   if (g_depth.load(std::memory_order_acquire) > 0) {
     g_pending[sig].fetch_add(1, std::memory_order_acq_rel);  // each one counts (a second Ctrl-C)
+    // The call may have ended meanwhile, its held signals delivered: then
+    // pass this one on now (whoever takes the count delivers it).
+    if (g_depth.load(std::memory_order_acquire) > 0 ||
+        g_pending[sig].exchange(0, std::memory_order_acq_rel) == 0) {
+      return;
+    }
+  }
+  if (next != nullptr) next(sig);
+}
+
+// Puts the front handler before Python's C handler for `sig`.
+void PlaceFront(int sig) {
+  struct sigaction now;
+  if (g_python_handler == nullptr || sigaction(sig, nullptr, &now) != 0 ||
+      (now.sa_flags & SA_SIGINFO) || now.sa_handler != g_python_handler) {
     return;
   }
-  const Handler next = g_next[sig].load(std::memory_order_acquire);
-  if (next != nullptr) next(sig);
+  g_next[sig].store(now.sa_handler, std::memory_order_release);
+  struct sigaction front = now;
+  front.sa_handler = FrontHandler;
+  sigaction(sig, &front, nullptr);
 }
 
 int64_t NowNs() {
@@ -73,40 +74,79 @@ int64_t NowNs() {
   return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec;
 }
 
-// Puts the front handler before each signal's handler, where that is a
-// plain function (not SIG_DFL, SIG_IGN, an SA_SIGINFO handler, or ours).
-void PlaceFront() {
-  for (int sig : kSignals) {
-    struct sigaction now;
-    if (sigaction(sig, nullptr, &now) != 0) continue;
-    if ((now.sa_flags & SA_SIGINFO) || now.sa_handler == SIG_DFL ||
-        now.sa_handler == SIG_IGN || now.sa_handler == FrontHandler) {
-      continue;
-    }
-    g_next[sig].store(now.sa_handler, std::memory_order_release);
-    struct sigaction front = now;
-    front.sa_handler = FrontHandler;
-    sigaction(sig, &front, nullptr);
+// Whether SIGTERM's Python handler changed since the last check.
+bool SigtermHandlerChanged() {
+  PyObject* now = PyObject_Vectorcall(g_getsignal, &g_sigterm, 1, nullptr);
+  if (now == nullptr) {
+    PyErr_Clear();
+    return true;
   }
+  if (now == g_seen_sigterm) {
+    Py_DECREF(now);
+    return false;
+  }
+  Py_XSETREF(g_seen_sigterm, now);
+  return true;
 }
 
 // Delivers the signals held back, each as often as it came, running their
 // Python handlers after each (Python notes only that a signal came, not how
-// often). Returns -1 with the exception set if a handler raised (what came
-// after it is dropped), else 0. With `handle` false (an exception is already
-// set) each is raised once and left for the interpreter to handle later.
+// often). Returns -1 with the exception set if a handler raised; each signal
+// still held is then raised once more, for the interpreter to handle after
+// it. With `handle` false (an exception is already set) each is raised once
+// and left for the interpreter.
 int DeliverHeld(bool handle) {
   for (int sig : kSignals) {
     for (int n = g_pending[sig].exchange(0, std::memory_order_acq_rel); n > 0; --n) {
       std::raise(sig);
       if (!handle) break;
       if (PyErr_CheckSignals() < 0) {
-        for (int other : kSignals) g_pending[other].store(0, std::memory_order_release);
+        for (int other : kSignals) {
+          if (g_pending[other].exchange(0, std::memory_order_acq_rel) > 0) std::raise(other);
+        }
         return -1;
       }
     }
   }
   return 0;
+}
+
+// In a child made by fork() (from any thread): no call is under way there,
+// and the thread that forked is its main thread.
+void AfterForkInChild() {
+  g_depth.store(0);
+  for (int sig : kSignals) g_pending[sig].store(0);
+  g_main_thread = PyThread_get_thread_ident();
+}
+
+// Python's C handler: what SIGINT has when its Python handler is a
+// callable (Python installs one at start), else what signal.signal()
+// installs, for a moment, on a spare signal at its default. Null when
+// neither can be read (not on the main thread): nothing is held back then.
+Handler FindPythonHandler() {
+  py::module_ sig = py::module_::import("_signal");
+  struct sigaction now;
+  if (PyCallable_Check(sig.attr("getsignal")(SIGINT).ptr()) &&
+      sigaction(SIGINT, nullptr, &now) == 0 && !(now.sa_flags & SA_SIGINFO) &&
+      now.sa_handler != SIG_DFL && now.sa_handler != SIG_IGN) {
+    return now.sa_handler;
+  }
+  const int spare = SIGRTMAX;
+  struct sigaction saved;
+  py::object old = sig.attr("getsignal")(spare);
+  if (sigaction(spare, nullptr, &saved) != 0 || saved.sa_handler != SIG_DFL ||
+      !py::isinstance<py::int_>(old)) {
+    return nullptr;
+  }
+  try {
+    sig.attr("signal")(spare, sig.attr("default_int_handler"));
+  } catch (py::error_already_set&) {
+    return nullptr;  // not the main thread
+  }
+  const bool read = sigaction(spare, nullptr, &now) == 0;
+  sig.attr("signal")(spare, old);
+  sigaction(spare, &saved, nullptr);
+  return read && !(now.sa_flags & SA_SIGINFO) ? now.sa_handler : nullptr;
 }
 
 struct Shielded {
@@ -124,9 +164,10 @@ PyObject* Shielded_Call(PyObject* self, PyObject* const* args, size_t nargsf,
   if (g_depth.load(std::memory_order_relaxed) == 0) {
     // What arrived before the call is delivered before it.
     if (DeliverHeld(true) < 0 || PyErr_CheckSignals() < 0) return nullptr;
+    PlaceFront(SIGINT);
     const int64_t now = NowNs();
-    if (HandlersChanged() || now >= g_next_check_ns) {
-      PlaceFront();
+    if (SigtermHandlerChanged() || now >= g_next_check_ns) {
+      PlaceFront(SIGTERM);
       g_next_check_ns = now + kRecheckNs;
     }
   }
@@ -241,10 +282,9 @@ void RegisterSignalShield(py::module_& m) {
   g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident")
                       .cast<unsigned long>();
   g_getsignal = py::object(py::module_::import("_signal").attr("getsignal")).release().ptr();
-  for (size_t i = 0; i < std::size(kSignals); ++i) {
-    g_signums[i] = PyLong_FromLong(kSignals[i]);
-    if (g_signums[i] == nullptr) throw py::error_already_set();
-  }
+  g_sigterm = py::int_(SIGTERM).release().ptr();
+  g_python_handler = FindPythonHandler();
+  pthread_atfork(nullptr, nullptr, AfterForkInChild);
   AddType(m, &kShieldedSpec);
 }
 

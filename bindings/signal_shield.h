@@ -11,16 +11,23 @@
 //  - On entry (main thread, outermost call) a signal already pending is
 //    delivered first: the call raises before it changes anything.
 //  - While it runs, SIGINT and SIGTERM reach a C handler placed in front of
-//    the one installed (Python's, or any other), which only notes them.
-//  - On return they are raised again and, for Python's handler, handled at
-//    once: the exception comes out of the call, whose work is complete.
+//    Python's own C handler, which only notes them (each time they come).
+//  - On return they are raised again, each as often as it came, and handled
+//    at once: the exception comes out of the call, whose work is complete
+//    (a second Ctrl-C is a second signal; one that came after a handler
+//    raised is handled by the interpreter after it).
 //
 // Outside shielded calls the front handler passes each signal straight on,
-// so nothing else changes; `signal.signal()` replaces it as usual, and the
-// next shielded call puts it back in front. Other threads never run Python
-// signal handlers: their calls are not shielded. Exceptions injected with
-// PyThreadState_SetAsyncExc or _thread.interrupt_main() bypass the OS and are
-// not held back.
+// so nothing else changes. It is only ever placed before Python's own C
+// handler, never before another's (a C library's handler that chains to the
+// one it replaced can then never lead back to it). `signal.signal()`
+// installs Python's handler in front again; the next shielded call puts
+// ours back: at once for SIGINT (the kernel is asked on every outermost
+// call), for SIGTERM when its Python handler changed or 10 ms passed. In a
+// child made by fork() nothing is held back until its first shielded call.
+// Other threads never run Python signal handlers: their calls are not
+// shielded. Exceptions injected with PyThreadState_SetAsyncExc or
+// _thread.interrupt_main() bypass the kernel and are not held back.
 #pragma once
 
 #include <pybind11/pybind11.h>
