@@ -151,8 +151,9 @@ class PyController {
   // The CPU engine between two CPU pools.
   PyController(py::handle device, const std::vector<int64_t>& device_layout, py::handle host,
                const std::vector<int64_t>& host_layout, int64_t row_bytes, int64_t layers,
-               bool manual, py::handle side_planes)
-      : device_(ReadPool(device, device_layout, "device", row_bytes, layers, false)),
+               bool manual, py::handle side_planes, py::object keep)
+      : keep_(std::move(keep)),
+        device_(ReadPool(device, device_layout, "device", row_bytes, layers, false)),
         host_(ReadPool(host, host_layout, "host", row_bytes, layers, false)) {
     CheckSameSides(device_, host_, "device", "host");
     std::vector<CopyPlane> planes{CopyPlane{device_.layout, host_.layout, row_bytes}};
@@ -167,7 +168,7 @@ class PyController {
     c_ = std::make_unique<CacheController>(MakeNullCopyEngine(layers), manual);
   }
   // An engine another module made (radixkv._cuda.copy_engine), taken once.
-  PyController(py::capsule engine, bool manual) {
+  PyController(py::capsule engine, bool manual, py::object keep) : keep_(std::move(keep)) {
     if (std::string(engine.name() ? engine.name() : "") != kEngineCapsule) {
       throw py::type_error("engine must come from radixkv._cuda.copy_engine");
     }
@@ -182,14 +183,14 @@ class PyController {
 
   uint64_t Backup(py::handle device, py::handle host) {
     std::vector<int32_t> d = Slots(device, "device_slots"), h = Slots(host, "host_slots");
-    Stream();
+    CheckedStream();
     if (d.size() != h.size()) throw py::value_error("device_slots and host_slots differ in length");
     return c_->Backup(std::move(d), std::move(h));
   }
   uint64_t Load(py::handle host, py::handle device) {
     std::vector<int32_t> h = Slots(host, "host_slots"), d = Slots(device, "device_slots");
     if (d.size() != h.size()) throw py::value_error("device_slots and host_slots differ in length");
-    Stream();
+    CheckedStream();
     return c_->Load(std::move(h), std::move(d));
   }
   void StartLoading() {
@@ -216,8 +217,8 @@ class PyController {
     py::gil_scoped_release nogil;
     c_->WaitLoads();
   }
-  py::list TakeBackupAcks() { return Acks(c_->TakeBackupAcks()); }
-  py::list TakeLoadAcks() { return Acks(c_->TakeLoadAcks()); }
+  py::list TakeBackupAcks() { return Acks(Checked(c_->TakeBackupAcks())); }
+  py::list TakeLoadAcks() { return Acks(Checked(c_->TakeLoadAcks())); }
   bool Complete(uint64_t id, bool ok) {
     Stream();
     py::gil_scoped_release nogil;
@@ -228,19 +229,50 @@ class PyController {
   int64_t NumLayers() const { return c_->num_layers(); }
 
  private:
-  // Before anything is queued or waited for, with the GIL: the pools are
-  // still where they were (see Pool::CheckUnchanged), and a CUDA engine
-  // fences against, and makes wait, the caller's current stream (torch's).
-  void Stream() {
+  // Before a copy is queued, with the GIL: the pools are still where they
+  // were (see Pool::CheckUnchanged); then Stream().
+  void CheckedStream() {
     device_.CheckUnchanged("device");
     host_.CheckUnchanged("host");
     for (const Pool& p : sides_) p.CheckUnchanged("a side buffer");
+    Stream();
+  }
+  // Before anything is queued or waited for: a CUDA engine fences against,
+  // and makes wait, the caller's current stream (torch's). Waiting touches
+  // no pool: it works (and a shutdown drains) after a pool has moved.
+  void Stream() {
     if (engine_ != nullptr && device_.device.device_type == kDLCUDA) {
       engine_->SetComputeStream(CurrentStream(device_.device));
     }
   }
 
-  Pool device_, host_;  // declared first: destroyed after the controller's thread stops
+  // Copies that finished into memory a pool no longer has (its storage moved
+  // since, say by share_memory_(), the memory they used kept alive by
+  // `keep`) count as failed: the tree never takes rows the pool cannot see.
+  std::vector<CopyAck> Checked(std::vector<CopyAck> acks) const {
+    if (!acks.empty() && !PoolsUnchanged()) {
+      for (CopyAck& a : acks) a.ok = false;
+    }
+    return acks;
+  }
+  bool PoolsUnchanged() const {
+    try {
+      device_.CheckUnchanged("device");
+      host_.CheckUnchanged("host");
+      for (const Pool& p : sides_) p.CheckUnchanged("a side buffer");
+    } catch (const std::exception&) {
+      PyErr_Clear();
+      return false;
+    }
+    return true;
+  }
+
+  // The memory the pools had when the controller was made (the tensors
+  // that own it): kept until the controller's thread has stopped, so a
+  // pool whose storage moves in place (share_memory_()) never frees memory
+  // a copy is using. Declared first: destroyed last.
+  py::object keep_;
+  Pool device_, host_;  // destroyed after the controller's thread stops
   std::vector<Pool> sides_;
   CopyEngine* engine_ = nullptr;  // owned by c_; set for an engine from another module
   std::unique_ptr<CacheController> c_;
@@ -281,12 +313,14 @@ void RegisterController(py::module_& m) {
         py::arg("dst_slots"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1);
   py::class_<PyController>(m, "CacheController")
       .def(py::init<py::handle, const std::vector<int64_t>&, py::handle,
-                    const std::vector<int64_t>&, int64_t, int64_t, bool, py::handle>(),
+                    const std::vector<int64_t>&, int64_t, int64_t, bool, py::handle,
+                    py::object>(),
            py::arg("device"), py::arg("device_layout"), py::arg("host"), py::arg("host_layout"),
            py::arg("row_bytes"), py::arg("layers"), py::arg("manual") = false,
-           py::arg("side_planes") = py::none())
+           py::arg("side_planes") = py::none(), py::arg("keep") = py::none())
       .def(py::init<int64_t, bool>(), py::arg("layers"), py::arg("manual") = false)
-      .def(py::init<py::capsule, bool>(), py::arg("engine"), py::arg("manual") = false)
+      .def(py::init<py::capsule, bool, py::object>(), py::arg("engine"),
+           py::arg("manual") = false, py::arg("keep") = py::none())
       .def("backup", &PyController::Backup, py::arg("device_slots"), py::arg("host_slots"))
       .def("load", &PyController::Load, py::arg("host_slots"), py::arg("device_slots"))
       .def("start_loading", &PyController::StartLoading)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -12,15 +12,20 @@ from radixkv import _core
 from radixkv._checks import as_int, to_host
 
 
-def fixed_zeros(shape: tuple, dtype: torch.dtype, device="cpu",
-                pin_memory: bool = False) -> torch.Tensor:
+def fixed_zeros(shape: tuple, dtype: torch.dtype, device="cpu", pin_memory: bool = False,
+                owners: Optional[list] = None) -> torch.Tensor:
     """A zero-filled buffer whose storage cannot be resized: what the pools
     allocate. The copy controller's thread reads and writes their memory
     while the caller holds the tensors, so `untyped_storage().resize_(0)` on
     one must raise instead of freeing memory a copy is using. The memory is
-    torch's, held through DLPack, whose tensors have fixed-size storage."""
+    torch's, held through DLPack, whose tensors have fixed-size storage; the
+    tensor that owns it is appended to `owners` (a pool's `memory_owners`),
+    which the controller keeps: a storage moved in place (share_memory_())
+    then leaves the memory its copies use alive."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.zeros(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    if owners is not None:
+        owners.append(raw)
     if raw.device.type in ("cpu", "cuda"):  # (meta tensors have no memory to hold)
         raw = torch.from_dlpack(raw)
     return raw.view(dtype).view(shape)
@@ -181,11 +186,14 @@ class PagedPool(BaseKVCache):
         view `[*lead, L, P, S, *row]`: stored so with LayerFirst, with pages
         before layers (`[*lead, P, L, S, *row]`) with PageFirst."""
         L, P, S = self._num_layers, self._num_pages, self._page_size
+        self.memory_owners: List[torch.Tensor] = []  # what holds the pool's memory
         if self._kv_layout is KVCacheLayout.LayerFirst:
-            self._kv_buffer = fixed_zeros((*lead, L, P, S, *row), dtype, device)
+            self._kv_buffer = fixed_zeros((*lead, L, P, S, *row), dtype, device,
+                                          owners=self.memory_owners)
             self._view = self._kv_buffer
         else:
-            self._kv_buffer = fixed_zeros((*lead, P, L, S, *row), dtype, device)
+            self._kv_buffer = fixed_zeros((*lead, P, L, S, *row), dtype, device,
+                                          owners=self.memory_owners)
             self._view = self._kv_buffer.transpose(len(lead), len(lead) + 1)
         # Set by a CacheManager with a host tier: waits until loads from host
         # have put layer i in place (see CacheManager.wait_layer).
@@ -337,7 +345,7 @@ class SideBuffers:
         if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
             raise TypeError(f"dtype must be a real torch dtype, got {dtype!r}")
         buf = fixed_zeros((self.num_layers, self.num_pages, self.page_size) + shape, dtype,
-                          self.device)
+                          self.device, owners=self.memory_owners)
         width = math.prod(shape)
         rows = tuple(buf[i].view(self.num_pages * self.page_size, width)
                      for i in range(self.num_layers))

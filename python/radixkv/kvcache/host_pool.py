@@ -57,18 +57,20 @@ class HostKVCache:
         L, S, sides = device_pool.num_layers, device_pool.page_size, device_pool.sides
         H, D = device_pool.row_shape
         pin = bool(pin_memory)
+        self.memory_owners: list = []  # what holds the pool's memory (see fixed_zeros)
+        own = self.memory_owners
         specs = device_pool.side_buffer_specs()
         self._sides = {}  # name -> [L, P, S, *row_shape] view
         if layout == "layer_first":
             self._buffer = fixed_zeros((sides, L, num_pages, S, H, D), device_pool.dtype,
-                                       pin_memory=pin)
+                                       pin_memory=pin, owners=own)
             self._view = self._buffer  # [sides, L, P, S, H, D]
             for name, shape, dtype in specs:
                 self._sides[name] = fixed_zeros((L, num_pages, S) + shape, dtype,
-                                                pin_memory=pin)
+                                                pin_memory=pin, owners=own)
         elif not specs:
             self._buffer = fixed_zeros((num_pages, sides, L, S, H, D), device_pool.dtype,
-                                       pin_memory=pin)
+                                       pin_memory=pin, owners=own)
             self._view = self._buffer.permute(1, 2, 0, 3, 4, 5)
         else:
             # One byte region per page: its K/V rows, then each side buffer's
@@ -80,7 +82,7 @@ class HostKVCache:
                 offsets.append(-(-end // 16) * 16)
                 end = offsets[-1] + math.prod(shape) * dtype.itemsize
             self._buffer = fixed_zeros((num_pages, -(-end // 16) * 16), torch.uint8,
-                                       pin_memory=pin)
+                                       pin_memory=pin, owners=own)
             carved = [self._buffer[:, o:o + math.prod(shape) * dtype.itemsize].view(dtype)
                       .view((num_pages,) + shape) for o, (shape, dtype) in zip(offsets, parts)]
             self._view = carved[0].permute(1, 2, 0, 3, 4, 5)

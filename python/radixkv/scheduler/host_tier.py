@@ -96,20 +96,23 @@ class HostTier:
             row_bytes = self.pool.row_bytes
             device_layout, host_layout = list(kv_cache.copy_layout()), list(self.pool.copy_layout())
             kind = kv_cache.device.type
+            # The controller keeps the memory its copies use, whatever is done
+            # to the pools' storage meanwhile.
+            keep = (kv_cache.memory_owners, self.pool.memory_owners)
             # Each side buffer is a plane of its own, moved with the K/V.
             planes = [(dev, list(dl), host, list(hl), rb) for (dev, dl, rb), (host, hl, _)
                       in zip(kv_cache.side_copy_layouts(), self.pool.side_copy_layouts())]
             if kind == "cpu":
                 self.controller = _core.CacheController(
                     kv_cache.kv_buffer, device_layout, self.pool.kv_buffer, host_layout,
-                    row_bytes, kv_cache.num_layers, manual, planes)
+                    row_bytes, kv_cache.num_layers, manual, planes, keep)
             elif kind == "cuda":
                 from radixkv import _cuda  # copy streams, events and the transfer kernel
 
                 engine = _cuda.copy_engine(kv_cache.kv_buffer, device_layout,
                                            self.pool.kv_buffer, host_layout, row_bytes,
                                            kv_cache.num_layers, side_planes=planes)
-                self.controller = _core.CacheController(engine, manual)
+                self.controller = _core.CacheController(engine, manual, keep)
             else:
                 raise TypeError(f"kv_cache must be on the CPU or a CUDA device for the host "
                                 f"tier's copies, got one on {kind}")
@@ -225,9 +228,17 @@ class HostTier:
         if n > self.pages.num_free_pages * self.page_size:
             self.backups_skipped += n
             return 0
-        device_slots = self.tree.begin_backup(copy)
         host_slots = self.pages.allocate(n)
-        op = self.controller.backup(device_slots, host_slots)
+        try:
+            device_slots = self.tree.begin_backup(copy)
+        except BaseException:
+            self.pages.free(host_slots, self.tree, True)
+            raise
+        try:
+            op = self.controller.backup(device_slots, host_slots)
+        except BaseException:  # (a pool moved since the controller was made)
+            self.pages.free(self.tree.finish_backup(copy, host_slots, False), self.tree, True)
+            raise
         self._backups[op] = (copy, host_slots, device_slots)
         self._backup_tokens += n
         return n
