@@ -14,6 +14,8 @@ fresh keys for writes, and reads back the batch written last.
                to the same directory layout (no header, checksum or rename)
   file read    FileStorage.batch_get (header and CRC-32 checked) against plain
                `readinto` of the plain files; both from the page cache
+  file+key     the same with a deployment secret: every page tagged with
+               HMAC-SHA-256 over its bytes (written and checked) instead of CRC-32C
   mooncake     MooncakeStorage.batch_set / batch_get against Mooncake's own
                client calling batch_put_from / batch_get_into with the same
                keys, buffers and sizes (a master on 127.0.0.1, TCP loopback)
@@ -101,9 +103,10 @@ def keys_for(tag: str, rep: int):
     return [hashlib.sha256(f"{tag}/{rep}/{i}".encode()).hexdigest() for i in range(MAX_BATCH)]
 
 
-def bench_file(layers: int, directory: str, reps: int) -> list:
+def bench_file(layers: int, directory: str, reps: int, secret=None) -> list:
     pool = host_pool(layers, 2 * MAX_BATCH)
-    fs = FileStorage(os.path.join(directory, "radixkv"), fingerprint(layers))
+    name = "file" if secret is None else "file+key"
+    fs = FileStorage(os.path.join(directory, name), fingerprint(layers), secret=secret)
     fs.attach(pool)
     plain_dir = os.path.join(directory, "plain")
     nbytes = fs.page_bytes * MAX_BATCH
@@ -149,9 +152,9 @@ def bench_file(layers: int, directory: str, reps: int) -> list:
 
     rows = []
     s_ours, s_plain = paired(ours_write, plain_write, reps, after=drop_old)
-    rows.append(row("file", "write", layers, fs.page_bytes, nbytes, s_ours, s_plain))
+    rows.append(row(name, "write", layers, fs.page_bytes, nbytes, s_ours, s_plain))
     s_ours, s_plain = paired(ours_read, plain_read, reps)
-    rows.append(row("file", "read", layers, fs.page_bytes, nbytes, s_ours, s_plain))
+    rows.append(row(name, "read", layers, fs.page_bytes, nbytes, s_ours, s_plain))
     assert same_halves(pool), "file read back other bytes"
     return rows
 
@@ -316,6 +319,8 @@ def main() -> None:
               f"{'radixkv GB/s':>13}{'baseline GB/s':>14}{'ratio':>7}")
         for layers in (4, 32):
             rows = bench_file(layers, directory, args.reps)
+            # A deployment secret: HMAC-SHA-256 names and page tags instead of CRC-32C.
+            rows += bench_file(layers, directory, args.reps, secret=b"bench secret of a deployment")
             if not args.no_mooncake:
                 rows += bench_mooncake(layers, args.reps)
             for r in rows:

@@ -19,6 +19,8 @@ of 64 requests' pages so every request evicts, page 16): match_req,
 lock or load_back, allocate, free_and_cache_finished_req and, with the tier,
 drain (the replay's deterministic mode) -- tier off, then a 2x host tier
 with the bookkeeping-only engine run inline (manual) and on its thread.
+Then the cost of a shielded call (a method that does nothing, plain and
+under `_core.shielded`, which every CacheManager call is).
 Prints a table of medians in microseconds with ratios on/off, then JSON.
 
 python bench/python/bench_tiers.py [--reps N]
@@ -198,8 +200,36 @@ def main() -> None:
                 "thread": "host tier, controller thread"}[mode]
         print(f"  {name:<32}{us:>9.2f}{us / req['off']:>8.2f}x")
         rows.append({"case": f"request_cycle/{mode}", "us": round(us, 2)})
+    shield = bench_shield(args.reps)
+    print(f"\na shielded call (signals held back, every CacheManager call): "
+          f"{shield['plain_ns']:.0f} ns plain, {shield['shielded_ns']:.0f} ns shielded")
+    rows.append({"case": "shielded_call", **shield})
     for r in rows:
         print(json.dumps(r))
+
+
+def bench_shield(reps: int) -> dict:
+    """A method that does nothing, plain and under `_core.shielded` (what
+    every CacheManager call pays to hold Ctrl-C back while it runs)."""
+    class Methods:
+        def plain(self, x):
+            return x
+
+        @_core.shielded
+        def shielded(self, x):
+            return x
+
+    m, n = Methods(), 20_000
+    out = {}
+    for name in ("plain", "shielded"):
+        fn, samples = getattr(m, name), []
+        for _ in range(reps):
+            t0 = now_ns()
+            for i in range(n):
+                fn(i)
+            samples.append((now_ns() - t0) / n)
+        out[f"{name}_ns"] = round(sorted(samples)[len(samples) // 2], 1)
+    return out
 
 
 if __name__ == "__main__":

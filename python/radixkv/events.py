@@ -224,6 +224,9 @@ class EventPublisher:
                  topic: str = "", data_parallel_rank: int = 0, buffer_steps: int = 10_000,
                  hwm: int = 100_000, context=None, bind: Optional[bool] = None):
         if endpoint is None:
+            if bind is False:
+                raise ValueError("bind=False connects to an endpoint: give endpoint (where the "
+                                 "router listens)")
             endpoint, bind = DEFAULT_ENDPOINT, True
         endpoint = _check_endpoint(endpoint, "endpoint")
         if bind is not None and not isinstance(bind, bool):

@@ -461,10 +461,13 @@ def test_close_without_waiting_drops_the_queued_writes(tmp_path):
     a.cm._tier.controller.drain()
     a.cm._tier.writing_check()  # every backup landed: four writes queued or running
     tier = a.cm._storage
+    deadline = time.monotonic() + 60  # a hang guard
+    while store.sets < 1:  # the thread holds the first write
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     assert tier._store.jobs.qsize() >= 2  # behind the one the thread holds
     closer = threading.Thread(target=a.cm.close, kwargs={"wait": False})
     closer.start()
-    deadline = time.monotonic() + 60  # a hang guard
     while not (tier._closed and tier._store.jobs.qsize() <= 1):  # only the stop is queued
         assert time.monotonic() < deadline
         time.sleep(0.01)

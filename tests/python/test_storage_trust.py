@@ -39,9 +39,14 @@ def test_a_private_store_is_made_0700_with_pages_0600(tmp_path):
         assert mode(os.path.dirname(page)) == 0o700
         assert mode(page) == 0o600
         a.close()
-        shared = FileStorage(str(tmp_path / "shared"), fingerprint(), shared=True)
-        assert mode(tmp_path / "shared") == 0o750  # 0770 less the umask's group bits
-        assert shared.shared
+        shared = Instance(FileStorage(str(tmp_path / "shared"), fingerprint(), shared=True))
+        shared.serve(ids)
+        backend = shared.cm._storage.backend
+        page = backend.path(shared.cm._storage.keys_of(ids)[0])
+        # The umask does not take the group's access away.
+        assert mode(tmp_path / "shared") == mode(backend.directory) == 0o770
+        assert mode(os.path.dirname(page)) == 0o770 and mode(page) == 0o640
+        shared.close()
     finally:
         os.umask(old)
 
@@ -242,6 +247,8 @@ def test_events_bind_loopback_by_default():
         assert pub.endpoint.startswith("tcp://127.0.0.1:")
     with pytest.raises(TypeError, match="bind"):
         EventPublisher("tcp://127.0.0.1:*", bind="yes")
+    with pytest.raises(ValueError, match="endpoint"):
+        EventPublisher(bind=False)  # connect, but to where?
 
 
 def test_the_file_system_type_is_read_from_the_mount_table(tmp_path):

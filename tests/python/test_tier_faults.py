@@ -430,6 +430,7 @@ def test_a_base_exception_from_a_backend_is_an_error_not_a_dead_thread(tmp_path,
     a.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_path):
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     a.serve(prompt(22, 3))
@@ -562,6 +563,47 @@ def test_resizing_a_pool_while_its_copies_run_raises_in_the_caller(tmp_path):
     a.close()
 
 
+def test_a_pool_moved_under_its_copies_fails_them_and_raises_in_the_caller(tmp_path):
+    """share_memory_() moves a pool's storage in place (torch.multiprocessing
+    does it to send a view): the copies in flight still have their memory,
+    their acknowledgements count as failed, and the next copy raises in the
+    caller. In a subprocess: the defect was a SIGSEGV."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from storage_env import KV, PAGE, prompt
+        from radixkv.kvcache import MHAKVCache
+        from radixkv.scheduler import CacheManager
+        pool = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 64, KV.dtype,
+                          page_size=PAGE)
+        pool.register_side_buffer("big", (4096,), torch.float32)  # slow copies
+        cm = CacheManager(64, page_size=PAGE, kv_cache=pool, host_num_pages=128)
+        for k in range(12):
+            ids = prompt(k, 4)
+            h, _ = cm.match_req(ids)
+            cm.lock(h)
+            cm.free_and_cache_finished_req(h, ids, cm.allocate(len(ids)))
+        assert cm.controller.in_flight > 0
+        pool.kv_buffer.untyped_storage().share_memory_()   # moves it, copies running
+        cm.drain()
+        assert cm.tier_counters.failed_copies > 0
+        cm.check_integrity()
+        ids = prompt(99, 4)
+        h, _ = cm.match_req(ids)
+        cm.lock(h)
+        try:
+            cm.free_and_cache_finished_req(h, ids, cm.allocate(len(ids)))
+        except ValueError as e:
+            assert "resized or replaced" in str(e), e
+            cm.check_integrity()   # the refused backup left nothing behind
+            cm.close()
+            print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr)
+
+
 # -- smaller points -----------------------------------------------------------------------
 
 
@@ -639,3 +681,229 @@ def test_a_signal_during_a_call_is_delivered_when_it_returns(sig, exc):
     assert cm.match_req(ids)[0].cached_len == 2 * PAGE
     assert CacheManager.allocate.__name__ == "allocate" and "pages" in CacheManager.allocate.__doc__
     assert list(inspect.signature(CacheManager.allocate).parameters) == ["self", "num_tokens"]
+
+
+# -- a second review's findings -------------------------------------------------------------
+
+
+def test_a_close_racing_a_prefetch_leaves_nothing_held(tmp_path):
+    """close() from a shutdown thread while the scheduler is inside
+    prefetch(): the read queued after the stop never runs; what it holds is
+    released once the thread is gone, and drain() and reset() return."""
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(500, 4)
+    a.serve(ids)
+    a.evict_everything()
+    tier = a.cm._storage
+    exists, closer = tier._exists, []
+
+    def exists_then_close(keys):
+        hits = exists(keys)
+        t = threading.Thread(target=a.cm.close)
+        t.start()
+        t.join()
+        closer.append(t)
+        return hits
+
+    tier._exists = exists_then_close
+    op = a.cm.prefetch(ids)
+    assert closer and op is not None and not tier.thread_alive
+    done, out = finishes(lambda: (a.cm.drain(), a.cm.reset()))
+    assert done and "error" not in out, out.get("error")
+    assert a.cm.wait_prefetch(op) == 0
+    assert a.cm._tree.host_pins == 0 and tier.in_flight == 0
+    a.cm.check_integrity()
+
+
+@pytest.mark.parametrize("answer", ["short", "codes", "exists_float", "exists_negative",
+                                    "exists_too_many", "exists_none"])
+def test_a_backend_out_of_contract_never_gives_a_wrong_row(tmp_path, answer):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(510, 3)
+    a.serve(ids)
+    a.close()
+
+    class Liar(FileStorage):
+        def batch_get(self, keys, pages):
+            got = super().batch_get(keys, pages)
+            if answer == "short":
+                return got[:1]  # fewer flags than pages
+            if answer == "codes":
+                return [0 if g else -1 for g in got]  # C-style: -1 is truthy
+            return got
+
+        def batch_exists(self, keys):
+            n = super().batch_exists(keys)
+            return {"exists_float": n + 0.5, "exists_negative": -3,
+                    "exists_too_many": len(keys) + 5, "exists_none": None}.get(answer, n)
+
+    b = Instance(Liar(str(tmp_path), fingerprint()))
+    b.serve(prompt(511, 2))  # a host-backed path, so a prefetch would pin under it
+    b.serve(ids)  # every row it is handed is checked
+    assert b.cm.storage_counters.errors > 0 and b.cm.storage_counters.prefetched_tokens == 0
+    assert b.cm._tree.host_pins == 0
+    b.cm.check_integrity()
+    b.cm.reset()
+    b.close()
+
+
+def test_reads_that_hang_hold_at_most_half_the_host_pool_and_count(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()), pages=40, host_pages=80)
+    prompts = [prompt(520 + k, 4) for k in range(12)]
+    for ids in prompts:
+        a.serve(ids)
+    a.close()
+    store = Stuck(str(tmp_path), fingerprint())
+    b = Instance(store, pages=40, host_pages=48, policy="timeout",
+                 faults=StorageFaultPolicy(retry_after_s=60))
+    b.cm._storage.timeout_base_s = 0.05
+    for ids in prompts:
+        b.serve(ids, drain=False)
+        b.cm.writing_check()
+        assert b.cm._tier.prefetch_tokens <= 48 * PAGE // 2
+    assert b.cm._storage.reads_down()  # the reads given up on counted as failures
+    done, out = finishes(lambda: b.cm.reset())  # bounded, refuses, drops nothing
+    assert done and isinstance(out.get("error"), RuntimeError), out
+    store.release.set()
+    b.cm.drain()
+    b.cm.check_integrity()
+    b.close()
+
+
+def test_a_store_whose_directories_are_deleted_is_made_again(tmp_path):
+    import shutil
+
+    a = Instance(FileStorage(str(tmp_path / "store"), fingerprint()))
+    a.serve(prompt(530, 2))
+    shutil.rmtree(tmp_path / "store")
+    a.serve(prompt(531, 2))
+    assert written(a.cm) == 4 and a.cm.storage_counters.write_failures == 0
+    a.close()
+
+
+def test_a_key_directory_swapped_for_a_symlink_leads_nowhere_else(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    a = Instance(FileStorage(str(tmp_path / "store"), fingerprint()))
+    ids = prompt(540, 1)
+    key = a.cm._storage.keys_of(ids)[0]
+    sub = os.path.dirname(a.cm._storage.backend.path(key))
+    a.serve(prompt(541, 1))  # the store exists
+    os.makedirs(sub, exist_ok=True)
+    os.rmdir(sub)
+    os.symlink(outside, sub)
+    a.serve(ids)
+    assert list(outside.iterdir()) == []  # nothing written through the link
+    assert os.path.isdir(sub) and not os.path.islink(sub)
+    a.close()
+
+
+def test_temporary_files_of_dead_writers_are_removed_at_start(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    ids = prompt(550, 1)
+    a.serve(ids)
+    page = a.cm._storage.backend.path(a.cm._storage.keys_of(ids)[0])
+    a.close()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    left = f"{page}.{dead}.0.tmp"
+    ours = f"{page}.{os.getpid()}.7.tmp"
+    for p in (left, ours):
+        open(p, "wb").close()
+    FileStorage(str(tmp_path), fingerprint(), max_bytes=1 << 20)
+    assert not os.path.exists(left) and os.path.exists(ours)
+
+
+SHIELD_SCRIPTS = {
+    # A library's handler installed after the front, chaining to the handler
+    # it replaced (faulthandler does): Ctrl-C must not recurse.
+    "chained": """
+        import faulthandler, signal, time
+        from radixkv.scheduler import CacheManager
+        cm = CacheManager(8, page_size=4, host_num_pages=8)
+        cm.match_req([1, 2, 3, 4, 5])
+        faulthandler.register(signal.SIGINT, chain=True, file=open("/dev/null", "w"))
+        time.sleep(0.02)
+        cm.match_req([1, 2, 3, 4, 5])
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            print("ok")
+    """,
+    # asyncio.run() puts the same Python handler back: the next call is held.
+    "asyncio": """
+        import asyncio, signal, sys
+        from radixkv.scheduler import CacheManager
+        cm = CacheManager(8, page_size=4, host_num_pages=8)
+        cm.match_req([1, 2, 3, 4, 5])
+        asyncio.run(asyncio.sleep(0))
+        fired = []
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "_insert" and not fired:
+                fired.append(1)
+                signal.raise_signal(signal.SIGINT)
+            return None
+        h, _ = cm.match_req(list(range(9)))
+        cm.lock(h)
+        own = cm.allocate(9)
+        sys.settrace(tracer)
+        try:
+            cm.free_and_cache_finished_req(h, list(range(9)), own)
+        except KeyboardInterrupt:
+            sys.settrace(None)
+            assert cm.held_pages == 0, cm.held_pages
+            cm.check_integrity()
+            print("ok")
+    """,
+    # A child forked by another thread during a held call handles signals.
+    "fork": """
+        import os, signal, threading, time
+        from radixkv import _core
+        class M:
+            @_core.shielded
+            def slow(self):
+                t = threading.Thread(target=fork_child)
+                t.start(); t.join()
+        def fork_child():
+            pid = os.fork()
+            if pid == 0:
+                signal.signal(signal.SIGTERM, lambda *a: os._exit(7))
+                time.sleep(5)
+                os._exit(3)
+            time.sleep(0.3)
+            os.kill(pid, signal.SIGTERM)
+            _, status = os.waitpid(pid, 0)
+            print("ok" if os.waitstatus_to_exitcode(status) == 7 else status)
+        M().slow()
+    """,
+    # SIGINT and SIGTERM both held: SIGTERM's handler still runs after.
+    "both": """
+        import signal
+        from radixkv import _core
+        ran = []
+        signal.signal(signal.SIGTERM, lambda *a: ran.append("TERM"))
+        def on_int(*a):
+            ran.append("INT")
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, on_int)
+        @_core.shielded
+        def held():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)
+        try:
+            held()
+        except KeyboardInterrupt:
+            pass
+        for _ in range(1000):
+            pass
+        print("ok" if ran == ["INT", "TERM"] else ran)
+    """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHIELD_SCRIPTS))
+def test_held_signals_are_never_lost_looped_or_stuck(case):
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(SHIELD_SCRIPTS[case])],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout,
+                                                                     r.stderr[-2000:])

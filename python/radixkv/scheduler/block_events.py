@@ -29,7 +29,8 @@ blocks are never announced removed.
 
 from __future__ import annotations
 
-from typing import List, Optional, Set, Tuple
+from collections import OrderedDict
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -49,6 +50,8 @@ from radixkv.events import (
 # Events queued beyond this are published without waiting for the round's end,
 # so an engine that never calls a per-round method does not grow the queue.
 MAX_PENDING_EVENTS = 4096
+# DISK blocks remembered as announced (the store does not report removals).
+DISK_MEMORY = 1 << 18
 
 
 def block_dtype(page_size: int) -> np.dtype:
@@ -104,7 +107,9 @@ class BlockEvents:
         self.dtype = block_dtype(page_size)
         self.device = TierBlocks(num_pages, page_size)
         self.host = TierBlocks(host_num_pages, page_size)
-        self.disk: Set[int] = set()  # hashes announced on DISK
+        # Hashes announced on DISK, the most recent DISK_MEMORY of them (one
+        # older than that may be announced again: a duplicate, never a loss).
+        self.disk: "OrderedDict[int, None]" = OrderedDict()
         self.pending: List = []
 
     # -- blocks ---------------------------------------------------------------------
@@ -255,9 +260,13 @@ class BlockEvents:
 
     def disk_stored(self, blocks: np.ndarray) -> None:
         """`blocks` are in the store: announce those not announced yet."""
-        new = np.array([h not in self.disk for h in blocks["hash"].tolist()], dtype=bool)
+        disk = self.disk
+        new = np.array([h not in disk for h in blocks["hash"].tolist()], dtype=bool)
         blocks = blocks[new]
-        self.disk.update(blocks["hash"].tolist())
+        for h in blocks["hash"].tolist():
+            disk[h] = None
+        while len(disk) > DISK_MEMORY:
+            disk.popitem(last=False)
         self._stored(blocks, MEDIUM_DISK)
 
     # -- reset ---------------------------------------------------------------------------

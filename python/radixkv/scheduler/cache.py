@@ -284,14 +284,17 @@ class CacheManager:
             self.unlock(handle)
         if n == 0:  # another request's load landed the whole part meanwhile
             return loaded, prefix.to(self.device, non_blocking=True)
+        device_slots = None
         try:
             self.make_room(n)
             device_slots = self._pages.allocate(n)
+            tier.queue_load(copy, host_slots, device_slots, loaded)
         except BaseException:
             tree.finish_load(copy, torch.zeros(n, dtype=torch.int32), False)
             tree.lock_handle(loaded, True)
+            if device_slots is not None:
+                self._pages.free(device_slots)
             raise
-        tier.queue_load(copy, host_slots, device_slots, loaded)
         indices = torch.cat([prefix, device_slots])
         return loaded, indices.to(self.device, non_blocking=True)
 
@@ -636,7 +639,8 @@ class CacheManager:
         engine's cache flush does); pages held by requests stay theirs, the
         storage tier keeps its pages. Copies in flight are waited for and
         applied first. Raises RuntimeError, dropping nothing, while a request
-        holds a lock on cached pages.
+        holds a lock on cached pages, or while writes or reads of the
+        storage tier are still in flight after `close_timeout_s`.
 
         With KV events: BlockRemoved for every host block, then
         AllBlocksCleared (the device's), published at once.
@@ -647,7 +651,7 @@ class CacheManager:
             tier.writing_check()
             tier.loading_check(self._free_loaded)
             if self._storage is not None:
-                self._storage.drain()
+                self._storage.drain(self._storage.faults.close_timeout_s)
         self._reset_now()
 
     @shielded
@@ -657,6 +661,10 @@ class CacheManager:
         if locked:
             raise RuntimeError(f"cannot reset: requests hold locks on {locked} cached tokens "
                                "(unlock or finish them first)")
+        if self._storage is not None and self._storage.in_flight:
+            raise RuntimeError(f"cannot reset: {self._storage.in_flight} writes or reads of the "
+                               "storage tier are still in flight (the store is not answering); "
+                               "their host pages stay theirs until they end")
         evictable = self.manager.size_info.evictable_size
         if evictable:
             evicted = self.manager.evict(evictable).cpu()

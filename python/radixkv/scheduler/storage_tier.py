@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Set
+from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -49,7 +49,12 @@ class StorageFaultPolicy:
     - `wait_limit_s`: the longest `wait_prefetch` waits under `wait_complete`.
     - `close_timeout_s`: `close()` waits at most this long for the storage
       thread; a thread still inside a backend call is left to finish alone,
-      the pages it holds kept from every other use.
+      the pages it holds kept from every other use. `reset()` waits as long
+      for the writes and reads in flight.
+    A read or write still running after `stall_s` (or a read a
+    `wait_prefetch` gave up on) counts as a failed call of its direction,
+    so a store that hangs is left alone too; and reads in flight never hold
+    more than half the host pool.
     """
 
     retry_after_s: float = 1.0
@@ -58,11 +63,12 @@ class StorageFaultPolicy:
     query_timeout_s: float = 0.05
     wait_limit_s: float = 60.0
     close_timeout_s: float = 5.0
+    stall_s: float = 5.0
 
     def __post_init__(self):
         for name in ("retry_after_s", "max_retry_after_s"):
             object.__setattr__(self, name, as_seconds(getattr(self, name), name))
-        for name in ("query_timeout_s", "wait_limit_s", "close_timeout_s"):
+        for name in ("query_timeout_s", "wait_limit_s", "close_timeout_s", "stall_s"):
             object.__setattr__(self, name, as_seconds(getattr(self, name), name, positive=True))
         object.__setattr__(self, "failures_in_a_row",
                            as_count(self.failures_in_a_row, "failures_in_a_row"))
@@ -109,12 +115,13 @@ class _Health:
                 return
             self._down_until = time.monotonic() + self.backoff_s
 
-    def succeeded(self, ends_backoff: bool = True) -> None:
-        """A call that worked. An existence query ends the run of failures
-        but not a back-off: a store may answer queries and fail every read."""
+    def succeeded(self) -> None:
+        """A call that moved pages: the run of failures and any back-off end.
+        (An existence query that answers proves nothing of the kind: a store
+        may answer queries and fail, or hang, every read.)"""
         with self._lock:
             self._in_a_row = 0
-            if ends_backoff and self.backoff_s:
+            if self.backoff_s:
                 self.backoff_s = 0.0
                 self._down_until = 0.0
 
@@ -129,6 +136,8 @@ class _Write:
     present: int = 0       # pages from the first that the store had already
     blocks: Optional[list] = None  # the pages' blocks, when KV events are on
     done: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=time.monotonic)
+    stalled: bool = False  # counted as a failed call for running too long
 
 
 @dataclass(eq=False)
@@ -147,6 +156,8 @@ class Prefetch:
     applied: bool = False
     inserted: int = 0      # tokens the tree took
     skipped: bool = False  # reads were left alone before every page was tried
+    started: float = field(default_factory=time.monotonic)
+    stalled: bool = False  # counted as a failed read for running too long
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +180,21 @@ def _stop_threads_at_exit(limit_s: float = 2.0) -> None:
     for t in threading.enumerate():
         if t.ident in running:
             t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _answer(got, n: int, query: bool):
+    """A backend's answer as the tier takes it, or ValueError: a query's
+    count, an int in [0, n]; one True or False per page of a get or set
+    (anything else, say a C-style code, would let a page that was never
+    read join the tree)."""
+    if query:
+        if isinstance(got, bool) or not isinstance(got, (int, np.integer)) or not 0 <= got <= n:
+            raise ValueError(f"batch_exists answered {got!r} for {n} keys")
+        return int(got)
+    flags = list(got)
+    if len(flags) != n or not all(isinstance(f, (bool, np.bool_)) for f in flags):
+        raise ValueError(f"a backend answered {flags!r:.80} for {n} pages")
+    return [bool(f) for f in flags]
 
 
 def _drop_queued(requests: "queue.SimpleQueue") -> None:
@@ -199,14 +225,14 @@ class _Store:
         errors on this thread with no page found, read or written, failed."""
         before = self.backend.thread_errors()
         try:
-            got = fn(keys, *args)
+            got = _answer(fn(keys, *args), len(keys), query)
         except BaseException:  # noqa: BLE001 - the backend's, counted, never fatal here
             self.backend.count_error(max(1, len(keys)))
             got = 0 if query else [False] * len(keys)
         ok = got > 0 if query else any(got)
-        if ok:
-            health.succeeded(ends_backoff=not query)
-        elif self.backend.thread_errors() != before:
+        if ok and not query:
+            health.succeeded()
+        elif not ok and self.backend.thread_errors() != before:
             health.failed()
         return got
 
@@ -437,7 +463,7 @@ class StorageTier:
         self._closed = False
         self.lost = False        # the storage thread died: storage is off
         self.abandoned = False   # close() left a thread stuck in a backend call
-        self._writes: Set[_Write] = set()
+        self._writes: Dict[_Write, None] = {}  # in flight, oldest first
         self._prefetches: List[Prefetch] = []
         self.written_pages = self.prefetched_tokens = self.write_failures = 0
         self.present_pages = 0
@@ -498,7 +524,7 @@ class StorageTier:
             keys = self.keys_of(tokens, ns)[copy[2] // ps:]
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         job = _Write(copy, keys, pages, blocks=blocks)
-        self._writes.add(job)
+        self._writes[job] = None
         self._store.jobs.put(job)
 
     # -- prefetch -------------------------------------------------------------------
@@ -523,19 +549,29 @@ class StorageTier:
         hits = self._exists(keys)
         if hits is None or hits * ps < self.min_prefetch_tokens:
             return None
+        # Reads in flight hold at most half the host pool: a store whose reads
+        # stall never takes the host tier's cache.
+        hits = min(hits, (self.host.num_pages * ps // 2 - self.host.prefetch_tokens) // ps)
+        if hits * ps < self.min_prefetch_tokens:
+            return None
         if not host_backed and not self.host.copy_path_to_host(tokens[:start], ns):
             return None
         # The host copy the pages will join under stays until they do.
         pin = self.tree.pin_host(tokens[:start], ns) if start else None
         if start and pin is None:
             return None
-        room = self.host.make_room(hits * ps)
-        hits = min(hits, room // ps)
-        if hits * ps < self.min_prefetch_tokens:
+        try:
+            room = self.host.make_room(hits * ps)
+            hits = min(hits, room // ps)
+            if hits * ps < self.min_prefetch_tokens:
+                if pin is not None:
+                    self.tree.unpin_host(pin)
+                return None
+            host_slots = self.host.pages.allocate(hits * ps)
+        except BaseException:
             if pin is not None:
                 self.tree.unpin_host(pin)
-            return None
-        host_slots = self.host.pages.allocate(hits * ps)
+            raise
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots, pin, ns,
                       pages)
@@ -569,9 +605,13 @@ class StorageTier:
             deadline = time.monotonic() + self.faults.wait_limit_s
             while not op.done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline or not self._thread.is_alive():
-                    return
+                    break
         elif self.policy == "timeout":
             op.done.wait(self.timeout_base_s + self.timeout_per_1k_tokens_s * op.num_tokens / 1000)
+        else:
+            return
+        if not op.done.is_set():  # given up on: a read that failed to come in time
+            self._stalled(op, self._store.reads)
 
     def _apply_prefetch(self, op: Prefetch) -> None:
         ps = self.page_size
@@ -602,6 +642,22 @@ class StorageTier:
         """Applies every finished write (unpins its host pages) and prefetch
         (its pages join the tree). Returns how many were applied."""
         self._check_thread()
+        applied = self._apply_finished()
+        now = time.monotonic()
+        for jobs, health in ((self._writes, self._store.writes),
+                             (self._prefetches, self._store.reads)):
+            oldest = next(iter(jobs), None)
+            if oldest is not None and now - oldest.started > self.faults.stall_s:
+                self._stalled(oldest, health)
+        return applied
+
+    def _stalled(self, job, health: _Health) -> None:
+        """A job running too long counts, once, as a failed call."""
+        if not job.stalled:
+            job.stalled = True
+            health.failed()
+
+    def _apply_finished(self) -> int:
         applied = 0
         while True:
             try:
@@ -615,7 +671,7 @@ class StorageTier:
         if isinstance(job, _Write):
             if job not in self._writes:
                 return 0
-            self._writes.discard(job)
+            del self._writes[job]
             self.tree.finish_store(job.copy)
             # A failed page ends the run of pages that count as stored.
             run = job.ok.index(False) if False in job.ok else len(job.ok)
@@ -633,14 +689,18 @@ class StorageTier:
         self._apply_prefetch(job)
         return 1
 
-    def drain(self) -> None:
-        """Waits for every write and prefetch queued so far, and applies them."""
+    def drain(self, limit_s: Optional[float] = None) -> bool:
+        """Waits for every write and prefetch queued so far, and applies them;
+        at most `limit_s` (None: `wait_limit_s`). Returns whether all were."""
+        deadline = time.monotonic() + (self.faults.wait_limit_s if limit_s is None else limit_s)
         while self._writes or self._prefetches:
             self._check_thread()
-            if self.lost or self.abandoned:
-                return
-            self._oldest().done.wait(1.0)
+            left = deadline - time.monotonic()
+            if self.abandoned or left <= 0 or not (self._writes or self._prefetches):
+                break
+            self._oldest().done.wait(min(1.0, left))
             self.storage_check()
+        return not (self._writes or self._prefetches)
 
     def _oldest(self):
         """A job in flight, to wait for (only storage_check takes what
@@ -649,20 +709,24 @@ class StorageTier:
 
     def _check_thread(self) -> None:
         """A storage thread that died while the tier was open is lost:
-        storage is switched off and what its jobs held is released (a dead
-        thread touches nothing), so the manager goes on without it."""
-        if self._closed or self._thread.is_alive():
+        storage is switched off, so the manager goes on without it. Once the
+        thread is gone (lost, or stopped by close), what its jobs still held
+        is released: a dead thread touches nothing (a job queued after the
+        stop, by a prefetch racing close from another thread, never runs)."""
+        if self._thread.is_alive():
             return
-        self.lost = True
-        self._closed = True
-        self.host.on_backed_up = None
-        log.warning("radixkv: the storage tier's thread is gone; storage is switched off")
-        self._release_all()
-        threading.Thread(target=_close_quietly, args=(self.backend,), daemon=True).start()
+        if not self._closed:
+            self.lost = True
+            self._closed = True
+            self.host.on_backed_up = None
+            log.warning("radixkv: the storage tier's thread is gone; storage is switched off")
+            threading.Thread(target=_close_quietly, args=(self.backend,), daemon=True).start()
+        if self._writes or self._prefetches:
+            self._release_all()
 
     def _release_all(self) -> None:
         """Applies what finished, then every job still held, as not done."""
-        self.storage_check()
+        self._apply_finished()
         for job in list(self._writes):
             job.ok = []
             self._apply(job)
@@ -709,12 +773,7 @@ class StorageTier:
         queue a write). Returns the deadline."""
         deadline = time.monotonic() + self.faults.close_timeout_s
         if wait and not self._closed:
-            while (self._writes or self._prefetches) and self._thread.is_alive():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._oldest().done.wait(min(left, 1.0))
-                self.storage_check()
+            self.drain(self.faults.close_timeout_s)
         return deadline
 
     def close(self, deadline: float) -> None:

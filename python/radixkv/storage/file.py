@@ -10,6 +10,7 @@ import os
 import shutil
 import stat
 import struct
+import weakref
 from typing import List, Optional, Sequence
 
 from radixkv._checks import as_count
@@ -23,6 +24,8 @@ HEADER = struct.Struct("<8s32s32sQI")
 # page's authentication tag (HMAC-SHA-256 over its key and bytes).
 MAGIC_KEYED = b"RKVPAGE3"
 HEADER_KEYED = struct.Struct(f"<8s32s32sQ{TAG_BYTES}s")
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # File systems whose calls may hang on another machine: existence queries on
 # them are asked with a bound (StorageBackend.blocking_queries).
@@ -52,6 +55,19 @@ def file_system_type(path: str) -> str:
     return kind
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that writes temporary file `tmp_name`
+    (`<key>.page.<pid>.<n>.tmp`) still runs."""
+    try:
+        pid = int(tmp_name.split(".")[-3])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 class FileStorage(StorageBackend):
     """Pages as files `directory/<fingerprint[:16]>/<key[:2]>/<key>.page`,
     each a header (magic, the page key, the configuration fingerprint, the
@@ -69,8 +85,9 @@ class FileStorage(StorageBackend):
     Trust. By default the store is this user's: the directories are created
     0700 and the pages 0600, and a store directory that another user owns or
     that others may write to is refused (PermissionError). `shared=True` says
-    the store is shared on purpose (with the group: directories 0770, pages
-    0640; pages of other users are read). Anyone who can write to a store can
+    the store is shared on purpose (with the group, whatever the umask:
+    directories 0770, pages 0640; pages of other users are read; a setgid
+    store directory keeps the group on what is made in it). Anyone who can write to a store can
     plant pages in it; with a `secret` (see StorageBackend) they cannot: a
     page that fails its tag is a miss, counted and removed.
 
@@ -109,7 +126,7 @@ class FileStorage(StorageBackend):
         self._prepare_dir(self.directory)
         self.fingerprint = fingerprint
         self._header = HEADER_KEYED if self.keyed else HEADER
-        self._made: set = set()  # subdirectories known to exist
+        self._open_top()
         self._tmp_names = itertools.count()
         self.max_bytes = max_bytes
         self._lru: "collections.OrderedDict[str, int]" = collections.OrderedDict()
@@ -138,6 +155,8 @@ class FileStorage(StorageBackend):
                     raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
         try:
             os.mkdir(path, self._dir_mode)
+            if self.shared:  # the umask must not take the group's access away
+                os.chmod(path, self._dir_mode)
         except FileExistsError:
             pass
         except NotADirectoryError:
@@ -160,6 +179,8 @@ class FileStorage(StorageBackend):
                                   "store is shared on purpose")
 
     def _scan(self) -> None:
+        """The pages already there, for the bound; and the temporary files of
+        writers that died before they renamed theirs, removed."""
         found = []
         for sub in os.scandir(self.directory):
             if not sub.is_dir(follow_symlinks=False):
@@ -168,6 +189,11 @@ class FileStorage(StorageBackend):
                 if entry.name.endswith(".page") and entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     found.append((st.st_mtime_ns, entry.path, st.st_size))
+                elif entry.name.endswith(".tmp") and not _writer_alive(entry.name):
+                    try:
+                        os.unlink(entry.path)
+                    except OSError:
+                        pass
         for _, path, size in sorted(found):
             self._lru[path] = size
             self._total += size
@@ -188,9 +214,60 @@ class FileStorage(StorageBackend):
                 and (st.st_size == self.file_bytes or not self.page_bytes)
                 and (self.shared or st.st_uid == self._uid))
 
+    # -- the directory a page is in ------------------------------------------------------
+
+    def _open_top(self) -> None:
+        """Holds the configuration's directory open: pages are reached from
+        it without following a symlink, whatever is done to the paths above
+        (a directory of the store swapped for a link leads nowhere else)."""
+        fd = os.open(self.directory, _DIR_FLAGS)
+        old = getattr(self, "_top_closer", None)
+        if old is not None and old.detach() is not None:
+            os.close(self._top)
+        self._top = fd
+        self._top_closer = weakref.finalize(self, os.close, fd)
+
+    def _sub(self, key: str, create: bool) -> Optional[int]:
+        """A descriptor (the caller's to close) of the directory of `key`'s
+        page, opened without following a symlink; None when there is none
+        (and not `create`). A file or link in the way is removed (when
+        creating); a store whose directories were deleted is made again."""
+        name = key[:2]
+        for again in (False, True):
+            try:
+                return os.open(name, _DIR_FLAGS, dir_fd=self._top)
+            except FileNotFoundError:
+                if not create:
+                    return None
+            except OSError as e:  # ENOTDIR, ELOOP: not a directory of ours
+                if not create or e.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+                self.count_corrupt()
+                os.unlink(name, dir_fd=self._top)
+            try:
+                os.mkdir(name, self._dir_mode, dir_fd=self._top)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                if again:
+                    raise
+                # The configuration's directory itself is gone: made again.
+                self._prepare_dir(os.path.dirname(self.directory), parents=True)
+                self._prepare_dir(self.directory)
+                self._open_top()
+                continue
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self._top)
+            if self.shared:  # the umask must not take the group's access away
+                os.fchmod(fd, self._dir_mode)
+            return fd
+        return None
+
     # -- reads -------------------------------------------------------------------------
 
     def batch_exists(self, keys: Sequence[str]) -> int:
+        """(On the scheduler's thread: a stat() per page. A bad entry there
+        is a miss; one that is not a directory is removed at once, a
+        directory by the write that puts the page there.)"""
         for i, key in enumerate(keys):
             path = self.path(key)
             try:
@@ -201,23 +278,31 @@ class FileStorage(StorageBackend):
                 self.count_error()
                 return i
             if not self._ours(st):
-                self._bad_entry(path)
+                if not stat.S_ISDIR(st.st_mode):
+                    self.count_corrupt()
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+                    self._forget(path)
                 return i
         return len(keys)
 
     def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
         return [self._get(k, p) for k, p in zip(keys, host_pages)]
 
-    def _open(self, path: str) -> Optional[int]:
-        """A descriptor of the page file at `path`, or None: a miss (a bad
-        entry there is removed). Never blocks on a FIFO or device."""
+    def _open(self, key: str, sub: int) -> Optional[int]:
+        """A descriptor of `key`'s page file in directory `sub`, or None: a
+        miss (a bad entry there is removed). Never blocks on a FIFO or device."""
+        name = key + ".page"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=sub)
         except (FileNotFoundError, NotADirectoryError):
-            self._forget(path)
+            self._forget(self.path(key))
             return None
         except OSError:  # a symlink (ELOOP), EACCES, EIO, ...: this entry only
-            self._bad_entry(path)
+            self._bad_entry(key, sub)
             return None
         try:
             ok = self._ours(os.fstat(fd))
@@ -225,13 +310,26 @@ class FileStorage(StorageBackend):
             ok = False
         if not ok:
             os.close(fd)
-            self._bad_entry(path)
+            self._bad_entry(key, sub)
             return None
         return fd
 
     def _get(self, key: str, page: int) -> bool:
-        path = self.path(key)
-        fd = self._open(path)
+        try:
+            sub = self._sub(key, create=False)
+        except OSError:
+            self.count_error()
+            return False
+        if sub is None:
+            self._forget(self.path(key))
+            return False
+        try:
+            return self._read(key, page, sub)
+        finally:
+            os.close(sub)
+
+    def _read(self, key: str, page: int, sub: int) -> bool:
+        fd = self._open(key, sub)
         if fd is None:
             return False
         view = memoryview(self.page_view(page).numpy())
@@ -240,41 +338,43 @@ class FileStorage(StorageBackend):
             with open(fd, "rb", buffering=0) as f:
                 head = f.read(header.size)
                 if len(head) != header.size:
-                    return self._bad_entry(path)
+                    return self._bad_entry(key, sub)
                 magic, raw_key, fingerprint, length, check = header.unpack(head)
                 if (magic != (MAGIC_KEYED if self.keyed else MAGIC)
                         or raw_key != bytes.fromhex(key)
                         or fingerprint != self.fingerprint or length != self.page_bytes):
-                    return self._bad_entry(path)
+                    return self._bad_entry(key, sub)
                 if f.readinto(view) != length or f.read(1):
-                    return self._bad_entry(path)
+                    return self._bad_entry(key, sub)
         except OSError:  # EIO on this file
-            return self._bad_entry(path)
+            return self._bad_entry(key, sub)
         if self.keyed:
             if not hmac.compare_digest(self.tag(key, view), check):
-                return self._bad_entry(path)
+                return self._bad_entry(key, sub)
         elif crc32c(view) != check:
-            return self._bad_entry(path)
+            return self._bad_entry(key, sub)
+        path = self.path(key)
         if path in self._lru:
             self._lru.move_to_end(path)
         return True
 
-    def _bad_entry(self, path: str) -> bool:
+    def _bad_entry(self, key: str, sub: int) -> bool:
         """What sits at a page's path is not a page of ours: a miss, counted
         and removed, so the next write of the page puts a good one there.
         Only an entry that cannot be removed is an error."""
         self.count_corrupt()
-        if not self._remove(path):
+        if not self._remove(key, sub):
             self.count_error()
-        self._forget(path)
+        self._forget(self.path(key))
         return False
 
-    def _remove(self, path: str) -> bool:
+    def _remove(self, key: str, sub: int) -> bool:
+        name = key + ".page"
         try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                shutil.rmtree(path)
+            if stat.S_ISDIR(os.stat(name, dir_fd=sub, follow_symlinks=False).st_mode):
+                shutil.rmtree(self.path(key))  # (on the storage tier's thread)
             else:
-                os.unlink(path)
+                os.unlink(name, dir_fd=sub)
         except FileNotFoundError:
             pass
         except OSError:
@@ -291,7 +391,6 @@ class FileStorage(StorageBackend):
         return [self._set(k, p) for k, p in zip(keys, host_pages)]
 
     def _set(self, key: str, page: int) -> bool:
-        path = self.path(key)
         view = memoryview(self.page_view(page).numpy())
         if self.keyed:
             header = HEADER_KEYED.pack(MAGIC_KEYED, bytes.fromhex(key), self.fingerprint,
@@ -299,51 +398,51 @@ class FileStorage(StorageBackend):
         else:
             header = HEADER.pack(MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes,
                                  crc32c(view))
-        tmp = f"{path}.{os.getpid()}.{next(self._tmp_names)}.tmp"
+        name = key + ".page"
+        tmp = f"{name}.{os.getpid()}.{next(self._tmp_names)}.tmp"
+        sub = None
         try:
-            self._subdir(os.path.dirname(path))
+            sub = self._sub(key, create=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         self._page_mode)
+                         self._page_mode, dir_fd=sub)
+            if self.shared:
+                os.fchmod(fd, self._page_mode)
             with open(fd, "wb") as f:
                 f.write(header)
                 f.write(view)
-            self._replace(tmp, path)
+            self._replace(key, tmp, sub)
         except OSError:
             self.count_error()
-            self._made.discard(os.path.dirname(path))  # removed under us? made again next time
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            if sub is not None:
+                try:
+                    os.unlink(tmp, dir_fd=sub)
+                except OSError:
+                    pass
             return False
+        finally:
+            if sub is not None:
+                os.close(sub)
         if self.max_bytes is not None:
-            self._account(path, self.file_bytes)
+            self._account(self.path(key), self.file_bytes)
         return True
 
-    def _subdir(self, sub: str) -> None:
-        if sub in self._made:
-            return
+    def _replace(self, key: str, tmp: str, sub: int) -> None:
+        name = key + ".page"
         try:
-            os.mkdir(sub, self._dir_mode)
-        except FileExistsError:
-            if not stat.S_ISDIR(os.lstat(sub).st_mode):  # something else in the way
-                self.count_corrupt()
-                os.unlink(sub)
-                os.mkdir(sub, self._dir_mode)
-        self._made.add(sub)
-
-    def _replace(self, tmp: str, path: str) -> None:
-        try:
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
         except OSError as e:
             # A directory (or another entry rename cannot replace) in the way
             # of the page: removed like a corrupt page, then the page goes in.
             if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                 raise
             self.count_corrupt()
-            if not self._remove(path):
+            if not self._remove(key, sub):
                 raise
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+
+    def close(self) -> None:
+        """Lets go of the store's directory."""
+        self._top_closer()
 
     def _account(self, path: str, size: int) -> None:
         if path in self._lru:
