@@ -658,15 +658,16 @@ py::list HexKeys(const uint8_t* keys, int64_t n) {
 }
 
 // `obj` as 32 bytes (a seed or a key), or empty for None.
-std::string Bytes32(py::handle obj, const char* name) {
+std::string Bytes32(py::handle obj, const std::string& name) {
   if (obj.is_none()) return {};
-  if (!PyBytes_Check(obj.ptr())) throw py::type_error(std::string(name) + " must be bytes or None");
-  std::string out = py::cast<std::string>(obj);
-  if (out.size() != radixkv::kPageKeyBytes) {
-    throw py::value_error(std::string(name) + " must be 32 bytes, got " +
-                          std::to_string(out.size()));
+  if (!PyBytes_Check(obj.ptr())) throw py::type_error(name + " must be bytes or None");
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_AsStringAndSize(obj.ptr(), &data, &size) != 0) throw py::error_already_set();
+  if (size != radixkv::kPageKeyBytes) {
+    throw py::value_error(name + " must be 32 bytes, got " + std::to_string(size));
   }
-  return out;
+  return std::string(data, static_cast<size_t>(size));
 }
 
 const uint8_t* U8(const std::string& s) { return reinterpret_cast<const uint8_t*>(s.data()); }

@@ -53,8 +53,8 @@ class StorageFaultPolicy:
       for the writes and reads in flight.
     A read or write still running after `stall_s` (or a read a
     `wait_prefetch` gave up on) counts as a failed call of its direction,
-    so a store that hangs is left alone too; and reads in flight never hold
-    more than half the host pool.
+    so a store that hangs is left alone too; and reads in flight together
+    never hold more than half the host pool (one alone may take more).
     """
 
     retry_after_s: float = 1.0
@@ -549,11 +549,13 @@ class StorageTier:
         hits = self._exists(keys)
         if hits is None or hits * ps < self.min_prefetch_tokens:
             return None
-        # Reads in flight hold at most half the host pool: a store whose reads
-        # stall never takes the host tier's cache.
-        hits = min(hits, (self.host.num_pages * ps // 2 - self.host.prefetch_tokens) // ps)
-        if hits * ps < self.min_prefetch_tokens:
-            return None
+        # With other reads in flight, all of them together hold at most half
+        # the host pool: a store whose reads stall never takes the host
+        # tier's cache (a read alone may take what it needs).
+        if self._prefetches:
+            hits = min(hits, (self.host.num_pages * ps // 2 - self.host.prefetch_tokens) // ps)
+            if hits * ps < self.min_prefetch_tokens:
+                return None
         if not host_backed and not self.host.copy_path_to_host(tokens[:start], ns):
             return None
         # The host copy the pages will join under stays until they do.

@@ -126,6 +126,7 @@ class FileStorage(StorageBackend):
         self._prepare_dir(self.directory)
         self.fingerprint = fingerprint
         self._header = HEADER_KEYED if self.keyed else HEADER
+        self._made: set = set()  # key directories known to exist (a private store)
         self._open_top()
         self._tmp_names = itertools.count()
         self.max_bytes = max_bytes
@@ -227,40 +228,63 @@ class FileStorage(StorageBackend):
         self._top = fd
         self._top_closer = weakref.finalize(self, os.close, fd)
 
-    def _sub(self, key: str, create: bool) -> Optional[int]:
-        """A descriptor (the caller's to close) of the directory of `key`'s
-        page, opened without following a symlink; None when there is none
-        (and not `create`). A file or link in the way is removed (when
-        creating); a store whose directories were deleted is made again."""
-        name = key[:2]
+    def _where(self, key: str, create: bool):
+        """Where `key`'s page file is: (a directory descriptor, the name
+        relative to it, whether the caller closes the descriptor), or None
+        when its directory does not exist (and not `create`). Names start
+        from the store's own directory (held open), whatever is done to the
+        paths above it. A private store is this user's alone: a page is named
+        `ab/<key>.page` from there, one open per page. In a shared store
+        others could swap a key directory for a link: it is opened on its
+        own, without following one."""
+        sub = key[:2]
+        if not self.shared:
+            if create and sub not in self._made:
+                self._make(sub)
+            return self._top, f"{sub}/{key}.page", False
         for again in (False, True):
             try:
-                return os.open(name, _DIR_FLAGS, dir_fd=self._top)
+                return os.open(sub, _DIR_FLAGS, dir_fd=self._top), f"{key}.page", True
             except FileNotFoundError:
                 if not create:
                     return None
             except OSError as e:  # ENOTDIR, ELOOP: not a directory of ours
                 if not create or e.errno not in (errno.ENOTDIR, errno.ELOOP):
                     raise
-                self.count_corrupt()
-                os.unlink(name, dir_fd=self._top)
+            if again:
+                break
+            self._make(sub)
+        raise FileNotFoundError(errno.ENOENT, f"cannot make the directory of page {key}")
+
+    def _make(self, sub: str) -> None:
+        """Makes key directory `sub` (whatever is in its way is removed); a
+        store whose directories were deleted is made again first."""
+        for again in (False, True):
             try:
-                os.mkdir(name, self._dir_mode, dir_fd=self._top)
+                os.mkdir(sub, self._dir_mode, dir_fd=self._top)
             except FileExistsError:
-                pass
+                st = os.stat(sub, dir_fd=self._top, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):  # a file or link in the way
+                    self.count_corrupt()
+                    os.unlink(sub, dir_fd=self._top)
+                    os.mkdir(sub, self._dir_mode, dir_fd=self._top)
             except FileNotFoundError:
                 if again:
                     raise
-                # The configuration's directory itself is gone: made again.
-                self._prepare_dir(os.path.dirname(self.directory), parents=True)
-                self._prepare_dir(self.directory)
-                self._open_top()
+                self._remake()
                 continue
-            fd = os.open(name, _DIR_FLAGS, dir_fd=self._top)
             if self.shared:  # the umask must not take the group's access away
-                os.fchmod(fd, self._dir_mode)
-            return fd
-        return None
+                os.chmod(os.path.join(self.directory, sub), self._dir_mode,
+                         follow_symlinks=False)
+            self._made.add(sub)
+            return
+
+    def _remake(self) -> None:
+        """The store's directory was deleted: it is made again."""
+        self._made.clear()
+        self._prepare_dir(os.path.dirname(self.directory), parents=True)
+        self._prepare_dir(self.directory)
+        self._open_top()
 
     # -- reads -------------------------------------------------------------------------
 
@@ -291,18 +315,17 @@ class FileStorage(StorageBackend):
     def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
         return [self._get(k, p) for k, p in zip(keys, host_pages)]
 
-    def _open(self, key: str, sub: int) -> Optional[int]:
-        """A descriptor of `key`'s page file in directory `sub`, or None: a
+    def _open(self, key: str, at) -> Optional[int]:
+        """A descriptor of `key`'s page file (`at` from `_where`), or None: a
         miss (a bad entry there is removed). Never blocks on a FIFO or device."""
-        name = key + ".page"
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=sub)
+            fd = os.open(at[1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=at[0])
         except (FileNotFoundError, NotADirectoryError):
             self._forget(self.path(key))
             return None
         except OSError:  # a symlink (ELOOP), EACCES, EIO, ...: this entry only
-            self._bad_entry(key, sub)
+            self._bad_entry(key, at)
             return None
         try:
             ok = self._ours(os.fstat(fd))
@@ -310,26 +333,27 @@ class FileStorage(StorageBackend):
             ok = False
         if not ok:
             os.close(fd)
-            self._bad_entry(key, sub)
+            self._bad_entry(key, at)
             return None
         return fd
 
     def _get(self, key: str, page: int) -> bool:
         try:
-            sub = self._sub(key, create=False)
+            at = self._where(key, create=False)
         except OSError:
             self.count_error()
             return False
-        if sub is None:
+        if at is None:
             self._forget(self.path(key))
             return False
         try:
-            return self._read(key, page, sub)
+            return self._read(key, page, at)
         finally:
-            os.close(sub)
+            if at[2]:
+                os.close(at[0])
 
-    def _read(self, key: str, page: int, sub: int) -> bool:
-        fd = self._open(key, sub)
+    def _read(self, key: str, page: int, at) -> bool:
+        fd = self._open(key, at)
         if fd is None:
             return False
         view = memoryview(self.page_view(page).numpy())
@@ -338,43 +362,42 @@ class FileStorage(StorageBackend):
             with open(fd, "rb", buffering=0) as f:
                 head = f.read(header.size)
                 if len(head) != header.size:
-                    return self._bad_entry(key, sub)
+                    return self._bad_entry(key, at)
                 magic, raw_key, fingerprint, length, check = header.unpack(head)
                 if (magic != (MAGIC_KEYED if self.keyed else MAGIC)
                         or raw_key != bytes.fromhex(key)
                         or fingerprint != self.fingerprint or length != self.page_bytes):
-                    return self._bad_entry(key, sub)
+                    return self._bad_entry(key, at)
                 if f.readinto(view) != length or f.read(1):
-                    return self._bad_entry(key, sub)
+                    return self._bad_entry(key, at)
         except OSError:  # EIO on this file
-            return self._bad_entry(key, sub)
+            return self._bad_entry(key, at)
         if self.keyed:
             if not hmac.compare_digest(self.tag(key, view), check):
-                return self._bad_entry(key, sub)
+                return self._bad_entry(key, at)
         elif crc32c(view) != check:
-            return self._bad_entry(key, sub)
+            return self._bad_entry(key, at)
         path = self.path(key)
         if path in self._lru:
             self._lru.move_to_end(path)
         return True
 
-    def _bad_entry(self, key: str, sub: int) -> bool:
+    def _bad_entry(self, key: str, at) -> bool:
         """What sits at a page's path is not a page of ours: a miss, counted
         and removed, so the next write of the page puts a good one there.
         Only an entry that cannot be removed is an error."""
         self.count_corrupt()
-        if not self._remove(key, sub):
+        if not self._remove(key, at):
             self.count_error()
         self._forget(self.path(key))
         return False
 
-    def _remove(self, key: str, sub: int) -> bool:
-        name = key + ".page"
+    def _remove(self, key: str, at) -> bool:
         try:
-            if stat.S_ISDIR(os.stat(name, dir_fd=sub, follow_symlinks=False).st_mode):
+            if stat.S_ISDIR(os.stat(at[1], dir_fd=at[0], follow_symlinks=False).st_mode):
                 shutil.rmtree(self.path(key))  # (on the storage tier's thread)
             else:
-                os.unlink(name, dir_fd=sub)
+                os.unlink(at[1], dir_fd=at[0])
         except FileNotFoundError:
             pass
         except OSError:
@@ -398,47 +421,68 @@ class FileStorage(StorageBackend):
         else:
             header = HEADER.pack(MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes,
                                  crc32c(view))
-        name = key + ".page"
-        tmp = f"{name}.{os.getpid()}.{next(self._tmp_names)}.tmp"
-        sub = None
-        try:
-            sub = self._sub(key, create=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         self._page_mode, dir_fd=sub)
-            if self.shared:
-                os.fchmod(fd, self._page_mode)
-            with open(fd, "wb") as f:
-                f.write(header)
-                f.write(view)
-            self._replace(key, tmp, sub)
-        except OSError:
-            self.count_error()
-            if sub is not None:
+        for again in (False, True):
+            try:
+                self._write(key, header, view)
+                break
+            except FileNotFoundError:
+                # Its directory (or the store's) was deleted under us: made
+                # again, once.
+                self._made.discard(key[:2])
+                if again:
+                    self.count_error()
+                    return False
                 try:
-                    os.unlink(tmp, dir_fd=sub)
+                    if os.fstat(self._top).st_nlink == 0:
+                        self._remake()
                 except OSError:
-                    pass
-            return False
-        finally:
-            if sub is not None:
-                os.close(sub)
+                    self.count_error()
+                    return False
+            except OSError:
+                self.count_error()
+                return False
         if self.max_bytes is not None:
             self._account(self.path(key), self.file_bytes)
         return True
 
-    def _replace(self, key: str, tmp: str, sub: int) -> None:
-        name = key + ".page"
+    def _write(self, key: str, header: bytes, view) -> None:
+        """The page file of `key`: written under a temporary name, renamed."""
+        at = self._where(key, create=True)
+        dir_fd, name, close = at
+        tmp = f"{name}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         try:
-            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         self._page_mode, dir_fd=dir_fd)
+            try:
+                if self.shared:
+                    os.fchmod(fd, self._page_mode)
+                with open(fd, "wb") as f:
+                    f.write(header)
+                    f.write(view)
+                self._replace(key, tmp, at)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dir_fd)
+                except OSError:
+                    pass
+                raise
+        finally:
+            if close:
+                os.close(dir_fd)
+
+    def _replace(self, key: str, tmp: str, at) -> None:
+        dir_fd, name, _ = at
+        try:
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except OSError as e:
             # A directory (or another entry rename cannot replace) in the way
             # of the page: removed like a corrupt page, then the page goes in.
             if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                 raise
             self.count_corrupt()
-            if not self._remove(key, sub):
+            if not self._remove(key, at):
                 raise
-            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
     def close(self) -> None:
         """Lets go of the store's directory."""
