@@ -465,16 +465,16 @@ def test_close_without_waiting_drops_the_queued_writes(tmp_path):
     while store.sets < 1:  # the thread holds the first write
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert tier._store.jobs.qsize() >= 2  # behind the one the thread holds
+    assert tier._store.write_jobs.qsize() >= 2  # behind the one the thread holds
     closer = threading.Thread(target=a.cm.close, kwargs={"wait": False})
     closer.start()
-    while not (tier._closed and tier._store.jobs.qsize() <= 1):  # only the stop is queued
+    while not (tier._closed and tier._store.write_jobs.qsize() <= 1):  # only the stop is queued
         assert time.monotonic() < deadline
         time.sleep(0.01)
     store.release.set()
     closer.join()
     assert store.sets == 1 and store.closed
-    assert not tier._thread.is_alive()
+    assert not tier.thread_alive and not tier._writer.is_alive()
     # The dropped writes' host pages were released, the one made was applied.
     assert a.cm._tree.tier_sizes()[6] == 0
     assert a.cm.storage_counters.written_pages == 2

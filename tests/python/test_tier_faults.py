@@ -435,7 +435,7 @@ def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_pa
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     a.serve(prompt(22, 3))
     tier = a.cm._storage
-    thread = tier._thread
+    thread = tier._writer  # writes come next
     # Kill the idle thread: the exception lands as it takes its next job.
     assert ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit)) == 1
@@ -781,10 +781,159 @@ def test_a_store_whose_directories_are_deleted_is_made_again(tmp_path):
     a.close()
 
 
+def test_out_of_descriptors_is_an_error_and_keeps_the_pages(tmp_path):
+    """EMFILE says nothing of the page: an error, and the page file stays."""
+    script = textwrap.dedent(f"""
+        import errno, os, resource, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from storage_env import fingerprint, host_pool, keys
+        from radixkv.storage import FileStorage
+        for shared in (False, True):
+            fs = FileStorage({str(tmp_path)!r} + f"/store{{int(shared)}}", fingerprint(),
+                             shared=shared)
+            fs.attach(host_pool())
+            k = keys(3)
+            assert fs.batch_set(k, [0, 1, 2]) == [True] * 3
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(
+                resource.RLIMIT_NOFILE)[1]))
+            filler = []
+            try:
+                while True:
+                    filler.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError as e:
+                assert e.errno == errno.EMFILE, e
+            got = fs.batch_get(k, [3, 4, 5])
+            for fd in filler:
+                os.close(fd)
+            assert got == [False] * 3, got
+            assert fs.errors == 3 and fs.corrupt_pages == 0, (fs.errors, fs.corrupt_pages)
+            assert all(os.path.isfile(fs.path(x)) for x in k)  # nothing removed
+            assert fs.batch_get(k, [3, 4, 5]) == [True] * 3
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_closed_store_fails_its_calls_cleanly(tmp_path, shared):
+    fs = FileStorage(str(tmp_path / "store"), fingerprint(), shared=shared)
+    fs.attach(host_pool())
+    k = keys(2)
+    assert fs.batch_set(k, [0, 1]) == [True, True]
+    fs.close()
+    assert fs.batch_exists(k) == 0
+    assert fs.batch_get(k, [2, 3]) == [False, False]
+    assert fs.batch_set(keys(1, "other"), [4]) == [False]
+    assert fs.errors == 3
+    assert all(os.path.isfile(fs.path(x)) for x in k)
+    fs.close()  # twice is fine
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_store_deleted_and_made_again_by_another_instance_is_read_again(tmp_path, shared):
+    import shutil
+
+    d = str(tmp_path / "store")
+    a = FileStorage(d, fingerprint(), shared=shared)
+    a.attach(host_pool())
+    assert a.batch_set(keys(2, "old"), [0, 1]) == [True, True]
+    shutil.rmtree(d)
+    b = FileStorage(d, fingerprint(), shared=shared)  # another instance makes it again
+    b.attach(host_pool())
+    k = keys(2, "new")
+    assert b.batch_set(k, [0, 1]) == [True, True]
+    assert a.batch_exists(k) == 2
+    assert a.batch_get(k, [2, 3]) == [True, True]  # through the new directory
+    assert a.batch_set(keys(1, "mine"), [4]) == [True]
+    assert b.batch_get(keys(1, "mine"), [5]) == [True]  # written into the new one
+    assert a.errors == b.errors == 0
+
+
+def test_a_private_key_directory_replaced_by_a_file_recovers(tmp_path):
+    fs = FileStorage(str(tmp_path / "store"), fingerprint())
+    fs.attach(host_pool())
+    k = keys(1)
+    assert fs.batch_set(k, [0]) == [True]
+    sub = os.path.dirname(fs.path(k[0]))
+    import shutil
+
+    shutil.rmtree(sub)
+    open(sub, "wb").close()  # a file where the key directory was
+    assert fs.batch_exists(k) == 0
+    assert fs.batch_get(k, [1]) == [False]
+    assert fs.batch_set(k, [0]) == [True]  # the file is removed, the directory made
+    assert os.path.isdir(sub) and fs.batch_get(k, [1]) == [True]
+
+
+class SlowWrites(FileStorage):
+    """Every write blocks until released (a slow disk taking a backlog)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.release = threading.Event()
+
+    def batch_set(self, keys, pages):
+        self.release.wait()
+        return super().batch_set(keys, pages)
+
+
+def test_a_backlog_of_slow_writes_never_holds_reads_back(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    old = [prompt(560 + k, 2) for k in range(3)]
+    for ids in old:
+        a.serve(ids)
+    a.close()
+    store = SlowWrites(str(tmp_path), fingerprint())
+    b = Instance(store, host_pages=64, policy="timeout")
+    b.cm._storage.timeout_base_s = 2.0
+    for k in range(4):  # writes queue up behind the first, which blocks
+        b.serve(prompt(570 + k, 2), drain=False)
+        b.cm.writing_check()  # backed up to host: handed to storage
+    assert len(b.cm._storage._writes) >= 4
+    t0 = time.monotonic()
+    for ids in old:
+        assert b.serve(ids, drain=False)[2] == 2 * PAGE  # read while the writes wait
+    assert time.monotonic() - t0 < 5.0
+    counters = b.cm.storage_counters
+    assert counters.skipped_reads == 0 and not b.cm._storage.reads_down()
+    store.release.set()
+    b.cm.drain()
+    assert written(b.cm) >= 4 * 2
+    b.close()
+
+
+def test_a_wait_for_a_read_that_close_dropped_ends(tmp_path):
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    first, second = prompt(580, 2), prompt(581, 2)
+    a.serve(first), a.serve(second)
+    a.close()
+    store = Stuck(str(tmp_path), fingerprint())
+    b = Instance(store, host_pages=48, policy="wait_complete",
+                 faults=StorageFaultPolicy(close_timeout_s=0.5))
+    held = b.cm.prefetch(first)  # its read blocks on the reading thread
+    queued = b.cm.prefetch(second)  # queued behind it
+    assert held is not None and queued is not None
+    waiter = threading.Thread(target=b.cm._storage.wait, args=(queued,), daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive()
+    done, out = finishes(lambda: b.cm.close(wait=False))
+    assert done and "error" not in out, out.get("error")
+    waiter.join(5)
+    assert not waiter.is_alive(), "a wait for a dropped read went on"
+    assert queued.done.is_set() and queued.pages_ok == 0
+    store.release.set()
+    b.cm.check_integrity()
+
+
 def test_a_key_directory_swapped_for_a_symlink_leads_nowhere_else(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
-    a = Instance(FileStorage(str(tmp_path / "store"), fingerprint()))
+    # A private store is this user's alone (only this user could swap one
+    # of its directories); a shared one is opened a directory at a time.
+    a = Instance(FileStorage(str(tmp_path / "store"), fingerprint(), shared=True))
     ids = prompt(540, 1)
     key = a.cm._storage.keys_of(ids)[0]
     sub = os.path.dirname(a.cm._storage.backend.path(key))

@@ -136,7 +136,7 @@ class _Write:
     present: int = 0       # pages from the first that the store had already
     blocks: Optional[list] = None  # the pages' blocks, when KV events are on
     done: threading.Event = field(default_factory=threading.Event)
-    started: float = field(default_factory=time.monotonic)
+    started: Optional[float] = None  # when its thread took it (None: still queued)
     stalled: bool = False  # counted as a failed call for running too long
 
 
@@ -156,7 +156,7 @@ class Prefetch:
     applied: bool = False
     inserted: int = 0      # tokens the tree took
     skipped: bool = False  # reads were left alone before every page was tried
-    started: float = field(default_factory=time.monotonic)
+    started: Optional[float] = None  # when its thread took it (None: still queued)
     stalled: bool = False  # counted as a failed read for running too long
 
     @property
@@ -206,18 +206,23 @@ def _drop_queued(requests: "queue.SimpleQueue") -> None:
 
 
 class _Store:
-    """The backend, how it has been answering, and the storage thread's
-    queues: what the storage thread, the query thread and the scheduler's
-    thread share. It holds nothing of the tier or the tree, so a thread
-    still running never keeps a dropped manager alive."""
+    """The backend, how it has been answering, and the storage threads'
+    queues: what the reading and writing threads, the query thread and the
+    scheduler's thread share. Reads and writes have a thread each, so a
+    backlog of slow writes never holds a read back. It holds nothing of the
+    tier or the tree, so a thread still running never keeps a dropped
+    manager alive."""
 
     def __init__(self, backend: StorageBackend, policy: StorageFaultPolicy) -> None:
         self.backend = backend
         self.reads = _Health(policy)
         self.writes = _Health(policy)
-        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.read_jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.write_jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.finished: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.closing = False
+        self._lock = threading.Lock()
+        self._running = 2  # threads that have not ended
+        self.closing = False  # both ended: the backend is being closed
 
     def call(self, health: _Health, fn, keys, *args, query: bool = False):
         """Runs one backend call and notes how the store answered: a call
@@ -252,24 +257,28 @@ class _Store:
 
     # -- the storage thread --------------------------------------------------------
 
-    def run(self) -> None:
-        jobs, finished = self.jobs, self.finished
+    def run(self, jobs: "queue.SimpleQueue") -> None:
         _RUNNING[threading.get_ident()] = jobs
         try:
-            self._serve(jobs, finished)
+            self._serve(jobs, self.finished)
         finally:
             _RUNNING.pop(threading.get_ident(), None)
-        self.closing = True  # its jobs are done; closing the backend may take a while
-        try:
-            self.backend.close()
-        except BaseException:  # noqa: BLE001
-            pass
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0
+        if last:  # the other is done too: the backend is closed (may take a while)
+            self.closing = True
+            try:
+                self.backend.close()
+            except BaseException:  # noqa: BLE001
+                pass
 
     def _serve(self, jobs: "queue.SimpleQueue", finished: "queue.SimpleQueue") -> None:
         while True:
             job = jobs.get()
             if job is None:
                 return
+            job.started = time.monotonic()
             try:
                 if isinstance(job, _Write):
                     self._write(job)
@@ -316,10 +325,11 @@ class _Store:
     @staticmethod
     def stop_soon(store: "_Store", asker: Optional["_Asker"]) -> None:
         """Stops the threads of a tier that was dropped: nobody will apply
-        what is queued, so it is dropped; the storage thread ends after its
-        call and closes the backend."""
-        _drop_queued(store.jobs)
-        store.jobs.put(None)
+        what is queued, so it is dropped; the threads end after their calls
+        and the last closes the backend."""
+        for jobs in (store.read_jobs, store.write_jobs):
+            _drop_queued(jobs)
+            jobs.put(None)
         if asker is not None:
             asker.stop()
 
@@ -469,9 +479,12 @@ class StorageTier:
         self.present_pages = 0
         self.skipped_reads = self.skipped_writes = self.query_timeouts = 0
         self.events = None  # the manager's BlockEvents when KV events are on
-        self._thread = threading.Thread(target=self._store.run, name="radixkv-storage",
-                                        daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._store.run, args=(self._store.read_jobs,),
+                                        name="radixkv-storage-read", daemon=True)
+        self._writer = threading.Thread(target=self._store.run, args=(self._store.write_jobs,),
+                                        name="radixkv-storage-write", daemon=True)
+        self._reader.start()
+        self._writer.start()
         stop = weakref.finalize(self, _Store.stop_soon, self._store, self._asker)
         stop.atexit = False
         host_tier.on_backed_up = _weakly(self.write)
@@ -488,7 +501,8 @@ class StorageTier:
 
     @property
     def thread_alive(self) -> bool:
-        return self._thread.is_alive()
+        """Both storage threads run."""
+        return self._reader.is_alive() and self._writer.is_alive()
 
     def keys_of(self, tokens, ns: int = 0) -> List[str]:
         """The store's keys of the whole pages of `tokens` in namespace `ns`."""
@@ -525,7 +539,7 @@ class StorageTier:
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         job = _Write(copy, keys, pages, blocks=blocks)
         self._writes[job] = None
-        self._store.jobs.put(job)
+        self._store.write_jobs.put(job)
 
     # -- prefetch -------------------------------------------------------------------
 
@@ -579,7 +593,7 @@ class StorageTier:
                       pages)
         self.host.prefetch_tokens += hits * ps
         self._prefetches.append(op)
-        self._store.jobs.put(op)
+        self._store.read_jobs.put(op)
         return op
 
     def _exists(self, keys: List[str]) -> Optional[int]:
@@ -606,14 +620,14 @@ class StorageTier:
         if self.policy == "wait_complete":
             deadline = time.monotonic() + self.faults.wait_limit_s
             while not op.done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline or not self._thread.is_alive():
+                if time.monotonic() >= deadline or not self._reader.is_alive():
                     break
         elif self.policy == "timeout":
             op.done.wait(self.timeout_base_s + self.timeout_per_1k_tokens_s * op.num_tokens / 1000)
         else:
             return
-        if not op.done.is_set():  # given up on: a read that failed to come in time
-            self._stalled(op, self._store.reads)
+        if not op.done.is_set():  # given up on: it failed to come in time, whether it
+            self._stalled(op, self._store.reads)  # ran or waited behind slow reads
 
     def _apply_prefetch(self, op: Prefetch) -> None:
         ps = self.page_size
@@ -648,8 +662,9 @@ class StorageTier:
         now = time.monotonic()
         for jobs, health in ((self._writes, self._store.writes),
                              (self._prefetches, self._store.reads)):
-            oldest = next(iter(jobs), None)
-            if oldest is not None and now - oldest.started > self.faults.stall_s:
+            oldest = next(iter(jobs), None)  # the one running, or finished
+            if (oldest is not None and oldest.started is not None
+                    and now - oldest.started > self.faults.stall_s):
                 self._stalled(oldest, health)
         return applied
 
@@ -670,6 +685,7 @@ class StorageTier:
 
     def _apply(self, job) -> int:
         """Applies one finished (or dropped) job; 0 if it was applied before."""
+        job.done.set()  # (a dropped one never ran: whoever waits for it wakes)
         if isinstance(job, _Write):
             if job not in self._writes:
                 return 0
@@ -711,30 +727,28 @@ class StorageTier:
 
     def _check_thread(self) -> None:
         """A storage thread that died while the tier was open is lost:
-        storage is switched off, so the manager goes on without it. Once the
-        thread is gone (lost, or stopped by close), what its jobs still held
-        is released: a dead thread touches nothing (a job queued after the
-        stop, by a prefetch racing close from another thread, never runs)."""
-        if self._thread.is_alive():
+        storage is switched off (the other thread is stopped too), so the
+        manager goes on without it. Once a thread is gone (lost, or stopped
+        by close), what its jobs still hold is released: a dead thread
+        touches nothing (a job queued after the stop, by a prefetch racing
+        close from another thread, never runs)."""
+        reader, writer = self._reader.is_alive(), self._writer.is_alive()
+        if reader and writer:
             return
         if not self._closed:
             self.lost = True
-            self._closed = True
-            self.host.on_backed_up = None
-            log.warning("radixkv: the storage tier's thread is gone; storage is switched off")
-            threading.Thread(target=_close_quietly, args=(self.backend,), daemon=True).start()
-        if self._writes or self._prefetches:
-            self._release_all()
-
-    def _release_all(self) -> None:
-        """Applies what finished, then every job still held, as not done."""
-        self._apply_finished()
-        for job in list(self._writes):
-            job.ok = []
-            self._apply(job)
-        for op in list(self._prefetches):
-            op.pages_ok = 0
-            self._apply(op)
+            self._stop()
+            log.warning("radixkv: a storage tier's thread is gone; storage is switched off")
+        if (not writer and self._writes) or (not reader and self._prefetches):
+            self._apply_finished()
+            if not writer:
+                for job in list(self._writes):
+                    job.ok = []
+                    self._apply(job)
+            if not reader:
+                for op in list(self._prefetches):
+                    op.pages_ok = 0
+                    self._apply(op)
 
     @property
     def in_flight(self) -> int:
@@ -786,42 +800,35 @@ class StorageTier:
         call returns). A thread still inside a backend call at the deadline
         is left to it: the jobs it holds keep their host pages, which nothing
         else uses, and `storage_check()` applies them if it ever finishes."""
-        if not self._stop():
-            return
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._check_thread()  # a thread lost before: storage was switched off already
+        self._stop()
+        for thread in (self._reader, self._writer):
+            thread.join(max(0.0, deadline - time.monotonic()))
         self.storage_check()
-        if self._thread.is_alive() and not self._store.closing:
+        if (self._reader.is_alive() or self._writer.is_alive()) and not self._store.closing:
             self.abandoned = True
             log.warning("radixkv: the storage tier's thread is still inside a backend call "
                         "after close(); it is left to finish alone")
 
     @_core.shielded
     def _stop(self) -> bool:
-        """Closes the tier to new work and drops what is queued; False if
-        it was closed (or lost) already."""
+        """Closes the tier to new work, drops what is queued and asks the
+        threads to stop; False if it was closed (or lost) already."""
         if self._closed:
-            return False
-        self._check_thread()
-        if self._closed:  # lost
             return False
         self._closed = True
         self.host.on_backed_up = None
-        while True:
-            try:
-                job = self._store.jobs.get_nowait()
-            except queue.Empty:
-                break
-            job.skipped = True  # never started: what it held goes back now
-            self._apply(job)
-        self._store.jobs.put(None)
+        for jobs in (self._store.read_jobs, self._store.write_jobs):
+            while True:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                job.skipped = True  # never started: what it held goes back now
+                self._apply(job)
+            jobs.put(None)
         if self._asker is not None:
             self._asker.stop()
         return True
 
-
-def _close_quietly(backend: StorageBackend) -> None:
-    try:
-        backend.close()
-    except BaseException:  # noqa: BLE001
-        pass
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import stat
 import struct
+import threading
 import weakref
 from typing import List, Optional, Sequence
 
@@ -26,6 +27,12 @@ MAGIC_KEYED = b"RKVPAGE3"
 HEADER_KEYED = struct.Struct(f"<8s32s32sQ{TAG_BYTES}s")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Errors that say the entry at a page's path is not a page of ours (a link,
+# a directory, a device, unreadable, damaged): a miss for that page, and the
+# entry is removed. Any other error (out of descriptors or memory, a store
+# closed) says nothing of the entry: an error, and the entry stays.
+_BAD_ENTRY = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENXIO,
+                        errno.ENODEV, errno.EIO, errno.EOVERFLOW, errno.ETXTBSY, errno.EINVAL})
 
 # File systems whose calls may hang on another machine: existence queries on
 # them are asked with a bound (StorageBackend.blocking_queries).
@@ -127,10 +134,12 @@ class FileStorage(StorageBackend):
         self.fingerprint = fingerprint
         self._header = HEADER_KEYED if self.keyed else HEADER
         self._made: set = set()  # key directories known to exist (a private store)
+        self._top_closers: list = []
         self._open_top()
         self._tmp_names = itertools.count()
         self.max_bytes = max_bytes
         self._lru: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._lru_lock = threading.Lock()  # reads and writes come from two threads
         self._total = 0
         self.removed_pages = 0
         if bounded_queries is None:
@@ -188,7 +197,10 @@ class FileStorage(StorageBackend):
                 continue
             for entry in os.scandir(sub.path):
                 if entry.name.endswith(".page") and entry.is_file(follow_symlinks=False):
-                    st = entry.stat(follow_symlinks=False)
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # removed by another process meanwhile
+                        continue
                     found.append((st.st_mtime_ns, entry.path, st.st_size))
                 elif entry.name.endswith(".tmp") and not _writer_alive(entry.name):
                     try:
@@ -222,11 +234,10 @@ class FileStorage(StorageBackend):
         it without following a symlink, whatever is done to the paths above
         (a directory of the store swapped for a link leads nowhere else)."""
         fd = os.open(self.directory, _DIR_FLAGS)
-        old = getattr(self, "_top_closer", None)
-        if old is not None and old.detach() is not None:
-            os.close(self._top)
+        # One held before stays open until close(): the other thread may be
+        # inside a call through it, and a number closed now could be reused.
         self._top = fd
-        self._top_closer = weakref.finalize(self, os.close, fd)
+        self._top_closers.append(weakref.finalize(self, os.close, fd))
 
     def _where(self, key: str, create: bool):
         """Where `key`'s page file is: (a directory descriptor, the name
@@ -292,6 +303,8 @@ class FileStorage(StorageBackend):
         """(On the scheduler's thread: a stat() per page. A bad entry there
         is a miss; one that is not a directory is removed at once, a
         directory by the write that puts the page there.)"""
+        if self._top < 0:  # closed
+            return 0
         for i, key in enumerate(keys):
             path = self.path(key)
             try:
@@ -324,8 +337,11 @@ class FileStorage(StorageBackend):
         except (FileNotFoundError, NotADirectoryError):
             self._forget(self.path(key))
             return None
-        except OSError:  # a symlink (ELOOP), EACCES, EIO, ...: this entry only
-            self._bad_entry(key, at)
+        except OSError as e:  # a symlink (ELOOP), EACCES, EIO, ...: this entry only
+            if e.errno in _BAD_ENTRY:
+                self._bad_entry(key, at)
+            else:
+                self.count_error()
             return None
         try:
             ok = self._ours(os.fstat(fd))
@@ -338,23 +354,45 @@ class FileStorage(StorageBackend):
         return fd
 
     def _get(self, key: str, page: int) -> bool:
-        try:
-            at = self._where(key, create=False)
-        except OSError:
+        if self._top < 0:  # closed
             self.count_error()
             return False
-        if at is None:
-            self._forget(self.path(key))
-            return False
+        for again in (False, True):
+            try:
+                at = self._where(key, create=False)
+            except OSError:
+                self.count_error()
+                return False
+            if at is None:
+                if not again and self._reopened():
+                    continue
+                self._forget(self.path(key))
+                return False
+            try:
+                return self._read(key, page, at)
+            finally:
+                if at[2]:
+                    os.close(at[0])
+        return False
+
+    def _reopened(self) -> bool:
+        """After a miss: if the directory held open was deleted and the
+        store's path leads to one again (another process made it), that one
+        is held from now on. Whether it changed."""
         try:
-            return self._read(key, page, at)
-        finally:
-            if at[2]:
-                os.close(at[0])
+            if os.fstat(self._top).st_nlink:
+                return False
+            self._made.clear()
+            self._open_top()
+            return True
+        except OSError:
+            return False
 
     def _read(self, key: str, page: int, at) -> bool:
         fd = self._open(key, at)
         if fd is None:
+            if not at[2] and self._reopened():  # the store was deleted, and made again
+                return self._get(key, page)
             return False
         view = memoryview(self.page_view(page).numpy())
         header = self._header
@@ -370,16 +408,20 @@ class FileStorage(StorageBackend):
                     return self._bad_entry(key, at)
                 if f.readinto(view) != length or f.read(1):
                     return self._bad_entry(key, at)
-        except OSError:  # EIO on this file
-            return self._bad_entry(key, at)
+        except OSError as e:  # EIO on this file
+            if e.errno in _BAD_ENTRY:
+                return self._bad_entry(key, at)
+            self.count_error()
+            return False
         if self.keyed:
             if not hmac.compare_digest(self.tag(key, view), check):
                 return self._bad_entry(key, at)
         elif crc32c(view) != check:
             return self._bad_entry(key, at)
         path = self.path(key)
-        if path in self._lru:
-            self._lru.move_to_end(path)
+        with self._lru_lock:
+            if path in self._lru:
+                self._lru.move_to_end(path)
         return True
 
     def _bad_entry(self, key: str, at) -> bool:
@@ -405,8 +447,9 @@ class FileStorage(StorageBackend):
         return True
 
     def _forget(self, path: str) -> None:
-        if path in self._lru:  # removed, by us or another process
-            self._total -= self._lru.pop(path)
+        with self._lru_lock:
+            if path in self._lru:  # removed, by us or another process
+                self._total -= self._lru.pop(path)
 
     # -- writes ------------------------------------------------------------------------
 
@@ -421,11 +464,14 @@ class FileStorage(StorageBackend):
         else:
             header = HEADER.pack(MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes,
                                  crc32c(view))
+        if self._top < 0:  # closed
+            self.count_error()
+            return False
         for again in (False, True):
             try:
                 self._write(key, header, view)
                 break
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 # Its directory (or the store's) was deleted under us: made
                 # again, once.
                 self._made.discard(key[:2])
@@ -485,15 +531,18 @@ class FileStorage(StorageBackend):
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
     def close(self) -> None:
-        """Lets go of the store's directory."""
-        self._top_closer()
+        """Lets go of the store's directory: later calls fail (and count)."""
+        self._top = -1
+        for closer in self._top_closers:
+            closer()
 
     def _account(self, path: str, size: int) -> None:
-        if path in self._lru:
-            self._total -= self._lru.pop(path)
-        self._lru[path] = size
-        self._total += size
-        self._trim(keep=1)
+        with self._lru_lock:
+            if path in self._lru:
+                self._total -= self._lru.pop(path)
+            self._lru[path] = size
+            self._total += size
+            self._trim(keep=1)
 
     def _trim(self, keep: int = 0) -> None:
         while self._total > self.max_bytes and len(self._lru) > keep:
