@@ -88,15 +88,23 @@ def test_a_request_whose_page_is_a_fifo_is_served(tmp_path):
 
 
 class Stuck(FileStorage):
-    """Every read blocks until released (a hung device, a FIFO of old)."""
+    """Every read (or, with `writes=True`, every write) blocks until
+    released: a hung device, a FIFO of old, a slow disk taking a backlog."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, writes=False, **kw):
         super().__init__(*args, **kw)
         self.release = threading.Event()
+        self.writes = writes
 
     def batch_get(self, keys, pages):
-        self.release.wait()
+        if not self.writes:
+            self.release.wait()
         return super().batch_get(keys, pages)
+
+    def batch_set(self, keys, pages):
+        if self.writes:
+            self.release.wait()
+        return super().batch_set(keys, pages)
 
 
 @pytest.mark.parametrize("wait", [True, False])
@@ -867,25 +875,13 @@ def test_a_private_key_directory_replaced_by_a_file_recovers(tmp_path):
     assert os.path.isdir(sub) and fs.batch_get(k, [1]) == [True]
 
 
-class SlowWrites(FileStorage):
-    """Every write blocks until released (a slow disk taking a backlog)."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.release = threading.Event()
-
-    def batch_set(self, keys, pages):
-        self.release.wait()
-        return super().batch_set(keys, pages)
-
-
 def test_a_backlog_of_slow_writes_never_holds_reads_back(tmp_path):
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     old = [prompt(560 + k, 2) for k in range(3)]
     for ids in old:
         a.serve(ids)
     a.close()
-    store = SlowWrites(str(tmp_path), fingerprint())
+    store = Stuck(str(tmp_path), fingerprint(), writes=True)
     b = Instance(store, host_pages=64, policy="timeout")
     b.cm._storage.timeout_base_s = 2.0
     for k in range(4):  # writes queue up behind the first, which blocks
