@@ -269,8 +269,6 @@ def test_constructor_forms():
         RadixCache(pool, alloc, 1, eviction_policy="filo")
     with pytest.raises(NotImplementedError, match="is_eagle"):
         RadixCache(pool, alloc, 1, is_eagle=True)
-    with pytest.raises(NotImplementedError, match="enable_kv_cache_events"):
-        RadixCache(pool, alloc, 1, enable_kv_cache_events=True)
     c = RadixCache(pool, alloc, 4)
     assert c.is_tree_cache() and not (c.is_chunk_cache() or c.supports_swa()
                                       or c.supports_mamba() or c.supports_fast_match_prefix())
@@ -926,3 +924,73 @@ def test_request_fields_sglang_never_has_are_refused():
     r.output_ids = array("q", [])  # a list and an array together are fine
     sched.finish(r)
     accounted(c, alloc, [])
+
+
+# -- what SGLang's own unit tests check of the key, the match and the events --------------
+
+
+def test_a_key_slices_indexes_iterates_and_shows_its_tokens():
+    key = RadixKey([1, 2, 3, 4, 5], "extra", cache_salt="s")
+    assert list(key) == [1, 2, 3, 4, 5]
+    part = key[1:4]
+    assert isinstance(part, RadixKey) and part.token_ids == [2, 3, 4]
+    assert (part.extra_key, part.cache_salt) == ("extra", "s")
+    assert key[-1].token_ids == [5] and key[0].token_ids == [1]
+    assert key[2:2].token_ids == [] and key[:].token_ids == [1, 2, 3, 4, 5]
+    with pytest.raises(IndexError):
+        key[10]
+    with pytest.raises(ValueError, match="step"):
+        key[::2]
+    with pytest.raises(TypeError, match="int or a slice"):
+        key["1"]
+    capped = RadixKey([1, 2, 3, 4, 5], limit=3)
+    assert list(capped) == [1, 2, 3] and capped[1:].token_ids == [2, 3]
+    assert RadixKey(list(range(10))).page_aligned(4).token_ids == list(range(8))
+    text = repr(RadixKey([1, 2, 3], "test"))
+    assert "extra_key='test'" in text and "[1, 2, 3]" in text
+    assert "..." in repr(RadixKey(list(range(15))))
+
+
+def test_a_match_says_its_prefix_len():
+    c = RadixCache.create_simulated(page_size=2)
+    c.insert(RadixKey([1, 2, 3, 4, 5]), torch.tensor([10, 11, 12, 13, 14]))
+    m = c.match_prefix(RadixKey([1, 2, 3, 4, 9]))
+    assert m.prefix_len == m.device_prefix_len == 4
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_kv_events_are_one_block_stored_per_page_and_removed_on_eviction(page_size):
+    BlockStored, BlockRemoved, AllBlocksCleared = compat._event_types()  # SGLang's where it is
+    freed = []
+    alloc = type("Alloc", (), {"device": torch.device("cpu"),
+                               "free": lambda self, idx: freed.append(idx.tolist())})()
+    c = RadixCache(None, alloc, page_size, enable_kv_cache_events=True)
+    assert c.enable_kv_cache_events
+    assert [type(e) for e in c.take_events()] == [AllBlocksCleared]
+    c.insert(RadixKey([1, 2, 3, 4, 5]), torch.tensor([10, 11, 12, 13, 14]))
+    events = c.take_events()
+    pages = 5 // page_size
+    assert [type(e) for e in events] == [BlockStored] * pages
+    assert all(len(e.token_ids) == page_size and len(e.block_hashes) == 1 for e in events)
+    assert events[0].parent_block_hash is None
+    for before, after in zip(events, events[1:]):  # a chain
+        assert after.parent_block_hash == before.block_hashes[0]
+    assert c.take_events() == []
+    # A longer key adds only its new pages, chained on the cached ones.
+    c.insert(RadixKey([1, 2, 3, 4, 5, 6, 7]), torch.tensor([10, 11, 12, 13, 14, 15, 16]))
+    more = c.take_events()
+    assert len(more) == 7 // page_size - pages
+    assert more[0].parent_block_hash == events[-1].block_hashes[0]
+    # Another namespace: other hashes for the same tokens.
+    c.insert(RadixKey([1, 2, 3, 4], "tenant"), torch.tensor([20, 21, 22, 23]))
+    other = c.take_events()
+    assert other[0].block_hashes != events[0].block_hashes
+    c.evict(100)
+    removed = c.take_events()
+    assert all(type(e) is BlockRemoved for e in removed) and removed
+    stored = {h for e in events + more + other for h in e.block_hashes}
+    assert {h for e in removed for h in e.block_hashes} == stored
+    # Off: nothing recorded.
+    quiet = RadixCache(None, alloc, page_size)
+    quiet.insert(RadixKey([1, 2, 3, 4]), torch.tensor([1, 2, 3, 4]))
+    assert quiet.take_events() == [] and not quiet.enable_kv_cache_events

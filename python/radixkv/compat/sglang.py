@@ -9,10 +9,11 @@ has them, in both of the forms its releases used: the plain calls of the
 early ones (0.5.2: `match_prefix(token_ids)`, `insert(key, value) -> int`,
 `evict(num_tokens)`) and the parameter objects of the later ones (0.5.9 and
 0.5.16: `MatchPrefixParams`, `InsertParams -> InsertResult`, `EvictParams ->
-EvictResult`). By 0.5.23 the per-request calls had moved to `checkpoint` /
-`release_kv_cache`, which are not provided; of 0.5.23's
-names, MatchResult's `device_prefix_len` and `path_device_indices(node)`
-are. An engine swaps its cache by changing an import:
+EvictResult`). 0.5.23's request flow (`checkpoint`, SGLang's own
+`release_kv_cache`) and result types are `radixkv.compat.sglang_plugin`'s,
+the same class under SGLang's BasePrefixCache, which `--radix-cache-backend
+radixkv` loads. An engine of an earlier release swaps its cache by changing
+an import:
 
     from radixkv.compat.sglang import RadixCache
 
@@ -26,8 +27,12 @@ What differs, on purpose:
   rest of a node a match splits; radixkv refreshes exactly the matched tokens).
 - `insert(InsertParams)` returns an InsertResult whose `last_device_node` is
   None (the native insert returns no node; a match of the key gives it).
-- Not supported (a clear exception): bigram keys (`is_eagle`), KV events,
-  and, on a native tree without namespaces, a non-None `extra_key`.
+- KV events (`enable_kv_cache_events`): one BlockStored per page an insert
+  adds and one BlockRemoved per eviction, as SGLang records them; block
+  hashes are radixkv's page keys (a SHA-256 chain from the sequence's start,
+  seeded per namespace), low 64 bits, not SGLang's token hashes.
+- Not supported (a clear exception): bigram keys (`is_eagle`) and, on a
+  native tree without namespaces, a non-None `extra_key`.
 Requests whose `extra_key` (with `cache_salt`, where the key has one) differ
 never share a prefix: each distinct value gets a namespace of the one native
 tree (radixkv.scheduler.namespaces names them).
@@ -43,6 +48,7 @@ import torch
 
 from radixkv import _core
 from radixkv._checks import as_count, as_int, as_max_slots, to_host
+from radixkv.events import block_hash
 from radixkv.kvcache.radix_manager import check_eviction_policy
 from radixkv.scheduler.namespaces import Namespaces
 
@@ -62,26 +68,78 @@ def _tree_has_namespaces() -> bool:
 HAS_NAMESPACES = _tree_has_namespaces()
 """Whether the installed native tree takes `namespace=` (needed for extra_key)."""
 
+_EVENTS = None
+
+
+def _event_types():
+    """(BlockStored, BlockRemoved, AllBlocksCleared): SGLang's, so its
+    publisher sends them as its own, else radixkv.events' (same fields)."""
+    global _EVENTS
+    if _EVENTS is None:
+        try:
+            from sglang.srt.disaggregation.kv_events import (AllBlocksCleared, BlockRemoved,
+                                                             BlockStored)
+        except Exception:  # noqa: BLE001 - SGLang absent, or not importable here
+            from radixkv.events import AllBlocksCleared, BlockRemoved, BlockStored
+        _EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared)
+    return _EVENTS
+
 
 class RadixKey:
-    """SGLang's key: token ids and the namespace tag `extra_key`. SGLang's own
-    RadixKey objects are accepted as well (anything with `token_ids`)."""
+    """SGLang's key: token ids and the namespace tags `extra_key` and
+    `cache_salt`; `limit` caps the tokens it stands for without a copy. It
+    slices, indexes and iterates as SGLang's does. SGLang's own RadixKey
+    objects are accepted as well (anything with `token_ids`)."""
 
-    __slots__ = ("token_ids", "extra_key", "is_bigram", "limit")
+    __slots__ = ("token_ids", "extra_key", "is_bigram", "limit", "cache_salt")
 
     def __init__(self, token_ids, extra_key: Optional[str] = None, is_bigram: bool = False,
-                 limit: Optional[int] = None):
+                 limit: Optional[int] = None, cache_salt: Optional[str] = None):
         self.token_ids = token_ids
         self.extra_key = extra_key
         self.is_bigram = is_bigram
         self.limit = limit
+        self.cache_salt = cache_salt or None
 
     def __len__(self) -> int:
         n = len(self.token_ids)
         return n if self.limit is None else min(n, self.limit)
 
+    def _ids(self):
+        n, ids = len(self), self.token_ids
+        return ids if n == len(ids) else ids[:n]
+
+    def __iter__(self):
+        return iter(self._ids())
+
+    def __getitem__(self, idx) -> "RadixKey":
+        """A key over a slice of the tokens (an int: that one token), with
+        the same namespace tags."""
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            n = len(self)
+            i = idx + n if idx < 0 else idx
+            if not 0 <= i < n:
+                raise IndexError(f"RadixKey index out of range: {idx}")
+            idx = slice(i, i + 1)
+        if not isinstance(idx, slice):
+            raise TypeError(f"RadixKey indices must be an int or a slice, got "
+                            f"{type(idx).__name__}")
+        start, stop, step = idx.indices(len(self))
+        if step != 1:
+            raise ValueError("RadixKey slice step must be 1")
+        return RadixKey(self.token_ids[start:max(start, stop)], self.extra_key,
+                        cache_salt=self.cache_salt)
+
+    def page_aligned(self, page_size: int) -> "RadixKey":
+        """The key's whole pages."""
+        return self if page_size == 1 else self[:len(self) // page_size * page_size]
+
     def __repr__(self) -> str:
-        return f"RadixKey(extra_key={self.extra_key!r}, len={len(self)})"
+        ids = self._ids()
+        preview = [int(t) for t in ids[:10]]
+        more = "..." if len(ids) > 10 else ""
+        return (f"RadixKey(extra_key={self.extra_key!r}, cache_salt={self.cache_salt!r}, "
+                f"token_ids={preview}{more})")
 
 
 @dataclasses.dataclass
@@ -154,6 +212,11 @@ class MatchResult(NamedTuple):
 
     @property
     def device_prefix_len(self) -> int:
+        return len(self.device_indices)
+
+    @property
+    def prefix_len(self) -> int:
+        """The cached prefix's length (device_prefix_len)."""
         return len(self.device_indices)
 
     @property
@@ -232,8 +295,6 @@ class RadixCache:
         page_size = as_count(1 if page_size is None else page_size, "page_size")
         if is_eagle:
             raise NotImplementedError("is_eagle: bigram keys are not supported by radixkv's tree")
-        if enable_kv_cache_events:
-            raise NotImplementedError("enable_kv_cache_events: radixkv emits no KV events")
         if not isinstance(eviction_policy, str):
             raise TypeError(f"eviction_policy must be a str, got {type(eviction_policy).__name__}")
         policy = check_eviction_policy(eviction_policy.lower(), eviction_policy)
@@ -243,6 +304,9 @@ class RadixCache:
         self.disable = bool(disable)
         self.is_eagle = False
         self.eviction_policy = policy
+        self.enable_kv_cache_events = bool(enable_kv_cache_events) and not self.disable
+        self._events: list = []
+        self._page_hash: dict = {}  # a cached page's first slot -> its block hash
         dev = getattr(token_to_kv_pool_allocator, "device", None)
         self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else \
             torch.device("cpu")
@@ -312,10 +376,34 @@ class RadixCache:
             ids, values = to_host(ids, "key", self.device), to_host(values, "value", self.device)
         try:
             if ns:
-                return self._tree.insert_prefix(ids, values, priority, namespace=ns)
-            return self._tree.insert_prefix(ids, values, priority)
+                prefix = self._tree.insert_prefix(ids, values, priority, namespace=ns)
+            else:
+                prefix = self._tree.insert_prefix(ids, values, priority)
         except (TypeError, ValueError) as e:
             raise _renamed(e, _INSERT_NAMES) from None
+        if self.enable_kv_cache_events:
+            self._stored(ids, values, prefix, ns)
+        return prefix
+
+    def _stored(self, ids, values, prefix: int, ns: int) -> None:
+        """One BlockStored per page the insert added (as SGLang records
+        them), each page's block hash chained over the pages before it from
+        the sequence's start, seeded by its namespace."""
+        ps = self.page_size
+        pages = len(ids) // ps
+        if prefix >= pages * ps:
+            return
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        keys = _core.page_keys(ids[:pages * ps], ps, self._namespaces.seed(ns, None))
+        stored = _event_types()[0]
+        for p in range(prefix // ps, pages):
+            h = block_hash(keys[p])
+            self._events.append(stored(
+                block_hashes=[h], parent_block_hash=block_hash(keys[p - 1]) if p else None,
+                token_ids=[int(t) for t in ids[p * ps:(p + 1) * ps]], block_size=ps,
+                lora_id=None))
+            self._page_hash[int(values[p * ps])] = h
 
     def _device_indices(self, indices: torch.Tensor) -> torch.Tensor:
         # int64, as SGLang's: its kernels read prefix indices through int64 pointers
@@ -327,6 +415,9 @@ class RadixCache:
 
     def reset(self) -> None:
         self._tree.reset()
+        if self.enable_kv_cache_events:
+            self._page_hash.clear()
+            self._events.append(_event_types()[2]())
         self._namespaces = Namespaces(self._max_namespaces)
         self.root_node, empty = self._tree.match_prefix([])
         self._empty = self._device_indices(empty)
@@ -385,6 +476,11 @@ class RadixCache:
         if num == 0:
             return EvictResult()
         freed = self._tree.evict(num)
+        if self.enable_kv_cache_events:
+            hashes = [h for h in map(self._page_hash.pop, freed.tolist(), [None] * len(freed))
+                      if h is not None]
+            if hashes:
+                self._events.append(_event_types()[1](block_hashes=hashes))
         if self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(self._device_indices(freed))
         return EvictResult(num_tokens_evicted=len(freed))
@@ -442,7 +538,11 @@ class RadixCache:
         pass
 
     def take_events(self) -> list:
-        return []
+        """The KV events since the last call (empty unless
+        enable_kv_cache_events): SGLang's event types where SGLang is
+        installed, radixkv.events' (the same fields) where it is not."""
+        events, self._events = self._events, []
+        return events
 
     def available_and_evictable_str(self) -> str:
         available = self.token_to_kv_pool_allocator.available_size()
