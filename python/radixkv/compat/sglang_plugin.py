@@ -1,0 +1,208 @@
+"""radixkv as SGLang's radix cache: `--radix-cache-backend radixkv`.
+
+`pip install 'radixkv[sglang]'` registers `register()` in SGLang's plug-in
+group (`sglang.srt.plugins`); SGLang runs it in each of its processes, and
+`--radix-cache-backend radixkv` then builds the scheduler's prefix cache with
+`build(ctx)`: radixkv's native tree, driven by SGLang 0.5.23's scheduler as
+it drives its own RadixCache (match, lock, checkpoint a running request,
+release a request's KV through SGLang's own `release_kv_cache`, evict).
+
+What it serves: full-attention models (every layer keeps all tokens' K/V),
+page size 1 or more, `extra_key` / `cache_salt` namespaces, priorities, every
+eviction policy radixkv has (`--radix-eviction-policy lru|lfu|fifo|mru|
+priority`), KV events (`--kv-events-config`: one BlockStored per page, as
+SGLang publishes them). What it refuses, by name, at start-up: sliding-window
+and mamba hybrids, DSA models, speculative decoding's bigram keys, and
+SGLang's hierarchical cache (HiCache keeps its host tier in SGLang's own tree;
+use SGLang's tree with radixkv's storage as its L3 instead, or radixkv's
+CacheManager for a host tier of radixkv's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+
+from radixkv.compat.sglang import RadixCache
+
+NAME = "radixkv"
+
+
+def register() -> None:
+    """SGLang's plug-in entry point: registers the `radixkv` backend."""
+    from sglang.srt.mem_cache.registry import (get_radix_cache_factory,
+                                               register_radix_cache_backend)
+
+    if get_radix_cache_factory(NAME) is None:
+        register_radix_cache_backend(NAME, build)
+
+
+def _refuse(ctx) -> None:
+    why = []
+    if ctx.is_hybrid_swa:
+        why.append("sliding-window hybrid models (is_hybrid_swa)")
+    if ctx.is_hybrid_ssm:
+        why.append("mamba hybrid models (is_hybrid_ssm)")
+    if getattr(ctx, "is_dsa", False):
+        why.append("DSA models (is_dsa)")
+    if ctx.enable_hierarchical_cache:
+        why.append("--enable-hierarchical-cache (SGLang's HiCache keeps its host tier in its own "
+                   "tree: leave --radix-cache-backend unset and give HiCache radixkv's storage as "
+                   "its L3, --hicache-storage-backend dynamic)")
+    if getattr(ctx.params, "is_eagle", False):
+        why.append("speculative decoding's bigram keys (is_eagle)")
+    if why:
+        raise ValueError(f"--radix-cache-backend {NAME} serves full-attention models with "
+                         "SGLang's device pool only; it does not support " + "; ".join(why))
+
+
+def build(ctx) -> Any:
+    """The factory SGLang calls with its TreeCacheBuildContext."""
+    _refuse(ctx)
+    if ctx.disable_radix_cache:
+        from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+        return default_radix_cache_factory(ctx)  # SGLang's own cache-less path
+    return _cache_class()(ctx.params)
+
+
+_CLASS = None
+
+
+def _cache_class():
+    """SGLang's BasePrefixCache with radixkv's tree inside (made once: SGLang
+    is imported only when its scheduler asks)."""
+    global _CLASS
+    if _CLASS is None:
+        from sglang.srt.mem_cache import base_prefix_cache as base
+
+        _CLASS = type("RadixkvPrefixCache", (_PrefixCache, base.BasePrefixCache),
+                      {"_base": base, "__module__": __name__})
+    return _CLASS
+
+
+class _PrefixCache(RadixCache):
+    """radixkv's RadixCache with SGLang 0.5.23's request flow and result
+    types (`_base` is SGLang's base_prefix_cache module)."""
+
+    _base: Any
+
+    def __init__(self, params) -> None:
+        super().__init__(params)
+        self.kv_events = None  # radixkv records its own (take_events)
+        self.sliding_window_size = None
+        if getattr(params, "enable_metrics", False):
+            self.init_metrics_collector()
+
+    def reset(self) -> None:
+        super().reset()
+        self._empty_result = self._base.MatchResult(
+            device_prefix_len=0, last_device_node=self.root_node,
+            last_host_node=self.root_node, best_match_node=self.root_node)
+
+    # -- the tree ------------------------------------------------------------------------
+
+    def match_prefix(self, params):
+        key = getattr(params, "key", params)
+        if self.disable or len(key) == 0:
+            return self._empty_result
+        ids, ns = self._key(key)
+        handle, indices = self._match(ids, ns)
+        n = len(indices)
+        return self._base.MatchResult(device_prefix_len=n, last_device_node=handle,
+                                      last_host_node=handle, best_match_node=handle)
+
+    def touch_prefix(self, key) -> None:
+        if not self.disable and len(key):
+            self._match(*self._key(key))
+
+    def insert(self, params, value=None, chunked: bool = False, priority: int = 0):
+        result = super().insert(params, value, chunked, priority)
+        if hasattr(params, "key"):
+            return self._base.InsertResult(prefix_len=result.prefix_len)
+        return result
+
+    def evict(self, params):
+        start = __import__("time").perf_counter()
+        result = super().evict(params)
+        self.update_eviction_metrics(result.num_tokens_evicted, start)
+        return self._base.EvictResult(num_tokens_evicted=result.num_tokens_evicted)
+
+    def _free(self, indices: torch.Tensor, start_pos: Optional[int] = None) -> None:
+        if len(indices) == 0:
+            return
+        allocator = self.token_to_kv_pool_allocator
+        if start_pos is not None and hasattr(allocator, "free_segment"):
+            allocator.free_segment(indices, start_pos=start_pos)
+        else:
+            allocator.free(indices)
+
+    def inc_lock_ref(self, node):
+        return self._base.IncLockRefResult(delta=int(super().inc_lock_ref(node)))
+
+    def dec_lock_ref(self, node, params=None):
+        return self._base.DecLockRefResult(delta=int(super().dec_lock_ref(node)))
+
+    def dfs_weight_order(self, node_handles) -> List[int]:
+        """Request indices in depth-first order of their matched paths,
+        heavier subtrees (more requests under them) first."""
+        paths = [tuple(self.path_device_indices(h).tolist()) if h is not None else ()
+                 for h in node_handles]
+        trie: dict = {}
+        for i, path in enumerate(paths):
+            node = trie
+            for page in range(0, len(path), self.page_size):
+                node = node.setdefault(path[page:page + self.page_size], {})
+            node.setdefault(None, []).append(i)
+
+        def weight(node) -> int:
+            return sum(len(v) if k is None else weight(v) for k, v in node.items())
+
+        order: List[int] = []
+        stack = [trie]
+        while stack:
+            node = stack.pop()
+            order.extend(node.get(None, ()))
+            children = sorted((v for k, v in node.items() if k is not None), key=weight)
+            stack.extend(children)  # heaviest last: popped first
+        return order
+
+    # -- a request's KV --------------------------------------------------------------------
+
+    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        """The request's KV up to row position `up_to` joins the tree (whole
+        pages); its row is pointed at the tree's copy, its lock moves to the
+        node the insert ended on and `cache_protected_len` covers it. The
+        slots of pages another request cached meanwhile go back now; the
+        rest of the row is `release_kv_cache`'s to free."""
+        if self.disable:
+            return
+        kv = req.kv
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        aligned = len(token_ids) // self.page_size * self.page_size
+        ids = token_ids[:aligned]
+        ns = self._req_namespace(req)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned]
+        values = row.to(dtype=torch.int64, copy=True)
+        prefix = self._insert_req(req, ids, values, ns)
+        kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
+        protected = kv.cache_protected_len
+        if prefix > protected:  # duplicates of what another request cached meanwhile
+            self._free(row[protected:prefix], start_pos=protected)
+        handle, tree_slots = self._match(ids, ns)
+        new_indices = self._device_indices(tree_slots)
+        n = len(new_indices)
+        if n != aligned:
+            raise RuntimeError(f"radixkv: request {req.rid} inserted {aligned} tokens but the "
+                               f"tree holds {n} of them")
+        if n > protected:
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, n)),
+                                         new_indices[protected:])
+        kv.cache_protected_len = n
+        self.unlock(req.lock)
+        req.lock = self.lock(handle)
+        req.last_node = handle
+
+    def sanity_check(self) -> None:
+        self.check_integrity()

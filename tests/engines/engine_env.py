@@ -1,0 +1,202 @@
+"""What the end-to-end engine tests share: the engine venvs .ci/engines
+built, the tiny model, a server started on 127.0.0.1 and stopped cleanly,
+and the seeded multi-turn chat workload sent to it."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def venv_python(engine: str) -> str:
+    """The engine venv's python; the test skips, saying why, where .ci/engines
+    could not build it (never where it was not asked to)."""
+    var = f"RADIXKV_{engine.upper()}_VENV"
+    venv = os.environ.get(var)
+    if venv is None:
+        pytest.skip(f"{var} is not set: run the engine stage as .ci/test does "
+                    f"(bash .ci/engines builds the {engine} venv)")
+    if not venv:
+        pytest.skip(f"the {engine} venv could not be installed here (.ci/engines said why)")
+    return os.path.join(venv, "bin", "python")
+
+
+def build_model(python: str, out: str, dtype: str = "float32") -> str:
+    subprocess.run([python, os.path.join(HERE, "tiny_model.py"), out, "--dtype", dtype],
+                   check=True, capture_output=True, timeout=300)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """An engine's OpenAI-style server on 127.0.0.1, its log in a file."""
+
+    def __init__(self, cmd: List[str], log_path: str, env: dict, port: int,
+                 ready_s: float = 300.0):
+        self.port = port
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env}, start_new_session=True)
+        self.exit_code: Optional[int] = None
+        deadline = time.monotonic() + ready_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was "
+                                   f"ready:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the server was not ready in {ready_s:.0f} s:\n"
+                                   f"{self.log()[-4000:]}")
+            time.sleep(1.0)
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                     json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read()
+        return json.loads(text) if text else {}
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM to the server, as a supervisor stops it; its exit code
+        (the whole process group is killed if it does not end in time)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise RuntimeError(f"the server did not stop in {timeout_s:.0f} s after SIGTERM")
+        self.exit_code = self.proc.returncode
+        self._kill_group()
+        self._log.close()
+        return self.exit_code
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self) -> None:
+        self._kill_group()
+        self.proc.wait(30)
+
+
+@dataclass
+class Turn:
+    conversation: int
+    prompt_len: int
+    output_ids: List[int]
+    cached_tokens: int
+    namespace: Optional[str] = None
+
+
+@dataclass
+class Workload:
+    """A seeded multi-turn chat: system prompts shared by conversations that
+    grow turn by turn, some in a second namespace (`extra_key`) or with a
+    `cache_salt`; then the first conversation's first turn once more, after
+    everything else (evicted where the pool is small)."""
+
+    seed: int = 0
+    system_prompts: int = 3
+    system_len: int = 120
+    conversations: int = 6
+    turns: int = 4
+    user_len: int = 30
+    max_new_tokens: int = 8
+    vocab: int = 1000
+    turns_sent: List[Turn] = field(default_factory=list)
+
+    def namespace(self, c: int) -> dict:
+        if c % 3 == 2:
+            return {"extra_key": "tenant-b"}
+        if c == 4:
+            return {"cache_salt": "salt-1"}
+        return {}
+
+    def run(self, send) -> List[Turn]:
+        """`send(input_ids, extras) -> (output_ids, cached_tokens)`."""
+        rng = random.Random(self.seed)
+        words = lambda n: [rng.randrange(3, self.vocab) for _ in range(n)]  # noqa: E731
+        systems = [words(self.system_len) for _ in range(self.system_prompts)]
+        convs = [list(systems[c % self.system_prompts]) for c in range(self.conversations)]
+        first = None
+        out = []
+        for t in range(self.turns):
+            for c in range(self.conversations):
+                convs[c] += words(self.user_len)
+                ids = list(convs[c])
+                if first is None:
+                    first = ids
+                extras = self.namespace(c)
+                output, cached = send(ids, extras)
+                out.append(Turn(c, len(ids), output, cached, str(extras) if extras else None))
+                convs[c] += output
+        output, cached = send(first, {})
+        out.append(Turn(0, len(first), output, cached))
+        self.turns_sent = out
+        return out
+
+
+def generate(server: Server, ids: List[int], extras: dict, max_new_tokens: int = 8):
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0,
+                                                  "max_new_tokens": max_new_tokens,
+                                                  "ignore_eos": True}}
+    body.update(extras)
+    out = server.post("/generate", body)
+    return list(out["output_ids"]), int(out["meta_info"]["cached_tokens"])
+
+
+def server_problems(log: str) -> List[str]:
+    """Lines of a server log that say something went wrong (SGLang's own
+    leak check raises, so a leak shows as a traceback)."""
+    bad = []
+    for line in log.splitlines():
+        low = line.lower()
+        if "traceback" in low or "memory leak" in low or " error " in low or \
+                low.startswith("error") or "exception" in low:
+            if "ignore import error" in low:
+                continue
+            bad.append(line)
+    return bad
+
+
+if __name__ == "__main__":  # a manual run: python engine_env.py PORT
+    class _S:
+        port = int(sys.argv[1])
+        post = Server.post
+
+    for turn in Workload().run(lambda ids, ex: generate(_S(), ids, ex)):
+        print(turn)
