@@ -85,7 +85,10 @@ class Server:
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read()
-        return json.loads(text) if text else {}
+        try:
+            return json.loads(text) if text else {}
+        except ValueError:  # a plain-text answer (/flush_cache)
+            return {"text": text.decode(errors="replace")}
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM to the server, as a supervisor stops it; its exit code

@@ -5,7 +5,9 @@ cached-token counts per request equal, eviction happening, extra_key and
 cache_salt namespaces kept apart, SGLang's own idle leak check passing, no
 error in the log, and a clean shutdown."""
 
+import json
 import os
+import random
 import subprocess
 import textwrap
 import time
@@ -29,7 +31,7 @@ def model(python, tmp_path_factory):
     return build_model(python, str(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def serve(python, model, log_path, page_size, backend=None):
+def serve(python, model, log_path, page_size, backend=None, extra_args=()):
     port = free_port()
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
            "--attention-backend", "torch_native", "--dtype", "float32",
@@ -37,6 +39,7 @@ def serve(python, model, log_path, page_size, backend=None):
            "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0"]
     if backend:
         cmd += ["--radix-cache-backend", backend]
+    cmd += list(extra_args)
     # SGLang's idle check raises on leaked slots (its default, set all the same).
     env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
     return Server(cmd, log_path, env, port)
@@ -118,3 +121,61 @@ def test_the_plugin_is_registered_in_sglangs_group(python):
     r = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def stored_pages(python, model, tmp_path, backend):
+    """The token pages of the BlockStored events a server publishes over a
+    short workload, and the event types seen (a flush clears all)."""
+    import msgpack
+    import zmq
+
+    port = free_port()
+    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv",
+              "bind": True}
+    name = backend or "sglang"
+    server = serve(python, model, str(tmp_path / f"{name}-events.log"), 4, backend,
+                   ["--kv-events-config", json.dumps(config)])
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        time.sleep(1.0)  # the subscription reaches the publisher
+        rng = random.Random(7)
+        system = [rng.randrange(3, 1000) for _ in range(40)]
+        for k in range(3):
+            generate(server, system + [rng.randrange(3, 1000) for _ in range(9)], {})
+        server.post("/flush_cache", {})
+        generate(server, system, {})
+        pages, kinds, stores = [], [], []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not sub.poll(500):
+                if kinds and kinds[-1] == "BlockStored" and "AllBlocksCleared" in kinds:
+                    break
+                continue
+            *_, payload = sub.recv_multipart()
+            _, events, *_ = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            for event in events:  # SGLang's events are tagged maps
+                kinds.append(event["type"])
+                if event["type"] == "BlockStored":
+                    ids, size = event["token_ids"], event["block_size"]
+                    assert len(event["block_hashes"]) * size == len(ids), event
+                    pages += [tuple(ids[i:i + size]) for i in range(0, len(ids), size)]
+                    stores.append(len(event["block_hashes"]))
+    finally:
+        sub.close(0)
+        server.stop()
+    assert server_problems(server.log()) == []
+    return pages, kinds, stores
+
+
+def test_kv_events_name_the_same_pages_as_sglangs_own(python, model, tmp_path):
+    """The same pages stored, as SGLang's own cache publishes them (its
+    events carry a node's pages, radixkv's one page each), and a flush
+    clears all."""
+    ours, our_kinds, our_stores = stored_pages(python, model, tmp_path, "radixkv")
+    theirs, their_kinds, _ = stored_pages(python, model, tmp_path, None)
+    assert ours and all(len(p) == 4 for p in ours) and set(our_stores) == {1}
+    assert sorted(ours) == sorted(theirs)
+    assert "AllBlocksCleared" in our_kinds and "AllBlocksCleared" in their_kinds
