@@ -94,7 +94,9 @@ def test_unsupported_combinations_are_refused_by_name(python):
                     enable_hierarchical_cache=False, disable_radix_cache=False, params=params)
         for change, word in [({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
                              ({"is_hybrid_swa": True}, "is_hybrid_swa"),
-                             ({"is_hybrid_ssm": True}, "is_hybrid_ssm")]:
+                             ({"is_hybrid_ssm": True}, "is_hybrid_ssm"),
+                             ({"server_args": SimpleNamespace(enable_lmcache=True)},
+                              "--enable-lmcache")]:
             try:
                 build(SimpleNamespace(**{**base, **change}))
             except ValueError as e:
@@ -179,3 +181,69 @@ def test_kv_events_name_the_same_pages_as_sglangs_own(python, model, tmp_path):
     assert ours and all(len(p) == 4 for p in ours) and set(our_stores) == {1}
     assert sorted(ours) == sorted(theirs)
     assert "AllBlocksCleared" in our_kinds and "AllBlocksCleared" in their_kinds
+
+
+def test_review_cases_of_the_backend_without_a_server(python):
+    """What a review found, on the backend class itself: SGLang's default
+    priorities (sys.maxsize) insert; dfs-weight order is SGLang's on a tree
+    of distinct weights and takes paths of any length; event hashes are
+    signed int64."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from types import SimpleNamespace
+        from radixkv.compat.sglang import RadixKey, _event_types
+        from radixkv.compat.sglang_plugin import _cache_class
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, _dfs_weight_order
+        from sglang.srt.mem_cache.radix_cache import RadixCache as Theirs, RadixKey as TheirKey
+
+        class Alloc:
+            device = torch.device("cpu")
+            def free(self, idx): pass
+            def free_segment(self, idx, start_pos): pass
+
+        def ours(page_size=1, events=False):
+            return _cache_class()(SimpleNamespace(
+                disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=Alloc(),
+                page_size=page_size, enable_kv_cache_events=events, eviction_policy="lru"))
+
+        c = ours()
+        for p in (sys.maxsize, -sys.maxsize - 1):
+            c.insert(SimpleNamespace(key=RadixKey([p % 7 + 10, 1, 2]),
+                                     value=torch.tensor([1, 2, 3]) + (p > 0) * 3, priority=p))
+        # dfs-weight: a shared prefix with branches of 3, 2 and 1 requests, a request on the
+        # prefix itself, and one on nothing.
+        seqs = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 7, 8], [9, 9]]
+        queries = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 4], [1, 2], [1, 2, 3, 4],
+                   [1, 2, 5, 6], [1, 2, 7, 8], [4, 4], [9, 9]]
+        a, b = ours(), Theirs.create_simulated()
+        slot = 100
+        for s in seqs:
+            a.insert(SimpleNamespace(key=RadixKey(s), value=torch.arange(slot, slot + len(s)),
+                                     priority=0))
+            b.insert(SimpleNamespace(key=TheirKey(s), value=torch.arange(slot, slot + len(s)),
+                                     priority=0, inserted_len=0))
+            slot += 10
+        mine = a.dfs_weight_order([a.match_prefix(MatchPrefixParams(key=RadixKey(q)))
+                                   .last_device_node for q in queries])
+        their_nodes = [b.match_prefix(MatchPrefixParams(key=TheirKey(q))).last_device_node
+                       for q in queries]
+        theirs = _dfs_weight_order(b.root_node, their_nodes, lambda n: n)
+        assert mine == theirs, (mine, theirs)
+        deep = ours()
+        deep.insert(SimpleNamespace(key=RadixKey(list(range(20000))),
+                                    value=torch.arange(20000), priority=0))
+        h = deep.match_prefix(MatchPrefixParams(key=RadixKey(list(range(20000))))).last_device_node
+        assert deep.dfs_weight_order([h, h, None]) == [0, 1, 2]
+        ev = ours(page_size=4, events=True)
+        for k in range(64):
+            ev.insert(SimpleNamespace(key=RadixKey([k, 1, 2, 3, 4, 5, 6, 7]),
+                                      value=torch.arange(8 * k, 8 * k + 8), priority=0))
+        hashes = [h for e in ev.take_events() if hasattr(e, "block_hashes")
+                  for h in e.block_hashes]
+        assert len(hashes) == 128 and all(-(1 << 63) <= h < (1 << 63) for h in hashes)
+        assert any(h < 0 for h in hashes)
+        print("ok")
+    """)
+    r = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -30,7 +30,8 @@ What differs, on purpose:
 - KV events (`enable_kv_cache_events`): one BlockStored per page an insert
   adds and one BlockRemoved per eviction, as SGLang records them; block
   hashes are radixkv's page keys (a SHA-256 chain from the sequence's start,
-  seeded per namespace), low 64 bits, not SGLang's token hashes.
+  seeded per namespace), low 64 bits as a signed int64 like SGLang's, not
+  SGLang's token hashes; events carry no cache_salt or LoRA name.
 - Not supported (a clear exception): bigram keys (`is_eagle`) and, on a
   native tree without namespaces, a non-None `extra_key`.
 Requests whose `extra_key` (with `cache_salt`, where the key has one) differ
@@ -48,7 +49,7 @@ import torch
 
 from radixkv import _core
 from radixkv._checks import as_count, as_int, as_max_slots, to_host
-from radixkv.events import block_hash
+from radixkv.events import MEDIUM_GPU, block_hash
 from radixkv.kvcache.radix_manager import check_eviction_policy
 from radixkv.scheduler.namespaces import Namespaces
 
@@ -232,6 +233,17 @@ class MatchResult(NamedTuple):
         return None
 
 
+def _priority(value: int) -> int:
+    """A priority as the native tree keeps it (int32), order kept: SGLang
+    gives requests without one sys.maxsize or its negative."""
+    return max(-(1 << 31), min(value, (1 << 31) - 1))
+
+
+def _signed(h: int) -> int:
+    """A 64-bit block hash as SGLang publishes it: a signed int64."""
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
 def _looks_like_init_params(obj) -> bool:
     return all(hasattr(obj, a) for a in ("disable", "page_size", "token_to_kv_pool_allocator"))
 
@@ -395,14 +407,16 @@ class RadixCache:
             return
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
+        if not self._namespaces.known(ns):  # its name was forgotten: no seed, no events
+            return
         keys = _core.page_keys(ids[:pages * ps], ps, self._namespaces.seed(ns, None))
         stored = _event_types()[0]
         for p in range(prefix // ps, pages):
-            h = block_hash(keys[p])
+            h = _signed(block_hash(keys[p]))
             self._events.append(stored(
-                block_hashes=[h], parent_block_hash=block_hash(keys[p - 1]) if p else None,
+                block_hashes=[h], parent_block_hash=_signed(block_hash(keys[p - 1])) if p else None,
                 token_ids=[int(t) for t in ids[p * ps:(p + 1) * ps]], block_size=ps,
-                lora_id=None))
+                lora_id=None, medium=MEDIUM_GPU))
             self._page_hash[int(values[p * ps])] = h
 
     def _device_indices(self, indices: torch.Tensor) -> torch.Tensor:
@@ -451,7 +465,7 @@ class RadixCache:
         else:
             key = params
         ids, ns = self._key(key)
-        priority = as_int(priority or 0, "priority")
+        priority = _priority(as_int(priority or 0, "priority"))
         n = _length(ids, "key")
         if value is None:
             value = ids
@@ -480,7 +494,7 @@ class RadixCache:
             hashes = [h for h in map(self._page_hash.pop, freed.tolist(), [None] * len(freed))
                       if h is not None]
             if hashes:
-                self._events.append(_event_types()[1](block_hashes=hashes))
+                self._events.append(_event_types()[1](block_hashes=hashes, medium=MEDIUM_GPU))
         if self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(self._device_indices(freed))
         return EvictResult(num_tokens_evicted=len(freed))
@@ -649,8 +663,8 @@ class RadixCache:
 
     def _insert_req(self, req, token_ids, kv_indices, ns: int) -> int:
         # The native tree takes the whole pages of equal-length ids and slots.
-        return self._insert_ids(token_ids, kv_indices, as_int(getattr(req, "priority", 0) or 0,
-                                                              "req.priority"), ns)
+        priority = _priority(as_int(getattr(req, "priority", 0) or 0, "req.priority"))
+        return self._insert_ids(token_ids, kv_indices, priority, ns)
 
     def cache_finished_req(self, req, is_insert: bool = True, *,
                            kv_len_to_handle: Optional[int] = None, **kwargs) -> None:

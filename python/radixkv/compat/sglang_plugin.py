@@ -12,14 +12,16 @@ page size 1 or more, `extra_key` / `cache_salt` namespaces, priorities, every
 eviction policy radixkv has (`--radix-eviction-policy lru|lfu|fifo|mru|
 priority`), KV events (`--kv-events-config`: one BlockStored per page, as
 SGLang publishes them). What it refuses, by name, at start-up: sliding-window
-and mamba hybrids, DSA models, speculative decoding's bigram keys, and
-SGLang's hierarchical cache (HiCache keeps its host tier in SGLang's own tree;
-use SGLang's tree with radixkv's storage as its L3 instead, or radixkv's
-CacheManager for a host tier of radixkv's).
+and mamba hybrids, DSA models, speculative decoding's bigram keys, SGLang's
+hierarchical cache (HiCache keeps its host tier in SGLang's own tree; use
+SGLang's tree with radixkv's storage as its L3 instead, or radixkv's
+CacheManager for a host tier of radixkv's), and options that call SGLang's own
+trees (LMCache, FlexKV, the external linker, PD decode's host-pool retraction).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, List, Optional
 
 import torch
@@ -52,9 +54,24 @@ def _refuse(ctx) -> None:
                    "its L3, --hicache-storage-backend dynamic)")
     if getattr(ctx.params, "is_eagle", False):
         why.append("speculative decoding's bigram keys (is_eagle)")
+    why += _refused_options(getattr(ctx, "server_args", None))
     if why:
         raise ValueError(f"--radix-cache-backend {NAME} serves full-attention models with "
                          "SGLang's device pool only; it does not support " + "; ".join(why))
+
+
+def _refused_options(args) -> List[str]:
+    """SGLang options (of its ServerArgs) that need calls of its own trees:
+    LMCache's and FlexKV's prefetches, the external linker, PD decode's
+    host-pool retraction backups."""
+    why = [flag for flag, attr in (("--enable-lmcache", "enable_lmcache"),
+                                   ("--enable-flexkv", "enable_flexkv"),
+                                   ("--enable-unified-cache-external-linker",
+                                    "enable_unified_cache_external_linker"))
+           if getattr(args, attr, False)]
+    if getattr(args, "disaggregation_decode_retraction_backup", None) == "host_pool":
+        why.append("--disaggregation-decode-retraction-backup host_pool")
+    return why
 
 
 def build(ctx) -> Any:
@@ -124,7 +141,7 @@ class _PrefixCache(RadixCache):
         return result
 
     def evict(self, params):
-        start = __import__("time").perf_counter()
+        start = time.perf_counter()
         result = super().evict(params)
         self.update_eviction_metrics(result.num_tokens_evicted, start)
         return self._base.EvictResult(num_tokens_evicted=result.num_tokens_evicted)
@@ -145,27 +162,41 @@ class _PrefixCache(RadixCache):
         return self._base.DecLockRefResult(delta=int(super().dec_lock_ref(node)))
 
     def dfs_weight_order(self, node_handles) -> List[int]:
-        """Request indices in depth-first order of their matched paths,
-        heavier subtrees (more requests under them) first."""
-        paths = [tuple(self.path_device_indices(h).tolist()) if h is not None else ()
-                 for h in node_handles]
-        trie: dict = {}
-        for i, path in enumerate(paths):
-            node = trie
-            for page in range(0, len(path), self.page_size):
-                node = node.setdefault(path[page:page + self.page_size], {})
-            node.setdefault(None, []).append(i)
-
-        def weight(node) -> int:
-            return sum(len(v) if k is None else weight(v) for k, v in node.items())
-
-        order: List[int] = []
-        stack = [trie]
-        while stack:
+        """Request indices in SGLang's depth-first order of their matched
+        paths: children before the node's own requests, heavier subtrees
+        (more requests under them) first, ties in the order first seen.
+        Iterative (paths of any length), reading the tree's host copy of
+        each path's slots (no device sync)."""
+        ps = self.page_size
+        root = ({}, [], [0])  # children by page, own request indices, weight
+        for i, handle in enumerate(node_handles):
+            node = root
+            if handle is not None and not self.disable:
+                slots = self._tree.handle_slots(handle).tolist()
+                for at in range(0, len(slots), ps):
+                    page = tuple(slots[at:at + ps])
+                    child = node[0].get(page)
+                    if child is None:
+                        child = node[0][page] = ({}, [], [0])
+                    node = child
+            node[1].append(i)
+        post, stack = [], [root]
+        while stack:  # every node after its parent; reversed, children first
             node = stack.pop()
-            order.extend(node.get(None, ()))
-            children = sorted((v for k, v in node.items() if k is not None), key=weight)
-            stack.extend(children)  # heaviest last: popped first
+            post.append(node)
+            stack.extend(node[0].values())
+        for node in reversed(post):
+            node[2][0] = len(node[1]) + sum(c[2][0] for c in node[0].values())
+        order: List[int] = []
+        stack = [(root, False)]
+        while stack:
+            node, visited = stack.pop()
+            if visited:
+                order.extend(node[1])
+                continue
+            stack.append((node, True))
+            children = sorted(node[0].values(), key=lambda c: -c[2][0])
+            stack.extend((c, False) for c in reversed(children))
         return order
 
     # -- a request's KV --------------------------------------------------------------------
