@@ -19,6 +19,7 @@ from radixkv import _core
 from radixkv._checks import as_count, as_seconds
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.storage.base import MAX_BATCH, StorageBackend
+from radixkv.storage.health import Health
 from radixkv.storage.keys import page_keys
 
 log = logging.getLogger("radixkv")
@@ -86,44 +87,6 @@ class StorageCounters(NamedTuple):
     skipped_writes: int = 0  # of `skipped`: writes not tried (writes left alone)
     query_timeouts: int = 0  # existence queries that did not answer within the bound
     lost: bool = False       # the storage thread died: storage was switched off
-
-
-class _Health:
-    """How one direction of the store (reads or writes) has been answering;
-    set from the storage thread, the query thread and the scheduler's."""
-
-    def __init__(self, policy: StorageFaultPolicy) -> None:
-        self._policy = policy
-        self._lock = threading.Lock()
-        self.backoff_s = 0.0
-        self._down_until = 0.0
-        self._in_a_row = 0
-
-    def down(self) -> bool:
-        """True while the direction is left alone."""
-        return time.monotonic() < self._down_until
-
-    def failed(self) -> None:
-        p = self._policy
-        with self._lock:
-            self._in_a_row += 1
-            if self.backoff_s:  # the retry after a back-off failed: wait longer
-                self.backoff_s = min(self.backoff_s * 2, p.max_retry_after_s)
-            elif self._in_a_row >= p.failures_in_a_row:
-                self.backoff_s = min(p.retry_after_s, p.max_retry_after_s)
-            else:
-                return
-            self._down_until = time.monotonic() + self.backoff_s
-
-    def succeeded(self) -> None:
-        """A call that moved pages: the run of failures and any back-off end.
-        (An existence query that answers proves nothing of the kind: a store
-        may answer queries and fail, or hang, every read.)"""
-        with self._lock:
-            self._in_a_row = 0
-            if self.backoff_s:
-                self.backoff_s = 0.0
-                self._down_until = 0.0
 
 
 @dataclass(eq=False)  # identity: jobs are found by `is`, never compared
@@ -215,8 +178,8 @@ class _Store:
 
     def __init__(self, backend: StorageBackend, policy: StorageFaultPolicy) -> None:
         self.backend = backend
-        self.reads = _Health(policy)
-        self.writes = _Health(policy)
+        self.reads = Health(policy)
+        self.writes = Health(policy)
         self.read_jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.write_jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.finished: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -224,7 +187,7 @@ class _Store:
         self._running = 2  # threads that have not ended
         self.closing = False  # both ended: the backend is being closed
 
-    def call(self, health: _Health, fn, keys, *args, query: bool = False):
+    def call(self, health: Health, fn, keys, *args, query: bool = False):
         """Runs one backend call and notes how the store answered: a call
         that raised (anything, a backend's CancelledError too), or counted
         errors on this thread with no page found, read or written, failed."""
@@ -668,7 +631,7 @@ class StorageTier:
                 self._stalled(oldest, health)
         return applied
 
-    def _stalled(self, job, health: _Health) -> None:
+    def _stalled(self, job, health: Health) -> None:
         """A job running too long counts, once, as a failed call."""
         if not job.stalled:
             job.stalled = True
