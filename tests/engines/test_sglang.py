@@ -31,7 +31,7 @@ def model(python, tmp_path_factory):
     return build_model(python, str(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def serve(python, model, log_path, page_size, backend=None, extra_args=()):
+def serve(python, model, log_path, page_size, backend=None, extra_args=(), env=None):
     port = free_port()
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
            "--attention-backend", "torch_native", "--dtype", "float32",
@@ -41,7 +41,8 @@ def serve(python, model, log_path, page_size, backend=None, extra_args=()):
         cmd += ["--radix-cache-backend", backend]
     cmd += list(extra_args)
     # SGLang's idle check raises on leaked slots (its default, set all the same).
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+           **(env or {})}
     return Server(cmd, log_path, env, port)
 
 
@@ -247,3 +248,105 @@ def test_review_cases_of_the_backend_without_a_server(python):
     r = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_priority_scheduling_with_radixkv(python, model, tmp_path):
+    """SGLang gives requests without a priority sys.maxsize (or its
+    negative) under --enable-priority-scheduling; radixkv's tree keeps int32
+    priorities, clamped in order. Requests with and without one are served
+    and cached."""
+    server = serve(python, model, str(tmp_path / "radixkv-priority.log"), 1, "radixkv",
+                   ["--enable-priority-scheduling"])
+    try:
+        rng = random.Random(3)
+        prompt = [rng.randrange(3, 1000) for _ in range(60)]
+        generate(server, prompt, {})
+        _, cached = generate(server, prompt, {"priority": 5})
+        assert cached == len(prompt) - 1
+        generate(server, prompt + [7, 8, 9], {"priority": -(1 << 40)})
+        time.sleep(2)  # idle: SGLang's leak check
+        generate(server, [5, 6, 7], {})
+    finally:
+        code = server.stop()
+    assert server_problems(server.log()) == [] and code == 0
+
+
+# -- radixkv's store as HiCache's L3 ------------------------------------------------------
+
+HICACHE = ["--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-io-backend",
+           "direct", "--hicache-mem-layout", "layer_first"]
+
+
+def radixkv_l3(directory):
+    return HICACHE + ["--hicache-storage-backend", "dynamic",
+                      "--hicache-storage-backend-extra-config", json.dumps({
+                          "backend_name": "radixkv", "interface_v1": 1,
+                          "module_path": "radixkv.compat.sglang_storage",
+                          "class_name": "RadixkvHiCacheStorage",
+                          "store": "file", "directory": str(directory)})]
+
+
+def pages_in(directory):
+    return [os.path.join(d, f) for d, _, files in os.walk(directory) for f in files
+            if f.endswith((".page", ".bin"))]
+
+
+def wait_for_pages(directory, n, limit_s=60.0):
+    deadline = time.monotonic() + limit_s
+    while len(pages_in(directory)) < n:
+        assert time.monotonic() < deadline, f"{len(pages_in(directory))} of {n} pages written"
+        time.sleep(0.5)
+
+
+def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(python, model,
+                                                                             tmp_path):
+    """Stock SGLang HiCache with radixkv's file store as its L3: a long
+    prompt computed, written, flushed from the device and host tiers and
+    served again from L3; a second server on the same store hits it; pages
+    damaged in the store are misses, recomputed, never served; SGLang's own
+    file backend on the same requests hits no more."""
+    rng = random.Random(11)
+    ids = [rng.randrange(3, 1000) for _ in range(600)]
+    other = [rng.randrange(3, 1000) for _ in range(300)]
+    store = tmp_path / "l3"
+    a = serve(python, model, str(tmp_path / "l3-a.log"), 1, extra_args=radixkv_l3(store))
+    b = None
+    try:
+        out, cached = generate(a, ids, {}, 4)
+        assert cached == 0
+        wait_for_pages(store, 599)
+        a.post("/flush_cache", {})
+        again, cached = generate(a, ids, {}, 4)
+        assert (again, cached) == (out, 599)  # every page but the last token's from L3
+        assert "radixkv.compat.sglang_storage" in a.log()
+        b = serve(python, model, str(tmp_path / "l3-b.log"), 1, extra_args=radixkv_l3(store))
+        shared, cached = generate(b, ids, {}, 4)
+        assert (shared, cached) == (out, 599)  # written by the other server
+        before = set(pages_in(store))
+        want, _ = generate(a, other, {}, 4)
+        wait_for_pages(store, len(before) + 299)
+        for path in set(pages_in(store)) - before:  # damage the new pages' K/V bytes
+            with open(path, "r+b") as f:
+                f.seek(-8, os.SEEK_END)
+                f.write(b"\xff" * 8)
+        got, cached = generate(b, other, {}, 4)
+        assert (got, cached) == (want, 0)  # a damaged first page: a miss, recomputed
+    finally:
+        codes = [s.stop() for s in (a, b) if s is not None]
+    assert codes == [0, 0]
+    for s in (a, b):
+        assert server_problems(s.log()) == [], s.log_path
+
+    theirs_dir = tmp_path / "sglang-file"
+    c = serve(python, model, str(tmp_path / "l3-sglang.log"), 1,
+              extra_args=HICACHE + ["--hicache-storage-backend", "file"],
+              env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(theirs_dir)})
+    try:
+        theirs, cached = generate(c, ids, {}, 4)
+        wait_for_pages(theirs_dir, 599)
+        c.post("/flush_cache", {})
+        theirs_again, their_cached = generate(c, ids, {}, 4)
+    finally:
+        c.stop()
+    assert theirs == theirs_again == out
+    assert 599 >= their_cached  # radixkv's L3 hits at least what SGLang's own does
