@@ -350,3 +350,37 @@ def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(pyt
         c.stop()
     assert theirs == theirs_again == out
     assert 599 >= their_cached  # radixkv's L3 hits at least what SGLang's own does
+
+
+def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(python, model,
+                                                                              tmp_path):
+    """The same with a real Mooncake master on 127.0.0.1 (radixkv's
+    MooncakeStorage): served again from L3 after a flush, and by a second
+    server."""
+    from radixkv.storage import MooncakeMaster
+
+    rng = random.Random(12)
+    ids = [rng.randrange(3, 1000) for _ in range(400)]
+    with MooncakeMaster() as master:
+        config = {"backend_name": "radixkv", "interface_v1": 1,
+                  "module_path": "radixkv.compat.sglang_storage",
+                  "class_name": "RadixkvHiCacheStorage", "store": "mooncake",
+                  "master_address": master.master_address,
+                  "metadata_server": master.metadata_server}
+        args = HICACHE + ["--hicache-storage-backend", "dynamic",
+                          "--hicache-storage-backend-extra-config", json.dumps(config)]
+        a = serve(python, model, str(tmp_path / "mooncake-a.log"), 1, extra_args=args)
+        b = None
+        try:
+            out, cached = generate(a, ids, {}, 4)
+            assert cached == 0
+            time.sleep(8)  # the write-through backup reaches L3
+            a.post("/flush_cache", {})
+            assert generate(a, ids, {}, 4) == (out, 399)
+            b = serve(python, model, str(tmp_path / "mooncake-b.log"), 1, extra_args=args)
+            assert generate(b, ids, {}, 4) == (out, 399)
+        finally:
+            codes = [s.stop() for s in (a, b) if s is not None]
+    assert codes == [0, 0]
+    for s in (a, b):
+        assert server_problems(s.log()) == [], s.log_path
