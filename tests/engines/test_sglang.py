@@ -384,3 +384,71 @@ def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(p
     assert codes == [0, 0]
     for s in (a, b):
         assert server_problems(s.log()) == [], s.log_path
+
+
+def test_the_l3_adapter_keeps_configurations_apart_and_round_trips_pages(python, tmp_path):
+    """Without a server: pages written by one configuration are never found
+    by another (tensor, pipeline rank, host layout, namespace, a secret), a
+    page read back is the page written, and what the adapter cannot serve
+    is refused at start-up."""
+    script = textwrap.dedent(f"""
+        import torch
+        from types import SimpleNamespace
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from radixkv.compat.sglang_storage import RadixkvHiCacheStorage
+
+        class MHATokenToKVPoolHost:  # SGLang's host pool, layer_first, as the adapter uses it
+            def __init__(self, layout="layer_first", dtype=torch.float32, pages=16, ps=4):
+                self.layout, self.dtype, self.page_size = layout, dtype, ps
+                self.layer_num, self.head_num, self.head_dim = 2, 2, 8
+                self.buf = torch.randn(2, 2, pages * ps, 2, 8).to(dtype)
+            def get_data_page(self, index, flat=True):
+                return self.buf[:, :, index:index + self.page_size].flatten()
+            def set_from_flat_data_page(self, index, data):
+                self.buf[:, :, index:index + self.page_size] = data.reshape(
+                    2, 2, self.page_size, 2, 8)
+
+        def adapter(directory, tp_rank=0, pp_rank=0, layout="layer_first", dtype=torch.float32,
+                    **extra):
+            cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=2, pp_rank=pp_rank, pp_size=2,
+                                       attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+                                       enable_storage_metrics=False, is_page_first_layout=False,
+                                       model_name="tiny", extra_config=dict(
+                                           store="file", directory=directory, **extra))
+            a = RadixkvHiCacheStorage(cfg, {{}})
+            host = MHATokenToKVPoolHost(layout, dtype)
+            a.register_mem_pool_host(host)
+            return a, host
+
+        d = {str(tmp_path / "l3")!r}
+        keys = [f"{{k:064x}}" for k in range(1, 4)]
+        a, host = adapter(d)
+        assert a.batch_set_v1(keys, torch.arange(0, 12)) == [True] * 3
+        assert a.batch_exists(keys) == 3
+        b, other = adapter(d)  # the same configuration, another instance
+        assert b.batch_get_v1(keys, torch.arange(16, 28)) == [True] * 3
+        assert torch.equal(other.buf[:, :, 16:28], host.buf[:, :, 0:12])
+        for kw in (dict(tp_rank=1), dict(pp_rank=1), dict(layout="page_first"),
+                   dict(namespace="other-weights"), dict(secret="a deployment secret")):
+            c, _ = adapter(d, **kw)
+            assert c.batch_exists(keys) == 0, kw
+        assert a.get_stats() is None and a.counts()["errors"] == 0
+        for bad, word in ((dict(dtype=torch.uint8), "float8"),):
+            try:
+                adapter(d, **bad)
+            except ValueError as e:
+                assert word in str(e), e
+            else:
+                raise AssertionError(f"{{bad}} was not refused")
+        a.registered_pools = {{"kv": host, "draft": host}}
+        try:
+            a.on_host_pools_registered()
+        except ValueError as e:
+            assert "draft" in str(e)
+        else:
+            raise AssertionError("an extra pool was not refused")
+        print("ok")
+    """)
+    r = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -10,26 +10,31 @@ back-off and stores shared by many instances.
         "class_name": "RadixkvHiCacheStorage", "interface_v1": 1,
         "store": "file", "directory": "/var/cache/kv"}'
 
-Other keys of the extra config: `max_bytes`, `shared` (a store directory
-shared with other users on purpose), `secret` (str or hex via
-`secret_hex`), and for `"store": "mooncake"`: `master_address`,
-`metadata_server`, `local_hostname`, `protocol`, `segment_bytes`,
-`buffer_bytes`. SGLang's page keys (its SHA-256 chain over token pages)
-name the pages; radixkv's store prefixes them with a fingerprint of the
-model, K/V dtype, page shape and tensor-parallel rank, so two
-configurations never read each other's bytes.
+Other keys of the extra config: `namespace` (a name for the model's
+weights: SGLang's model name is only the served alias), `max_bytes`,
+`shared` (a store directory shared with other users on purpose), `secret`
+or `secret_file` (a file holding it: a command line is visible to every
+user), and for `"store": "mooncake"`: `master_address`, `metadata_server`,
+`local_hostname`, `protocol`, `segment_bytes`, `buffer_bytes`.
 
-Pages move through a small page-first staging pool of radixkv's (SGLang's
-flat page is [2, layers, page, heads, head_dim], a radixkv page-first
-page): one copy more than a store writing SGLang's host pool in place, in
-exchange for every check and format of radixkv's store. MHA models only;
-an MLA model is refused at start-up.
+A page's name is SHA-256 of a fingerprint and SGLang's page key (its
+SHA-256 chain over token pages; with a secret, an HMAC under a key derived
+from it, so nobody without it can name or probe a page). The fingerprint
+covers the model (and `namespace`), the K/V dtype, SGLang's host layout
+(its flat page's byte order), the page shape, and the tensor-, pipeline-
+and context-parallel shard: two configurations never read each other's
+bytes, in a shared directory or one Mooncake master alike.
+
+Pages move through a small staging pool of radixkv's: one copy more than a
+store writing SGLang's host pool in place, in exchange for every check and
+format of radixkv's store. Plain MHA host pools with a float K/V dtype
+only; MLA models, float8 K/V caches, other host pools and extra pools
+(SGLang's v2 pool transfers) are refused at start-up.
 """
 
 from __future__ import annotations
 
 import hashlib
-import string
 import threading
 from types import SimpleNamespace
 from typing import Any, List, Optional
@@ -37,14 +42,15 @@ from typing import Any, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from radixkv import _core
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.storage import FileStorage, MooncakeStorage, config_fingerprint
 from radixkv.storage.health import Health
 
-# SGLang moves at most this many pages per call (STORAGE_BATCH_SIZE).
-BATCH_PAGES = 128
-_HEX = set(string.hexdigits.lower())
+# Pages staged per direction; SGLang's calls (up to 128 pages) go in chunks.
+BATCH_PAGES = 32
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class RadixkvHiCacheStorage(HiCacheStorage):
@@ -64,8 +70,9 @@ class RadixkvHiCacheStorage(HiCacheStorage):
             raise ValueError("radixkv's SGLang L3 adapter serves MHA models; this model is MLA")
         self.options = extra
         secret = extra.get("secret")
-        if extra.get("secret_hex") is not None:
-            secret = bytes.fromhex(extra["secret_hex"])
+        if extra.get("secret_file") is not None:
+            with open(extra["secret_file"], "rb") as f:
+                secret = f.read().strip()
         self.secret = secret.encode() if isinstance(secret, str) else secret
         policy = SimpleNamespace(failures_in_a_row=int(extra.get("failures_in_a_row", 3)),
                                  retry_after_s=float(extra.get("retry_after_s", 1.0)),
@@ -80,24 +87,33 @@ class RadixkvHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         host = mem_pool_host
+        kind = type(host).__name__
+        if kind != "MHATokenToKVPoolHost":
+            raise ValueError(f"radixkv's SGLang L3 adapter serves SGLang's MHATokenToKVPoolHost; "
+                             f"this model's host pool is {kind}")
+        if host.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"radixkv's SGLang L3 adapter serves float16, bfloat16 and float32 "
+                             f"K/V; this host pool holds {host.dtype} (a float8 K/V cache)")
         self.page_size = host.page_size
         self.dtype = host.dtype
-        shape = SimpleNamespace(layers=host.layer_num, heads=host.head_num,
-                                head_dim=host.head_dim)
-        device = MHAKVCache(shape.heads, shape.layers, shape.head_dim, 1, host.dtype,
+        device = MHAKVCache(host.head_num, host.layer_num, host.head_dim, 1, host.dtype,
                             page_size=host.page_size, device="cpu")
         # Pages [0, BATCH_PAGES) stage reads, the rest writes: SGLang reads
-        # and writes from two threads.
+        # and writes from two threads. A page's bytes are SGLang's flat page,
+        # in its host layout's order (which the fingerprint names).
         self.staging = HostKVCache(device, num_pages=2 * BATCH_PAGES, layout="page_first",
                                    pin_memory=False)
-        cfg = self.config
-        fingerprint = config_fingerprint(
+        cfg, o = self.config, self.options
+        shard = (f"pp{cfg.pp_rank}/{cfg.pp_size} cp{cfg.attn_cp_rank}/{cfg.attn_cp_size} "
+                 f"dcp{cfg.dcp_rank}/{cfg.dcp_size}")
+        namespace = o.get("namespace")
+        self.fingerprint = config_fingerprint(
             model=cfg.model_name or "", dtype=host.dtype, page_size=host.page_size,
-            layout="page_first", num_layers=shape.layers, kv_heads=shape.heads,
-            head_dim=shape.head_dim, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
-        o = self.options
+            layout=f"sglang:{host.layout}", num_layers=host.layer_num, kv_heads=host.head_num,
+            head_dim=host.head_dim, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
+            namespace=shard if namespace is None else f"{shard} {namespace}")
         if self.store == "file":
-            backend = FileStorage(o["directory"], fingerprint, o.get("max_bytes"),
+            backend = FileStorage(o["directory"], self.fingerprint, o.get("max_bytes"),
                                   shared=bool(o.get("shared", False)), secret=self.secret)
         else:
             backend = MooncakeStorage(
@@ -106,17 +122,25 @@ class RadixkvHiCacheStorage(HiCacheStorage):
                 protocol=o.get("protocol", "tcp"),
                 segment_bytes=int(o.get("segment_bytes", 256 << 20)),
                 buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),
-                fingerprint=fingerprint, secret=self.secret)
+                fingerprint=self.fingerprint, secret=self.secret)
         backend.attach(self.staging)
         self.backend = backend
 
-    @staticmethod
-    def _key(key: str) -> str:
-        """A radixkv page key (64 hex digits) for SGLang's key: its own when
-        it is one, else SHA-256 of it."""
-        if len(key) == 64 and set(key) <= _HEX:
-            return key
-        return hashlib.sha256(key.encode()).hexdigest()
+    def on_host_pools_registered(self) -> None:
+        extra = sorted(str(name) for name in getattr(self, "registered_pools", {})
+                       if str(name) != "kv")
+        if extra:
+            raise ValueError("radixkv's SGLang L3 adapter moves the K/V pool only (interface "
+                             f"v1); this model also registers {', '.join(extra)}")
+
+    def _key(self, key: str) -> str:
+        """The store's name for SGLang's page key: SHA-256 of the
+        fingerprint and the key, or with a secret an HMAC under the key
+        derived from it."""
+        parts = [self.fingerprint, key.encode()]
+        if self.backend.name_key is not None:
+            return _core.hmac_sha256(self.backend.name_key, parts).hex()
+        return hashlib.sha256(b"".join(parts)).hexdigest()
 
     def _flat(self, page: int) -> torch.Tensor:
         return self.backend.page_view(page).view(self.dtype)
@@ -143,10 +167,8 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         with self._read_lock:
             for at in range(0, len(keys), BATCH_PAGES):
                 chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
-                errors = self.backend.thread_errors()
-                got = self.backend.batch_get(chunk, list(range(len(chunk))))
-                failed = self.backend.thread_errors() > errors
-                (self.reads.failed if failed else self.reads.succeeded)()
+                got = self._moved(self.reads, self.backend.batch_get, chunk,
+                                  list(range(len(chunk))))
                 for i, ok in enumerate(got):
                     if not ok:
                         return out
@@ -172,10 +194,7 @@ class RadixkvHiCacheStorage(HiCacheStorage):
                     data = self.mem_pool_host.get_data_page(int(host_indices[(at + i) * ps]),
                                                             flat=True)
                     self._flat(page).copy_(data.reshape(-1))
-                errors = self.backend.thread_errors()
-                done = self.backend.batch_set(chunk, pages)
-                failed = self.backend.thread_errors() > errors
-                (self.writes.failed if failed else self.writes.succeeded)()
+                done = self._moved(self.writes, self.backend.batch_set, chunk, pages)
                 out[at:at + len(chunk)] = [bool(d) for d in done]
         return out
 
@@ -194,7 +213,8 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         with self._read_lock:
             for at in range(0, len(keys), BATCH_PAGES):
                 chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
-                got = self.backend.batch_get(chunk, list(range(len(chunk))))
+                got = self._moved(self.reads, self.backend.batch_get, chunk,
+                                  list(range(len(chunk))))
                 for i, ok in enumerate(got):
                     if not ok:
                         continue
@@ -203,9 +223,16 @@ class RadixkvHiCacheStorage(HiCacheStorage):
                     if dst is None:
                         out[at + i] = page.clone()
                     else:
-                        dst.reshape(-1).copy_(page)
+                        dst.copy_(page.reshape(dst.shape))
                         out[at + i] = dst
         return out
+
+    def _moved(self, health: Health, fn, keys, pages) -> List[bool]:
+        """One backend call; its direction's back-off learns how it went."""
+        errors = self.backend.thread_errors()
+        done = fn(keys, pages)
+        (health.failed if self.backend.thread_errors() > errors else health.succeeded)()
+        return done
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
@@ -223,7 +250,7 @@ class RadixkvHiCacheStorage(HiCacheStorage):
                 pages = list(range(BATCH_PAGES, BATCH_PAGES + len(chunk)))
                 for i, page in enumerate(pages):
                     self._flat(page).copy_(values[at + i].reshape(-1))
-                ok = all(self.backend.batch_set(chunk, pages)) and ok
+                ok = all(self._moved(self.writes, self.backend.batch_set, chunk, pages)) and ok
         return ok
 
     def exists(self, key: str) -> bool:
@@ -234,8 +261,11 @@ class RadixkvHiCacheStorage(HiCacheStorage):
             self.backend.close()
 
     def get_stats(self):
-        if self.backend is None:
-            return None
-        errors, corrupt = self.backend.counts()
+        """None: SGLang's metrics take its own StorageMetrics type; radixkv's
+        counts are `counts()`."""
+        return None
+
+    def counts(self) -> dict:
+        errors, corrupt = self.backend.counts() if self.backend is not None else (0, 0)
         return {"errors": errors, "corrupt_pages": corrupt, "skipped_reads": self.skipped_reads,
                 "skipped_writes": self.skipped_writes}
