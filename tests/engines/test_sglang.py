@@ -428,6 +428,15 @@ def test_the_l3_adapter_keeps_configurations_apart_and_round_trips_pages(python,
         b, other = adapter(d)  # the same configuration, another instance
         assert b.batch_get_v1(keys, torch.arange(16, 28)) == [True] * 3
         assert torch.equal(other.buf[:, :, 16:28], host.buf[:, :, 0:12])
+        # The older calls: flat pages by value.
+        vals = [torch.randn(2 * 2 * 4 * 2 * 8) for _ in range(2)]
+        lk = [f"{{k:064x}}" for k in (100, 101)]
+        assert a.batch_set(lk, vals)
+        assert all(torch.equal(g, v) for g, v in zip(b.batch_get(lk), vals))
+        dst = [torch.empty(2 * 2 * 4 * 2 * 8) for _ in range(2)]
+        got = b.batch_get(lk, dst)
+        assert got[0] is dst[0] and torch.equal(dst[1], vals[1])
+        assert b.get(f"{{999:064x}}") is None and b.exists(lk[0])
         for kw in (dict(tp_rank=1), dict(pp_rank=1), dict(layout="page_first"),
                    dict(namespace="other-weights"), dict(secret="a deployment secret")):
             c, _ = adapter(d, **kw)

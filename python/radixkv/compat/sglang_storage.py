@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from types import SimpleNamespace
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -158,45 +158,25 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         first slot every `page_size`); a page after a missing one is not
         read (SGLang takes the pages before the first miss)."""
         out = [False] * len(keys)
-        if self.backend is None or not keys:
-            return out
-        if self.reads.down():
-            self.skipped_reads += 1
-            return out
-        ps = self.page_size
-        with self._read_lock:
-            for at in range(0, len(keys), BATCH_PAGES):
-                chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
-                got = self._moved(self.reads, self.backend.batch_get, chunk,
-                                  list(range(len(chunk))))
-                for i, ok in enumerate(got):
-                    if not ok:
-                        return out
-                    self.mem_pool_host.set_from_flat_data_page(
-                        int(host_indices[(at + i) * ps]), self._flat(i))
-                    out[at + i] = True
+
+        def take(i: int, page: Optional[torch.Tensor]) -> bool:
+            if page is None:
+                return False
+            self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * self.page_size]),
+                                                       page)
+            out[i] = True
+            return True
+
+        if self._ready(keys, self.reads):
+            self._read(keys, take)
         return out
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
-        out = [False] * len(keys)
-        if self.backend is None or not keys:
-            return out
-        if self.writes.down():
-            self.skipped_writes += 1
-            return out
-        ps = self.page_size
-        with self._write_lock:
-            for at in range(0, len(keys), BATCH_PAGES):
-                chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
-                pages = list(range(BATCH_PAGES, BATCH_PAGES + len(chunk)))
-                for i, page in enumerate(pages):
-                    data = self.mem_pool_host.get_data_page(int(host_indices[(at + i) * ps]),
-                                                            flat=True)
-                    self._flat(page).copy_(data.reshape(-1))
-                done = self._moved(self.writes, self.backend.batch_set, chunk, pages)
-                out[at:at + len(chunk)] = [bool(d) for d in done]
-        return out
+        if not self._ready(keys, self.writes):
+            return [False] * len(keys)
+        return self._write(keys, lambda i: self.mem_pool_host.get_data_page(
+            int(host_indices[i * self.page_size]), flat=True))
 
     # -- the older calls (flat pages by value) ---------------------------------------------
 
@@ -208,31 +188,18 @@ class RadixkvHiCacheStorage(HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
         out: List[Optional[torch.Tensor]] = [None] * len(keys)
-        if self.backend is None or not keys or self.reads.down():
-            return out
-        with self._read_lock:
-            for at in range(0, len(keys), BATCH_PAGES):
-                chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
-                got = self._moved(self.reads, self.backend.batch_get, chunk,
-                                  list(range(len(chunk))))
-                for i, ok in enumerate(got):
-                    if not ok:
-                        continue
-                    page = self._flat(i)
-                    dst = None if target_locations is None else target_locations[at + i]
-                    if dst is None:
-                        out[at + i] = page.clone()
-                    else:
-                        dst.copy_(page.reshape(dst.shape))
-                        out[at + i] = dst
-        return out
 
-    def _moved(self, health: Health, fn, keys, pages) -> List[bool]:
-        """One backend call; its direction's back-off learns how it went."""
-        errors = self.backend.thread_errors()
-        done = fn(keys, pages)
-        (health.failed if self.backend.thread_errors() > errors else health.succeeded)()
-        return done
+        def take(i: int, page: Optional[torch.Tensor]) -> bool:
+            dst = None if target_locations is None else target_locations[i]
+            if page is not None and dst is None:
+                out[i] = page.clone()
+            elif page is not None:
+                out[i] = dst.copy_(page.reshape(dst.shape))
+            return True
+
+        if self._ready(keys, self.reads):
+            self._read(keys, take)
+        return out
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
@@ -241,17 +208,55 @@ class RadixkvHiCacheStorage(HiCacheStorage):
     def batch_set(self, keys: List[str], values: Optional[Any] = None,
                   target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
-        if self.backend is None or not keys or values is None or self.writes.down():
+        if values is None or not self._ready(keys, self.writes):
             return False
-        ok = True
+        return all(self._write(keys, lambda i: values[i]))
+
+    # -- through the staging pages --------------------------------------------------------
+
+    def _ready(self, keys: List[str], health: Health) -> bool:
+        """Whether a call of this direction goes to the store now."""
+        if self.backend is None or not keys:
+            return False
+        if health.down():
+            if health is self.reads:
+                self.skipped_reads += 1
+            else:
+                self.skipped_writes += 1
+            return False
+        return True
+
+    def _read(self, keys: List[str], take: Callable[[int, Optional[torch.Tensor]], bool]) -> None:
+        """Reads `keys` a staging chunk at a time, handing `take(i, page)`
+        each page (None: not read) in order until it returns False."""
+        with self._read_lock:
+            for at in range(0, len(keys), BATCH_PAGES):
+                chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
+                got = self._moved(self.reads, self.backend.batch_get, chunk,
+                                  list(range(len(chunk))))
+                for i, ok in enumerate(got):
+                    if not take(at + i, self._flat(i) if ok else None):
+                        return
+
+    def _write(self, keys: List[str], page_of: Callable[[int], torch.Tensor]) -> List[bool]:
+        """Writes page_of(i) under keys[i], a staging chunk at a time."""
+        out: List[bool] = []
         with self._write_lock:
             for at in range(0, len(keys), BATCH_PAGES):
                 chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
                 pages = list(range(BATCH_PAGES, BATCH_PAGES + len(chunk)))
                 for i, page in enumerate(pages):
-                    self._flat(page).copy_(values[at + i].reshape(-1))
-                ok = all(self._moved(self.writes, self.backend.batch_set, chunk, pages)) and ok
-        return ok
+                    self._flat(page).copy_(page_of(at + i).reshape(-1))
+                out += [bool(d) for d in self._moved(self.writes, self.backend.batch_set,
+                                                     chunk, pages)]
+        return out
+
+    def _moved(self, health: Health, fn, keys, pages) -> List[bool]:
+        """One backend call; its direction's back-off learns how it went."""
+        errors = self.backend.thread_errors()
+        done = fn(keys, pages)
+        (health.failed if self.backend.thread_errors() > errors else health.succeeded)()
+        return done
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
