@@ -34,6 +34,7 @@ only; MLA models, float8 K/V caches, other host pools and extra pools
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from types import SimpleNamespace
@@ -124,6 +125,9 @@ class RadixkvHiCacheStorage(HiCacheStorage):
                 buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),
                 fingerprint=self.fingerprint, secret=self.secret)
         backend.attach(self.staging)
+        # SGLang reads and writes from two threads: one at a time where the
+        # backend needs it.
+        self._one_at_a_time = backend.call_lock() or contextlib.nullcontext()
         self.backend = backend
 
     def on_host_pools_registered(self) -> None:
@@ -254,7 +258,8 @@ class RadixkvHiCacheStorage(HiCacheStorage):
     def _moved(self, health: Health, fn, keys, pages) -> List[bool]:
         """One backend call; its direction's back-off learns how it went."""
         errors = self.backend.thread_errors()
-        done = fn(keys, pages)
+        with self._one_at_a_time:
+            done = fn(keys, pages)
         (health.failed if self.backend.thread_errors() > errors else health.succeeded)()
         return done
 

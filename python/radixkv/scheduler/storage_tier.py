@@ -180,6 +180,8 @@ class _Store:
         self.backend = backend
         self.reads = Health(policy)
         self.writes = Health(policy)
+        # Reads and writes one at a time where the backend needs it.
+        self._one_at_a_time = backend.call_lock()
         self.read_jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.write_jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.finished: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -193,7 +195,11 @@ class _Store:
         errors on this thread with no page found, read or written, failed."""
         before = self.backend.thread_errors()
         try:
-            got = _answer(fn(keys, *args), len(keys), query)
+            if query or self._one_at_a_time is None:
+                got = _answer(fn(keys, *args), len(keys), query)
+            else:
+                with self._one_at_a_time:
+                    got = _answer(fn(keys, *args), len(keys), query)
         except BaseException:  # noqa: BLE001 - the backend's, counted, never fatal here
             self.backend.count_error(max(1, len(keys)))
             got = 0 if query else [False] * len(keys)

@@ -29,6 +29,9 @@ def _secret(secret) -> Optional[bytes]:
     return bytes(secret)
 
 
+_CALL_LOCKS: dict = {}
+
+
 class StorageBackend(ABC):
     """A store of K/V pages addressed by page key, shared by many instances.
 
@@ -58,9 +61,15 @@ class StorageBackend(ABC):
     `blocking_queries`: whether `batch_exists` may block for long (a remote
     store, a network file system). The storage tier then asks it from the
     scheduler's thread on a thread of its own, waiting a bounded time.
+    `concurrent_calls`: whether reads and writes may run at once (the
+    tier reads and writes on a thread each); otherwise `call_lock()` makes
+    them take turns.
     """
 
     blocking_queries = False
+    # Whether a read and a write may run at once (the storage tier reads and
+    # writes on two threads); a backend that says no gets them one at a time.
+    concurrent_calls = False
 
     def __init__(self, secret: Optional[bytes] = None) -> None:
         self.fingerprint: Optional[bytes] = None
@@ -112,6 +121,14 @@ class StorageBackend(ABC):
 
     def page_address(self, page: int) -> int:
         return self._bytes.data_ptr() + page * self.page_bytes
+
+    def call_lock(self) -> Optional[threading.Lock]:
+        """None where reads and writes may run at once; else the lock they
+        take turns on, one for every backend of this class in the process
+        (Mooncake's clients in one process share their transfer engine)."""
+        if self.concurrent_calls:
+            return None
+        return _CALL_LOCKS.setdefault(type(self), threading.Lock())
 
     def count_error(self, n: int = 1) -> None:
         with self._lock:

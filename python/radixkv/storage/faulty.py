@@ -31,6 +31,8 @@ class FaultyStorage(StorageBackend):
         # The wrapped store's keys and latency: the tier names pages as it does.
         self.name_key, self.tag_key = backend.name_key, backend.tag_key
         self.blocking_queries = backend.blocking_queries
+        self.concurrent_calls = backend.concurrent_calls
+        self.call_lock = backend.call_lock
         self._rng_lock = threading.Lock()  # batch_exists may come from another thread
 
     def _attached(self) -> None:

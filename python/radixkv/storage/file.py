@@ -145,6 +145,7 @@ class FileStorage(StorageBackend):
         if bounded_queries is None:
             bounded_queries = file_system_type(root).split(".")[0] in NETWORK_FILE_SYSTEMS
         self.blocking_queries = bool(bounded_queries)
+        self.concurrent_calls = True  # a file per page, written aside and renamed
         if max_bytes is not None:
             self._scan()
 

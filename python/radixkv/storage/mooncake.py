@@ -170,6 +170,10 @@ class MooncakeStorage(StorageBackend):
     """
 
     blocking_queries = True
+    # Reads and writes beside each other lost reads (the soak with a master
+    # paused and restarted read nothing in a third of runs): they take turns,
+    # across the process's clients.
+    concurrent_calls = False
 
     def __init__(self, master_address: str, metadata_server: str,
                  local_hostname: str = "127.0.0.1", protocol: str = "tcp",
