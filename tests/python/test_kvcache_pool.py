@@ -22,6 +22,8 @@ from radixkv.kvcache import (
 )
 from radixkv.kvcache.mha_pool import SUPPORTED_DTYPES
 
+from float8_reference import to_float8
+
 CUDA = pytest.param(
     "cuda",
     marks=pytest.mark.skipif(
@@ -541,8 +543,8 @@ def test_float8_store_kv_scales_and_rounds_like_torch(device, layout, cache_dtyp
     if k_scale == "tensor":
         k_scale = torch.tensor([k_value], device=device)
     out_loc = torch.randperm(c.num_slots, generator=g)[:n].to(device)
-    ref_k = (k.cpu().float() / k_value).to(cache_dtype)
-    ref_v = (v.cpu().float() / v_value).to(cache_dtype)
+    ref_k = to_float8(k.cpu(), cache_dtype, k_value)
+    ref_v = to_float8(v.cpu(), cache_dtype, v_value)
     expected = reference_store(snapshot(c), ref_k, ref_v, out_loc, 1)
     c.store_kv(k, v, out_loc, 1, k_scale=k_scale, v_scale=v_scale)
     assert_same(c, expected)

@@ -197,7 +197,12 @@ def _scaled(x: torch.Tensor, cache: torch.Tensor, scale, name: str, scale_name: 
     value = torch.tensor(float(scale), dtype=torch.float32)
     if not (float(value) > 0 and float(value) != float("inf")):
         raise ValueError(f"{scale_name} must be positive and finite in float32, got {scale}")
-    return (x.float() / value.to(x.device)).to(cache.dtype)
+    y = x.float() / value.to(x.device)
+    if cache.dtype == torch.float8_e4m3fn:
+        # Saturate as the kernels do (and torch's own cast from 2.12; before it,
+        # an e4m3fn overflow became NaN). clamp keeps NaN.
+        y = y.clamp_(-448.0, 448.0)
+    return y.to(cache.dtype)
 
 
 def _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale,
