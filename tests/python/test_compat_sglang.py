@@ -51,7 +51,8 @@ class Allocator:
         return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def free(self, indices: torch.Tensor) -> None:
-        if indices.device != self.device:
+        # SGLang's device is "cuda"; tensors made there are on "cuda:<index>".
+        if indices.device != torch.empty(0, device=self.device).device:
             raise AssertionError(f"slots on {indices.device}, the pool is on {self.device}")
         slots = indices.tolist()
         if len(set(slots)) != len(slots) or self.free_slots.intersection(slots):
@@ -378,7 +379,8 @@ def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page, container,
     whole = 13 // page * page
     assert r.cache_protected_len == whole
     assert r.last_node.cached_len == whole and r.last_node.lock_count == 1
-    assert r.prefix_indices.device == c.device and r.prefix_indices.dtype == torch.int64
+    assert r.prefix_indices.device == torch.empty(0, device=c.device).device
+    assert r.prefix_indices.dtype == torch.int64
     assert c.protected_size() == whole and c.evictable_size() == 0
     row = pool.req_to_token[r.req_pool_idx, :13].tolist()
     assert row[:whole] == c.path_device_indices(r.last_node).tolist()
