@@ -463,8 +463,32 @@ def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_pa
 # -- 9. Ctrl-C at any bytecode -----------------------------------------------------------------
 
 
-_TIER_FILES = {os.path.realpath(m.__file__) for m in (cache_module, host_tier_module,
-                                                      storage_tier_module)}
+_TIER_FILES = {path for m in (cache_module, host_tier_module, storage_tier_module)
+               for path in (m.__file__, os.path.realpath(m.__file__))}
+
+
+def _opcodes_traced() -> bool:
+    """Whether a tracer that asks for opcode events gets them (Python 3.12
+    sends none to one set this way: there the test stops at every line)."""
+    seen = []
+
+    def probe():
+        return len(seen)
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not probe.__code__:
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            seen.append(1)
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        probe()
+    finally:
+        sys.settrace(None)
+    return bool(seen)
 
 
 def _cycle(inst, k):
@@ -489,7 +513,8 @@ def test_ctrl_c_at_any_bytecode_of_the_tiers_keeps_their_bookkeeping_whole(tmp_p
     inst = fresh()
     for k in range(6):
         _cycle(inst, k)
-    hits, k, stride = 0, 1, 3
+    event_kind, stride = ("opcode", 3) if _opcodes_traced() else ("line", 1)
+    hits, k = 0, 1
     while True:
         count, fired = [0], [False]
 
@@ -497,7 +522,7 @@ def test_ctrl_c_at_any_bytecode_of_the_tiers_keeps_their_bookkeeping_whole(tmp_p
             if frame.f_code.co_filename not in _TIER_FILES:
                 return None
             frame.f_trace_opcodes = True
-            if event == "opcode":
+            if event == event_kind:
                 count[0] += 1
                 if count[0] == k:
                     fired[0] = True
@@ -886,7 +911,10 @@ def test_a_backlog_of_slow_writes_never_holds_reads_back(tmp_path):
     b.cm._storage.timeout_base_s = 2.0
     for k in range(4):  # writes queue up behind the first, which blocks
         b.serve(prompt(570 + k, 2), drain=False)
+    deadline = time.monotonic() + 60  # a loaded machine's copy thread may lag
+    while len(b.cm._storage._writes) < 4 and time.monotonic() < deadline:
         b.cm.writing_check()  # backed up to host: handed to storage
+        time.sleep(0.001)
     assert len(b.cm._storage._writes) >= 4
     t0 = time.monotonic()
     for ids in old:
