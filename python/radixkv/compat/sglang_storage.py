@@ -34,23 +34,16 @@ only; MLA models, float8 K/V caches, other host pools and extra pools
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import threading
-from types import SimpleNamespace
 from typing import Any, Callable, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from radixkv import _core
-from radixkv.kvcache.host_pool import HostKVCache
-from radixkv.kvcache.mha_pool import MHAKVCache
-from radixkv.storage import FileStorage, MooncakeStorage, config_fingerprint
-from radixkv.storage.health import Health
+from radixkv.compat.staged_store import StagedStore, store_options
+from radixkv.storage import config_fingerprint
 
-# Pages staged per direction; SGLang's calls (up to 128 pages) go in chunks.
-BATCH_PAGES = 32
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -60,28 +53,10 @@ class RadixkvHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config, kwargs: Optional[dict] = None) -> None:
         self.config = storage_config
-        extra = dict(storage_config.extra_config or {})
-        self.store = extra.get("store", "file")
-        if self.store not in ("file", "mooncake"):
-            raise ValueError(f"extra_config store must be 'file' or 'mooncake', got "
-                             f"{self.store!r}")
-        if self.store == "file" and not extra.get("directory"):
-            raise ValueError("extra_config directory: the file store's directory is required")
+        self.options = store_options(storage_config.extra_config)
         if storage_config.is_mla_model:
             raise ValueError("radixkv's SGLang L3 adapter serves MHA models; this model is MLA")
-        self.options = extra
-        secret = extra.get("secret")
-        if extra.get("secret_file") is not None:
-            with open(extra["secret_file"], "rb") as f:
-                secret = f.read().strip()
-        self.secret = secret.encode() if isinstance(secret, str) else secret
-        policy = SimpleNamespace(failures_in_a_row=int(extra.get("failures_in_a_row", 3)),
-                                 retry_after_s=float(extra.get("retry_after_s", 1.0)),
-                                 max_retry_after_s=float(extra.get("max_retry_after_s", 30.0)))
-        self.reads, self.writes = Health(policy), Health(policy)
-        self.backend = None  # made when SGLang registers its host pool (the page shape)
-        self._read_lock, self._write_lock = threading.Lock(), threading.Lock()
-        self.skipped_reads = self.skipped_writes = 0
+        self.store = None  # made when SGLang registers its host pool (the page shape)
 
     # -- the host pool and the store -----------------------------------------------------
 
@@ -96,14 +71,6 @@ class RadixkvHiCacheStorage(HiCacheStorage):
             raise ValueError(f"radixkv's SGLang L3 adapter serves float16, bfloat16 and float32 "
                              f"K/V; this host pool holds {host.dtype} (a float8 K/V cache)")
         self.page_size = host.page_size
-        self.dtype = host.dtype
-        device = MHAKVCache(host.head_num, host.layer_num, host.head_dim, 1, host.dtype,
-                            page_size=host.page_size, device="cpu")
-        # Pages [0, BATCH_PAGES) stage reads, the rest writes: SGLang reads
-        # and writes from two threads. A page's bytes are SGLang's flat page,
-        # in its host layout's order (which the fingerprint names).
-        self.staging = HostKVCache(device, num_pages=2 * BATCH_PAGES, layout="page_first",
-                                   pin_memory=False)
         cfg, o = self.config, self.options
         shard = (f"pp{cfg.pp_rank}/{cfg.pp_size} cp{cfg.attn_cp_rank}/{cfg.attn_cp_size} "
                  f"dcp{cfg.dcp_rank}/{cfg.dcp_size}")
@@ -113,22 +80,10 @@ class RadixkvHiCacheStorage(HiCacheStorage):
             layout=f"sglang:{host.layout}", num_layers=host.layer_num, kv_heads=host.head_num,
             head_dim=host.head_dim, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
             namespace=shard if namespace is None else f"{shard} {namespace}")
-        if self.store == "file":
-            backend = FileStorage(o["directory"], self.fingerprint, o.get("max_bytes"),
-                                  shared=bool(o.get("shared", False)), secret=self.secret)
-        else:
-            backend = MooncakeStorage(
-                o["master_address"], o["metadata_server"],
-                local_hostname=o.get("local_hostname", "127.0.0.1"),
-                protocol=o.get("protocol", "tcp"),
-                segment_bytes=int(o.get("segment_bytes", 256 << 20)),
-                buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),
-                fingerprint=self.fingerprint, secret=self.secret)
-        backend.attach(self.staging)
-        # SGLang reads and writes from two threads: one at a time where the
-        # backend needs it.
-        self._one_at_a_time = backend.call_lock() or contextlib.nullcontext()
-        self.backend = backend
+        # A page's bytes are SGLang's flat page, in its host layout's order
+        # (which the fingerprint names).
+        page_elems = 2 * host.layer_num * host.page_size * host.head_num * host.head_dim
+        self.store = StagedStore(o, self.fingerprint, page_elems, host.dtype)
 
     def on_host_pools_registered(self) -> None:
         extra = sorted(str(name) for name in getattr(self, "registered_pools", {})
@@ -142,19 +97,16 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         fingerprint and the key, or with a secret an HMAC under the key
         derived from it."""
         parts = [self.fingerprint, key.encode()]
-        if self.backend.name_key is not None:
-            return _core.hmac_sha256(self.backend.name_key, parts).hex()
+        if self.store.name_key is not None:
+            return _core.hmac_sha256(self.store.name_key, parts).hex()
         return hashlib.sha256(b"".join(parts)).hexdigest()
-
-    def _flat(self, page: int) -> torch.Tensor:
-        return self.backend.page_view(page).view(self.dtype)
 
     # -- interface v1 ---------------------------------------------------------------------
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
-        if self.backend is None or not keys or self.reads.down():
+        if self.store is None or not keys:
             return 0
-        return int(self.backend.batch_exists([self._key(k) for k in keys]))
+        return self.store.exists([self._key(k) for k in keys])
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
@@ -171,14 +123,11 @@ class RadixkvHiCacheStorage(HiCacheStorage):
             out[i] = True
             return True
 
-        if self._ready(keys, self.reads):
-            self._read(keys, take)
+        self._read(keys, take)
         return out
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
-        if not self._ready(keys, self.writes):
-            return [False] * len(keys)
         return self._write(keys, lambda i: self.mem_pool_host.get_data_page(
             int(host_indices[i * self.page_size]), flat=True))
 
@@ -201,8 +150,7 @@ class RadixkvHiCacheStorage(HiCacheStorage):
                 out[i] = dst.copy_(page.reshape(dst.shape))
             return True
 
-        if self._ready(keys, self.reads):
-            self._read(keys, take)
+        self._read(keys, take)
         return out
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -212,63 +160,28 @@ class RadixkvHiCacheStorage(HiCacheStorage):
     def batch_set(self, keys: List[str], values: Optional[Any] = None,
                   target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
-        if values is None or not self._ready(keys, self.writes):
+        if values is None:
             return False
         return all(self._write(keys, lambda i: values[i]))
 
     # -- through the staging pages --------------------------------------------------------
 
-    def _ready(self, keys: List[str], health: Health) -> bool:
-        """Whether a call of this direction goes to the store now."""
-        if self.backend is None or not keys:
-            return False
-        if health.down():
-            if health is self.reads:
-                self.skipped_reads += 1
-            else:
-                self.skipped_writes += 1
-            return False
-        return True
-
     def _read(self, keys: List[str], take: Callable[[int, Optional[torch.Tensor]], bool]) -> None:
-        """Reads `keys` a staging chunk at a time, handing `take(i, page)`
-        each page (None: not read) in order until it returns False."""
-        with self._read_lock:
-            for at in range(0, len(keys), BATCH_PAGES):
-                chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
-                got = self._moved(self.reads, self.backend.batch_get, chunk,
-                                  list(range(len(chunk))))
-                for i, ok in enumerate(got):
-                    if not take(at + i, self._flat(i) if ok else None):
-                        return
+        if self.store is not None:
+            self.store.read([self._key(k) for k in keys], take)
 
     def _write(self, keys: List[str], page_of: Callable[[int], torch.Tensor]) -> List[bool]:
-        """Writes page_of(i) under keys[i], a staging chunk at a time."""
-        out: List[bool] = []
-        with self._write_lock:
-            for at in range(0, len(keys), BATCH_PAGES):
-                chunk = [self._key(k) for k in keys[at:at + BATCH_PAGES]]
-                pages = list(range(BATCH_PAGES, BATCH_PAGES + len(chunk)))
-                for i, page in enumerate(pages):
-                    self._flat(page).copy_(page_of(at + i).reshape(-1))
-                out += [bool(d) for d in self._moved(self.writes, self.backend.batch_set,
-                                                     chunk, pages)]
-        return out
-
-    def _moved(self, health: Health, fn, keys, pages) -> List[bool]:
-        """One backend call; its direction's back-off learns how it went."""
-        errors = self.backend.thread_errors()
-        with self._one_at_a_time:
-            done = fn(keys, pages)
-        (health.failed if self.backend.thread_errors() > errors else health.succeeded)()
-        return done
+        if self.store is None:
+            return [False] * len(keys)
+        return self.store.write([self._key(k) for k in keys],
+                                lambda i, page: page.copy_(page_of(i).reshape(-1)))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def close(self) -> None:
-        if self.backend is not None:
-            self.backend.close()
+        if self.store is not None:
+            self.store.close()
 
     def get_stats(self):
         """None: SGLang's metrics take its own StorageMetrics type; radixkv's
@@ -276,6 +189,6 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         return None
 
     def counts(self) -> dict:
-        errors, corrupt = self.backend.counts() if self.backend is not None else (0, 0)
-        return {"errors": errors, "corrupt_pages": corrupt, "skipped_reads": self.skipped_reads,
-                "skipped_writes": self.skipped_writes}
+        if self.store is None:
+            return {"errors": 0, "corrupt_pages": 0, "skipped_reads": 0, "skipped_writes": 0}
+        return self.store.counts()

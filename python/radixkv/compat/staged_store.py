@@ -1,0 +1,156 @@
+"""radixkv's storage tier for an engine that hands pages as tensors: a file
+store or Mooncake Store behind a small staging pool, with radixkv's page
+integrity checks, per-direction back-off and stores shared by many
+instances. The SGLang L3 adapter and the vLLM connector both stand on it.
+
+Options (an engine's extra config, a dict): `store` ("file" or "mooncake"),
+`directory`, `max_bytes` and `shared` for the file store; `master_address`,
+`metadata_server`, `local_hostname`, `protocol`, `segment_bytes` and
+`buffer_bytes` for Mooncake; `secret` or `secret_file` (a file holding it);
+`failures_in_a_row`, `retry_after_s` and `max_retry_after_s` for the back-off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from types import SimpleNamespace
+from typing import Callable, List, Optional
+
+import torch
+
+from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.kvcache.mha_pool import MHAKVCache
+from radixkv.storage import FileStorage, MooncakeStorage
+from radixkv.storage.health import Health
+
+# Pages staged per direction; longer calls go in chunks.
+BATCH_PAGES = 32
+
+
+def store_options(options: Optional[dict]) -> dict:
+    """`options` checked for what every store needs, with its secret read."""
+    options = dict(options or {})
+    store = options.setdefault("store", "file")
+    if store not in ("file", "mooncake"):
+        raise ValueError(f"extra_config store must be 'file' or 'mooncake', got {store!r}")
+    if store == "file" and not options.get("directory"):
+        raise ValueError("extra_config directory: the file store's directory is required")
+    secret = options.get("secret")
+    if options.get("secret_file") is not None:
+        with open(options["secret_file"], "rb") as f:
+            secret = f.read().strip()
+    options["secret"] = secret.encode() if isinstance(secret, str) else secret
+    return options
+
+
+class StagedStore:
+    """A FileStorage or MooncakeStorage whose pages are `page_elems` elements
+    of `dtype`, moved through a staging pool: reads and writes each have
+    their own staging pages and lock (engines read and write from two
+    threads), and their own back-off."""
+
+    def __init__(self, options: dict, fingerprint: bytes, page_elems: int,
+                 dtype: torch.dtype) -> None:
+        o = store_options(options)
+        if page_elems <= 0 or page_elems % 2:
+            raise ValueError(f"page_elems must be a positive even count, got {page_elems}")
+        self.dtype = dtype
+        policy = SimpleNamespace(failures_in_a_row=int(o.get("failures_in_a_row", 3)),
+                                 retry_after_s=float(o.get("retry_after_s", 1.0)),
+                                 max_retry_after_s=float(o.get("max_retry_after_s", 30.0)))
+        self.reads, self.writes = Health(policy), Health(policy)
+        self.skipped_reads = self.skipped_writes = 0
+        # Pages [0, BATCH_PAGES) stage reads, the rest writes. A page is a
+        # flat run of elements: the pool's shape only gives it its size.
+        shape = MHAKVCache(1, 1, page_elems // 2, 1, dtype, page_size=1, device="cpu")
+        self.staging = HostKVCache(shape, num_pages=2 * BATCH_PAGES, layout="page_first",
+                                   pin_memory=False)
+        if o["store"] == "file":
+            backend = FileStorage(o["directory"], fingerprint, o.get("max_bytes"),
+                                  shared=bool(o.get("shared", False)), secret=o["secret"])
+        else:
+            backend = MooncakeStorage(
+                o["master_address"], o["metadata_server"],
+                local_hostname=o.get("local_hostname", "127.0.0.1"),
+                protocol=o.get("protocol", "tcp"),
+                segment_bytes=int(o.get("segment_bytes", 256 << 20)),
+                buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),
+                fingerprint=fingerprint, secret=o["secret"])
+        backend.attach(self.staging)
+        self._one_at_a_time = backend.call_lock() or contextlib.nullcontext()
+        self._read_lock, self._write_lock = threading.Lock(), threading.Lock()
+        self.backend = backend
+
+    @property
+    def name_key(self) -> Optional[bytes]:
+        """The key page names are HMACs under (from the secret), or None."""
+        return self.backend.name_key
+
+    def _flat(self, page: int) -> torch.Tensor:
+        return self.backend.page_view(page).view(self.dtype)
+
+    def _ready(self, names: List[str], health: Health) -> bool:
+        """Whether a call of this direction goes to the store now."""
+        if not names:
+            return False
+        if health.down():
+            if health is self.reads:
+                self.skipped_reads += 1
+            else:
+                self.skipped_writes += 1
+            return False
+        return True
+
+    def exists(self, names: List[str]) -> int:
+        """How many of `names`, from the first, the store holds."""
+        if not names or self.reads.down():
+            return 0
+        return int(self.backend.batch_exists(names))
+
+    def read(self, names: List[str], take: Callable[[int, Optional[torch.Tensor]], bool]) -> None:
+        """Reads `names` a staging chunk at a time, handing `take(i, page)`
+        each page (a flat tensor of the staging pool; None: not read) in
+        order until it returns False. A store in back-off reads nothing."""
+        if not self._ready(names, self.reads):
+            return
+        with self._read_lock:
+            for at in range(0, len(names), BATCH_PAGES):
+                chunk = names[at:at + BATCH_PAGES]
+                got = self._moved(self.reads, self.backend.batch_get, chunk,
+                                  list(range(len(chunk))))
+                for i, ok in enumerate(got):
+                    if not take(at + i, self._flat(i) if ok else None):
+                        return
+
+    def write(self, names: List[str], fill: Callable[[int, torch.Tensor], None]) -> List[bool]:
+        """Writes page i under names[i], `fill(i, page)` having filled the
+        flat staging page; which pages were stored."""
+        if not self._ready(names, self.writes):
+            return [False] * len(names)
+        out: List[bool] = []
+        with self._write_lock:
+            for at in range(0, len(names), BATCH_PAGES):
+                chunk = names[at:at + BATCH_PAGES]
+                pages = list(range(BATCH_PAGES, BATCH_PAGES + len(chunk)))
+                for i, page in enumerate(pages):
+                    fill(at + i, self._flat(page))
+                out += [bool(d) for d in self._moved(self.writes, self.backend.batch_set,
+                                                     chunk, pages)]
+        return out
+
+    def _moved(self, health: Health, fn, names, pages) -> List[bool]:
+        """One backend call; its direction's back-off learns how it went."""
+        errors = self.backend.thread_errors()
+        with self._one_at_a_time:
+            done = fn(names, pages)
+        (health.failed if self.backend.thread_errors() > errors else health.succeeded)()
+        return done
+
+    def counts(self) -> dict:
+        errors, corrupt = self.backend.counts()
+        return {"errors": errors, "corrupt_pages": corrupt, "skipped_reads": self.skipped_reads,
+                "skipped_writes": self.skipped_writes}
+
+    def close(self) -> None:
+        self.backend.close()
