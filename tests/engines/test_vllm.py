@@ -7,14 +7,13 @@ sharing the store, every prompt's blocks come from radixkv's store; a
 corrupt block is recomputed, never served; no error in the logs and clean
 shutdowns."""
 
-import json
 import os
 
 import pytest
 
-from engine_env import Server, Workload, build_model, free_port, server_problems, venv_python
+from engine_env import (VLLM_BLOCK as BLOCK, Workload, build_model, complete, server_problems,
+                        venv_python, vllm_server as start)
 
-BLOCK = 32  # the CPU backend prefers multiples of 32
 
 
 @pytest.fixture(scope="module")
@@ -27,28 +26,6 @@ def model(python, tmp_path_factory):
     return build_model(python, str(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def start(python, model, log_path, store=None):
-    port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--max-model-len", "2048", "--dtype", "float32", "--block-size", str(BLOCK),
-           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-           "--enable-prompt-tokens-details",
-           # A graceful stop (vLLM's default of 0 s kills the engine at once).
-           "--shutdown-timeout", "30"]
-    if store is not None:
-        cmd += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "RadixkvConnector",
-            "kv_connector_module_path": "radixkv.compat.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": "file", "directory": store}})]
-    # /reset_prefix_cache needs the dev mode.
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    server = Server(cmd, log_path, env, port)
-    server.model = model
-    return server
-
-
 class Client:
     """Greedy completions of token ids; remembers every prompt it sent."""
 
@@ -56,17 +33,9 @@ class Client:
         self.server = server
         self.sent = []
 
-    def __call__(self, ids, extras, max_new_tokens=8):
-        body = {"model": self.server.model, "prompt": ids, "max_tokens": max_new_tokens,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        # The workload's second namespace (SGLang's extra_key) is vLLM's cache_salt.
-        salt = extras.get("cache_salt") or extras.get("extra_key")
-        if salt:
-            body["cache_salt"] = salt
-        out = self.server.post("/v1/completions", body)
-        details = out["usage"].get("prompt_tokens_details") or {}
+    def __call__(self, ids, extras):
         self.sent.append((list(ids), dict(extras)))
-        return list(out["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
+        return complete(self.server, ids, extras)
 
 
 def stop(server):
@@ -110,9 +79,13 @@ def runs(python, model, tmp_path_factory):
         for (ids, extras), turn in zip(client.sent, got):
             last[turn.conversation] = (ids, extras, turn)  # the final turns win
         again = {c: client(ids, extras) for c, (ids, extras, _) in sorted(last.items())}
+        # Conversation 4 is salted; without its salt its prompt may only hit
+        # what it shares with an unsalted conversation (1: the same system prompt).
+        unsalted = client(last[4][0], {})
     finally:
         code, log = stop(ours)
-    return dict(want=want, got=got, last=last, again=again, store=store, tmp=tmp,
+    return dict(want=want, got=got, last=last, again=again, unsalted=unsalted, store=store,
+                tmp=tmp,
                 codes=(own_code, code), logs=(own_log, log))
 
 
@@ -135,6 +108,15 @@ def test_after_a_reset_every_prompt_comes_back_from_the_store(runs):
         output, cached = runs["again"][c]
         assert output == turn.output_ids, c
         assert cached == usable(len(ids)), (c, cached, len(ids))
+
+
+def test_a_salted_prompt_is_never_served_to_another_namespace(runs):
+    salted, plain = runs["last"][4][0], runs["last"][1][0]
+    assert runs["last"][4][1] and not runs["last"][1][1]
+    shared = next(i for i, (a, b) in enumerate(zip(salted, plain)) if a != b)
+    assert shared >= 2 * BLOCK  # the system prompt: a real chance to leak
+    _, cached = runs["unsalted"]
+    assert cached == min(usable(len(salted)), shared // BLOCK * BLOCK), (cached, shared)
 
 
 def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, model, runs):
@@ -162,3 +144,13 @@ def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, 
     assert code == 0
     assert "Recovered from KV load failure" in log
     assert not problems(log), problems(log)[:5]
+
+
+def test_vllms_fail_policy_is_refused_by_name(python, model, tmp_path):
+    """Under "fail" a block evicted between the match and the load would fail
+    its request: the connector refuses to start, naming the option."""
+    log = tmp_path / "fail.log"
+    with pytest.raises(RuntimeError, match="exited with"):
+        start(python, model, str(log), str(tmp_path / "store"), failure_policy="fail")
+    assert 'ValueError: radixkv\'s vLLM connector needs "kv_load_failure_policy": ' \
+        '"recompute"' in log.read_text()

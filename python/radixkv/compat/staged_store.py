@@ -38,7 +38,7 @@ def store_options(options: Optional[dict]) -> dict:
         raise ValueError("extra_config directory: the file store's directory is required")
     secret = options.get("secret")
     if options.get("secret_file") is not None:
-        with open(options["secret_file"], "rb") as f:
+        with open(options.pop("secret_file"), "rb") as f:  # read once
             secret = f.read().strip()
     options["secret"] = secret.encode() if isinstance(secret, str) else secret
     return options
@@ -63,7 +63,8 @@ class StagedStore:
         self.skipped_reads = self.skipped_writes = 0
         # Pages [0, BATCH_PAGES) stage reads, the rest writes. A page is a
         # flat run of elements: the pool's shape only gives it its size.
-        shape = MHAKVCache(1, 1, page_elems // 2, 1, dtype, page_size=1, device="cpu")
+        shape = MHAKVCache(1, 1, page_elems // 2, 1, dtype, page_size=1, device="cpu",
+                           tp_size=1)  # whole pages: no shard of the engine's world
         self.staging = HostKVCache(shape, num_pages=2 * BATCH_PAGES, layout="page_first",
                                    pin_memory=False)
         if o["store"] == "file":

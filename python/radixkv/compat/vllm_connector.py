@@ -33,7 +33,9 @@ dtype; anything else is refused at start-up.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
@@ -60,6 +62,8 @@ class BlockMoves:
     req_id: str
     names: List[str]
     block_ids: List[int]
+    # A save's earlier blocks: K/V computed over them is only as good as they are.
+    depends: List[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -94,14 +98,28 @@ class RadixkvConnector(KVConnectorBase_V1):
             # of a block would need its own name.
             raise ValueError("radixkv's vLLM connector serves one rank (tensor_parallel_size "
                              "and pipeline_parallel_size 1) in this version")
-        self.model = self.options.get("namespace") or vllm_config.model_config.model
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            # Under "fail" a block evicted from the store between the match
+            # and the load fails its request: radixkv's store is a cache.
+            raise ValueError('radixkv\'s vLLM connector needs "kv_load_failure_policy": '
+                             '"recompute" in --kv-transfer-config (a block that fails to load '
+                             'is recomputed)')
+        model = vllm_config.model_config
+        self.model = self.options.get("namespace") or model.model
+        # What else decides a block's bytes: the weights' revision and
+        # quantization, and the K/V cache dtype as configured (fp8 variants
+        # share one torch dtype).
+        self.variant = (f"revision={getattr(model, 'revision', None)} "
+                        f"quantization={getattr(model, 'quantization', None)} "
+                        f"cache_dtype={vllm_config.cache_config.cache_dtype}")
         self.store: Optional[StagedStore] = None
-        self._seeds: Dict[str, bytes] = {}
+        self._seeds: "collections.OrderedDict[Optional[str], bytes]" = collections.OrderedDict()
         # scheduler side
         self._reqs: Dict[str, _Req] = {}
         # worker side
         self._layers: List[Tuple[torch.Tensor, int]] = []
         self._load_errors: set = set()
+        self._failed_reqs: set = set()  # requests whose load failed this step
         if role == KVConnectorRole.SCHEDULER:
             self._open(*self._page_from_config(kv_cache_config))
 
@@ -115,11 +133,14 @@ class RadixkvConnector(KVConnectorBase_V1):
             raise ValueError(f"radixkv's vLLM connector serves models with one KV cache group "
                              f"(full attention); this one has {len(groups)}")
         spec = groups[0].kv_cache_spec
+        if type(spec).__name__ != "FullAttentionSpec":
+            raise ValueError(f"radixkv's vLLM connector serves full attention; this model's KV "
+                             f"cache is {type(spec).__name__}")
         layers = len(groups[0].layer_names)
         dtype = spec.dtype
         per_layer = spec.page_size_bytes // torch.empty(0, dtype=dtype).element_size()
-        layout = (f"vllm:{type(spec).__name__} heads={getattr(spec, 'num_kv_heads', '?')} "
-                  f"head={getattr(spec, 'head_size', '?')}")
+        layout = (f"vllm:{type(spec).__name__} heads={spec.num_kv_heads} "
+                  f"head={spec.head_size} {self.variant}")
         return layout, layers, layers * per_layer, dtype
 
     def _open(self, layout: str, layers: int, page_elems: int, dtype: torch.dtype) -> None:
@@ -135,17 +156,25 @@ class RadixkvConnector(KVConnectorBase_V1):
                                       num_layers=self.num_layers, kv_heads=1, head_dim=1,
                                       namespace=namespace)
             self._seeds[namespace] = seed
+            if len(self._seeds) > 4096:  # salts come from clients: keep a bounded few
+                self._seeds.popitem(last=False)
+        else:
+            self._seeds.move_to_end(namespace)
         return seed
 
     def _names(self, request: "Request") -> List[str]:
-        """Store names of the prompt's full blocks."""
-        parts = []
-        if getattr(request, "cache_salt", None):
-            parts.append(f"salt={request.cache_salt}")
+        """Store names of the prompt's full blocks; none for a prompt whose
+        token ids do not say all it holds (images, embeddings)."""
+        if getattr(request, "mm_features", None) or \
+                getattr(request, "prompt_embeds", None) is not None:
+            return []
+        salt = getattr(request, "cache_salt", None)
         lora = getattr(request, "lora_request", None)
-        if lora is not None:
-            parts.append(f"lora={lora.lora_name}")
-        namespace = " ".join(parts) or None
+        namespace = None
+        if salt or lora is not None:
+            lora_id = None if lora is None else [lora.lora_name, lora.lora_int_id,
+                                                 getattr(lora, "lora_path", None)]
+            namespace = json.dumps({"salt": salt, "lora": lora_id})  # fields kept apart
         ids = list(request.prompt_token_ids or [])
         return page_keys(ids, self.block_size, self._seed(namespace), key=self.store.name_key)
 
@@ -215,7 +244,7 @@ class RadixkvConnector(KVConnectorBase_V1):
                    len(st.block_ids))
         if full > st.saved:
             meta.saves.append(BlockMoves(st.request.request_id, st.names[st.saved:full],
-                                         st.block_ids[st.saved:full]))
+                                         st.block_ids[st.saved:full], st.block_ids[:st.saved]))
             st.saved = full
 
     def request_finished(self, request: "Request",
@@ -230,8 +259,8 @@ class RadixkvConnector(KVConnectorBase_V1):
         layers, dtypes = [], set()
         for name, t in kv_caches.items():
             dims = [d for d in range(t.dim()) if t.shape[d] == num_blocks]
-            if len(dims) > 1 and t.shape[0] == 2 and 1 in dims:
-                dims = [1]  # [2 (K, V), blocks, ...]
+            if t.dim() >= 2 and t.shape[0] == 2 and 1 in dims:
+                dims = [1]  # vLLM's [2 (K, V), blocks, ...]
             if len(dims) != 1:
                 raise ValueError(f"radixkv's vLLM connector cannot find the block dimension of "
                                  f"layer {name}'s cache {tuple(t.shape)} ({num_blocks} blocks)")
@@ -267,6 +296,7 @@ class RadixkvConnector(KVConnectorBase_V1):
             if not all(done):  # a block not loaded, and every one after it, is recomputed
                 first = done.index(False)
                 self._load_errors.update(load.block_ids[first:])
+                self._failed_reqs.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -277,7 +307,14 @@ class RadixkvConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
+        failed, self._failed_reqs = self._failed_reqs, set()
         for save in getattr(meta, "saves", ()):
+            # This step computed these blocks over blocks that failed to load
+            # (its own, or another request's it shares): vLLM recomputes
+            # them, and only then are they saved.
+            if save.req_id in failed or not self._load_errors.isdisjoint(save.depends):
+                continue
+
             def fill(i: int, page: torch.Tensor, save=save) -> None:
                 at = 0
                 for view in self._block(save.block_ids[i]):
