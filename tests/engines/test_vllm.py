@@ -8,6 +8,7 @@ corrupt block is recomputed, never served; no error in the logs and clean
 shutdowns."""
 
 import os
+import random
 
 import pytest
 
@@ -154,3 +155,32 @@ def test_vllms_fail_policy_is_refused_by_name(python, model, tmp_path):
         start(python, model, str(log), str(tmp_path / "store"), failure_policy="fail")
     assert 'ValueError: radixkv\'s vLLM connector needs "kv_load_failure_policy": ' \
         '"recompute"' in log.read_text()
+
+
+def test_mooncake_store_through_the_connector_serves_after_a_reset_and_a_second_server(
+        python, model, tmp_path):
+    """The same store role played by a real Mooncake master on 127.0.0.1
+    (radixkv's MooncakeStorage in vLLM's engine and worker processes)."""
+    from radixkv.storage import MooncakeMaster
+
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 1000) for _ in range(300)]
+    with MooncakeMaster() as master:
+        # A loaded 2-core machine may take longer than the 50 ms the
+        # scheduler waits for an answer by default (then: a miss, not an error).
+        store = {"store": "mooncake", "master_address": master.master_address,
+                 "metadata_server": master.metadata_server, "query_timeout_s": 5.0}
+        a = start(python, model, str(tmp_path / "mooncake-a.log"), store=store)
+        b = None
+        try:
+            out, cached = complete(a, prompt, {})
+            assert cached == 0
+            a.post("/reset_prefix_cache", {})
+            assert complete(a, prompt, {}) == (out, usable(len(prompt)))
+            b = start(python, model, str(tmp_path / "mooncake-b.log"), store=store)
+            assert complete(b, prompt, {}) == (out, usable(len(prompt)))
+        finally:
+            logs = [stop(s) for s in (a, b) if s is not None]
+    assert [code for code, _ in logs] == [0, 0]
+    for _, log in logs:
+        assert not problems(log), problems(log)[:5]

@@ -7,7 +7,10 @@ Options (an engine's extra config, a dict): `store` ("file" or "mooncake"),
 `directory`, `max_bytes` and `shared` for the file store; `master_address`,
 `metadata_server`, `local_hostname`, `protocol`, `segment_bytes` and
 `buffer_bytes` for Mooncake; `secret` or `secret_file` (a file holding it);
-`failures_in_a_row`, `retry_after_s` and `max_retry_after_s` for the back-off.
+`failures_in_a_row`, `retry_after_s` and `max_retry_after_s` for the back-off;
+`query_timeout_s` (0.05) bounds an existence query to a store whose queries
+may block (Mooncake, a network file system) when it is asked from an
+engine's scheduler thread (`exists(..., bounded=True)`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
+from radixkv.scheduler.storage_tier import _Asker
 from radixkv.storage import FileStorage, MooncakeStorage
 from radixkv.storage.health import Health
 
@@ -82,6 +86,9 @@ class StagedStore:
         self._one_at_a_time = backend.call_lock() or contextlib.nullcontext()
         self._read_lock, self._write_lock = threading.Lock(), threading.Lock()
         self.backend = backend
+        self.query_timeout_s = float(o.get("query_timeout_s", 0.05))
+        self.query_timeouts = 0
+        self._asker = _Asker(self) if backend.blocking_queries else None
 
     @property
     def name_key(self) -> Optional[bytes]:
@@ -103,11 +110,22 @@ class StagedStore:
             return False
         return True
 
-    def exists(self, names: List[str]) -> int:
-        """How many of `names`, from the first, the store holds."""
+    def exists(self, names: List[str], bounded: bool = False) -> Optional[int]:
+        """How many of `names`, from the first, the store holds. `bounded`:
+        a store whose queries may block is asked on a thread and waited for
+        at most `query_timeout_s`; None when it did not answer in time (or an
+        earlier query still has not), which counts as a failed read."""
         if not names or self.reads.down():
             return 0
-        return int(self.backend.batch_exists(names))
+        if not bounded or self._asker is None:
+            with self._one_at_a_time:  # Mooncake: not beside a read or a write
+                return int(self.backend.batch_exists(names))
+        hits, why = self._asker.ask(names, self.query_timeout_s)
+        if why:
+            self.query_timeouts += why == "timeout"
+            self.reads.failed()
+            return None
+        return 0 if hits is None else int(hits)
 
     def read(self, names: List[str], take: Callable[[int, Optional[torch.Tensor]], bool]) -> None:
         """Reads `names` a staging chunk at a time, handing `take(i, page)`
@@ -151,7 +169,9 @@ class StagedStore:
     def counts(self) -> dict:
         errors, corrupt = self.backend.counts()
         return {"errors": errors, "corrupt_pages": corrupt, "skipped_reads": self.skipped_reads,
-                "skipped_writes": self.skipped_writes}
+                "skipped_writes": self.skipped_writes, "query_timeouts": self.query_timeouts}
 
     def close(self) -> None:
+        if self._asker is not None:
+            self._asker.stop()
         self.backend.close()

@@ -12,7 +12,9 @@ the store, after vLLM's own prefix cache has dropped it or restarted.
 
 The extra config takes the store options of `radixkv.compat.staged_store`
 and `namespace` (a name for the model's weights: vLLM's model name may be
-only a path or an alias).
+only a path or an alias). vLLM's scheduler asks the store which blocks it
+holds on its own thread: a store whose queries may block (Mooncake) is
+waited for at most `query_timeout_s` (0.05 s), and a late answer is a miss.
 
 A block's name chains SHA-256 over the prompt's blocks (radixkv's page
 keys) from a seed that covers the model (and `namespace`), the K/V dtype,
@@ -191,7 +193,10 @@ class RadixkvConnector(KVConnectorBase_V1):
         # The blocks the store holds from the first: the rest are saved once
         # computed, also those vLLM had (they may hold an earlier turn's
         # output, which no prompt saved).
-        have = self.store.exists(st.names)
+        have = self.store.exists(st.names, bounded=True)  # vLLM's scheduler thread waits
+        if have is None:  # the store did not answer in time: no promise, no rewrites
+            st.start, st.saved = start, max(st.saved, start)
+            return 0, False
         st.start, st.saved = start, have
         return max(0, min(have, usable) - start) * self.block_size, False
 
