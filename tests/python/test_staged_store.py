@@ -42,6 +42,8 @@ def test_bad_options_and_shapes_are_refused_by_name(tmp_path):
         store_options({"store": "file"})
     with pytest.raises(ValueError, match="page_elems"):
         StagedStore({"store": "file", "directory": str(tmp_path)}, FP, 63, torch.float32)
+    with pytest.raises(ValueError, match="^retry_after_s must be"):
+        _store(tmp_path, retry_after_s=-1)
 
 
 def test_a_secret_file_is_read_once(tmp_path):

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from types import SimpleNamespace
 from typing import Callable, List, Optional
 
 import torch
 
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
-from radixkv.scheduler.storage_tier import _Asker
+from radixkv.scheduler.storage_tier import StorageFaultPolicy, _Asker
 from radixkv.storage import FileStorage, MooncakeStorage
 from radixkv.storage.health import Health
 
 # Pages staged per direction; longer calls go in chunks.
 BATCH_PAGES = 32
+_FAULT_OPTIONS = ("failures_in_a_row", "retry_after_s", "max_retry_after_s", "query_timeout_s")
 
 
 def store_options(options: Optional[dict]) -> dict:
@@ -60,10 +60,10 @@ class StagedStore:
         if page_elems <= 0 or page_elems % 2:
             raise ValueError(f"page_elems must be a positive even count, got {page_elems}")
         self.dtype = dtype
-        policy = SimpleNamespace(failures_in_a_row=int(o.get("failures_in_a_row", 3)),
-                                 retry_after_s=float(o.get("retry_after_s", 1.0)),
-                                 max_retry_after_s=float(o.get("max_retry_after_s", 30.0)))
-        self.reads, self.writes = Health(policy), Health(policy)
+        # The back-off and the query bound of radixkv's own storage tier, with
+        # its defaults and checks.
+        self.faults = StorageFaultPolicy(**{k: o[k] for k in _FAULT_OPTIONS if k in o})
+        self.reads, self.writes = Health(self.faults), Health(self.faults)
         self.skipped_reads = self.skipped_writes = 0
         # Pages [0, BATCH_PAGES) stage reads, the rest writes. A page is a
         # flat run of elements: the pool's shape only gives it its size.
@@ -86,7 +86,6 @@ class StagedStore:
         self._one_at_a_time = backend.call_lock() or contextlib.nullcontext()
         self._read_lock, self._write_lock = threading.Lock(), threading.Lock()
         self.backend = backend
-        self.query_timeout_s = float(o.get("query_timeout_s", 0.05))
         self.query_timeouts = 0
         self._asker = _Asker(self) if backend.blocking_queries else None
 
@@ -120,7 +119,7 @@ class StagedStore:
         if not bounded or self._asker is None:
             with self._one_at_a_time:  # Mooncake: not beside a read or a write
                 return int(self.backend.batch_exists(names))
-        hits, why = self._asker.ask(names, self.query_timeout_s)
+        hits, why = self._asker.ask(names, self.faults.query_timeout_s)
         if why:
             self.query_timeouts += why == "timeout"
             self.reads.failed()
