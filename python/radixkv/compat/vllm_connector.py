@@ -1,20 +1,34 @@
-"""radixkv's storage tier behind vLLM: a KV connector (vLLM's
-`KVConnectorBase_V1`, vLLM 0.32) that writes each full block of a prompt
-to radixkv's file store or Mooncake Store once it is computed, and loads
-the blocks a new request finds there into the blocks vLLM gave it, so a
-prefix computed once serves every later request of every instance sharing
-the store, after vLLM's own prefix cache has dropped it or restarted.
+"""radixkv's host and storage tiers behind vLLM: a KV connector (vLLM's
+`KVConnectorBase_V1`, vLLM 0.32) that copies each full block of a prompt,
+once computed, into radixkv's host tier and writes it through to radixkv's
+file store or Mooncake Store, and loads the blocks a new request finds there
+into the blocks vLLM gave it, so a prefix computed once serves every later
+request of every instance sharing the store, after vLLM's own prefix cache
+has dropped it or restarted.
 
     --kv-transfer-config '{"kv_connector": "RadixkvConnector",
         "kv_connector_module_path": "radixkv.compat.vllm_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store": "file", "directory": "/var/cache/kv"}}'
+        "kv_connector_extra_config": {"host_bytes": 4294967296,
+                                      "store": "file", "directory": "/var/cache/kv"}}'
 
-The extra config takes the store options of `radixkv.compat.staged_store`
-and `namespace` (a name for the model's weights: vLLM's model name may be
-only a path or an alias). vLLM's scheduler asks the store which blocks it
-holds on its own thread: a store whose queries may block (Mooncake) is
-waited for at most `query_timeout_s` (0.05 s), and a late answer is a miss.
+The extra config takes `host_bytes` (host memory for the host tier; 0, the
+default: none), the store options of `radixkv.compat.staged_store` (`"store":
+"none"`: the host tier alone) and `namespace` (a name for the model's
+weights: vLLM's model name may be only a path or an alias). vLLM's scheduler
+asks the store which blocks it holds on its own thread: a store whose
+queries may block (Mooncake) is waited for at most `query_timeout_s` (0.05
+s), and a late answer is a miss.
+
+The host tier's index (`HostPageIndex`: block names -> host pages, exact
+LRU) lives in the scheduler's connector, its memory (a `HostKVCache` of flat
+pages, one block of every layer each) in the worker's; each step's metadata
+names the host pages to copy from and to. A page the step names is pinned
+while the step is planned; the worker runs a step's loads before its saves
+and each step before the next, so a page evicted for a later save is read
+first. A host page whose fill failed is marked bad in the worker (a load
+from it fails, never serves) and forgotten by the scheduler when the load
+error comes back.
 
 A block's name chains SHA-256 over the prompt's blocks (radixkv's page
 keys) from a seed that covers the model (and `namespace`), the K/V dtype,
@@ -25,7 +39,7 @@ every name is an HMAC under a key derived from it.
 Loads and saves are synchronous (in `start_load_kv` before the forward
 pass, in `wait_for_save` after it): simple, and on a CPU, where a copy
 competes with the model for the same cores, no slower. A block that fails
-to load (missing, corrupt, a store in back-off) is reported through
+to load (missing, corrupt, a store in back-off, a bad host page) is reported through
 `get_block_ids_with_load_errors`, with every block after it, and never
 served: with `"kv_load_failure_policy": "recompute"` vLLM recomputes them,
 with vLLM's default ("fail") the request fails. One rank (no tensor or
@@ -38,6 +52,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
@@ -47,8 +62,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from radixkv._checks import as_count
+from radixkv.compat.host_pages import HostPageIndex
 from radixkv.compat.staged_store import StagedStore, store_options
+from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.storage import config_fingerprint, page_keys
+
+logger = logging.getLogger("vllm.radixkv")  # under vLLM's logger: shown in its log
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,11 +80,16 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class BlockMoves:
-    """Blocks of one request to load or save: `names[i]` <-> `block_ids[i]`."""
+    """Blocks of one request to load or save: `names[i]` <-> `block_ids[i]`
+    <-> host page `pages[i]` (-1: none; a load then reads the store straight
+    into the block, a save writes the block straight to the store)."""
 
     req_id: str
     names: List[str]
     block_ids: List[int]
+    pages: List[int]
+    # A load's blocks the host holds (the rest are read from the store).
+    in_host: List[bool] = dataclasses.field(default_factory=list)
     # A save's earlier blocks: K/V computed over them is only as good as they are.
     depends: List[int] = dataclasses.field(default_factory=list)
 
@@ -84,15 +110,26 @@ class _Req:
     saved: int = 0            # blocks [0, saved) are in the store or on their way
     start: int = 0            # the first block vLLM did not have at the last match
     load: Optional[BlockMoves] = None
+    loaded: List[int] = dataclasses.field(default_factory=list)  # its blocks loaded via host
 
 
 class RadixkvConnector(KVConnectorBase_V1):
-    """vLLM's KV connector over radixkv's FileStorage or MooncakeStorage."""
+    """vLLM's KV connector over radixkv's host tier and its FileStorage or
+    MooncakeStorage."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.options = store_options(self._kv_transfer_config.kv_connector_extra_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.host_bytes = as_count(extra.pop("host_bytes", 0), "extra_config host_bytes",
+                                   minimum=0)
+        if extra.get("store") == "none":  # the host tier alone
+            if not self.host_bytes:
+                raise ValueError('extra_config store "none" needs host_bytes > 0 (the host '
+                                 'tier is then the only one)')
+            self.options: Optional[dict] = None
+        else:
+            self.options = store_options(extra)
         self.block_size = vllm_config.cache_config.block_size
         par = vllm_config.parallel_config
         if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
@@ -107,7 +144,7 @@ class RadixkvConnector(KVConnectorBase_V1):
                              '"recompute" in --kv-transfer-config (a block that fails to load '
                              'is recomputed)')
         model = vllm_config.model_config
-        self.model = self.options.get("namespace") or model.model
+        self.model = extra.get("namespace") or model.model
         # What else decides a block's bytes: the weights' revision and
         # quantization, and the K/V cache dtype as configured (fp8 variants
         # share one torch dtype).
@@ -118,12 +155,29 @@ class RadixkvConnector(KVConnectorBase_V1):
         self._seeds: "collections.OrderedDict[Optional[str], bytes]" = collections.OrderedDict()
         # scheduler side
         self._reqs: Dict[str, _Req] = {}
+        self.index: Optional[HostPageIndex] = None
+        self._pinned: List[int] = []              # host pages the step being planned names
+        # block -> (name, page, the page's fills) of a load through a host page
+        self._via_host: Dict[int, Tuple[str, int, int]] = {}
+        self._fills: collections.Counter = collections.Counter()  # page -> saves planned
         # worker side
         self._layers: List[Tuple[torch.Tensor, int]] = []
+        self.host: Optional[HostKVCache] = None
+        self._host_rows: Optional[torch.Tensor] = None  # [host pages, page elements]
+        self._valid: Optional[bytearray] = None         # host pages holding good bytes
         self._load_errors: set = set()
         self._failed_reqs: set = set()  # requests whose load failed this step
+        self.moved = collections.Counter()
         if role == KVConnectorRole.SCHEDULER:
             self._open(*self._page_from_config(kv_cache_config))
+            if self.host_pages:
+                self.index = HostPageIndex(self.host_pages)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """No (vLLM 0.33 asks): sleep mode moves the KV caches, and the worker
+        keeps views of the ones it registered."""
+        return False
 
     # -- the page: one block of every layer -----------------------------------------------
 
@@ -147,7 +201,14 @@ class RadixkvConnector(KVConnectorBase_V1):
 
     def _open(self, layout: str, layers: int, page_elems: int, dtype: torch.dtype) -> None:
         self.layout, self.num_layers, self.dtype = layout, layers, dtype
-        self.store = StagedStore(self.options, self._seed(None), page_elems, dtype)
+        self.page_elems = page_elems
+        page_bytes = page_elems * torch.empty(0, dtype=dtype).element_size()
+        self.host_pages = self.host_bytes // page_bytes
+        if self.host_bytes and not self.host_pages:
+            raise ValueError(f"extra_config host_bytes ({self.host_bytes}) holds no block of "
+                             f"this model ({page_bytes} bytes)")
+        if self.options is not None:
+            self.store = StagedStore(self.options, self._seed(None), page_elems, dtype)
 
     def _seed(self, namespace: Optional[str]) -> bytes:
         """The fingerprint that starts a request's chain of block names."""
@@ -178,7 +239,8 @@ class RadixkvConnector(KVConnectorBase_V1):
                                                  getattr(lora, "lora_path", None)]
             namespace = json.dumps({"salt": salt, "lora": lora_id})  # fields kept apart
         ids = list(request.prompt_token_ids or [])
-        return page_keys(ids, self.block_size, self._seed(namespace), key=self.store.name_key)
+        key = self.store.name_key if self.store is not None else None
+        return page_keys(ids, self.block_size, self._seed(namespace), key=key)
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -190,13 +252,16 @@ class RadixkvConnector(KVConnectorBase_V1):
         # At least one prompt token is left to compute (it gives the logits).
         usable = (request.num_prompt_tokens - 1) // self.block_size
         start = num_computed_tokens // self.block_size
-        # The blocks the store holds from the first: the rest are saved once
-        # computed, also those vLLM had (they may hold an earlier turn's
-        # output, which no prompt saved).
-        have = self.store.exists(st.names, bounded=True)  # vLLM's scheduler thread waits
-        if have is None:  # the store did not answer in time: no promise, no rewrites
-            st.start, st.saved = start, max(st.saved, start)
-            return 0, False
+        # The blocks the host holds from the first, then those the store
+        # holds after them: the rest are saved once computed, also those vLLM
+        # had (they may hold an earlier turn's output, which no prompt saved).
+        have = self.index.run(st.names) if self.index is not None else 0
+        if self.store is not None and have < len(st.names):
+            more = self.store.exists(st.names[have:], bounded=True)  # vLLM's thread waits
+            if more is None:  # the store did not answer in time: no rewrites
+                st.start, st.saved = start, max(st.saved, start, have)
+                return max(0, min(have, usable) - start) * self.block_size, False
+            have += more
         st.start, st.saved = start, have
         return max(0, min(have, usable) - start) * self.block_size, False
 
@@ -205,12 +270,36 @@ class RadixkvConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0:
             return
+        if st.load is not None and self.index is not None:  # planned again, never sent
+            self.index.unpin(p for p in st.load.pages if p >= 0)
         block_ids = list(blocks.get_block_ids()[0])
         start = st.start
         count = num_external_tokens // self.block_size
-        st.load = BlockMoves(request.request_id, st.names[start:start + count],
-                             block_ids[start:start + count])
+        names = st.names[start:start + count]
+        load = BlockMoves(request.request_id, names, block_ids[start:start + count],
+                          [-1] * count, [False] * count)
+        if self.index is not None:
+            # The host's blocks first (pinned, so that room made for the
+            # store's below never takes them), then host pages for the rest.
+            for i, name in enumerate(names):
+                page = self.index.get(name)
+                if page is not None:
+                    self.index.pin(page)
+                    load.pages[i], load.in_host[i] = page, True
+            for i, name in enumerate(names):
+                if not load.in_host[i]:
+                    load.pages[i] = -1 if self.store is None else \
+                        self._or_none(self.index.take(name))
+            for i, page in enumerate(load.pages):
+                if page >= 0:
+                    self._via_host[load.block_ids[i]] = (names[i], page, self._fills[page])
+            st.loaded = [b for b, p in zip(load.block_ids, load.pages) if p >= 0]
+        st.load = load
         st.saved = max(st.saved, start + count)
+
+    @staticmethod
+    def _or_none(page: Optional[int]) -> int:
+        return -1 if page is None else page
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = RadixkvConnectorMetadata()
@@ -232,6 +321,9 @@ class RadixkvConnector(KVConnectorBase_V1):
             elif added is not None:
                 st.block_ids += added[0]
             self._plan(st, cached.num_computed_tokens[i], steps.get(req_id, 0), meta)
+        if self.index is not None:  # the worker runs this step's moves before the next's
+            self.index.unpin(self._pinned)
+        self._pinned = []
         return meta
 
     def _plan(self, st: _Req, computed: int, scheduled: int,
@@ -240,6 +332,7 @@ class RadixkvConnector(KVConnectorBase_V1):
         completes (`computed` tokens before it, `scheduled` in it)."""
         if st.load is not None:
             meta.loads.append(st.load)
+            self._pinned += [p for p in st.load.pages if p >= 0]
             st.load = None
         # Fewer computed tokens than saved blocks: vLLM rolled the request
         # back (a block failed to load): its blocks are saved again once
@@ -248,14 +341,35 @@ class RadixkvConnector(KVConnectorBase_V1):
         full = min((computed + scheduled) // self.block_size, len(st.names),
                    len(st.block_ids))
         if full > st.saved:
-            meta.saves.append(BlockMoves(st.request.request_id, st.names[st.saved:full],
-                                         st.block_ids[st.saved:full], st.block_ids[:st.saved]))
+            names = st.names[st.saved:full]
+            pages = [-1] * len(names)
+            if self.index is not None:
+                pages = [self._or_none(self.index.take(name)) for name in names]
+                self._pinned += [p for p in pages if p >= 0]
+                self._fills.update(p for p in pages if p >= 0)
+            meta.saves.append(BlockMoves(st.request.request_id, names,
+                                         st.block_ids[st.saved:full], pages,
+                                         depends=st.block_ids[:st.saved]))
             st.saved = full
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A block that failed to load through a host page: the page's name
+        is forgotten, unless a save planned since refills the page (vLLM's
+        recompute, planned before this news came)."""
+        for block in getattr(connector_output, "invalid_block_ids", None) or ():
+            via = self._via_host.pop(block, None)
+            if via is not None and self.index is not None and self._fills[via[1]] == via[2]:
+                self.index.drop(via[0], via[1])
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
-        self._reqs.pop(request.request_id, None)
-        return False, None  # saves are done within their step: the blocks are free to go
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            for block in st.loaded:
+                self._via_host.pop(block, None)
+            if st.load is not None and self.index is not None:  # planned, never sent
+                self.index.unpin(p for p in st.load.pages if p >= 0)
+        return False, None  # moves are done within their step: the blocks are free to go
 
     # -- worker side ------------------------------------------------------------------------
 
@@ -275,33 +389,83 @@ class RadixkvConnector(KVConnectorBase_V1):
             raise ValueError(f"radixkv's vLLM connector needs one K/V dtype, got {dtypes}")
         self._layers = layers
         page_elems = sum(t.select(d, 0).numel() for t, d in layers)
-        layout = self._page_from_config(self._kv_cache_config)[0]
+        layout, _, planned, _ = self._page_from_config(self._kv_cache_config)
+        if page_elems != planned:  # the scheduler numbers host pages of this size
+            raise ValueError(f"radixkv's vLLM connector: the layers' blocks hold {page_elems} "
+                             f"elements, vLLM's KV cache spec says {planned}")
         self._open(layout, len(layers), page_elems, dtypes.pop())
+        if self.host_pages:
+            self.host = host_pages_for(self.host_pages, page_elems, self.dtype)
+            self._host_rows = self.host.kv_buffer.view(self.host_pages, page_elems)
+            self._valid = bytearray(self.host_pages)
 
     def _block(self, b: int):
         """Block b of every layer, as views."""
         return [t.select(d, b) for t, d in self._layers]
 
+    def _to_host(self, block_ids: List[int], pages: List[int]) -> None:
+        """Blocks -> host pages, a layer at a time."""
+        device = self._layers[0][0].device
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
+        rows = torch.tensor(pages, dtype=torch.long)
+        at = 0
+        for t, d in self._layers:
+            part = t.index_select(d, blocks).movedim(d, 0).reshape(len(pages), -1)
+            self._host_rows[rows, at:at + part.shape[1]] = part.cpu()
+            at += part.shape[1]
+
+    def _from_host(self, pages: List[int], block_ids: List[int]) -> None:
+        """Host pages -> blocks, a layer at a time."""
+        device = self._layers[0][0].device
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
+        rows = torch.tensor(pages, dtype=torch.long)
+        at = 0
+        for t, d in self._layers:
+            shape = t.select(d, 0).shape
+            n = shape.numel()
+            part = self._host_rows[rows, at:at + n].view(len(pages), *shape)
+            t.index_copy_(d, blocks, part.to(device, non_blocking=True).movedim(0, d))
+            at += n
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for load in getattr(meta, "loads", ()):
-            done = [False] * len(load.block_ids)
+            done = [load.in_host[i] and self._valid[p] == 1 for i, p in enumerate(load.pages)]
+            stored = [i for i, host in enumerate(load.in_host) if not host]
+            for i in stored:  # pages taken for the store's blocks: good once read
+                if load.pages[i] >= 0:
+                    self._valid[load.pages[i]] = 0
+            if stored and self.store is not None:
+                def take(j: int, page: Optional[torch.Tensor], load=load) -> bool:
+                    i = stored[j]
+                    hp = load.pages[i]
+                    if page is None:
+                        return False
+                    if hp >= 0:
+                        self._host_rows[hp].copy_(page)
+                        self._valid[hp] = 1
+                    else:
+                        self._copy_in(page, load.block_ids[i])
+                    done[i] = True
+                    return True
 
-            def take(i: int, page: Optional[torch.Tensor], load=load, done=done) -> bool:
-                if page is None:
-                    return False
-                at = 0
-                for view in self._block(load.block_ids[i]):
-                    view.copy_(page[at:at + view.numel()].view(view.shape))
-                    at += view.numel()
-                done[i] = True
-                return True
-
-            self.store.read(load.names, take)
-            if not all(done):  # a block not loaded, and every one after it, is recomputed
-                first = done.index(False)
-                self._load_errors.update(load.block_ids[first:])
+                self.store.read([load.names[i] for i in stored], take)
+            ok = len(done) if all(done) else done.index(False)
+            via = [i for i in range(ok) if load.pages[i] >= 0]
+            if via:
+                self._from_host([load.pages[i] for i in via], [load.block_ids[i] for i in via])
+            self.moved["loaded from host"] += sum(load.in_host[:ok])
+            self.moved["loaded from store"] += ok - sum(load.in_host[:ok])
+            if ok < len(done):  # a block not loaded, and every one after it, is recomputed
+                self.moved["failed to load"] += len(done) - ok
+                self._load_errors.update(load.block_ids[ok:])
                 self._failed_reqs.add(load.req_id)
+
+    def _copy_in(self, page: torch.Tensor, block: int) -> None:
+        at = 0
+        for view in self._block(block):
+            view.copy_(page[at:at + view.numel()].view(view.shape))
+            at += view.numel()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -314,25 +478,41 @@ class RadixkvConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         failed, self._failed_reqs = self._failed_reqs, set()
         for save in getattr(meta, "saves", ()):
+            hosted = [i for i, p in enumerate(save.pages) if p >= 0]
             # This step computed these blocks over blocks that failed to load
             # (its own, or another request's it shares): vLLM recomputes
             # them, and only then are they saved.
             if save.req_id in failed or not self._load_errors.isdisjoint(save.depends):
+                for i in hosted:
+                    self._valid[save.pages[i]] = 0
+                continue
+            if hosted:
+                self._to_host([save.block_ids[i] for i in hosted], [save.pages[i] for i in hosted])
+                for i in hosted:
+                    self._valid[save.pages[i]] = 1
+                self.moved["saved to host"] += len(hosted)
+            if self.store is None:
                 continue
 
             def fill(i: int, page: torch.Tensor, save=save) -> None:
+                if save.pages[i] >= 0:
+                    page.copy_(self._host_rows[save.pages[i]])
+                    return
                 at = 0
                 for view in self._block(save.block_ids[i]):
                     page[at:at + view.numel()].view(view.shape).copy_(view)
                     at += view.numel()
 
-            self.store.write(save.names, fill)
+            self.moved["saved to store"] += sum(self.store.write(save.names, fill))
 
     def get_block_ids_with_load_errors(self) -> set:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self.moved:
+            logger.info("radixkv connector: blocks %s", ", ".join(
+                f"{what} {count}" for what, count in sorted(self.moved.items())))
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -340,3 +520,10 @@ class RadixkvConnector(KVConnectorBase_V1):
     def counts(self) -> dict:
         """radixkv's store counts (errors, corrupt pages, skipped calls)."""
         return self.store.counts() if self.store is not None else {}
+
+
+def host_pages_for(num_pages: int, page_elems: int, dtype: torch.dtype) -> HostKVCache:
+    """radixkv's host pool holding `num_pages` flat pages of `page_elems`
+    elements (pinned where CUDA is, for copies at full speed)."""
+    shape = MHAKVCache(1, 1, page_elems // 2, 1, dtype, page_size=1, device="cpu", tp_size=1)
+    return HostKVCache(shape, num_pages=num_pages, layout="page_first")
