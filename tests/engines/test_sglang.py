@@ -174,13 +174,13 @@ def stored_pages(python, model, tmp_path, backend):
 
 
 def test_kv_events_name_the_same_pages_as_sglangs_own(python, model, tmp_path):
-    """The same pages stored, as SGLang's own cache publishes them (its
-    events carry a node's pages, radixkv's one page each), and a flush
-    clears all."""
+    """The same pages stored, in events of as many pages as SGLang's own
+    cache publishes (a chain of pages per event), and a flush clears all."""
     ours, our_kinds, our_stores = stored_pages(python, model, tmp_path, "radixkv")
-    theirs, their_kinds, _ = stored_pages(python, model, tmp_path, None)
-    assert ours and all(len(p) == 4 for p in ours) and set(our_stores) == {1}
+    theirs, their_kinds, their_stores = stored_pages(python, model, tmp_path, None)
+    assert ours and all(len(p) == 4 for p in ours) and max(our_stores) > 1
     assert sorted(ours) == sorted(theirs)
+    assert sorted(our_stores) == sorted(their_stores), (our_stores, their_stores)
     assert "AllBlocksCleared" in our_kinds and "AllBlocksCleared" in their_kinds
 
 

@@ -7,6 +7,7 @@ random operations on both caches with every result compared."""
 
 from __future__ import annotations
 
+import collections
 import importlib
 import importlib.util
 import os
@@ -744,6 +745,50 @@ def test_same_results_as_sglangs_radix_cache(sglang_modules, page):
         assert theirs.sizes() == (ours.evictable_size(), ours.protected_size()), k
 
 
+@pytest.mark.parametrize("page", [1, 4])
+def test_same_kv_events_as_sglangs_radix_cache(sglang_modules, page):
+    """400 random inserts (three namespaces, one with a cache_salt) and
+    full evictions on both caches with events on: after every operation the
+    same events, field for field, but for the block hashes themselves
+    (radixkv's are its page keys): as many per event, parents where
+    SGLang's are, the same tokens, sizes, media and salts."""
+    rc, bpc = sglang_modules
+    theirs = rc.RadixCache.create_simulated(mock_allocator=Sink(page), page_size=page,
+                                            enable_kv_cache_events=True)
+    ours = RadixCache.create_simulated(mock_allocator=Sink(page), page_size=page,
+                                       enable_kv_cache_events=True)
+
+    def shape(events):
+        return [(type(e).__name__, len(getattr(e, "block_hashes", ())),
+                 getattr(e, "parent_block_hash", None) is None, getattr(e, "token_ids", None),
+                 getattr(e, "block_size", None), getattr(e, "medium", None),
+                 getattr(e, "cache_salt", None)) for e in events]
+
+    assert shape(theirs.take_events()) == shape(ours.take_events())
+    rng = random.Random(page)
+    bases = [[rng.randrange(50) for _ in range(40)] for _ in range(4)]
+    tags = [(None, None), ("tenant", None), ("tenant", "salt")] if compat.HAS_NAMESPACES \
+        else [(None, None)]
+    slot, seen = 0, collections.Counter()
+    for k in range(400):
+        if rng.random() < 0.9:
+            tokens = rng.choice(bases)[: rng.randrange(41)] + \
+                [rng.randrange(50) for _ in range(rng.randrange(9))]
+            extra, salt = rng.choice(tags)
+            value = torch.arange(slot, slot + len(tokens), dtype=torch.int64)
+            slot += len(tokens)
+            theirs.insert(bpc.InsertParams(key=rc.RadixKey(array("q", tokens), extra,
+                                                           cache_salt=salt), value=value))
+            ours.insert(InsertParams(key=RadixKey(tokens, extra, cache_salt=salt), value=value))
+        else:
+            theirs.evict(bpc.EvictParams(num_tokens=1 << 30))
+            ours.evict(EvictParams(num_tokens=1 << 30))
+        events = shape(theirs.take_events())
+        assert events == shape(ours.take_events()), k
+        seen.update(e[0] for e in events)
+    assert seen["BlockStored"] > 200 and seen["BlockRemoved"] > 10, seen
+
+
 def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_modules):
     """The scheduler's per-request calls (match, lock, chunked prefill with
     cache_unfinished_req, decode, cache_finished_req) for 200 steps of random
@@ -961,7 +1006,10 @@ def test_a_match_says_its_prefix_len():
 
 
 @pytest.mark.parametrize("page_size", [1, 2])
-def test_kv_events_are_one_block_stored_per_page_and_removed_on_eviction(page_size):
+def test_kv_events_are_chains_of_pages_stored_and_removed_on_eviction(page_size):
+    """As SGLang 0.5.23 queues them: an insert's new pages are one
+    BlockStored (a page per block hash), continuing the event before it when
+    they continue its chain; evictions in a row are one BlockRemoved."""
     BlockStored, BlockRemoved, AllBlocksCleared = compat._event_types()  # SGLang's where it is
     freed = []
     alloc = type("Alloc", (), {"device": torch.device("cpu"),
@@ -970,29 +1018,58 @@ def test_kv_events_are_one_block_stored_per_page_and_removed_on_eviction(page_si
     assert c.enable_kv_cache_events
     assert [type(e) for e in c.take_events()] == [AllBlocksCleared]
     c.insert(RadixKey([1, 2, 3, 4, 5]), torch.tensor([10, 11, 12, 13, 14]))
-    events = c.take_events()
+    [first] = c.take_events()
     pages = 5 // page_size
-    assert [type(e) for e in events] == [BlockStored] * pages
-    assert all(len(e.token_ids) == page_size and len(e.block_hashes) == 1 for e in events)
-    assert events[0].parent_block_hash is None
-    for before, after in zip(events, events[1:]):  # a chain
-        assert after.parent_block_hash == before.block_hashes[0]
+    assert type(first) is BlockStored and first.block_size == page_size
+    assert len(first.block_hashes) == len(set(first.block_hashes)) == pages
+    assert first.token_ids == [1, 2, 3, 4, 5][:pages * page_size]
+    assert first.parent_block_hash is None
     assert c.take_events() == []
-    # A longer key adds only its new pages, chained on the cached ones.
+    # A longer key adds only its new pages, chained on the cached ones; a
+    # second sequence after it starts an event of its own.
     c.insert(RadixKey([1, 2, 3, 4, 5, 6, 7]), torch.tensor([10, 11, 12, 13, 14, 15, 16]))
-    more = c.take_events()
-    assert len(more) == 7 // page_size - pages
-    assert more[0].parent_block_hash == events[-1].block_hashes[0]
-    # Another namespace: other hashes for the same tokens.
-    c.insert(RadixKey([1, 2, 3, 4], "tenant"), torch.tensor([20, 21, 22, 23]))
-    other = c.take_events()
-    assert other[0].block_hashes != events[0].block_hashes
+    c.insert(RadixKey([9, 8, 7, 6]), torch.tensor([30, 31, 32, 33]))
+    more, apart = c.take_events()
+    assert len(more.block_hashes) == 7 // page_size - pages
+    assert more.parent_block_hash == first.block_hashes[-1]
+    assert apart.parent_block_hash is None and apart.token_ids == [9, 8, 7, 6]
+    # Inserts that continue each other's chains in one step: one event.
+    c.insert(RadixKey([9, 8, 7, 6, 5, 4]), torch.tensor([30, 31, 32, 33, 34, 35]))
+    c.insert(RadixKey([9, 8, 7, 6, 5, 4, 3, 2]), torch.tensor([30, 31, 32, 33, 34, 35, 36, 37]))
+    [joined] = c.take_events()
+    assert joined.token_ids == [5, 4, 3, 2] and len(joined.block_hashes) == 4 // page_size
+    # Another namespace: other hashes for the same tokens, its salt on the event.
+    c.insert(RadixKey([1, 2, 3, 4], "tenant", cache_salt="s"), torch.tensor([20, 21, 22, 23]))
+    [other] = c.take_events()
+    assert other.block_hashes[0] != first.block_hashes[0]
+    assert getattr(other, "cache_salt", "s") == "s"  # SGLang's events carry it
     c.evict(100)
-    removed = c.take_events()
-    assert all(type(e) is BlockRemoved for e in removed) and removed
-    stored = {h for e in events + more + other for h in e.block_hashes}
-    assert {h for e in removed for h in e.block_hashes} == stored
+    [removed] = c.take_events()
+    assert type(removed) is BlockRemoved
+    stored = {h for e in (first, more, apart, joined, other) for h in e.block_hashes}
+    assert sorted(removed.block_hashes) == sorted(stored)
     # Off: nothing recorded.
     quiet = RadixCache(None, alloc, page_size)
     quiet.insert(RadixKey([1, 2, 3, 4]), torch.tensor([1, 2, 3, 4]))
     assert quiet.take_events() == [] and not quiet.enable_kv_cache_events
+
+
+def test_a_key_matches_another_of_its_namespace_only():
+    a = RadixKey([1, 2, 3, 4, 5], "x")
+    assert a.match(RadixKey([1, 2, 3, 9], "x")) == 3
+    assert a.match(RadixKey([1, 2, 3, 4, 5, 6], "x"), page_size=2) == 4
+    assert RadixKey([1, 2, 3], limit=2).match(RadixKey([1, 2, 3])) == 2
+    with pytest.raises(ValueError, match="extra_key"):
+        a.match(RadixKey([1, 2]))
+    with pytest.raises(ValueError, match="cache_salt"):
+        a.match(RadixKey([1, 2], "x", cache_salt="s"))
+
+
+def test_a_key_that_repeats_a_token_needs_values():
+    c = RadixCache.create_simulated(page_size=4)
+    with pytest.raises(ValueError, match="value=None .* repeats a token"):
+        c.insert(RadixKey([1, 2, 3, 4, 1, 2, 3, 4]), None)
+    assert c.evictable_size() == 0
+    c.insert(RadixKey([1, 2, 3, 4, 1, 2, 3, 4]), torch.arange(8))
+    assert c.match_prefix(RadixKey([1, 2, 3, 4, 1, 2, 3, 4])).device_indices.tolist() == \
+        list(range(8))

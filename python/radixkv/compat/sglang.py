@@ -27,11 +27,18 @@ What differs, on purpose:
   rest of a node a match splits; radixkv refreshes exactly the matched tokens).
 - `insert(InsertParams)` returns an InsertResult whose `last_device_node` is
   None (the native insert returns no node; a match of the key gives it).
-- KV events (`enable_kv_cache_events`): one BlockStored per page an insert
-  adds and one BlockRemoved per eviction, as SGLang records them; block
-  hashes are radixkv's page keys (a SHA-256 chain from the sequence's start,
-  seeded per namespace), low 64 bits as a signed int64 like SGLang's, not
-  SGLang's token hashes; events carry no cache_salt or LoRA name.
+- KV events (`enable_kv_cache_events`): as SGLang 0.5.23 queues them, one
+  BlockStored per page an insert adds, a page joining the event before it
+  when it continues that chain in the same namespace, and one BlockRemoved
+  per eviction (joined the same way); each carries the key's cache_salt
+  and, where SGLang's LoRA name table knows its extra_key, the adapter's
+  name. Block hashes are radixkv's page keys (a SHA-256 chain from the
+  sequence's start, seeded per namespace), low 64 bits as a signed int64
+  like SGLang's, not SGLang's token hashes.
+- `value=None` in an insert stands for the token ids, as in SGLang's
+  simulated caches; radixkv's tree keeps each slot in one place (a slot
+  cached twice would be freed twice), so a key whose tokens repeat needs
+  explicit values.
 - Not supported (a clear exception): bigram keys (`is_eagle`) and, on a
   native tree without namespaces, a non-None `extra_key`.
 Requests whose `extra_key` (with `cache_salt`, where the key has one) differ
@@ -86,6 +93,11 @@ def _event_types():
     return _EVENTS
 
 
+def _has_field(event_type, name: str) -> bool:
+    fields = getattr(event_type, "__struct_fields__", None) or getattr(event_type, "_fields", ())
+    return name in fields
+
+
 class RadixKey:
     """SGLang's key: token ids and the namespace tags `extra_key` and
     `cache_salt`; `limit` caps the tokens it stands for without a copy. It
@@ -134,6 +146,19 @@ class RadixKey:
     def page_aligned(self, page_size: int) -> "RadixKey":
         """The key's whole pages."""
         return self if page_size == 1 else self[:len(self) // page_size * page_size]
+
+    def match(self, other: "RadixKey", page_size: int = 1) -> int:
+        """How many leading tokens this key shares with `other`, rounded down
+        to whole pages; keys of other namespaces do not compare (ValueError)."""
+        for tag in ("extra_key", "cache_salt"):
+            if getattr(self, tag) != getattr(other, tag, None):
+                raise ValueError(f"RadixKey.match needs keys of one {tag}: "
+                                 f"{getattr(self, tag)!r} != {getattr(other, tag, None)!r}")
+        page_size = as_count(page_size, "page_size")
+        a, b = self._ids(), list(other)
+        n = min(len(a), len(b))
+        same = next((i for i in range(n) if a[i] != b[i]), n)
+        return same // page_size * page_size
 
     def __repr__(self) -> str:
         ids = self._ids()
@@ -292,7 +317,8 @@ class RadixCache:
                  disable: bool = False, enable_kv_cache_events: bool = False,
                  eviction_policy: str = "lru", is_eagle: bool = False, *,
                  req_to_token_pool=None, max_slots: Optional[int] = None,
-                 max_namespaces: int = 1 << 16):
+                 max_namespaces: int = 1 << 16, kv_event_lora_names=None,
+                 dynamo_kv_event_format: bool = False):
         if _looks_like_init_params(params):
             p = params
             req_to_token_pool = p.req_to_token_pool
@@ -302,11 +328,16 @@ class RadixCache:
             enable_kv_cache_events = getattr(p, "enable_kv_cache_events", False)
             eviction_policy = getattr(p, "eviction_policy", "lru")
             is_eagle = getattr(p, "is_eagle", False)
+            kv_event_lora_names = getattr(p, "kv_event_lora_names", None)
+            dynamo_kv_event_format = getattr(p, "dynamo_kv_event_format", False)
         elif params is not None:
             req_to_token_pool = params  # early 0.5.x: the first argument is the pool
         page_size = as_count(1 if page_size is None else page_size, "page_size")
         if is_eagle:
             raise NotImplementedError("is_eagle: bigram keys are not supported by radixkv's tree")
+        if dynamo_kv_event_format:
+            raise NotImplementedError("dynamo_kv_event_format: radixkv's block hashes are its "
+                                      "page keys, in SGLang's event format only")
         if not isinstance(eviction_policy, str):
             raise TypeError(f"eviction_policy must be a str, got {type(eviction_policy).__name__}")
         policy = check_eviction_policy(eviction_policy.lower(), eviction_policy)
@@ -319,6 +350,8 @@ class RadixCache:
         self.enable_kv_cache_events = bool(enable_kv_cache_events) and not self.disable
         self._events: list = []
         self._page_hash: dict = {}  # a cached page's first slot -> its block hash
+        self._lora_names = kv_event_lora_names  # SGLang's LoRANameTable: extra_key -> name
+        self._ns_tags: dict = {}  # namespace id -> (extra_key, cache_salt), for events
         dev = getattr(token_to_kv_pool_allocator, "device", None)
         self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else \
             torch.device("cpu")
@@ -369,8 +402,13 @@ class RadixCache:
             Namespaces.check(salt, "cache_salt")
             parts = [repr(bytes(x) if isinstance(x, (bytearray, memoryview)) else x
                           ).encode("utf-8") for x in (extra, salt)]
-            extra = b"".join(len(p).to_bytes(8, "little") + p for p in parts)
-        return self._namespaces.id(extra, "extra_key")
+            name = b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+        else:
+            name = extra
+        ns = self._namespaces.id(name, "extra_key")
+        if self.enable_kv_cache_events:
+            self._ns_tags[ns] = (extra, salt)  # ids are reused: at most max_namespaces
+        return ns
 
     def _match(self, ids, ns: int):
         if not self._on_cpu:
@@ -411,13 +449,38 @@ class RadixCache:
             return
         keys = _core.page_keys(ids[:pages * ps], ps, self._namespaces.seed(ns, None))
         stored = _event_types()[0]
+        extra, salt = self._ns_tags.get(ns, (None, None)) if ns else (None, None)
+        tags = {}
+        if _has_field(stored, "cache_salt"):  # SGLang's events; radixkv's lack them
+            lora = self._lora_names.get(extra) if self._lora_names is not None else None
+            tags = {"cache_salt": salt, "lora_name": lora}
         for p in range(prefix // ps, pages):
             h = _signed(block_hash(keys[p]))
-            self._events.append(stored(
+            self._queue(stored(
                 block_hashes=[h], parent_block_hash=_signed(block_hash(keys[p - 1])) if p else None,
                 token_ids=[int(t) for t in ids[p * ps:(p + 1) * ps]], block_size=ps,
-                lora_id=None, medium=MEDIUM_GPU))
+                lora_id=None, medium=MEDIUM_GPU, **tags))
             self._page_hash[int(values[p * ps])] = h
+
+    def _queue(self, event) -> None:
+        """Queues `event`, joining it to the last one where it continues it
+        (SGLang 0.5.23 does the same): a BlockStored whose parent is the
+        last page of a BlockStored of the same tags, a BlockRemoved after a
+        BlockRemoved of the same medium."""
+        tail = self._events[-1] if self._events else None
+        if type(tail) is type(event) and tail.medium == event.medium:
+            if hasattr(event, "parent_block_hash"):
+                same = all(getattr(tail, f, None) == getattr(event, f, None)
+                           for f in ("lora_id", "block_size", "cache_salt", "lora_name"))
+                if same and tail.block_hashes and \
+                        event.parent_block_hash == tail.block_hashes[-1]:
+                    tail.block_hashes.extend(event.block_hashes)
+                    tail.token_ids.extend(event.token_ids)
+                    return
+            elif hasattr(event, "block_hashes"):
+                tail.block_hashes.extend(event.block_hashes)
+                return
+        self._events.append(event)
 
     def _device_indices(self, indices: torch.Tensor) -> torch.Tensor:
         # int64, as SGLang's: its kernels read prefix indices through int64 pointers
@@ -431,6 +494,7 @@ class RadixCache:
         self._tree.reset()
         if self.enable_kv_cache_events:
             self._page_hash.clear()
+            self._ns_tags.clear()
             self._events.append(_event_types()[2]())
         self._namespaces = Namespaces(self._max_namespaces)
         self.root_node, empty = self._tree.match_prefix([])
@@ -467,13 +531,21 @@ class RadixCache:
         ids, ns = self._key(key)
         priority = _priority(as_int(priority or 0, "priority"))
         n = _length(ids, "key")
-        if value is None:
+        given = value is not None
+        if not given:
             value = ids
         elif _length(value, "value") != n:
             if len(value) < n:
                 raise ValueError(f"value has length {len(value)} but key has length {n}")
             value = value[:n]  # SGLang cuts value to the key
-        prefix = self._insert_ids(ids, value, priority, ns)
+        try:
+            prefix = self._insert_ids(ids, value, priority, ns)
+        except ValueError as e:
+            if given or "appears twice" not in str(e):
+                raise
+            raise ValueError("value=None stands for the key's token ids as slots, and this "
+                             "key repeats a token: radixkv's tree keeps each slot in one "
+                             "place; pass value (the key's slots)") from None
         return InsertResult(prefix_len=prefix) if as_params else prefix
 
     def evict(self, params) -> EvictResult:
@@ -494,7 +566,7 @@ class RadixCache:
             hashes = [h for h in map(self._page_hash.pop, freed.tolist(), [None] * len(freed))
                       if h is not None]
             if hashes:
-                self._events.append(_event_types()[1](block_hashes=hashes, medium=MEDIUM_GPU))
+                self._queue(_event_types()[1](block_hashes=hashes, medium=MEDIUM_GPU))
         if self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(self._device_indices(freed))
         return EvictResult(num_tokens_evicted=len(freed))
