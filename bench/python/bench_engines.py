@@ -12,11 +12,12 @@ TTFT is the latency of a one-token request (the prefill and one sample),
 median of `--samples` requests: a miss is a fresh 1,000-token prompt, a hit
 the same prompt again (SGLang: radixkv is the prefix cache). For vLLM,
 radixkv is the connector's file store (in a temporary directory) behind
-vLLM's own prefix cache, and a third figure is the same prompt once more
-after vLLM's prefix cache is reset: served from radixkv's store, or
-computed again without it. The row "connector" is vLLM with a connector
-that does nothing (it finds nothing, loads and saves nothing): what vLLM's
-connector path costs by itself."""
+vLLM's own prefix cache ("radixkv"), or radixkv's host tier (256 MiB) in
+front of that store ("radixkv+host"), and a third figure is the same prompt
+once more after vLLM's prefix cache is reset: served from radixkv's host
+pages or store, or computed again without it. The row "connector" is vLLM
+with a connector that does nothing (it finds nothing, loads and saves
+nothing): what vLLM's connector path costs by itself."""
 
 import argparse
 import os
@@ -116,6 +117,7 @@ def main() -> None:
     own = args.engine
     results = {own: [], "radixkv": []}
     if own == "vllm":
+        results["radixkv+host"] = []
         results["connector"] = []
         with open(os.path.join(tmp, "null_connector.py"), "w") as f:
             f.write(NULL_CONNECTOR)
@@ -129,6 +131,8 @@ def main() -> None:
                                      "null_connector:NullConnector", {"PYTHONPATH": tmp})
             else:
                 store = None if name == own else tempfile.mkdtemp(prefix="store-", dir=tmp)
+                if name == "radixkv+host":
+                    store = {"store": "file", "directory": store, "host_bytes": 256 << 20}
                 server = vllm_server(python, model, log, store)
             try:
                 run = measure if args.engine == "sglang" else measure_vllm
@@ -139,13 +143,13 @@ def main() -> None:
     print(f"{head} on CPU, tiny float32 Llama, {args.rounds} rounds x "
           f"{args.samples} samples (medians of the per-round medians)")
     cols = ["TTFT miss ms", "TTFT hit ms"] + (["after reset ms"] if own == "vllm" else [])
-    print(f"{'cache':10} " + " ".join(f"{c:>14}" for c in cols) + f" {'req/s':>7} {'cached':>7}")
+    print(f"{'cache':12} " + " ".join(f"{c:>14}" for c in cols) + f" {'req/s':>7} {'cached':>7}")
     med = {}
     for name, rows in results.items():
         cols = [statistics.median(c) for c in zip(*rows)]
         med[name] = cols
         times, rps, cached = cols[:-2], cols[-2], cols[-1]
-        print(f"{name:10} " + " ".join(f"{t * 1e3:14.2f}" for t in times) +
+        print(f"{name:12} " + " ".join(f"{t * 1e3:14.2f}" for t in times) +
               f" {rps:7.1f} {cached:7.0f}")
     names = ["miss", "hit"] + (["after reset"] if own == "vllm" else []) + ["req/s"]
     for other in [k for k in med if k != own]:
