@@ -98,6 +98,9 @@ class BlockMoves:
 class RadixkvConnectorMetadata(KVConnectorMetadata):
     loads: List[BlockMoves] = dataclasses.field(default_factory=list)
     saves: List[BlockMoves] = dataclasses.field(default_factory=list)
+    # Blocks whose load failed that the scheduler has been told of: vLLM has
+    # rolled their requests back, so saves planned from here on are clean.
+    seen_errors: List[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -157,16 +160,20 @@ class RadixkvConnector(KVConnectorBase_V1):
         self._reqs: Dict[str, _Req] = {}
         self.index: Optional[HostPageIndex] = None
         self._pinned: List[int] = []              # host pages the step being planned names
-        # block -> (name, page, the page's fills) of a load through a host page
-        self._via_host: Dict[int, Tuple[str, int, int]] = {}
+        # block -> (request, name, page, the page's fills) of a load through a host page
+        self._via_host: Dict[int, Tuple[str, str, int, int]] = {}
+        self._seen_errors: List[int] = []
         self._fills: collections.Counter = collections.Counter()  # page -> saves planned
         # worker side
         self._layers: List[Tuple[torch.Tensor, int]] = []
         self.host: Optional[HostKVCache] = None
         self._host_rows: Optional[torch.Tensor] = None  # [host pages, page elements]
         self._valid: Optional[bytearray] = None         # host pages holding good bytes
-        self._load_errors: set = set()
-        self._failed_reqs: set = set()  # requests whose load failed this step
+        self._load_errors: set = set()  # this step's, for vLLM
+        # Blocks whose load failed -> their request, kept until the scheduler
+        # has seen them: steps planned before that (vLLM's async scheduling
+        # plans one ahead) would save bytes computed over them.
+        self._poisoned: Dict[int, str] = {}
         self.moved = collections.Counter()
         if role == KVConnectorRole.SCHEDULER:
             self._open(*self._page_from_config(kv_cache_config))
@@ -272,6 +279,7 @@ class RadixkvConnector(KVConnectorBase_V1):
             return
         if st.load is not None and self.index is not None:  # planned again, never sent
             self.index.unpin(p for p in st.load.pages if p >= 0)
+        self._forget_loads(st)  # a resumed request's old blocks are not its own any more
         block_ids = list(blocks.get_block_ids()[0])
         start = st.start
         count = num_external_tokens // self.block_size
@@ -292,7 +300,8 @@ class RadixkvConnector(KVConnectorBase_V1):
                         self._or_none(self.index.take(name))
             for i, page in enumerate(load.pages):
                 if page >= 0:
-                    self._via_host[load.block_ids[i]] = (names[i], page, self._fills[page])
+                    self._via_host[load.block_ids[i]] = (st.request.request_id, names[i], page,
+                                                         self._fills[page])
             st.loaded = [b for b, p in zip(load.block_ids, load.pages) if p >= 0]
         st.load = load
         st.saved = max(st.saved, start + count)
@@ -324,6 +333,7 @@ class RadixkvConnector(KVConnectorBase_V1):
         if self.index is not None:  # the worker runs this step's moves before the next's
             self.index.unpin(self._pinned)
         self._pinned = []
+        meta.seen_errors, self._seen_errors = self._seen_errors, []
         return meta
 
     def _plan(self, st: _Req, computed: int, scheduled: int,
@@ -356,17 +366,25 @@ class RadixkvConnector(KVConnectorBase_V1):
         """A block that failed to load through a host page: the page's name
         is forgotten, unless a save planned since refills the page (vLLM's
         recompute, planned before this news came)."""
-        for block in getattr(connector_output, "invalid_block_ids", None) or ():
+        invalid = getattr(connector_output, "invalid_block_ids", None) or ()
+        self._seen_errors += invalid
+        for block in invalid:
             via = self._via_host.pop(block, None)
-            if via is not None and self.index is not None and self._fills[via[1]] == via[2]:
-                self.index.drop(via[0], via[1])
+            if via is not None and self.index is not None and self._fills[via[2]] == via[3]:
+                self.index.drop(via[1], via[2])
+
+    def _forget_loads(self, st: _Req) -> None:
+        for block in st.loaded:
+            via = self._via_host.get(block)
+            if via is not None and via[0] == st.request.request_id:
+                del self._via_host[block]
+        st.loaded = []
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
-            for block in st.loaded:
-                self._via_host.pop(block, None)
+            self._forget_loads(st)
             if st.load is not None and self.index is not None:  # planned, never sent
                 self.index.unpin(p for p in st.load.pages if p >= 0)
         return False, None  # moves are done within their step: the blocks are free to go
@@ -427,16 +445,26 @@ class RadixkvConnector(KVConnectorBase_V1):
             t.index_copy_(d, blocks, part.to(device, non_blocking=True).movedim(0, d))
             at += n
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        for block in getattr(connector_metadata, "seen_errors", ()):  # vLLM rolled them back
+            self._poisoned.pop(block, None)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        for load in getattr(meta, "loads", ()):
-            done = [load.in_host[i] and self._valid[p] == 1 for i, p in enumerate(load.pages)]
+        loads = list(getattr(meta, "loads", ()))
+        # First every store read of the step (into host pages where it has
+        # them), then every copy from host pages: a load planned after
+        # another took a page for the store may read that page.
+        done = [[False] * len(load.block_ids) for load in loads]
+        for load, got in zip(loads, done):
             stored = [i for i, host in enumerate(load.in_host) if not host]
             for i in stored:  # pages taken for the store's blocks: good once read
                 if load.pages[i] >= 0:
                     self._valid[load.pages[i]] = 0
             if stored and self.store is not None:
-                def take(j: int, page: Optional[torch.Tensor], load=load) -> bool:
+                def take(j: int, page: Optional[torch.Tensor], load=load, got=got,
+                         stored=stored) -> bool:
                     i = stored[j]
                     hp = load.pages[i]
                     if page is None:
@@ -446,20 +474,23 @@ class RadixkvConnector(KVConnectorBase_V1):
                         self._valid[hp] = 1
                     else:
                         self._copy_in(page, load.block_ids[i])
-                    done[i] = True
+                    got[i] = True
                     return True
 
                 self.store.read([load.names[i] for i in stored], take)
-            ok = len(done) if all(done) else done.index(False)
+        for load, got in zip(loads, done):
+            for i, page in enumerate(load.pages):
+                got[i] = got[i] or (page >= 0 and self._valid[page] == 1)
+            ok = len(got) if all(got) else got.index(False)
             via = [i for i in range(ok) if load.pages[i] >= 0]
             if via:
                 self._from_host([load.pages[i] for i in via], [load.block_ids[i] for i in via])
             self.moved["loaded from host"] += sum(load.in_host[:ok])
             self.moved["loaded from store"] += ok - sum(load.in_host[:ok])
-            if ok < len(done):  # a block not loaded, and every one after it, is recomputed
-                self.moved["failed to load"] += len(done) - ok
+            if ok < len(got):  # a block not loaded, and every one after it, is recomputed
+                self.moved["failed to load"] += len(got) - ok
                 self._load_errors.update(load.block_ids[ok:])
-                self._failed_reqs.add(load.req_id)
+                self._poisoned.update((b, load.req_id) for b in load.block_ids[ok:])
 
     def _copy_in(self, page: torch.Tensor, block: int) -> None:
         at = 0
@@ -476,13 +507,14 @@ class RadixkvConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        failed, self._failed_reqs = self._failed_reqs, set()
+        failed = set(self._poisoned.values())
         for save in getattr(meta, "saves", ()):
             hosted = [i for i, p in enumerate(save.pages) if p >= 0]
-            # This step computed these blocks over blocks that failed to load
-            # (its own, or another request's it shares): vLLM recomputes
-            # them, and only then are they saved.
-            if save.req_id in failed or not self._load_errors.isdisjoint(save.depends):
+            # Blocks that failed to load, or computed over such blocks (of
+            # this request or of another it shares them with) in a step vLLM
+            # planned before it rolled them back: recomputed, then saved.
+            if save.req_id in failed or any(b in self._poisoned
+                                            for b in save.depends + save.block_ids):
                 for i in hosted:
                     self._valid[save.pages[i]] = 0
                 continue
