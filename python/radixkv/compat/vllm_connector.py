@@ -421,29 +421,28 @@ class RadixkvConnector(KVConnectorBase_V1):
         """Block b of every layer, as views."""
         return [t.select(d, b) for t, d in self._layers]
 
-    def _to_host(self, block_ids: List[int], pages: List[int]) -> None:
-        """Blocks -> host pages, a layer at a time."""
-        device = self._layers[0][0].device
-        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
+    def _by_layer(self, block_ids: List[int], pages: List[int]):
+        """Per layer: its cache, block dimension and columns of a host page,
+        with the blocks and host pages as index tensors."""
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self._layers[0][0].device)
         rows = torch.tensor(pages, dtype=torch.long)
         at = 0
         for t, d in self._layers:
+            n = t.select(d, 0).numel()
+            yield t, d, blocks, rows, slice(at, at + n)
+            at += n
+
+    def _to_host(self, block_ids: List[int], pages: List[int]) -> None:
+        """Blocks -> host pages, a layer at a time."""
+        for t, d, blocks, rows, cols in self._by_layer(block_ids, pages):
             part = t.index_select(d, blocks).movedim(d, 0).reshape(len(pages), -1)
-            self._host_rows[rows, at:at + part.shape[1]] = part.cpu()
-            at += part.shape[1]
+            self._host_rows[rows, cols] = part.cpu()
 
     def _from_host(self, pages: List[int], block_ids: List[int]) -> None:
         """Host pages -> blocks, a layer at a time."""
-        device = self._layers[0][0].device
-        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
-        rows = torch.tensor(pages, dtype=torch.long)
-        at = 0
-        for t, d in self._layers:
-            shape = t.select(d, 0).shape
-            n = shape.numel()
-            part = self._host_rows[rows, at:at + n].view(len(pages), *shape)
-            t.index_copy_(d, blocks, part.to(device, non_blocking=True).movedim(0, d))
-            at += n
+        for t, d, blocks, rows, cols in self._by_layer(block_ids, pages):
+            part = self._host_rows[rows, cols].view(len(pages), *t.select(d, 0).shape)
+            t.index_copy_(d, blocks, part.to(t.device, non_blocking=True).movedim(0, d))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

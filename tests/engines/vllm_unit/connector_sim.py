@@ -4,7 +4,7 @@ scheduler side, a worker-side RadixkvConnector over a CPU "KV cache" of one
 layer, and a toy model whose K/V at position p is computed from the cached
 K/V at p - 1, so a wrong block spoils everything computed after it. Every
 loaded block, valid host page and store page can be checked against the
-true values. Used by test_connector_steps.py (run by run.sh, in the vLLM
+true values. Used by connector_steps.py (run by run.sh, in the vLLM
 venv, beside vLLM's own tests: it uses their helpers)."""
 
 import os

@@ -22,6 +22,6 @@ if [ $# -eq 0 ] || [[ "$1" == -* ]]; then
   set -- tests/v1/core/test_scheduler.py tests/v1/core/test_async_scheduler.py \
     $U/test_kv_load_failure_recovery.py $U/test_invalid_blocks_correctness.py \
     $U/test_error_propagation.py $U/test_cache_pollution_prevention.py \
-    "$HERE/test_connector_steps.py" "$@"
+    "$HERE/connector_steps.py" "$@"
 fi
 exec nice "$PYTHON" -m pytest -q -p radixkv_vllm_unit -p no:cacheprovider "$@"

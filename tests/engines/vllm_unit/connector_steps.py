@@ -5,7 +5,10 @@ block loaded, every valid host page and every store page must hold the
 true values. The cases are a review's: a block evicted from the store
 between the match and the load, with chunked prefill planning the next
 step over it; the request aborted in that window; a preempted request and
-a new one loading through the same host page in one step."""
+a new one loading through the same host page in one step.
+
+Not named test_*.py: it runs in the vLLM venv beside vLLM's own tests
+(run.sh names it), never in `pytest tests/engines`, which starts servers."""
 
 import os
 import time
