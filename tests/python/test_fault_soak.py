@@ -28,7 +28,7 @@ import pytest
 
 from radixkv.replay import chat_sessions
 from radixkv.replay.instances import route
-from radixkv.replay.replay import KVShape, StorageConfig, _Instance, pages_for_all
+from radixkv.replay.core import Instance, KVShape, StorageConfig, pages_for_all
 from radixkv.replay.traces import TokenMaker, max_hash_id
 from radixkv.scheduler import StorageFaultPolicy
 from radixkv.storage import MooncakeMaster
@@ -65,7 +65,7 @@ def _drive(requests, storage, *, overlap=False, during=None, every=None, host_fa
                                                     pages_for_all(requests, BLOCK)),
                   write_policy="write_through", storage=storage,
                   max_hash=max_hash_id(requests), overlap=overlap)
-    insts = [_Instance(**config) for _ in range(2)]
+    insts = [Instance(**config) for _ in range(2)]
     maker = TokenMaker(BLOCK, max_hash_id(requests))
     marks = {}
     for i, req in enumerate(requests):

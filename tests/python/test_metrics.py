@@ -1,7 +1,10 @@
-"""CacheManager.metrics: counters that follow what the manager did, and their
-Prometheus text (each line checked against the exposition format)."""
+"""CacheManager.metrics: counters that follow what the manager did, their
+Prometheus text (each line checked against the exposition format) and the
+prometheus_client collector that serves the same figures."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,3 +85,123 @@ def test_host_tier_counters_and_prometheus_text():
     for bad in ("instance", [("instance", "a")]):
         with pytest.raises(TypeError, match="labels must be a dict"):
             m.prometheus(labels=bad)
+
+
+# --- prometheus_client: radixkv.prometheus.CacheMetricsCollector ----------------------------
+
+
+def exposition(registry):
+    """{name: (kind, help, {labels text: value})} of prometheus_client's text."""
+    from prometheus_client import generate_latest
+
+    out = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith("# HELP "):
+            _, _, name, doc = line.split(" ", 3)
+            out[name] = [None, doc, {}]
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            out[name][0] = kind
+        else:
+            assert SAMPLE.match(line), line
+            name, rest = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(.*)", line).groups()
+            labels, value = rest.rsplit(" ", 1)
+            out[name][2][labels] = float(value)
+    return out
+
+
+def hand_written(text):
+    """The same shape, of CacheMetrics.prometheus()'s text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            _, _, name, doc = line.split(" ", 3)
+            out[name] = [None, doc, {}]
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            out[name][0] = kind
+        else:
+            name, rest = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(.*)", line).groups()
+            labels, value = rest.rsplit(" ", 1)
+            out[name][2][labels] = float(int(value))
+    return out
+
+
+def test_the_collector_exposes_what_prometheus_writes():
+    """A real run with a host tier: the engine's registry serves radixkv's
+    figures under the names, kinds and help texts of the hand-written text,
+    with the same values and labels."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry
+
+    from radixkv.prometheus import CacheMetricsCollector
+
+    pool = MHAKVCache(1, 1, 8, 4, torch.float16, page_size=4)
+    cm = CacheManager(4, page_size=4, kv_cache=pool, host_num_pages=8)
+    registry = CollectorRegistry()
+    labels = {"instance": 'a "quoted"\\name', "model": "m"}
+    collector = CacheMetricsCollector(cm, labels=labels, registry=registry)
+    a, b = torch.arange(13), torch.arange(100, 113)
+    serve(cm, a), serve(cm, b), serve(cm, a)  # a comes back from host
+    got = exposition(registry)
+    want = hand_written(cm.metrics.prometheus(labels=labels))
+    assert got == want
+    assert got["radixkv_host_hit_tokens_total"][2] == {
+        '{instance="a \\"quoted\\"\\\\name",model="m"}': 12.0}
+    assert got["radixkv_device_free_tokens"][0] == "gauge"
+    assert {n for n, (kind, _, _) in got.items() if kind == "counter"} == {
+        n for n in got if n.endswith("_total")}
+    # Read afresh at each scrape.
+    serve(cm, torch.arange(200, 213))
+    assert exposition(registry)["radixkv_queries_total"][2] == {
+        '{instance="a \\"quoted\\"\\\\name",model="m"}': 4.0}
+    # One collector per prefix and registry: the names are taken.
+    with pytest.raises(ValueError):
+        CacheMetricsCollector(cm, registry=registry)
+    registry.unregister(collector)
+    assert exposition(registry) == {}
+
+
+def test_the_collector_takes_a_snapshot_source_and_checks_its_arguments():
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from radixkv.prometheus import CacheMetricsCollector
+
+    latest = CacheMetrics(queries=7, device_free_tokens=32)
+    registry = CollectorRegistry()
+    collector = CacheMetricsCollector(lambda: latest, prefix="engine_kv", registry=None)
+    assert generate_latest(registry) == b""  # registry=None: not registered
+    registry.register(collector)
+    got = exposition(registry)
+    assert got == hand_written(latest.prometheus("engine_kv"))
+    assert got["engine_kv_queries_total"][2] == {"": 7.0}
+    assert got["engine_kv_device_free_tokens"][2] == {"": 32.0}
+    with pytest.raises(TypeError, match="source must be"):
+        CacheMetricsCollector(42, registry=None)
+    with pytest.raises(ValueError, match="prefix"):
+        CacheMetricsCollector(lambda: latest, prefix="9bad", registry=None)
+    with pytest.raises(ValueError, match="labels"):
+        CacheMetricsCollector(lambda: latest, labels={"bad-name": "x"}, registry=None)
+    with pytest.raises(TypeError, match="labels must be a dict"):
+        CacheMetricsCollector(lambda: latest, labels=[("a", "b")], registry=None)
+    wrong = CacheMetricsCollector(lambda: {"queries": 1}, prefix="wrong", registry=None)
+    with pytest.raises(TypeError, match="not CacheMetrics"):
+        list(wrong.collect())
+
+
+def test_the_plain_text_needs_no_prometheus_client():
+    """Without prometheus_client, CacheMetrics.prometheus() still writes the
+    text and radixkv.prometheus names the extra to install."""
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "from radixkv.scheduler import CacheMetrics\n"
+        "assert 'radixkv_queries_total 3' in CacheMetrics(queries=3).prometheus()\n"
+        "try:\n"
+        "    import radixkv.prometheus\n"
+        "except ModuleNotFoundError as e:\n"
+        "    assert e.name == 'prometheus_client' and 'radixkv[prometheus]' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('imported without prometheus_client')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

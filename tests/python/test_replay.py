@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -23,8 +24,27 @@ from radixkv.replay import (
 )
 from radixkv.replay.traces import max_hash_id
 
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces",
-                     "mooncake_fast25_conversation_trace.jsonl")
+# The replay's progress bar (tqdm) as it shows on stderr: "replay:  42%|████▏     | 3360/8000 ...".
+BAR = re.compile(r"replay: +\d+%\|")
+
+
+def _mooncake_trace():
+    """(path, None) of the Mooncake FAST'25 conversation trace in the directory
+    RADIXKV_TRACES names, or (None, why the tests that need it skip)."""
+    where = ("the Mooncake FAST'25 traces are public at github.com/kvcache-ai/Mooncake "
+             "under FAST25-release/traces")
+    directory = os.environ.get("RADIXKV_TRACES")
+    if not directory:
+        return None, f"RADIXKV_TRACES is not set: {where}; set it to their directory"
+    for name in ("mooncake_fast25_conversation_trace.jsonl", "conversation_trace.jsonl"):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return path, None
+    return None, (f"RADIXKV_TRACES={directory} holds no conversation_trace.jsonl: {where}")
+
+
+TRACE, NO_TRACE = _mooncake_trace()
+needs_trace = pytest.mark.skipif(TRACE is None, reason=NO_TRACE or "")
 
 
 def _reference_replay(requests, block, page, capacity_pages):
@@ -113,7 +133,7 @@ def test_store_writes_the_computed_tokens():
     assert r.stored_tokens == r.computed_tokens + r.output_tokens
 
 
-@pytest.mark.skipif(not os.path.exists(TRACE), reason=f"Mooncake trace not found at {TRACE}")
+@needs_trace
 def test_mooncake_prefix_reaches_the_optimum():
     requests = load_mooncake(TRACE)[:1500]
     r = replay(requests, block_size=512, page_size=512, store=False)
@@ -193,7 +213,7 @@ def test_cli_sweep_checks_out_before_replaying(tmp_path):
     blocker.write_text("")
     r = run_cli("replay", "--sweep", "3", "--out", str(blocker / "sub"), "--progress")
     one_error_line(r, "--out")
-    assert "replay [" not in r.stderr  # refused before the first replay began
+    assert not BAR.search(r.stderr)  # refused before the first replay began
 
 
 def test_cli_warns_when_the_block_size_disagrees(tmp_path):
@@ -223,7 +243,7 @@ def wait_for_the_progress_bar(p, timeout=120):
     has begun, past loading); returns what it read."""
     seen, deadline = b"", time.monotonic() + timeout
     fd = p.stderr.fileno()
-    while b"replay [" not in seen:
+    while not BAR.search(seen.decode(errors="replace")):
         assert time.monotonic() < deadline and p.poll() is None, seen
         if select.select([fd], [], [], 0.1)[0]:
             seen += os.read(fd, 1 << 16)
@@ -231,10 +251,12 @@ def wait_for_the_progress_bar(p, timeout=120):
 
 
 def test_cli_progress_flag_shows_the_bar_in_a_log():
-    """The bar shows once a replay has run a second."""
+    """The bar shows once a replay has run a second, with the rate and the time left."""
     r = run_cli("replay", "--sessions", "8000", "--no-store", "--progress", check=True)
-    assert "replay [" in r.stderr and "token hit rate" in r.stdout
-    assert "replay [" not in run_cli("replay", "--sessions", "8000", "--no-store").stderr
+    assert BAR.search(r.stderr) and "token hit rate" in r.stdout
+    last = [line for line in r.stderr.splitlines() if BAR.search(line)][-1]  # as close() drew it
+    assert re.search(r"replay: 100%\|.*\| (\d+)/\1 \[.*req/s\]", last), last
+    assert not BAR.search(run_cli("replay", "--sessions", "8000", "--no-store").stderr)
 
 
 def test_cli_ctrl_c_prints_the_partial_result():

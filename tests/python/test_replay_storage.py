@@ -15,7 +15,7 @@ from radixkv.replay import chat_sessions, load_mooncake, replay
 from radixkv.replay.replay import StorageConfig
 from radixkv.storage import MooncakeMaster
 
-from test_replay import TRACE
+from test_replay import TRACE, needs_trace
 from storage_env import needs_mooncake
 
 BLOCK = 16
@@ -101,7 +101,7 @@ def test_two_instances_sharing_mooncake_reach_the_optimum():
     assert r.kv_mismatches == 0 and r.storage_errors == 0 and r.storage_hit_tokens > 0
 
 
-@pytest.mark.skipif(not os.path.exists(TRACE), reason=f"Mooncake trace not found at {TRACE}")
+@needs_trace
 def test_trace_through_all_tiers_reaches_the_optimum(tmp_path):
     """The public trace's first requests, 512-token pages, device and host far
     below what the requests use."""
@@ -216,11 +216,11 @@ def _ctrl_c_during_the_backup(monkeypatch, nth, times=1):
     """Sends the process SIGINT (`times` times) from inside the host tier's
     `nth` backup: the middle of a request, with copies in flight. Returns
     the count of requests the replay began."""
-    from radixkv.replay.replay import _Instance
+    from radixkv.replay.core import Instance
     from radixkv.scheduler.host_tier import HostTier
 
     calls, began = [0], [0]
-    start_backup, serve = HostTier._start_backup, _Instance.serve
+    start_backup, serve = HostTier._start_backup, Instance.serve
 
     def start_backup_then_ctrl_c(self, copy):
         n = start_backup(self, copy)
@@ -235,7 +235,7 @@ def _ctrl_c_during_the_backup(monkeypatch, nth, times=1):
         return serve(self, *args)
 
     monkeypatch.setattr(HostTier, "_start_backup", start_backup_then_ctrl_c)
-    monkeypatch.setattr(_Instance, "serve", counting_serve)
+    monkeypatch.setattr(Instance, "serve", counting_serve)
     return began
 
 
@@ -277,9 +277,9 @@ def test_a_second_ctrl_c_leaves_no_storage_behind(tmp_path, monkeypatch, capsys,
 
 
 def _ctrl_c_during_the_final_figures(monkeypatch):
-    from radixkv.replay.replay import _Instance
+    from radixkv.replay.core import Instance
 
-    final, calls = _Instance.finish, [0]
+    final, calls = Instance.finish, [0]
 
     def ctrl_c_first(self, interrupted=False):
         calls[0] += 1
@@ -287,7 +287,7 @@ def _ctrl_c_during_the_final_figures(monkeypatch):
             signal.raise_signal(signal.SIGINT)
         return final(self, interrupted)
 
-    monkeypatch.setattr(_Instance, "finish", ctrl_c_first)
+    monkeypatch.setattr(Instance, "finish", ctrl_c_first)
 
 
 def test_ctrl_c_after_the_last_request_keeps_the_whole_result(monkeypatch, capsys):

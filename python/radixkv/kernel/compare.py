@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from radixkv import _core
-from radixkv.kernel.store import _cuda
+from radixkv._native import cuda_extension
 
 
 def first_mismatch(a, b) -> int:
@@ -44,7 +44,7 @@ def first_mismatch_batched(
         device = keys.device if isinstance(keys, torch.Tensor) else "cpu"
         out = torch.empty(rows, dtype=torch.int32, device=device)
     if getattr(query, "is_cuda", False):
-        module = _cuda()
+        module = cuda_extension()
         if module is None:
             return _first_mismatch_torch(query, keys, key_lens, out)
         module.first_mismatch_batched(query, keys, key_lens, out)

@@ -8,27 +8,14 @@ from __future__ import annotations
 import torch
 
 from radixkv import _core
+from radixkv._native import cuda_extension
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_cuda_module = None
-_cuda_tried = False
-
-
-def _cuda():
-    """radixkv._cuda, imported on first use; None when it was not built."""
-    global _cuda_module, _cuda_tried
-    if not _cuda_tried:
-        try:
-            from radixkv import _cuda as module
-        except ImportError:
-            module = None
-        _cuda_module, _cuda_tried = module, True
-    return _cuda_module
 
 
 def cuda_built() -> bool:
     """Whether the CUDA kernels were built (`radixkv._cuda` imports), GPU or not."""
-    return _cuda() is not None
+    return cuda_extension() is not None
 
 
 def cuda_available() -> bool:
@@ -96,7 +83,7 @@ def store_cache(
     if getattr(k_cache, "is_cuda", False):
         if not isinstance(out_loc, torch.Tensor):
             out_loc = _core.int32_tensor(out_loc, "out_loc").to(k_cache.device)
-        module = _cuda()
+        module = cuda_extension()
         if module is None:
             return _store_torch(k_cache, v_cache, out_loc, k, v, k_scale, v_scale, side=side)
         if check_bounds:
@@ -140,7 +127,7 @@ def store_mla(
     if getattr(kv_cache, "is_cuda", False):
         if not isinstance(out_loc, torch.Tensor):
             out_loc = _core.int32_tensor(out_loc, "out_loc").to(kv_cache.device)
-        module = _cuda()
+        module = cuda_extension()
         if module is None:
             return _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale,
                                     side)

@@ -15,12 +15,8 @@ from radixkv.kvcache.base import (
     KVCacheType,
     SizeInfo,
 )
-from radixkv.kvcache.mha_pool import (
-    MHAKVCache,
-    create_kvcache,
-    kv_bytes_per_page,
-    num_pages_for_memory,
-)
+from radixkv.kvcache.factory import create_kvcache
+from radixkv.kvcache.mha_pool import MHAKVCache, kv_bytes_per_page, num_pages_for_memory
 from radixkv.kvcache.mla_pool import MLAKVCache
 from radixkv.kvcache.naive_manager import NaiveCacheHandle, NaiveCacheManager
 from radixkv.kvcache.radix_manager import (EVICTION_POLICIES, RadixCacheHandle, RadixCacheManager,

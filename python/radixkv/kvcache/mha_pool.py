@@ -9,67 +9,17 @@ import torch
 
 from radixkv import _core
 from radixkv._checks import as_count as _count
-from radixkv._checks import as_int
 from radixkv.kernel import store_cache
-from radixkv.kvcache.base import (
-    BaseKVCache,
-    CopyLayout,
-    KVCacheLayout,
-    KVCacheType,
-    PagedPool,
-    SideBuffers,
-    copy_layout,
+from radixkv.kvcache.base import CopyLayout, KVCacheLayout, PagedPool, SideBuffers, copy_layout
+# The arguments every pool shares, checked; re-exported here, where they lived first.
+from radixkv.kvcache.pool_args import (  # noqa: F401
+    SUPPORTED_DTYPES,
+    DTypeLike,
+    as_dtype,
+    as_layout,
+    resolve_tp_rank,
+    resolve_tp_size,
 )
-
-_FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + tuple(
-    getattr(torch, name) for name in _FLOAT8 if hasattr(torch, name)
-)
-"""Element types a pool may store: float32, float16, bfloat16 and the float8 kinds torch has."""
-
-DTypeLike = Union[torch.dtype, str]
-
-
-def _dtype(dtype: DTypeLike) -> torch.dtype:
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
-    if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        raise TypeError(f"dtype must be one of {names}, got {dtype!r}")
-    return dtype
-
-
-def _layout(kv_layout) -> KVCacheLayout:
-    try:
-        return KVCacheLayout(kv_layout)
-    except ValueError:
-        choices = ", ".join(f"KVCacheLayout.{m.name}" for m in KVCacheLayout)
-        raise ValueError(f"kv_layout must be one of {choices}, got {kv_layout!r}") from None
-
-
-def resolve_tp_size(tp_size: Optional[int] = None) -> int:
-    """`tp_size`, or when it is None the `torch.distributed` world size if a
-    process group is initialised, else 1."""
-    if tp_size is not None:
-        return _count(tp_size, "tp_size")
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
-def resolve_tp_rank(tp_rank: Optional[int] = None) -> int:
-    """`tp_rank`, or when it is None the `torch.distributed` rank if a process
-    group is initialised, else 0."""
-    if tp_rank is not None:
-        rank = as_int(tp_rank, "tp_rank")
-        if rank < 0:
-            raise ValueError(f"tp_rank must be >= 0, got {rank}")
-        return rank
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
 
 
 def local_kv_heads(num_kv_heads: int, tp_size: Optional[int] = None) -> int:
@@ -96,7 +46,7 @@ def kv_bytes_per_page(
     """Bytes one page takes in an MHA pool on one rank: keys and values of
     `page_size` tokens in every layer."""
     heads = local_kv_heads(num_kv_heads, tp_size)
-    item = _dtype(dtype).itemsize
+    item = as_dtype(dtype).itemsize
     return (
         2
         * _count(num_layers, "num_layers")
@@ -176,8 +126,8 @@ class MHAKVCache(SideBuffers, PagedPool):
         self._page_size = _count(page_size, "page_size")
         self._tp_size = resolve_tp_size(tp_size)
         self._local_kv_heads = local_kv_heads(self._num_kv_heads, self._tp_size)
-        self._kv_layout = _layout(kv_layout)
-        dtype = _dtype(dtype)
+        self._kv_layout = as_layout(kv_layout)
+        dtype = as_dtype(dtype)
 
         view = self._allocate((2,), (self._local_kv_heads, self._head_dim), dtype, device)
         self._k_layers = view[0].unbind(0)  # view: [2, L, P, S, H, D] whatever the layout
@@ -257,72 +207,3 @@ class MHAKVCache(SideBuffers, PagedPool):
             f"head_dim={self._head_dim}, dtype={self.dtype}, "
             f"kv_layout={self._kv_layout.name}, device={self._device})"
         )
-
-
-def create_kvcache(
-    num_layers: int,
-    num_kv_heads: int,
-    num_pages: int,
-    head_dim: int,
-    dtype: DTypeLike,
-    device: Union[torch.device, str] = "cpu",
-    page_size: int = 1,
-    cache_layout: KVCacheLayout = KVCacheLayout.LayerFirst,
-    cache_type: KVCacheType = KVCacheType.MHA,
-    tp_size: Optional[int] = None,
-    *,
-    check_bounds: bool = True,
-    kv_lora_rank: Optional[int] = None,
-    qk_rope_head_dim: Optional[int] = None,
-) -> BaseKVCache:
-    """A KV pool of `cache_type` laid out as `cache_layout`.
-
-    `KVCacheType.MHA`: an MHAKVCache of the other arguments. `KVCacheType.MLA`:
-    an MLAKVCache of `kv_lora_rank` and `qk_rope_head_dim` (both required);
-    its row is one head of `kv_lora_rank + qk_rope_head_dim`, which
-    `num_kv_heads` (1) and `head_dim` (the sum) must agree with (ValueError).
-    """
-    try:
-        cache_type = KVCacheType(cache_type)
-    except ValueError:
-        raise ValueError(f"cache_type must be a KVCacheType, got {cache_type!r}") from None
-    if cache_type is KVCacheType.MHA:
-        for name, value in (("kv_lora_rank", kv_lora_rank),
-                            ("qk_rope_head_dim", qk_rope_head_dim)):
-            if value is not None:
-                raise ValueError(f"{name} is an MLA size; cache_type is {cache_type}")
-        return MHAKVCache(
-            num_kv_heads=num_kv_heads,
-            num_layers=num_layers,
-            head_dim=head_dim,
-            num_pages=num_pages,
-            dtype=dtype,
-            kv_layout=cache_layout,
-            device=device,
-            page_size=page_size,
-            tp_size=tp_size,
-            check_bounds=check_bounds,
-        )
-    from radixkv.kvcache.mla_pool import MLAKVCache  # it builds on this module
-
-    for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim)):
-        if value is None:
-            raise ValueError(f"{name} is required for cache_type {cache_type}")
-    row = _count(kv_lora_rank, "kv_lora_rank") + _count(qk_rope_head_dim, "qk_rope_head_dim")
-    if _count(num_kv_heads, "num_kv_heads") != 1:
-        raise ValueError(f"num_kv_heads={num_kv_heads}: an MLA pool stores one latent head")
-    if _count(head_dim, "head_dim") != row:
-        raise ValueError(f"head_dim={head_dim} must be kv_lora_rank + qk_rope_head_dim = {row} "
-                         "for an MLA pool")
-    return MLAKVCache(
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=qk_rope_head_dim,
-        num_layers=num_layers,
-        num_pages=num_pages,
-        dtype=dtype,
-        kv_layout=cache_layout,
-        device=device,
-        page_size=page_size,
-        tp_size=tp_size,
-        check_bounds=check_bounds,
-    )

@@ -11,7 +11,7 @@ from radixkv import _core
 from radixkv._checks import as_count as _count
 from radixkv.kernel import store_mla
 from radixkv.kvcache.base import CopyLayout, KVCacheLayout, PagedPool, SideBuffers, side_plane
-from radixkv.kvcache.mha_pool import DTypeLike, _dtype, _layout, resolve_tp_size
+from radixkv.kvcache.pool_args import DTypeLike, as_dtype, as_layout, resolve_tp_size
 
 
 class MLAKVCache(SideBuffers, PagedPool):
@@ -59,8 +59,8 @@ class MLAKVCache(SideBuffers, PagedPool):
         self._num_pages = _count(num_pages, "num_pages")
         self._page_size = _count(page_size, "page_size")
         self._tp_size = resolve_tp_size(tp_size)
-        self._kv_layout = _layout(kv_layout)
-        dtype = _dtype(dtype)
+        self._kv_layout = as_layout(kv_layout)
+        dtype = as_dtype(dtype)
 
         view = self._allocate((), (1, self.row_dim), dtype, device)  # [L, P, S, 1, R]
         self._k_layers = view.unbind(0)

@@ -1,6 +1,7 @@
 """Trace replay: drives real or generated traffic through the cache and reports what it achieved."""
 
-from radixkv.replay.replay import KVShape, ReplayResult, pages_for_all, replay
+from radixkv.replay.core import KVShape, ReplayResult, pages_for_all
+from radixkv.replay.replay import replay
 from radixkv.replay.traces import Request, TokenMaker, load_mooncake, optimal_hit_tokens
 from radixkv.replay.workloads import chat_sessions
 

@@ -11,8 +11,10 @@ import sys
 import tempfile
 from typing import List, NoReturn, Optional, Sequence
 
-from radixkv.replay.replay import (KVShape, ReplayResult, StopOnCtrlC, StorageConfig,
-                                   StorageUnavailable, pages_for_all, replay)
+from radixkv.replay.control import StopOnCtrlC
+from radixkv.replay.core import (KVShape, ReplayResult, StorageConfig, StorageUnavailable,
+                                 pages_for_all)
+from radixkv.replay.replay import replay
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
 from radixkv.kvcache import EVICTION_POLICIES

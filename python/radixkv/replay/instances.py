@@ -15,8 +15,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from radixkv.replay.replay import (ReplayResult, StopOnCtrlC, StorageUnavailable, UntilStopped,
-                                   _Instance, _percentiles, _Progress, _too_large)
+from radixkv.replay.control import StopOnCtrlC, UntilStopped, progress_bar
+from radixkv.replay.core import Instance, ReplayResult, StorageUnavailable, percentiles, too_large
 from radixkv.replay.traces import Request, TokenMaker
 
 # Counters summed over instances.
@@ -33,7 +33,7 @@ def _worker(conn, config: dict, overlap: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     try:
-        inst = _Instance(**config)
+        inst = Instance(**config)
     except StorageUnavailable as e:
         conn.send(("storage", str(e)))
         return
@@ -130,14 +130,13 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
         # Fresh tokens (outputs, prompts longer than their blocks) as one
         # instance would hand them out, so the tokens do not depend on N.
         maker = TokenMaker(config["block_size"], config["max_hash"])
-        bar = _Progress(len(requests), progress)
         t_start = time.perf_counter()
-        with StopOnCtrlC() as ctrl_c:
+        with StopOnCtrlC() as ctrl_c, progress_bar(len(requests), progress) as bar:
             todo = UntilStopped(requests, bar, ctrl_c)
             for i, req in todo:
                 k = route(req, i, instances)
                 _send(pipes[k], procs[k], k, (req, maker.position))
-                if not _too_large(req, config["page_size"], config["capacity_pages"]):
+                if not too_large(req, config["page_size"], config["capacity_pages"]):
                     maker.advance(req)
                 if not overlap:
                     kind, what = _recv(pipes[k], procs[k], k)
@@ -156,7 +155,6 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
             results.append(what[0])
             lats.append(what[1])
         wall = time.perf_counter() - t_start
-        bar.close()
         finished = True
     finally:
         # After a failure (or a second Ctrl-C) the instances are stopped, not
@@ -188,9 +186,9 @@ def _combine(results: List[ReplayResult], lats: List[Dict[str, List[int]]], wall
     for lat in lats:
         for k, v in lat.items():
             merged.setdefault(k, []).extend(v)
-    out.latency_us = {k: _percentiles(v) for k, v in merged.items()}
+    out.latency_us = {k: percentiles(v) for k, v in merged.items()}
     for r, lat in zip(results, lats):
-        r.latency_us = {k: _percentiles(v) for k, v in lat.items()}
+        r.latency_us = {k: percentiles(v) for k, v in lat.items()}
         r.wall_s = wall
         out.instances.append(r.to_json())
     return out

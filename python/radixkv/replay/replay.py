@@ -2,440 +2,25 @@
 
 from __future__ import annotations
 
-import signal
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from radixkv.replay.traces import Request, TokenMaker, max_hash_id, optimal_hit_tokens
-from radixkv.scheduler import CacheManager
-
-
-@dataclass
-class KVShape:
-    """The model shape of the KV pool the replay stores into."""
-
-    num_layers: int = 1
-    num_kv_heads: int = 1
-    head_dim: int = 8
-    dtype: torch.dtype = torch.float16
-
-    @classmethod
-    def parse(cls, text: str) -> "KVShape":
-        """`layers,heads,head_dim[,dtype]`, e.g. `2,8,128,bfloat16`."""
-        parts = text.split(",")
-        if len(parts) not in (3, 4):
-            raise ValueError(f"--kv must be layers,heads,head_dim[,dtype], got {text!r}")
-        try:
-            layers, heads, dim = (int(p) for p in parts[:3])
-        except ValueError:
-            raise ValueError(f"--kv sizes must be integers, got {text!r}") from None
-        from radixkv.kvcache.mha_pool import SUPPORTED_DTYPES
-
-        dtype = getattr(torch, parts[3].strip(), None) if len(parts) == 4 else torch.float16
-        if min(layers, heads, dim) < 1:
-            raise ValueError(f"--kv sizes must be >= 1, got {text!r}")
-        if dtype not in SUPPORTED_DTYPES:
-            names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-            raise ValueError(f"--kv dtype must be one of {names}, got {parts[3]!r}")
-        return cls(layers, heads, dim, dtype)
-
-    def __str__(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.num_layers},{self.num_kv_heads},{self.head_dim},{dtype}"
-
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    def rows(self, tokens: torch.Tensor, start: int, layer: int, side: int) -> torch.Tensor:
-        """The K (side 0) or V (side 1) rows the replay stores for `tokens` at
-        positions `start, start + 1, ...` in `layer`: small integers derived
-        from token id, position, layer and side, exact in every dtype, so a
-        row that comes back from the host tier can be checked bit for bit."""
-        n, width = len(tokens), self.num_kv_heads * self.head_dim
-        key = (tokens.to(torch.int64) * 1000003
-               + torch.arange(start, start + n, dtype=torch.int64) * 7919
-               + layer * 104729 + side * 15485863)
-        vals = (key[:, None] + torch.arange(width, dtype=torch.int64) * 31) % 401 - 200
-        return vals.to(torch.float32).to(self.dtype).view(n, self.num_kv_heads, self.head_dim)
-
-
-@dataclass
-class ReplayResult:
-    policy: str
-    page_size: int
-    capacity_tokens: int
-    requests: int = 0
-    skipped_requests: int = 0
-    input_tokens: int = 0
-    hit_tokens: int = 0
-    computed_tokens: int = 0
-    output_tokens: int = 0
-    evicted_tokens: int = 0
-    stored_tokens: int = 0
-    wall_s: float = 0.0
-    latency_us: Dict[str, Dict[str, float]] = field(default_factory=dict)
-    # The unbounded optimum over the requests replayed (None when pages and
-    # trace blocks differ, where the block-level optimum does not apply).
-    optimal_hit_tokens: Optional[int] = None
-    # Most pages in use at once (cached or held by the request in flight).
-    peak_pages: int = 0
-    # Bytes of the K/V pool stores went to (0 when storing is off).
-    pool_bytes: int = 0
-    # Stopped early (Ctrl-C): the figures cover the requests replayed so far.
-    interrupted: bool = False
-    # The host tier (host_capacity_tokens 0: none). hit_tokens is
-    # device_hit_tokens + host_hit_tokens.
-    host_capacity_tokens: int = 0
-    write_policy: Optional[str] = None
-    eviction_policy: str = "lru"
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    loaded_back_tokens: int = 0
-    backed_up_tokens: int = 0
-    host_evicted_tokens: int = 0
-    failed_loads: int = 0
-    host_pool_bytes: int = 0
-    # Loaded-back tokens whose K/V rows differ from what was stored (stored runs).
-    kv_mismatches: int = 0
-    # The storage tier (None: none). hit_tokens also counts storage hits:
-    # tokens a request's prefetch read from storage and the request then used.
-    storage: Optional[str] = None
-    prefetch_policy: Optional[str] = None
-    storage_hit_tokens: int = 0
-    prefetched_tokens: int = 0
-    storage_written_pages: int = 0
-    storage_errors: int = 0
-    # Per instance when there are several (their JSON objects).
-    instances: List[dict] = field(default_factory=list)
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
-
-    def to_json(self) -> dict:
-        return {
-            "policy": self.policy,
-            "page_size": self.page_size,
-            "capacity_tokens": self.capacity_tokens,
-            "requests": self.requests,
-            "skipped_requests": self.skipped_requests,
-            "input_tokens": self.input_tokens,
-            "hit_tokens": self.hit_tokens,
-            "token_hit_rate": round(self.token_hit_rate, 6),
-            "computed_tokens": self.computed_tokens,
-            "output_tokens": self.output_tokens,
-            "evicted_tokens": self.evicted_tokens,
-            "stored_tokens": self.stored_tokens,
-            "wall_s": round(self.wall_s, 4),
-            "requests_per_s": round(self.requests / self.wall_s, 1) if self.wall_s else None,
-            "latency_us": self.latency_us,
-            "optimal_hit_tokens": self.optimal_hit_tokens,
-            "peak_pages": self.peak_pages,
-            "pool_bytes": self.pool_bytes,
-            "interrupted": self.interrupted,
-            "host_capacity_tokens": self.host_capacity_tokens,
-            "write_policy": self.write_policy,
-            "eviction_policy": self.eviction_policy,
-            "device_hit_tokens": self.device_hit_tokens,
-            "host_hit_tokens": self.host_hit_tokens,
-            "device_hit_rate": self._rate(self.device_hit_tokens),
-            "host_hit_rate": self._rate(self.host_hit_tokens),
-            "loaded_back_tokens": self.loaded_back_tokens,
-            "backed_up_tokens": self.backed_up_tokens,
-            "host_evicted_tokens": self.host_evicted_tokens,
-            "failed_loads": self.failed_loads,
-            "host_pool_bytes": self.host_pool_bytes,
-            "kv_mismatches": self.kv_mismatches,
-            "storage": self.storage,
-            "prefetch_policy": self.prefetch_policy,
-            "storage_hit_tokens": self.storage_hit_tokens,
-            "storage_hit_rate": self._rate(self.storage_hit_tokens),
-            "prefetched_tokens": self.prefetched_tokens,
-            "storage_written_pages": self.storage_written_pages,
-            "storage_errors": self.storage_errors,
-            "instances": self.instances,
-        }
-
-    def _rate(self, tokens: int) -> float:
-        return round(tokens / self.input_tokens, 6) if self.input_tokens else 0.0
-
-
-def pages_for_all(requests: Sequence[Request], page_size: int) -> int:
-    """Pages that hold every token of every request at once: no eviction ever."""
-    return sum(-(-(r.input_length + r.output_length) // page_size) for r in requests)
-
-
-def _percentiles(samples_ns: List[int]) -> Dict[str, float]:
-    if not samples_ns:
-        return {"count": 0, "p50": None, "p99": None}
-    t = torch.tensor(samples_ns, dtype=torch.float64) / 1e3
-    q = torch.quantile(t, torch.tensor([0.5, 0.99], dtype=torch.float64)).tolist()
-    return {"count": len(samples_ns), "p50": round(q[0], 3), "p99": round(q[1], 3)}
-
-
-class _Progress:
-    """A one-line progress bar on stderr for runs longer than a second."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
-        self.start = time.perf_counter()
-        self.shown = -1
-
-    def update(self, done: int) -> None:
-        if not self.enabled or self.total == 0:
-            return
-        pct = 100 * done // self.total
-        if pct != self.shown and time.perf_counter() - self.start > 1.0:
-            self.shown = pct
-            bar = "#" * (pct // 4)
-            print(f"\rreplay [{bar:<25}] {pct:3d}% {done}/{self.total}", end="",
-                  file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.shown >= 0:
-            print(file=sys.stderr)
-
-
-class StorageUnavailable(RuntimeError):
-    """The storage tier could not be opened (a directory that cannot be
-    written, a Mooncake master that does not answer)."""
-
-
-@dataclass
-class StorageConfig:
-    """The storage tier a replay writes to and prefetches from."""
-
-    kind: str                            # "file" or "mooncake"
-    directory: Optional[str] = None      # file
-    max_bytes: Optional[int] = None      # file: bound on the directory
-    master_address: Optional[str] = None     # mooncake
-    metadata_server: Optional[str] = None    # mooncake
-    segment_bytes: int = 256 << 20           # mooncake: memory each instance lends
-    prefetch_policy: str = "wait_complete"
-    namespace: Optional[str] = None
-    fault_seed: Optional[int] = None     # wrap the backend in FaultyStorage (tests)
-    fault_call: float = 0.05             # ... failing this share of calls
-    fault_page: float = 0.1              # ... and of pages
-    faults: Optional[object] = None      # the tier's StorageFaultPolicy (None: defaults)
-
-    def backend(self, kv: "KVShape", page_size: int):
-        from radixkv.storage import FaultyStorage, FileStorage, MooncakeStorage
-
-        if self.kind not in ("file", "mooncake"):
-            raise ValueError(f"storage must be file or mooncake, got {self.kind!r}")
-        try:
-            if self.kind == "file":
-                backend = FileStorage(self.directory, self.fingerprint(kv, page_size),
-                                      self.max_bytes)
-            else:
-                backend = MooncakeStorage(self.master_address, self.metadata_server,
-                                          segment_bytes=self.segment_bytes)
-        except (OSError, RuntimeError) as e:
-            where = self.directory if self.kind == "file" else self.master_address
-            raise StorageUnavailable(f"{where}: {e}") from e
-        if self.fault_seed is not None:
-            backend = FaultyStorage(backend, seed=self.fault_seed, fail_call=self.fault_call,
-                                    fail_page=self.fault_page)
-        return backend
-
-    def fingerprint(self, kv: "KVShape", page_size: int) -> bytes:
-        from radixkv.storage import config_fingerprint
-
-        return config_fingerprint(model="radixkv-replay", dtype=kv.dtype, page_size=page_size,
-                                  layout="page_first", num_layers=kv.num_layers,
-                                  kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                                  namespace=self.namespace)
-
-
-class _Instance:
-    """One serving instance of a replay: its pools, its CacheManager, its figures.
-
-    Per request: prefetch from storage (when configured, waiting as its
-    policy says) and match the prompt (all but its last token); lock the
-    match, or load back its host part; allocate the rest (evicting what is
-    missing) and store the computed tokens' K/V; decode the output
-    (allocating more pages when the last one fills, storing its K/V); cache
-    prompt and output and release the request's pages and lock. Unless
-    `overlap`, the request's copies (backups, writes to storage) finish
-    before the next request matches.
-    """
-
-    def __init__(self, *, block_size: int, page_size: int, capacity_pages: int, policy: str,
-                 kv: KVShape, store: bool, host_pages: int, write_policy: str,
-                 storage: Optional[StorageConfig], max_hash: int, overlap: bool = False,
-                 eviction_policy: str = "lru"):
-        self.page_size, self.capacity_pages, self.kv, self.store = (page_size, capacity_pages,
-                                                                    kv, store)
-        self.host_pages, self.overlap = host_pages, overlap
-        self.tokens = TokenMaker(block_size, max_hash)
-        self.pool = None
-        if store:
-            from radixkv.kvcache import MHAKVCache
-
-            self.pool = MHAKVCache(kv.num_kv_heads, kv.num_layers, kv.head_dim, capacity_pages,
-                                   kv.dtype, page_size=page_size, tp_size=1)
-        backend = storage.backend(kv, page_size) if storage is not None else None
-        # Without a pool the tier keeps its bookkeeping only, its copies run
-        # inline (manual) when drained.
-        self.cm = CacheManager(
-            capacity_pages, page_size=page_size, type=policy, host_num_pages=host_pages,
-            write_policy=write_policy, kv_cache=self.pool, manual_copies=self.pool is None,
-            storage=backend,
-            storage_seed=storage.fingerprint(kv, page_size) if storage is not None else None,
-            prefetch_policy=storage.prefetch_policy if storage is not None else "best_effort",
-            storage_faults=storage.faults if storage is not None else None,
-            eviction_policy=eviction_policy)
-        r = self.result = ReplayResult(policy, page_size, capacity_pages * page_size)
-        r.eviction_policy = eviction_policy
-        r.pool_bytes = self.pool.nbytes if self.pool is not None else 0
-        r.host_capacity_tokens = host_pages * page_size
-        if host_pages:
-            r.write_policy = write_policy
-            r.host_pool_bytes = self.cm.host_pool.nbytes if self.cm.host_pool is not None else 0
-        if storage is not None:
-            r.storage = storage.kind
-            r.prefetch_policy = storage.prefetch_policy
-        self.lat: Dict[str, List[int]] = {"match": [], "allocate": [], "insert": [], "evict": []}
-        if host_pages:
-            self.lat["load_back"] = []
-        if storage is not None:
-            self.lat["prefetch"] = []
-        self.replayed: List[Request] = []
-
-    def _store_kv(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> None:
-        kv = self.kv
-        for layer in range(kv.num_layers):
-            self.pool.store_kv(kv.rows(ids, start, layer, 0), kv.rows(ids, start, layer, 1),
-                               slots, layer)
-        self.result.stored_tokens += len(slots)
-
-    def _check_loaded(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> int:
-        """Tokens among `slots` whose rows differ from what was stored for them."""
-        kv, pool = self.kv, self.pool
-        bad = torch.zeros(len(slots), dtype=torch.bool)
-        for layer in range(kv.num_layers):  # k_cache(layer) waits for the layer's load
-            for side, cache in ((0, pool.k_cache(layer)), (1, pool.v_cache(layer))):
-                rows = cache.reshape(-1, kv.num_kv_heads, kv.head_dim)[slots.long()]
-                want = kv.rows(ids, start, layer, side)
-                bad |= (rows.view(torch.uint8) != want.view(torch.uint8)).flatten(1).any(1)
-        return int(bad.sum())
-
-    def skips(self, req: Request) -> bool:
-        return _too_large(req, self.page_size, self.capacity_pages)
-
-    def serve(self, req: Request, fresh_at: Optional[int] = None) -> None:
-        cm, result, lat, clock = self.cm, self.result, self.lat, time.perf_counter_ns
-        if self.skips(req):
-            result.skipped_requests += 1
-            return
-        if fresh_at is not None:
-            self.tokens.seek(fresh_at)
-        ids = self.tokens.prompt(req)
-
-        prefetched = 0
-        if "prefetch" in lat:
-            t0 = clock()
-            op = cm.prefetch(ids)
-            if op is not None:
-                prefetched = cm.wait_prefetch(op)
-            lat["prefetch"].append(clock() - t0)
-        t0 = clock()
-        handle, cached = cm.match_req(ids)
-        lat["match"].append(clock() - t0)
-        device_hit, host_hit = handle.cached_len, handle.host_hit_len
-        if host_hit:
-            t0 = clock()
-            handle, cached = cm.load_back(handle)
-            lat["load_back"].append(clock() - t0)
-            loaded = handle.cached_len - device_hit
-            if self.store and loaded:
-                result.kv_mismatches += self._check_loaded(
-                    cached[device_hit:], ids[device_hit:device_hit + loaded], device_hit)
-        else:
-            cm.lock(handle)
-        hit = handle.cached_len
-
-        # Prefill: everything after the match, the last prompt token included.
-        t0 = clock()
-        evicted = cm.make_room(req.input_length - hit)
-        t1 = clock()
-        own = cm.allocate(req.input_length - hit)
-        t2 = clock()
-        if evicted:
-            lat["evict"].append(t1 - t0)
-            result.evicted_tokens += evicted
-        lat["allocate"].append(t2 - t0)
-        if self.store:
-            self._store_kv(own[: req.input_length - hit], ids[hit:], hit)
-
-        # Decode: the last page's spare slots first, then new pages.
-        out = req.output_length
-        spare = own.numel() - (req.input_length - hit)
-        if out > spare:
-            t0 = clock()
-            evicted = cm.make_room(out - spare)
-            t1 = clock()
-            more = cm.allocate(out - spare)
-            t2 = clock()
-            if evicted:
-                lat["evict"].append(t1 - t0)
-                result.evicted_tokens += evicted
-            lat["allocate"].append(t2 - t0)
-            own = torch.cat([own, more])
-        full_ids = torch.cat([ids, self.tokens.output(out)]) if out else ids
-        if self.store and out:
-            start = req.input_length - hit
-            self._store_kv(own[start:start + out], full_ids[req.input_length:], req.input_length)
-        result.peak_pages = max(result.peak_pages, self.capacity_pages - cm.free_pages)
-
-        t0 = clock()
-        cm.free_and_cache_finished_req(handle, full_ids, torch.cat([cached, own]))
-        lat["insert"].append(clock() - t0)
-        if self.host_pages:
-            if self.overlap:
-                cm.writing_check()
-                result.failed_loads += len(cm.loading_check())
-                cm.storage_check()
-            else:
-                # The request's copies finish before the next one matches.
-                result.failed_loads += len(cm.drain())
-
-        self.replayed.append(req)
-        result.requests += 1
-        result.input_tokens += req.input_length
-        result.hit_tokens += hit
-        result.device_hit_tokens += device_hit
-        from_storage = min(prefetched, hit - device_hit)
-        result.storage_hit_tokens += from_storage
-        result.host_hit_tokens += hit - device_hit - from_storage
-        result.computed_tokens += req.input_length - hit
-        result.output_tokens += out
-
-    def finish(self, interrupted: bool = False) -> ReplayResult:
-        cm, result = self.cm, self.result
-        result.interrupted = interrupted
-        if self.host_pages:
-            result.failed_loads += len(cm.drain())
-            counters = cm.tier_counters
-            result.loaded_back_tokens = counters.loaded_back
-            result.backed_up_tokens = counters.backed_up
-            result.host_evicted_tokens = counters.host_evicted
-        storage = cm.storage_counters
-        if storage is not None:
-            result.prefetched_tokens = storage.prefetched_tokens
-            result.storage_written_pages = storage.written_pages
-            result.storage_errors = storage.errors
-        # A stop (Ctrl-C) comes between requests: the pool is whole either way.
-        cm.check_integrity()
-        if cm.held_pages != 0:
-            raise RuntimeError(f"replay leaked {cm.held_pages} pages")
-        cm.close()
-        return result
+from radixkv.replay.control import StopOnCtrlC, UntilStopped, progress_bar
+# The parts replay() is made of, importable from here as before.
+from radixkv.replay.core import (  # noqa: F401
+    Instance,
+    KVShape,
+    ReplayResult,
+    StorageConfig,
+    StorageUnavailable,
+    pages_for_all,
+    percentiles,
+    too_large,
+)
+from radixkv.replay.instances import replay_instances
+from radixkv.replay.traces import Request, max_hash_id, optimal_hit_tokens
 
 
 def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
@@ -444,7 +29,7 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
            host_pages: int = 0, write_policy: str = "write_through",
            storage: Optional[StorageConfig] = None, instances: int = 1,
            overlap: bool = False, eviction_policy: str = "lru") -> ReplayResult:
-    """Drives `requests` through `instances` serving instances (see _Instance).
+    """Drives `requests` through `instances` serving instances (see radixkv.replay.core.Instance).
 
     A request larger than the whole pool is skipped and counted. Ctrl-C stops
     the run between requests: the request in flight finishes (with several
@@ -481,95 +66,31 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
                       max_hash=max_hash_id(requests), overlap=overlap,
                       eviction_policy=eviction_policy)
         if instances > 1:
-            from radixkv.replay.instances import replay_instances
-
             result = replay_instances(requests, config, instances, progress)
         else:
             result = _replay_here(requests, config, progress)
         if page_size == block_size:
             replayed = [r for r in requests
-                        if not _too_large(r, page_size, capacity_pages)][:result.requests]
+                        if not too_large(r, page_size, capacity_pages)][:result.requests]
             result.optimal_hit_tokens = optimal_hit_tokens(replayed, block_size)
         return result
     finally:
         torch.set_num_threads(threads)
 
 
-def _too_large(req: Request, page_size: int, capacity_pages: int) -> bool:
-    return -(-(req.input_length + req.output_length) // page_size) > capacity_pages
-
-
-class StopOnCtrlC:
-    """Ctrl-C as a request to stop between requests. The first sets `stop`
-    and gives SIGINT back to Python, so a second raises KeyboardInterrupt as
-    usual. A request is never cut half-way: an exception landing inside the
-    cache's bookkeeping (a copy started but not yet recorded) would leave
-    the tiers in a state no later call can make sense of.
-
-    Nested, the inner `with` gets the outer one (one flag for a whole run: a
-    sweep's points, the steps after the last request). Only Python's
-    default handler is replaced, and only on the main thread (the only one
-    signals reach); elsewhere nothing changes."""
-
-    _active: Optional["StopOnCtrlC"] = None
-
-    def __init__(self) -> None:
-        self.stop = False
-        self._installed = False
-
-    def __enter__(self) -> "StopOnCtrlC":
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        if StopOnCtrlC._active is not None:
-            return StopOnCtrlC._active
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, self._on_sigint)
-            self._installed = True
-            StopOnCtrlC._active = self
-        return self
-
-    def _on_sigint(self, signum, frame) -> None:
-        self.stop = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def __exit__(self, *exc) -> None:
-        if self._installed:
-            StopOnCtrlC._active = None
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-class UntilStopped:
-    """The requests in order, moving the progress bar, until Ctrl-C asks the
-    run to stop; `interrupted` then says requests were left."""
-
-    def __init__(self, requests: Sequence[Request], bar: _Progress, ctrl_c: StopOnCtrlC):
-        self.requests, self.bar, self.ctrl_c = requests, bar, ctrl_c
-        self.interrupted = False
-
-    def __iter__(self):
-        for i, req in enumerate(self.requests):
-            if self.ctrl_c.stop:
-                self.interrupted = True
-                return
-            self.bar.update(i)
-            yield i, req
-
-
 def _replay_here(requests, config, progress) -> ReplayResult:
-    inst = _Instance(**config)
-    bar = _Progress(len(requests), progress)
+    inst = Instance(**config)
     t_start = time.perf_counter()
     try:
-        with StopOnCtrlC() as ctrl_c:
+        with StopOnCtrlC() as ctrl_c, progress_bar(len(requests), progress) as bar:
             todo = UntilStopped(requests, bar, ctrl_c)
             for _, req in todo:
                 inst.serve(req)
-        wall = time.perf_counter() - t_start
-        bar.close()
+            wall = time.perf_counter() - t_start
         result = inst.finish(todo.interrupted)
     except BaseException:  # a second Ctrl-C, a failure: the storage thread stops too
         inst.cm.close(wait=False)
         raise
     result.wall_s = wall
-    result.latency_us = {k: _percentiles(v) for k, v in inst.lat.items()}
+    result.latency_us = {k: percentiles(v) for k, v in inst.lat.items()}
     return result

@@ -12,7 +12,7 @@ from radixkv._checks import as_count, as_device, as_int, int32_tensor, to_host
 from radixkv.events import EventPublisher
 from radixkv.kvcache import (BaseCacheHandle, MHAKVCache, MLAKVCache, RadixCacheManager,
                              create_cache_manager)
-from radixkv.kvcache.mha_pool import resolve_tp_rank
+from radixkv.kvcache.pool_args import resolve_tp_rank
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.metrics import CacheMetrics

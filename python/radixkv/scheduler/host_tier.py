@@ -10,6 +10,7 @@ from typing import Deque, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 
 from radixkv import _core
+from radixkv._native import require_cuda_extension
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
@@ -107,11 +108,11 @@ class HostTier:
                     kv_cache.kv_buffer, device_layout, self.pool.kv_buffer, host_layout,
                     row_bytes, kv_cache.num_layers, manual, planes, keep)
             elif kind == "cuda":
-                from radixkv import _cuda  # copy streams, events and the transfer kernel
-
-                engine = _cuda.copy_engine(kv_cache.kv_buffer, device_layout,
-                                           self.pool.kv_buffer, host_layout, row_bytes,
-                                           kv_cache.num_layers, side_planes=planes)
+                # copy streams, events and the transfer kernel
+                cuda = require_cuda_extension("a host tier of a CUDA pool")
+                engine = cuda.copy_engine(kv_cache.kv_buffer, device_layout,
+                                          self.pool.kv_buffer, host_layout, row_bytes,
+                                          kv_cache.num_layers, side_planes=planes)
                 self.controller = _core.CacheController(engine, manual, keep)
             else:
                 raise TypeError(f"kv_cache must be on the CPU or a CUDA device for the host "

@@ -1,11 +1,12 @@
 """A CacheManager's figures: counters since it was made and the pools' sizes now,
-readable in Python and as Prometheus text."""
+readable in Python and as Prometheus text (radixkv.prometheus puts them in a
+prometheus_client registry)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -68,30 +69,57 @@ class CacheMetrics:
         """Tokens matched (device and host) over the tokens asked about."""
         return (self.device_hit_tokens + self.host_hit_tokens) / max(1, self.query_tokens)
 
+    def families(self, prefix: str = "radixkv") -> List[Tuple[str, str, str, int]]:
+        """(name, kind, help, value) of each figure as Prometheus names it:
+        `prefix_` before the field's name, `_total` after a counter's. The
+        names, kinds and help texts of `prometheus()` and of
+        `radixkv.prometheus.CacheMetricsCollector`."""
+        check_prefix(prefix)
+        out = []
+        for f in fields(self):
+            kind, doc = _DOC[f.name]
+            name = f"{prefix}_{f.name}" + ("_total" if kind == "counter" else "")
+            out.append((name, kind, doc, getattr(self, f.name)))
+        return out
+
     def prometheus(self, prefix: str = "radixkv",
                    labels: Optional[Dict[str, str]] = None) -> str:
         """The figures in Prometheus' text exposition format (version 0.0.4):
         `# HELP` and `# TYPE` lines, then one sample per metric, with
-        `labels` (say, the instance's name) on every sample."""
-        if not isinstance(prefix, str) or not _METRIC_NAME.fullmatch(prefix):
-            raise ValueError(f"prefix must be a Prometheus metric name, got {prefix!r}")
+        `labels` (say, the instance's name) on every sample. Written here,
+        without prometheus_client; an engine that serves its own `/metrics`
+        registers `radixkv.prometheus.CacheMetricsCollector` instead."""
+        check_prefix(prefix)
+        labels = check_labels(labels)
         label = ""
-        if labels is not None and not isinstance(labels, dict):
-            raise TypeError(f"labels must be a dict of label names to values, got "
-                            f"{type(labels).__name__}")
         if labels:
             parts = []
             for key, value in labels.items():
-                if (not isinstance(key, str) or not _LABEL_NAME.fullmatch(key)
-                        or key.startswith("__")):
-                    raise ValueError(f"labels: {key!r} is not a Prometheus label name")
-                text = str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+                text = value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
                 parts.append(f'{key}="{text}"')
             label = "{" + ",".join(parts) + "}"
         lines = []
-        for f in fields(self):
-            kind, doc = _DOC[f.name]
-            name = f"{prefix}_{f.name}" + ("_total" if kind == "counter" else "")
-            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}",
-                      f"{name}{label} {getattr(self, f.name)}"]
+        for name, kind, doc, value in self.families(prefix):
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{label} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def check_prefix(prefix: str) -> str:
+    """`prefix`, a Prometheus metric name (ValueError otherwise)."""
+    if not isinstance(prefix, str) or not _METRIC_NAME.fullmatch(prefix):
+        raise ValueError(f"prefix must be a Prometheus metric name, got {prefix!r}")
+    return prefix
+
+
+def check_labels(labels: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """`labels` (None: none) as label names to string values; TypeError when
+    not a dict, ValueError naming a key that is not a Prometheus label name."""
+    if labels is None:
+        return {}
+    if not isinstance(labels, dict):
+        raise TypeError(f"labels must be a dict of label names to values, got "
+                        f"{type(labels).__name__}")
+    for key in labels:
+        if not isinstance(key, str) or not _LABEL_NAME.fullmatch(key) or key.startswith("__"):
+            raise ValueError(f"labels: {key!r} is not a Prometheus label name")
+    return {key: str(value) for key, value in labels.items()}
