@@ -1,5 +1,5 @@
 """A hostile-input matrix over every public entry point (SPEC "Errors (every entry
-point)" and "Inputs", README "Decisions where the contract is silent").
+point)" and "Inputs", docs/decisions.md).
 
 One parametrized test per (entry point x kind of hostile input):
 
@@ -511,7 +511,7 @@ NON_CPU = {
 @pytest.mark.parametrize("kind", sorted(NON_CPU))
 @pytest.mark.parametrize("entry, p", ENTRY_P)
 def test_non_cpu_tensor(entry, p, kind):
-    """README: TypeError for a CUDA or meta tensor where a CPU one is required
+    """docs/decisions.md: TypeError for a CUDA or meta tensor where a CPU one is required
     (every manager here lives on the CPU)."""
     check_refused(build(entry, p), NON_CPU[kind](), TypeError, lenient_exc=TypeError)
 
@@ -1047,7 +1047,7 @@ STORE_PARAMS = [pytest.param(e, p, case, id=f"{e}-p{p}-{case}")
 @pytest.mark.parametrize("p", P_VALUES)
 @pytest.mark.parametrize("form", ["list", "numpy", "int16", "uint8", "strided"])
 def test_store_takes_any_integer_out_loc_on_cpu(entry, p, form):
-    """On the CPU, out_loc is read like every other index input (README): any
+    """On the CPU, out_loc is read like every other index input (docs/api.md): any
     1-D integer tensor, NumPy array or list, all storing the same rows."""
     c, k, v = kv_pool(p)
     ref, _, _ = kv_pool(p)
