@@ -7,6 +7,7 @@
 #include <structmember.h>
 
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -81,6 +82,117 @@ auto Locked(PyRadixTree& t, bool release_gil, F&& f) {
 
 PyTypeObject* g_tree_type = nullptr;
 PyTypeObject* g_handle_type = nullptr;
+
+// --- typed values ---------------------------------------------------------------------
+// What the tree hands back in fixed shapes (a copy between the tiers, the tier
+// sizes, a dump's row) crosses as a struct sequence: a tuple (indexing,
+// unpacking, equality and hashing as a tuple's) whose fields also have names,
+// made in C at a tuple's cost.
+
+PyTypeObject* g_tier_copy_type = nullptr;
+PyTypeObject* g_tier_sizes_type = nullptr;
+// dump()'s rows by (tiers, namespaces): DumpRow, DumpRowNs, TierDumpRow, TierDumpRowNs.
+PyTypeObject* g_dump_row_types[4] = {};
+
+PyStructSequence_Field kTierCopyFields[] = {
+    {"node_id", "The node the copy's range ends at (splits keep the deeper part in it)."},
+    {"incarnation",
+     "The node's incarnation: bumped only when its id is freed, so a copy stays valid while "
+     "its node moves between the tiers."},
+    {"start", "Depth (tokens from the root) where the copy's range starts."},
+    {"end", "Depth where it ends: the node's depth."},
+    {nullptr, nullptr},
+};
+PyStructSequence_Desc kTierCopyDesc{
+    "radixkv._core.TierCopy",
+    "TierCopy(node_id, incarnation, start, end): a copy between the tiers, of the tokens\n"
+    "at depths [start, end) of the path that ends at node node_id. A tuple; calls that\n"
+    "take a copy back take any tuple of those four.",
+    kTierCopyFields, 4};
+
+PyStructSequence_Field kTierSizesFields[] = {
+    {"device_evictable", "Tokens on the device, unlocked."},
+    {"device_protected", "Tokens on the device, locked (by requests or copies)."},
+    {"host", "Tokens with a host copy."},
+    {"host_only", "Tokens with a host copy and not on the device."},
+    {"backing_up", "Tokens on the device with a backup in flight."},
+    {"loading", "Host-only tokens with a load in flight."},
+    {"storing", "Tokens with a host copy being written to storage."},
+    {nullptr, nullptr},
+};
+PyStructSequence_Desc kTierSizesDesc{
+    "radixkv._core.TierSizes",
+    "TierSizes(device_evictable, device_protected, host, host_only, backing_up, loading,\n"
+    "storing): token counts of the two tiers. A tuple.",
+    kTierSizesFields, 7};
+
+constexpr const char* kParentDoc = "Index in the dump of the node's parent (-1: the root).";
+constexpr const char* kTokensDoc = "The node's tokens (list of int).";
+constexpr const char* kDeviceDoc = "Its device slots (empty when not on the device).";
+constexpr const char* kHostDoc = "Its host slots (empty without a host copy).";
+constexpr const char* kRefDoc = "Locks on the node.";
+constexpr const char* kTimeDoc = "Its LRU time (the tree's clock at its last use).";
+constexpr const char* kNsDoc = "Its namespace.";
+PyStructSequence_Field kDumpRowFields[] = {
+    {"parent", kParentDoc}, {"tokens", kTokensDoc}, {"device_slots", kDeviceDoc},
+    {"ref_count", kRefDoc}, {"timestamp", kTimeDoc}, {"namespace", kNsDoc},
+    {nullptr, nullptr},
+};
+PyStructSequence_Field kTierDumpRowFields[] = {
+    {"parent", kParentDoc},       {"tokens", kTokensDoc}, {"device_slots", kDeviceDoc},
+    {"host_slots", kHostDoc},     {"ref_count", kRefDoc}, {"timestamp", kTimeDoc},
+    {"namespace", kNsDoc},        {nullptr, nullptr},
+};
+// Without namespaces=True the namespace is a field by name only (not in the tuple).
+PyStructSequence_Desc kDumpRowDescs[4] = {
+    {"radixkv._core.DumpRow",
+     "DumpRow(parent, tokens, device_slots, ref_count, timestamp): a node in dump(); a\n"
+     "tuple of those five. Its namespace is row.namespace (not in the tuple).",
+     kDumpRowFields, 5},
+    {"radixkv._core.DumpRowNs",
+     "DumpRowNs(parent, tokens, device_slots, ref_count, timestamp, namespace): a node in\n"
+     "dump(namespaces=True).",
+     kDumpRowFields, 6},
+    {"radixkv._core.TierDumpRow",
+     "TierDumpRow(parent, tokens, device_slots, host_slots, ref_count, timestamp): a node in\n"
+     "dump(tiers=True); a tuple of those six. Its namespace is row.namespace (not in the "
+     "tuple).",
+     kTierDumpRowFields, 6},
+    {"radixkv._core.TierDumpRowNs",
+     "TierDumpRowNs(parent, tokens, device_slots, host_slots, ref_count, timestamp,\n"
+     "namespace): a node in dump(tiers=True, namespaces=True).",
+     kTierDumpRowFields, 7},
+};
+
+PyTypeObject* AddStructType(py::module_& m, PyStructSequence_Desc* desc) {
+  py::object type = py::reinterpret_steal<py::object>(
+      reinterpret_cast<PyObject*>(PyStructSequence_NewType(desc)));
+  if (!type) throw py::error_already_set();
+  const char* dot = std::strrchr(desc->name, '.');
+  m.add_object(dot + 1, type);
+  return reinterpret_cast<PyTypeObject*>(type.ptr());
+}
+
+// A new struct sequence filled field by field (each Add steals a new
+// reference; a null one means a Python error is set, and throws).
+class Fields {
+ public:
+  explicit Fields(PyTypeObject* type)
+      : obj_(py::reinterpret_steal<py::object>(PyStructSequence_New(type))) {
+    if (!obj_) throw py::error_already_set();
+  }
+  Fields& Add(PyObject* value) {
+    if (value == nullptr) throw py::error_already_set();
+    PyStructSequence_SET_ITEM(obj_.ptr(), next_++, value);
+    return *this;
+  }
+  Fields& Add(py::object value) { return Add(value.release().ptr()); }
+  PyObject* Take() { return obj_.release().ptr(); }
+
+ private:
+  py::object obj_;
+  Py_ssize_t next_ = 0;
+};
 
 bool Truth(PyObject* o, bool absent) {
   if (o == nullptr) return absent;
@@ -254,49 +366,65 @@ py::object RadixTree_HandleSlots(PyRadixTree& t, PyObject* const* a) {
 py::object RadixTree_Dump(PyRadixTree& t, PyObject* const* a) {
   const bool tiers = Truth(a[0], false), spaces = Truth(a[1], false);
   std::vector<radixkv::NodeInfo> nodes = Locked(t, true, [&] { return t.tree.Dump(); });
-  py::list out;
-  for (const auto& n : nodes) {
-    py::tuple row;
-    if (tiers) {
-      row = py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), py::cast(n.host_value),
-                           n.ref_count, n.timestamp);
-    } else {
-      row = py::make_tuple(n.parent, py::cast(n.key), py::cast(n.value), n.ref_count,
-                           n.timestamp);
-    }
-    out.append(spaces ? py::tuple(row + py::make_tuple(n.ns)) : row);
+  // The row's layout: host_slots after device_slots with tiers; the namespace
+  // last, in the tuple with namespaces and after it (by name only) without.
+  PyTypeObject* type = g_dump_row_types[(tiers ? 2 : 0) + (spaces ? 1 : 0)];
+  py::list out(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const radixkv::NodeInfo& n = nodes[i];
+    Fields row(type);
+    row.Add(PyLong_FromLongLong(n.parent))
+        .Add(py::cast(n.key))
+        .Add(py::cast(n.value));
+    if (tiers) row.Add(py::cast(n.host_value));
+    row.Add(PyLong_FromLongLong(n.ref_count))
+        .Add(PyLong_FromUnsignedLongLong(n.timestamp))
+        .Add(PyLong_FromUnsignedLongLong(n.ns));
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), row.Take());
   }
   return std::move(out);
 }
 
 // --- the host tier ------------------------------------------------------------------
-// A TierCopy crosses to Python as a tuple (node_id, generation, start, end).
+// A TierCopy crosses to Python as a TierCopy (node_id, incarnation, start, end),
+// a tuple; any tuple of those four comes back as one.
 
 py::object CopyTuple(const radixkv::TierCopy& c) {
-  return py::make_tuple(c.node_id, c.incarnation, c.start, c.end);
+  Fields copy(g_tier_copy_type);
+  copy.Add(PyLong_FromUnsignedLong(c.node_id))
+      .Add(PyLong_FromUnsignedLongLong(c.incarnation))
+      .Add(PyLong_FromLongLong(c.start))
+      .Add(PyLong_FromLongLong(c.end));
+  return py::reinterpret_steal<py::object>(copy.Take());
 }
 
 radixkv::TierCopy AsCopy(PyObject* o) {
+  // A TierCopy is a tuple of four; so is a plain (node_id, incarnation, start, end).
   if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 4) {
-    throw py::type_error(std::string("copy must be a tuple (node_id, generation, start, end) "
-                                     "from find_backup or find_load, got ") +
+    throw py::type_error(std::string("copy must be a TierCopy (node_id, incarnation, start, end) "
+                                     "from find_backup or find_load, or a tuple of those four, "
+                                     "got ") +
                          Py_TYPE(o)->tp_name);
   }
   radixkv::TierCopy c;
-  const int64_t id = ToInt64(PyTuple_GET_ITEM(o, 0), "copy[0]");
-  if (id < 0 || id > UINT32_MAX) throw py::value_error("copy[0] is not a node id");
+  const int64_t id = ToInt64(PyTuple_GET_ITEM(o, 0), "copy.node_id");
+  if (id < 0 || id > UINT32_MAX) throw py::value_error("copy.node_id is not a node id");
   c.node_id = static_cast<uint32_t>(id);
-  c.incarnation = static_cast<uint64_t>(ToInt64(PyTuple_GET_ITEM(o, 1), "copy[1]"));
-  c.start = ToInt64(PyTuple_GET_ITEM(o, 2), "copy[2]");
-  c.end = ToInt64(PyTuple_GET_ITEM(o, 3), "copy[3]");
+  c.incarnation = static_cast<uint64_t>(ToInt64(PyTuple_GET_ITEM(o, 1), "copy.incarnation"));
+  c.start = ToInt64(PyTuple_GET_ITEM(o, 2), "copy.start");
+  c.end = ToInt64(PyTuple_GET_ITEM(o, 3), "copy.end");
   if (c.start < 0 || c.end < c.start) throw py::value_error("copy has a bad range");
   return c;
 }
 
 py::object RadixTree_TierSizes(PyRadixTree& t, PyObject* const*) {
   const radixkv::TierSizes z = Locked(t, false, [&] { return t.tree.tier_sizes(); });
-  return py::make_tuple(z.device_evictable, z.device_protected, z.host, z.host_only,
-                        z.backing_up, z.loading, z.storing);
+  Fields sizes(g_tier_sizes_type);
+  for (const int64_t n : {z.device_evictable, z.device_protected, z.host, z.host_only,
+                          z.backing_up, z.loading, z.storing}) {
+    sizes.Add(PyLong_FromLongLong(n));
+  }
+  return py::reinterpret_steal<py::object>(sizes.Take());
 }
 
 py::object RadixTree_EvictHost(PyRadixTree& t, PyObject* const* a) {
@@ -830,24 +958,26 @@ PyMethodDef kTreeMethods[] = {
     {"check_integrity", Fast<RadixTree_CheckIntegrity, kCheck>(), kFastCall,
      "Walk the tree and raise IntegrityError on a broken invariant."},
     {"dump", Fast<RadixTree_Dump, kDump>(), kFastCall,
-     "Every node as (parent, tokens, slots, ref_count, timestamp); with tiers=True as\n"
-     "(parent, tokens, device_slots, host_slots, ref_count, timestamp); namespaces=True\n"
-     "appends each node's namespace. Siblings in ascending token order (then namespace)."},
+     "dump(tiers=False, namespaces=False) -> every node as a DumpRow (parent, tokens,\n"
+     "device_slots, ref_count, timestamp); with tiers=True a TierDumpRow (parent, tokens,\n"
+     "device_slots, host_slots, ref_count, timestamp); namespaces=True appends each node's\n"
+     "namespace (DumpRowNs, TierDumpRowNs). Siblings in ascending token order (then\n"
+     "namespace)."},
     {"tier_sizes", Fast<RadixTree_TierSizes, kTierSizes>(), kFastCall,
-     "(device_evictable, device_protected, host, host_only, backing_up, loading, storing)\n"
-     "tokens."},
+     "tier_sizes() -> TierSizes (device_evictable, device_protected, host, host_only,\n"
+     "backing_up, loading, storing), in tokens."},
     {"evict_host", Fast<RadixTree_EvictHost, kEvictHost>(), kFastCall,
      "evict_host(size) -> host slots freed, least recently used host copies first."},
     {"find_backup", Fast<RadixTree_FindBackup, kFindBackup>(), kFastCall,
-     "find_backup(input_ids, min_hits=0, through_partial=False, namespace=0) -> copy or\n"
-     "None: what a backup of the path needs (through_partial: the node the ids end inside,\n"
+     "find_backup(input_ids, min_hits=0, through_partial=False, namespace=0) -> TierCopy\n"
+     "or None: what a backup of the path needs (through_partial: the node the ids end inside,\n"
      "whole)."},
     {"begin_backup", Fast<RadixTree_BeginBackup, kBeginBackup>(), kFastCall,
      "begin_backup(copy) -> device slots: pins the nodes until finish_backup."},
     {"finish_backup", Fast<RadixTree_FinishBackup, kFinishBackup>(), kFastCall,
      "finish_backup(copy, host_slots, ok=True) -> host slots not taken."},
     {"find_load", Fast<RadixTree_FindLoad, kFindLoad>(), kFastCall,
-     "find_load(handle) -> copy: the host-only part of the handle's match."},
+     "find_load(handle) -> TierCopy: the host-only part of the handle's match."},
     {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,
      "begin_load(copy) -> (locked handle for the whole match, host slots, device slots of\n"
      "the path above the copy)."},
@@ -864,9 +994,9 @@ PyMethodDef kTreeMethods[] = {
      "the path: its match in whole pages, whether the match ends at the root or on a host\n"
      "copy)."},
     {"pin_host", Fast<RadixTree_PinHost, kPinHost>(), kFastCall,
-     "pin_host(input_ids, namespace=0) -> pin or None: keeps the host copy where the match\n"
-     "ends until unpin_host(pin); pin[2] is the matched length. None at the root or without\n"
-     "a host copy."},
+     "pin_host(input_ids, namespace=0) -> pin (a TierCopy) or None: keeps the host copy\n"
+     "where the match ends until unpin_host(pin); pin.start is the matched length. None at\n"
+     "the root or without a host copy."},
     {"unpin_host", Fast<RadixTree_UnpinHost, kUnpinHost>(), kFastCall,
      "unpin_host(pin): releases a pin of pin_host."},
     {"finish_store", Fast<RadixTree_FinishStore, kFinishStore>(), kFastCall,
@@ -952,6 +1082,9 @@ PYBIND11_MODULE(_core, m) {
 
   g_handle_type = radixkv::bindings::AddType(m, &kHandleSpec);
   g_tree_type = radixkv::bindings::AddType(m, &kTreeSpec);
+  g_tier_copy_type = AddStructType(m, &kTierCopyDesc);
+  g_tier_sizes_type = AddStructType(m, &kTierSizesDesc);
+  for (int i = 0; i < 4; ++i) g_dump_row_types[i] = AddStructType(m, &kDumpRowDescs[i]);
 
   py::class_<radixkv::PageAllocator>(m, "PageAllocator")
       .def(py::init<int64_t, int64_t>(), py::arg("num_pages"), py::arg("page_size") = 1)

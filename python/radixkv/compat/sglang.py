@@ -645,14 +645,15 @@ class RadixCache:
 
     def all_values_flatten(self) -> torch.Tensor:
         """Every cached slot (int64), parents before children."""
-        slots = [s for _, _, node_slots, *_ in self._tree.dump() for s in node_slots]
+        slots = [s for row in self._tree.dump() for s in row.device_slots]
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def pretty_print(self) -> None:
         depth = []
-        for parent, tokens, _, ref, *_ in self._tree.dump():
-            depth.append(0 if parent < 0 else depth[parent] + 1)
-            print(" " * (2 * depth[-1] + 1), len(tokens), tokens[:10], f"r={ref}")
+        for row in self._tree.dump():
+            depth.append(0 if row.parent < 0 else depth[row.parent] + 1)
+            print(" " * (2 * depth[-1] + 1), len(row.tokens), row.tokens[:10],
+                  f"r={row.ref_count}")
         print(f"#tokens: {self.total_size()}")
 
     def check_integrity(self) -> None:

@@ -259,14 +259,14 @@ class CacheManager:
         try:
             copy = tree.find_load(handle)
         except ValueError:
-            if not tree.tier_sizes()[5]:
+            if not tree.tier_sizes().loading:
                 raise
             # Another request is loading this part: let it land, then take it.
             self._settle_loads()
             copy = tree.find_load(handle)
-        if copy[3] == handle.cached_len:  # nothing left beyond the device part
+        if copy.end == handle.cached_len:  # nothing left beyond the device part
             return self._lock_device_part(handle)
-        n = copy[3] - copy[2]
+        n = copy.end - copy.start
         self.lock(handle)  # the device part stays while room is made
         try:
             room = self._pages.num_free_pages * self.page_size + tree.size_info()[0]
@@ -671,7 +671,7 @@ class CacheManager:
             self._pages.free(evicted)
             self._evicted += len(evicted)
         if tier is not None:
-            host = self._tree.tier_sizes()[2]
+            host = self._tree.tier_sizes().host
             if host:
                 freed = self._tree.evict_host(host)
                 tier.pages.free(freed, self._tree, True)

@@ -23,7 +23,8 @@ evicted from the device (`write_back`)."""
 # write_through_selective backs a node up once this many matches reached it.
 SELECTIVE_MIN_HITS = 2
 
-Copy = Tuple[int, int, int, int]  # (node_id, generation, start, end), from the tree
+# A copy between the tiers, from the tree: (node_id, incarnation, start, end).
+Copy = _core.TierCopy
 
 
 class HostSizeInfo(NamedTuple):
@@ -152,8 +153,8 @@ class HostTier:
         copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
         if copy is None:
             return 0
-        if not self._room_for(copy[3] - copy[2]):
-            self.backups_skipped += copy[3] - copy[2]
+        if not self._room_for(copy.end - copy.start):
+            self.backups_skipped += copy.end - copy.start
             return 0
         # Making room may have dropped the host copy the range started under.
         copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
@@ -176,7 +177,7 @@ class HostTier:
         copy that evicting `size` tokens would take. Returns the tokens copied."""
         queued = 0
         for copy in self.tree.eviction_candidates_without_host(size):
-            n = copy[3] - copy[2]
+            n = copy.end - copy.start
             if not self._room_for(n):
                 self.backups_skipped += n
                 continue
@@ -225,7 +226,7 @@ class HostTier:
         return True
 
     def _start_backup(self, copy: Copy) -> int:
-        n = copy[3] - copy[2]
+        n = copy.end - copy.start
         if n > self.pages.num_free_pages * self.page_size:
             self.backups_skipped += n
             return 0
@@ -326,10 +327,10 @@ class HostTier:
         return self._load_tokens
 
     def size_info(self) -> HostSizeInfo:
-        _, _, host, host_only, backing_up, loading, _ = self.tree.tier_sizes()
+        sizes = self.tree.tier_sizes()
         return HostSizeInfo(self.num_pages * self.page_size,
-                            self.pages.num_free_pages * self.page_size, host, host_only,
-                            backing_up, loading)
+                            self.pages.num_free_pages * self.page_size, sizes.host,
+                            sizes.host_only, sizes.backing_up, sizes.loading)
 
     def counters(self) -> TierCounters:
         return TierCounters(self.backed_up, self.loaded_back, self.host_evicted,
@@ -338,7 +339,7 @@ class HostTier:
     def check_integrity(self, device_pages: _core.PageAllocator) -> None:
         """Host pages: free + cached + owned by backups == all, none twice;
         every slot a copy owns is allocated and in no node."""
-        host = self.tree.tier_sizes()[2]
+        host = self.tree.tier_sizes().host
         free = self.pages.num_free_pages * self.page_size
         owned = free + host + self._backup_tokens + self.prefetch_tokens
         if owned != self.num_pages * self.page_size:

@@ -111,7 +111,7 @@ class Prefetch:
     start: int             # tokens[start:] are being read
     keys: List[str]
     host_slots: torch.Tensor
-    pin: Optional[tuple]   # the tree's pin on the host copy the pages join under
+    pin: Optional[_core.TierCopy]  # the tree's pin on the host copy the pages join under
     ns: int = 0            # the path's cache namespace
     pages: List[int] = field(default_factory=list)  # the host pages read into
     done: threading.Event = field(default_factory=threading.Event)
@@ -498,13 +498,13 @@ class StorageTier:
         blocks = None
         if self.events is not None:
             # The blocks hold the pages' chain keys: the chain is hashed once.
-            blocks = self.events.blocks(tokens.to(torch.int32).numpy(), copy[2] // ps, -1, ns)
+            blocks = self.events.blocks(tokens.to(torch.int32).numpy(), copy.start // ps, -1, ns)
             if self.name_key is not None:
                 keys = _core.keyed_page_keys(np.ascontiguousarray(blocks["key"]), self.name_key)
             else:
                 keys = [bytes(k).hex() for k in blocks["key"]]
         else:
-            keys = self.keys_of(tokens, ns)[copy[2] // ps:]
+            keys = self.keys_of(tokens, ns)[copy.start // ps:]
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         job = _Write(copy, keys, pages, blocks=blocks)
         self._writes[job] = None
@@ -734,7 +734,7 @@ class StorageTier:
         """Host slots owned by prefetches in flight (for the host pool's sum);
         checks they are allocated and in no node, that the tree's pins are
         the prefetches' and its pages being written the writes'."""
-        storing = self.tree.tier_sizes()[6]
+        storing = self.tree.tier_sizes().storing
         writing = sum(len(job.pages) for job in self._writes) * self.page_size
         if storing != writing:
             raise _core.IntegrityError(f"the tree pins {storing} host tokens for writes to "
