@@ -29,19 +29,17 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "engines"))
-from engine_env import (Server, Workload, build_model, complete, free_port,  # noqa: E402
-                        generate, vllm_server)
+from engine_env import (Server, Workload, build_model, complete, generate, vllm_server)
 
 
 def sglang_server(python, model, log, backend):
-    port = free_port()
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
            "--attention-backend", "torch_native", "--dtype", "float32",
-           "--max-total-tokens", "16384", "--host", "127.0.0.1", "--port", str(port),
-           "--random-seed", "0"]
+           "--max-total-tokens", "16384", "--host", "127.0.0.1", "--random-seed", "0"]
     if backend:
         cmd += ["--radix-cache-backend", backend]
-    return Server(cmd, log, {"SGLANG_USE_CPU_ENGINE": "1"}, port)
+    return Server.start(lambda port: cmd + ["--port", str(port)], log,
+                        {"SGLANG_USE_CPU_ENGINE": "1"})
 
 
 def measure(server, samples: int, seed: int):

