@@ -21,7 +21,7 @@ queries may block (Mooncake) is waited for at most `query_timeout_s` (0.05
 s), and a late answer is a miss.
 
 The host tier's index (`HostPageIndex`: block names -> host pages, exact
-LRU) lives in the scheduler's connector, its memory (a `HostKVCache` of flat
+LRU) lives in the scheduler's connector, its memory (`HostBlocks`: flat host
 pages, one block of every layer each) in the worker's; each step's metadata
 names the host pages to copy from and to. A page the step names is pinned
 while the step is planned; the worker runs a step's loads before its saves
@@ -63,10 +63,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from radixkv._checks import as_count
-from radixkv.compat.host_pages import HostPageIndex
+from radixkv.compat.host_pages import HostBlocks, HostPageIndex
 from radixkv.compat.staged_store import StagedStore, store_options
-from radixkv.kvcache.host_pool import HostKVCache
-from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.storage import config_fingerprint, page_keys
 
 logger = logging.getLogger("vllm.radixkv")  # under vLLM's logger: shown in its log
@@ -165,9 +163,7 @@ class RadixkvConnector(KVConnectorBase_V1):
         self._seen_errors: List[int] = []
         self._fills: collections.Counter = collections.Counter()  # page -> saves planned
         # worker side
-        self._layers: List[Tuple[torch.Tensor, int]] = []
-        self.host: Optional[HostKVCache] = None
-        self._host_rows: Optional[torch.Tensor] = None  # [host pages, page elements]
+        self.blocks: Optional[HostBlocks] = None  # the layers' blocks and the host pages
         self._valid: Optional[bytearray] = None         # host pages holding good bytes
         self._load_errors: set = set()  # this step's, for vLLM
         # Blocks whose load failed -> their request, kept until the scheduler
@@ -392,57 +388,16 @@ class RadixkvConnector(KVConnectorBase_V1):
     # -- worker side ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        num_blocks = self._kv_cache_config.num_blocks
-        layers, dtypes = [], set()
-        for name, t in kv_caches.items():
-            dims = [d for d in range(t.dim()) if t.shape[d] == num_blocks]
-            if t.dim() >= 2 and t.shape[0] == 2 and 1 in dims:
-                dims = [1]  # vLLM's [2 (K, V), blocks, ...]
-            if len(dims) != 1:
-                raise ValueError(f"radixkv's vLLM connector cannot find the block dimension of "
-                                 f"layer {name}'s cache {tuple(t.shape)} ({num_blocks} blocks)")
-            layers.append((t, dims[0]))
-            dtypes.add(t.dtype)
-        if len(dtypes) != 1:
-            raise ValueError(f"radixkv's vLLM connector needs one K/V dtype, got {dtypes}")
-        self._layers = layers
-        page_elems = sum(t.select(d, 0).numel() for t, d in layers)
+        blocks = HostBlocks(kv_caches, self._kv_cache_config.num_blocks)
         layout, _, planned, _ = self._page_from_config(self._kv_cache_config)
-        if page_elems != planned:  # the scheduler numbers host pages of this size
-            raise ValueError(f"radixkv's vLLM connector: the layers' blocks hold {page_elems} "
-                             f"elements, vLLM's KV cache spec says {planned}")
-        self._open(layout, len(layers), page_elems, dtypes.pop())
+        if blocks.page_elems != planned:  # the scheduler numbers host pages of this size
+            raise ValueError(f"radixkv's vLLM connector: the layers' blocks hold "
+                             f"{blocks.page_elems} elements, vLLM's KV cache spec says {planned}")
+        self._open(layout, len(blocks.layers), blocks.page_elems, blocks.dtype)
         if self.host_pages:
-            self.host = host_pages_for(self.host_pages, page_elems, self.dtype)
-            self._host_rows = self.host.kv_buffer.view(self.host_pages, page_elems)
+            blocks.open_host(self.host_pages)
             self._valid = bytearray(self.host_pages)
-
-    def _block(self, b: int):
-        """Block b of every layer, as views."""
-        return [t.select(d, b) for t, d in self._layers]
-
-    def _by_layer(self, block_ids: List[int], pages: List[int]):
-        """Per layer: its cache, block dimension and columns of a host page,
-        with the blocks and host pages as index tensors."""
-        blocks = torch.tensor(block_ids, dtype=torch.long, device=self._layers[0][0].device)
-        rows = torch.tensor(pages, dtype=torch.long)
-        at = 0
-        for t, d in self._layers:
-            n = t.select(d, 0).numel()
-            yield t, d, blocks, rows, slice(at, at + n)
-            at += n
-
-    def _to_host(self, block_ids: List[int], pages: List[int]) -> None:
-        """Blocks -> host pages, a layer at a time."""
-        for t, d, blocks, rows, cols in self._by_layer(block_ids, pages):
-            part = t.index_select(d, blocks).movedim(d, 0).reshape(len(pages), -1)
-            self._host_rows[rows, cols] = part.cpu()
-
-    def _from_host(self, pages: List[int], block_ids: List[int]) -> None:
-        """Host pages -> blocks, a layer at a time."""
-        for t, d, blocks, rows, cols in self._by_layer(block_ids, pages):
-            part = self._host_rows[rows, cols].view(len(pages), *t.select(d, 0).shape)
-            t.index_copy_(d, blocks, part.to(t.device, non_blocking=True).movedim(0, d))
+        self.blocks = blocks
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -469,10 +424,10 @@ class RadixkvConnector(KVConnectorBase_V1):
                     if page is None:
                         return False
                     if hp >= 0:
-                        self._host_rows[hp].copy_(page)
+                        self.blocks.rows[hp].copy_(page)
                         self._valid[hp] = 1
                     else:
-                        self._copy_in(page, load.block_ids[i])
+                        self.blocks.copy_in(page, load.block_ids[i])
                     got[i] = True
                     return True
 
@@ -483,19 +438,14 @@ class RadixkvConnector(KVConnectorBase_V1):
             ok = len(got) if all(got) else got.index(False)
             via = [i for i in range(ok) if load.pages[i] >= 0]
             if via:
-                self._from_host([load.pages[i] for i in via], [load.block_ids[i] for i in via])
+                self.blocks.from_host([load.pages[i] for i in via],
+                                       [load.block_ids[i] for i in via])
             self.moved["loaded from host"] += sum(load.in_host[:ok])
             self.moved["loaded from store"] += ok - sum(load.in_host[:ok])
             if ok < len(got):  # a block not loaded, and every one after it, is recomputed
                 self.moved["failed to load"] += len(got) - ok
                 self._load_errors.update(load.block_ids[ok:])
                 self._poisoned.update((b, load.req_id) for b in load.block_ids[ok:])
-
-    def _copy_in(self, page: torch.Tensor, block: int) -> None:
-        at = 0
-        for view in self._block(block):
-            view.copy_(page[at:at + view.numel()].view(view.shape))
-            at += view.numel()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -518,7 +468,8 @@ class RadixkvConnector(KVConnectorBase_V1):
                     self._valid[save.pages[i]] = 0
                 continue
             if hosted:
-                self._to_host([save.block_ids[i] for i in hosted], [save.pages[i] for i in hosted])
+                self.blocks.to_host([save.block_ids[i] for i in hosted],
+                                    [save.pages[i] for i in hosted])
                 for i in hosted:
                     self._valid[save.pages[i]] = 1
                 self.moved["saved to host"] += len(hosted)
@@ -527,12 +478,9 @@ class RadixkvConnector(KVConnectorBase_V1):
 
             def fill(i: int, page: torch.Tensor, save=save) -> None:
                 if save.pages[i] >= 0:
-                    page.copy_(self._host_rows[save.pages[i]])
-                    return
-                at = 0
-                for view in self._block(save.block_ids[i]):
-                    page[at:at + view.numel()].view(view.shape).copy_(view)
-                    at += view.numel()
+                    page.copy_(self.blocks.rows[save.pages[i]])
+                else:
+                    self.blocks.copy_out(save.block_ids[i], page)
 
             self.moved["saved to store"] += sum(self.store.write(save.names, fill))
 
@@ -552,9 +500,3 @@ class RadixkvConnector(KVConnectorBase_V1):
         """radixkv's store counts (errors, corrupt pages, skipped calls)."""
         return self.store.counts() if self.store is not None else {}
 
-
-def host_pages_for(num_pages: int, page_elems: int, dtype: torch.dtype) -> HostKVCache:
-    """radixkv's host pool holding `num_pages` flat pages of `page_elems`
-    elements (pinned where CUDA is, for copies at full speed)."""
-    shape = MHAKVCache(1, 1, page_elems // 2, 1, dtype, page_size=1, device="cpu", tp_size=1)
-    return HostKVCache(shape, num_pages=num_pages, layout="page_first")

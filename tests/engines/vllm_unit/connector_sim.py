@@ -186,7 +186,7 @@ class Sim:
                 p = idx._pages.get(n)
                 if p is None or not self.wc._valid[p]:
                     continue
-                got = self.wc._host_rows[p].view(2, BS)[0].tolist()
+                got = self.wc.blocks.rows[p].view(2, BS)[0].tolist()
                 if got != [float(x) for x in tr[i * BS:(i + 1) * BS]]:
                     self.problems.append(f"WRONG BYTES IN VALID HOST PAGE {p}: block #{i}")
 
