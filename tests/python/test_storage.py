@@ -458,8 +458,7 @@ def test_close_without_waiting_drops_the_queued_writes(tmp_path):
     a = Instance(store, host_pages=48)
     for k in range(4):
         a.serve(prompt(60 + k, 2), drain=False)
-    a.cm._tier.controller.drain()
-    a.cm._tier.writing_check()  # every backup landed: four writes queued or running
+    a.cm._tiers.settle_backups()  # every backup landed: four writes queued or running
     tier = a.cm._storage
     deadline = time.monotonic() + 60  # a hang guard
     while store.sets < 1:  # the thread holds the first write

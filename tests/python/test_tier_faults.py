@@ -6,7 +6,6 @@ handed is checked against the K/V stored for its tokens."""
 
 import asyncio
 import ctypes
-import errno
 import gc
 import math
 import os
@@ -21,13 +20,13 @@ import weakref
 import pytest
 import torch
 
-import radixkv
 from radixkv.kvcache import KVCacheLayout, MHAKVCache, MLAKVCache
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.scheduler import CacheManager, StorageFaultPolicy
 from radixkv.scheduler import cache as cache_module
 from radixkv.scheduler import host_tier as host_tier_module
 from radixkv.scheduler import storage_tier as storage_tier_module
+from radixkv.scheduler import tiers as tiers_module
 from radixkv.storage import FaultyStorage, FileStorage, MooncakeMaster, MooncakeStorage
 from storage_env import KV, PAGE, Instance, fingerprint, host_pool, keys, needs_mooncake, prompt
 
@@ -463,7 +462,7 @@ def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_pa
 # -- 9. Ctrl-C at any bytecode -----------------------------------------------------------------
 
 
-_TIER_FILES = {path for m in (cache_module, host_tier_module, storage_tier_module)
+_TIER_FILES = {path for m in (cache_module, tiers_module, host_tier_module, storage_tier_module)
                for path in (m.__file__, os.path.realpath(m.__file__))}
 
 
@@ -793,7 +792,7 @@ def test_reads_that_hang_hold_at_most_half_the_host_pool_and_count(tmp_path):
     for ids in prompts:
         b.serve(ids, drain=False)
         b.cm.writing_check()
-        assert b.cm._tier.prefetch_tokens <= 48 * PAGE // 2
+        assert b.cm._storage.reading_tokens <= 48 * PAGE // 2
     assert b.cm._storage.reads_down()  # the reads given up on counted as failures
     done, out = finishes(lambda: b.cm.reset())  # bounded, refuses, drops nothing
     assert done and isinstance(out.get("error"), RuntimeError), out

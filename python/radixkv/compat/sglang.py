@@ -57,6 +57,7 @@ import torch
 from radixkv import _core
 from radixkv._checks import as_count, as_int, as_max_slots, to_host
 from radixkv.events import MEDIUM_GPU, block_hash
+from radixkv.kvcache.base import released_slots
 from radixkv.kvcache.radix_manager import check_eviction_policy
 from radixkv.scheduler.namespaces import Namespaces
 
@@ -768,14 +769,10 @@ class RadixCache:
         ns = self._req_namespace(req)
         kv_indices = self._row(req, n)
         aligned = n // self.page_size * self.page_size
-        if is_insert:
-            prefix = self._insert_req(req, token_ids, kv_indices, ns)
-            if prefix > protected:  # duplicates of what another request cached meanwhile
-                self._free(kv_indices[protected:prefix])
-        elif aligned > protected:
-            self._free(kv_indices[protected:aligned])
-        if aligned < n:
-            self._free(kv_indices[aligned:])
+        # Not inserted: its whole pages go back as if cached already.
+        prefix = self._insert_req(req, token_ids, kv_indices, ns) if is_insert else aligned
+        for slots in released_slots(kv_indices, protected, prefix, n, self.page_size, True):
+            self._free(slots)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
 
@@ -800,8 +797,8 @@ class RadixCache:
         ns = self._req_namespace(req)
         kv_indices = self._row(req, len(token_ids))
         prefix = self._insert_req(req, token_ids, kv_indices, ns)
-        if prefix > protected:
-            self._free(kv_indices[protected:prefix])
+        self._free(released_slots(kv_indices, protected, prefix, len(token_ids), self.page_size,
+                                  False)[0])
         handle, tree_slots = self._match(token_ids, ns)
         new_indices = self._device_indices(tree_slots)
         n = len(new_indices)

@@ -56,8 +56,26 @@ class BaseCacheHandle(ABC):
         return 0
 
 
+def released_slots(indices, owned_from: int, cached_before: int, length: int, page_size: int,
+                   finished: bool) -> list:
+    """What a request gives back after `insert_prefix` of its first `length`
+    tokens with `indices` (its slots, the cache's before `owned_from`)
+    returned `cached_before`: its copies of tokens that were cached already
+    (`[owned_from, cached_before)`: another request cached them meanwhile)
+    and, once it is finished, the slots past its last whole page. Slices of
+    `indices`, possibly empty."""
+    out = [indices[owned_from:max(owned_from, cached_before)]]
+    if finished:
+        out.append(indices[length - length % page_size:])
+    return out
+
+
 class BaseCacheManager(ABC):
     """A prefix cache from token ids to KV slot indices. Lengths are in tokens."""
+
+    #: The native tree the manager owns (a RadixCacheManager's), which the
+    #: tiers behind a CacheManager share; None for managers without one.
+    tree: Optional[_core.RadixTree] = None
 
     @abstractmethod
     def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[BaseCacheHandle, torch.Tensor]:
@@ -195,8 +213,8 @@ class PagedPool(BaseKVCache):
             self._kv_buffer = fixed_zeros((*lead, P, L, S, *row), dtype, device,
                                           owners=self.memory_owners)
             self._view = self._kv_buffer.transpose(len(lead), len(lead) + 1)
-        # Set by a CacheManager with a host tier: waits until loads from host
-        # have put layer i in place (see CacheManager.wait_layer).
+        # A CacheManager's host tier attaches its hook (attach_layer_wait): it waits
+        # until loads from host have put layer i in place (CacheManager.wait_layer).
         self._layer_wait = None
         self._device = self._kv_buffer.device
         return self._view
@@ -219,6 +237,21 @@ class PagedPool(BaseKVCache):
         if self._layer_wait is not None:
             self._layer_wait(index)
         return self._v_layers[index]
+
+    @property
+    def backs_host_tier(self) -> bool:
+        """Whether a live CacheManager's host tier copies into this pool."""
+        return self._layer_wait is not None and self._layer_wait.alive
+
+    def attach_layer_wait(self, hook) -> None:
+        """Makes `k_cache(i)` and `v_cache(i)` call `hook(i)` first: a
+        CacheManager's host tier, whose loads must have put layer i in place
+        (see CacheManager.wait_layer). `hook.alive` says whether its tier
+        still exists. Raises ValueError while another live tier has one."""
+        if self.backs_host_tier:
+            raise ValueError("kv_cache already backs the host tier of another CacheManager: "
+                             "its k_cache(layer) waits for that tier's loads")
+        self._layer_wait = hook
 
     @property
     def device(self) -> torch.device:
@@ -329,8 +362,7 @@ class SideBuffers:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if name in self._side_buffers:
             raise ValueError(f"name={name!r} is already a side buffer of this pool")
-        hook = getattr(self, "_layer_wait", None)
-        if hook is not None and hook.alive:
+        if self.backs_host_tier:
             raise ValueError("register side buffers before the pool backs a CacheManager's host "
                              "tier: its host pool holds a copy of each")
         if len(self._side_buffers) >= self._SIDE_MAX:

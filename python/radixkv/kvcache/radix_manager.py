@@ -58,6 +58,7 @@ class RadixCacheManager(BaseCacheManager):
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), eviction_policy)
+        self.tree = self._tree
         if self.device.type == "cpu":
             self.match_prefix = self._tree.match_prefix
             self.insert_prefix = self._tree.insert_prefix

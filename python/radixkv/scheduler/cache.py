@@ -10,23 +10,17 @@ from radixkv import _core
 from radixkv._core import shielded
 from radixkv._checks import as_count, as_device, as_int, int32_tensor, to_host
 from radixkv.events import EventPublisher
-from radixkv.kvcache import (BaseCacheHandle, MHAKVCache, MLAKVCache, RadixCacheManager,
-                             create_cache_manager)
+from radixkv.kvcache import BaseCacheHandle, MHAKVCache, MLAKVCache, create_cache_manager
+from radixkv.kvcache.base import released_slots
+from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.pool_args import resolve_tp_rank
-from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
-from radixkv.scheduler.block_events import BlockEvents
+from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.scheduler.storage_tier import (Prefetch, StorageCounters, StorageFaultPolicy,
                                             StorageTier)
+from radixkv.scheduler.tiers import build_tiers
 from radixkv.storage.base import StorageBackend
-from radixkv.scheduler.host_tier import (
-    WRITE_POLICIES,
-    HostSizeInfo,
-    HostTier,
-    LayerWait,
-    TierCounters,
-)
 
 
 class CacheManager:
@@ -110,9 +104,6 @@ class CacheManager:
             raise TypeError("storage_faults must be a StorageFaultPolicy (or None), got "
                             f"{_type_name(storage_faults)}")
         tp_rank = resolve_tp_rank(tp_rank)
-        if host_layout not in HOST_LAYOUTS:
-            raise ValueError(f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, "
-                             f"got {host_layout!r}")
         if kv_cache is not None:
             if not isinstance(kv_cache, (MHAKVCache, MLAKVCache)):
                 raise TypeError("kv_cache must be an MHAKVCache or an MLAKVCache, got "
@@ -121,16 +112,6 @@ class CacheManager:
                 raise ValueError(
                     f"kv_cache must have page_size={page_size} and at least num_pages={num_pages} "
                     f"pages, got page_size={kv_cache.page_size} and {kv_cache.num_pages} pages")
-        if host_num_pages and type != "radix":
-            raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
-                             f"got {write_policy!r}")
-        if host_num_pages and kv_cache is not None:
-            hook = kv_cache._layer_wait
-            if hook is not None and hook.alive:
-                raise ValueError("kv_cache already backs the host tier of another CacheManager: "
-                                 "its k_cache(layer) waits for that tier's loads")
         self._pages = _core.PageAllocator(num_pages, page_size)
         self.manager = create_cache_manager(device, type, page_size,
                                             max_slots=num_pages * page_size,
@@ -140,40 +121,26 @@ class CacheManager:
         self.num_pages = num_pages
         # Pages held by requests: allocated, not yet freed or cached.
         self._held_pages = 0
-        self._tree = self.manager._tree if isinstance(self.manager, RadixCacheManager) else None
-        self._tier: Optional[HostTier] = None
-        if host_num_pages:
-            self._tier = HostTier(self._tree, page_size, host_num_pages, write_policy, kv_cache,
-                                  host_layout, kv_cache.num_layers if kv_cache else 1,
-                                  bool(manual_copies))
-            if kv_cache is not None:
-                kv_cache._layer_wait = LayerWait(self._tier.controller)
+        self._tree = self.manager.tree
         self._queries = self._query_tokens = self._device_hits = self._host_hits = 0
         self._evicted = 0
         self._namespaces = Namespaces(as_count(max_namespaces, "max_namespaces"))
-        self._storage: Optional[StorageTier] = None
-        if storage is not None:
-            if self._tier is None or kv_cache is None or host_layout != "page_first":
-                raise ValueError("a storage tier needs a host tier (host_num_pages > 0) with "
-                                 "kv_cache and host_layout='page_first'")
-            # An MLA pool's pages are the same on every tensor-parallel rank:
-            # rank 0 writes them, every rank reads.
-            writer = kv_cache.sides == 2 or tp_rank == 0
-            self._storage = StorageTier(self._tier, storage, storage_seed, self._namespaces,
-                                        prefetch_policy, writer=writer,
-                                        min_prefetch_tokens=min_prefetch_tokens,
-                                        faults=storage_faults)
-        self._events: Optional[BlockEvents] = None
-        if kv_events is not None:
-            # Blocks hash like the storage tier's page keys, so a page keeps
-            # its hash on every medium.
-            seed = self._storage.seed if self._storage is not None else None
-            self._events = BlockEvents(kv_events, page_size, seed, num_pages, host_num_pages,
-                                       self._namespaces)
-            if self._tier is not None:
-                self._tier.events = self._events
-            if self._storage is not None:
-                self._storage.events = self._events
+        self._tiers = build_tiers(
+            self._tree, self._pages, self._namespaces, page_size=page_size, num_pages=num_pages,
+            host_num_pages=host_num_pages, write_policy=write_policy, kv_cache=kv_cache,
+            host_layout=host_layout, manual_copies=manual_copies, storage=storage,
+            storage_seed=storage_seed, prefetch_policy=prefetch_policy,
+            min_prefetch_tokens=min_prefetch_tokens, storage_faults=storage_faults,
+            tp_rank=tp_rank, kv_events=kv_events)
+        self._events = self._tiers.events  # the device's events are the manager's to tell
+
+    @property
+    def _tier(self) -> Optional[HostTier]:
+        return self._tiers.host
+
+    @property
+    def _storage(self) -> Optional[StorageTier]:
+        return self._tiers.storage
 
     # -- matching and locking -------------------------------------------------
 
@@ -186,8 +153,8 @@ class CacheManager:
         ns = self._namespaces.id(namespace)
         handle, indices = self.manager.match_prefix(ids[:-1], ns)
         self._count_match(len(ids) - 1, handle)
-        if self._tier is not None and self._tier.min_hits:
-            self._tier.back_up(ids[:-1], ns=ns)
+        if self._tiers.backs_up_on_match:
+            self._tiers.back_up(ids[:-1], ns)
         return handle, indices
 
     def _count_match(self, tokens: int, handle: BaseCacheHandle) -> None:
@@ -221,9 +188,9 @@ class CacheManager:
         out = self.manager.match_prefix_batch([x[:-1] for x in ids], spaces)
         for x, (handle, _) in zip(ids, out):
             self._count_match(len(x) - 1, handle)
-        if self._tier is not None and self._tier.min_hits:
+        if self._tiers.backs_up_on_match:
             for x, ns in zip(ids, spaces):
-                self._tier.back_up(x[:-1], ns=ns)
+                self._tiers.back_up(x[:-1], ns)
         return out
 
     @shielded
@@ -249,7 +216,7 @@ class CacheManager:
         only: check `cached_len`, never `handle.host_hit_len`, for what the
         request may skip.
         """
-        tier, tree = self._tier, self._tree
+        tier, tree = self._tiers.host, self._tree
         if not isinstance(handle, BaseCacheHandle):
             raise TypeError(f"handle must be a cache handle, got {type(handle).__name__}")
         if not self.manager.is_valid(handle):
@@ -262,20 +229,16 @@ class CacheManager:
             if not tree.tier_sizes().loading:
                 raise
             # Another request is loading this part: let it land, then take it.
-            self._settle_loads()
+            self._tiers.settle_loads()
             copy = tree.find_load(handle)
         if copy.end == handle.cached_len:  # nothing left beyond the device part
             return self._lock_device_part(handle)
         n = copy.end - copy.start
         self.lock(handle)  # the device part stays while room is made
         try:
-            room = self._pages.num_free_pages * self.page_size + tree.size_info()[0]
-            if n > room and tier.backups_in_flight:
-                # Nodes being backed up are pinned: let their copies finish.
-                tier.controller.drain()
-                tier.writing_check()
-                room = self._pages.num_free_pages * self.page_size + tree.size_info()[0]
-            if n > room:
+            missing, evictable = self._device_room(n)
+            if missing > evictable:
+                room = self._pages.num_free_pages * self.page_size + evictable
                 raise _core.OutOfCapacityError(
                     f"cannot load {n} tokens back from host: {room} device slots are free "
                     "or evictable")
@@ -339,31 +302,33 @@ class CacheManager:
         n = as_int(num_tokens, "num_tokens")
         if n < 0:
             raise ValueError(f"num_tokens must be >= 0, got {n}")
-        pages = -(-n // self.page_size)
-        missing = pages - self._pages.num_free_pages
+        missing, evictable = self._device_room(n)
         if missing <= 0:
             return 0
-        evictable = self.manager.size_info.evictable_size
-        tier = self._tier
-        if tier is not None and missing * self.page_size > evictable and tier.backups_in_flight:
-            # Nodes being backed up are pinned: let their copies finish.
-            tier.controller.drain()
-            tier.writing_check()
-            evictable = self.manager.size_info.evictable_size
-        if missing * self.page_size > evictable:
+        if missing > evictable:
             raise _core.OutOfCapacityError(
-                f"cannot allocate num_tokens={n} ({pages} pages): "
+                f"cannot allocate num_tokens={n} ({-(-n // self.page_size)} pages): "
                 f"{self._pages.num_free_pages} pages are free and "
                 f"{evictable // self.page_size} evictable"
             )
-        if tier is not None and tier.write_policy == "write_back":
-            tier.back_up_before_evict(missing * self.page_size)
-        evicted = self.manager.evict(missing * self.page_size).cpu()
+        self._tiers.back_up_before_evict(missing)
+        evicted = self.manager.evict(missing).cpu()
         self._pages.free(evicted)
         self._evicted += len(evicted)
         if self._events is not None:
             self._events.device_evicted(evicted)
         return len(evicted)
+
+    def _device_room(self, n: int) -> Tuple[int, int]:
+        """(missing, evictable): the slots `n` tokens need beyond the free
+        pages (whole pages), and the cached slots eviction could free, once
+        the backups in flight finished if they pin what is missing."""
+        missing = (-(-n // self.page_size) - self._pages.num_free_pages) * self.page_size
+        evictable = self.manager.size_info.evictable_size
+        if 0 < missing and evictable < missing and self._tiers.backups_in_flight():
+            self._tiers.settle_backups()  # nodes being backed up are pinned
+            evictable = self.manager.size_info.evictable_size
+        return missing, evictable
 
     @shielded
     def allocate(self, num_tokens: int) -> torch.Tensor:
@@ -381,8 +346,9 @@ class CacheManager:
     def free(self, indices) -> None:
         """Return pages a request holds (whole pages, not cached ones)."""
         indices = to_host(indices, "indices", self.device)
-        if self._tier is not None and self._tier.loads_in_flight:
-            self._tier.check_not_loading(int32_tensor(indices, "indices", self.device), "indices")
+        if self._tiers.loads_in_flight():
+            self._tiers.check_not_loading(int32_tensor(indices, "indices", self.device),
+                                          "indices")
         self._pages.free(indices, self._tree)
         self._held_pages -= len(indices) // self.page_size
 
@@ -409,10 +375,10 @@ class CacheManager:
             raise ValueError("old_handle is stale or belongs to another cache manager")
         if getattr(old_handle, "lock_count", 0) < 1:
             raise ValueError("old_handle is not locked: lock it after match_req")
-        if self._tier is not None and self._tier.loads_in_flight:
+        if self._tiers.loads_in_flight():
             # The request's loads (and any on its path) join the tree before
             # its slots are compared with the tree's.
-            self._settle_loads()
+            self._tiers.settle_loads()
         cached = old_handle.cached_len
         if cached > n:
             raise ValueError(f"old_handle covers {cached} tokens but input_ids has only {n}")
@@ -425,8 +391,8 @@ class CacheManager:
         return ids, idx, n, cached
 
     def _write_through(self, input_ids, ns: int) -> None:
-        if self._tier is not None and self._tier.write_policy == "write_through":
-            self._tier.back_up(input_ids, ns=ns)
+        if self._tiers.write_policy == "write_through":
+            self._tiers.back_up(input_ids, ns)
 
     def _insert(self, old_handle, input_ids, indices, n: int, cached: int,
                 priority: int) -> Tuple[int, int]:
@@ -452,9 +418,8 @@ class CacheManager:
         """
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
         in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
-        full = n - n % self.page_size
-        self._pages.free(indices[cached:in_cache])
-        self._pages.free(indices[full:])
+        for slots in released_slots(indices, cached, in_cache, n, self.page_size, True):
+            self._pages.free(slots)
         self._held_pages -= (len(indices) - cached) // self.page_size
         self.unlock(old_handle)
         self._write_through(input_ids, ns)
@@ -475,7 +440,8 @@ class CacheManager:
         in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
         new_handle, tree_indices = self.manager.match_prefix(input_ids, ns)
         now_cached = new_handle.cached_len
-        self._pages.free(indices[cached:min(in_cache, now_cached)])
+        self._pages.free(released_slots(indices, cached, min(in_cache, now_cached), n,
+                                        self.page_size, False)[0])
         self.lock(new_handle)
         self.unlock(old_handle)
         self._held_pages -= (now_cached - cached) // self.page_size
@@ -491,7 +457,7 @@ class CacheManager:
         (a failed one's host pages are freed). Returns how many were applied;
         0 without a host tier. Call once per scheduling round (it publishes
         the round's KV events, as `flush_events()`)."""
-        applied = self._tier.writing_check() if self._tier is not None else 0
+        applied = self._tiers.writing_check()
         self.flush_events()
         return applied
 
@@ -501,25 +467,13 @@ class CacheManager:
         Returns the handles (from `load_back`) whose loads failed since the
         last call (also those found by another call that waited for loads):
         their pages were freed; see `load_back`."""
-        if self._tier is None:
-            self.flush_events()
-            return []
-        self._tier.loading_check(self._free_loaded)
+        failed = self._tiers.loading_check()
         self.flush_events()
-        return self._tier.take_failed_loads()
-
-    def _free_loaded(self, slots: torch.Tensor) -> None:
-        self._pages.free(slots, self._tree)
-
-    def _settle_loads(self) -> None:
-        # Failed loads found here wait for the scheduler's next loading_check().
-        self._tier.controller.wait_loads()
-        self._tier.loading_check(self._free_loaded)
+        return failed
 
     def start_loading(self) -> None:
         """Starts the loads queued by `load_back` (`wait_layer` also does)."""
-        if self._tier is not None:
-            self._tier.controller.start_loading()
+        self._tiers.start_loading()
 
     def wait_layer(self, layer: int) -> None:
         """Returns once layer `layer` of every load queued so far is in place
@@ -528,23 +482,12 @@ class CacheManager:
         layer = as_int(layer, "layer")
         if layer < 0:
             raise ValueError(f"layer must be >= 0, got {layer}")
-        tier = self._tier
-        if tier is not None:
-            # Without a pool the tier's bookkeeping has no layers: any is ready
-            # once the loads queued so far are.
-            tier.controller.wait_layer(layer if tier.pool is not None else 0)
+        self._tiers.wait_layer(layer)
 
     def drain(self) -> List[BaseCacheHandle]:
         """Waits for every copy queued so far and applies them all (backups,
         then loads). Returns the handles of failed loads, as `loading_check`."""
-        if self._tier is None:
-            self.flush_events()
-            return []
-        self._tier.controller.drain()
-        self._tier.writing_check()  # queues the writes to storage of what landed
-        failed = self.loading_check()
-        if self._storage is not None:
-            self._storage.drain()
+        failed = self._tiers.drain()
         self.flush_events()
         return failed
 
@@ -567,7 +510,7 @@ class CacheManager:
             Namespaces.check(namespace)  # a bad name raises all the same
             return None
         ids = int32_tensor(input_ids, "input_ids", self.device)[:-1]
-        return self._storage.prefetch(ids, self._namespaces.id(namespace))
+        return self._tiers.prefetch(ids, self._namespaces.id(namespace))
 
     def wait_prefetch(self, prefetch) -> int:
         """Waits for a read as `prefetch_policy` says (not at all for
@@ -578,23 +521,23 @@ class CacheManager:
         if prefetch is not None and not isinstance(prefetch, Prefetch):
             raise TypeError(f"prefetch must be what prefetch() returned (or None), got "
                             f"{_type_name(prefetch)}")
-        if self._storage is None or prefetch is None:
+        if prefetch is None:
             return 0
-        self._storage.wait(prefetch)
-        self.storage_check()
-        return prefetch.inserted
+        inserted = self._tiers.wait_prefetch(prefetch)
+        self.flush_events()
+        return inserted
 
     @shielded
     def storage_check(self) -> int:
         """Applies finished writes to storage (their host pages are released)
         and reads (their pages join the tree). Call once per scheduling round."""
-        applied = self._storage.storage_check() if self._storage is not None else 0
+        applied = self._tiers.storage_check()
         self.flush_events()
         return applied
 
     @property
     def storage_counters(self) -> Optional[StorageCounters]:
-        return self._storage.counters() if self._storage is not None else None
+        return self._tiers.storage_counters()
 
     def close(self, wait: bool = True) -> None:
         """Stops the storage tier's thread and closes its backend (after
@@ -609,12 +552,7 @@ class CacheManager:
         stops after its current job, and no events are published. The cache
         goes on serving without storage (it is not to be used afterwards
         when the close ends a run)."""
-        storage = self._storage
-        if storage is not None:
-            if wait:  # backups that land later would queue writes
-                self._tier.controller.drain()
-                self._tier.writing_check()
-            storage.close(storage.wait_closed(wait))
+        self._tiers.close(wait)
         if wait:
             self.flush_events()
 
@@ -645,37 +583,27 @@ class CacheManager:
         With KV events: BlockRemoved for every host block, then
         AllBlocksCleared (the device's), published at once.
         """
-        tier = self._tier
-        if tier is not None:
-            tier.controller.drain()
-            tier.writing_check()
-            tier.loading_check(self._free_loaded)
-            if self._storage is not None:
-                self._storage.drain(self._storage.faults.close_timeout_s)
+        storage = self._storage
+        self._tiers.settle(storage.faults.close_timeout_s if storage is not None else None)
         self._reset_now()
 
     @shielded
     def _reset_now(self) -> None:
-        tier = self._tier
         locked = self.manager.size_info.protected_size
         if locked:
             raise RuntimeError(f"cannot reset: requests hold locks on {locked} cached tokens "
                                "(unlock or finish them first)")
-        if self._storage is not None and self._storage.in_flight:
-            raise RuntimeError(f"cannot reset: {self._storage.in_flight} writes or reads of the "
-                               "storage tier are still in flight (the store is not answering); "
-                               "their host pages stay theirs until they end")
+        in_flight = self._tiers.storage_in_flight()
+        if in_flight:
+            raise RuntimeError(f"cannot reset: {in_flight} writes or reads of the storage tier "
+                               "are still in flight (the store is not answering); their host "
+                               "pages stay theirs until they end")
         evictable = self.manager.size_info.evictable_size
         if evictable:
             evicted = self.manager.evict(evictable).cpu()
             self._pages.free(evicted)
             self._evicted += len(evicted)
-        if tier is not None:
-            host = self._tree.tier_sizes().host
-            if host:
-                freed = self._tree.evict_host(host)
-                tier.pages.free(freed, self._tree, True)
-                tier.host_evicted += len(freed)
+        self._tiers.drop_host_copies()
         if self._tree is not None and self._tree.num_nodes:
             raise _core.IntegrityError(f"reset left {self._tree.num_nodes} nodes in the tree")
         self.manager.reset()
@@ -695,17 +623,17 @@ class CacheManager:
 
     @property
     def write_policy(self) -> Optional[str]:
-        return self._tier.write_policy if self._tier is not None else None
+        return self._tiers.write_policy
 
     @property
     def host_size_info(self) -> Optional[HostSizeInfo]:
         """The host tier's slots and tokens (None without a host tier)."""
-        return self._tier.size_info() if self._tier is not None else None
+        return self._tiers.host_size_info()
 
     @property
     def tier_counters(self) -> Optional[TierCounters]:
         """Tokens the host tier has moved (None without a host tier)."""
-        return self._tier.counters() if self._tier is not None else None
+        return self._tiers.tier_counters()
 
     @property
     def metrics(self) -> CacheMetrics:
@@ -748,21 +676,14 @@ class CacheManager:
             raise _core.IntegrityError(f"{cached_tokens} cached tokens are not whole pages")
         free = self._pages.num_free_pages
         cached = cached_tokens // self.page_size
-        loading = self._tier.loading_tokens // self.page_size if self._tier is not None else 0
+        loading = self._tiers.loading_tokens() // self.page_size
         if free + cached + self._held_pages + loading != self.num_pages:
             raise _core.IntegrityError(
                 f"pages leaked or owned twice: {free} free + {cached} cached + "
                 f"{self._held_pages} held by requests + {loading} loading != {self.num_pages}"
             )
         self._pages.check_disjoint(self._tree)
-        if self._storage is not None:
-            owned = self._storage.check_integrity()
-            if owned != self._tier.prefetch_tokens:
-                raise _core.IntegrityError(
-                    f"reads from storage own {owned} host slots but the tier counts "
-                    f"{self._tier.prefetch_tokens}")
-        if self._tier is not None:
-            self._tier.check_integrity(self._pages)
+        self._tiers.check_integrity()
 
     @property
     def held_pages(self) -> int:

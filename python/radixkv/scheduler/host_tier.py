@@ -14,6 +14,7 @@ from radixkv._native import require_cuda_extension
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
+from radixkv.scheduler.block_events import BlockEvents
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 """When a node gets a host copy: when it is inserted (`write_through`), when it
@@ -49,7 +50,7 @@ class TierCounters(NamedTuple):
 
 
 class LayerWait:
-    """The device pool's hook (`MHAKVCache._layer_wait`): `k_cache(i)` and
+    """The device pool's hook (`attach_layer_wait`): `k_cache(i)` and
     `v_cache(i)` wait for layer i of the tier's loads. It holds the controller
     weakly, so a discarded CacheManager does not keep its controller, thread
     and host pool alive through the pool it used."""
@@ -81,8 +82,8 @@ class HostTier:
 
     def __init__(self, tree: _core.RadixTree, page_size: int, host_num_pages: int,
                  write_policy: str, kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
-                 host_layout: str,
-                 num_layers: int, manual: bool) -> None:
+                 host_layout: str, num_layers: int, manual: bool, *,
+                 events: Optional[BlockEvents] = None, keep_landed: bool = False) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
                              f"got {write_policy!r}")
@@ -132,13 +133,14 @@ class HostTier:
         # exception while one is applied leaves the rest for the next call.
         self._backup_acks: Deque[Tuple[int, bool]] = deque()
         self._load_acks: Deque[Tuple[int, bool]] = deque()
-        self.prefetch_tokens = 0  # host slots owned by reads from storage in flight
-        # Called with each finished backup's copy that gave nodes host copies
-        # (the storage tier writes them on).
-        self.on_backed_up = None
+        # With keep_landed: each finished backup's copy that gave nodes host
+        # copies, oldest first, until the tiers' owner takes it (to write it
+        # on to storage).
+        self._keep_landed = keep_landed
+        self.landed: Deque[Copy] = deque()
         # The manager's BlockEvents when KV events are on: told of every page
         # that lands on or leaves either tier through this class.
-        self.events = None
+        self.events = events
         self.backed_up = self.loaded_back = self.host_evicted = 0
         self.backups_skipped = self.failed_copies = 0
 
@@ -168,8 +170,7 @@ class HostTier:
         storage join the tree under it. Returns whether the path is host
         backed to its end."""
         if self.back_up(tokens, 0, through_partial=True, ns=ns):
-            self.controller.drain()
-            self.writing_check()
+            self.settle_backups()
         return self.tree.storage_prefix_end(tokens, ns)[1]
 
     def back_up_before_evict(self, size: int) -> int:
@@ -188,35 +189,28 @@ class HostTier:
                 # the node is evicted without one.
                 self.backups_skipped += n
         if queued:
-            self.controller.drain()
-            self.writing_check()
+            self.settle_backups()
         return queued
 
     def make_room(self, n: int) -> int:
         """Frees host slots (least recently used copies first) until `n` are
         free or nothing more can go; returns the free slots."""
-        free = self.pages.num_free_pages * self.page_size
-        missing = n - free
-        while missing > 0:
-            try:
-                freed = self.tree.evict_host(missing)
-            except _core.OutOfCapacityError:
-                missing //= 2
-                missing -= missing % self.page_size
-                continue
-            self.pages.free(freed, self.tree, True)
-            self.host_evicted += len(freed)
-            if self.events is not None:
-                self.events.host_evicted(freed)
-            break
+        missing = n - self.pages.num_free_pages * self.page_size
+        while missing > 0 and not self._evict(missing):
+            missing //= 2
+            missing -= missing % self.page_size
         return self.pages.num_free_pages * self.page_size
 
     def _room_for(self, n: int) -> bool:
+        """Whether `n` host slots are free, evicting to make them so."""
         missing = n - self.pages.num_free_pages * self.page_size
-        if missing <= 0:
-            return True
+        return missing <= 0 or self._evict(missing)
+
+    def _evict(self, size: int) -> bool:
+        """Drops host copies of at least `size` tokens (least recently used
+        first) and frees their pages; False, dropping none, if it cannot."""
         try:
-            freed = self.tree.evict_host(missing)
+            freed = self.tree.evict_host(size)
         except _core.OutOfCapacityError:
             return False
         self.pages.free(freed, self.tree, True)
@@ -245,6 +239,12 @@ class HostTier:
         self._backup_tokens += n
         return n
 
+    def settle_backups(self) -> int:
+        """Waits for every backup queued so far and applies them all
+        (`writing_check`); returns how many were applied."""
+        self.controller.drain()
+        return self.writing_check()
+
     @_core.shielded
     def writing_check(self) -> int:
         """Applies finished backups to the tree: the nodes take their host
@@ -264,8 +264,8 @@ class HostTier:
             self._backup_tokens -= len(host_slots)
             self.backed_up += len(host_slots) - len(rejected)
             self.failed_copies += 0 if ok else len(host_slots)
-            if self.on_backed_up is not None and len(rejected) < len(host_slots):
-                self.on_backed_up(copy)
+            if self._keep_landed and len(rejected) < len(host_slots):
+                self.landed.append(copy)
         return applied
 
     # -- loads --------------------------------------------------------------------
@@ -336,16 +336,17 @@ class HostTier:
         return TierCounters(self.backed_up, self.loaded_back, self.host_evicted,
                             self.backups_skipped, self.failed_copies)
 
-    def check_integrity(self, device_pages: _core.PageAllocator) -> None:
-        """Host pages: free + cached + owned by backups == all, none twice;
-        every slot a copy owns is allocated and in no node."""
+    def check_integrity(self, device_pages: _core.PageAllocator, reading: int = 0) -> None:
+        """Host pages: free + cached + owned by backups + `reading` (owned by
+        reads from storage in flight) == all, none twice; every slot a copy
+        owns is allocated and in no node."""
         host = self.tree.tier_sizes().host
         free = self.pages.num_free_pages * self.page_size
-        owned = free + host + self._backup_tokens + self.prefetch_tokens
+        owned = free + host + self._backup_tokens + reading
         if owned != self.num_pages * self.page_size:
             raise _core.IntegrityError(
                 f"host slots leaked or owned twice: {free} free + {host} cached + "
-                f"{self._backup_tokens} in backups + {self.prefetch_tokens} in reads from "
+                f"{self._backup_tokens} in backups + {reading} in reads from "
                 f"storage != {self.num_pages * self.page_size}")
         self.pages.check_disjoint(self.tree, True)
         if self._backups:

@@ -17,6 +17,8 @@ import torch
 
 from radixkv import _core
 from radixkv._checks import as_count, as_seconds
+from radixkv.scheduler.block_events import BlockEvents
+from radixkv.scheduler.host_tier import HostTier
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.storage.base import MAX_BATCH, StorageBackend
 from radixkv.storage.health import Health
@@ -362,16 +364,19 @@ class _Asker:
         self._asks.put(None)
 
 
-def _weakly(method):
-    """`method` called through a weak reference: the host tier's hook does
-    not keep the storage tier alive."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args):
-        fn = ref()
-        if fn is not None:
-            fn(*args)
-    return call
+def storage_seed_of(backend: StorageBackend, seed: Optional[bytes]) -> bytes:
+    """The seed of a store's page keys: `seed`, else the backend's
+    fingerprint; b'' keys pages without one (SGLang's page hash)."""
+    if seed is None:
+        seed = backend.fingerprint
+    if seed is None:
+        raise ValueError("storage_seed: give config_fingerprint(...) of this configuration "
+                         "(or a backend with a fingerprint), so configurations sharing a "
+                         "store never read each other's pages; b'' keys pages without a "
+                         "seed (SGLang's page hash)")
+    if not isinstance(seed, bytes) or len(seed) not in (0, 32):
+        raise ValueError("storage_seed must be 32 bytes (config_fingerprint) or b''")
+    return seed
 
 
 class StorageTier:
@@ -398,11 +403,12 @@ class StorageTier:
     every rank prefetches them.
     """
 
-    def __init__(self, host_tier, backend: StorageBackend, seed: Optional[bytes],
+    def __init__(self, host_tier: HostTier, backend: StorageBackend, seed: Optional[bytes],
                  namespaces: Namespaces,
                  prefetch_policy: str = "best_effort", timeout_base_s: float = 1.0,
                  timeout_per_1k_tokens_s: float = 0.25, min_prefetch_tokens: int = 0,
-                 faults: Optional[StorageFaultPolicy] = None, writer: bool = True):
+                 faults: Optional[StorageFaultPolicy] = None, writer: bool = True,
+                 events: Optional[BlockEvents] = None):
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
                              f"got {prefetch_policy!r}")
@@ -414,15 +420,7 @@ class StorageTier:
                             f"{type(faults).__name__}")
         if host_tier.pool is None:
             raise ValueError("a storage tier moves K/V bytes: the CacheManager needs kv_cache")
-        if seed is None:
-            seed = backend.fingerprint
-        if seed is None:
-            raise ValueError("storage_seed: give config_fingerprint(...) of this configuration "
-                             "(or a backend with a fingerprint), so configurations sharing a "
-                             "store never read each other's pages; b'' keys pages without a "
-                             "seed (SGLang's page hash)")
-        if not isinstance(seed, bytes) or len(seed) not in (0, 32):
-            raise ValueError("storage_seed must be 32 bytes (config_fingerprint) or b''")
+        seed = storage_seed_of(backend, seed)
         self.host = host_tier
         self.tree = host_tier.tree
         self.page_size = host_tier.page_size
@@ -447,7 +445,8 @@ class StorageTier:
         self.written_pages = self.prefetched_tokens = self.write_failures = 0
         self.present_pages = 0
         self.skipped_reads = self.skipped_writes = self.query_timeouts = 0
-        self.events = None  # the manager's BlockEvents when KV events are on
+        self.events = events  # the manager's BlockEvents when KV events are on
+        self.reading_tokens = 0  # host slots owned by prefetches in flight
         self._reader = threading.Thread(target=self._store.run, args=(self._store.read_jobs,),
                                         name="radixkv-storage-read", daemon=True)
         self._writer = threading.Thread(target=self._store.run, args=(self._store.write_jobs,),
@@ -456,7 +455,6 @@ class StorageTier:
         self._writer.start()
         stop = weakref.finalize(self, _Store.stop_soon, self._store, self._asker)
         stop.atexit = False
-        host_tier.on_backed_up = _weakly(self.write)
 
     # -- the store's health -----------------------------------------------------------
 
@@ -536,7 +534,7 @@ class StorageTier:
         # the host pool: a store whose reads stall never takes the host
         # tier's cache (a read alone may take what it needs).
         if self._prefetches:
-            hits = min(hits, (self.host.num_pages * ps // 2 - self.host.prefetch_tokens) // ps)
+            hits = min(hits, (self.host.num_pages * ps // 2 - self.reading_tokens) // ps)
             if hits * ps < self.min_prefetch_tokens:
                 return None
         if not host_backed and not self.host.copy_path_to_host(tokens[:start], ns):
@@ -560,7 +558,7 @@ class StorageTier:
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots, pin, ns,
                       pages)
-        self.host.prefetch_tokens += hits * ps
+        self.reading_tokens += hits * ps
         self._prefetches.append(op)
         self._store.read_jobs.put(op)
         return op
@@ -603,7 +601,7 @@ class StorageTier:
         got = op.pages_ok * ps
         taken_slots = op.host_slots[:got]
         rest = op.host_slots[got:]
-        self.host.prefetch_tokens -= op.num_tokens
+        self.reading_tokens -= op.num_tokens
         if got:
             rejected = self.tree.insert_host(op.tokens[:op.start + got], op.start, taken_slots,
                                              op.ns)
@@ -730,10 +728,10 @@ class StorageTier:
                                self.present_pages, self.skipped_reads, self.skipped_writes,
                                self.query_timeouts, self.lost)
 
-    def check_integrity(self) -> int:
-        """Host slots owned by prefetches in flight (for the host pool's sum);
-        checks they are allocated and in no node, that the tree's pins are
-        the prefetches' and its pages being written the writes'."""
+    def check_integrity(self) -> None:
+        """Checks that the host slots prefetches in flight own are counted
+        (`reading_tokens`), allocated and in no node, that the tree's pins
+        are the prefetches' and its pages being written the writes'."""
         storing = self.tree.tier_sizes().storing
         writing = sum(len(job.pages) for job in self._writes) * self.page_size
         if storing != writing:
@@ -747,7 +745,10 @@ class StorageTier:
             slots = torch.cat([op.host_slots for op in self._prefetches])
             self.host.pages.check_owned(slots, "host slots of prefetches in flight", self.tree,
                                         True)
-        return sum(op.num_tokens for op in self._prefetches)
+        owned = sum(op.num_tokens for op in self._prefetches)
+        if owned != self.reading_tokens:
+            raise _core.IntegrityError(f"reads from storage own {owned} host slots but the "
+                                       f"tier counts {self.reading_tokens}")
 
     # -- closing ----------------------------------------------------------------------
 
@@ -786,7 +787,6 @@ class StorageTier:
         if self._closed:
             return False
         self._closed = True
-        self.host.on_backed_up = None
         for jobs in (self._store.read_jobs, self._store.write_jobs):
             while True:
                 try:

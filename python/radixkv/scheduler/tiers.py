@@ -1,0 +1,281 @@
+"""The tiers behind a CacheManager's device pool, and their one owner.
+
+`Tiers` holds the host tier (host pages, the copy controller and the copies
+in flight), the storage tier and the ledger of KV events, and is the only
+way the manager reaches them. `build_tiers` makes it from the manager's
+arguments, handing each part its collaborators when it is made: the ledger
+to both tiers, the host tier to the storage tier, the host tier's wait for a
+layer to the pool. Calls point one way: the manager calls `Tiers`, which
+calls the storage tier and the host tier, and the storage tier calls the
+host tier (for room and for host copies of a path), never back: the backups
+that landed are handed from the host tier to the storage tier here.
+Without a host tier, storage or events the matching part is None and its
+calls do nothing.
+
+The idioms the manager repeats are named here: settling backups (wait for
+every copy to host queued so far, then apply them), settling loads, and the
+full drain.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import torch
+
+from radixkv import _core
+from radixkv.events import EventPublisher
+from radixkv.kvcache.host_pool import HOST_LAYOUTS
+from radixkv.kvcache.mha_pool import MHAKVCache
+from radixkv.kvcache.mla_pool import MLAKVCache
+from radixkv.scheduler.block_events import BlockEvents
+from radixkv.scheduler.host_tier import (WRITE_POLICIES, HostSizeInfo, HostTier, LayerWait,
+                                         TierCounters)
+from radixkv.scheduler.namespaces import Namespaces
+from radixkv.scheduler.storage_tier import (Prefetch, StorageCounters, StorageFaultPolicy,
+                                            StorageTier, storage_seed_of)
+from radixkv.storage.base import StorageBackend
+
+
+class Tiers:
+    """The host tier, the storage tier and the KV-event ledger of one
+    CacheManager (each None when off), over the manager's tree and device
+    page allocator. Made by `build_tiers`."""
+
+    def __init__(self, tree: Optional[_core.RadixTree], device_pages: _core.PageAllocator,
+                 events: Optional[BlockEvents]) -> None:
+        self.tree = tree
+        self.device_pages = device_pages
+        self.events = events
+        self.host: Optional[HostTier] = None
+        self.storage: Optional[StorageTier] = None
+        # write_through_selective backs a path up when a match reaches it.
+        self.backs_up_on_match = False
+
+    @_core.shielded
+    def _write_landed(self) -> None:
+        """The backups that gave nodes host copies since the last call are
+        written on to storage, one at a time (an error leaves the rest for
+        the next call; Ctrl-C waits: a write's pins and its job are made
+        together). Called after every host-tier call that may apply
+        backups: the host tier never calls the storage tier."""
+        landed = self.host.landed
+        while landed:
+            self.storage.write(landed.popleft())
+
+    # -- the host tier ------------------------------------------------------------------
+
+    @property
+    def write_policy(self) -> Optional[str]:
+        return self.host.write_policy if self.host is not None else None
+
+    def backups_in_flight(self) -> int:
+        return self.host.backups_in_flight if self.host is not None else 0
+
+    def loads_in_flight(self) -> int:
+        return self.host.loads_in_flight if self.host is not None else 0
+
+    def loading_tokens(self) -> int:
+        """Device slots owned by loads in flight."""
+        return self.host.loading_tokens if self.host is not None else 0
+
+    def back_up(self, tokens: torch.Tensor, ns: int) -> None:
+        """Queues the backup of `tokens`' cached path as the write policy says."""
+        if self.host is not None:
+            self.host.back_up(tokens, ns=ns)
+
+    def back_up_before_evict(self, size: int) -> None:
+        """write_back: the device leaves that evicting `size` tokens takes get
+        their host copies first (waited for)."""
+        if self.host is not None and self.host.write_policy == "write_back":
+            self.host.back_up_before_evict(size)
+            if self.storage is not None:
+                self._write_landed()
+
+    def settle_backups(self) -> int:
+        """Waits for every backup queued so far and applies them all (what
+        landed is written on to storage); returns how many were applied."""
+        if self.host is None:
+            return 0
+        applied = self.host.settle_backups()
+        if self.storage is not None:
+            self._write_landed()
+        return applied
+
+    def writing_check(self) -> int:
+        """Applies the backups that finished (what landed is written on to
+        storage); returns how many."""
+        if self.host is None:
+            return 0
+        applied = self.host.writing_check()
+        if self.storage is not None:
+            self._write_landed()
+        return applied
+
+    def free_loaded(self, slots: torch.Tensor) -> None:
+        """Device pages of a load that did not join the tree go back."""
+        self.device_pages.free(slots, self.tree)
+
+    def loading_check(self) -> List[object]:
+        """Applies the loads that finished; returns the handles of those that
+        failed since the last call (their pages were freed)."""
+        if self.host is None:
+            return []
+        self.host.loading_check(self.free_loaded)
+        return self.host.take_failed_loads()
+
+    def settle_loads(self) -> None:
+        """Waits for every load queued so far and applies them (failed ones
+        wait for the next `loading_check`)."""
+        if self.host is not None:
+            self.host.controller.wait_loads()
+            self.host.loading_check(self.free_loaded)
+
+    def start_loading(self) -> None:
+        if self.host is not None:
+            self.host.controller.start_loading()
+
+    def wait_layer(self, layer: int) -> None:
+        """Returns once layer `layer` of every load queued so far is in place."""
+        host = self.host
+        if host is not None:
+            # Without a pool the tier's bookkeeping has no layers: any is ready
+            # once the loads queued so far are.
+            host.controller.wait_layer(layer if host.pool is not None else 0)
+
+    def check_not_loading(self, indices: torch.Tensor, name: str) -> None:
+        if self.host is not None and self.host.loads_in_flight:
+            self.host.check_not_loading(indices, name)
+
+    def settle(self, storage_limit_s: Optional[float] = None) -> None:
+        """Waits for every copy queued so far and applies them all: backups
+        (queueing their writes to storage), loads (failed ones wait for the
+        next `loading_check`), then storage's writes and reads (at most
+        `storage_limit_s`; None: the fault policy's wait limit)."""
+        if self.host is None:
+            return
+        self.settle_backups()
+        self.host.loading_check(self.free_loaded)
+        if self.storage is not None:
+            self.storage.drain(storage_limit_s)
+
+    def drain(self) -> List[object]:
+        """`settle`, then the handles of the loads that failed."""
+        self.settle()
+        return self.host.take_failed_loads() if self.host is not None else []
+
+    def drop_host_copies(self) -> None:
+        """Evicts every host copy (a reset: nothing may be locked or in flight)."""
+        host = self.host
+        if host is not None:
+            size = self.tree.tier_sizes().host
+            if size:
+                freed = self.tree.evict_host(size)
+                host.pages.free(freed, self.tree, True)
+                host.host_evicted += len(freed)
+
+    # -- the storage tier ---------------------------------------------------------------
+
+    def prefetch(self, tokens: torch.Tensor, ns: int) -> Optional[Prefetch]:
+        if self.storage is None:
+            return None
+        op = self.storage.prefetch(tokens, ns)  # may copy the path to host first
+        self._write_landed()
+        return op
+
+    def wait_prefetch(self, op: Prefetch) -> int:
+        """Waits for a read as the prefetch policy says, then applies what
+        finished; returns the tokens the tree took from it (so far)."""
+        if self.storage is None:
+            return 0
+        self.storage.wait(op)
+        self.storage.storage_check()
+        return op.inserted
+
+    def storage_check(self) -> int:
+        return self.storage.storage_check() if self.storage is not None else 0
+
+    def storage_in_flight(self) -> int:
+        return self.storage.in_flight if self.storage is not None else 0
+
+    def close(self, wait: bool) -> None:
+        """Stops the storage tier (see CacheManager.close)."""
+        storage = self.storage
+        if storage is not None:
+            if wait:  # backups that land later would queue writes
+                self.settle_backups()
+            storage.close(storage.wait_closed(wait))
+
+    # -- figures and checks ---------------------------------------------------------------
+
+    def host_size_info(self) -> Optional[HostSizeInfo]:
+        return self.host.size_info() if self.host is not None else None
+
+    def tier_counters(self) -> Optional[TierCounters]:
+        return self.host.counters() if self.host is not None else None
+
+    def storage_counters(self) -> Optional[StorageCounters]:
+        return self.storage.counters() if self.storage is not None else None
+
+    def check_integrity(self) -> None:
+        """The host pages and the storage tier's (see HostTier, StorageTier)."""
+        if self.host is None:
+            return
+        reading = 0
+        if self.storage is not None:
+            self.storage.check_integrity()
+            reading = self.storage.reading_tokens
+        self.host.check_integrity(self.device_pages, reading)
+
+
+def build_tiers(tree: Optional[_core.RadixTree], device_pages: _core.PageAllocator,
+                namespaces: Namespaces, *, page_size: int, num_pages: int,
+                host_num_pages: int, write_policy: str,
+                kv_cache: Optional[Union[MHAKVCache, MLAKVCache]], host_layout: str,
+                manual_copies: bool, storage: Optional[StorageBackend],
+                storage_seed: Optional[bytes], prefetch_policy: str, min_prefetch_tokens: int,
+                storage_faults: Optional[StorageFaultPolicy], tp_rank: int,
+                kv_events: Optional[EventPublisher]) -> Tiers:
+    """The tiers of a CacheManager, from its (checked) arguments; checks the
+    tiers' own first, so a bad one raises before anything is made."""
+    if host_layout not in HOST_LAYOUTS:
+        raise ValueError(f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, "
+                         f"got {host_layout!r}")
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
+                         f"got {write_policy!r}")
+    if host_num_pages and tree is None:
+        raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
+    if host_num_pages and kv_cache is not None and kv_cache.backs_host_tier:
+        raise ValueError("kv_cache already backs the host tier of another CacheManager: "
+                         "its k_cache(layer) waits for that tier's loads")
+    seed = None
+    if storage is not None:
+        if not host_num_pages or kv_cache is None or host_layout != "page_first":
+            raise ValueError("a storage tier needs a host tier (host_num_pages > 0) with "
+                             "kv_cache and host_layout='page_first'")
+        seed = storage_seed_of(storage, storage_seed)
+    # Blocks hash like the storage tier's page keys, so a page keeps its hash
+    # on every medium.
+    events = None
+    if kv_events is not None:
+        events = BlockEvents(kv_events, page_size, seed or None, num_pages, host_num_pages,
+                             namespaces)
+    tiers = Tiers(tree, device_pages, events)
+    if not host_num_pages:
+        return tiers
+    tiers.host = HostTier(tree, page_size, host_num_pages, write_policy, kv_cache, host_layout,
+                          kv_cache.num_layers if kv_cache else 1, bool(manual_copies),
+                          events=events, keep_landed=storage is not None)
+    tiers.backs_up_on_match = bool(tiers.host.min_hits)
+    if storage is not None:
+        # An MLA pool's pages are the same on every tensor-parallel rank:
+        # rank 0 writes them, every rank reads.
+        writer = kv_cache.sides == 2 or tp_rank == 0
+        tiers.storage = StorageTier(tiers.host, storage, seed, namespaces, prefetch_policy,
+                                    writer=writer, min_prefetch_tokens=min_prefetch_tokens,
+                                    faults=storage_faults, events=events)
+    if kv_cache is not None:
+        kv_cache.attach_layer_wait(LayerWait(tiers.host.controller))
+    return tiers
+
