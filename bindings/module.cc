@@ -580,16 +580,21 @@ py::object RadixTree_IsValid(PyRadixTree& t, PyObject* const* a) {
 }
 
 radixkv::EvictionPolicy ParsePolicy(const std::string& name) {
-  using radixkv::EvictionPolicy;
-  static const std::pair<const char*, EvictionPolicy> kNames[] = {
-      {"lru", EvictionPolicy::kLru}, {"lfu", EvictionPolicy::kLfu},
-      {"fifo", EvictionPolicy::kFifo}, {"mru", EvictionPolicy::kMru},
-      {"priority", EvictionPolicy::kPriority}};
-  for (const auto& [n, p] : kNames) {
-    if (name == n) return p;
+  radixkv::EvictionPolicy policy;
+  if (radixkv::ParseEvictionPolicy(name, &policy)) return policy;
+  std::string names;
+  for (std::string_view n : radixkv::kEvictionPolicyNames) {
+    names += (names.empty() ? "" : ", ") + std::string(n);
   }
-  throw py::value_error("eviction_policy must be one of lru, lfu, fifo, mru, priority, got '" +
-                        name + "'");
+  throw py::value_error("eviction_policy must be one of " + names + ", got '" + name + "'");
+}
+
+py::tuple EvictionPolicies() {
+  py::tuple names(radixkv::kEvictionPolicyNames.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    names[i] = py::str(std::string(radixkv::kEvictionPolicyNames[i]));
+  }
+  return names;
 }
 
 PyObject* RadixTree_New(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
@@ -628,9 +633,8 @@ PyObject* RadixTree_MaxSlots(PyObject* self, void*) {
   return Getter(self, [](PyRadixTree& t) { return py::int_(t.tree.max_slots()); });
 }
 PyObject* RadixTree_Policy(PyObject* self, void*) {
-  static const char* kNames[] = {"lru", "lfu", "fifo", "mru", "priority"};
   return Getter(self, [](PyRadixTree& t) {
-    return py::str(kNames[static_cast<int>(t.tree.policy())]);
+    return py::str(std::string(radixkv::EvictionPolicyName(t.tree.policy())));
   });
 }
 PyObject* RadixTree_HostPins(PyObject* self, void*) {
@@ -1063,6 +1067,7 @@ PYBIND11_MODULE(_core, m) {
   radixkv::bindings::RegisterKernels(m);
   radixkv::bindings::RegisterController(m);
   radixkv::bindings::RegisterSignalShield(m);
+  m.attr("EVICTION_POLICIES") = EvictionPolicies();
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
   m.def("int32_tensor", &Int32Tensor, py::arg("values"), py::arg("name") = "values");
   m.def("crc32c", &Crc32c, py::arg("data"), py::arg("value") = 0,

@@ -5,15 +5,16 @@
 #include <cstring>
 #include <utility>
 
+#include "radix_node.h"
 #include "radixkv/compare.h"
 #include "radixkv/slot_set.h"
 #include "radixkv/status.h"
 
 namespace radixkv {
-namespace {
+using tree_errors::kBroken;
+using tree_errors::kInvalid;
 
-constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
-constexpr ErrorCode kBroken = ErrorCode::kIntegrity;
+namespace {
 
 std::atomic<uint64_t> next_tree_id{1};
 
@@ -40,18 +41,18 @@ uint64_t HashPage(const int32_t* tokens, int64_t n) noexcept {
   return h;
 }
 
-size_t StorageBytes(int64_t length, bool slots_only) {
+size_t BlockBytes(int64_t length, bool slots_only) {
   return static_cast<size_t>(slots_only ? length : 2 * length) * sizeof(int32_t);
 }
 
 }  // namespace
 
-// --- storage -------------------------------------------------------------------
+// --- node blocks ------------------------------------------------------------------
 
-RadixTree::Storage::Storage(NodeArena* arena, const int32_t* tokens, const int32_t* slots,
+RadixTree::NodeBlock::NodeBlock(NodeArena* arena, const int32_t* tokens, const int32_t* slots,
                             int64_t length)
     : arena_(arena),
-      block_(arena->Allocate(StorageBytes(length, tokens == nullptr))),
+      block_(arena->Allocate(BlockBytes(length, tokens == nullptr))),
       capacity_(length),
       slots_only_(tokens == nullptr) {
   auto* data = static_cast<int32_t*>(block_.data);
@@ -62,7 +63,7 @@ RadixTree::Storage::Storage(NodeArena* arena, const int32_t* tokens, const int32
   std::memcpy(data, slots, length * sizeof(int32_t));
 }
 
-RadixTree::Storage& RadixTree::Storage::operator=(Storage&& other) noexcept {
+RadixTree::NodeBlock& RadixTree::NodeBlock::operator=(NodeBlock&& other) noexcept {
   Free();
   arena_ = other.arena_;
   block_ = other.block_;
@@ -72,8 +73,8 @@ RadixTree::Storage& RadixTree::Storage::operator=(Storage&& other) noexcept {
   return *this;
 }
 
-RadixTree::Storage RadixTree::Storage::Adopt(NodeArena* arena, Node* node, bool host) noexcept {
-  Storage s;
+RadixTree::NodeBlock RadixTree::NodeBlock::Adopt(NodeArena* arena, Node* node, bool host) noexcept {
+  NodeBlock s;
   s.arena_ = arena;
   s.slots_only_ = host;
   if (host) {
@@ -90,7 +91,7 @@ RadixTree::Storage RadixTree::Storage::Adopt(NodeArena* arena, Node* node, bool 
   return s;
 }
 
-void RadixTree::Storage::MoveTo(Node* node, int64_t length) noexcept {
+void RadixTree::NodeBlock::MoveTo(Node* node, int64_t length) noexcept {
   node->data = static_cast<int32_t*>(block_.data);
   node->data_slab = block_.slab;
   node->capacity = capacity_;
@@ -98,15 +99,15 @@ void RadixTree::Storage::MoveTo(Node* node, int64_t length) noexcept {
   block_ = NodeArena::Block{};
 }
 
-void RadixTree::Storage::MoveToHost(Node* node) noexcept {
+void RadixTree::NodeBlock::MoveToHost(Node* node) noexcept {
   node->host = static_cast<int32_t*>(block_.data);
   node->host_slab = block_.slab;
   node->host_capacity = capacity_;
   block_ = NodeArena::Block{};
 }
 
-void RadixTree::Storage::Free() noexcept {
-  if (block_.data != nullptr) arena_->Free(block_, StorageBytes(capacity_, slots_only_));
+void RadixTree::NodeBlock::Free() noexcept {
+  if (block_.data != nullptr) arena_->Free(block_, BlockBytes(capacity_, slots_only_));
   block_ = NodeArena::Block{};
 }
 
@@ -136,7 +137,7 @@ RadixTree::~RadixTree() {
 
 void RadixTree::FreeStorage(Node* node) noexcept {
   if (node->data == nullptr) return;
-  arena_.Free(NodeArena::Block{node->data, node->data_slab}, StorageBytes(node->capacity, false));
+  arena_.Free(NodeArena::Block{node->data, node->data_slab}, BlockBytes(node->capacity, false));
   node->data = nullptr;
   node->data_slab = nullptr;
 }
@@ -144,7 +145,7 @@ void RadixTree::FreeStorage(Node* node) noexcept {
 void RadixTree::FreeHost(Node* node) noexcept {
   if (node->host == nullptr) return;
   arena_.Free(NodeArena::Block{node->host, node->host_slab},
-              StorageBytes(node->host_capacity, true));
+              BlockBytes(node->host_capacity, true));
   node->host = nullptr;
   node->host_slab = nullptr;
 }
@@ -192,7 +193,7 @@ void RadixTree::ReserveNodes(size_t k) {
   }
 }
 
-Node* RadixTree::TakeNode(Node* parent, Storage data, int64_t length, uint64_t ns) noexcept {
+Node* RadixTree::TakeNode(Node* parent, NodeBlock data, int64_t length, uint64_t ns) noexcept {
   Node* node = nodes_[free_ids_.back()].get();
   free_ids_.pop_back();
   data.MoveTo(node, length);
@@ -280,11 +281,11 @@ void RadixTree::PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPl
   plan->pos = pos;
   const int64_t rest = node->length - pos;
   const bool front = pos <= rest;  // the smaller part is the prefix
-  plan->smaller = front ? Storage(&arena_, node->key(), node->value(), pos)
-                        : Storage(&arena_, node->key() + pos, node->value() + pos, rest);
+  plan->smaller = front ? NodeBlock(&arena_, node->key(), node->value(), pos)
+                        : NodeBlock(&arena_, node->key() + pos, node->value() + pos, rest);
   if (node->has_host()) {
-    plan->smaller_host = front ? Storage(&arena_, nullptr, node->host, pos)
-                               : Storage(&arena_, nullptr, node->host + pos, rest);
+    plan->smaller_host = front ? NodeBlock(&arena_, nullptr, node->host, pos)
+                               : NodeBlock(&arena_, nullptr, node->host + pos, rest);
   }
   plan->prefix_children.Reserve(children);
 }
@@ -307,12 +308,12 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
     node->length = rest;
   } else {
     // The prefix takes the blocks: its tokens stay, its slots move down.
-    Storage suffix = std::move(plan->smaller);
-    prefix = TakeNode(parent, Storage::Adopt(&arena_, node, false), pos, node->ns);
+    NodeBlock suffix = std::move(plan->smaller);
+    prefix = TakeNode(parent, NodeBlock::Adopt(&arena_, node, false), pos, node->ns);
     std::memmove(prefix->data + pos, prefix->data + len, pos * sizeof(int32_t));
     suffix.MoveTo(node, rest);
     if (host) {
-      Storage::Adopt(&arena_, node, true).MoveToHost(prefix);
+      NodeBlock::Adopt(&arena_, node, true).MoveToHost(prefix);
       plan->smaller_host.MoveToHost(node);
     }
   }
@@ -447,12 +448,12 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   RADIXKV_CHECK(stored < 0, kInvalid, "indices[", stored, "] = ", stored < 0 ? 0 : slots[stored],
                 " is already stored in the cache");
   SplitPlan split;
-  Storage leaf_data;
+  NodeBlock leaf_data;
   try {
     ReserveNodes((partial != nullptr) + (pos < n));
     if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + (pos < n), &split);
     if (pos < n) {
-      leaf_data = Storage(&arena_, tokens + pos, slots + pos, n - pos);
+      leaf_data = NodeBlock(&arena_, tokens + pos, slots + pos, n - pos);
       if (partial == nullptr) node->children.Reserve(node->children.size() + 1);
     }
   } catch (...) {
@@ -528,89 +529,6 @@ void RadixTree::Unlock(Handle* handle) {
   --handle->lock_count;
 }
 
-// --- device eviction -------------------------------------------------------------
-
-int64_t RadixTree::Evict(int64_t size, SlotSink out) {
-  RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
-  RADIXKV_CHECK(size <= evictable_size_, ErrorCode::kOutOfCapacity, "cannot evict size=", size,
-                " tokens: evictable_size is ", evictable_size_);
-  // Take the victims, oldest first, keeping their storage and their parents'
-  // tables, so they can be put back if `out` fails. A victim with a host copy
-  // stays in the tree, host only; one without is unlinked (deleted at commit).
-  Node* victims = nullptr;
-  auto put_back = [&]() noexcept {
-    for (Node* x = victims; x != nullptr;) {  // most recent first
-      Node* parent = x->parent;
-      Node* next = x->next;
-      if (!x->has_host()) parent->children.Insert(x->child_key, x);  // the kept table has room
-      SetOnDevice(x, true);
-      Refresh(x);
-      Refresh(parent);
-      x->next = nullptr;
-      x = next;
-    }
-  };
-  int64_t freed = 0;
-  while (freed < size) {
-    if (heap_.empty()) {
-      put_back();
-      throw Error(kBroken, StrCat("no evictable leaf left with ", size - freed,
-                                  " evictable tokens still counted"));
-    }
-    Node* x = nodes_[heap_.top()].get();
-    if (heap_.KeyAt(0) != Key(x)) {
-      // Touched since it was keyed: every key is at most its leaf's
-      // timestamp, so a top whose key is current is the least recently used
-      // leaf. Re-key this one and look again.
-      heap_.Update(x->id, Key(x));
-      continue;
-    }
-    heap_.Pop();
-    if (!heap_.empty()) {
-      // Overlap the next victim's cache misses with the work on this one.
-      const Node* next = nodes_[heap_.top()].get();
-      __builtin_prefetch(next);
-      __builtin_prefetch(next->data);
-    }
-    Node* parent = x->parent;
-    if (!x->has_host()) parent->children.Erase(x->child_key, x, /*keep_table=*/true);
-    SetOnDevice(x, false);
-    Refresh(x);
-    Refresh(parent);
-    x->next = victims;
-    victims = x;
-    freed += x->length;
-  }
-  int32_t* slots;
-  try {
-    slots = out(freed);
-  } catch (...) {
-    put_back();
-    throw;
-  }
-  // Commit: the slots in eviction order (the list is newest first).
-  ++clock_;
-  int64_t end = freed;
-  for (Node* x = victims; x != nullptr;) {
-    Node* parent = x->parent;
-    Node* next = x->next;
-    x->next = nullptr;
-    end -= x->length;
-    std::memcpy(slots + end, x->value(), x->length * sizeof(int32_t));
-    stored_.RemoveAll(x->value(), x->length);
-    if (!x->has_host()) {
-      if (parent->children.empty()) parent->children.Clear();
-      FreeNode(x);
-    } else {
-      // Its device pages are gone: a handle to its device part is stale, as
-      // if the node had been deleted (a match gives host-only nodes anew).
-      ++x->generation;
-    }
-    x = next;
-  }
-  return freed;
-}
-
 void RadixTree::Reset() {
   for (size_t i = 1; i < nodes_.size(); ++i) {
     if (nodes_[i]->parent != nullptr) FreeNode(nodes_[i].get());
@@ -638,190 +556,6 @@ TierSizes RadixTree::tier_sizes() const noexcept {
   s.loading = loading_size_;
   s.storing = storing_size_;
   return s;
-}
-
-void RadixTree::CheckIntegrity() const {
-  int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, host_members = 0;
-  int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0,
-          storing = 0, pins = 0;
-  SlotSet seen, seen_host;
-  std::vector<const Node*> stack{root_};
-  RADIXKV_CHECK(root_->parent == nullptr && root_->length == 0 && root_->depth == 0, kBroken,
-                "root node has a parent or tokens");
-  while (!stack.empty()) {
-    const Node* x = stack.back();
-    stack.pop_back();
-    int64_t child_refs = 0;
-    uint32_t device_children = 0, host_children = 0;
-    x->children.ForEach([&](uint64_t key, const Node* child) {
-      RADIXKV_CHECK(child->parent == x, kBroken, "node ", child->id, " has a wrong parent link");
-      RADIXKV_CHECK(child->length > 0 && child->data != nullptr, kBroken, "node ", child->id,
-                    " is empty");
-      RADIXKV_CHECK(x == root_ || child->ns == x->ns, kBroken, "node ", child->id,
-                    " is in another namespace than its parent");
-      RADIXKV_CHECK(ChildKey(x, child->key(), child->ns) == key && child->child_key == key,
-                    kBroken, "node ", child->id,
-                    " is filed under a key that is not its first page");
-      child_refs += child->ref_count;
-      device_children += child->on_device;
-      host_children += child->has_host() || child->backing_up;
-      stack.push_back(child);
-    });
-    RADIXKV_CHECK(device_children == x->device_children && host_children == x->host_children,
-                  kBroken, "node ", x->id, " counts ", x->device_children, " device and ",
-                  x->host_children, " host children but has ", device_children, " and ",
-                  host_children);
-    if (x == root_) continue;
-    ++nodes;
-    RADIXKV_CHECK(x->id < nodes_.size() && nodes_[x->id].get() == x, kBroken, "node ", x->id,
-                  " is not in the node table");
-    RADIXKV_CHECK(x->length % page_size_ == 0, kBroken, "node ", x->id, " has length ", x->length,
-                  ", not a multiple of page_size ", page_size_);
-    RADIXKV_CHECK(x->length <= x->capacity && (!x->has_host() || x->length <= x->host_capacity),
-                  kBroken, "node ", x->id, " is longer than its storage");
-    RADIXKV_CHECK(x->depth == x->parent->depth + x->length, kBroken, "node ", x->id,
-                  " has a wrong depth");
-    RADIXKV_CHECK(x->ref_count >= child_refs, kBroken, "node ", x->id, " has ref_count ",
-                  x->ref_count, " below its children's total ", child_refs);
-    RADIXKV_CHECK(x->parent == root_ || x->timestamp <= x->parent->timestamp, kBroken, "node ",
-                  x->id, " was used later than its parent");
-    // The tiers: every node is somewhere, and each tier is closed toward the root.
-    RADIXKV_CHECK(x->on_device || x->has_host(), kBroken, "node ", x->id,
-                  " is neither on the device nor in host memory");
-    RADIXKV_CHECK(!x->on_device || x->parent == root_ || x->parent->on_device, kBroken, "node ",
-                  x->id, " is on the device but its parent is not");
-    RADIXKV_CHECK(!x->has_host() || x->parent == root_ || x->parent->has_host(), kBroken,
-                  "node ", x->id, " has a host copy but its parent has none");
-    RADIXKV_CHECK(!x->backing_up || (x->on_device && !x->has_host()), kBroken, "node ", x->id,
-                  " is being backed up but is not on the device without a host copy");
-    RADIXKV_CHECK(!x->loading || (!x->on_device && x->has_host()), kBroken, "node ", x->id,
-                  " is loading but is not host only");
-    RADIXKV_CHECK(!x->backing_up || x->ref_count > 0, kBroken, "node ", x->id,
-                  " is being backed up without a pin");
-    const bool device_leaf = DeviceEvictable(x);
-    RADIXKV_CHECK(device_leaf == heap_.Contains(x->id), kBroken, "node ", x->id,
-                  device_leaf ? " may be evicted from the device but is not in its heap"
-                              : " is in the device heap but may not be evicted");
-    if (device_leaf) {
-      const size_t pos = static_cast<size_t>(heap_.PositionOf(x->id));
-      RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) <= Key(x), kBroken,
-                    "node ", x->id, " has a wrong device heap position or key");
-      ++heap_members;
-    }
-    const bool host_leaf = HostEvictable(x);
-    RADIXKV_CHECK(host_leaf == host_heap_.Contains(x->id), kBroken, "node ", x->id,
-                  host_leaf ? " may be evicted from host but is not in its heap"
-                            : " is in the host heap but may not be evicted");
-    if (host_leaf) {
-      const size_t pos = static_cast<size_t>(host_heap_.PositionOf(x->id));
-      RADIXKV_CHECK(host_heap_.IdAt(pos) == x->id && host_heap_.KeyAt(pos) <= Key(x),
-                    kBroken, "node ", x->id, " has a wrong host heap position or key");
-      ++host_members;
-    }
-    if (x->on_device) {
-      (x->ref_count == 0 ? evictable : protected_tokens) += x->length;
-      device_tokens += x->length;
-      const int64_t bad = FindOutOfRange(x->value(), x->length, max_slots_);
-      RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores slot ",
-                    bad < 0 ? 0 : x->value()[bad], ", outside [0, max_slots)");
-      for (int64_t i = 0; i < x->length; ++i) {
-        RADIXKV_CHECK(stored_.Contains(x->value()[i]), kBroken, "slot ", x->value()[i],
-                      " is stored but not marked");
-      }
-      const int64_t twice = seen.AddAll(x->value(), x->length);
-      RADIXKV_CHECK(twice < 0, kBroken, "slot ", twice < 0 ? 0 : x->value()[twice],
-                    " is stored twice");
-    }
-    if (x->has_host()) {
-      host_tokens += x->length;
-      host_only += x->on_device ? 0 : x->length;
-      const int64_t bad = FindOutOfRange(x->host, x->length);
-      RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores a negative host slot");
-      for (int64_t i = 0; i < x->length; ++i) {
-        RADIXKV_CHECK(stored_host_.Contains(x->host[i]), kBroken, "host slot ", x->host[i],
-                      " is stored but not marked");
-      }
-      const int64_t twice = seen_host.AddAll(x->host, x->length);
-      RADIXKV_CHECK(twice < 0, kBroken, "host slot ", twice < 0 ? 0 : x->host[twice],
-                    " is stored twice");
-    }
-    backing_up += x->backing_up ? x->length : 0;
-    loading += x->loading ? x->length : 0;
-    storing += x->storing ? x->length : 0;
-    pins += x->host_pins;
-    RADIXKV_CHECK(x->host_pins >= 0 && (x->host_pins == 0 || x->has_host()), kBroken, "node ",
-                  x->id, " is pinned for a read from storage but has no host copy");
-    RADIXKV_CHECK(!x->storing || x->has_host(), kBroken, "node ", x->id,
-                  " is being written to storage without a host copy");
-  }
-  RADIXKV_CHECK(stored_.Count() == device_tokens, kBroken, stored_.Count(),
-                " device slots are marked but ", device_tokens, " are stored");
-  RADIXKV_CHECK(stored_host_.Count() == host_tokens, kBroken, stored_host_.Count(),
-                " host slots are marked but ", host_tokens, " are stored");
-  RADIXKV_CHECK(nodes == num_nodes_, kBroken, "node count ", num_nodes_, " but ", nodes,
-                " reachable");
-  RADIXKV_CHECK(static_cast<size_t>(nodes) + free_ids_.size() + 1 == nodes_.size(), kBroken,
-                "node table leaks ids");
-  RADIXKV_CHECK(evictable == evictable_size_, kBroken, "evictable_size is ", evictable_size_,
-                " but unlocked device nodes hold ", evictable);
-  RADIXKV_CHECK(protected_tokens == protected_size_, kBroken, "protected_size is ",
-                protected_size_, " but locked device nodes hold ", protected_tokens);
-  RADIXKV_CHECK(host_tokens == host_size_ && host_only == host_only_size_, kBroken,
-                "host sizes are ", host_size_, " and ", host_only_size_, " host only, but nodes hold ",
-                host_tokens, " and ", host_only);
-  RADIXKV_CHECK(storing == storing_size_, kBroken, "writes to storage are counted as ",
-                storing_size_, " tokens, but nodes hold ", storing);
-  RADIXKV_CHECK(pins == host_pins_, kBroken, "host pins are counted as ", host_pins_,
-                " but nodes hold ", pins);
-  RADIXKV_CHECK(backing_up == backing_up_size_ && loading == loading_size_, kBroken,
-                "copies in flight are counted as ", backing_up_size_, " backing up and ",
-                loading_size_, " loading, but nodes hold ", backing_up, " and ", loading);
-  RADIXKV_CHECK(heap_members == static_cast<int64_t>(heap_.size()) && heap_.IsValid(), kBroken,
-                "device LRU heap is out of order or holds dead nodes");
-  RADIXKV_CHECK(host_members == static_cast<int64_t>(host_heap_.size()) && host_heap_.IsValid(),
-                kBroken, "host LRU heap is out of order or holds dead nodes");
-  RADIXKV_CHECK(heap_.room() >= nodes_.size() && host_heap_.room() >= nodes_.size() &&
-                    free_ids_.capacity() >= nodes_.size(),
-                kBroken, "room reserved for heap members or free ids is below the node count");
-}
-
-std::vector<NodeInfo> RadixTree::Dump() const {
-  std::vector<NodeInfo> out;
-  std::vector<std::pair<const Node*, int64_t>> stack{{root_, -1}};
-  while (!stack.empty()) {
-    auto [x, index] = stack.back();
-    stack.pop_back();
-    std::vector<const Node*> children;
-    x->children.ForEach([&](uint64_t, const Node* c) { children.push_back(c); });
-    // Siblings in ascending key order (under the root, equal keys of
-    // different namespaces in ascending namespace order).
-    std::sort(children.begin(), children.end(), [](const Node* a, const Node* b) {
-      if (std::lexicographical_compare(a->key(), a->key() + a->length, b->key(),
-                                       b->key() + b->length)) {
-        return true;
-      }
-      return !std::lexicographical_compare(b->key(), b->key() + b->length, a->key(),
-                                           a->key() + a->length) &&
-             a->ns < b->ns;
-    });
-    const size_t first = out.size();
-    for (const Node* c : children) {
-      NodeInfo info;
-      info.parent = index;
-      info.key.assign(c->key(), c->key() + c->length);
-      if (c->on_device) info.value.assign(c->value(), c->value() + c->length);
-      if (c->has_host()) info.host_value.assign(c->host, c->host + c->length);
-      info.ref_count = c->ref_count;
-      info.timestamp = c->timestamp;
-      info.ns = c->ns;
-      out.push_back(std::move(info));
-    }
-    // Pushed in reverse, so the smallest child's subtree is listed first.
-    for (size_t k = children.size(); k-- > 0;) {
-      stack.push_back({children[k], static_cast<int64_t>(first + k)});
-    }
-  }
-  return out;
 }
 
 }  // namespace radixkv

@@ -1,5 +1,7 @@
 #include "radixkv/radix_tree.h"
 
+#include "radix_node.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-#include "radixkv/child_map.h"
+#include "radixkv/eviction_policy.h"
 #include "radixkv/lru_heap.h"
 #include "radixkv/node_arena.h"
 #include "radixkv/slot_set.h"
@@ -16,93 +16,8 @@
 
 namespace radixkv {
 
-/// Where a node's K/V is: on the device, in host memory, or both.
-enum class NodeState : uint8_t { kDevice, kHost, kDeviceAndHost };
-
-/// One edge of the radix tree: a run of tokens, the device slot of each token
-/// while the node is on the device, and its host slot while it has a host
-/// copy. Nodes are intrusive: each carries its own children, parent link,
-/// lock count, LRU timestamp, tier state and heap positions. Owned by the
-/// `RadixTree`.
-struct Node {
-  // The fields a walk and an eviction touch come first (one cache line).
-  Node* parent = nullptr;
-  ChildMap<Node> children;
-  /// `2 * length` int32 values: tokens in [0, length), device slots in
-  /// [length, 2 * length) (meaningful while `on_device`), in a block of the
-  /// tree's NodeArena (`data_slab` is its slab) with room for `capacity`
-  /// tokens (a split may leave a node in a larger block).
-  int32_t* data = nullptr;
-  int64_t length = 0;
-  /// Tokens from the root to the end of this node.
-  int64_t depth = 0;
-  /// Number of locks on this node (locks on any descendant count too), by
-  /// requests and by copies in flight that read its device pages.
-  int64_t ref_count = 0;
-  /// Logical time of the last access; never earlier than any child's.
-  uint64_t timestamp = 0;
-  /// The key this node is filed under in its parent's children (its first
-  /// token, or the hash of its first page, mixed with the namespace under the
-  /// root), kept so eviction need not rehash.
-  uint64_t child_key = 0;
-  /// The cache namespace of the node's path (0: the default one). Paths of
-  /// different namespaces never share a node: they part at the root.
-  uint64_t ns = 0;
-  /// `length` host slots while the node has a host copy, else null; a block
-  /// with room for `host_capacity` slots.
-  int32_t* host = nullptr;
-  /// Index in the tree's node table; reused after the node is freed.
-  uint32_t id = 0;
-  /// Children on the device, and children with a host copy or one being made.
-  uint32_t device_children = 0;
-  uint32_t host_children = 0;
-  /// Matches that reached this node (write_through_selective backs up a
-  /// node on its second hit; the lfu policy evicts the fewest first).
-  uint32_t hits = 0;
-  /// The highest priority an insert gave this node (the priority policy
-  /// evicts the lowest first).
-  int32_t priority = 0;
-  /// Logical time the node's tokens were first cached (the fifo policy).
-  uint64_t created = 0;
-  bool on_device = true;
-  /// A backup of this node to host is in flight (its device pages are read).
-  bool backing_up = false;
-  /// A load of this host-only node to the device is in flight.
-  bool loading = false;
-  /// Its host pages are being written to storage (not evictable from host).
-  bool storing = false;
-  /// Reads from storage in flight that will join the tree below this node:
-  /// while any, its host copy stays (not evictable from host).
-  int32_t host_pins = 0;
-  /// Where the copy in flight that ends at this node starts (a backup or a
-  /// load; -1 when none): finishing a copy checks its range against it.
-  int64_t copy_start = -1;
-  /// The same for a write to storage that ends at this node.
-  int64_t store_start = -1;
-  /// Bumped each time the id is freed (only then): copies in flight name
-  /// their node by it, since a node may leave the device meanwhile.
-  uint64_t incarnation = 0;
-  /// Bumped each time the id is freed, and when the node leaves the device
-  /// for host only, so handles to a dead node (or to device pages that are
-  /// gone) are detected. 64 bits: a hot id recycled a billion times a second would take
-  /// centuries to wrap around to a stale handle's value.
-  uint64_t generation = 0;
-  NodeArena::Slab* data_slab = nullptr;
-  NodeArena::Slab* host_slab = nullptr;
-  int64_t capacity = 0;
-  int64_t host_capacity = 0;
-  /// Scratch link used while a call is under way (Evict's list of victims).
-  Node* next = nullptr;
-
-  const int32_t* key() const noexcept { return data; }
-  const int32_t* value() const noexcept { return data + length; }
-  bool is_leaf() const noexcept { return children.empty(); }
-  bool has_host() const noexcept { return host != nullptr; }
-  NodeState state() const noexcept {
-    return !has_host() ? NodeState::kDevice
-                       : on_device ? NodeState::kDeviceAndHost : NodeState::kHost;
-  }
-};
+/// One edge of the tree (private to the tree's sources: cpp/src/radix_node.h).
+struct Node;
 
 /// A reference to the node that ends a matched prefix. Plain data: copying a
 /// handle copies its lock count, so bindings keep one handle object per match.
@@ -192,15 +107,6 @@ struct NodeInfo {
 /// the tree exactly as it was.
 ///
 /// Not thread-safe: one thread at a time (the bindings hold a mutex).
-/// Which unlocked leaf goes first, on both tiers; ties (and everything
-/// within a class) go least recently used first, and the order is exact.
-enum class EvictionPolicy : uint8_t {
-  kLru,       ///< least recently used
-  kLfu,       ///< fewest matches (counted up to 2^24 - 1), then least recently used
-  kFifo,      ///< cached earliest
-  kMru,       ///< most recently used
-  kPriority,  ///< lowest priority (InsertPrefix's, clamped to int16), then least recently used
-};
 
 class RadixTree {
  public:
@@ -418,40 +324,10 @@ class RadixTree {
   std::vector<NodeInfo> Dump() const;
 
  private:
-  // A block of node storage owned until it is given to a node (or freed).
-  class Storage {
-   public:
-    Storage() = default;
-    // `length` tokens then their slots, or with `tokens` null only `length`
-    // slots (a host slot array).
-    Storage(NodeArena* arena, const int32_t* tokens, const int32_t* slots, int64_t length);
-    Storage(Storage&& other) noexcept { *this = std::move(other); }
-    Storage& operator=(Storage&& other) noexcept;
-    ~Storage() { Free(); }
-    explicit operator bool() const noexcept { return block_.data != nullptr; }
-    // Takes `node`'s data block (or its host block).
-    static Storage Adopt(NodeArena* arena, Node* node, bool host) noexcept;
-    // Gives the block to `node` as its data (`length` tokens) or host slots.
-    void MoveTo(Node* node, int64_t length) noexcept;
-    void MoveToHost(Node* node) noexcept;
-    void Free() noexcept;
-
-   private:
-    NodeArena* arena_ = nullptr;
-    NodeArena::Block block_;
-    int64_t capacity_ = 0;  // tokens
-    bool slots_only_ = false;
-  };
-
-  // What a split of `node` at `pos` needs, allocated before anything changes:
-  // the larger part keeps the node's blocks (its data moved in place), the
-  // smaller gets new ones.
-  struct SplitPlan {
-    Node* node = nullptr;
-    int64_t pos = 0;
-    Storage smaller, smaller_host;
-    ChildMap<Node> prefix_children;  // with room for the suffix and a new leaf
-  };
+  // A block of a node's tokens and slots (or host slots) owned until it is
+  // given to a node, and what a split needs: see radix_node.h.
+  class NodeBlock;
+  struct SplitPlan;
 
   // The key of a child starting with `tokens` under `parent` (`ns` is mixed
   // in under the root only), and the child itself.
@@ -464,7 +340,7 @@ class RadixTree {
   // A node from the free ids holding `data` (`length` tokens, then slots),
   // linked to `parent` by its parent pointer only, in namespace `ns` (its
   // parent's, unless the parent is the root). Needs a reserved id.
-  Node* TakeNode(Node* parent, Storage data, int64_t length, uint64_t ns) noexcept;
+  Node* TakeNode(Node* parent, NodeBlock data, int64_t length, uint64_t ns) noexcept;
   void FreeNode(Node* node) noexcept;
   void FreeStorage(Node* node) noexcept;
   void FreeHost(Node* node) noexcept;
@@ -472,38 +348,17 @@ class RadixTree {
   // Splits as planned (needs one reserved id) and returns the prefix node.
   Node* CommitSplit(SplitPlan* plan) noexcept;
   void Touch(Node* node) noexcept;
-  // The node's order in the eviction heaps under the policy (smallest first).
-  // Every policy but mru only ever raises a node's key, so the heaps may hold
-  // keys that lag (see Evict); mru's keys fall when used and are kept exact.
-  uint64_t Key(const Node* x) const noexcept {
-    constexpr uint64_t kTime40 = (uint64_t{1} << 40) - 1, kTime48 = (uint64_t{1} << 48) - 1;
-    switch (policy_) {
-      case EvictionPolicy::kLfu:
-        return (uint64_t{std::min<uint32_t>(x->hits, (1u << 24) - 1)} << 40) |
-               (x->timestamp & kTime40);
-      case EvictionPolicy::kFifo:
-        return x->created;
-      case EvictionPolicy::kMru:
-        return ~x->timestamp;
-      case EvictionPolicy::kPriority:
-        // Priorities past int16 order as its ends.
-        return (uint64_t(std::clamp<int32_t>(x->priority, -32768, 32767) + 32768) << 48) |
-               (x->timestamp & kTime48);
-      default:
-        return x->timestamp;
-    }
-  }
+  // The node's order in the eviction heaps under the policy (EvictionKey).
+  uint64_t Key(const Node* x) const noexcept;
   // Adds `delta` locks on every node from `node` to the root.
   void LockPath(Node* node, int64_t delta) noexcept;
   // Puts `x` into, or takes it out of, each tier's heap to match its state.
   void Refresh(Node* x) noexcept;
-  bool DeviceEvictable(const Node* x) const noexcept {
-    return x->on_device && x->ref_count == 0 && x->device_children == 0;
-  }
-  bool HostEvictable(const Node* x) const noexcept {
-    return x->has_host() && x->host_children == 0 && !x->loading && !x->storing &&
-           x->host_pins == 0 && (x->on_device || x->ref_count == 0);
-  }
+  static bool DeviceEvictable(const Node* x) noexcept;
+  static bool HostEvictable(const Node* x) noexcept;
+  // The oldest member of `heap` under the policy, popped (re-keying the
+  // lagging keys it meets on top; see Evict); null when it is empty.
+  Node* PopOldest(LruHeap* heap) noexcept;
   // Sets whether `x` is on the device (or has host storage), keeping the
   // parent's child counts and the size counters right.
   void SetOnDevice(Node* x, bool on) noexcept;

@@ -11,7 +11,7 @@ from radixkv._checks import as_count, as_device, as_max_slots, to_host
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
 
 RadixCacheHandle = _core.RadixCacheHandle
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "priority")
+EVICTION_POLICIES: Tuple[str, ...] = _core.EVICTION_POLICIES  # the tree's, in its order
 BaseCacheHandle.register(RadixCacheHandle)
 
 

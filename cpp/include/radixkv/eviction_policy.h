@@ -1,0 +1,66 @@
+// The eviction policies of the radix tree: their names, their parsing and the
+// order each one evicts in, in one place (the bindings and Python read the
+// names from here).
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <string_view>
+
+namespace radixkv {
+
+/// Which unlocked leaf goes first, on both tiers; ties (and everything
+/// within a class) go least recently used first, and the order is exact.
+enum class EvictionPolicy : uint8_t {
+  kLru,       ///< least recently used
+  kLfu,       ///< fewest matches (counted up to 2^24 - 1), then least recently used
+  kFifo,      ///< cached earliest
+  kMru,       ///< most recently used
+  kPriority,  ///< lowest priority (InsertPrefix's, clamped to int16), then least recently used
+};
+
+/// The policies' names, in the enum's order.
+inline constexpr std::array<std::string_view, 5> kEvictionPolicyNames = {"lru", "lfu", "fifo",
+                                                                         "mru", "priority"};
+
+inline std::string_view EvictionPolicyName(EvictionPolicy policy) noexcept {
+  return kEvictionPolicyNames[static_cast<size_t>(policy)];
+}
+
+/// The policy named `name`; false, leaving `*policy` alone, for no policy.
+inline bool ParseEvictionPolicy(std::string_view name, EvictionPolicy* policy) noexcept {
+  for (size_t i = 0; i < kEvictionPolicyNames.size(); ++i) {
+    if (name == kEvictionPolicyNames[i]) {
+      *policy = static_cast<EvictionPolicy>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
+/// A node's order under `policy` in the tree's eviction heaps (smallest
+/// first), from its last access time, matches, creation time and priority.
+/// Every policy but mru only ever raises a node's key as it is used, so a
+/// heap may hold keys that lag (the tree re-keys a lagging top before it
+/// evicts it); mru's keys fall when used and are kept exact.
+inline uint64_t EvictionKey(EvictionPolicy policy, uint64_t timestamp, uint32_t hits,
+                            uint64_t created, int32_t priority) noexcept {
+  constexpr uint64_t kTime40 = (uint64_t{1} << 40) - 1, kTime48 = (uint64_t{1} << 48) - 1;
+  switch (policy) {
+    case EvictionPolicy::kLfu:
+      return (uint64_t{std::min<uint32_t>(hits, (1u << 24) - 1)} << 40) | (timestamp & kTime40);
+    case EvictionPolicy::kFifo:
+      return created;
+    case EvictionPolicy::kMru:
+      return ~timestamp;
+    case EvictionPolicy::kPriority:
+      // Priorities past int16 order as its ends.
+      return (uint64_t(std::clamp<int32_t>(priority, -32768, 32767) + 32768) << 48) |
+             (timestamp & kTime48);
+    default:
+      return timestamp;
+  }
+}
+
+}  // namespace radixkv

@@ -1,0 +1,168 @@
+// The radix tree's private parts: its node, the blocks that hold a node's
+// tokens and slots, and the small inline functions of the tree's sources.
+// Included by cpp/src/radix_tree*.cc (and white-box tests) only; the public
+// API is radixkv/radix_tree.h.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "radixkv/child_map.h"
+#include "radixkv/node_arena.h"
+#include "radixkv/radix_tree.h"
+#include "radixkv/status.h"
+
+namespace radixkv {
+
+/// Where a node's K/V is: on the device, in host memory, or both.
+enum class NodeState : uint8_t { kDevice, kHost, kDeviceAndHost };
+
+/// One edge of the radix tree: a run of tokens, the device slot of each token
+/// while the node is on the device, and its host slot while it has a host
+/// copy. Nodes are intrusive: each carries its own children, parent link,
+/// lock count, LRU timestamp, tier state and heap positions. Owned by the
+/// `RadixTree`.
+struct Node {
+  // The fields a walk and an eviction touch come first (one cache line).
+  Node* parent = nullptr;
+  ChildMap<Node> children;
+  /// `2 * length` int32 values: tokens in [0, length), device slots in
+  /// [length, 2 * length) (meaningful while `on_device`), in a block of the
+  /// tree's NodeArena (`data_slab` is its slab) with room for `capacity`
+  /// tokens (a split may leave a node in a larger block).
+  int32_t* data = nullptr;
+  int64_t length = 0;
+  /// Tokens from the root to the end of this node.
+  int64_t depth = 0;
+  /// Number of locks on this node (locks on any descendant count too), by
+  /// requests and by copies in flight that read its device pages.
+  int64_t ref_count = 0;
+  /// Logical time of the last access; never earlier than any child's.
+  uint64_t timestamp = 0;
+  /// The key this node is filed under in its parent's children (its first
+  /// token, or the hash of its first page, mixed with the namespace under the
+  /// root), kept so eviction need not rehash.
+  uint64_t child_key = 0;
+  /// The cache namespace of the node's path (0: the default one). Paths of
+  /// different namespaces never share a node: they part at the root.
+  uint64_t ns = 0;
+  /// `length` host slots while the node has a host copy, else null; a block
+  /// with room for `host_capacity` slots.
+  int32_t* host = nullptr;
+  /// Index in the tree's node table; reused after the node is freed.
+  uint32_t id = 0;
+  /// Children on the device, and children with a host copy or one being made.
+  uint32_t device_children = 0;
+  uint32_t host_children = 0;
+  /// Matches that reached this node (write_through_selective backs up a
+  /// node on its second hit; the lfu policy evicts the fewest first).
+  uint32_t hits = 0;
+  /// The highest priority an insert gave this node (the priority policy
+  /// evicts the lowest first).
+  int32_t priority = 0;
+  /// Logical time the node's tokens were first cached (the fifo policy).
+  uint64_t created = 0;
+  bool on_device = true;
+  /// A backup of this node to host is in flight (its device pages are read).
+  bool backing_up = false;
+  /// A load of this host-only node to the device is in flight.
+  bool loading = false;
+  /// Its host pages are being written to storage (not evictable from host).
+  bool storing = false;
+  /// Reads from storage in flight that will join the tree below this node:
+  /// while any, its host copy stays (not evictable from host).
+  int32_t host_pins = 0;
+  /// Where the copy in flight that ends at this node starts (a backup or a
+  /// load; -1 when none): finishing a copy checks its range against it.
+  int64_t copy_start = -1;
+  /// The same for a write to storage that ends at this node.
+  int64_t store_start = -1;
+  /// Bumped each time the id is freed (only then): copies in flight name
+  /// their node by it, since a node may leave the device meanwhile.
+  uint64_t incarnation = 0;
+  /// Bumped each time the id is freed, and when the node leaves the device
+  /// for host only, so handles to a dead node (or to device pages that are
+  /// gone) are detected. 64 bits: a hot id recycled a billion times a second would take
+  /// centuries to wrap around to a stale handle's value.
+  uint64_t generation = 0;
+  NodeArena::Slab* data_slab = nullptr;
+  NodeArena::Slab* host_slab = nullptr;
+  int64_t capacity = 0;
+  int64_t host_capacity = 0;
+  /// Scratch link used while a call is under way (Evict's list of victims).
+  Node* next = nullptr;
+
+  const int32_t* key() const noexcept { return data; }
+  const int32_t* value() const noexcept { return data + length; }
+  bool is_leaf() const noexcept { return children.empty(); }
+  bool has_host() const noexcept { return host != nullptr; }
+  NodeState state() const noexcept {
+    return !has_host() ? NodeState::kDevice
+                       : on_device ? NodeState::kDeviceAndHost : NodeState::kHost;
+  }
+};
+
+// A block of a node's tokens and device slots (or of its host slots), owned
+// until it is given to a node (or freed).
+class RadixTree::NodeBlock {
+ public:
+  NodeBlock() = default;
+  // `length` tokens then their slots, or with `tokens` null only `length`
+  // slots (a host slot array).
+  NodeBlock(NodeArena* arena, const int32_t* tokens, const int32_t* slots, int64_t length);
+  NodeBlock(NodeBlock&& other) noexcept { *this = std::move(other); }
+  NodeBlock& operator=(NodeBlock&& other) noexcept;
+  ~NodeBlock() { Free(); }
+  explicit operator bool() const noexcept { return block_.data != nullptr; }
+  // Takes `node`'s data block (or its host block).
+  static NodeBlock Adopt(NodeArena* arena, Node* node, bool host) noexcept;
+  // Gives the block to `node` as its data (`length` tokens) or host slots.
+  void MoveTo(Node* node, int64_t length) noexcept;
+  void MoveToHost(Node* node) noexcept;
+  void Free() noexcept;
+
+ private:
+  NodeArena* arena_ = nullptr;
+  NodeArena::Block block_;
+  int64_t capacity_ = 0;  // tokens
+  bool slots_only_ = false;
+};
+
+// What a split of `node` at `pos` needs, allocated before anything changes:
+// the larger part keeps the node's blocks (its data moved in place), the
+// smaller gets new ones.
+struct RadixTree::SplitPlan {
+  Node* node = nullptr;
+  int64_t pos = 0;
+  NodeBlock smaller, smaller_host;
+  ChildMap<Node> prefix_children;  // with room for the suffix and a new leaf
+};
+
+inline uint64_t RadixTree::Key(const Node* x) const noexcept {
+  return EvictionKey(policy_, x->timestamp, x->hits, x->created, x->priority);
+}
+
+inline bool RadixTree::DeviceEvictable(const Node* x) noexcept {
+  return x->on_device && x->ref_count == 0 && x->device_children == 0;
+}
+
+inline bool RadixTree::HostEvictable(const Node* x) noexcept {
+  return x->has_host() && x->host_children == 0 && !x->loading && !x->storing &&
+         x->host_pins == 0 && (x->on_device || x->ref_count == 0);
+}
+
+// Calls fn(node, offset) for the nodes of `copy`, deepest first; `offset` is
+// where the node's tokens start within the copy.
+template <typename Fn>
+void RadixTree::ForEachInCopy(Node* end, const TierCopy& copy, Fn fn) const {
+  for (Node* x = end; x != root_ && x->depth > copy.start; x = x->parent) {
+    fn(x, x->depth - x->length - copy.start);
+  }
+}
+
+namespace tree_errors {
+constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
+constexpr ErrorCode kBroken = ErrorCode::kIntegrity;
+}  // namespace tree_errors
+
+}  // namespace radixkv
