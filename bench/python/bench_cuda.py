@@ -210,6 +210,7 @@ def bench_load(reps: int, layers: int = 4) -> list:
                               host_num_pages=4 * pages)
             a = torch.arange(n + 1, dtype=torch.int32)
             samples, checked = [], None
+            written: list = []  # what the first request wrote, set in its round
             for r in range(reps + 2):
                 h, idx = cm.match_req(a)
                 h, idx = cm.load_back(h)

@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 

@@ -35,7 +35,7 @@ def test_the_docs_show_python_examples():
     assert any(name == "README.md" for name, _, _ in BLOCKS), "README.md shows no ```python example"
 
 
-@pytest.mark.parametrize("name,line,code", BLOCKS, ids=[f"{n}:{l}" for n, l, _ in BLOCKS])
+@pytest.mark.parametrize("name,line,code", BLOCKS, ids=[f"{n}:{ln}" for n, ln, _ in BLOCKS])
 def test_python_block_runs_alone(name, line, code, tmp_path):
     script = tmp_path / "block.py"
     # Blank lines in front keep the interpreter's line numbers those of the file.

@@ -24,7 +24,6 @@ import subprocess
 import threading
 import time
 
-import pytest
 
 from radixkv.replay import chat_sessions
 from radixkv.replay.instances import route

@@ -4,7 +4,6 @@ end through CacheManager. The CUDA cases skip when no GPU is present."""
 import pytest
 import torch
 
-import radixkv
 from radixkv import _core
 from radixkv.kvcache import MHAKVCache
 from radixkv.kvcache.host_pool import HostKVCache

@@ -20,7 +20,6 @@ from radixkv.kvcache import (
     MLAKVCache,
     create_kvcache,
 )
-from radixkv.kvcache.base import CopyLayout
 
 from float8_reference import to_float8, torch_casts_like_this
 

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from reference import ReferenceRadixCache
 from radixkv.replay import (

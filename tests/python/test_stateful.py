@@ -17,7 +17,6 @@ from hypothesis.stateful import (
     initialize,
     invariant,
     multiple,
-    precondition,
     rule,
 )
 

@@ -32,9 +32,9 @@ error comes back.
 
 A block's name chains SHA-256 over the prompt's blocks (radixkv's page
 keys) from a seed that covers the model (and `namespace`), the K/V dtype,
-the block size, vLLM's per-layer block shape, the layers and the request's `cache_salt` and LoRA adapter:
-configurations and tenants never read each other's blocks. With a secret
-every name is an HMAC under a key derived from it.
+the block size, vLLM's per-layer block shape, the layers and the request's
+`cache_salt` and LoRA adapter: configurations and tenants never read each
+other's blocks. With a secret every name is an HMAC under a key derived from it.
 
 Loads and saves are synchronous (in `start_load_kv` before the forward
 pass, in `wait_for_save` after it): simple, and on a CPU, where a copy
