@@ -133,6 +133,9 @@ class CacheManager:
             min_prefetch_tokens=min_prefetch_tokens, storage_faults=storage_faults,
             tp_rank=tp_rank, kv_events=kv_events)
         self._events = self._tiers.events  # the device's events are the manager's to tell
+        # What the write policy does on the request path, decided once.
+        self._backs_up_on_insert = self._tiers.write_policy == "write_through"
+        self._backs_up_on_evict = self._tiers.write_policy == "write_back"
 
     @property
     def _tier(self) -> Optional[HostTier]:
@@ -148,11 +151,12 @@ class CacheManager:
     def match_req(self, input_ids, namespace=None) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Match `input_ids[:-1]`: the last token is always computed."""
         ids = int32_tensor(input_ids, "input_ids", self.device)
-        if len(ids) == 0:
+        n = ids.shape[0]  # (a tensor's len() is a Python call)
+        if n == 0:
             raise ValueError("input_ids must hold at least one token")
         ns = self._namespaces.id(namespace)
         handle, indices = self.manager.match_prefix(ids[:-1], ns)
-        self._count_match(len(ids) - 1, handle)
+        self._count_match(n - 1, handle)
         if self._tiers.backs_up_on_match:
             self._tiers.back_up(ids[:-1], ns)
         return handle, indices
@@ -311,13 +315,15 @@ class CacheManager:
                 f"{self._pages.num_free_pages} pages are free and "
                 f"{evictable // self.page_size} evictable"
             )
-        self._tiers.back_up_before_evict(missing)
+        if self._backs_up_on_evict:
+            self._tiers.back_up_before_evict(missing)
         evicted = self.manager.evict(missing).cpu()
         self._pages.free(evicted)
-        self._evicted += len(evicted)
+        n = evicted.shape[0]
+        self._evicted += n
         if self._events is not None:
             self._events.device_evicted(evicted)
-        return len(evicted)
+        return n
 
     def _device_room(self, n: int) -> Tuple[int, int]:
         """(missing, evictable): the slots `n` tokens need beyond the free
@@ -339,7 +345,7 @@ class CacheManager:
         """
         self.make_room(num_tokens)
         slots = self._pages.allocate(num_tokens)
-        self._held_pages += len(slots) // self.page_size
+        self._held_pages += slots.shape[0] // self.page_size
         return slots if self.device.type == "cpu" else slots.to(self.device, non_blocking=True)
 
     @shielded
@@ -362,7 +368,7 @@ class CacheManager:
         """
         ids = int32_tensor(input_ids, "input_ids", self.device)
         idx = int32_tensor(indices, "indices", self.device)
-        n, m = len(ids), len(idx)
+        n, m = ids.shape[0], idx.shape[0]
         whole = -(-n // self.page_size) * self.page_size
         if m != whole:
             raise ValueError(
@@ -391,7 +397,7 @@ class CacheManager:
         return ids, idx, n, cached
 
     def _write_through(self, input_ids, ns: int) -> None:
-        if self._tiers.write_policy == "write_through":
+        if self._backs_up_on_insert:
             self._tiers.back_up(input_ids, ns)
 
     def _insert(self, old_handle, input_ids, indices, n: int, cached: int,
@@ -420,7 +426,7 @@ class CacheManager:
         in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
         for slots in released_slots(indices, cached, in_cache, n, self.page_size, True):
             self._pages.free(slots)
-        self._held_pages -= (len(indices) - cached) // self.page_size
+        self._held_pages -= (indices.shape[0] - cached) // self.page_size
         self.unlock(old_handle)
         self._write_through(input_ids, ns)
 

@@ -87,7 +87,7 @@ class Tiers:
     def back_up_before_evict(self, size: int) -> None:
         """write_back: the device leaves that evicting `size` tokens takes get
         their host copies first (waited for)."""
-        if self.host is not None and self.host.write_policy == "write_back":
+        if self.host is not None:
             self.host.back_up_before_evict(size)
             if self.storage is not None:
                 self._write_landed()
