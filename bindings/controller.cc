@@ -20,7 +20,8 @@ namespace radixkv::bindings {
 Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name,
               int64_t row_bytes, int64_t layers, bool cuda) {
   if (strides.size() != 6 && strides.size() != 7) {
-    throw py::value_error(std::string(name) + "_layout must be (side_stride, layer_stride, "
+    throw py::value_error(std::string(name) +
+                          "_layout must be (side_stride, layer_stride, "
                           "page_stride, row_stride, page_size, num_slots[, sides])");
   }
   if (row_bytes < 1 || layers < 1) throw py::value_error("row_bytes and layers must be >= 1");
@@ -36,8 +37,8 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   }
   p.device = t.device();
   p.alias = py::reinterpret_borrow<py::object>(t.object());
-  p.layout = PoolLayout{t.data(), strides[0], strides[1], strides[2], strides[3], strides[4],
-                        strides[5], strides.size() == 7 ? strides[6] : 2};
+  p.layout = PoolLayout{t.data(),   strides[0], strides[1], strides[2],
+                        strides[3], strides[4], strides[5], strides.size() == 7 ? strides[6] : 2};
   const PoolLayout& l = p.layout;
   if (l.sides != 1 && l.sides != 2) {
     throw py::value_error(std::string(name) + "_layout must have 1 or 2 sides, got " +
@@ -45,7 +46,8 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   }
   if (l.page_size < 1 || l.num_slots < 0 || l.side_stride < 0 || l.layer_stride < 0 ||
       l.page_stride < 0 || l.row_stride < 0) {
-    throw py::value_error(std::string(name) + "_layout has a negative stride, a page size < 1 "
+    throw py::value_error(std::string(name) +
+                          "_layout has a negative stride, a page size < 1 "
                           "or a negative slot count");
   }
   if (l.num_slots > int64_t{1} << 31) {
@@ -59,12 +61,11 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   if (l.num_slots > 0) {
     const __int128 slot = l.num_slots - 1, page = slot / l.page_size;
     const __int128 last = __int128{l.sides - 1} * l.side_stride +
-                          __int128{layers - 1} * l.layer_stride +
-                          page * l.page_stride + (slot - page * l.page_size) * l.row_stride +
-                          row_bytes;
+                          __int128{layers - 1} * l.layer_stride + page * l.page_stride +
+                          (slot - page * l.page_size) * l.row_stride + row_bytes;
     if (t.data() != begin || last > p.bytes) {
-      throw py::value_error(std::string(name) + "_layout reaches past the end of " + name +
-                            " (" + std::to_string(p.bytes) + " bytes there)");
+      throw py::value_error(std::string(name) + "_layout reaches past the end of " + name + " (" +
+                            std::to_string(p.bytes) + " bytes there)");
     }
   }
   return p;
@@ -73,8 +74,7 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
 void CheckSameSides(const Pool& a, const Pool& b, const char* a_name, const char* b_name) {
   if (a.layout.sides != b.layout.sides) {
     throw py::value_error(std::string(a_name) + "_layout has " + std::to_string(a.layout.sides) +
-                          " sides but " + b_name + "_layout has " +
-                          std::to_string(b.layout.sides));
+                          " sides but " + b_name + "_layout has " + std::to_string(b.layout.sides));
   }
 }
 
@@ -84,13 +84,15 @@ std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bo
   std::vector<CopyPlane> planes;
   if (side_planes.is_none()) return planes;
   if (!PySequence_Check(side_planes.ptr())) {
-    throw py::type_error("side_planes must be a sequence of (device, device_layout, host, "
-                         "host_layout, row_bytes)");
+    throw py::type_error(
+        "side_planes must be a sequence of (device, device_layout, host, "
+        "host_layout, row_bytes)");
   }
   for (py::handle item : py::reinterpret_borrow<py::sequence>(side_planes)) {
     if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 5) {
-      throw py::value_error("side_planes items must be tuples (device, device_layout, host, "
-                            "host_layout, row_bytes)");
+      throw py::value_error(
+          "side_planes items must be tuples (device, device_layout, host, "
+          "host_layout, row_bytes)");
     }
     const py::tuple t = py::reinterpret_borrow<py::tuple>(item);
     const int64_t row_bytes = ToInt64(t[4], "row_bytes");
@@ -109,8 +111,9 @@ std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bo
     const PoolLayout* pairs[2][2] = {{&d.layout, &kv_device.layout}, {&h.layout, &kv_host.layout}};
     for (const auto& pair : pairs) {
       if (pair[0]->num_slots != pair[1]->num_slots || pair[0]->page_size != pair[1]->page_size) {
-        throw py::value_error("side_planes: a side buffer must have the slots and page size of "
-                              "the K/V it moves with");
+        throw py::value_error(
+            "side_planes: a side buffer must have the slots and page size of "
+            "the K/V it moves with");
       }
     }
     planes.push_back(CopyPlane{d.layout, h.layout, row_bytes});
@@ -127,7 +130,8 @@ void Pool::CheckUnchanged(const char* name) const {
   t.View();
   const auto [begin, end] = t.Extent();
   if (t.data() != layout.base || end - begin != bytes) {
-    throw py::value_error(std::string(name) + "'s storage was resized or replaced after the "
+    throw py::value_error(std::string(name) +
+                          "'s storage was resized or replaced after the "
                           "controller was made: its copies would touch freed memory");
   }
 }
@@ -295,8 +299,9 @@ int64_t TransferRowsNow(py::handle src, const std::vector<int64_t>& src_layout, 
                           std::to_string(layer_end) + ") are not within [0, " +
                           std::to_string(layers) + ")");
   }
-  TransferParams p{s.layout, d.layout, row_bytes, layers, a.data(), b.data(),
-                   static_cast<int64_t>(a.size()), layer_begin, layer_end};
+  TransferParams p{
+      s.layout,    d.layout, row_bytes, layers, a.data(), b.data(), static_cast<int64_t>(a.size()),
+      layer_begin, layer_end};
   const int64_t bad = TransferRows(p);
   if (bad >= 0) {
     throw py::value_error("slot pair " + std::to_string(bad) + " (" + std::to_string(a[bad]) +
@@ -313,14 +318,13 @@ void RegisterController(py::module_& m) {
         py::arg("dst_slots"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1);
   py::class_<PyController>(m, "CacheController")
       .def(py::init<py::handle, const std::vector<int64_t>&, py::handle,
-                    const std::vector<int64_t>&, int64_t, int64_t, bool, py::handle,
-                    py::object>(),
+                    const std::vector<int64_t>&, int64_t, int64_t, bool, py::handle, py::object>(),
            py::arg("device"), py::arg("device_layout"), py::arg("host"), py::arg("host_layout"),
            py::arg("row_bytes"), py::arg("layers"), py::arg("manual") = false,
            py::arg("side_planes") = py::none(), py::arg("keep") = py::none())
       .def(py::init<int64_t, bool>(), py::arg("layers"), py::arg("manual") = false)
-      .def(py::init<py::capsule, bool, py::object>(), py::arg("engine"),
-           py::arg("manual") = false, py::arg("keep") = py::none())
+      .def(py::init<py::capsule, bool, py::object>(), py::arg("engine"), py::arg("manual") = false,
+           py::arg("keep") = py::none())
       .def("backup", &PyController::Backup, py::arg("device_slots"), py::arg("host_slots"))
       .def("load", &PyController::Load, py::arg("host_slots"), py::arg("device_slots"))
       .def("start_loading", &PyController::StartLoading)

@@ -50,7 +50,7 @@ std::vector<CopyPlane> ReadSidePlanes(pybind11::handle side_planes, int64_t laye
 /// module and taken by CacheController in another.
 struct EngineBox {
   std::unique_ptr<CopyEngine> engine;
-  Pool device, host;  // the pools the engine copies between, kept alive
+  Pool device, host;        // the pools the engine copies between, kept alive
   std::vector<Pool> sides;  // the side buffers' pools, device then host for each
 };
 inline constexpr const char* kEngineCapsule = "radixkv.CopyEngine";

@@ -7,10 +7,9 @@
 
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
-
-#include <optional>
 
 #include "compare.cuh"
 #include "controller.h"
@@ -20,19 +19,19 @@
 #include "store.cuh"
 
 namespace py = pybind11;
-using radixkv::bindings::EngineBox;
-using radixkv::bindings::kEngineCapsule;
-using radixkv::bindings::ReadPool;
 using radixkv::bindings::CheckCompareArgs;
 using radixkv::bindings::CheckMlaTensors;
 using radixkv::bindings::CheckStoreTensors;
-using radixkv::bindings::ScaleArg;
-using radixkv::bindings::SideArgs;
-using radixkv::bindings::TensorList;
 using radixkv::bindings::CurrentStream;
+using radixkv::bindings::EngineBox;
+using radixkv::bindings::kEngineCapsule;
 using radixkv::bindings::MarkWritten;
+using radixkv::bindings::ReadPool;
+using radixkv::bindings::ScaleArg;
 using radixkv::bindings::SetStoreIndices;
+using radixkv::bindings::SideArgs;
 using radixkv::bindings::Tensor;
+using radixkv::bindings::TensorList;
 
 namespace {
 
@@ -146,9 +145,8 @@ void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle k
 
 // The host tier's copy engine on CUDA, for radixkv._core.CacheController(engine).
 py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_layout,
-                       py::handle host, const std::vector<int64_t>& host_layout,
-                       int64_t row_bytes, int64_t layers, int max_blocks,
-                       py::handle side_planes) {
+                       py::handle host, const std::vector<int64_t>& host_layout, int64_t row_bytes,
+                       int64_t layers, int max_blocks, py::handle side_planes) {
   auto box = std::make_unique<EngineBox>();
   box->device = ReadPool(device, device_layout, "device", row_bytes, layers, true);
   box->host = ReadPool(host, host_layout, "host", row_bytes, layers, false);
@@ -161,9 +159,8 @@ py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_lay
   }
   std::vector<radixkv::CopyPlane> planes{
       radixkv::CopyPlane{box->device.layout, box->host.layout, row_bytes}};
-  for (radixkv::CopyPlane& p :
-       radixkv::bindings::ReadSidePlanes(side_planes, layers, true, box->device, box->host,
-                                         &box->sides)) {
+  for (radixkv::CopyPlane& p : radixkv::bindings::ReadSidePlanes(
+           side_planes, layers, true, box->device, box->host, &box->sides)) {
     planes.push_back(p);
   }
   for (size_t i = 1; i < box->sides.size(); i += 2) {
@@ -196,8 +193,8 @@ PYBIND11_MODULE(_cuda, m) {
     }
   });
   m.def("copy_engine", &CopyEngine, py::arg("device"), py::arg("device_layout"), py::arg("host"),
-        py::arg("host_layout"), py::arg("row_bytes"), py::arg("layers"),
-        py::arg("max_blocks") = 16, py::arg("side_planes") = py::none());
+        py::arg("host_layout"), py::arg("row_bytes"), py::arg("layers"), py::arg("max_blocks") = 16,
+        py::arg("side_planes") = py::none());
   m.def("store_cache", &Kernel_StoreCache, py::arg("k_cache"), py::arg("v_cache"),
         py::arg("out_loc"), py::arg("k"), py::arg("v"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("side") = py::none());

@@ -23,17 +23,25 @@ PyObject* NewError(pybind11::module_& m, const char* name, const char* doc) {
 void SetError(const Error& e) {
   PyObject* type = PyExc_RuntimeError;
   switch (e.code()) {
-    case ErrorCode::kInvalidArgument: type = PyExc_ValueError; break;
-    case ErrorCode::kWrongType: type = PyExc_TypeError; break;
-    case ErrorCode::kOutOfCapacity: type = g_out_of_capacity; break;
-    case ErrorCode::kIntegrity: type = g_integrity; break;
+    case ErrorCode::kInvalidArgument:
+      type = PyExc_ValueError;
+      break;
+    case ErrorCode::kWrongType:
+      type = PyExc_TypeError;
+      break;
+    case ErrorCode::kOutOfCapacity:
+      type = g_out_of_capacity;
+      break;
+    case ErrorCode::kIntegrity:
+      type = g_integrity;
+      break;
   }
   PyErr_SetString(type, e.what());
 }
 
 void RegisterErrors(pybind11::module_& m) {
-  g_out_of_capacity = NewError(m, "OutOfCapacityError",
-                               "Asked to evict or allocate more than the cache can free.");
+  g_out_of_capacity =
+      NewError(m, "OutOfCapacityError", "Asked to evict or allocate more than the cache can free.");
   g_integrity = NewError(m, "IntegrityError", "check_integrity() found a broken invariant.");
   pybind11::register_exception_translator([](std::exception_ptr p) {
     try {

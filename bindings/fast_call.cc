@@ -76,8 +76,8 @@ void SetErrorFromException() noexcept {
 }
 
 PyTypeObject* AddType(py::module_& m, PyType_Spec* spec) {
-  py::object type = py::reinterpret_steal<py::object>(
-      PyType_FromModuleAndSpec(m.ptr(), spec, nullptr));
+  py::object type =
+      py::reinterpret_steal<py::object>(PyType_FromModuleAndSpec(m.ptr(), spec, nullptr));
   if (!type) throw py::error_already_set();
   const char* dot = std::strrchr(spec->name, '.');
   m.add_object(dot != nullptr ? dot + 1 : spec->name, type);

@@ -48,8 +48,7 @@ void SetErrorFromException() noexcept;
 /// A CPython object that holds a `T` right after its header.
 template <typename T>
 struct Boxed {
-  PyObject_HEAD
-  T value;
+  PyObject_HEAD T value;
 };
 
 /// The `T` inside a Boxed<T> object.

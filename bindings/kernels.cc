@@ -1,22 +1,20 @@
 #include "kernels.h"
 
-#include "fast_call.h"
-
-#include "tensor_view.h"
-#include "torch_api.h"
-
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
 #include <memory>
-#include <vector>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "fast_call.h"
 #include "radixkv/compare.h"
 #include "radixkv/status.h"
 #include "radixkv/store.h"
+#include "tensor_view.h"
+#include "torch_api.h"
 
 namespace py = pybind11;
 
@@ -266,10 +264,10 @@ void Tensor::CheckDevice(DLDeviceType type) const {
 }
 
 void Tensor::CheckSameDevice(const Tensor& ref) const {
-  KERNEL_CHECK_TYPE(device_.device_type == ref.device_.device_type &&
-                        device_.device_id == ref.device_.device_id,
-                    name_, " must be on ", DeviceName(ref.device_), " like ", ref.name_, ", got ",
-                    DeviceName(device_));
+  KERNEL_CHECK_TYPE(
+      device_.device_type == ref.device_.device_type && device_.device_id == ref.device_.device_id,
+      name_, " must be on ", DeviceName(ref.device_), " like ", ref.name_, ", got ",
+      DeviceName(device_));
 }
 
 void Tensor::CheckLastContiguous() const {
@@ -319,8 +317,10 @@ ScaleArg::ScaleArg(py::handle obj, const char* name, DLDeviceType device_type) :
   if (IsTorchTensor(o)) {
     py::object t = py::reinterpret_borrow<py::object>(obj);
     const int64_t numel = t.attr("numel")().cast<int64_t>();
-    KERNEL_CHECK_VALUE(numel == 1, name, " must be a number or a one-element tensor, got a tensor "
-                       "of ", numel, " elements");
+    KERNEL_CHECK_VALUE(numel == 1, name,
+                       " must be a number or a one-element tensor, got a tensor "
+                       "of ",
+                       numel, " elements");
     KERNEL_CHECK_TYPE(t.attr("is_floating_point")().cast<bool>(), name,
                       " must be a floating tensor, got dtype ",
                       py::str(t.attr("dtype")).cast<std::string>());
@@ -338,16 +338,19 @@ ScaleArg::ScaleArg(py::handle obj, const char* name, DLDeviceType device_type) :
     const bool numeric = num != nullptr && (num->nb_float != nullptr || num->nb_index != nullptr);
     const std::string type = Py_TYPE(o)->tp_name;
     const bool boolean = PyBool_Check(o) || type == "numpy.bool" || type == "numpy.bool_";
-    KERNEL_CHECK_TYPE(numeric && !boolean, name,
-                      " must be a number or a one-element tensor, got ", type);
+    KERNEL_CHECK_TYPE(numeric && !boolean, name, " must be a number or a one-element tensor, got ",
+                      type);
     PyObject* f = PyNumber_Float(o);
     if (f == nullptr) {
       const bool overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
       PyErr_Clear();
-      KERNEL_CHECK_VALUE(!overflow, name, " must be positive and finite in float32, got a "
+      KERNEL_CHECK_VALUE(!overflow, name,
+                         " must be positive and finite in float32, got a "
                          "number too large for a float");
-      throw Error(ErrorCode::kWrongType, StrCat(name, " must be a number or a one-element tensor, "
-                                                "got ", type));
+      throw Error(ErrorCode::kWrongType, StrCat(name,
+                                                " must be a number or a one-element tensor, "
+                                                "got ",
+                                                type));
     }
     value = PyFloat_AS_DOUBLE(f);
     Py_DECREF(f);
@@ -365,22 +368,23 @@ StoreSide CheckStoreSide(const Tensor& cache, const RowLayout& cache_layout, int
   StoreSide side{};
   if (!SameDType(src.dtype(), dt)) {
     side.source = IsFloat8(dt) ? ConvertibleSource(src.dtype()) : SourceFloat::kNone;
-    KERNEL_CHECK_TYPE(side.source != SourceFloat::kNone, src.name(), " has dtype ",
-                      DTypeName(src.dtype()), " but ", cache.name(), " has dtype ", DTypeName(dt),
-                      IsFloat8(dt) ? " (a float8 cache also takes float32, float16 or bfloat16)"
-                                   : "");
+    KERNEL_CHECK_TYPE(
+        side.source != SourceFloat::kNone, src.name(), " has dtype ", DTypeName(src.dtype()),
+        " but ", cache.name(), " has dtype ", DTypeName(dt),
+        IsFloat8(dt) ? " (a float8 cache also takes float32, float16 or bfloat16)" : "");
     side.format = dt.code == kDLFloat8_e4m3fn ? Float8Format::kE4M3Fn : Float8Format::kE5M2;
     side.scale = scale.value();
     if (const Tensor* t = scale.tensor()) {
       t->CheckSameDevice(cache);
-      KERNEL_CHECK_TYPE(SameDType(t->dtype(), DLDataType{kDLFloat, 32, 1}), scale.name(),
-                        " on ", DeviceName(t->device()), " must have dtype float32, got ",
+      KERNEL_CHECK_TYPE(SameDType(t->dtype(), DLDataType{kDLFloat, 32, 1}), scale.name(), " on ",
+                        DeviceName(t->device()), " must have dtype float32, got ",
                         DTypeName(t->dtype()));
       side.scale_ptr = reinterpret_cast<const float*>(t->data());
     }
   } else if (scale.given()) {
     KERNEL_CHECK_VALUE(false, scale.name(), " is given, but ", src.name(), " already has ",
-                       cache.name(), "'s dtype ", DTypeName(dt), " and is copied as it is (a "
+                       cache.name(), "'s dtype ", DTypeName(dt),
+                       " and is copied as it is (a "
                        "scale applies when a float8 cache is fed float32, float16 or bfloat16)");
   }
   const int64_t rank = flat_src ? 2 : 3;
@@ -407,8 +411,8 @@ StoreSide CheckStoreSide(const Tensor& cache, const RowLayout& cache_layout, int
   return side;
 }
 
-StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& k,
-                              const Tensor& v, const ScaleArg& k_scale, const ScaleArg& v_scale,
+StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& k, const Tensor& v,
+                              const ScaleArg& k_scale, const ScaleArg& v_scale,
                               DLDeviceType device_type) {
   kc.CheckDevice(device_type);
   for (const Tensor* t : {&vc, &k, &v}) t->CheckSameDevice(kc);
@@ -419,8 +423,8 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
   KERNEL_CHECK_VALUE(vc.ShapeString() == kc.ShapeString(), "v_cache has shape ", vc.ShapeString(),
                      " but k_cache has shape ", kc.ShapeString());
   CheckCacheDType(kc);
-  KERNEL_CHECK_TYPE(SameDType(vc.dtype(), kc.dtype()), "v_cache has dtype ",
-                    DTypeName(vc.dtype()), " but k_cache has dtype ", DTypeName(kc.dtype()));
+  KERNEL_CHECK_TYPE(SameDType(vc.dtype(), kc.dtype()), "v_cache has dtype ", DTypeName(vc.dtype()),
+                    " but k_cache has dtype ", DTypeName(kc.dtype()));
   const bool rows = kc.ndim() == 2;  // mini-SGLang's [num_slots, row] caches
   const int64_t heads = rows ? 1 : kc.size(kc.ndim() - 2), head_dim = kc.size(kc.ndim() - 1);
   StoreParams p;  // only what num_sides names is read: no need to clear the rest
@@ -442,7 +446,8 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
   // (Caches with no elements hold no memory: nothing can be overwritten.)
   bool same = kc.data() == vc.data() && kc.Extent().first != kc.Extent().second;
   for (int d = 0; same && d < kc.ndim(); ++d) same = kc.stride(d) == vc.stride(d);
-  KERNEL_CHECK_VALUE(!same, "v_cache is the same memory as k_cache: the store would write v "
+  KERNEL_CHECK_VALUE(!same,
+                     "v_cache is the same memory as k_cache: the store would write v "
                      "over k");
   p.num_tokens = k.size(0);
   p.num_slots = kc.ndim() == 4 ? kc.size(0) * kc.size(1) : kc.size(0);
@@ -453,10 +458,11 @@ StoreParams CheckMlaTensors(const Tensor& kv, const Tensor& k_nope, const Tensor
                             int64_t kv_lora_rank, const ScaleArg& k_scale,
                             DLDeviceType device_type) {
   kv.CheckDevice(device_type);
-  KERNEL_CHECK_VALUE((kv.ndim() >= 2 && kv.ndim() <= 4) &&
-                         (kv.ndim() == 2 || kv.size(kv.ndim() - 2) == 1),
-                     "kv_cache must have shape [num_pages, page_size, 1, row], [num_slots, 1, "
-                     "row] or [num_slots, row], got ", kv.ShapeString());
+  KERNEL_CHECK_VALUE(
+      (kv.ndim() >= 2 && kv.ndim() <= 4) && (kv.ndim() == 2 || kv.size(kv.ndim() - 2) == 1),
+      "kv_cache must have shape [num_pages, page_size, 1, row], [num_slots, 1, "
+      "row] or [num_slots, row], got ",
+      kv.ShapeString());
   CheckCacheDType(kv);
   const int64_t row = kv.size(kv.ndim() - 1);
   KERNEL_CHECK_VALUE(kv_lora_rank > 0 && kv_lora_rank < row, "kv_lora_rank=", kv_lora_rank,
@@ -467,15 +473,17 @@ StoreParams CheckMlaTensors(const Tensor& kv, const Tensor& k_nope, const Tensor
   RowLayout layout = CacheLayout(kv);
   layout.head_stride = row * kv.elem_bytes();
   for (const Tensor* x : {&k_nope, &k_rope}) {
-    KERNEL_CHECK_VALUE(x->ndim() == 2 || x->ndim() == 3, x->name(), " must have shape "
-                       "[num_tokens, 1, ", x == &k_nope ? kv_lora_rank : rope, "] or [num_tokens, ",
+    KERNEL_CHECK_VALUE(x->ndim() == 2 || x->ndim() == 3, x->name(),
+                       " must have shape "
+                       "[num_tokens, 1, ",
+                       x == &k_nope ? kv_lora_rank : rope, "] or [num_tokens, ",
                        x == &k_nope ? kv_lora_rank : rope, "], got ", x->ShapeString());
   }
   StoreParams p;  // only what num_sides names is read
   p.num_sides = 2;
   p.side[0] = CheckStoreSide(kv, layout, 0, k_nope, 1, kv_lora_rank, k_nope.ndim() == 2, k_scale);
-  p.side[1] = CheckStoreSide(kv, layout, kv_lora_rank, k_rope, 1, rope, k_rope.ndim() == 2,
-                             k_scale);
+  p.side[1] =
+      CheckStoreSide(kv, layout, kv_lora_rank, k_rope, 1, rope, k_rope.ndim() == 2, k_scale);
   KERNEL_CHECK_VALUE(k_rope.size(0) == k_nope.size(0), "k_rope has ", k_rope.size(0),
                      " tokens but k_nope has ", k_nope.size(0));
   kv.CheckLastContiguous();
@@ -498,13 +506,12 @@ SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
   const py::tuple& seq = entries_;
   const size_t count = seq.size();
   KERNEL_CHECK_VALUE(count <= kMaxStoreSides - 2, "side has ", count,
-                     " buffers; a store writes at most ", kMaxStoreSides - 2,
-                     " beside its caches");
+                     " buffers; a store writes at most ", kMaxStoreSides - 2, " beside its caches");
   names_.reserve(2 * count);  // the Tensors keep pointers into it: never reallocated
   for (size_t i = 0; i < count; ++i) {
     py::handle entry = seq[i];
-    KERNEL_CHECK_TYPE(PyTuple_Check(entry.ptr()) && PyTuple_GET_SIZE(entry.ptr()) == 3,
-                      "side[", i, "] must be a (name, buffer, source) tuple");
+    KERNEL_CHECK_TYPE(PyTuple_Check(entry.ptr()) && PyTuple_GET_SIZE(entry.ptr()) == 3, "side[", i,
+                      "] must be a (name, buffer, source) tuple");
     py::tuple t = py::reinterpret_borrow<py::tuple>(entry);
     KERNEL_CHECK_TYPE(PyUnicode_Check(t[0].ptr()), "side[", i, "]'s name must be a str");
     Py_ssize_t size = 0;
@@ -517,8 +524,7 @@ SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
     names_.push_back("side[" + name + "]");
     names_.push_back("side buffer " + name);
     sources_.push_back(std::make_unique<Tensor>(t[2], names_[names_.size() - 2].c_str()));
-    buffers_.push_back(
-        std::make_unique<Tensor>(t[1], names_.back().c_str(), buffer_checks));
+    buffers_.push_back(std::make_unique<Tensor>(t[1], names_.back().c_str(), buffer_checks));
   }
 }
 
@@ -575,8 +581,8 @@ void SideArgs::AddTo(StoreParams* p, std::initializer_list<const Tensor*> caches
       KERNEL_CHECK_VALUE(!sources_[j]->Overlaps(buf), sources_[j]->name(),
                          " lies in the memory of ", buf.name(),
                          ": the store would overwrite rows it has yet to read");
-      KERNEL_CHECK_VALUE(j < i || !buffers_[j]->Overlaps(buf), buffers_[j]->name(),
-                         " and ", buf.name(), " share memory: one would overwrite the other");
+      KERNEL_CHECK_VALUE(j < i || !buffers_[j]->Overlaps(buf), buffers_[j]->name(), " and ",
+                         buf.name(), " share memory: one would overwrite the other");
     }
   }
 }
@@ -596,9 +602,8 @@ void SetStoreIndices(StoreParams* p, const Tensor& loc, const Tensor& k_cache,
   KERNEL_CHECK_TYPE(IsIndexDType(loc.dtype()), "out_loc must have dtype int32 or int64, got ",
                     DTypeName(loc.dtype()));
   loc.CheckLastContiguous();
-  SetStoreIndices(p, loc.data(),
-                  loc.dtype().bits == 32 ? IndexType::kInt32 : IndexType::kInt64, loc.size(0),
-                  tokens_name);
+  SetStoreIndices(p, loc.data(), loc.dtype().bits == 32 ? IndexType::kInt32 : IndexType::kInt64,
+                  loc.size(0), tokens_name);
 }
 
 void RaiseBadIndex(int64_t position, int64_t slot, bool repeated, int64_t num_slots) {
@@ -607,9 +612,9 @@ void RaiseBadIndex(int64_t position, int64_t slot, bool repeated, int64_t num_sl
                 StrCat("out_loc[", position, "] = ", slot,
                        " repeats an earlier slot of out_loc: each token needs its own slot"));
   }
-  throw Error(ErrorCode::kInvalidArgument, StrCat("out_loc[", position, "] = ", slot,
-                                                  " is out of range for a cache of ", num_slots,
-                                                  " slots"));
+  throw Error(ErrorCode::kInvalidArgument,
+              StrCat("out_loc[", position, "] = ", slot, " is out of range for a cache of ",
+                     num_slots, " slots"));
 }
 
 void MarkWritten(py::handle a, py::handle b) {
@@ -713,8 +718,10 @@ PyObject* StoreMlaFast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObj
   PyObject* a[kMaxParams] = {};
   if (!BindArgs(kStoreMla, args, nargs, kwnames, a)) return nullptr;
   try {
-    KERNEL_CHECK_TYPE(PyLong_Check(a[4]) && !PyBool_Check(a[4]), "kv_lora_rank must be an int, "
-                      "got ", Py_TYPE(a[4])->tp_name);
+    KERNEL_CHECK_TYPE(PyLong_Check(a[4]) && !PyBool_Check(a[4]),
+                      "kv_lora_rank must be an int, "
+                      "got ",
+                      Py_TYPE(a[4])->tp_name);
     const long long rank = PyLong_AsLongLong(a[4]);
     if (rank == -1 && PyErr_Occurred()) throw py::error_already_set();
     StoreMlaCpu(a[0], a[1], a[2], a[3], rank, PoolViews(a[5]), OrNone(a[6]), OrNone(a[7]));

@@ -196,7 +196,7 @@ class SideArgs {
   void MarkWritten() const;
 
  private:
-  pybind11::tuple entries_;  // the caller's entries, owned: they outlive every borrow below
+  pybind11::tuple entries_;         // the caller's entries, owned: they outlive every borrow below
   std::vector<std::string> names_;  // "side[<name>]" and "side buffer <name>", two per entry
   std::vector<std::unique_ptr<Tensor>> buffers_, sources_;
 };
@@ -212,8 +212,7 @@ void SetStoreIndices(StoreParams* p, const Tensor& out_loc, const Tensor& k_cach
                      const char* tokens_name = "k");
 
 /// Raises ValueError naming out_loc for a bad index found by a store.
-[[noreturn]] void RaiseBadIndex(int64_t position, int64_t slot, bool repeated,
-                                int64_t num_slots);
+[[noreturn]] void RaiseBadIndex(int64_t position, int64_t slot, bool repeated, int64_t num_slots);
 
 /// Tells autograd that `a` and `b` were written in place (bumps their
 /// version counters; a no-op for inference tensors), as torch's own in-place

@@ -19,7 +19,6 @@
 #include "errors.h"
 #include "fast_call.h"
 #include "kernels.h"
-#include "signal_shield.h"
 #include "radixkv/checksum.h"
 #include "radixkv/compare.h"
 #include "radixkv/page_allocator.h"
@@ -27,6 +26,7 @@
 #include "radixkv/radix_tree.h"
 #include "radixkv/slot_set.h"
 #include "radixkv/status.h"
+#include "signal_shield.h"
 #include "tensor_view.h"
 
 namespace py = pybind11;
@@ -134,14 +134,14 @@ constexpr const char* kRefDoc = "Locks on the node.";
 constexpr const char* kTimeDoc = "Its LRU time (the tree's clock at its last use).";
 constexpr const char* kNsDoc = "Its namespace.";
 PyStructSequence_Field kDumpRowFields[] = {
-    {"parent", kParentDoc}, {"tokens", kTokensDoc}, {"device_slots", kDeviceDoc},
+    {"parent", kParentDoc}, {"tokens", kTokensDoc},  {"device_slots", kDeviceDoc},
     {"ref_count", kRefDoc}, {"timestamp", kTimeDoc}, {"namespace", kNsDoc},
     {nullptr, nullptr},
 };
 PyStructSequence_Field kTierDumpRowFields[] = {
-    {"parent", kParentDoc},       {"tokens", kTokensDoc}, {"device_slots", kDeviceDoc},
-    {"host_slots", kHostDoc},     {"ref_count", kRefDoc}, {"timestamp", kTimeDoc},
-    {"namespace", kNsDoc},        {nullptr, nullptr},
+    {"parent", kParentDoc},   {"tokens", kTokensDoc}, {"device_slots", kDeviceDoc},
+    {"host_slots", kHostDoc}, {"ref_count", kRefDoc}, {"timestamp", kTimeDoc},
+    {"namespace", kNsDoc},    {nullptr, nullptr},
 };
 // Without namespaces=True the namespace is a field by name only (not in the tuple).
 PyStructSequence_Desc kDumpRowDescs[4] = {
@@ -227,8 +227,7 @@ py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
   TensorSink indices;
   Unbox<Handle>(handle.ptr()) = Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), indices, ns); },
-      [&] { ids.Own(); });
+      [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), indices, ns); }, [&] { ids.Own(); });
   return py::make_tuple(std::move(handle), indices.take());
 }
 
@@ -246,8 +245,9 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
   if (!items) throw py::error_already_set();
   const size_t n = items.size();
   // One namespace for the whole batch, or one per input.
-  std::vector<uint64_t> spaces(n, AsNamespace(
-      a[1] != nullptr && (PyList_Check(a[1]) || PyTuple_Check(a[1])) ? nullptr : a[1]));
+  std::vector<uint64_t> spaces(
+      n,
+      AsNamespace(a[1] != nullptr && (PyList_Check(a[1]) || PyTuple_Check(a[1])) ? nullptr : a[1]));
   if (a[1] != nullptr && (PyList_Check(a[1]) || PyTuple_Check(a[1]))) {
     const py::tuple given = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[1]));
     if (!given) throw py::error_already_set();
@@ -350,9 +350,8 @@ py::object RadixTree_CheckIntegrity(PyRadixTree& t, PyObject* const*) {
 }
 
 py::object RadixTree_SizeInfo(PyRadixTree& t, PyObject* const*) {
-  auto sizes = Locked(t, false, [&] {
-    return std::make_pair(t.tree.evictable_size(), t.tree.protected_size());
-  });
+  auto sizes = Locked(
+      t, false, [&] { return std::make_pair(t.tree.evictable_size(), t.tree.protected_size()); });
   return py::make_tuple(sizes.first, sizes.second);
 }
 
@@ -373,9 +372,7 @@ py::object RadixTree_Dump(PyRadixTree& t, PyObject* const* a) {
   for (size_t i = 0; i < nodes.size(); ++i) {
     const radixkv::NodeInfo& n = nodes[i];
     Fields row(type);
-    row.Add(PyLong_FromLongLong(n.parent))
-        .Add(py::cast(n.key))
-        .Add(py::cast(n.value));
+    row.Add(PyLong_FromLongLong(n.parent)).Add(py::cast(n.key)).Add(py::cast(n.value));
     if (tiers) row.Add(py::cast(n.host_value));
     row.Add(PyLong_FromLongLong(n.ref_count))
         .Add(PyLong_FromUnsignedLongLong(n.timestamp))
@@ -420,8 +417,8 @@ radixkv::TierCopy AsCopy(PyObject* o) {
 py::object RadixTree_TierSizes(PyRadixTree& t, PyObject* const*) {
   const radixkv::TierSizes z = Locked(t, false, [&] { return t.tree.tier_sizes(); });
   Fields sizes(g_tier_sizes_type);
-  for (const int64_t n : {z.device_evictable, z.device_protected, z.host, z.host_only,
-                          z.backing_up, z.loading, z.storing}) {
+  for (const int64_t n : {z.device_evictable, z.device_protected, z.host, z.host_only, z.backing_up,
+                          z.loading, z.storing}) {
     sizes.Add(PyLong_FromLongLong(n));
   }
   return py::reinterpret_steal<py::object>(sizes.Take());
@@ -537,9 +534,9 @@ py::object RadixTree_PinHost(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   FinishViews(ids);
   radixkv::TierCopy pin;
-  const bool pinned = Locked(t.mu, ids.size() >= kReleaseGilTokens,
-                             [&] { return t.tree.PinHost(ids.data(), ids.size(), &pin, ns); },
-                             [&] { ids.Own(); });
+  const bool pinned = Locked(
+      t.mu, ids.size() >= kReleaseGilTokens,
+      [&] { return t.tree.PinHost(ids.data(), ids.size(), &pin, ns); }, [&] { ids.Own(); });
   return pinned ? CopyTuple(pin) : py::none();
 }
 
@@ -570,7 +567,10 @@ py::object RadixTree_InsertHost(PyRadixTree& t, PyObject* const* a) {
   Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
       [&] { t.tree.InsertHost(ids.data(), ids.size(), start, host.data(), rejected, ns); },
-      [&] { ids.Own(); host.Own(); });
+      [&] {
+        ids.Own();
+        host.Own();
+      });
   return rejected.take();
 }
 
@@ -694,8 +694,7 @@ py::object PageAllocator_Allocate(radixkv::PageAllocator& a, py::handle num_toke
   return slots.take();
 }
 
-void PageAllocator_Free(radixkv::PageAllocator& a, py::handle indices, py::handle tree,
-                       bool host) {
+void PageAllocator_Free(radixkv::PageAllocator& a, py::handle indices, py::handle tree, bool host) {
   Int32View v(indices, "indices");
   FinishViews(v);
   WithCachedSlots(
@@ -817,8 +816,8 @@ py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed,
   std::string keys(static_cast<size_t>(pages * radixkv::kPageKeyBytes), '\0');
   auto* out = reinterpret_cast<uint8_t*>(keys.data());
   auto hash = [&] {
-    radixkv::PageKeys(ids.data(), ids.size(), page,
-                      seed_bytes.empty() ? nullptr : U8(seed_bytes), out);
+    radixkv::PageKeys(ids.data(), ids.size(), page, seed_bytes.empty() ? nullptr : U8(seed_bytes),
+                      out);
     if (!key_bytes.empty()) radixkv::KeyPageKeys(out, pages, U8(key_bytes), out);
   };
   if (ids.size() >= kReleaseGilTokens) {
@@ -1034,8 +1033,8 @@ PyType_Slot kTreeSlots[] = {
                                   "and the mutex that keeps one thread at a time in it.")},
     {0, nullptr},
 };
-PyType_Spec kTreeSpec{"radixkv._core.RadixTree", sizeof(Boxed<PyRadixTree>), 0,
-                      Py_TPFLAGS_DEFAULT, kTreeSlots};
+PyType_Spec kTreeSpec{"radixkv._core.RadixTree", sizeof(Boxed<PyRadixTree>), 0, Py_TPFLAGS_DEFAULT,
+                      kTreeSlots};
 
 constexpr Py_ssize_t kHandleAt = offsetof(Boxed<Handle>, value);
 PyMemberDef kHandleMembers[] = {

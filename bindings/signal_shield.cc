@@ -34,7 +34,7 @@ unsigned long g_main_thread = 0;
 // callable): the only handler the front is ever placed before, so a handler
 // that chains to the one it replaced can never lead back to ours.
 Handler g_python_handler = nullptr;
-int64_t g_next_check_ns = 0;        // main thread only
+int64_t g_next_check_ns = 0;  // main thread only
 // _signal.getsignal, SIGTERM as a Python int, and its Python handler at the
 // last check (held, so a new handler is never at an old address).
 PyObject* g_getsignal = nullptr;
@@ -150,13 +150,11 @@ Handler FindPythonHandler() {
 }
 
 struct Shielded {
-  PyObject_HEAD
-  PyObject* fn;
+  PyObject_HEAD PyObject* fn;
   vectorcallfunc vectorcall;
 };
 
-PyObject* Shielded_Call(PyObject* self, PyObject* const* args, size_t nargsf,
-                        PyObject* kwnames) {
+PyObject* Shielded_Call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   PyObject* fn = reinterpret_cast<Shielded*>(self)->fn;
   if (PyThread_get_thread_ident() != g_main_thread) {
     return PyObject_Vectorcall(fn, args, nargsf, kwnames);
@@ -173,8 +171,7 @@ PyObject* Shielded_Call(PyObject* self, PyObject* const* args, size_t nargsf,
   }
   g_depth.fetch_add(1, std::memory_order_acq_rel);
   PyObject* result = PyObject_Vectorcall(fn, args, nargsf, kwnames);
-  if (g_depth.fetch_sub(1, std::memory_order_acq_rel) == 1 &&
-      DeliverHeld(result != nullptr) < 0) {
+  if (g_depth.fetch_sub(1, std::memory_order_acq_rel) == 1 && DeliverHeld(result != nullptr) < 0) {
     Py_DECREF(result);
     return nullptr;
   }
@@ -184,8 +181,7 @@ PyObject* Shielded_Call(PyObject* self, PyObject* const* args, size_t nargsf,
 PyObject* Shielded_New(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject* fn = nullptr;
   static const char* kNames[] = {"fn", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:shielded", const_cast<char**>(kNames),
-                                   &fn)) {
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:shielded", const_cast<char**>(kNames), &fn)) {
     return nullptr;
   }
   if (!PyCallable_Check(fn)) {
@@ -237,8 +233,8 @@ PyObject* Shielded_GetAttr(PyObject* self, PyObject* name) {
     Py_INCREF(fn);
     return fn;
   }
-  for (const char* shown : {"__doc__", "__name__", "__qualname__", "__module__",
-                            "__annotations__"}) {
+  for (const char* shown :
+       {"__doc__", "__name__", "__qualname__", "__module__", "__annotations__"}) {
     if (std::strcmp(text, shown) == 0) return PyObject_GetAttr(fn, name);
   }
   return PyObject_GenericGetAttr(self, name);
@@ -263,24 +259,23 @@ PyType_Slot kShieldedSlots[] = {
     {Py_tp_getattro, reinterpret_cast<void*>(Shielded_GetAttr)},
     {Py_tp_repr, reinterpret_cast<void*>(Shielded_Repr)},
     {Py_tp_members, kShieldedMembers},
-    {Py_tp_doc, const_cast<char*>(
-                    "shielded(fn): calls fn with SIGINT and SIGTERM held back until it returns "
-                    "(on the main thread), so their handlers never run in the middle of it; "
-                    "used as a method decorator.")},
+    {Py_tp_doc,
+     const_cast<char*>("shielded(fn): calls fn with SIGINT and SIGTERM held back until it returns "
+                       "(on the main thread), so their handlers never run in the middle of it; "
+                       "used as a method decorator.")},
     {0, nullptr},
 };
 
-PyType_Spec kShieldedSpec{
-    "radixkv._core.shielded", sizeof(Shielded), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
-        Py_TPFLAGS_METHOD_DESCRIPTOR,
-    kShieldedSlots};
+PyType_Spec kShieldedSpec{"radixkv._core.shielded", sizeof(Shielded), 0,
+                          Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                              Py_TPFLAGS_METHOD_DESCRIPTOR,
+                          kShieldedSlots};
 
 }  // namespace
 
 void RegisterSignalShield(py::module_& m) {
-  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident")
-                      .cast<unsigned long>();
+  g_main_thread =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   g_getsignal = py::object(py::module_::import("_signal").attr("getsignal")).release().ptr();
   g_sigterm = py::int_(SIGTERM).release().ptr();
   g_python_handler = FindPythonHandler();

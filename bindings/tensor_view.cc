@@ -1,16 +1,16 @@
 #include "tensor_view.h"
 
-#include "torch_api.h"
-
 #include <dlpack/dlpack.h>
 
 #include <cctype>
 #include <cstdlib>
-#include <new>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <string>
 #include <type_traits>
+
+#include "torch_api.h"
 
 namespace radixkv::bindings {
 namespace {
@@ -66,12 +66,12 @@ void Convert(const char* base, int64_t n, int64_t stride_bytes, bool negate, con
     if constexpr (std::is_unsigned_v<T>) {
       fits = raw <= static_cast<T>(std::numeric_limits<int32_t>::max());
     } else {
-      fits = raw >= std::numeric_limits<int32_t>::min() &&
-             raw <= std::numeric_limits<int32_t>::max();
+      fits =
+          raw >= std::numeric_limits<int32_t>::min() && raw <= std::numeric_limits<int32_t>::max();
     }
     if (!fits) {
-      Raise(PyExc_ValueError, std::string(name) + "[" + std::to_string(i) + "] = " +
-                                  std::to_string(raw) + " does not fit in int32");
+      Raise(PyExc_ValueError, std::string(name) + "[" + std::to_string(i) +
+                                  "] = " + std::to_string(raw) + " does not fit in int32");
     }
     (*out)[i] = static_cast<int32_t>(raw);
   }
@@ -82,14 +82,22 @@ void Convert(const char* base, int64_t n, int64_t stride_bytes, bool negate, con
 void ConvertInts(const char* base, int64_t n, int64_t stride_bytes, bool is_signed, int bits,
                  bool negate, const char* name, std::vector<int32_t>* out) {
   switch (bits * (is_signed ? 1 : -1)) {
-    case 8: return Convert<int8_t>(base, n, stride_bytes, negate, name, out);
-    case 16: return Convert<int16_t>(base, n, stride_bytes, negate, name, out);
-    case 32: return Convert<int32_t>(base, n, stride_bytes, negate, name, out);
-    case 64: return Convert<int64_t>(base, n, stride_bytes, negate, name, out);
-    case -8: return Convert<uint8_t>(base, n, stride_bytes, negate, name, out);
-    case -16: return Convert<uint16_t>(base, n, stride_bytes, negate, name, out);
-    case -32: return Convert<uint32_t>(base, n, stride_bytes, negate, name, out);
-    case -64: return Convert<uint64_t>(base, n, stride_bytes, negate, name, out);
+    case 8:
+      return Convert<int8_t>(base, n, stride_bytes, negate, name, out);
+    case 16:
+      return Convert<int16_t>(base, n, stride_bytes, negate, name, out);
+    case 32:
+      return Convert<int32_t>(base, n, stride_bytes, negate, name, out);
+    case 64:
+      return Convert<int64_t>(base, n, stride_bytes, negate, name, out);
+    case -8:
+      return Convert<uint8_t>(base, n, stride_bytes, negate, name, out);
+    case -16:
+      return Convert<uint16_t>(base, n, stride_bytes, negate, name, out);
+    case -32:
+      return Convert<uint32_t>(base, n, stride_bytes, negate, name, out);
+    case -64:
+      return Convert<uint64_t>(base, n, stride_bytes, negate, name, out);
   }
   Raise(PyExc_TypeError, std::string(name) + " has an unsupported integer width of " +
                              std::to_string(bits) + " bits");
@@ -152,19 +160,20 @@ void Int32View::FromDLTensor(const DLTensor& t, bool negated) {
           std::string(name) + " must be a CPU tensor, got a tensor on " + DeviceName(t.device));
   }
   if (t.ndim != 1) {
-    Raise(PyExc_ValueError, std::string(name) + " must be 1-D, got " + std::to_string(t.ndim) +
-                                " dimensions");
+    Raise(PyExc_ValueError,
+          std::string(name) + " must be 1-D, got " + std::to_string(t.ndim) + " dimensions");
   }
   const bool is_int = t.dtype.code == kDLInt || t.dtype.code == kDLUInt;
   if (!is_int || t.dtype.lanes != 1) {
-    Raise(PyExc_TypeError, std::string(name) + " must have an integer dtype, got " +
-                               DTypeName(t.dtype));
+    Raise(PyExc_TypeError,
+          std::string(name) + " must have an integer dtype, got " + DTypeName(t.dtype));
   }
   size_ = t.shape[0];
   CheckLength(size_, name);
   if (size_ > 0 && t.data == nullptr) {
-    Raise(PyExc_TypeError, std::string(name) + " has no data (a fake tensor, or one whose "
-                                               "storage was freed)");
+    Raise(PyExc_TypeError, std::string(name) +
+                               " has no data (a fake tensor, or one whose "
+                               "storage was freed)");
   }
   const int64_t stride = (t.strides == nullptr || size_ <= 1) ? 1 : t.strides[0];
   const char* base = static_cast<const char*>(t.data) + t.byte_offset;
@@ -181,14 +190,16 @@ void Int32View::FromBuffer(py::handle obj) {
   const char* name = name_;
   if (PyObject_GetBuffer(obj.ptr(), &buffer_.view, PyBUF_STRIDES | PyBUF_FORMAT) != 0) {
     // NumPy refuses to export some dtypes (datetime64, say): name the argument.
-    RaiseFrom(PyExc_TypeError, std::string(name) + " must have an integer dtype: its buffer "
-                                   "could not be read (" + CurrentError() + ")");
+    RaiseFrom(PyExc_TypeError, std::string(name) +
+                                   " must have an integer dtype: its buffer "
+                                   "could not be read (" +
+                                   CurrentError() + ")");
   }
   buffer_.held = true;
   const Py_buffer& view = buffer_.view;
   if (view.ndim != 1) {
-    Raise(PyExc_ValueError, std::string(name) + " must be 1-D, got " +
-                                std::to_string(view.ndim) + " dimensions");
+    Raise(PyExc_ValueError,
+          std::string(name) + " must be 1-D, got " + std::to_string(view.ndim) + " dimensions");
   }
   std::string format = view.format ? view.format : "B";
   if (!format.empty() && (format[0] == '>' || format[0] == '!')) {
@@ -199,8 +210,8 @@ void Int32View::FromBuffer(py::handle obj) {
   }
   const std::string kInts = "bBhHiIlLqQnN";
   if (format.size() != 1 || kInts.find(format[0]) == std::string::npos) {
-    Raise(PyExc_TypeError, std::string(name) + " must have an integer dtype, got buffer format '" +
-                               format + "'");
+    Raise(PyExc_TypeError,
+          std::string(name) + " must have an integer dtype, got buffer format '" + format + "'");
   }
   const bool is_signed = std::islower(static_cast<unsigned char>(format[0])) != 0;
   const int bits = static_cast<int>(view.itemsize) * 8;
@@ -241,8 +252,8 @@ void Int32View::FromSequence(py::handle obj) {
     } else {
       py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item));
       if (!index) {
-        RaiseFrom(PyExc_TypeError, where + " could not be read as an int: its __index__ raised " +
-                                       CurrentError());
+        RaiseFrom(PyExc_TypeError,
+                  where + " could not be read as an int: its __index__ raised " + CurrentError());
       }
       v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
     }

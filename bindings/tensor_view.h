@@ -12,11 +12,10 @@
 // Python code: it converts lists and tuples, exports buffers (an export pins
 // the memory until it is released), and asks torch whether a tensor has its
 // `Finish` then asks torch about a tensor's lazy negation bit and borrows its
-// memory through DLPack, which runs no Python code for a plain tensor. An adapter constructs every view of a call
-// first, then finishes them all (`FinishViews`), and from then on runs no
-// Python code until it has used them, or calls `Own` before it lets the GIL go.
-// Results are built the same way: into an Int32Block (no Python code), made a
-// tensor only once the core call is over.
+// memory through DLPack, which runs no Python code for a plain tensor. An adapter constructs every
+// view of a call first, then finishes them all (`FinishViews`), and from then on runs no Python
+// code until it has used them, or calls `Own` before it lets the GIL go. Results are built the same
+// way: into an Int32Block (no Python code), made a tensor only once the core call is over.
 #pragma once
 
 #include <Python.h>

@@ -30,9 +30,9 @@ void Load() {
   py::error_already_set cause;
   std::string why = py::str(cause.value());
   why = why.substr(0, why.find('\n'));  // torch appends a C++ backtrace
-  PyErr_SetString(PyExc_TypeError, (std::string(name) +
-                                    " must be a dense tensor that DLPack can export (" + why +
-                                    ")").c_str());
+  PyErr_SetString(
+      PyExc_TypeError,
+      (std::string(name) + " must be a dense tensor that DLPack can export (" + why + ")").c_str());
   throw py::error_already_set();
 }
 
@@ -65,17 +65,39 @@ TorchTensorView::~TorchTensorView() {
 std::string DTypeName(const DLDataType& d) {
   std::string name;
   switch (d.code) {
-    case kDLInt: name = "int" + std::to_string(d.bits); break;
-    case kDLUInt: name = "uint" + std::to_string(d.bits); break;
-    case kDLFloat: name = "float" + std::to_string(d.bits); break;
-    case kDLBfloat: name = "bfloat" + std::to_string(d.bits); break;
-    case kDLComplex: name = "complex" + std::to_string(d.bits); break;
-    case kDLBool: name = "bool"; break;
-    case kDLFloat8_e4m3fn: name = "float8_e4m3fn"; break;
-    case kDLFloat8_e4m3fnuz: name = "float8_e4m3fnuz"; break;
-    case kDLFloat8_e5m2: name = "float8_e5m2"; break;
-    case kDLFloat8_e5m2fnuz: name = "float8_e5m2fnuz"; break;
-    case kDLFloat8_e8m0fnu: name = "float8_e8m0fnu"; break;
+    case kDLInt:
+      name = "int" + std::to_string(d.bits);
+      break;
+    case kDLUInt:
+      name = "uint" + std::to_string(d.bits);
+      break;
+    case kDLFloat:
+      name = "float" + std::to_string(d.bits);
+      break;
+    case kDLBfloat:
+      name = "bfloat" + std::to_string(d.bits);
+      break;
+    case kDLComplex:
+      name = "complex" + std::to_string(d.bits);
+      break;
+    case kDLBool:
+      name = "bool";
+      break;
+    case kDLFloat8_e4m3fn:
+      name = "float8_e4m3fn";
+      break;
+    case kDLFloat8_e4m3fnuz:
+      name = "float8_e4m3fnuz";
+      break;
+    case kDLFloat8_e5m2:
+      name = "float8_e5m2";
+      break;
+    case kDLFloat8_e5m2fnuz:
+      name = "float8_e5m2fnuz";
+      break;
+    case kDLFloat8_e8m0fnu:
+      name = "float8_e8m0fnu";
+      break;
     default:
       name = "dtype code " + std::to_string(d.code) + " of " + std::to_string(d.bits) + " bits";
   }
@@ -85,10 +107,14 @@ std::string DTypeName(const DLDataType& d) {
 
 std::string DeviceName(const DLDevice& d) {
   switch (d.device_type) {
-    case kDLCPU: return "cpu";
-    case kDLCUDA: return "cuda:" + std::to_string(d.device_id);
-    case kDLMetal: return "mps";
-    default: return "device type " + std::to_string(static_cast<int>(d.device_type));
+    case kDLCPU:
+      return "cpu";
+    case kDLCUDA:
+      return "cuda:" + std::to_string(d.device_id);
+    case kDLMetal:
+      return "mps";
+    default:
+      return "device type " + std::to_string(static_cast<int>(d.device_type));
   }
 }
 

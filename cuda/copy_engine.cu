@@ -44,7 +44,7 @@ struct JobState {
   cudaEvent_t fence = nullptr;  // recorded on the compute stream when queued
   cudaEvent_t done = nullptr;   // recorded on the copy stream after the copy
   cudaStream_t stream = nullptr;
-  int32_t* slots = nullptr;     // src slots, then dst slots, on the device
+  int32_t* slots = nullptr;  // src slots, then dst slots, on the device
   bool staged = false;
   bool failed = false;
   int device = 0;
@@ -63,10 +63,7 @@ struct JobState {
 class CudaCopyEngine final : public CopyEngine {
  public:
   CudaCopyEngine(std::vector<CopyPlane> planes, int64_t layers, int device, int max_blocks)
-      : planes_(std::move(planes)),
-        layers_(layers),
-        device_(device),
-        max_blocks_(max_blocks) {
+      : planes_(std::move(planes)), layers_(layers), device_(device), max_blocks_(max_blocks) {
     OnDevice on(device_);
     Check(cudaStreamCreateWithFlags(&backup_stream_, cudaStreamNonBlocking), "backup stream");
     Check(cudaStreamCreateWithFlags(&load_stream_, cudaStreamNonBlocking), "load stream");
@@ -127,8 +124,15 @@ class CudaCopyEngine final : public CopyEngine {
       if (e != cudaSuccess) return !(state->failed = true);
     }
     for (const CopyPlane& plane : planes_) {
-      TransferParams p{backup ? plane.device : plane.host, backup ? plane.host : plane.device,
-                       plane.row_bytes, layers_, state->slots, state->slots + n, n, begin, end};
+      TransferParams p{backup ? plane.device : plane.host,
+                       backup ? plane.host : plane.device,
+                       plane.row_bytes,
+                       layers_,
+                       state->slots,
+                       state->slots + n,
+                       n,
+                       begin,
+                       end};
       if (LaunchTransfer(p, state->stream, max_blocks_) != cudaSuccess) {
         return !(state->failed = true);
       }
@@ -170,8 +174,8 @@ class CudaCopyEngine final : public CopyEngine {
   const int64_t layers_;
   const int device_, max_blocks_;
   cudaStream_t backup_stream_ = nullptr, load_stream_ = nullptr;
-  std::mutex mu_;                     // compute_ and the layer events
-  cudaStream_t compute_ = nullptr;    // the forward pass's stream (0: legacy default)
+  std::mutex mu_;                          // compute_ and the layer events
+  cudaStream_t compute_ = nullptr;         // the forward pass's stream (0: legacy default)
   std::vector<cudaEvent_t> layer_events_;  // the latest load of each layer
 };
 

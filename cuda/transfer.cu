@@ -15,7 +15,8 @@ __global__ void __launch_bounds__(kThreads) TransferKernel(const TransferParams 
   const int64_t lane = tid & (lanes - 1);
   const int64_t groups = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> lanes_log2;
   const int64_t rows = TransferRowCount(p);
-  for (int64_t r = tid >> lanes_log2; r < rows; r += groups) TransferRowPart<Vec>(p, r, lane, lanes);
+  for (int64_t r = tid >> lanes_log2; r < rows; r += groups)
+    TransferRowPart<Vec>(p, r, lane, lanes);
 }
 
 template <typename Vec>

@@ -43,16 +43,23 @@ class TinyModel:
             return torch.randn(*shape, generator=g) / math.sqrt(shape[0])
 
         self.embed = torch.randn(VOCAB, D_MODEL, generator=g)
-        self.layers = [dict(q=w(D_MODEL, HEADS * HEAD_DIM), k=w(D_MODEL, KV_HEADS * HEAD_DIM),
-                            v=w(D_MODEL, KV_HEADS * HEAD_DIM), o=w(HEADS * HEAD_DIM, D_MODEL),
-                            up=w(D_MODEL, 4 * D_MODEL), down=w(4 * D_MODEL, D_MODEL))
-                       for _ in range(LAYERS)]
+        self.layers = [
+            dict(
+                q=w(D_MODEL, HEADS * HEAD_DIM),
+                k=w(D_MODEL, KV_HEADS * HEAD_DIM),
+                v=w(D_MODEL, KV_HEADS * HEAD_DIM),
+                o=w(HEADS * HEAD_DIM, D_MODEL),
+                up=w(D_MODEL, 4 * D_MODEL),
+                down=w(4 * D_MODEL, D_MODEL),
+            )
+            for _ in range(LAYERS)
+        ]
         self.out = w(D_MODEL, VOCAB)
         inv = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
         self.inv_freq = inv
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        angles = positions[:, None].float() * self.inv_freq[None, :]   # [n, dim/2]
+        angles = positions[:, None].float() * self.inv_freq[None, :]  # [n, dim/2]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
@@ -74,7 +81,7 @@ class TinyModel:
             q = self.rope((h @ p["q"]).view(n, HEADS, HEAD_DIM), positions)
             k = self.rope((h @ p["k"]).view(n, KV_HEADS, HEAD_DIM), positions)
             v = (h @ p["v"]).view(n, KV_HEADS, HEAD_DIM)
-            keys, values = kv_for_layer(i, k, v)              # [start + n, KV_HEADS, HEAD_DIM]
+            keys, values = kv_for_layer(i, k, v)  # [start + n, KV_HEADS, HEAD_DIM]
             group = HEADS // KV_HEADS
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
@@ -96,34 +103,53 @@ class Request:
     rid: int
     prompt: torch.Tensor
     max_new_tokens: int
-    tokens: torch.Tensor = None          # prompt + generated so far
+    tokens: torch.Tensor = None  # prompt + generated so far
     handle: object = None
-    indices: torch.Tensor = None         # a slot per token of `tokens` (cached, then own)
+    indices: torch.Tensor = None  # a slot per token of `tokens` (cached, then own)
     logits: List[torch.Tensor] = field(default_factory=list)  # per computed position run
     starts: List[int] = field(default_factory=list)
-    from_cache: int = 0                  # prompt tokens reused (device + host)
+    from_cache: int = 0  # prompt tokens reused (device + host)
     from_host: int = 0
 
 
 class Engine:
     """Continuous batching over one CacheManager and one K/V pool."""
 
-    def __init__(self, model: TinyModel, num_pages: int = 48, page_size: int = 4,
-                 host_pages: int = 96, storage_dir: Optional[str] = None):
+    def __init__(
+        self,
+        model: TinyModel,
+        num_pages: int = 48,
+        page_size: int = 4,
+        host_pages: int = 96,
+        storage_dir: Optional[str] = None,
+    ):
         self.model, self.page_size = model, page_size
-        self.pool = MHAKVCache(KV_HEADS, LAYERS, HEAD_DIM, num_pages, torch.float32,
-                               page_size=page_size)
+        self.pool = MHAKVCache(
+            KV_HEADS, LAYERS, HEAD_DIM, num_pages, torch.float32, page_size=page_size
+        )
         storage = seed = None
         if storage_dir is not None:
             from radixkv.storage import FileStorage, config_fingerprint
 
-            seed = config_fingerprint(model="tiny-engine", dtype=torch.float32,
-                                      page_size=page_size, layout="page_first",
-                                      num_layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+            seed = config_fingerprint(
+                model="tiny-engine",
+                dtype=torch.float32,
+                page_size=page_size,
+                layout="page_first",
+                num_layers=LAYERS,
+                kv_heads=KV_HEADS,
+                head_dim=HEAD_DIM,
+            )
             storage = FileStorage(storage_dir, seed)
-        self.cm = CacheManager(num_pages, page_size=page_size, kv_cache=self.pool,
-                               host_num_pages=host_pages, storage=storage, storage_seed=seed,
-                               prefetch_policy="wait_complete")
+        self.cm = CacheManager(
+            num_pages,
+            page_size=page_size,
+            kv_cache=self.pool,
+            host_num_pages=host_pages,
+            storage=storage,
+            storage_seed=seed,
+            prefetch_policy="wait_complete",
+        )
         self.waiting: List[Request] = []
         self.running: List[Request] = []
         self.done: Dict[int, Request] = {}
@@ -133,6 +159,7 @@ class Engine:
     def _run(self, req: Request, new: torch.Tensor, start: int, slots: torch.Tensor) -> None:
         """Computes `new` (positions start..), storing its K/V at `slots`;
         earlier positions' K/V are read from the pool at req.indices."""
+
         def kv_for_layer(layer, k, v):
             self.pool.store_kv(k, v, slots, layer)
             every = torch.cat([req.indices[:start], slots]).long()
@@ -157,14 +184,14 @@ class Engine:
 
     def _admit(self, req: Request) -> bool:
         cm = self.cm
-        op = cm.prefetch(req.tokens)         # pages other engines wrote, into host
+        op = cm.prefetch(req.tokens)  # pages other engines wrote, into host
         if op is not None:
             cm.wait_prefetch(op)
         handle, _ = cm.match_req(req.tokens)
         device = handle.cached_len
         try:
             handle, cached = cm.load_back(handle)  # locks; the host part comes back
-        except OutOfCapacityError:         # no device room now: wait for a finished request
+        except OutOfCapacityError:  # no device room now: wait for a finished request
             return False
         new = len(req.tokens) - handle.cached_len
         own = self._pages_for(new + req.max_new_tokens)  # its decode fits too
@@ -182,35 +209,34 @@ class Engine:
         token = req.logits[-1][-1].argmax().view(1).to(torch.int32)
         req.tokens = torch.cat([req.tokens, token])
         pos = len(req.tokens) - 1
-        if pos >= len(req.indices):          # the last page is full: one more
+        if pos >= len(req.indices):  # the last page is full: one more
             more = self._pages_for(1)
             if more is None:
                 raise RuntimeError("out of pages while decoding")
             req.indices = torch.cat([req.indices, more])
-        self._run(req, token, pos, req.indices[pos:pos + 1])
+        self._run(req, token, pos, req.indices[pos : pos + 1])
 
     def step(self) -> None:
-        for req in list(self.waiting):       # admit what fits
+        for req in list(self.waiting):  # admit what fits
             if self._admit(req):
                 self.waiting.remove(req)
                 self.running.append(req)
-        for req in list(self.running):       # one token for each running request
+        for req in list(self.running):  # one token for each running request
             if len(req.tokens) - len(req.prompt) >= req.max_new_tokens:
                 # Cache the tokens whose K/V exist (all but the last one
                 # generated), in whole pages; a page beyond them goes back.
                 n = len(req.tokens) - 1
                 whole = -(-n // self.page_size) * self.page_size
-                self.cm.free_and_cache_finished_req(req.handle, req.tokens[:n],
-                                                    req.indices[:whole])
+                self.cm.free_and_cache_finished_req(req.handle, req.tokens[:n], req.indices[:whole])
                 if len(req.indices) > whole:
                     self.cm.free(req.indices[whole:])
                 self.running.remove(req)
                 self.done[req.rid] = req
             else:
                 self._decode(req)
-        self.cm.writing_check()              # once per round: backups land
-        self.cm.loading_check()              # loads land
-        self.cm.storage_check()              # writes to storage land
+        self.cm.writing_check()  # once per round: backups land
+        self.cm.loading_check()  # loads land
+        self.cm.storage_check()  # writes to storage land
 
     def run(self) -> None:
         while self.waiting or self.running:
@@ -222,8 +248,9 @@ class Engine:
         self.cm.check_integrity()
 
 
-def serve_conversations(engine: Engine, n: int, turns: int = 3, new_tokens: int = 5,
-                        seed: int = 1) -> List[Request]:
+def serve_conversations(
+    engine: Engine, n: int, turns: int = 3, new_tokens: int = 5, seed: int = 1
+) -> List[Request]:
     """Serves turn t of every conversation as one batch, then turn t + 1
     (whose prompt holds turn t's answer), through the engine."""
     g = torch.Generator().manual_seed(seed)
@@ -232,11 +259,17 @@ def serve_conversations(engine: Engine, n: int, turns: int = 3, new_tokens: int 
     served = []
     for t in range(turns):
         for c in range(n):
-            user = torch.randint(0, VOCAB, (int(torch.randint(3, 12, (1,), generator=g)),),
-                                 generator=g, dtype=torch.int32)
+            user = torch.randint(
+                0,
+                VOCAB,
+                (int(torch.randint(3, 12, (1,), generator=g)),),
+                generator=g,
+                dtype=torch.int32,
+            )
             history[c] = torch.cat([history[c], user])
-            engine.submit(Request(rid=t * n + c, prompt=history[c].clone(),
-                                  max_new_tokens=new_tokens))
+            engine.submit(
+                Request(rid=t * n + c, prompt=history[c].clone(), max_new_tokens=new_tokens)
+            )
         engine.run()
         for c in range(n):
             req = engine.done[t * n + c]
@@ -252,12 +285,14 @@ def check(model: TinyModel, requests: List[Request], atol: float = 1e-4) -> floa
     for req in requests:
         reference = model.logits_without_cache(req.tokens)
         for start, logits in zip(req.starts, req.logits):
-            want = reference[start:start + len(logits)]
+            want = reference[start : start + len(logits)]
             diff = float((logits - want).abs().max())
             worst = max(worst, diff)
             if diff > atol:
-                raise AssertionError(f"request {req.rid}: logits from position {start} differ "
-                                     f"by {diff:.2e} from a recompute without cache")
+                raise AssertionError(
+                    f"request {req.rid}: logits from position {start} differ "
+                    f"by {diff:.2e} from a recompute without cache"
+                )
     return worst
 
 
@@ -265,8 +300,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--storage", metavar="DIR", help="also a file storage tier in DIR, and a "
-                    "second engine that serves the same conversations from it")
+    ap.add_argument(
+        "--storage",
+        metavar="DIR",
+        help="also a file storage tier in DIR, and a "
+        "second engine that serves the same conversations from it",
+    )
     args = ap.parse_args(argv)
     model = TinyModel()
     engine = Engine(model, storage_dir=args.storage)
@@ -274,15 +313,19 @@ def main(argv=None) -> int:
     worst = check(model, served)
     reused = sum(r.from_cache for r in served)
     host = sum(r.from_host for r in served)
-    print(f"{len(served)} requests, {reused} prompt tokens from the cache ({host} from host), "
-          f"logits within {worst:.1e} of a recompute without cache")
+    print(
+        f"{len(served)} requests, {reused} prompt tokens from the cache ({host} from host), "
+        f"logits within {worst:.1e} of a recompute without cache"
+    )
     if args.storage:
         engine.cm.close()
         second = Engine(model, storage_dir=args.storage)
         again = serve_conversations(second, args.conversations, args.turns)
         worst = check(model, again)
-        print(f"second engine: {sum(r.from_host for r in again)} prompt tokens came back "
-              f"through storage and host, logits within {worst:.1e}")
+        print(
+            f"second engine: {sum(r.from_host for r in again)} prompt tokens came back "
+            f"through storage and host, logits within {worst:.1e}"
+        )
         second.cm.close()
     return 0
 

@@ -74,14 +74,22 @@ def differential(steps: int = 2000, page: int = 4) -> int:
     slot = 0
     for k in range(steps):
         base = bases[k % 4]
-        ids = torch.cat([base[: int(torch.randint(0, 40, (1,), generator=g))],
-                         torch.randint(0, 100, (k % 11,), generator=g, dtype=torch.int32)])
+        ids = torch.cat(
+            [
+                base[: int(torch.randint(0, 40, (1,), generator=g))],
+                torch.randint(0, 100, (k % 11,), generator=g, dtype=torch.int32),
+            ]
+        )
         ha, hb = a.match_prefix(ids).cuda_handle, b.match_prefix(ids).cuda_handle
         assert ha.cached_len == hb.cached_len, k
         if ha.cached_len:
             assert torch.equal(ha.get_matched_indices(), hb.get_matched_indices()), k
-        idx = torch.cat([hb.get_matched_indices(),
-                         torch.arange(slot, slot + len(ids) - hb.cached_len, dtype=torch.int32)])
+        idx = torch.cat(
+            [
+                hb.get_matched_indices(),
+                torch.arange(slot, slot + len(ids) - hb.cached_len, dtype=torch.int32),
+            ]
+        )
         slot += len(ids)
         ra, rb = a.insert_prefix(ids, idx), b.insert_prefix(ids, idx)
         assert (ra.cached_len, ra.handle.cached_len) == (rb.cached_len, rb.handle.cached_len), k
@@ -96,8 +104,10 @@ def timings(make, reps: int) -> dict:
     cache = make()
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, 32000, (512,), generator=g, dtype=torch.int32)
-    seqs = [torch.cat([prefix, torch.randint(0, 32000, (512,), generator=g, dtype=torch.int32)])
-            for _ in range(1000)]
+    seqs = [
+        torch.cat([prefix, torch.randint(0, 32000, (512,), generator=g, dtype=torch.int32)])
+        for _ in range(1000)
+    ]
     slot = 0
     for s in seqs:
         cache.insert_prefix(s, torch.arange(slot, slot + 1024, dtype=torch.int32))
@@ -112,11 +122,19 @@ def timings(make, reps: int) -> dict:
             cache.match_prefix(s).cuda_handle.get_matched_indices()
         samples.append((time.perf_counter_ns() - t0) / 20)
     out["match"] = statistics.median(samples) / 1e3
-    fresh = [torch.cat([prefix, torch.randint(0, 32000, (512,), generator=g, dtype=torch.int32)])
-             for _ in range(reps * 5)]
-    slots = [torch.cat([torch.arange(512, dtype=torch.int32),
-                        torch.arange(slot + 512 * i, slot + 512 * (i + 1), dtype=torch.int32)])
-             for i in range(reps * 5)]
+    fresh = [
+        torch.cat([prefix, torch.randint(0, 32000, (512,), generator=g, dtype=torch.int32)])
+        for _ in range(reps * 5)
+    ]
+    slots = [
+        torch.cat(
+            [
+                torch.arange(512, dtype=torch.int32),
+                torch.arange(slot + 512 * i, slot + 512 * (i + 1), dtype=torch.int32),
+            ]
+        )
+        for i in range(reps * 5)
+    ]
     samples = []
     for r in range(reps):
         t0 = time.perf_counter_ns()
@@ -136,6 +154,7 @@ def sglang_modules():
             rc = importlib.import_module("sglang.srt.mem_cache.radix_cache")
             bpc = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
         from importlib.metadata import version
+
         return (rc, bpc, version("sglang")), None
     except Exception as e:  # any failure of its import chain
         return None, f"{type(e).__name__}: {e}"
@@ -190,11 +209,14 @@ def sglang_timings(make, rc, bpc, work: SglangWorkload, reps: int, page: int) ->
         return cache.path_device_indices(m.last_device_node)[: m.device_prefix_len]
 
     out = {}
-    for case, queries in (("match", work.hits), ("match_split", work.splits),
-                          ("match_new", work.news)):
+    for case, queries in (
+        ("match", work.hits),
+        ("match_split", work.splits),
+        ("match_new", work.news),
+    ):
         samples = []
         for r in range(reps):
-            batch = queries[r * 20:(r + 1) * 20]
+            batch = queries[r * 20 : (r + 1) * 20]
             t0 = time.perf_counter_ns()
             for k in batch:
                 indices(cache.match_prefix(bpc.MatchPrefixParams(key=k)))
@@ -217,11 +239,12 @@ def sglang_timings(make, rc, bpc, work: SglangWorkload, reps: int, page: int) ->
 
     # A lock and its unlock on a matched request's node (what admitting and
     # finishing a request costs the tree besides the match and the insert).
-    nodes = [cache.match_prefix(bpc.MatchPrefixParams(key=k)).last_device_node
-             for k in work.hits[:1000]]
+    nodes = [
+        cache.match_prefix(bpc.MatchPrefixParams(key=k)).last_device_node for k in work.hits[:1000]
+    ]
     samples = []
     for r in range(reps):
-        batch = nodes[(r * 20) % 1000:(r * 20) % 1000 + 20]
+        batch = nodes[(r * 20) % 1000 : (r * 20) % 1000 + 20]
         t0 = time.perf_counter_ns()
         for node in batch:
             cache.inc_lock_ref(node)
@@ -244,13 +267,24 @@ def sglang_timings(make, rc, bpc, work: SglangWorkload, reps: int, page: int) ->
                 node, prefix = m.last_device_node, indices(m)
                 cache.inc_lock_ref(node)
                 row = i + 1
-                pool.req_to_token[row, :len(prefix)] = prefix
-                pool.req_to_token[row, len(prefix):] = torch.arange(slot, slot + 1024 - len(prefix))
+                pool.req_to_token[row, : len(prefix)] = prefix
+                pool.req_to_token[row, len(prefix) :] = torch.arange(
+                    slot, slot + 1024 - len(prefix)
+                )
                 slot += 1024 - len(prefix)
-                reqs.append(SimpleNamespace(
-                    req_pool_idx=row, origin_input_ids=array("q", work.inserts[i]),
-                    output_ids=array("q", [7]), extra_key=None, priority=None, last_node=node,
-                    prefix_indices=prefix, cache_protected_len=len(prefix), cache_salt=None))
+                reqs.append(
+                    SimpleNamespace(
+                        req_pool_idx=row,
+                        origin_input_ids=array("q", work.inserts[i]),
+                        output_ids=array("q", [7]),
+                        extra_key=None,
+                        priority=None,
+                        last_node=node,
+                        prefix_indices=prefix,
+                        cache_protected_len=len(prefix),
+                        cache_salt=None,
+                    )
+                )
             freed = sink.freed
             t0 = time.perf_counter_ns()
             for req in reqs:
@@ -267,10 +301,13 @@ def sglang_timings(make, rc, bpc, work: SglangWorkload, reps: int, page: int) ->
         t0 = time.perf_counter_ns()
         cache.evict(bpc.EvictParams(num_tokens=1024))
         samples.append(time.perf_counter_ns() - t0)
-        for k in work.refills[2 * r:2 * r + 2]:
+        for k in work.refills[2 * r : 2 * r + 2]:
             head = indices(cache.match_prefix(bpc.MatchPrefixParams(key=k)))
-            cache.insert(bpc.InsertParams(key=k, value=torch.cat(
-                [head, torch.arange(slot, slot + 1024 - len(head))])))
+            cache.insert(
+                bpc.InsertParams(
+                    key=k, value=torch.cat([head, torch.arange(slot, slot + 1024 - len(head))])
+                )
+            )
             slot += 1024
     out["evict"] = statistics.median(samples) / 1e3
     return out
@@ -290,8 +327,9 @@ def run_sglang(reps: int, page: int) -> bool:
         return c
 
     def ours(alloc, pool):
-        return compat_sglang.RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc,
-                                        page_size=page)
+        return compat_sglang.RadixCache(
+            req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=page
+        )
 
     # Alternate the two in one process, twice, and keep each case's better median.
     runs = {"ours": [], "peer": []}
@@ -306,11 +344,22 @@ def run_sglang(reps: int, page: int) -> bool:
         if case not in peer_t:
             print(f"{case:<12}{ours_t[case]:>21.2f} us{'-':>20}")
             continue
-        print(f"{case:<12}{ours_t[case]:>21.2f} us{peer_t[case]:>17.2f} us"
-              f"{peer_t[case] / ours_t[case]:>7.1f}x")
-        print(json.dumps({"bench": "compat_sglang", "case": case, "page_size": page,
-                          "sglang": version, "radixkv_us": round(ours_t[case], 3),
-                          "sglang_us": round(peer_t[case], 3)}))
+        print(
+            f"{case:<12}{ours_t[case]:>21.2f} us{peer_t[case]:>17.2f} us"
+            f"{peer_t[case] / ours_t[case]:>7.1f}x"
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "compat_sglang",
+                    "case": case,
+                    "page_size": page,
+                    "sglang": version,
+                    "radixkv_us": round(ours_t[case], 3),
+                    "sglang_us": round(peer_t[case], 3),
+                }
+            )
+        )
     return True
 
 
@@ -324,10 +373,20 @@ def run_minisgl(reps: int) -> bool:
     peer = timings(lambda: theirs(1), reps)
     print(f"{'case':<8}{'radixkv.compat.minisgl':>26}{'mini-SGLang':>14}{'ratio':>8}")
     for case in ours:
-        print(f"{case:<8}{ours[case]:>23.2f} us{peer[case]:>11.2f} us"
-              f"{peer[case] / ours[case]:>7.1f}x")
-        print(json.dumps({"bench": "compat_minisgl", "case": case, "radixkv_us": round(ours[case], 3),
-                          "minisgl_us": round(peer[case], 3)}))
+        print(
+            f"{case:<8}{ours[case]:>23.2f} us{peer[case]:>11.2f} us"
+            f"{peer[case] / ours[case]:>7.1f}x"
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "compat_minisgl",
+                    "case": case,
+                    "radixkv_us": round(ours[case], 3),
+                    "minisgl_us": round(peer[case], 3),
+                }
+            )
+        )
     return True
 
 

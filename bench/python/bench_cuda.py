@@ -51,8 +51,10 @@ class Timer:
 
     def __init__(self):
         if DEV == "cuda":
-            self.a, self.b = (torch.cuda.Event(enable_timing=True),
-                              torch.cuda.Event(enable_timing=True))
+            self.a, self.b = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
 
     def start(self):
         if DEV == "cuda":
@@ -108,6 +110,7 @@ def _store_case(kind: str, n: int):
         def theirs():
             rows[loc, :LORA] = nope.view(n, LORA)
             rows[loc, LORA:] = rope.view(n, ROPE)
+
         return ours, theirs, [cache], n * (LORA + ROPE) * 2
     cdt = FP8 if kind == "fp8" else DT
     kc = torch.zeros(pages, PAGE, HEADS, DIM, dtype=cdt, device=DEV)
@@ -118,18 +121,21 @@ def _store_case(kind: str, n: int):
     caches, nbytes = [kc, vc], 2 * n * HEADS * DIM * kc.element_size()
     side, bufs = None, []
     if kind == "side":
-        bufs = [torch.zeros(slots, 4, device=DEV),
-                torch.zeros(slots, 8, dtype=torch.int8, device=DEV)]
-        srcs = [torch.randn(n, 4, device=DEV),
-                torch.randint(-100, 100, (n, 8), dtype=torch.int8, device=DEV)]
+        bufs = [
+            torch.zeros(slots, 4, device=DEV),
+            torch.zeros(slots, 8, dtype=torch.int8, device=DEV),
+        ]
+        srcs = [
+            torch.randn(n, 4, device=DEV),
+            torch.randint(-100, 100, (n, 8), dtype=torch.int8, device=DEV),
+        ]
         side = [("scale", bufs[0], srcs[0]), ("label", bufs[1], srcs[1])]
         caches += bufs
         nbytes += n * (16 + 8)
     scale = 0.5 if kind == "fp8" else None
 
     def ours(check):
-        store_cache(kc, vc, loc, k, v, k_scale=scale, v_scale=scale, side=side,
-                    check_bounds=check)
+        store_cache(kc, vc, loc, k, v, k_scale=scale, v_scale=scale, side=side, check_bounds=check)
 
     def theirs():
         if kind == "fp8":
@@ -141,6 +147,7 @@ def _store_case(kind: str, n: int):
         if side:
             for _, buf, src in side:
                 buf[loc] = src
+
     return ours, theirs, caches, nbytes
 
 
@@ -150,9 +157,11 @@ def bench_store(reps: int) -> list:
         for n in (16, 256, 4096, 32768):
             torch.manual_seed(n)
             ours, theirs, caches, nbytes = _store_case(kind, n)
-            us = {"radixkv": cuda_us(lambda: ours(True), reps),
-                  "radixkv unchecked": cuda_us(lambda: ours(False), reps),
-                  "torch": cuda_us(theirs, reps)}
+            us = {
+                "radixkv": cuda_us(lambda: ours(True), reps),
+                "radixkv unchecked": cuda_us(lambda: ours(False), reps),
+                "torch": cuda_us(theirs, reps),
+            }
             for c in caches:
                 c.zero_()
             theirs()
@@ -161,9 +170,16 @@ def bench_store(reps: int) -> list:
                 c.zero_()
             ours(False)
             same = all(torch.equal(_bits(c), w) for c, w in zip(caches, want))
-            rows.append({"case": "store", "kind": kind, "tokens": n, "bit_exact": same,
-                         "us": {a: round(b, 1) for a, b in us.items()},
-                         "gbps": {a: round(nbytes / b / 1e3, 1) for a, b in us.items()}})
+            rows.append(
+                {
+                    "case": "store",
+                    "kind": kind,
+                    "tokens": n,
+                    "bit_exact": same,
+                    "us": {a: round(b, 1) for a, b in us.items()},
+                    "gbps": {a: round(nbytes / b / 1e3, 1) for a, b in us.items()},
+                }
+            )
     return rows
 
 
@@ -181,20 +197,37 @@ def bench_compare(reps: int) -> list:
         query, keys, lens = query.to(DEV), keys.to(DEV), lens.to(DEV)
         out = torch.empty(batch, dtype=torch.int32, device=DEV)
         ref = torch.empty_like(out)
-        us = {"radixkv": cuda_us(lambda: first_mismatch_batched(query, keys, lens, out=out), reps),
-              "torch": cuda_us(lambda: _first_mismatch_torch(query, keys, lens, ref), reps)}
-        rows.append({"case": "compare", "batch": batch, "length": length,
-                     "same": bool(torch.equal(out, ref)),
-                     "us": {a: round(b, 1) for a, b in us.items()}})
+        us = {
+            "radixkv": cuda_us(lambda: first_mismatch_batched(query, keys, lens, out=out), reps),
+            "torch": cuda_us(lambda: _first_mismatch_torch(query, keys, lens, ref), reps),
+        }
+        rows.append(
+            {
+                "case": "compare",
+                "batch": batch,
+                "length": length,
+                "same": bool(torch.equal(out, ref)),
+                "us": {a: round(b, 1) for a, b in us.items()},
+            }
+        )
     return rows
 
 
 def _pool(kind: str, pages: int, layers: int):
     if kind == "mla":
-        return MLAKVCache(LORA, ROPE, layers, pages, DT, device=DEV, page_size=PAGE,
-                          check_bounds=False)
-    pool = MHAKVCache(HEADS, layers, DIM, pages, FP8 if kind == "fp8" else DT, device=DEV,
-                      page_size=PAGE, check_bounds=False)
+        return MLAKVCache(
+            LORA, ROPE, layers, pages, DT, device=DEV, page_size=PAGE, check_bounds=False
+        )
+    pool = MHAKVCache(
+        HEADS,
+        layers,
+        DIM,
+        pages,
+        FP8 if kind == "fp8" else DT,
+        device=DEV,
+        page_size=PAGE,
+        check_bounds=False,
+    )
     if kind == "side":
         pool.register_side_buffer("scale", (4,), torch.float32)
     return pool
@@ -206,8 +239,9 @@ def bench_load(reps: int, layers: int = 4) -> list:
         for n in (1024, 16384):
             pages = n // PAGE
             pool = _pool(kind, 2 * pages + 2, layers)
-            cm = CacheManager(2 * pages + 2, page_size=PAGE, device=DEV, kv_cache=pool,
-                              host_num_pages=4 * pages)
+            cm = CacheManager(
+                2 * pages + 2, page_size=PAGE, device=DEV, kv_cache=pool, host_num_pages=4 * pages
+            )
             a = torch.arange(n + 1, dtype=torch.int32)
             samples, checked = [], None
             written: list = []  # what the first request wrote, set in its round
@@ -218,39 +252,54 @@ def bench_load(reps: int, layers: int = 4) -> list:
                     t = Timer()
                     t.start()
                     cm.start_loading()
-                    pool.k_cache(layers - 1)         # waits for the last layer
+                    pool.k_cache(layers - 1)  # waits for the last layer
                     us = t.stop()
                     if r >= 2:
                         samples.append(us)
                     if checked is None:  # the bytes that came back are the bytes that left
-                        got = [pool.k_cache(x).reshape(-1, *pool.k_cache(x).shape[2:])[
-                            idx[:n].long().to(DEV)].cpu() for x in range(layers)]
-                        checked = all(torch.equal(_bits(g), _bits(w))
-                                      for g, w in zip(got, written))
+                        got = [
+                            pool.k_cache(x)
+                            .reshape(-1, *pool.k_cache(x).shape[2:])[idx[:n].long().to(DEV)]
+                            .cpu()
+                            for x in range(layers)
+                        ]
+                        checked = all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, written))
                 own = cm.allocate(len(a) - h.cached_len)
                 full = torch.cat([idx, own])
                 if not h.cached_len:  # the first time: write every layer, keep a copy
                     for x in range(layers):
                         rows_x = pool.k_cache(x).reshape(-1, *pool.k_cache(x).shape[2:])
-                        src = torch.randint(0, 100, rows_x[:n].shape, device=DEV).to(
-                            rows_x.dtype)
+                        src = torch.randint(0, 100, rows_x[:n].shape, device=DEV).to(rows_x.dtype)
                         rows_x[full[:n].long().to(DEV)] = src
-                    written = [pool.k_cache(x).reshape(-1, *pool.k_cache(x).shape[2:])[
-                        full[:n].long().to(DEV)].cpu() for x in range(layers)]
+                    written = [
+                        pool.k_cache(x)
+                        .reshape(-1, *pool.k_cache(x).shape[2:])[full[:n].long().to(DEV)]
+                        .cpu()
+                        for x in range(layers)
+                    ]
                 cm.free_and_cache_finished_req(h, a, full)
                 cm.drain()
-                cm.make_room(cm.num_pages * PAGE)    # out to host again
+                cm.make_room(cm.num_pages * PAGE)  # out to host again
                 cm.drain()
             nbytes = layers * n * _token_bytes(pool)
             src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEV == "cuda")
             dst = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
             memcpy = cuda_us(lambda: dst.copy_(src, non_blocking=True), reps)
             load = statistics.median(samples) if samples else float("nan")
-            rows.append({"case": "load", "kind": kind, "tokens": n, "layers": layers,
-                         "bytes_back": checked, "us": round(load, 1),
-                         "memcpy_us": round(memcpy, 1), "gbps": round(nbytes / load / 1e3, 1),
-                         "of_memcpy": round(memcpy / load, 2),
-                         "backup_wall_us": _backup_us(kind, n, layers, reps)})
+            rows.append(
+                {
+                    "case": "load",
+                    "kind": kind,
+                    "tokens": n,
+                    "layers": layers,
+                    "bytes_back": checked,
+                    "us": round(load, 1),
+                    "memcpy_us": round(memcpy, 1),
+                    "gbps": round(nbytes / load / 1e3, 1),
+                    "of_memcpy": round(memcpy / load, 2),
+                    "backup_wall_us": _backup_us(kind, n, layers, reps),
+                }
+            )
     return rows
 
 
@@ -259,11 +308,12 @@ def _backup_us(kind: str, n: int, layers: int, reps: int) -> float:
     until its pages are on the host (`free_and_cache_finished_req` + `drain`)."""
     pages = n // PAGE
     pool = _pool(kind, pages + 2, layers)
-    cm = CacheManager(pages + 2, page_size=PAGE, device=DEV, kv_cache=pool,
-                      host_num_pages=4 * pages)
+    cm = CacheManager(
+        pages + 2, page_size=PAGE, device=DEV, kv_cache=pool, host_num_pages=4 * pages
+    )
     out = []
     for r in range(reps + 2):
-        a = torch.arange(n, dtype=torch.int32) + r * (n + 7)   # a request never seen
+        a = torch.arange(n, dtype=torch.int32) + r * (n + 7)  # a request never seen
         h, _ = cm.match_req(a)
         cm.lock(h)
         idx = cm.allocate(n)
@@ -300,8 +350,11 @@ def main() -> None:
     args = ap.parse_args()
     global DEV
     DEV = args.device
-    print(torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
-          "torch", torch.__version__)
+    print(
+        torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
+        "torch",
+        torch.__version__,
+    )
     parts = {"store": bench_store, "compare": bench_compare, "load": bench_load}
     for name in args.only or list(parts):
         try:

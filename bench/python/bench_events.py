@@ -46,16 +46,24 @@ POOL_REQUESTS = 32
 def make_requests(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 32000, (SHARED,), generator=g) for _ in range(n // GROUP + 1)]
-    return [torch.cat([prompts[i // GROUP],
-                       torch.randint(0, 32000, (SEQ - SHARED,), generator=g)]).to(torch.int32)
-            for i in range(n)]
+    return [
+        torch.cat([prompts[i // GROUP], torch.randint(0, 32000, (SEQ - SHARED,), generator=g)]).to(
+            torch.int32
+        )
+        for i in range(n)
+    ]
 
 
 def manager(case: str, publisher):
     pages = POOL_REQUESTS * SEQ // PAGE
     host = 2 * pages if case == "host" else 0
-    return CacheManager(num_pages=pages, page_size=PAGE, host_num_pages=host,
-                        manual_copies=False, kv_events=publisher)
+    return CacheManager(
+        num_pages=pages,
+        page_size=PAGE,
+        host_num_pages=host,
+        manual_copies=False,
+        kv_events=publisher,
+    )
 
 
 def cycle(cm: CacheManager, ids: torch.Tensor) -> None:
@@ -87,7 +95,7 @@ def run(case: str, publisher, requests, batch: int = 25):
     timed = requests[warm:]
     for b in range(0, len(timed) - batch + 1, batch):
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        for ids in timed[b:b + batch]:
+        for ids in timed[b : b + batch]:
             cycle(cm, ids)
         wall.append((time.perf_counter_ns() - t0) / batch / 1e3)
         cpu.append((time.thread_time_ns() - c0) / batch / 1e3)
@@ -117,8 +125,9 @@ def main() -> None:
     args = ap.parse_args()
     requests = make_requests(args.requests + 2 * POOL_REQUESTS, seed=0)
     publisher = EventPublisher("tcp://127.0.0.1:*")
-    reader = subprocess.Popen([sys.executable, "-c", READER, publisher.endpoint],
-                              stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, publisher.endpoint], stdout=subprocess.PIPE, text=True
+    )
     assert reader.stdout.readline().strip() == "ready"
     time.sleep(0.5)  # the subscription reaches the publisher
     results = []
@@ -141,17 +150,22 @@ def main() -> None:
     finally:
         reader.kill()
         publisher.close()
-    print(f"KV events: {args.requests} distinct {SEQ}-token requests (page {PAGE}), "
-          f"median us per request (wall; main-thread CPU in brackets)")
+    print(
+        f"KV events: {args.requests} distinct {SEQ}-token requests (page {PAGE}), "
+        f"median us per request (wall; main-thread CPU in brackets)"
+    )
     print(f"{'case':<8}{'off':>16}{'ledger':>16}{'on':>16}{'ledger/off':>12}{'on/off':>8}")
     for r in results:
         r["ledger_ratio"] = r["ledger_us"] / r["off_us"]
         r["ratio"] = r["on_us"] / r["off_us"]
-        cells = "".join(f"{r[n + '_us']:>8.1f} ({r[n + '_cpu_us']:>5.1f})"
-                        for n in ("off", "ledger", "on"))
+        cells = "".join(
+            f"{r[n + '_us']:>8.1f} ({r[n + '_cpu_us']:>5.1f})" for n in ("off", "ledger", "on")
+        )
         print(f"{r['case']:<8}{cells}{r['ledger_ratio']:>11.2f}x{r['ratio']:>7.2f}x")
-    print(f"batches published {published}, received {received}, "
-          f"{nbytes / max(received, 1) / 1024:.1f} KiB a batch")
+    print(
+        f"batches published {published}, received {received}, "
+        f"{nbytes / max(received, 1) / 1024:.1f} KiB a batch"
+    )
     for r in results:
         print(json.dumps({"bench": "events", "requests": args.requests, **r}))
 

@@ -95,8 +95,9 @@ class Workload:
         self.prefix = torch.randint(0, VOCAB, (PREFIX,), generator=g, dtype=torch.int32)
 
     def sequence(self, n_unique: int) -> torch.Tensor:
-        return torch.cat([self.prefix, torch.randint(0, VOCAB, (n_unique,), generator=self.g,
-                                                     dtype=torch.int32)])
+        return torch.cat(
+            [self.prefix, torch.randint(0, VOCAB, (n_unique,), generator=self.g, dtype=torch.int32)]
+        )
 
 
 def build(cache, seqs: List[torch.Tensor], first_slot: int = 0) -> int:
@@ -168,8 +169,9 @@ def bench_core(factory, name: str, reps: int, seed: int) -> Dict[str, float]:
     return out
 
 
-def bench_realistic(factory, name: str, seed: int, distinct: int = 1000,
-                    calls: int = 2000, batch: int = 20) -> Dict[str, float]:
+def bench_realistic(
+    factory, name: str, seed: int, distinct: int = 1000, calls: int = 2000, batch: int = 20
+) -> Dict[str, float]:
     """The access patterns of a scheduler: many distinct requests, many inserts.
     Each sample is the mean over `batch` consecutive calls on different
     sequences, so the timer's own cost stays out of the way."""
@@ -180,13 +182,14 @@ def bench_realistic(factory, name: str, seed: int, distinct: int = 1000,
     prefix_slots = torch.arange(0, PREFIX, dtype=torch.int32)  # the first sequence's prefix
     prepare, match, insert = cache.prepare, cache.match, cache.insert
     gen = torch.Generator().manual_seed(seed + 3)
-    order = torch.cat([torch.randperm(distinct, generator=gen)
-                       for _ in range(-(-calls // distinct))])[:calls].tolist()
+    order = torch.cat(
+        [torch.randperm(distinct, generator=gen) for _ in range(-(-calls // distinct))]
+    )[:calls].tolist()
     queries = [prepare(seqs[i]) for i in order]
     out: Dict[str, float] = {}
     samples = []
     for b in range(0, calls, batch):
-        chunk = queries[b:b + batch]
+        chunk = queries[b : b + batch]
         t0 = now_ns()
         for q in chunk:
             match(q)
@@ -197,7 +200,7 @@ def bench_realistic(factory, name: str, seed: int, distinct: int = 1000,
     # one match_prefix_batch; per request. Peers have no batch call: their
     # batch is their 32 single matches.
     manager = getattr(cache, "manager", None)
-    chunks = [queries[b:b + 32] for b in range(0, calls - 31, 32)]
+    chunks = [queries[b : b + 32] for b in range(0, calls - 31, 32)]
     singles, batched = [], []
     for chunk in chunks:
         t0 = now_ns()
@@ -216,13 +219,14 @@ def bench_realistic(factory, name: str, seed: int, distinct: int = 1000,
     fresh = [prepare(w.sequence(SEQ - PREFIX)) for _ in range(calls)]
     slot_lists = []
     for _ in range(calls):
-        slot_lists.append(torch.cat([prefix_slots,
-                                     torch.arange(slot, slot + SEQ - PREFIX, dtype=torch.int32)]))
+        slot_lists.append(
+            torch.cat([prefix_slots, torch.arange(slot, slot + SEQ - PREFIX, dtype=torch.int32)])
+        )
         slot += SEQ - PREFIX
     samples = []
     for b in range(0, calls, batch):
         t0 = now_ns()
-        for s, v in zip(fresh[b:b + batch], slot_lists[b:b + batch]):
+        for s, v in zip(fresh[b : b + batch], slot_lists[b : b + batch]):
             insert(s, v)
         samples.append((now_ns() - t0) / batch)
     out["insert_many"] = median_us(samples)
@@ -266,7 +270,7 @@ def bench_evict(factory, name: str, leaves: int, reps: int, seed: int) -> float:
         evict(1024)
         samples.append(now_ns() - t0)
         k = 1024 // SUFFIX_EVICT
-        back = seqs[cursor:cursor + k]
+        back = seqs[cursor : cursor + k]
         cursor = (cursor + k) % leaves
         for s in back:
             start = (leaves + next(order)) * (PREFIX + SUFFIX_EVICT)
@@ -308,8 +312,10 @@ def rss_bytes() -> int:
 def bytes_per_token(tokens: int = 1 << 20) -> float:
     """RSS growth per cached token over `tokens` tokens in 1,024-token sequences."""
     g = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(0, VOCAB, (SEQ,), generator=g, dtype=torch.int32)
-            for _ in range(tokens // SEQ)]
+    seqs = [
+        torch.randint(0, VOCAB, (SEQ,), generator=g, dtype=torch.int32)
+        for _ in range(tokens // SEQ)
+    ]
     slots = [torch.arange(i * SEQ, (i + 1) * SEQ, dtype=torch.int32) for i in range(len(seqs))]
     gc.collect()
     before = rss_bytes()
@@ -324,14 +330,26 @@ def bytes_per_token(tokens: int = 1 << 20) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--reps", type=int, default=300, help="samples per case (default 300)")
-    p.add_argument("--leaves", type=int, nargs="+", default=[10_000, 1_000_000],
-                   help="tree sizes for the evict cases")
-    p.add_argument("--peer-max-leaves", type=int, default=100_000,
-                   help="skip peers on evict trees larger than this")
+    p.add_argument(
+        "--leaves",
+        type=int,
+        nargs="+",
+        default=[10_000, 1_000_000],
+        help="tree sizes for the evict cases",
+    )
+    p.add_argument(
+        "--peer-max-leaves",
+        type=int,
+        default=100_000,
+        help="skip peers on evict trees larger than this",
+    )
     p.add_argument("--no-peers", action="store_true", help="radixkv only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--memory-only", action="store_true",
-                   help="print bytes per cached token and exit (run in a fresh process)")
+    p.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="print bytes per cached token and exit (run in a fresh process)",
+    )
     args = p.parse_args(argv)
     if args.memory_only:
         print(f"{bytes_per_token():.3f}")
@@ -371,23 +389,49 @@ def main(argv=None) -> int:
                 row += f"{v:>9.2f} ({v / results['radixkv'][case]:>4.1f}x)"
         print(row)
     # A fresh process, so memory freed by the runs above cannot hide growth.
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-only"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--memory-only"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     bpt = float(out.strip().splitlines()[-1])
     print(f"\nradixkv memory: {bpt:.1f} bytes per cached token (RSS growth over 1M tokens)")
     for n in names:
         for case, v in results[n].items():
             base = results["radixkv"].get(case)
-            print(json.dumps({"bench": "radix", "impl": n, "case": case, "median_us": round(v, 4),
-                              "ratio_vs_radixkv": round(v / base, 2) if base else None}))
-    print(json.dumps({"bench": "radix", "impl": "radixkv", "case": "bytes_per_token",
-                      "value": round(bpt, 2)}))
+            print(
+                json.dumps(
+                    {
+                        "bench": "radix",
+                        "impl": n,
+                        "case": case,
+                        "median_us": round(v, 4),
+                        "ratio_vs_radixkv": round(v / base, 2) if base else None,
+                    }
+                )
+            )
+    print(
+        json.dumps(
+            {"bench": "radix", "impl": "radixkv", "case": "bytes_per_token", "value": round(bpt, 2)}
+        )
+    )
     ns = bench_namespaces(max(args.reps, 2000), args.seed)
-    print(f"\nnamespaces: match of a 1,024-token request, default namespace "
-          f"{ns['match_ns0']:.3f} us, namespace 7 {ns['match_ns7']:.3f} us "
-          f"(ratio {ns['match_ns7'] / ns['match_ns0']:.2f})")
-    print(json.dumps({"bench": "radix", "impl": "radixkv", "case": "namespaces", **{
-        k: round(v, 4) for k, v in ns.items()}}))
+    print(
+        f"\nnamespaces: match of a 1,024-token request, default namespace "
+        f"{ns['match_ns0']:.3f} us, namespace 7 {ns['match_ns7']:.3f} us "
+        f"(ratio {ns['match_ns7'] / ns['match_ns0']:.2f})"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "radix",
+                "impl": "radixkv",
+                "case": "namespaces",
+                **{k: round(v, 4) for k, v in ns.items()},
+            }
+        )
+    )
     return 0
 
 

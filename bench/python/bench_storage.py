@@ -51,8 +51,15 @@ HEADS, HEAD_DIM, DTYPE, PAGE = 8, 128, torch.bfloat16, 16
 
 
 def fingerprint(layers: int) -> bytes:
-    return config_fingerprint(model="bench", dtype=DTYPE, page_size=PAGE, layout="page_first",
-                              num_layers=layers, kv_heads=HEADS, head_dim=HEAD_DIM)
+    return config_fingerprint(
+        model="bench",
+        dtype=DTYPE,
+        page_size=PAGE,
+        layout="page_first",
+        num_layers=layers,
+        kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+    )
 
 
 def host_pool(layers: int, pages: int, seed: int = 0) -> HostKVCache:
@@ -60,7 +67,8 @@ def host_pool(layers: int, pages: int, seed: int = 0) -> HostKVCache:
     pool = HostKVCache(dev, pages, pin_memory=False)
     g = torch.Generator().manual_seed(seed)
     pool.kv_buffer.view(torch.int16).copy_(
-        torch.randint(-2**15, 2**15, pool.kv_buffer.shape, generator=g, dtype=torch.int16))
+        torch.randint(-(2**15), 2**15, pool.kv_buffer.shape, generator=g, dtype=torch.int16)
+    )
     return pool
 
 
@@ -78,7 +86,7 @@ def paired(ours, base, reps: int, after=None):
     s_ours, s_base = [], []
     ours(-1), base(-1)
     for rep in range(reps):
-        for fn, out in ((ours, s_ours), (base, s_base))[::1 if rep % 2 == 0 else -1]:
+        for fn, out in ((ours, s_ours), (base, s_base))[:: 1 if rep % 2 == 0 else -1]:
             t0 = time.perf_counter()
             fn(rep)
             out.append(time.perf_counter() - t0)
@@ -142,7 +150,7 @@ def bench_file(layers: int, directory: str, reps: int, secret=None) -> list:
         # Only the batch written last stays: the directory does not grow.
         for name, path in (("ours", fs.path), ("plain", plain_path)):
             if name in written and written[name] is not (kept[name] or [None])[-1]:
-                for k in (kept[name][-1] if kept[name] else []):
+                for k in kept[name][-1] if kept[name] else []:
                     try:
                         os.unlink(path(k))
                     except OSError:
@@ -159,11 +167,16 @@ def bench_file(layers: int, directory: str, reps: int, secret=None) -> list:
 
 
 def row(backend, op, layers, page_bytes, nbytes, s_ours, s_base):
-    return {"backend": backend, "op": op, "layers": layers, "page_kib": page_bytes >> 10,
-            "batch_mib": round(nbytes / 2**20, 1),
-            "radixkv_gbps": round(nbytes / s_ours / 1e9, 2),
-            "baseline_gbps": round(nbytes / s_base / 1e9, 2),
-            "ratio": round(s_base / s_ours, 2)}
+    return {
+        "backend": backend,
+        "op": op,
+        "layers": layers,
+        "page_kib": page_bytes >> 10,
+        "batch_mib": round(nbytes / 2**20, 1),
+        "radixkv_gbps": round(nbytes / s_ours / 1e9, 2),
+        "baseline_gbps": round(nbytes / s_base / 1e9, 2),
+        "ratio": round(s_base / s_ours, 2),
+    }
 
 
 def bench_mooncake(layers: int, reps: int) -> list:
@@ -172,9 +185,12 @@ def bench_mooncake(layers: int, reps: int) -> list:
     pool = host_pool(layers, 2 * MAX_BATCH)
     rows = []
     with MooncakeMaster() as m:
-        ms = MooncakeStorage(m.master_address, m.metadata_server,
-                             segment_bytes=2 * pool.nbytes + (64 << 20),
-                             buffer_bytes=64 << 20)
+        ms = MooncakeStorage(
+            m.master_address,
+            m.metadata_server,
+            segment_bytes=2 * pool.nbytes + (64 << 20),
+            buffer_bytes=64 << 20,
+        )
         ms.attach(pool)
         raw = ms.store  # the same client, called as its own Python API is
         nbytes = ms.page_bytes * MAX_BATCH
@@ -228,10 +244,15 @@ def bench_prefetch(directory: str, reps: int, layers: int = 4) -> list:
 
         def instance(path):
             dev = MHAKVCache(HEADS, layers, HEAD_DIM, pages, DTYPE, page_size=PAGE)
-            return CacheManager(pages, page_size=PAGE, host_num_pages=pages, kv_cache=dev,
-                                storage=FileStorage(path, fingerprint(layers)),
-                                storage_seed=fingerprint(layers),
-                                prefetch_policy="wait_complete")
+            return CacheManager(
+                pages,
+                page_size=PAGE,
+                host_num_pages=pages,
+                kv_cache=dev,
+                storage=FileStorage(path, fingerprint(layers)),
+                storage_seed=fingerprint(layers),
+                prefetch_policy="wait_complete",
+            )
 
         path = os.path.join(directory, f"prefetch-{tokens}")
         g = torch.Generator().manual_seed(tokens)
@@ -253,9 +274,15 @@ def bench_prefetch(directory: str, reps: int, layers: int = 4) -> list:
             assert got == tokens, (got, tokens)
             b.close()
         us = statistics.median(samples) * 1e6
-        rows.append({"prefetch_tokens": tokens, "layers": layers,
-                     "mib": round(tokens * layers * 2 * HEADS * HEAD_DIM * 2 / 2**20, 1),
-                     "us": round(us), "us_per_1k_tokens": round(us * 1000 / tokens)})
+        rows.append(
+            {
+                "prefetch_tokens": tokens,
+                "layers": layers,
+                "mib": round(tokens * layers * 2 * HEADS * HEAD_DIM * 2 / 2**20, 1),
+                "us": round(us),
+                "us_per_1k_tokens": round(us * 1000 / tokens),
+            }
+        )
     return rows
 
 
@@ -266,7 +293,7 @@ def sglang_loop(ids, page):
         h = hashlib.sha256()
         if prior is not None:
             h.update(bytes.fromhex(prior))
-        for t in ids[s:s + page]:
+        for t in ids[s : s + page]:
             h.update(t.to_bytes(4, byteorder="little", signed=False))
         prior = h.hexdigest()
         keys.append(prior)
@@ -277,7 +304,7 @@ def page_loop(raw: bytes, page):
     keys, prior = [], b""
     step = 4 * page
     for s in range(0, len(raw) - len(raw) % step, step):
-        d = hashlib.sha256(prior + raw[s:s + step])
+        d = hashlib.sha256(prior + raw[s : s + step])
         prior = d.digest()
         keys.append(d.hexdigest())
     return keys
@@ -292,9 +319,11 @@ def bench_keys(reps: int) -> list:
     for page in (16, 64, 512):
         ours = page_keys(ids, page)
         assert ours == sglang_loop(as_list, page) == page_loop(raw, page)
-        s = {"radixkv": timed(lambda _: page_keys(ids, page), reps),
-             "hashlib per token": timed(lambda _: sglang_loop(as_list, page), max(3, reps // 3)),
-             "hashlib per page": timed(lambda _: page_loop(raw, page), reps)}
+        s = {
+            "radixkv": timed(lambda _: page_keys(ids, page), reps),
+            "hashlib per token": timed(lambda _: sglang_loop(as_list, page), max(3, reps // 3)),
+            "hashlib per page": timed(lambda _: page_loop(raw, page), reps),
+        }
         row_ = {"page": page, "tokens": len(ids)}
         for k, v in s.items():
             row_[k + " GB/s"] = round(len(raw) / v / 1e9, 3)
@@ -314,8 +343,10 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="bench_storage.", dir=args.dir)
     out = []
     try:
-        print(f"{'backend':<10}{'op':<7}{'page KiB':>9}{'batch MiB':>10}"
-              f"{'radixkv GB/s':>13}{'baseline GB/s':>14}{'ratio':>7}")
+        print(
+            f"{'backend':<10}{'op':<7}{'page KiB':>9}{'batch MiB':>10}"
+            f"{'radixkv GB/s':>13}{'baseline GB/s':>14}{'ratio':>7}"
+        )
         for layers in (4, 32):
             rows = bench_file(layers, directory, args.reps)
             # A deployment secret: HMAC-SHA-256 names and page tags instead of CRC-32C.
@@ -324,13 +355,17 @@ def main() -> None:
                 rows += bench_mooncake(layers, args.reps)
             for r in rows:
                 out.append(r)
-                print(f"{r['backend']:<10}{r['op']:<7}{r['page_kib']:>9}{r['batch_mib']:>10}"
-                      f"{r['radixkv_gbps']:>13.2f}{r['baseline_gbps']:>14.2f}{r['ratio']:>7.2f}")
+                print(
+                    f"{r['backend']:<10}{r['op']:<7}{r['page_kib']:>9}{r['batch_mib']:>10}"
+                    f"{r['radixkv_gbps']:>13.2f}{r['baseline_gbps']:>14.2f}{r['ratio']:>7.2f}"
+                )
         print("\nprefetch (file backend, wait_complete), into an empty instance:")
         for r in bench_prefetch(directory, args.reps):
             out.append(r)
-            print(f"  {r['prefetch_tokens']:>6} tokens ({r['mib']:>6} MiB): {r['us']:>8} us, "
-                  f"{r['us_per_1k_tokens']:>6} us per 1k tokens")
+            print(
+                f"  {r['prefetch_tokens']:>6} tokens ({r['mib']:>6} MiB): {r['us']:>8} us, "
+                f"{r['us_per_1k_tokens']:>6} us per 1k tokens"
+            )
         print("\npage keys (GB/s of token bytes):")
         for r in bench_keys(args.reps):
             out.append(r)

@@ -90,8 +90,9 @@ def memcpy_gbps(reps: int) -> float:
     return 2 * n / (us * 1e3)
 
 
-def bench_case(row_bytes: int, tokens: int, reps: int, seed: int,
-               only_radixkv: bool = False) -> dict:
+def bench_case(
+    row_bytes: int, tokens: int, reps: int, seed: int, only_radixkv: bool = False
+) -> dict:
     head_dim = 128 if row_bytes % 256 == 0 else 100
     if row_bytes % (head_dim * DTYPE.itemsize):
         raise SystemExit(f"row_bytes={row_bytes} is not a multiple of 256 or 200")
@@ -177,8 +178,13 @@ def bench_mla_case(tokens: int, reps: int, seed: int) -> dict:
     for loc in sets64:
         assert torch.equal(rows[loc], torch.cat([k_nope, k_rope], 1)), "radixkv is wrong"
     bytes_moved = 2 * tokens * row * DTYPE.itemsize
-    out = {"tokens": tokens, "kv_lora_rank": MLA_LORA, "qk_rope_head_dim": MLA_ROPE,
-           "dtype": str(DTYPE).removeprefix("torch."), "bytes": bytes_moved}
+    out = {
+        "tokens": tokens,
+        "kv_lora_rank": MLA_LORA,
+        "qk_rope_head_dim": MLA_ROPE,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "bytes": bytes_moved,
+    }
     for name, fn in (("radixkv", radixkv_store), ("torch", torch_halves)):
         us = time_us(fn, reps)
         out[f"{name}_us"] = round(us, 3)
@@ -218,9 +224,14 @@ def bench_fp8_case(tokens: int, reps: int, seed: int) -> dict:
     want_k = (k.float() / k_scale).to(FP8).view(torch.uint8)
     for loc in sets64:
         assert torch.equal(k_cache[loc].view(torch.uint8), want_k), "radixkv is wrong"
-    out = {"tokens": tokens, "heads": H, "head_dim": D, "src_dtype": "bfloat16",
-           "cache_dtype": "float8_e4m3fn",
-           "bytes": 2 * tokens * H * D * (DTYPE.itemsize + 1)}  # read + written, k and v
+    out = {
+        "tokens": tokens,
+        "heads": H,
+        "head_dim": D,
+        "src_dtype": "bfloat16",
+        "cache_dtype": "float8_e4m3fn",
+        "bytes": 2 * tokens * H * D * (DTYPE.itemsize + 1),
+    }  # read + written, k and v
     for name, fn in (("radixkv", radixkv_store), ("torch", torch_convert)):
         us = time_us(fn, reps)
         out[f"{name}_us"] = round(us, 3)
@@ -240,12 +251,27 @@ class Baseline:
     the two builds case by case and machine load drifts on both alike."""
 
     def __init__(self, path: str, args) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [path] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                [path] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            ),
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", "--reps", str(args.reps),
-             "--seed", str(args.seed)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True)
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--serve",
+                "--reps",
+                str(args.reps),
+                "--seed",
+                str(args.seed),
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def time(self, row_bytes: int, tokens: int) -> float:
         self.proc.stdin.write(f"{row_bytes} {tokens}\n")
@@ -269,10 +295,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--row-bytes", type=int, nargs="*", default=ROW_BYTES)
     ap.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
-    ap.add_argument("--sections", nargs="*", default=["mha", "mla", "fp8"],
-                    choices=["mha", "mla", "fp8"])
-    ap.add_argument("--baseline", default=None,
-                    help="a python/ directory of an older radixkv build to compare mha with")
+    ap.add_argument(
+        "--sections", nargs="*", default=["mha", "mla", "fp8"], choices=["mha", "mla", "fp8"]
+    )
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="a python/ directory of an older radixkv build to compare mha with",
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--torch-threads",
@@ -298,26 +328,34 @@ def main() -> None:
         if store_mla is None:
             raise SystemExit("this radixkv has no store_mla")
         rows = [bench_mla_case(n, args.reps, args.seed) for n in args.tokens]
-        header = (f"MLA (512 + 64, bf16)\n{'tokens':>6} | {'radixkv us':>10} {'GB/s':>6} | "
-                  f"{'torch us':>9} {'GB/s':>6} | {'x torch':>7}")
+        header = (
+            f"MLA (512 + 64, bf16)\n{'tokens':>6} | {'radixkv us':>10} {'GB/s':>6} | "
+            f"{'torch us':>9} {'GB/s':>6} | {'x torch':>7}"
+        )
         print(header)
         print("-" * len(header.splitlines()[1]))
         for r in rows:
-            print(f"{r['tokens']:>6} | {r['radixkv_us']:>10.2f} {r['radixkv_gbps']:>6.1f} | "
-                  f"{r['torch_us']:>9.2f} {r['torch_gbps']:>6.1f} | {r['speedup_vs_torch']:>7.2f}")
+            print(
+                f"{r['tokens']:>6} | {r['radixkv_us']:>10.2f} {r['radixkv_gbps']:>6.1f} | "
+                f"{r['torch_us']:>9.2f} {r['torch_gbps']:>6.1f} | {r['speedup_vs_torch']:>7.2f}"
+            )
         for r in rows:
             print(json.dumps({"bench": "store_mla_cpu", **r}))
     if "fp8" in args.sections:
         if FP8 is None:
             raise SystemExit("this torch has no float8_e4m3fn")
         rows = [bench_fp8_case(n, args.reps, args.seed) for n in args.tokens]
-        header = (f"float8 (bf16 -> e4m3fn, 8 x 128, k and v scaled)\n{'tokens':>6} | "
-                  f"{'radixkv us':>10} {'GB/s':>6} | {'torch us':>9} {'GB/s':>6} | {'x torch':>7}")
+        header = (
+            f"float8 (bf16 -> e4m3fn, 8 x 128, k and v scaled)\n{'tokens':>6} | "
+            f"{'radixkv us':>10} {'GB/s':>6} | {'torch us':>9} {'GB/s':>6} | {'x torch':>7}"
+        )
         print(header)
         print("-" * len(header.splitlines()[1]))
         for r in rows:
-            print(f"{r['tokens']:>6} | {r['radixkv_us']:>10.2f} {r['radixkv_gbps']:>6.1f} | "
-                  f"{r['torch_us']:>9.2f} {r['torch_gbps']:>6.1f} | {r['speedup_vs_torch']:>7.2f}")
+            print(
+                f"{r['tokens']:>6} | {r['radixkv_us']:>10.2f} {r['radixkv_gbps']:>6.1f} | "
+                f"{r['torch_us']:>9.2f} {r['torch_gbps']:>6.1f} | {r['speedup_vs_torch']:>7.2f}"
+            )
         for r in rows:
             print(json.dumps({"bench": "store_fp8_cpu", **r}))
 
@@ -358,8 +396,12 @@ def main_mha(args, memcpy: float, before) -> None:
             f"{r['index_copy_gbps']:>6.1f} | {r['index_put_us']:>12.2f} "
             f"{r['index_put_gbps']:>6.1f} | {r['speedup_vs_index_copy']:>6.2f} "
             f"{r['speedup_vs_index_put']:>6.2f} {r['fraction_of_memcpy']:>9.0%}"
-            + (f" | {r['radixkv_best_us']:>8.2f} {r['baseline_us']:>11.2f} "
-               f"{r['vs_baseline']:>7.3f}" if before is not None else "")
+            + (
+                f" | {r['radixkv_best_us']:>8.2f} {r['baseline_us']:>11.2f} "
+                f"{r['vs_baseline']:>7.3f}"
+                if before is not None
+                else ""
+            )
         )
     for r in rows:
         print(json.dumps({"bench": "store_cpu", **r}))

@@ -73,7 +73,7 @@ def make_tree(seqs, tier: bool):
 def batched(calls, fn, batch=20):
     samples = []
     for b in range(0, len(calls), batch):
-        chunk = calls[b:b + batch]
+        chunk = calls[b : b + batch]
         t0 = now_ns()
         for args in chunk:
             fn(*args)
@@ -116,11 +116,15 @@ def bench_tree(tier: bool, seed: int, reps: int) -> dict:
         samples.append(now_ns() - t0)
         assert len(freed) >= 1024
         k = 1024 // SUFFIX_EVICT
-        for s in seqs[cursor:cursor + k]:
+        for s in seqs[cursor : cursor + k]:
             # Over a host-only node the insert hands it device slots again.
             n = len(s) - PREFIX
-            v = torch.cat([torch.arange(0, PREFIX, dtype=torch.int32),
-                           torch.arange(slot, slot + n, dtype=torch.int32)])
+            v = torch.cat(
+                [
+                    torch.arange(0, PREFIX, dtype=torch.int32),
+                    torch.arange(slot, slot + n, dtype=torch.int32),
+                ]
+            )
             slot += n
             tree.insert_prefix(s, v)
         cursor = (cursor + k) % leaves
@@ -174,7 +178,7 @@ def bench_requests(mode: str, seed: int, requests: int = 1500) -> float:
             cm.drain()
         samples.append(now_ns() - t0)
     cm.check_integrity()
-    return median_us(samples[len(samples) // 5:])  # after the warm-up
+    return median_us(samples[len(samples) // 5 :])  # after the warm-up
 
 
 def main() -> None:
@@ -190,19 +194,27 @@ def main() -> None:
     for case in ["match_many", "insert_many", "evict@10000", "backup", "load"]:
         a, b = off.get(case), on.get(case)
         ratio = f"{b / a:>7.2f}x" if a else "       -"
-        print(f"{case:<14}{a if a is not None else '-':>10}{b:>10.3f}{ratio}"
-              if a is None else f"{case:<14}{a:>10.3f}{b:>10.3f}{ratio}")
+        print(
+            f"{case:<14}{a if a is not None else '-':>10}{b:>10.3f}{ratio}"
+            if a is None
+            else f"{case:<14}{a:>10.3f}{b:>10.3f}{ratio}"
+        )
         rows.append({"case": case, "tier_off_us": a and round(a, 3), "tier_on_us": round(b, 3)})
     req = {mode: bench_requests(mode, args.seed) for mode in ("off", "inline", "thread")}
     print("\nrequest cycle through CacheManager (median us per request):")
     for mode, us in req.items():
-        name = {"off": "no host tier", "inline": "host tier, copies inline",
-                "thread": "host tier, controller thread"}[mode]
+        name = {
+            "off": "no host tier",
+            "inline": "host tier, copies inline",
+            "thread": "host tier, controller thread",
+        }[mode]
         print(f"  {name:<32}{us:>9.2f}{us / req['off']:>8.2f}x")
         rows.append({"case": f"request_cycle/{mode}", "us": round(us, 2)})
     shield = bench_shield(args.reps)
-    print(f"\na shielded call (signals held back, every CacheManager call): "
-          f"{shield['plain_ns']:.0f} ns plain, {shield['shielded_ns']:.0f} ns shielded")
+    print(
+        f"\na shielded call (signals held back, every CacheManager call): "
+        f"{shield['plain_ns']:.0f} ns plain, {shield['shielded_ns']:.0f} ns shielded"
+    )
     rows.append({"case": "shielded_call", **shield})
     for r in rows:
         print(json.dumps(r))
@@ -211,6 +223,7 @@ def main() -> None:
 def bench_shield(reps: int) -> dict:
     """A method that does nothing, plain and under `_core.shielded` (what
     every CacheManager call pays to hold Ctrl-C back while it runs)."""
+
     class Methods:
         def plain(self, x):
             return x

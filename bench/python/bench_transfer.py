@@ -86,8 +86,11 @@ def bench_size(tokens: int, layout: str, reps: int, seed: int) -> list:
 
     # Page-shaped views for torch: [P, PAGE * ROW] bytes per (side, layer).
     def page_view(view6, side, layer):
-        return view6[side, layer].reshape(pool_pages, -1) if view6[side, layer].is_contiguous() \
+        return (
+            view6[side, layer].reshape(pool_pages, -1)
+            if view6[side, layer].is_contiguous()
             else view6[side, layer].flatten(1)
+        )
 
     dev_view = dev._view
     host_view = host._view
@@ -96,10 +99,12 @@ def bench_size(tokens: int, layout: str, reps: int, seed: int) -> list:
         layers = range(LAYERS) if op == "backup" else range(1)
         nbytes = 2 * len(layers) * tokens * ROW
         if op == "backup":
+
             def rk():
                 k = nxt()
-                _core.transfer_rows(dev.kv_buffer, dl, host.kv_buffer, hl, ROW, LAYERS,
-                                    d_slots[k], h_slots[k])
+                _core.transfer_rows(
+                    dev.kv_buffer, dl, host.kv_buffer, hl, ROW, LAYERS, d_slots[k], h_slots[k]
+                )
 
             def tk():
                 k = nxt()
@@ -109,10 +114,12 @@ def bench_size(tokens: int, layout: str, reps: int, seed: int) -> list:
                         dst = page_view(host_view, side, layer)
                         dst.index_copy_(0, perm_h[k], src.index_select(0, perm_d[k]))
         else:
+
             def rk():
                 k = nxt()
-                _core.transfer_rows(host.kv_buffer, hl, dev.kv_buffer, dl, ROW, LAYERS,
-                                    h_slots[k], d_slots[k], 0, 1)
+                _core.transfer_rows(
+                    host.kv_buffer, hl, dev.kv_buffer, dl, ROW, LAYERS, h_slots[k], d_slots[k], 0, 1
+                )
 
             def tk():
                 k = nxt()
@@ -129,14 +136,24 @@ def bench_size(tokens: int, layout: str, reps: int, seed: int) -> list:
                 a = page_view(dev_view, side, layer)[perm_d[k]]
                 b = page_view(host_view, side, layer)[perm_h[k]]
                 assert torch.equal(a, b), f"{op} copied the wrong bytes"
-        us = {"radixkv": time_us(rk, reps), "torch": time_us(tk, reps),
-              "memcpy": memcpy_us(nbytes, reps)}
+        us = {
+            "radixkv": time_us(rk, reps),
+            "torch": time_us(tk, reps),
+            "memcpy": memcpy_us(nbytes, reps),
+        }
         gbps = {k: nbytes / (v * 1e3) for k, v in us.items()}
-        out.append({"op": op, "host_layout": layout, "tokens": tokens, "bytes": nbytes,
-                    "us": {k: round(v, 1) for k, v in us.items()},
-                    "gbps": {k: round(v, 2) for k, v in gbps.items()},
-                    "of_memcpy": round(gbps["radixkv"] / gbps["memcpy"], 3),
-                    "vs_torch": round(gbps["radixkv"] / gbps["torch"], 2)})
+        out.append(
+            {
+                "op": op,
+                "host_layout": layout,
+                "tokens": tokens,
+                "bytes": nbytes,
+                "us": {k: round(v, 1) for k, v in us.items()},
+                "gbps": {k: round(v, 2) for k, v in gbps.items()},
+                "of_memcpy": round(gbps["radixkv"] / gbps["memcpy"], 3),
+                "vs_torch": round(gbps["radixkv"] / gbps["torch"], 2),
+            }
+        )
     return out
 
 
@@ -147,8 +164,14 @@ def controller_cost(reps: int) -> list:
     host = HostKVCache(dev, 256, pin_memory=False)
     engines = {
         "cpu engine": lambda manual: _core.CacheController(
-            dev.kv_buffer, list(dev.copy_layout()), host.kv_buffer, list(host.copy_layout()),
-            ROW, LAYERS, manual),
+            dev.kv_buffer,
+            list(dev.copy_layout()),
+            host.kv_buffer,
+            list(host.copy_layout()),
+            ROW,
+            LAYERS,
+            manual,
+        ),
         "bookkeeping engine": lambda manual: _core.CacheController(LAYERS, manual),
     }
     page = [torch.arange(PAGE, dtype=torch.int32) + PAGE * i for i in range(64)]
@@ -169,8 +192,14 @@ def controller_cost(reps: int) -> list:
 
             for kind in ("backup", "load"):
                 us = time_us(lambda: run(kind), reps) / 64
-                rows.append({"engine": name, "thread": "manual" if manual else "worker",
-                             "op": kind, "us_per_copy": round(us, 2)})
+                rows.append(
+                    {
+                        "engine": name,
+                        "thread": "manual" if manual else "worker",
+                        "op": kind,
+                        "us_per_copy": round(us, 2),
+                    }
+                )
     return rows
 
 
@@ -182,17 +211,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # the controller copies on one thread
     results = []
-    print(f"{'op':<7}{'host layout':<13}{'tokens':>7}{'MiB':>7}  "
-          f"{'radixkv GB/s':>13}{'torch GB/s':>11}{'memcpy GB/s':>12}{'of memcpy':>10}"
-          f"{'vs torch':>9}")
+    print(
+        f"{'op':<7}{'host layout':<13}{'tokens':>7}{'MiB':>7}  "
+        f"{'radixkv GB/s':>13}{'torch GB/s':>11}{'memcpy GB/s':>12}{'of memcpy':>10}"
+        f"{'vs torch':>9}"
+    )
     for layout in ("page_first", "layer_first"):
         for tokens in args.tokens:
             for r in bench_size(tokens, layout, args.reps, args.seed):
                 results.append(r)
                 g = r["gbps"]
-                print(f"{r['op']:<7}{layout:<13}{tokens:>7}{r['bytes'] / 2**20:>7.0f}  "
-                      f"{g['radixkv']:>13.2f}{g['torch']:>11.2f}{g['memcpy']:>12.2f}"
-                      f"{r['of_memcpy']:>10.2f}{r['vs_torch']:>8.1f}x")
+                print(
+                    f"{r['op']:<7}{layout:<13}{tokens:>7}{r['bytes'] / 2**20:>7.0f}  "
+                    f"{g['radixkv']:>13.2f}{g['torch']:>11.2f}{g['memcpy']:>12.2f}"
+                    f"{r['of_memcpy']:>10.2f}{r['vs_torch']:>8.1f}x"
+                )
     print("\ncontroller cost per queued one-page copy (queue + run + acknowledgement):")
     ctl = controller_cost(args.reps)
     for r in ctl:

@@ -412,8 +412,9 @@ def _probe_minisglang() -> None:
     importlib.import_module("minisgl.kvcache.radix_cache")
     kernel = importlib.import_module("minisgl.kernel")
     # First call builds the tvm-ffi compare kernel; fail here, not mid-benchmark.
-    kernel.fast_compare_key(torch.tensor([1, 2], dtype=torch.int32),
-                            torch.tensor([1, 3], dtype=torch.int32))
+    kernel.fast_compare_key(
+        torch.tensor([1, 2], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32)
+    )
 
 
 _PEERS = [
@@ -439,8 +440,11 @@ def available_peers(verbose: bool = True) -> Dict[str, Callable[..., PeerCache]]
                 cls(page_size=1)  # constructing once catches e.g. a Rust-core fallback
             except Exception as exc:  # noqa: BLE001 - report any failure and move on
                 if verbose:
-                    print(f"[peers] skipping {name}: {type(exc).__name__}: {exc}\n"
-                          f"[peers]   to enable it: {how}", file=sys.stderr)
+                    print(
+                        f"[peers] skipping {name}: {type(exc).__name__}: {exc}\n"
+                        f"[peers]   to enable it: {how}",
+                        file=sys.stderr,
+                    )
                 continue
             found[name] = cls
         _available = found
@@ -459,8 +463,14 @@ def _median_us(samples_ns) -> float:
     return mid / 1000.0
 
 
-def smoke(num_seqs: int = 1000, seq_len: int = 1024, shared: int = 512,
-          reps: int = 200, evict_tokens: int = 1024, seed: int = 0) -> None:
+def smoke(
+    num_seqs: int = 1000,
+    seq_len: int = 1024,
+    shared: int = 512,
+    reps: int = 200,
+    evict_tokens: int = 1024,
+    seed: int = 0,
+) -> None:
     from time import perf_counter_ns as now
 
     peers = available_peers()
@@ -476,10 +486,14 @@ def smoke(num_seqs: int = 1000, seq_len: int = 1024, shared: int = 512,
 
     seqs = [make_seq() for _ in range(num_seqs)]
     refill = [make_seq() for _ in range(reps * 2)]
-    print(f"{num_seqs} seqs x {seq_len} tokens, {shared}-token shared prefix, "
-          f"page_size=1; median us (insert over {num_seqs} calls, others over {reps})")
-    header = (f"{'peer':16s} {'insert':>9s} {'match(key)':>11s} {'match(tensor)':>14s} "
-              f"{'lock+unlock':>12s} {'evict':>9s}  notes")
+    print(
+        f"{num_seqs} seqs x {seq_len} tokens, {shared}-token shared prefix, "
+        f"page_size=1; median us (insert over {num_seqs} calls, others over {reps})"
+    )
+    header = (
+        f"{'peer':16s} {'insert':>9s} {'match(key)':>11s} {'match(tensor)':>14s} "
+        f"{'lock+unlock':>12s} {'evict':>9s}  notes"
+    )
     print(header)
     for name, factory in peers.items():
         p = factory(page_size=1)
@@ -536,12 +550,16 @@ def smoke(num_seqs: int = 1000, seq_len: int = 1024, shared: int = 512,
             for _ in range(per):
                 p.insert(next(it), slots_for(seq_len))
 
-        print(f"{name:16s} {_median_us(ins):9.1f} {_median_us(m_key):11.1f} "
-              f"{_median_us(m_full):14.1f} {_median_us(lk):12.2f} {_median_us(ev):9.1f}  "
-              f"hit={hit} freed/evict={freed_total / reps:.0f} "
-              f"evictable={p.evictable_size()}")
-    print("match(key): prepared native key; match(tensor): from a torch tensor, "
-          "key conversion included; both build the indices tensor")
+        print(
+            f"{name:16s} {_median_us(ins):9.1f} {_median_us(m_key):11.1f} "
+            f"{_median_us(m_full):14.1f} {_median_us(lk):12.2f} {_median_us(ev):9.1f}  "
+            f"hit={hit} freed/evict={freed_total / reps:.0f} "
+            f"evictable={p.evictable_size()}"
+        )
+    print(
+        "match(key): prepared native key; match(tensor): from a torch tensor, "
+        "key conversion included; both build the indices tensor"
+    )
 
 
 if __name__ == "__main__":

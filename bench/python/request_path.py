@@ -84,10 +84,23 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as root:
         pool = MHAKVCache(2, 2, 64, 64, torch.float32, page_size=PAGE, device="cpu")
-        seed = config_fingerprint(model="request-path", dtype=torch.float32, page_size=PAGE,
-                                  layout="mha", num_layers=2, kv_heads=2, head_dim=64)
-        cm = CacheManager(64, PAGE, kv_cache=pool, host_num_pages=64,
-                          storage=FileStorage(root, seed), kv_events=_Keep())
+        seed = config_fingerprint(
+            model="request-path",
+            dtype=torch.float32,
+            page_size=PAGE,
+            layout="mha",
+            num_layers=2,
+            kv_heads=2,
+            head_dim=64,
+        )
+        cm = CacheManager(
+            64,
+            PAGE,
+            kv_cache=pool,
+            host_num_pages=64,
+            storage=FileStorage(root, seed),
+            kv_events=_Keep(),
+        )
         prompt = list(range(1, 8 * PAGE + 2))
         _one_request(cm, prompt)
         cm.drain()
@@ -96,8 +109,13 @@ def main() -> None:
         cm.close()
     files = sorted({f for pair in hops for f in pair})
     both = sorted({tuple(sorted(p)) for p in hops if (p[1], p[0]) in hops})
-    out = {"files": len(files), "hops": sum(hops.values()), "file_pairs": len(hops),
-           "back_and_forth": [" <-> ".join(p) for p in both], "file_list": files}
+    out = {
+        "files": len(files),
+        "hops": sum(hops.values()),
+        "file_pairs": len(hops),
+        "back_and_forth": [" <-> ".join(p) for p in both],
+        "file_list": files,
+    }
     if args.json:
         print(json.dumps(out))
         return

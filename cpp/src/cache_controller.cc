@@ -19,9 +19,15 @@ class CpuCopyEngine final : public CopyEngine {
   bool CopyLayers(CopyJob* job, int64_t begin, int64_t end) override {
     const bool backup = job->kind == CopyJob::Kind::kBackup;
     for (const CopyPlane& plane : planes_) {
-      TransferParams p{backup ? plane.device : plane.host, backup ? plane.host : plane.device,
-                       plane.row_bytes, layers_, job->src.data(), job->dst.data(),
-                       static_cast<int64_t>(job->src.size()), begin, end};
+      TransferParams p{backup ? plane.device : plane.host,
+                       backup ? plane.host : plane.device,
+                       plane.row_bytes,
+                       layers_,
+                       job->src.data(),
+                       job->dst.data(),
+                       static_cast<int64_t>(job->src.size()),
+                       begin,
+                       end};
       if (TransferRows(p) >= 0) return false;
     }
     return true;

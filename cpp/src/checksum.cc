@@ -67,8 +67,7 @@ uint32_t ShiftLong(uint32_t r) {
   return z[0][r & 0xFF] ^ z[1][(r >> 8) & 0xFF] ^ z[2][(r >> 16) & 0xFF] ^ z[3][r >> 24];
 }
 
-__attribute__((target("sse4.2"))) uint32_t Crc32cSse42(const uint8_t* p, size_t n,
-                                                       uint32_t crc) {
+__attribute__((target("sse4.2"))) uint32_t Crc32cSse42(const uint8_t* p, size_t n, uint32_t crc) {
   uint64_t c = ~crc;
   while (n >= 3 * kLong) {
     uint64_t c1 = 0, c2 = 0;

@@ -49,7 +49,7 @@ size_t SystemBytes(size_t bytes) { return RoundUp(bytes, SystemAlignment(bytes))
 // be injected in tests); 2 MiB-aligned and advised for huge pages when it
 // spans whole huge pages, so the kernel can back it with them.
 void* SystemAlloc(size_t bytes) {
-  void* p = ::operator new(SystemBytes(bytes), std::align_val_t{SystemAlignment(bytes)});
+  void* p = ::operator new (SystemBytes(bytes), std::align_val_t{SystemAlignment(bytes)});
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (bytes >= kHugePage) madvise(p, SystemBytes(bytes), MADV_HUGEPAGE);
 #endif
@@ -57,7 +57,7 @@ void* SystemAlloc(size_t bytes) {
 }
 
 void SystemFree(void* p, size_t bytes) noexcept {
-  ::operator delete(p, std::align_val_t{SystemAlignment(bytes)});
+  ::operator delete (p, std::align_val_t{SystemAlignment(bytes)});
 }
 
 }  // namespace
@@ -74,7 +74,8 @@ int NodeArena::ClassOf(size_t bytes) noexcept {
   int octave = 9;
   while ((size_t{2} << octave) < bytes) ++octave;
   const size_t step = size_t{1} << (octave - 3);
-  const int c = 16 + (octave - 9) * 8 + static_cast<int>((bytes - (size_t{1} << octave) + step - 1) / step) - 1;
+  const int c = 16 + (octave - 9) * 8 +
+                static_cast<int>((bytes - (size_t{1} << octave) + step - 1) / step) - 1;
   return c < kClasses ? c : -1;
 }
 

@@ -55,8 +55,8 @@ void PageAllocator::CheckOwned(const int32_t* slots, int64_t n, const char* name
     RADIXKV_CHECK(!is_free_[s / page_size_], kInvalid, name, "[", i, "] = ", s, " is in page ",
                   s / page_size_, ", which is free (not allocated)");
     if (cached != nullptr) {
-      RADIXKV_CHECK(!cached->Contains(static_cast<int32_t>(s)), kInvalid, name, "[", i, "] = ",
-                    s, " is owned by the prefix cache");
+      RADIXKV_CHECK(!cached->Contains(static_cast<int32_t>(s)), kInvalid, name, "[", i, "] = ", s,
+                    " is owned by the prefix cache");
     }
   }
 }
@@ -72,8 +72,8 @@ void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached)
   }
   if (i < n) {
     for (int64_t k = 0; k < i; k += page_size_) is_free_[slots[k] / page_size_] = 0;
-    throw Error(kInvalid, StrCat("indices[", i, "] = ", slots[i], " repeats page ",
-                                 slots[i] / page_size_));
+    throw Error(kInvalid,
+                StrCat("indices[", i, "] = ", slots[i], " repeats page ", slots[i] / page_size_));
   }
   for (int64_t k = 0; k < n; k += page_size_) {
     free_.push_back(static_cast<int32_t>(slots[k] / page_size_));

@@ -98,7 +98,8 @@ struct Node {
   bool has_host() const noexcept { return host != nullptr; }
   NodeState state() const noexcept {
     return !has_host() ? NodeState::kDevice
-                       : on_device ? NodeState::kDeviceAndHost : NodeState::kHost;
+           : on_device ? NodeState::kDeviceAndHost
+                       : NodeState::kHost;
   }
 };
 

@@ -50,7 +50,7 @@ size_t BlockBytes(int64_t length, bool slots_only) {
 // --- node blocks ------------------------------------------------------------------
 
 RadixTree::NodeBlock::NodeBlock(NodeArena* arena, const int32_t* tokens, const int32_t* slots,
-                            int64_t length)
+                                int64_t length)
     : arena_(arena),
       block_(arena->Allocate(BlockBytes(length, tokens == nullptr))),
       capacity_(length),
@@ -144,8 +144,7 @@ void RadixTree::FreeStorage(Node* node) noexcept {
 
 void RadixTree::FreeHost(Node* node) noexcept {
   if (node->host == nullptr) return;
-  arena_.Free(NodeArena::Block{node->host, node->host_slab},
-              BlockBytes(node->host_capacity, true));
+  arena_.Free(NodeArena::Block{node->host, node->host_slab}, BlockBytes(node->host_capacity, true));
   node->host = nullptr;
   node->host_slab = nullptr;
 }
@@ -168,9 +167,8 @@ Node* RadixTree::FindChild(const Node* node, const int32_t* tokens, uint64_t ns)
     // Below the root the namespace is the parent's: only the tokens decide.
     if (page_size_ == 1) return node->children.Find(key, [](const Node*) { return true; });
     const size_t bytes = static_cast<size_t>(page_size_) * sizeof(int32_t);
-    return node->children.Find(key, [&](const Node* child) {
-      return std::memcmp(child->key(), tokens, bytes) == 0;
-    });
+    return node->children.Find(
+        key, [&](const Node* child) { return std::memcmp(child->key(), tokens, bytes) == 0; });
   }
   const size_t bytes = static_cast<size_t>(page_size_) * sizeof(int32_t);
   return node->children.Find(key, [&](const Node* child) {
@@ -351,8 +349,8 @@ void RadixTree::Touch(Node* node) noexcept {
   }
 }
 
-int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, uint64_t ns, Node** node,
-                        Node** partial, int64_t* partial_len) const {
+int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, uint64_t ns, Node** node, Node** partial,
+                        int64_t* partial_len) const {
   Node* cur = root_;
   int64_t pos = 0;
   *partial = nullptr;
@@ -415,7 +413,7 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, ui
 }
 
 int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n,
-                               int32_t priority, uint64_t ns) {
+                                int32_t priority, uint64_t ns) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   // All of `slots` is checked, the cached part and a partial last page too:
   // the caller frees its own copies of those, so a bad one is a bug either way.

@@ -32,9 +32,8 @@ void RadixTree::CheckIntegrity() const {
                     " is empty");
       RADIXKV_CHECK(x == root_ || child->ns == x->ns, kBroken, "node ", child->id,
                     " is in another namespace than its parent");
-      RADIXKV_CHECK(ChildKey(x, child->key(), child->ns) == key && child->child_key == key,
-                    kBroken, "node ", child->id,
-                    " is filed under a key that is not its first page");
+      RADIXKV_CHECK(ChildKey(x, child->key(), child->ns) == key && child->child_key == key, kBroken,
+                    "node ", child->id, " is filed under a key that is not its first page");
       child_refs += child->ref_count;
       device_children += child->on_device;
       host_children += child->has_host() || child->backing_up;
@@ -63,8 +62,8 @@ void RadixTree::CheckIntegrity() const {
                   " is neither on the device nor in host memory");
     RADIXKV_CHECK(!x->on_device || x->parent == root_ || x->parent->on_device, kBroken, "node ",
                   x->id, " is on the device but its parent is not");
-    RADIXKV_CHECK(!x->has_host() || x->parent == root_ || x->parent->has_host(), kBroken,
-                  "node ", x->id, " has a host copy but its parent has none");
+    RADIXKV_CHECK(!x->has_host() || x->parent == root_ || x->parent->has_host(), kBroken, "node ",
+                  x->id, " has a host copy but its parent has none");
     RADIXKV_CHECK(!x->backing_up || (x->on_device && !x->has_host()), kBroken, "node ", x->id,
                   " is being backed up but is not on the device without a host copy");
     RADIXKV_CHECK(!x->loading || (!x->on_device && x->has_host()), kBroken, "node ", x->id,
@@ -77,8 +76,8 @@ void RadixTree::CheckIntegrity() const {
                               : " is in the device heap but may not be evicted");
     if (device_leaf) {
       const size_t pos = static_cast<size_t>(heap_.PositionOf(x->id));
-      RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) <= Key(x), kBroken,
-                    "node ", x->id, " has a wrong device heap position or key");
+      RADIXKV_CHECK(heap_.IdAt(pos) == x->id && heap_.KeyAt(pos) <= Key(x), kBroken, "node ", x->id,
+                    " has a wrong device heap position or key");
       ++heap_members;
     }
     const bool host_leaf = HostEvictable(x);
@@ -87,8 +86,8 @@ void RadixTree::CheckIntegrity() const {
                             : " is in the host heap but may not be evicted");
     if (host_leaf) {
       const size_t pos = static_cast<size_t>(host_heap_.PositionOf(x->id));
-      RADIXKV_CHECK(host_heap_.IdAt(pos) == x->id && host_heap_.KeyAt(pos) <= Key(x),
-                    kBroken, "node ", x->id, " has a wrong host heap position or key");
+      RADIXKV_CHECK(host_heap_.IdAt(pos) == x->id && host_heap_.KeyAt(pos) <= Key(x), kBroken,
+                    "node ", x->id, " has a wrong host heap position or key");
       ++host_members;
     }
     if (x->on_device) {
@@ -137,11 +136,11 @@ void RadixTree::CheckIntegrity() const {
                 "node table leaks ids");
   RADIXKV_CHECK(evictable == evictable_size_, kBroken, "evictable_size is ", evictable_size_,
                 " but unlocked device nodes hold ", evictable);
-  RADIXKV_CHECK(protected_tokens == protected_size_, kBroken, "protected_size is ",
-                protected_size_, " but locked device nodes hold ", protected_tokens);
+  RADIXKV_CHECK(protected_tokens == protected_size_, kBroken, "protected_size is ", protected_size_,
+                " but locked device nodes hold ", protected_tokens);
   RADIXKV_CHECK(host_tokens == host_size_ && host_only == host_only_size_, kBroken,
-                "host sizes are ", host_size_, " and ", host_only_size_, " host only, but nodes hold ",
-                host_tokens, " and ", host_only);
+                "host sizes are ", host_size_, " and ", host_only_size_,
+                " host only, but nodes hold ", host_tokens, " and ", host_only);
   RADIXKV_CHECK(storing == storing_size_, kBroken, "writes to storage are counted as ",
                 storing_size_, " tokens, but nodes hold ", storing);
   RADIXKV_CHECK(pins == host_pins_, kBroken, "host pins are counted as ", host_pins_,

@@ -18,8 +18,7 @@ using tree_errors::kInvalid;
 Node* RadixTree::ResolveCopy(const TierCopy& copy) const noexcept {
   if (copy.node_id >= nodes_.size()) return nullptr;
   Node* node = nodes_[copy.node_id].get();
-  if (node->incarnation != copy.incarnation || node->parent == nullptr ||
-      node->depth != copy.end) {
+  if (node->incarnation != copy.incarnation || node->parent == nullptr || node->depth != copy.end) {
     return nullptr;
   }
   return node;
@@ -27,8 +26,8 @@ Node* RadixTree::ResolveCopy(const TierCopy& copy) const noexcept {
 
 // --- backups: device to host ---------------------------------------------------------
 
-bool RadixTree::FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits,
-                           TierCopy* copy, bool through_partial, uint64_t ns) const {
+bool RadixTree::FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits, TierCopy* copy,
+                           bool through_partial, uint64_t ns) const {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
@@ -178,8 +177,7 @@ TierCopy RadixTree::FindLoad(const Handle& handle) const {
   if (handle.host_node_id >= nodes_.size() ||
       nodes_[handle.host_node_id]->generation != handle.host_generation) {
     // The host part was evicted since the match: nothing is left to load.
-    return TierCopy{device_end->id, device_end->incarnation, device_end->depth,
-                    device_end->depth};
+    return TierCopy{device_end->id, device_end->incarnation, device_end->depth, device_end->depth};
   }
   Node* end = nodes_[handle.host_node_id].get();
   device_end = DeviceEnd(end);
@@ -196,8 +194,7 @@ TierCopy RadixTree::FindLoad(const Handle& handle) const {
   return copy;
 }
 
-void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix,
-                          Handle* loaded) {
+void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, Handle* loaded) {
   Node* end = ResolveCopy(copy);
   RADIXKV_CHECK(end != nullptr, kInvalid,
                 "load is stale: its node was evicted or the cache was reset");

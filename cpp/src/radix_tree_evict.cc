@@ -130,7 +130,8 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
       put_back();
       throw Error(ErrorCode::kOutOfCapacity,
                   StrCat("cannot evict size=", size, " host tokens: only ", freed,
-                         " can go now (of ", host_size_, " with a host copy, the rest are "
+                         " can go now (of ", host_size_,
+                         " with a host copy, the rest are "
                          "being loaded, or ancestors of host copies that stay)"));
     }
     Node* parent = x->parent;

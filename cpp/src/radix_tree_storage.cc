@@ -17,11 +17,11 @@ using tree_errors::kInvalid;
 
 // --- the storage tier: writes of host pages, pages read back -------------------------
 
-bool RadixTree::BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens,
-                           TierCopy* copy, uint64_t* ns) {
+bool RadixTree::BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens, TierCopy* copy,
+                           uint64_t* ns) {
   Node* x = ResolveCopy(from);
   if (x == nullptr) return false;  // gone since (evicted from both tiers, or Reset)
-  Node* end = x;  // the deepest node of the range with a host copy
+  Node* end = x;                   // the deepest node of the range with a host copy
   while (end != root_ && !end->has_host()) end = end->parent;
   if (end == root_ || end->depth <= from.start) return false;
   Node* top = end;
@@ -95,8 +95,7 @@ bool RadixTree::PinHost(const int32_t* tokens, int64_t n, TierCopy* pin, uint64_
   int64_t pos;
   Node* attach = MatchEnd(tokens, n, ns, &pos);
   if (attach == root_ || !attach->has_host()) return false;
-  RADIXKV_CHECK(attach->host_pins < INT32_MAX, kInvalid, "node ", attach->id,
-                " has too many pins");
+  RADIXKV_CHECK(attach->host_pins < INT32_MAX, kInvalid, "node ", attach->id, " has too many pins");
   ++attach->host_pins;
   ++host_pins_;
   Refresh(attach);
@@ -114,11 +113,11 @@ void RadixTree::UnpinHost(const TierCopy& pin) {
   Refresh(x);
 }
 
-int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,
-                              const int32_t* host, SlotSink rejected, uint64_t ns) {
-  RADIXKV_CHECK(start >= 0 && start % page_size_ == 0 && n >= start &&
-                    (n - start) % page_size_ == 0,
-                kInvalid, "pages read from storage must be whole pages from a page boundary");
+int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start, const int32_t* host,
+                              SlotSink rejected, uint64_t ns) {
+  RADIXKV_CHECK(
+      start >= 0 && start % page_size_ == 0 && n >= start && (n - start) % page_size_ == 0,
+      kInvalid, "pages read from storage must be whole pages from a page boundary");
   const int64_t len = n - start;
   RADIXKV_CHECK(FindOutOfRange(host, len) < 0, kInvalid, "host_slots has a negative slot");
   Node* node;
@@ -135,7 +134,8 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start,
   try {
     if (take > 0) {
       const int64_t twice = stored_host_.AddAll(fresh, take);
-      RADIXKV_CHECK(twice < 0, kInvalid, "host_slots repeats a slot, or has one the cache "
+      RADIXKV_CHECK(twice < 0, kInvalid,
+                    "host_slots repeats a slot, or has one the cache "
                     "already stores");
       marked = true;
       ReserveNodes((partial != nullptr) + 1);

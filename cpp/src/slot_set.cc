@@ -1,11 +1,11 @@
 #include "radixkv/slot_set.h"
 
-#include "radixkv/status.h"
-
 #include <algorithm>
 #include <limits>
 #include <utility>
 #include <vector>
+
+#include "radixkv/status.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -170,9 +170,10 @@ int64_t SlotSet::AddRuns(ForEachRunFn for_each_run) {
     // Take back the runs added before the failing one; chunks made for the
     // rest are empty.
     size_t k = 0;
-    RemoveRuns([&](auto fn) { for_each_run([&](int64_t at, int64_t lo, int64_t hi) {
-      return k++ < added && fn(at, lo, hi);
-    }); });
+    RemoveRuns([&](auto fn) {
+      for_each_run(
+          [&](int64_t at, int64_t lo, int64_t hi) { return k++ < added && fn(at, lo, hi); });
+    });
     release_empty();
   }
   return found;
@@ -268,14 +269,14 @@ void CheckSlots(const SlotRuns& runs, const int32_t* slots, const char* name, Sl
                 int64_t limit) {
   const int64_t bad = runs.FindOutOfRange(limit);
   if (bad >= 0) {
-    RADIXKV_CHECK(slots[bad] >= 0, ErrorCode::kInvalidArgument, name, "[", bad, "] = ",
-                  slots[bad], " is negative");
+    RADIXKV_CHECK(slots[bad] >= 0, ErrorCode::kInvalidArgument, name, "[", bad, "] = ", slots[bad],
+                  " is negative");
     throw Error(ErrorCode::kInvalidArgument,
                 StrCat(name, "[", bad, "] = ", slots[bad], " is out of range [0, ", limit, ")"));
   }
   const int64_t rep = FindRepeat(runs, scratch);
-  RADIXKV_CHECK(rep < 0, ErrorCode::kInvalidArgument, name, "[", rep, "] = ",
-                rep < 0 ? 0 : slots[rep], " appears twice in ", name);
+  RADIXKV_CHECK(rep < 0, ErrorCode::kInvalidArgument, name, "[", rep,
+                "] = ", rep < 0 ? 0 : slots[rep], " appears twice in ", name);
 }
 
 void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch,

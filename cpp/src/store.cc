@@ -147,8 +147,8 @@ using ConvertFn = void (*)(uint8_t*, const char*, int64_t, float) noexcept;
 // same results (tests/cpp/store_test.cc compares the two over float bit
 // patterns).
 template <SourceFloat kType, Float8Format kFormat>
-__attribute__((target("avx2,f16c"))) void ConvertRunAvx2(uint8_t* dst, const char* src,
-                                                         int64_t n, float scale) noexcept {
+__attribute__((target("avx2,f16c"))) void ConvertRunAvx2(uint8_t* dst, const char* src, int64_t n,
+                                                         float scale) noexcept {
   constexpr bool kE4M3 = kFormat == Float8Format::kE4M3Fn;
   constexpr int kManBits = kE4M3 ? 3 : 2;
   constexpr int kBias = kE4M3 ? 7 : 15;
@@ -162,9 +162,9 @@ __attribute__((target("avx2,f16c"))) void ConvertRunAvx2(uint8_t* dst, const cha
   const __m256i zero = _mm256_setzero_si256();
   const __m256 divisor = _mm256_set1_ps(scale);
   // Gathers byte 0 of each 32-bit lane into the low 4 bytes of each 128-bit half.
-  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                             -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
-                                             -1, -1, -1, -1);
+  const __m256i low_bytes =
+      _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
+                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   int64_t e = 0;
   for (; e + 8 <= n; e += 8) {
     __m256 x;
@@ -183,8 +183,8 @@ __attribute__((target("avx2,f16c"))) void ConvertRunAvx2(uint8_t* dst, const cha
     const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
     const __m256i mag = _mm256_and_si256(bits, abs_mask);
     const __m256i fexp = _mm256_srli_epi32(mag, 23);
-    const __m256i normal = _mm256_andnot_si256(_mm256_cmpeq_epi32(fexp, zero),
-                                               _mm256_set1_epi32(0x800000));
+    const __m256i normal =
+        _mm256_andnot_si256(_mm256_cmpeq_epi32(fexp, zero), _mm256_set1_epi32(0x800000));
     const __m256i sig = _mm256_or_si256(_mm256_and_si256(mag, man_mask), normal);
     const __m256i exp = _mm256_sub_epi32(fexp, _mm256_set1_epi32(127 - kBias));
     // shift = 23 - man_bits + max(1 - exp, 0), at most 31

@@ -9,5 +9,4 @@ __version__ = "0.1.0"
 # The subpackages are light (no extension beyond _core): `import radixkv` gives them all.
 from radixkv import kernel, kvcache, scheduler  # noqa: E402
 
-__all__ = ["IntegrityError", "OutOfCapacityError", "__version__", "kernel", "kvcache",
-           "scheduler"]
+__all__ = ["IntegrityError", "OutOfCapacityError", "__version__", "kernel", "kvcache", "scheduler"]

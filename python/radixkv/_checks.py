@@ -42,8 +42,9 @@ def as_device(device, name: str = "device") -> torch.device:
     """`device` as a torch.device that holds data: the meta device, whose
     tensors have none, is refused, as is anything torch cannot name."""
     if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
-        raise TypeError(f"{name} must be a torch.device or a device name, got "
-                        f"{type(device).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.device or a device name, got " f"{type(device).__name__}"
+        )
     try:
         out = torch.device(device)
     except (RuntimeError, ValueError) as e:
@@ -77,6 +78,8 @@ def as_seconds(value, name: str, *, positive: bool = False) -> float:
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite number of seconds "
-                         f"{'> 0' if positive else '>= 0'}, got {value}")
+        raise ValueError(
+            f"{name} must be a finite number of seconds "
+            f"{'> 0' if positive else '>= 0'}, got {value}"
+        )
     return value

@@ -16,34 +16,56 @@ EVICTION_POLICIES: Tuple[str, ...]
 def first_mismatch(a: _Ids, b: _Ids) -> int: ...
 def int32_tensor(values: _Ids, name: str = "values") -> torch.Tensor: ...
 def crc32c(data: object, value: int = 0) -> int: ...
-def page_keys(input_ids: _Ids, page_size: int, seed: Optional[bytes] = None,
-              raw: bool = False, key: Optional[bytes] = None) -> Union[List[str], bytes]: ...
+def page_keys(
+    input_ids: _Ids,
+    page_size: int,
+    seed: Optional[bytes] = None,
+    raw: bool = False,
+    key: Optional[bytes] = None,
+) -> Union[List[str], bytes]: ...
 def keyed_page_keys(raw_keys: object, key: bytes) -> List[str]: ...
 def hmac_sha256(key: bytes, parts: Sequence[object]) -> bytes: ...
-
 @final
 class shielded:
     """Calls `fn` with SIGINT and SIGTERM held back until it returns."""
+
     __wrapped__: Any
     def __new__(cls, fn: Any) -> shielded: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     def __get__(self, instance: Any, owner: Any = None, /) -> Any: ...
+
 def check_ids(values: _Ids, name: str) -> int: ...
 def check_slots(values: _Ids, name: str, limit: int = -1) -> int: ...
+
 # A float8 store's scale: a number or a one-element floating tensor.
 _Scale = Union[float, torch.Tensor, None]
 # Side buffers a store also writes: (name, buffer [num_slots, W], source [n, W]).
 _Sides = Optional[Sequence[Tuple[str, torch.Tensor, torch.Tensor]]]
-def store_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, pool_views: bool = False, k_scale: _Scale = None,
-                v_scale: _Scale = None, side: _Sides = None) -> None: ...
-def store_mla(kv_cache: torch.Tensor, out_loc: torch.Tensor, k_nope: torch.Tensor,
-              k_rope: torch.Tensor, kv_lora_rank: int, pool_views: bool = False,
-              k_scale: _Scale = None,
-              side: _Sides = None) -> None: ...
-def first_mismatch_batched(query: torch.Tensor, keys: torch.Tensor,
-                           key_lens: Optional[torch.Tensor], out: torch.Tensor) -> None: ...
 
+def store_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool_views: bool = False,
+    k_scale: _Scale = None,
+    v_scale: _Scale = None,
+    side: _Sides = None,
+) -> None: ...
+def store_mla(
+    kv_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    kv_lora_rank: int,
+    pool_views: bool = False,
+    k_scale: _Scale = None,
+    side: _Sides = None,
+) -> None: ...
+def first_mismatch_batched(
+    query: torch.Tensor, keys: torch.Tensor, key_lens: Optional[torch.Tensor], out: torch.Tensor
+) -> None: ...
 @final
 class RadixCacheHandle:
     @property
@@ -60,6 +82,7 @@ class RadixCacheHandle:
 class TierCopy(structseq[int], Tuple[int, int, int, int]):
     """A copy between the tiers: the tokens at depths [start, end) of the path that
     ends at node node_id, whose incarnation (bumped only when its id is freed) it was."""
+
     __match_args__: Final = ("node_id", "incarnation", "start", "end")
     @property
     def node_id(self) -> int: ...
@@ -73,8 +96,16 @@ class TierCopy(structseq[int], Tuple[int, int, int, int]):
 @final
 class TierSizes(structseq[int], Tuple[int, int, int, int, int, int, int]):
     """Token counts of the two tiers."""
-    __match_args__: Final = ("device_evictable", "device_protected", "host", "host_only",
-                             "backing_up", "loading", "storing")
+
+    __match_args__: Final = (
+        "device_evictable",
+        "device_protected",
+        "host",
+        "host_only",
+        "backing_up",
+        "loading",
+        "storing",
+    )
     @property
     def device_evictable(self) -> int: ...
     @property
@@ -93,6 +124,7 @@ class TierSizes(structseq[int], Tuple[int, int, int, int, int, int, int]):
 @final
 class DumpRow(structseq[Any], Tuple[int, List[int], List[int], int, int]):
     """A node in dump(); its namespace is a field by name only."""
+
     __match_args__: Final = ("parent", "tokens", "device_slots", "ref_count", "timestamp")
     @property
     def parent(self) -> int: ...
@@ -110,8 +142,15 @@ class DumpRow(structseq[Any], Tuple[int, List[int], List[int], int, int]):
 @final
 class DumpRowNs(structseq[Any], Tuple[int, List[int], List[int], int, int, int]):
     """A node in dump(namespaces=True)."""
-    __match_args__: Final = ("parent", "tokens", "device_slots", "ref_count", "timestamp",
-                             "namespace")
+
+    __match_args__: Final = (
+        "parent",
+        "tokens",
+        "device_slots",
+        "ref_count",
+        "timestamp",
+        "namespace",
+    )
     @property
     def parent(self) -> int: ...
     @property
@@ -128,8 +167,15 @@ class DumpRowNs(structseq[Any], Tuple[int, List[int], List[int], int, int, int])
 @final
 class TierDumpRow(structseq[Any], Tuple[int, List[int], List[int], List[int], int, int]):
     """A node in dump(tiers=True); its namespace is a field by name only."""
-    __match_args__: Final = ("parent", "tokens", "device_slots", "host_slots", "ref_count",
-                             "timestamp")
+
+    __match_args__: Final = (
+        "parent",
+        "tokens",
+        "device_slots",
+        "host_slots",
+        "ref_count",
+        "timestamp",
+    )
     @property
     def parent(self) -> int: ...
     @property
@@ -148,8 +194,16 @@ class TierDumpRow(structseq[Any], Tuple[int, List[int], List[int], List[int], in
 @final
 class TierDumpRowNs(structseq[Any], Tuple[int, List[int], List[int], List[int], int, int, int]):
     """A node in dump(tiers=True, namespaces=True)."""
-    __match_args__: Final = ("parent", "tokens", "device_slots", "host_slots", "ref_count",
-                             "timestamp", "namespace")
+
+    __match_args__: Final = (
+        "parent",
+        "tokens",
+        "device_slots",
+        "host_slots",
+        "ref_count",
+        "timestamp",
+        "namespace",
+    )
     @property
     def parent(self) -> int: ...
     @property
@@ -171,8 +225,9 @@ _Copy = Union[TierCopy, Tuple[int, int, int, int]]
 
 @final
 class RadixTree:
-    def __new__(cls, page_size: int = 1, max_slots: int = -1,
-                eviction_policy: str = "lru") -> RadixTree: ...
+    def __new__(
+        cls, page_size: int = 1, max_slots: int = -1, eviction_policy: str = "lru"
+    ) -> RadixTree: ...
     @property
     def page_size(self) -> int: ...
     @property
@@ -183,42 +238,48 @@ class RadixTree:
     def num_nodes(self) -> int: ...
     @property
     def host_pins(self) -> int: ...
-    def match_prefix(self, input_ids: _Ids,
-                     namespace: int = 0) -> Tuple[RadixCacheHandle, torch.Tensor]: ...
+    def match_prefix(
+        self, input_ids: _Ids, namespace: int = 0
+    ) -> Tuple[RadixCacheHandle, torch.Tensor]: ...
     def match_prefix_batch(
-        self, batch: Sequence[_Ids],
-        namespace: Union[int, List[int], Tuple[int, ...]] = 0
+        self, batch: Sequence[_Ids], namespace: Union[int, List[int], Tuple[int, ...]] = 0
     ) -> List[Tuple[RadixCacheHandle, torch.Tensor]]: ...
-    def insert_prefix(self, input_ids: _Ids, indices: _Ids, priority: int = 0,
-                      namespace: int = 0) -> int: ...
+    def insert_prefix(
+        self, input_ids: _Ids, indices: _Ids, priority: int = 0, namespace: int = 0
+    ) -> int: ...
     def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None: ...
     def evict(self, size: int) -> torch.Tensor: ...
     def reset(self) -> None: ...
     def size_info(self) -> Tuple[int, int]: ...
     def check_integrity(self) -> None: ...
     @overload
-    def dump(self, tiers: Literal[False] = False,
-             namespaces: Literal[False] = False) -> List[DumpRow]: ...
+    def dump(
+        self, tiers: Literal[False] = False, namespaces: Literal[False] = False
+    ) -> List[DumpRow]: ...
     @overload
-    def dump(self, tiers: Literal[False] = False, *,
-             namespaces: Literal[True]) -> List[DumpRowNs]: ...
+    def dump(
+        self, tiers: Literal[False] = False, *, namespaces: Literal[True]
+    ) -> List[DumpRowNs]: ...
     @overload
     def dump(self, tiers: Literal[False], namespaces: Literal[True]) -> List[DumpRowNs]: ...
     @overload
-    def dump(self, tiers: Literal[True],
-             namespaces: Literal[False] = False) -> List[TierDumpRow]: ...
+    def dump(
+        self, tiers: Literal[True], namespaces: Literal[False] = False
+    ) -> List[TierDumpRow]: ...
     @overload
     def dump(self, tiers: Literal[True], namespaces: Literal[True]) -> List[TierDumpRowNs]: ...
     @overload
-    def dump(self, tiers: bool = False, namespaces: bool = False) -> Union[
-        List[DumpRow], List[DumpRowNs], List[TierDumpRow], List[TierDumpRowNs]]: ...
+    def dump(
+        self, tiers: bool = False, namespaces: bool = False
+    ) -> Union[List[DumpRow], List[DumpRowNs], List[TierDumpRow], List[TierDumpRowNs]]: ...
     def is_valid(self, handle: RadixCacheHandle) -> bool: ...
     def handle_slots(self, handle: RadixCacheHandle) -> torch.Tensor: ...
     # The host tier (see CacheManager): state changes only in finish_*.
     def tier_sizes(self) -> TierSizes: ...
     def evict_host(self, size: int) -> torch.Tensor: ...
-    def find_backup(self, input_ids: _Ids, min_hits: int = 0,
-                    through_partial: bool = False, namespace: int = 0) -> Optional[TierCopy]: ...
+    def find_backup(
+        self, input_ids: _Ids, min_hits: int = 0, through_partial: bool = False, namespace: int = 0
+    ) -> Optional[TierCopy]: ...
     def begin_backup(self, copy: _Copy) -> torch.Tensor: ...
     def finish_backup(self, copy: _Copy, host_slots: _Ids, ok: bool = True) -> torch.Tensor: ...
     def find_load(self, handle: RadixCacheHandle) -> TierCopy: ...
@@ -226,13 +287,15 @@ class RadixTree:
     def finish_load(self, copy: _Copy, device_slots: _Ids, ok: bool = True) -> bool: ...
     def eviction_candidates_without_host(self, size: int) -> List[TierCopy]: ...
     def begin_store(
-        self, backup: _Copy) -> Optional[Tuple[TierCopy, torch.Tensor, torch.Tensor, int]]: ...
+        self, backup: _Copy
+    ) -> Optional[Tuple[TierCopy, torch.Tensor, torch.Tensor, int]]: ...
     def finish_store(self, copy: _Copy) -> None: ...
     def storage_prefix_end(self, input_ids: _Ids, namespace: int = 0) -> Tuple[int, bool]: ...
     def pin_host(self, input_ids: _Ids, namespace: int = 0) -> Optional[TierCopy]: ...
     def unpin_host(self, pin: _Copy) -> None: ...
-    def insert_host(self, input_ids: _Ids, start: int, host_slots: _Ids,
-                    namespace: int = 0) -> torch.Tensor: ...
+    def insert_host(
+        self, input_ids: _Ids, start: int, host_slots: _Ids, namespace: int = 0
+    ) -> torch.Tensor: ...
 
 # pybind11's classes have its metaclass (pybind11_builtins.pybind11_type).
 class _pybind11_type(type): ...
@@ -247,18 +310,27 @@ class PageAllocator(metaclass=_pybind11_type):
     def num_free_pages(self) -> int: ...
     def allocate(self, num_tokens: int) -> torch.Tensor: ...
     def free(self, indices: _Ids, tree: Optional[RadixTree] = None, host: bool = False) -> None: ...
-    def check_owned(self, indices: _Ids, name: str, tree: Optional[RadixTree] = None,
-                    host: bool = False) -> None: ...
+    def check_owned(
+        self, indices: _Ids, name: str, tree: Optional[RadixTree] = None, host: bool = False
+    ) -> None: ...
     def check_disjoint(self, tree: Optional[RadixTree] = None, host: bool = False) -> None: ...
 
 class CacheController(metaclass=_pybind11_type):
     # side_planes: (device, device_layout, host, host_layout, row_bytes) of each side
     # buffer copied with the rows; keep: an object the controller holds while it lives.
     @overload
-    def __init__(self, device: torch.Tensor, device_layout: Sequence[int], host: torch.Tensor,
-                 host_layout: Sequence[int], row_bytes: int, layers: int,
-                 manual: bool = False, side_planes: Optional[Sequence[Tuple[Any, ...]]] = None,
-                 keep: object = None) -> None: ...
+    def __init__(
+        self,
+        device: torch.Tensor,
+        device_layout: Sequence[int],
+        host: torch.Tensor,
+        host_layout: Sequence[int],
+        row_bytes: int,
+        layers: int,
+        manual: bool = False,
+        side_planes: Optional[Sequence[Tuple[Any, ...]]] = None,
+        keep: object = None,
+    ) -> None: ...
     @overload
     def __init__(self, layers: int, manual: bool = False) -> None: ...
     @overload
@@ -278,6 +350,15 @@ class CacheController(metaclass=_pybind11_type):
     def num_layers(self) -> int: ...
     def waiting(self) -> List[int]: ...
 
-def transfer_rows(src: torch.Tensor, src_layout: Sequence[int], dst: torch.Tensor,
-                  dst_layout: Sequence[int], row_bytes: int, layers: int, src_slots: _Ids,
-                  dst_slots: _Ids, layer_begin: int = 0, layer_end: int = -1) -> int: ...
+def transfer_rows(
+    src: torch.Tensor,
+    src_layout: Sequence[int],
+    dst: torch.Tensor,
+    dst_layout: Sequence[int],
+    row_bytes: int,
+    layers: int,
+    src_slots: _Ids,
+    dst_slots: _Ids,
+    layer_begin: int = 0,
+    layer_end: int = -1,
+) -> int: ...

@@ -43,7 +43,9 @@ def require_cuda_extension(what: str) -> ModuleType:
     chained to the import's own error."""
     module = _load()
     if module is None:
-        raise ImportError(f"{what} needs radixkv._cuda, the CUDA extension, which was not "
-                          f"built (no nvcc when radixkv was built) or does not load here: "
-                          f"{_error}") from _error
+        raise ImportError(
+            f"{what} needs radixkv._cuda, the CUDA extension, which was not "
+            f"built (no nvcc when radixkv was built) or does not load here: "
+            f"{_error}"
+        ) from _error
     return module

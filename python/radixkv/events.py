@@ -102,14 +102,23 @@ class KVEventBatch(NamedTuple):
 
 def _wire(event: KVEvent) -> list:
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids,
-                event.block_size, event.lora_id, event.medium]
+        return [
+            "BlockStored",
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            event.lora_id,
+            event.medium,
+        ]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     if isinstance(event, AllBlocksCleared):
         return ["AllBlocksCleared"]
-    raise TypeError(f"events must hold BlockStored, BlockRemoved or AllBlocksCleared, got "
-                    f"{type(event).__name__}")
+    raise TypeError(
+        f"events must hold BlockStored, BlockRemoved or AllBlocksCleared, got "
+        f"{type(event).__name__}"
+    )
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -119,8 +128,10 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
     if not isinstance(batch, KVEventBatch):
         raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
-    return msgpack.packb([float(batch.ts), [_wire(e) for e in batch.events],
-                          batch.data_parallel_rank], use_bin_type=True)
+    return msgpack.packb(
+        [float(batch.ts), [_wire(e) for e in batch.events], batch.data_parallel_rank],
+        use_bin_type=True,
+    )
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
@@ -139,10 +150,16 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return KVEventBatch(raw[0], events, raw[2] if len(raw) > 2 else None)
 
 
-_FIELDS = {"BlockStored": BlockStored._fields, "BlockRemoved": BlockRemoved._fields,
-           "AllBlocksCleared": ()}
-_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
-          "AllBlocksCleared": AllBlocksCleared}
+_FIELDS = {
+    "BlockStored": BlockStored._fields,
+    "BlockRemoved": BlockRemoved._fields,
+    "AllBlocksCleared": (),
+}
+_TYPES = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
 
 
 def _event_from_wire(raw) -> KVEvent:
@@ -158,15 +175,16 @@ def _event_from_wire(raw) -> KVEvent:
     if isinstance(raw, dict):
         values = [raw.get(f) for f in fields]
     else:
-        values = list(raw[1:1 + len(fields)])
+        values = list(raw[1 : 1 + len(fields)])
         values += [None] * (len(fields) - len(values))
     return _TYPES[tag](*values)
 
 
 def _check_endpoint(endpoint, name: str) -> str:
     if not isinstance(endpoint, str):
-        raise TypeError(f"{name} must be a ZeroMQ endpoint string, got "
-                        f"{type(endpoint).__name__}")
+        raise TypeError(
+            f"{name} must be a ZeroMQ endpoint string, got " f"{type(endpoint).__name__}"
+        )
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"{name} must start with tcp://, ipc:// or inproc://, got {endpoint!r}")
     port = endpoint.rpartition(":")[2] if endpoint.startswith("tcp://") else "*"
@@ -220,13 +238,24 @@ class EventPublisher:
 
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-    def __init__(self, endpoint: Optional[str] = None, *, replay_endpoint: Optional[str] = None,
-                 topic: str = "", data_parallel_rank: int = 0, buffer_steps: int = 10_000,
-                 hwm: int = 100_000, context=None, bind: Optional[bool] = None):
+    def __init__(
+        self,
+        endpoint: Optional[str] = None,
+        *,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        context=None,
+        bind: Optional[bool] = None,
+    ):
         if endpoint is None:
             if bind is False:
-                raise ValueError("bind=False connects to an endpoint: give endpoint (where the "
-                                 "router listens)")
+                raise ValueError(
+                    "bind=False connects to an endpoint: give endpoint (where the "
+                    "router listens)"
+                )
             endpoint, bind = DEFAULT_ENDPOINT, True
         endpoint = _check_endpoint(endpoint, "endpoint")
         if bind is not None and not isinstance(bind, bool):
@@ -242,8 +271,9 @@ class EventPublisher:
             import msgpack  # noqa: F401
             import zmq
         except ImportError as e:
-            raise ImportError(f"KV events need pyzmq and msgpack (pip install "
-                              f"'radixkv[events]'): {e}") from None
+            raise ImportError(
+                f"KV events need pyzmq and msgpack (pip install " f"'radixkv[events]'): {e}"
+            ) from None
         if context is not None and not isinstance(context, zmq.Context):
             raise TypeError(f"context must be a zmq.Context, got {type(context).__name__}")
         self._zmq = zmq
@@ -260,7 +290,8 @@ class EventPublisher:
                 # Room for a whole replay and its end marker.
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self.replay_endpoint: Optional[str] = self._bind(
-                    self._replay, replay_endpoint, "replay_endpoint", zmq)
+                    self._replay, replay_endpoint, "replay_endpoint", zmq
+                )
             else:
                 self.replay_endpoint = None
         except BaseException:
@@ -275,8 +306,9 @@ class EventPublisher:
         self._closed = False
         self._thread = None
         if self._replay is not None:
-            self._thread = threading.Thread(target=self._serve_replays,
-                                            name="radixkv-kv-events-replay", daemon=True)
+            self._thread = threading.Thread(
+                target=self._serve_replays, name="radixkv-kv-events-replay", daemon=True
+            )
             self._thread.start()
 
     # -- sockets ---------------------------------------------------------------------
@@ -284,8 +316,9 @@ class EventPublisher:
     @classmethod
     def _open(cls, sock, endpoint: str, name: str, zmq, bind: Optional[bool] = None) -> str:
         if bind is None:
-            bind = ("*" in endpoint or "::" in endpoint
-                    or endpoint.startswith(("ipc://", "inproc://")))
+            bind = (
+                "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            )
         if bind:
             return cls._bind(sock, endpoint, name, zmq)
         try:

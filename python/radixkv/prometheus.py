@@ -28,8 +28,10 @@ try:
 except ModuleNotFoundError as e:
     if e.name is None or e.name.split(".")[0] != "prometheus_client":
         raise
-    raise ModuleNotFoundError("radixkv.prometheus needs prometheus_client: "
-                              "pip install 'radixkv[prometheus]'", name="prometheus_client") from e
+    raise ModuleNotFoundError(
+        "radixkv.prometheus needs prometheus_client: " "pip install 'radixkv[prometheus]'",
+        name="prometheus_client",
+    ) from e
 
 from radixkv.scheduler.metrics import CacheMetrics, check_labels, check_prefix
 
@@ -50,16 +52,23 @@ class CacheMetricsCollector(Collector):
     prometheus_client: the names are taken).
     """
 
-    def __init__(self, source: MetricsSource, *, prefix: str = "radixkv",
-                 labels: Optional[Dict[str, str]] = None,
-                 registry: Optional[CollectorRegistry] = REGISTRY) -> None:
+    def __init__(
+        self,
+        source: MetricsSource,
+        *,
+        prefix: str = "radixkv",
+        labels: Optional[Dict[str, str]] = None,
+        registry: Optional[CollectorRegistry] = REGISTRY,
+    ) -> None:
         if callable(source):
             self._read = source
         elif hasattr(source, "metrics"):
             self._read = lambda: source.metrics
         else:
-            raise TypeError(f"source must be a CacheManager or a callable returning "
-                            f"CacheMetrics, got {type(source).__name__}")
+            raise TypeError(
+                f"source must be a CacheManager or a callable returning "
+                f"CacheMetrics, got {type(source).__name__}"
+            )
         self._prefix = check_prefix(prefix)
         labels = check_labels(labels)
         self._label_names: List[str] = list(labels)
@@ -80,8 +89,9 @@ class CacheMetricsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         metrics = self._read()
         if not isinstance(metrics, CacheMetrics):
-            raise TypeError(f"the collector's source gave {type(metrics).__name__}, "
-                            "not CacheMetrics")
+            raise TypeError(
+                f"the collector's source gave {type(metrics).__name__}, " "not CacheMetrics"
+            )
         yield from self._families(metrics, samples=True)
 
     def describe(self) -> Iterator[Metric]:

@@ -33,8 +33,9 @@ void* Allocate(std::size_t size, std::size_t align = alignof(std::max_align_t)) 
     if (g_fail_in-- == 0) throw std::bad_alloc();
   }
   size = size == 0 ? 1 : size;
-  void* p = align <= alignof(std::max_align_t) ? std::malloc(size)
-                                               : std::aligned_alloc(align, (size + align - 1) / align * align);
+  void* p = align <= alignof(std::max_align_t)
+                ? std::malloc(size)
+                : std::aligned_alloc(align, (size + align - 1) / align * align);
   if (p == nullptr) throw std::bad_alloc();
   return p;
 }

@@ -26,10 +26,10 @@ struct Pools {
   PoolLayout d{}, h{};
 
   Pools() : device(2 * L * P * S * R), host(2 * L * P * S * R) {
-    d = PoolLayout{reinterpret_cast<char*>(device.data()), L * P * S * R, P * S * R, S * R, R, S,
-                   P * S};
-    h = PoolLayout{reinterpret_cast<char*>(host.data()), L * S * R, S * R, 2 * L * S * R, R, S,
-                   P * S};
+    d = PoolLayout{
+        reinterpret_cast<char*>(device.data()), L * P * S * R, P * S * R, S * R, R, S, P * S};
+    h = PoolLayout{
+        reinterpret_cast<char*>(host.data()), L * S * R, S * R, 2 * L * S * R, R, S, P * S};
     for (size_t i = 0; i < device.size(); ++i) device[i] = static_cast<uint8_t>(i * 7 + 1);
   }
   const uint8_t* Row(const PoolLayout& l, int64_t side, int64_t layer, int64_t slot) const {

@@ -24,8 +24,8 @@ TEST(Crc32cTest, HardwareAndTableAgreeAtEveryLengthAndAlignment) {
   std::vector<uint8_t> buf(5 * 12288 + 16);  // past the three-stream rounds (12 KiB)
   for (auto& b : buf) b = static_cast<uint8_t>(rng());
   for (size_t off = 0; off < 8; ++off) {
-    for (size_t n : {0, 1, 7, 8, 9, 63, 64, 65, 1000, 4096, 12287, 12288, 12289, 24576 + 100,
-                     5 * 12288}) {
+    for (size_t n :
+         {0, 1, 7, 8, 9, 63, 64, 65, 1000, 4096, 12287, 12288, 12289, 24576 + 100, 5 * 12288}) {
       EXPECT_EQ(Crc32c(buf.data() + off, n), Crc32cPortable(buf.data() + off, n))
           << off << " " << n;
     }

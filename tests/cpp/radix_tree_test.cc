@@ -1,7 +1,5 @@
 #include "radixkv/radix_tree.h"
 
-#include "radix_node.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "radix_node.h"
 #include "radixkv/status.h"
 #include "tree_test_util.h"
 
@@ -27,8 +26,8 @@ namespace radixkv {
 namespace {
 
 using testing_util::Insert;
-using testing_util::Iota;
 using testing_util::Ints;
+using testing_util::Iota;
 
 Ints Concat(Ints a, const Ints& b) {
   a.insert(a.end(), b.begin(), b.end());

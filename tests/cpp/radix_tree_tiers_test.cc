@@ -20,8 +20,8 @@ namespace radixkv {
 namespace {
 
 using testing_util::Insert;
-using testing_util::Iota;
 using testing_util::Ints;
+using testing_util::Iota;
 
 Handle Match(RadixTree* t, const Ints& tokens, Ints* slots = nullptr) {
   Ints out;
@@ -390,7 +390,7 @@ TEST(RadixTreeTiersTest, PagesBeingStoredStayOnHostUntilTheWriteEnds) {
   EXPECT_EQ(t.tier_sizes().storing, 4);
   t.CheckIntegrity();
   Ints freed;
-  t.Evict(4, &freed);  // device eviction: the nodes stay, host only
+  t.Evict(4, &freed);                           // device eviction: the nodes stay, host only
   EXPECT_THROW(t.EvictHost(1, &freed), Error);  // pinned on host while being written
   Ints again;
   TierCopy c2;
@@ -417,8 +417,7 @@ TEST(RadixTreeTiersTest, PagesReadFromStorageBecomeHostOnlyNodesUnderAHostPath) 
   // Pages of {1, 2, 3, 4, 5, 6, 7, 8} from 2 on: {3, 4} is cached already.
   const Ints tokens = {1, 2, 3, 4, 5, 6, 7, 8};
   Ints rejected;
-  EXPECT_EQ(t.InsertHost(tokens.data(), 8, 2, Iota(200, 6).data(), SlotSink::Into(&rejected)),
-            4);
+  EXPECT_EQ(t.InsertHost(tokens.data(), 8, 2, Iota(200, 6).data(), SlotSink::Into(&rejected)), 4);
   EXPECT_EQ(rejected, Ints({200, 201}));
   t.CheckIntegrity();
   Ints slots;
@@ -428,13 +427,11 @@ TEST(RadixTreeTiersTest, PagesReadFromStorageBecomeHostOnlyNodesUnderAHostPath) 
   // Under a device-only node (no host copy) nothing is attached.
   Insert(&t, {9, 9, 8, 8}, {20, 21, 22, 23});
   const Ints other = {9, 9, 8, 8, 7, 7};
-  EXPECT_EQ(t.InsertHost(other.data(), 6, 4, Iota(300, 2).data(), SlotSink::Into(&rejected)),
-            0);
+  EXPECT_EQ(t.InsertHost(other.data(), 6, 4, Iota(300, 2).data(), SlotSink::Into(&rejected)), 0);
   EXPECT_EQ(rejected, Ints({300, 301}));
   // Inside a node with a host copy: it splits, the new leaf hangs off the prefix.
   const Ints inside = {1, 2, 3, 4, 5, 6, 1, 1};
-  EXPECT_EQ(t.InsertHost(inside.data(), 8, 6, Iota(400, 2).data(), SlotSink::Into(&rejected)),
-            2);
+  EXPECT_EQ(t.InsertHost(inside.data(), 8, 6, Iota(400, 2).data(), SlotSink::Into(&rejected)), 2);
   EXPECT_TRUE(rejected.empty());
   t.CheckIntegrity();
   // A host slot the tree has, or a repeated one, is refused with nothing changed.
@@ -467,7 +464,7 @@ TEST(RadixTreeTiersTest, APinnedHostCopyStaysUntilItsReadJoins) {
   t.CheckIntegrity();
   Ints freed;
   EXPECT_THROW(t.EvictHost(2, &freed), Error);  // the only host leaf is pinned
-  t.Evict(4, &freed);                            // device eviction: still on host
+  t.Evict(4, &freed);                           // device eviction: still on host
   EXPECT_THROW(t.EvictHost(2, &freed), Error);
   const Ints more = {1, 2, 3, 4, 5, 6};
   Ints rejected;

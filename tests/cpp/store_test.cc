@@ -233,11 +233,11 @@ TEST(Float8Test, KnownValues) {
   EXPECT_EQ(Float8FromFloat(1.0f, e4), 0x38);
   EXPECT_EQ(Float8FromFloat(-2.0f, e4), 0xC0);
   EXPECT_EQ(Float8FromFloat(448.0f, e4), 0x7E);
-  EXPECT_EQ(Float8FromFloat(464.0f, e4), 0x7E);   // a tie: to the even code
-  EXPECT_EQ(Float8FromFloat(1e9f, e4), 0x7E);     // saturates
+  EXPECT_EQ(Float8FromFloat(464.0f, e4), 0x7E);  // a tie: to the even code
+  EXPECT_EQ(Float8FromFloat(1e9f, e4), 0x7E);    // saturates
   EXPECT_EQ(Float8FromFloat(-INFINITY, e4), 0xFE);
   EXPECT_EQ(Float8FromFloat(NAN, e4), 0x7F);
-  EXPECT_EQ(Float8FromFloat(std::ldexp(1.0f, -9), e4), 0x01);  // the smallest subnormal
+  EXPECT_EQ(Float8FromFloat(std::ldexp(1.0f, -9), e4), 0x01);   // the smallest subnormal
   EXPECT_EQ(Float8FromFloat(std::ldexp(1.0f, -10), e4), 0x00);  // a tie with zero
   EXPECT_EQ(Float8FromFloat(-0.0f, e4), 0x80);
   EXPECT_EQ(Float8FromFloat(1.0f, e5), 0x3C);
@@ -250,9 +250,9 @@ TEST(Float8Test, KnownValues) {
 TEST(Float8Test, HalfAndBFloat16DecodeExactly) {
   for (uint32_t h = 0; h <= 0xFFFF; ++h) {
     const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    const double mag = exp == 0 ? std::ldexp(man, -24)
-                                : exp == 31 ? (man ? NAN : INFINITY)
-                                            : std::ldexp(1024 + man, exp - 25);
+    const double mag = exp == 0    ? std::ldexp(man, -24)
+                       : exp == 31 ? (man ? NAN : INFINITY)
+                                   : std::ldexp(1024 + man, exp - 25);
     const float want = static_cast<float>((h & 0x8000) ? -mag : mag);
     const float got = HalfToFloat(static_cast<uint16_t>(h));
     if (std::isnan(want)) {
@@ -389,8 +389,8 @@ Problem RandomProblem(std::mt19937_64& rng, int64_t n, bool dense, int num_sides
     const int64_t src_run = d.head_bytes / elem * src_elem;
     d.src_head_stride = src_run + pad * src_elem * pick(0, 3);
     d.src_stride = d.heads * d.src_head_stride + pad * src_elem * pick(0, 5);
-    d.src_offset = pad * src_elem * pick(0, 17) +
-                   (d.source == SourceFloat::kNone ? pad * pick(0, 3) : 0);
+    d.src_offset =
+        pad * src_elem * pick(0, 17) + (d.source == SourceFloat::kNone ? pad * pick(0, 3) : 0);
     d.dst_offset = pad * pick(0, 17);
     d.dst_head_stride = d.head_bytes + pad * elem * pick(0, 3);
     d.dst_row_stride = d.heads * d.dst_head_stride + pad * elem * pick(0, 3);
@@ -494,8 +494,8 @@ TEST(StoreTokenPartTest, SkipsOutOfRangeSlots) {
 TEST(StoreRowsTest, MatchesReferenceOnRandomLayouts) {
   std::mt19937_64 rng(3);
   for (int trial = 0; trial < 400; ++trial) {
-    Problem pr = RandomProblem(rng, trial % 50, trial % 2 == 0, 1 + trial % kMaxStoreSides,
-                               trial % 4 >= 2);
+    Problem pr =
+        RandomProblem(rng, trial % 50, trial % 2 == 0, 1 + trial % kMaxStoreSides, trial % 4 >= 2);
     const auto expected = pr.Expected();
     ASSERT_EQ(StoreRows(pr.Params()).kind, StoreCheck::kOk);
     ASSERT_EQ(Caches(pr), expected) << "trial " << trial;
@@ -563,7 +563,7 @@ TEST(StoreRowsTest, SidesOfTheirOwnWidthsShareOneRowBuffer) {
     for (int64_t lanes : {0, 1, 8, 32}) {  // 0: StoreRows, else the device path
       const int64_t lora = 512, rope = 64, row = lora + rope, n = 45, page = 16, pages = 5;
       const int64_t src_elem = 2, cache_elem = convert ? 1 : 2;
-      const int64_t layers = 3, layer = 1;  // PageFirst: a page holds all layers
+      const int64_t layers = 3, layer = 1;      // PageFirst: a page holds all layers
       const int64_t fused = lora + 128 + rope;  // [k_nope | other | k_rope] per token
       std::vector<uint8_t> src(n * fused * src_elem);
       std::vector<uint8_t> cache(pages * layers * page * row * cache_elem);

@@ -59,8 +59,7 @@ struct Pool {
 
 // Slots for n tokens: whole pages in random page order (what page
 // allocators hand out), or, when `scattered`, any distinct slots.
-std::vector<int32_t> Slots(std::mt19937& rng, int64_t n, int64_t pages, int64_t S,
-                           bool scattered) {
+std::vector<int32_t> Slots(std::mt19937& rng, int64_t n, int64_t pages, int64_t S, bool scattered) {
   std::vector<int32_t> out;
   if (scattered) {
     std::vector<int32_t> all(pages * S);
@@ -100,11 +99,13 @@ void RunCase(const Case& c, std::mt19937& rng, bool emulate_kernel) {
       }
     }
   }
-  TransferParams p{src.layout, dst.layout, c.R, c.L, s.data(), d.data(), c.n, c.layer_begin,
-                   c.layer_end};
+  TransferParams p{src.layout, dst.layout, c.R,           c.L,        s.data(),
+                   d.data(),   c.n,        c.layer_begin, c.layer_end};
   if (emulate_kernel) {
     // The CUDA kernel's body with 16-byte vectors and 8 lanes a row.
-    struct alignas(16) V16 { uint32_t w[4]; };
+    struct alignas(16) V16 {
+      uint32_t w[4];
+    };
     ASSERT_EQ(TransferVectorBytes(p) % 16, 0);
     const int64_t rows = TransferRowCount(p);
     ASSERT_EQ(rows, c.n * c.sides * (c.layer_end - c.layer_begin));

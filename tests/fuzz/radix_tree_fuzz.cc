@@ -4,8 +4,8 @@
 // report, another exception, a broken invariant) is a bug.
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <set>
 #include <vector>
 

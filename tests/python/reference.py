@@ -30,8 +30,19 @@ class RefOutOfCapacity(RuntimeError):
 
 
 class RefNode:
-    __slots__ = ("key", "value", "parent", "children", "ref_count", "timestamp", "alive",
-                 "hits", "created", "priority", "ns")
+    __slots__ = (
+        "key",
+        "value",
+        "parent",
+        "children",
+        "ref_count",
+        "timestamp",
+        "alive",
+        "hits",
+        "created",
+        "priority",
+        "ns",
+    )
 
     def __init__(self, key, value, parent, timestamp, ref_count=0, ns=0):
         self.key: List[int] = list(key)
@@ -41,10 +52,10 @@ class RefNode:
         self.ref_count = ref_count
         self.timestamp = timestamp
         self.alive = True
-        self.hits = 0                 # matches that reached it (lfu)
-        self.created = timestamp      # when its tokens were first cached (fifo)
-        self.priority = 0             # the highest priority an insert gave it
-        self.ns = ns                  # cache namespace: the root's children are keyed by it
+        self.hits = 0  # matches that reached it (lfu)
+        self.created = timestamp  # when its tokens were first cached (fifo)
+        self.priority = 0  # the highest priority an insert gave it
+        self.ns = ns  # cache namespace: the root's children are keyed by it
 
     def depth(self) -> int:
         d, x = 0, self
@@ -70,7 +81,7 @@ POLICY_KEYS = {
     "lfu": lambda x: (min(x.hits, 2**24 - 1), x.timestamp),
     "fifo": lambda x: x.created,
     "mru": lambda x: -x.timestamp,
-    "priority": lambda x: (min(max(x.priority, -2**15), 2**15 - 1), x.timestamp),
+    "priority": lambda x: (min(max(x.priority, -(2**15)), 2**15 - 1), x.timestamp),
 }
 
 
@@ -134,8 +145,9 @@ class ReferenceRadixCache:
         """Cut `node` after `pos` tokens; return the new prefix node."""
         assert 0 < pos < len(node.key) and pos % self.page_size == 0
         parent = node.parent
-        prefix = RefNode(node.key[:pos], node.value[:pos], parent, node.timestamp, node.ref_count,
-                         node.ns)
+        prefix = RefNode(
+            node.key[:pos], node.value[:pos], parent, node.timestamp, node.ref_count, node.ns
+        )
         prefix.hits, prefix.created, prefix.priority = node.hits, node.created, node.priority
         parent.children[self._child_key(parent, node.key, 0, node.ns)] = prefix
         node.key = node.key[pos:]

@@ -22,12 +22,20 @@ HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 # CI installs Mooncake and sets this: there its tests must run, not skip.
 needs_mooncake = pytest.mark.skipif(
     not HAS_MOONCAKE and not os.environ.get("RADIXKV_REQUIRE_MOONCAKE"),
-    reason="Mooncake Store is not installed (pip install 'radixkv[mooncake]')")
+    reason="Mooncake Store is not installed (pip install 'radixkv[mooncake]')",
+)
 
 
 def fingerprint(**change):
-    base = dict(model="test", dtype=KV.dtype, page_size=PAGE, layout="page_first",
-                num_layers=KV.num_layers, kv_heads=KV.num_kv_heads, head_dim=KV.head_dim)
+    base = dict(
+        model="test",
+        dtype=KV.dtype,
+        page_size=PAGE,
+        layout="page_first",
+        num_layers=KV.num_layers,
+        kv_heads=KV.num_kv_heads,
+        head_dim=KV.head_dim,
+    )
     return config_fingerprint(**{**base, **change})
 
 
@@ -35,30 +43,49 @@ class Instance:
     """A serving instance: pool, manager with host and storage tiers, and the
     request loop of the replay, checking every cached row it is handed."""
 
-    def __init__(self, backend, *, pages=12, host_pages=24, policy="wait_complete",
-                 seed=None, kv=KV, retry_after_s=None, faults=None):
+    def __init__(
+        self,
+        backend,
+        *,
+        pages=12,
+        host_pages=24,
+        policy="wait_complete",
+        seed=None,
+        kv=KV,
+        retry_after_s=None,
+        faults=None,
+    ):
         self.kv = kv
-        self.pool = MHAKVCache(kv.num_kv_heads, kv.num_layers, kv.head_dim, pages, kv.dtype,
-                               page_size=PAGE)
+        self.pool = MHAKVCache(
+            kv.num_kv_heads, kv.num_layers, kv.head_dim, pages, kv.dtype, page_size=PAGE
+        )
         if retry_after_s is not None:
             faults = StorageFaultPolicy(retry_after_s=retry_after_s)
-        self.cm = CacheManager(pages, page_size=PAGE, host_num_pages=host_pages,
-                               kv_cache=self.pool, storage=backend,
-                               storage_seed=fingerprint() if seed is None else seed,
-                               prefetch_policy=policy, storage_faults=faults)
+        self.cm = CacheManager(
+            pages,
+            page_size=PAGE,
+            host_num_pages=host_pages,
+            kv_cache=self.pool,
+            storage=backend,
+            storage_seed=fingerprint() if seed is None else seed,
+            prefetch_policy=policy,
+            storage_faults=faults,
+        )
         self.device = self.host = self.storage = 0
 
     def store(self, slots, ids, start):
         for layer in range(self.kv.num_layers):
-            self.pool.store_kv(self.kv.rows(ids, start, layer, 0),
-                               self.kv.rows(ids, start, layer, 1), slots, layer)
+            self.pool.store_kv(
+                self.kv.rows(ids, start, layer, 0), self.kv.rows(ids, start, layer, 1), slots, layer
+            )
 
     def rows_ok(self, slots, ids):
         for layer in range(self.kv.num_layers):
             for side, cache in ((0, self.pool.k_cache(layer)), (1, self.pool.v_cache(layer))):
                 rows = cache.reshape(-1, self.kv.num_kv_heads, self.kv.head_dim)[slots.long()]
-                if not torch.equal(rows.view(torch.uint8),
-                                   self.kv.rows(ids, 0, layer, side).view(torch.uint8)):
+                if not torch.equal(
+                    rows.view(torch.uint8), self.kv.rows(ids, 0, layer, side).view(torch.uint8)
+                ):
                     return False
         return True
 
@@ -72,7 +99,7 @@ class Instance:
         h, idx = cm.load_back(h)
         assert self.rows_ok(idx, ids[: h.cached_len]), "a cached row differs from the stored one"
         own = cm.allocate(len(ids) - h.cached_len)
-        self.store(own[: len(ids) - h.cached_len], ids[h.cached_len:], h.cached_len)
+        self.store(own[: len(ids) - h.cached_len], ids[h.cached_len :], h.cached_len)
         cm.free_and_cache_finished_req(h, ids, torch.cat([idx, own]))
         if drain:
             assert cm.drain() == []

@@ -39,15 +39,21 @@ def _as_numpy_reversed(v):
     return np.array(v[::-1], dtype=np.int64)[::-1]
 
 
-INPUT_FORMS = [list, tuple, _as_torch64, lambda v: torch.tensor(v, dtype=torch.int32),
-               lambda v: np.array(v, dtype=np.int32), _as_torch_strided, _as_numpy_reversed]
+INPUT_FORMS = [
+    list,
+    tuple,
+    _as_torch64,
+    lambda v: torch.tensor(v, dtype=torch.int32),
+    lambda v: np.array(v, dtype=np.int32),
+    _as_torch_strided,
+    _as_numpy_reversed,
+]
 
 
 class Driver:
     """Applies the same random operation to the native manager and the model."""
 
-    def __init__(self, page_size: int, seed: int, strict_dump: bool = False,
-                 policy: str = "lru"):
+    def __init__(self, page_size: int, seed: int, strict_dump: bool = False, policy: str = "lru"):
         self.p = page_size
         self.rng = random.Random(seed)
         self.native = RadixCacheManager("cpu", page_size, eviction_policy=policy)
@@ -130,8 +136,11 @@ class Driver:
         self.held.append((h, rh))
         if len(self.held) > 24:
             # Forget a handle that holds no lock (or is stale), never leak locks.
-            idle = [i for i, (_, r) in enumerate(self.held)
-                    if r.lock_count == 0 or not self.ref.is_valid(r)]
+            idle = [
+                i
+                for i, (_, r) in enumerate(self.held)
+                if r.lock_count == 0 or not self.ref.is_valid(r)
+            ]
             if idle:
                 self.held.pop(self.rng.choice(idle))
 
@@ -224,8 +233,7 @@ class Driver:
                 self.count("stale_handle")
                 return
         if choice == 1:
-            idle = [(h, rh) for h, rh in self.held
-                    if rh.lock_count == 0 and self.ref.is_valid(rh)]
+            idle = [(h, rh) for h, rh in self.held if rh.lock_count == 0 and self.ref.is_valid(rh)]
             if idle:
                 h, rh = r.choice(idle)
                 with pytest.raises(ValueError, match="handle"):
@@ -299,8 +307,19 @@ def test_random_operations_match_reference(page_size, seed):
             raise AssertionError(f"step {i} (page_size={page_size}, seed={seed}): {e}") from e
     # The run must have exercised what it claims to.
     c = d.counts
-    for name in ("match", "insert", "lock", "unlock", "evict", "reset", "evict_refused",
-                 "stale_handle", "unlock_unlocked", "slot_stored", "evict_negative"):
+    for name in (
+        "match",
+        "insert",
+        "lock",
+        "unlock",
+        "evict",
+        "reset",
+        "evict_refused",
+        "stale_handle",
+        "unlock_unlocked",
+        "slot_stored",
+        "evict_negative",
+    ):
         assert c.get(name, 0) > 0, (name, c)
     assert d.ref.clock > steps // 2
 
@@ -353,15 +372,20 @@ def test_every_eviction_policy_evicts_exactly_as_the_model(policy, page_size, se
 def test_eviction_policies_order_leaves_as_documented():
     def tree(policy):
         m = RadixCacheManager("cpu", 1, eviction_policy=policy)
-        m.insert_prefix([1, 2, 3], [0, 1, 2], priority=5)   # oldest, high priority
+        m.insert_prefix([1, 2, 3], [0, 1, 2], priority=5)  # oldest, high priority
         m.insert_prefix([4, 5], [3, 4])
-        m.insert_prefix([6, 7], [5, 6], priority=-1)         # newest insert, lowest priority
+        m.insert_prefix([6, 7], [5, 6], priority=-1)  # newest insert, lowest priority
         m.match_prefix([1, 2, 3]), m.match_prefix([1, 2, 3]), m.match_prefix([4, 5])
         return m
 
     first = {p: tree(p).evict(1).tolist() for p in ("lru", "lfu", "fifo", "mru", "priority")}
-    assert first == {"lru": [5, 6], "lfu": [5, 6], "fifo": [0, 1, 2], "mru": [3, 4],
-                     "priority": [5, 6]}
+    assert first == {
+        "lru": [5, 6],
+        "lfu": [5, 6],
+        "fifo": [0, 1, 2],
+        "mru": [3, 4],
+        "priority": [5, 6],
+    }
     with pytest.raises(ValueError, match="eviction_policy must be one of"):
         RadixCacheManager("cpu", 1, eviction_policy="random")
     with pytest.raises(ValueError, match="priority must fit int32"):

@@ -164,11 +164,18 @@ def test_store_without_the_gil_keeps_its_tensors_alive(victim):
     rows) new storage meanwhile, unmapping the old. The store keeps what it was
     given alive until it is done."""
     n = (1 << 20) + 4096  # over 32 MiB of rows, the cache as large
-    tensors = {"k_cache": torch.zeros(n, 1, 8), "v_cache": torch.zeros(n, 1, 8),
-               "k": torch.ones(n, 1, 8), "v": torch.ones(n, 1, 8)}
+    tensors = {
+        "k_cache": torch.zeros(n, 1, 8),
+        "v_cache": torch.zeros(n, 1, 8),
+        "k": torch.ones(n, 1, 8),
+        "v": torch.ones(n, 1, 8),
+    }
     loc = torch.randperm(n, dtype=torch.int32)
-    t, errors = run_thread(lambda: _core.store_cache(tensors["k_cache"], tensors["v_cache"], loc,
-                                                     tensors["k"], tensors["v"]))
+    t, errors = run_thread(
+        lambda: _core.store_cache(
+            tensors["k_cache"], tensors["v_cache"], loc, tensors["k"], tensors["v"]
+        )
+    )
     time.sleep(0.005)
     tensors[victim].set_(torch.zeros(0))
     gc.collect()
@@ -208,10 +215,14 @@ def test_lazy_negation_of_indices_is_resolved():
     assert m.match_prefix(torch._neg_view(-ids))[0].cached_len == 4
 
 
-@pytest.mark.parametrize("make", [
-    lambda x: torch._neg_view(x),
-    lambda x: torch.complex(x, x).conj().imag,  # imag of a conjugate view: a negation
-], ids=["neg_view", "conj_imag"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: torch._neg_view(x),
+        lambda x: torch.complex(x, x).conj().imag,  # imag of a conjugate view: a negation
+    ],
+    ids=["neg_view", "conj_imag"],
+)
 def test_store_refuses_lazy_negation(make):
     kc = torch.zeros(4, 1, 2)
     k = make(torch.ones(2, 1, 2))
@@ -258,16 +269,19 @@ def test_cache_manager_bounds_slots_by_its_pool():
 def test_store_refuses_a_cache_that_requires_grad():
     kc = torch.zeros(4, 1, 2, requires_grad=True)
     with pytest.raises(ValueError, match=r"^k_cache requires grad"):
-        kernel.store_cache(kc, torch.zeros(4, 1, 2), [0], torch.ones(1, 1, 2),
-                           torch.ones(1, 1, 2))
+        kernel.store_cache(kc, torch.zeros(4, 1, 2), [0], torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     assert kc.eq(0).all()
 
 
 def test_store_bumps_the_version_of_both_caches():
     c = MHAKVCache(1, 2, 8, num_pages=4, dtype=torch.float16)
     k0, v0 = c.k_cache(1)._version, c.v_cache(1)._version
-    c.store_kv(torch.ones(1, 1, 8, dtype=torch.float16), torch.ones(1, 1, 8, dtype=torch.float16),
-               torch.tensor([2]), 1)
+    c.store_kv(
+        torch.ones(1, 1, 8, dtype=torch.float16),
+        torch.ones(1, 1, 8, dtype=torch.float16),
+        torch.tensor([2]),
+        1,
+    )
     assert c.k_cache(1)._version > k0 and c.v_cache(1)._version > v0
     # autograd now sees the write: a graph that saved the cache refuses to run
     w = torch.ones(8, requires_grad=True)
@@ -319,10 +333,11 @@ def test_plain_import_reaches_the_subpackages():
     import subprocess
     import sys
 
-    code = ("import radixkv; radixkv.kvcache.RadixCacheManager; radixkv.scheduler.CacheManager;"
-            "radixkv.kernel.store_cache; print(radixkv.__version__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import radixkv; radixkv.kvcache.RadixCacheManager; radixkv.scheduler.CacheManager;"
+        "radixkv.kernel.store_cache; print(radixkv.__version__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == radixkv.__version__
 
 
@@ -342,8 +357,9 @@ def _in_subprocess(code: str, timeout: float = 120):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -352,7 +368,8 @@ def test_finalizer_unlocking_during_a_match_does_not_deadlock():
     """A request object in a reference cycle unlocks its handle in __del__; the
     garbage collector may run it while a match builds its result tensor. Nothing
     runs Python code while the tree's mutex is held, so the unlock goes through."""
-    out = _in_subprocess("""
+    out = _in_subprocess(
+        """
 import gc, torch
 from radixkv.kvcache import RadixCacheManager
 gc.set_threshold(50, 1, 1)   # collect often
@@ -372,7 +389,9 @@ for i in range(30000):
 gc.collect()
 cm.check_integrity()
 print("done", cm.size_info.protected_size)
-""", timeout=90)
+""",
+        timeout=90,
+    )
     assert out.strip() == "done 0"
 
 
@@ -445,8 +464,11 @@ def test_free_with_a_busy_tree_runs_the_allocator_under_the_gil():
                 errors.append(repr(e))
                 return
 
-    threads = [threading.Thread(target=busy), threading.Thread(target=churn, args=(True,)),
-               threading.Thread(target=churn, args=(False,))]
+    threads = [
+        threading.Thread(target=busy),
+        threading.Thread(target=churn, args=(True,)),
+        threading.Thread(target=churn, args=(False,)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -500,8 +522,9 @@ def test_store_refuses_overlap_and_expanded_caches():
         kernel.store_cache(c, torch.zeros(8, 1, 4), [5, 6], c[:2], torch.ones(2, 1, 4))
     wide = torch.zeros(1, 1, 4).expand(8, 1, 4)
     with pytest.raises(ValueError, match="^k_cache has stride 0"):
-        kernel.store_cache(wide, torch.zeros(8, 1, 4), [0], torch.ones(1, 1, 4),
-                           torch.ones(1, 1, 4))
+        kernel.store_cache(
+            wide, torch.zeros(8, 1, 4), [0], torch.ones(1, 1, 4), torch.ones(1, 1, 4)
+        )
     assert c.eq(0).all()
 
 

@@ -32,10 +32,11 @@ def test_match_insert_lock_evict_as_documented(page):
     assert c.size_info == SizeInfo(evictable_size=whole, protected_size=0)
     longer = torch.arange(14, dtype=torch.int32)
     r2 = c.insert_prefix(longer, torch.arange(200, 214, dtype=torch.int32))
-    assert r2.cached_len == whole           # already cached: the caller frees its copies
+    assert r2.cached_len == whole  # already cached: the caller frees its copies
     h = c.match_prefix(longer).cuda_handle
-    assert h.get_matched_indices().tolist() == (list(range(100, 100 + whole))
-                                               + list(range(200 + whole, 214 - 14 % page)))
+    assert h.get_matched_indices().tolist() == (
+        list(range(100, 100 + whole)) + list(range(200 + whole, 214 - 14 % page))
+    )
     c.lock_handle(h)
     assert c.size_info.protected_size == h.cached_len and c.size_info.evictable_size == 0
     assert c.evict(0).numel() == 0
@@ -65,8 +66,8 @@ def test_the_schedulers_cache_req_frees_exactly_its_duplicates():
         table = torch.cat([h.get_matched_indices(), torch.tensor(own, dtype=torch.int32)])
         cached_len, new = c.insert_prefix(ids, table)
         c.lock_handle(h, unlock=True)
-        free.update(table[h.cached_len:cached_len].tolist())
-        free.update(table[new.cached_len:].tolist())
+        free.update(table[h.cached_len : cached_len].tolist())
+        free.update(table[new.cached_len :].tolist())
 
     a = torch.arange(18, dtype=torch.int32)
     serve(a), serve(a), serve(torch.cat([a, torch.arange(50, 55, dtype=torch.int32)]))

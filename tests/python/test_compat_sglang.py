@@ -88,8 +88,7 @@ class Sink:
 
 class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device="cpu"):
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32,
-                                        device=device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
         self.free_rows = list(range(size))
 
     def write(self, indices, values) -> None:
@@ -118,8 +117,11 @@ class Req:
 def cache_and_pools(page=1, slots=512, rows=8, ctx=256, device="cpu", **kw):
     alloc = Allocator(slots, page, device)
     pool = ReqToTokenPool(rows, ctx, device)
-    return RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=page,
-                      **kw), pool, alloc
+    return (
+        RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=page, **kw),
+        pool,
+        alloc,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -130,7 +132,7 @@ def cache_and_pools(page=1, slots=512, rows=8, ctx=256, device="cpu", **kw):
 @pytest.mark.parametrize("page", [1, 4])
 def test_match_returns_longest_cached_prefix_in_whole_pages(page):
     c = RadixCache.create_simulated(page_size=page)
-    a = list(range(100, 118))                            # 18 tokens
+    a = list(range(100, 118))  # 18 tokens
     m = c.match_prefix(MatchPrefixParams(key=RadixKey(a)))
     assert isinstance(m, MatchResult) and len(m.device_indices) == 0
     assert m.last_device_node is m.last_host_node and m.host_hit_length == 0
@@ -148,8 +150,10 @@ def test_match_returns_longest_cached_prefix_in_whole_pages(page):
     b = a[:9] + list(range(300, 309))
     assert c.insert(b, torch.arange(2000, 2018)) == 9 // page * page
     got = c.match_prefix(torch.tensor(b)).device_indices.tolist()
-    assert got == (list(range(1000, 1000 + 9 // page * page))
-                   + list(range(2000 + 9 // page * page, 2000 + whole)))
+    assert got == (
+        list(range(1000, 1000 + 9 // page * page))
+        + list(range(2000 + 9 // page * page, 2000 + whole))
+    )
     assert c.total_size() == whole + whole - 9 // page * page
     # An empty (or shorter than a page) key matches nothing, at the root.
     for key in ([], a[: page - 1]):
@@ -172,22 +176,24 @@ def test_insert_without_value_stores_the_token_ids_and_never_overwrites():
 def test_lock_refs_protect_from_eviction_and_return_the_evictable_delta():
     c, _, alloc = cache_and_pools()
     c.insert(list(range(10)), alloc.alloc(10))
-    c.insert(list(range(6)) + [50, 51], torch.cat([c.match_prefix(list(range(6))).device_indices,
-                                                   alloc.alloc(2)]))
+    c.insert(
+        list(range(6)) + [50, 51],
+        torch.cat([c.match_prefix(list(range(6))).device_indices, alloc.alloc(2)]),
+    )
     # tree: [0..5] -> {[6..9], [50, 51]}
     node = c.match_prefix(list(range(6)) + [50, 51]).last_device_node
     d = c.inc_lock_ref(node)
-    assert d == -8 and d.delta == -8                      # int (0.5.x) and .delta (later)
+    assert d == -8 and d.delta == -8  # int (0.5.x) and .delta (later)
     assert (c.evictable_size(), c.protected_size()) == (4, 8)
-    assert c.inc_lock_ref(node) == 0                      # locks nest
-    evicted = c.evict(100)                                # only the unlocked leaf can go
+    assert c.inc_lock_ref(node) == 0  # locks nest
+    evicted = c.evict(100)  # only the unlocked leaf can go
     assert evicted.num_tokens_evicted == 4 and alloc.freed[-1] == [6, 7, 8, 9]
     assert (c.evictable_size(), c.protected_size()) == (0, 8)
     assert c.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 0
     assert c.dec_lock_ref(node) == 0
     assert c.dec_lock_ref(node).delta == 8
     assert (c.evictable_size(), c.protected_size()) == (8, 0)
-    with pytest.raises(ValueError, match="not locked"):   # never negative
+    with pytest.raises(ValueError, match="not locked"):  # never negative
         c.dec_lock_ref(node)
     assert c.inc_lock_ref(c.root_node) == 0 and c.dec_lock_ref(c.root_node) == 0
     with pytest.raises(TypeError, match="node"):
@@ -197,19 +203,18 @@ def test_lock_refs_protect_from_eviction_and_return_the_evictable_delta():
 
 def test_evict_frees_least_recently_used_leaves_first():
     c, _, alloc = cache_and_pools(page=2)
-    seqs = {name: [base + i for i in range(6)] for name, base in (("a", 0), ("b", 100),
-                                                                ("c", 200))}
+    seqs = {name: [base + i for i in range(6)] for name, base in (("a", 0), ("b", 100), ("c", 200))}
     slots = {}
     for name, s in seqs.items():
         slots[name] = alloc.alloc(6)
         c.insert(InsertParams(key=RadixKey(s), value=slots[name]))
-    c.match_prefix(seqs["a"])                             # a is now the most recent
-    r = c.evict(EvictParams(num_tokens=3))                # whole nodes: b goes, 6 tokens
+    c.match_prefix(seqs["a"])  # a is now the most recent
+    r = c.evict(EvictParams(num_tokens=3))  # whole nodes: b goes, 6 tokens
     assert isinstance(r, EvictResult) and r.num_tokens_evicted == 6
     assert alloc.freed[-1] == slots["b"].tolist()
     assert c.match_prefix(seqs["b"]).device_prefix_len == 0
     assert c.evict(1).num_tokens_evicted == 6 and alloc.freed[-1] == slots["c"].tolist()
-    assert c.evict(1000).num_tokens_evicted == 6          # asking for more evicts what there is
+    assert c.evict(1000).num_tokens_evicted == 6  # asking for more evicts what there is
     assert c.total_size() == 0 and alloc.available_size() == alloc.size
     assert c.evict(0).num_tokens_evicted == 0
 
@@ -217,8 +222,10 @@ def test_evict_frees_least_recently_used_leaves_first():
 def test_a_parent_left_as_an_unlocked_leaf_is_evicted_too():
     c, _, alloc = cache_and_pools()
     c.insert(list(range(4)), alloc.alloc(4))
-    c.insert(list(range(4)) + [9], torch.cat([c.match_prefix([0, 1, 2, 3]).device_indices,
-                                              alloc.alloc(1)]))
+    c.insert(
+        list(range(4)) + [9],
+        torch.cat([c.match_prefix([0, 1, 2, 3]).device_indices, alloc.alloc(1)]),
+    )
     assert c.evict(5).num_tokens_evicted == 5
     assert alloc.available_size() == alloc.size and c.total_size() == 0
 
@@ -257,11 +264,20 @@ def test_errors_name_the_argument_and_change_nothing():
 
 def test_constructor_forms():
     alloc, pool = Allocator(64, 4), ReqToTokenPool(2, 16)
-    params = SimpleNamespace(disable=False, req_to_token_pool=pool,
-                             token_to_kv_pool_allocator=alloc, page_size=4,
-                             eviction_policy="LRU", is_eagle=False, enable_kv_cache_events=False)
-    for c in (RadixCache(params), RadixCache(pool, alloc, 4),
-              RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=4)):
+    params = SimpleNamespace(
+        disable=False,
+        req_to_token_pool=pool,
+        token_to_kv_pool_allocator=alloc,
+        page_size=4,
+        eviction_policy="LRU",
+        is_eagle=False,
+        enable_kv_cache_events=False,
+    )
+    for c in (
+        RadixCache(params),
+        RadixCache(pool, alloc, 4),
+        RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=4),
+    ):
         assert (c.req_to_token_pool, c.token_to_kv_pool_allocator, c.page_size) == (pool, alloc, 4)
         assert c.device == torch.device("cpu") and c.eviction_policy == "lru"
     assert RadixCache.create_simulated().page_size == 1
@@ -272,15 +288,20 @@ def test_constructor_forms():
     with pytest.raises(NotImplementedError, match="is_eagle"):
         RadixCache(pool, alloc, 1, is_eagle=True)
     c = RadixCache(pool, alloc, 4)
-    assert c.is_tree_cache() and not (c.is_chunk_cache() or c.supports_swa()
-                                      or c.supports_mamba() or c.supports_fast_match_prefix())
+    assert c.is_tree_cache() and not (
+        c.is_chunk_cache()
+        or c.supports_swa()
+        or c.supports_mamba()
+        or c.supports_fast_match_prefix()
+    )
     c.insert(list(range(8)), torch.arange(8))
     assert c.available_and_evictable_str() == (
-        "Available tokens: 72 (available_size=64 + evictable_size=8)\n")
+        "Available tokens: 72 (available_size=64 + evictable_size=8)\n"
+    )
     fifo = RadixCache.create_simulated(eviction_policy="fifo")
     fifo.insert([1], torch.tensor([1]))
     fifo.insert([2], torch.tensor([2]))
-    fifo.match_prefix([1])                                # a hit does not save it under fifo
+    fifo.match_prefix([1])  # a hit does not save it under fifo
     assert fifo.evict(1).num_tokens_evicted == 1 and fifo.match_prefix([1]).device_prefix_len == 0
 
 
@@ -296,7 +317,7 @@ def test_reset_and_pretty_print(capsys):
     c.reset()
     assert c.total_size() == 0 and c.match_prefix([1, 2, 3]).device_prefix_len == 0
     assert c.inc_lock_ref(c.root_node) == 0
-    with pytest.raises(ValueError):                        # a node from before the reset
+    with pytest.raises(ValueError):  # a node from before the reset
         c.inc_lock_ref(old_root)
 
 
@@ -317,8 +338,9 @@ class Scheduler:
 
     def admit(self, req):
         # at least one token is computed: the match leaves out the last one
-        m = self.cache.match_prefix(self.params(
-            key=self.key(req.origin_input_ids[:-1], req.extra_key)))
+        m = self.cache.match_prefix(
+            self.params(key=self.key(req.origin_input_ids[:-1], req.extra_key))
+        )
         req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
         req.cache_protected_len = len(req.prefix_indices)
         self.cache.inc_lock_ref(req.last_node)
@@ -339,7 +361,7 @@ class Scheduler:
         req.prefix_indices = self.pool.req_to_token[req.req_pool_idx, :upto].to(torch.int64)
 
     def row_owned(self, req, upto):
-        return self.pool.req_to_token[req.req_pool_idx, req.cache_protected_len:upto].tolist()
+        return self.pool.req_to_token[req.req_pool_idx, req.cache_protected_len : upto].tolist()
 
     def finish(self, req):
         self.cache.cache_finished_req(req)
@@ -359,8 +381,15 @@ def q_array(values):
     return array("q", values)
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA GPU on this machine (torch.cuda)"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="no CUDA GPU on this machine (torch.cuda)"
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -385,7 +414,7 @@ def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page, container,
     assert c.protected_size() == whole and c.evictable_size() == 0
     row = pool.req_to_token[r.req_pool_idx, :13].tolist()
     assert row[:whole] == c.path_device_indices(r.last_node).tolist()
-    assert r.prefix_indices.tolist() == row                # the partial page stays with the req
+    assert r.prefix_indices.tolist() == row  # the partial page stays with the req
     accounted(c, alloc, [sched.row_owned(r, 13)])
 
     # A second request with the same prompt, admitted before the first caches
@@ -395,11 +424,13 @@ def test_cache_unfinished_req_points_the_row_at_the_trees_slots(page, container,
     sched.extend(r, 30)
     sched.extend(r2, 30)
     c.cache_unfinished_req(r)
-    dup = pool.req_to_token[r2.req_pool_idx, whole:30 // page * page].tolist()
+    dup = pool.req_to_token[r2.req_pool_idx, whole : 30 // page * page].tolist()
     c.cache_unfinished_req(r2)
-    assert set(dup) <= alloc.free_slots                   # r2's duplicates went back
-    assert pool.req_to_token[r2.req_pool_idx, :30 // page * page].tolist() == \
-        pool.req_to_token[r.req_pool_idx, :30 // page * page].tolist()
+    assert set(dup) <= alloc.free_slots  # r2's duplicates went back
+    assert (
+        pool.req_to_token[r2.req_pool_idx, : 30 // page * page].tolist()
+        == pool.req_to_token[r.req_pool_idx, : 30 // page * page].tolist()
+    )
     accounted(c, alloc, [sched.row_owned(r, 30), sched.row_owned(r2, 30)])
 
     r.output_ids, r2.output_ids = container([900, 901, 902]), container([900, 903])
@@ -427,11 +458,12 @@ def test_many_requests_with_shared_prefixes_leak_nothing(page):
     reused = 0
     for step in range(300):
         for _ in range(rng.randrange(3) if len(running) < 5 else 0):  # same-step requests
-            if rng.random() < 0.3:                         # a new shared prompt appears
+            if rng.random() < 0.3:  # a new shared prompt appears
                 systems.append([rng.randrange(1000) for _ in range(40)])
             sys_prompt = rng.choice(systems[-3:])
-            prompt = sys_prompt[: rng.randrange(10, 41)] + [rng.randrange(1000) for _ in
-                                                             range(rng.randrange(1, 30))]
+            prompt = sys_prompt[: rng.randrange(10, 41)] + [
+                rng.randrange(1000) for _ in range(rng.randrange(1, 30))
+            ]
             need = len(prompt) + 12
             if alloc.available_size() < need:
                 c.evict(EvictParams(num_tokens=need - alloc.available_size()))
@@ -441,15 +473,15 @@ def test_many_requests_with_shared_prefixes_leak_nothing(page):
                 r.computed = len(r.prefix_indices)
                 running.append(r)
         for r in list(running):
-            if r.computed < len(r.origin_input_ids):              # prefill, in chunks of 16
+            if r.computed < len(r.origin_input_ids):  # prefill, in chunks of 16
                 upto = min(r.computed + 16, len(r.origin_input_ids))
                 sched.extend(r, upto)
                 r.computed = upto
                 if upto < len(r.origin_input_ids):
                     c.cache_unfinished_req(r)
                 else:
-                    r.output_ids.append(rng.randrange(1000))   # its KV comes next step
-            elif len(r.output_ids) < 10 and rng.random() < 0.8:    # decode one token
+                    r.output_ids.append(rng.randrange(1000))  # its KV comes next step
+            elif len(r.output_ids) < 10 and rng.random() < 0.8:  # decode one token
                 total = len(r.origin_input_ids) + len(r.output_ids)
                 sched.extend(r, total)
                 r.computed = total
@@ -466,7 +498,7 @@ def test_many_requests_with_shared_prefixes_leak_nothing(page):
         c.check_integrity()
     assert reused > 0
     for r in running:
-        r.output_ids.append(1)                  # kv_len_to_handle says how far the KV goes
+        r.output_ids.append(1)  # kv_len_to_handle says how far the KV goes
         c.cache_finished_req(r, kv_len_to_handle=r.computed)
     assert c.protected_size() == 0
     accounted(c, alloc, [])
@@ -478,17 +510,18 @@ def test_cache_finished_req_default_length_and_pop_committed_kv_cache():
     r = Req(range(8))
     sched.admit(r)
     r.output_ids = [100, 101]
-    sched.extend(r, 9)                                     # the last output has no KV
+    sched.extend(r, 9)  # the last output has no KV
     sched.finish(r)
     assert c.total_size() == 9 and c.protected_size() == 0
     r2 = Req(range(8))
     sched.admit(r2)
     r2.output_ids = [100, 102]
     sched.extend(r2, 10)
-    r2.pop_committed_kv_cache = lambda: 10                 # 0.5.9's request says how far
+    r2.pop_committed_kv_cache = lambda: 10  # 0.5.9's request says how far
     c.cache_finished_req(r2)
-    assert c.total_size() == 10 and c.match_prefix(list(range(8)) + [100, 102]
-                                                    ).device_prefix_len == 10
+    assert (
+        c.total_size() == 10 and c.match_prefix(list(range(8)) + [100, 102]).device_prefix_len == 10
+    )
     accounted(c, alloc, [])
 
 
@@ -508,11 +541,18 @@ def test_bad_request_fields_raise_before_anything_changes():
     with pytest.raises(TypeError, match="req.priority"):
         c.cache_unfinished_req(r)
     with pytest.raises(TypeError, match="fill_ids"):
-        c.cache_unfinished_req(SimpleNamespace(req_pool_idx=0, last_node=None,
-                                               prefix_indices=r.prefix_indices))
+        c.cache_unfinished_req(
+            SimpleNamespace(req_pool_idx=0, last_node=None, prefix_indices=r.prefix_indices)
+        )
     with pytest.raises(TypeError, match="req has no output_ids"):
-        c.cache_finished_req(SimpleNamespace(req_pool_idx=0, origin_input_ids=[1],
-                                             last_node=None, prefix_indices=r.prefix_indices))
+        c.cache_finished_req(
+            SimpleNamespace(
+                req_pool_idx=0,
+                origin_input_ids=[1],
+                last_node=None,
+                prefix_indices=r.prefix_indices,
+            )
+        )
     with pytest.raises(ValueError, match="create_simulated"):
         RadixCache.create_simulated().cache_finished_req(r)
     assert (c._tree.dump(), c.protected_size(), set(alloc.free_slots)) == state
@@ -530,7 +570,7 @@ def test_disabled_cache_caches_nothing_and_frees_everything():
     r = Req(range(10), extra_key="never looked at")
     assert sched.admit(r) == 0
     sched.extend(r, 7)
-    c.cache_unfinished_req(r)                              # nothing happens
+    c.cache_unfinished_req(r)  # nothing happens
     assert r.cache_protected_len == 0 and len(r.prefix_indices) == 7
     r.output_ids = [5]
     sched.extend(r, 10)
@@ -567,8 +607,11 @@ def test_extra_key_without_native_namespaces_is_refused_by_name(monkeypatch):
     assert c.total_size() == 0 and alloc.available_size() == alloc.size
 
 
-@pytest.mark.skipif(not compat.HAS_NAMESPACES, reason="the installed radixkv._core.RadixTree "
-                    "has no namespace= keyword on match_prefix/insert_prefix")
+@pytest.mark.skipif(
+    not compat.HAS_NAMESPACES,
+    reason="the installed radixkv._core.RadixTree "
+    "has no namespace= keyword on match_prefix/insert_prefix",
+)
 def test_requests_with_different_extra_keys_never_share_a_prefix():
     c, pool, alloc = cache_and_pools()
     sched = Scheduler(c, pool, alloc)
@@ -578,7 +621,7 @@ def test_requests_with_different_extra_keys_never_share_a_prefix():
         r = Req(prompt, extra_key=extra)
         done.setdefault(extra, 0)
         hit = sched.admit(r)
-        assert hit == (19 if done[extra] else 0), extra   # shared only within one extra_key
+        assert hit == (19 if done[extra] else 0), extra  # shared only within one extra_key
         r.output_ids = [1]
         sched.extend(r, 20)
         sched.finish(r)
@@ -596,8 +639,11 @@ def test_requests_with_different_extra_keys_never_share_a_prefix():
     assert alloc.available_size() == alloc.size
 
 
-@pytest.mark.skipif(not compat.HAS_NAMESPACES, reason="the installed radixkv._core.RadixTree "
-                    "has no namespace= keyword on match_prefix/insert_prefix")
+@pytest.mark.skipif(
+    not compat.HAS_NAMESPACES,
+    reason="the installed radixkv._core.RadixTree "
+    "has no namespace= keyword on match_prefix/insert_prefix",
+)
 def test_extra_key_names_salts_and_their_bound():
     ids = [1, 2, 3, 4]
 
@@ -606,11 +652,16 @@ def test_extra_key_names_salts_and_their_bound():
 
     c = RadixCache.create_simulated()
     c.insert(RadixKey(ids, "a"), torch.tensor([10, 11, 12, 13]))
-    c.insert(salted("a", "s"), torch.tensor([20, 21, 22, 23]))      # a salted key: its own
+    c.insert(salted("a", "s"), torch.tensor([20, 21, 22, 23]))  # a salted key: its own
     assert c.match_prefix(RadixKey(ids, "a")).device_indices.tolist() == [10, 11, 12, 13]
     assert c.match_prefix(salted("a", "s")).device_indices.tolist() == [20, 21, 22, 23]
-    for other in (salted("a", "t"), salted(None, "s"), salted("s", "a"), RadixKey(ids, b"a"),
-                  RadixKey(ids, "s")):
+    for other in (
+        salted("a", "t"),
+        salted(None, "s"),
+        salted("s", "a"),
+        RadixKey(ids, b"a"),
+        RadixKey(ids, "s"),
+    ):
         assert c.match_prefix(other).device_prefix_len == 0
     with pytest.raises(TypeError, match="extra_key"):
         c.match_prefix(RadixKey(ids, 1.5))
@@ -622,8 +673,8 @@ def test_extra_key_names_salts_and_their_bound():
     c = RadixCache.create_simulated(max_namespaces=2)
     c.insert(RadixKey(ids, "a"), torch.tensor([10, 11, 12, 13]))
     c.insert(RadixKey(ids, "b"), torch.tensor([20, 21, 22, 23]))
-    assert c.match_prefix(RadixKey(ids, "a")).device_prefix_len == 4   # b is now the oldest
-    assert c.match_prefix(RadixKey(ids, "c")).device_prefix_len == 0   # forgets b
+    assert c.match_prefix(RadixKey(ids, "a")).device_prefix_len == 4  # b is now the oldest
+    assert c.match_prefix(RadixKey(ids, "c")).device_prefix_len == 0  # forgets b
     assert c.match_prefix(RadixKey(ids, "a")).device_prefix_len == 4
     assert c.match_prefix(RadixKey(ids, "b")).device_prefix_len == 0
     assert c.total_size() == 8
@@ -654,8 +705,10 @@ def _import_sglang():
 def sglang_modules():
     mods, why = _import_sglang()
     if mods is None:
-        pytest.skip(f"SGLang's RadixCache does not import here ({why}); install it as "
-                    "bench/PEERS.md says to run this comparison")
+        pytest.skip(
+            f"SGLang's RadixCache does not import here ({why}); install it as "
+            "bench/PEERS.md says to run this comparison"
+        )
     return mods
 
 
@@ -680,8 +733,9 @@ class TheirCache:
         return r.last_device_node, path[: r.device_prefix_len].tolist()
 
     def insert(self, tokens, value, extra=None):
-        return self.cache.insert(self.bpc.InsertParams(key=self.key(tokens, extra),
-                                                       value=value)).prefix_len
+        return self.cache.insert(
+            self.bpc.InsertParams(key=self.key(tokens, extra), value=value)
+        ).prefix_len
 
     def lock(self, node, unlock):
         r = self.cache.dec_lock_ref(node) if unlock else self.cache.inc_lock_ref(node)
@@ -719,8 +773,10 @@ def test_same_results_as_sglangs_radix_cache(sglang_modules, page):
         extra = rng.choice(extras)
         op = rng.random()
         if op < 0.45:
-            (tn, ti), m = theirs.match(tokens, extra), ours.match_prefix(
-                MatchPrefixParams(key=RadixKey(tokens, extra)))
+            (tn, ti), m = (
+                theirs.match(tokens, extra),
+                ours.match_prefix(MatchPrefixParams(key=RadixKey(tokens, extra))),
+            )
             assert m.device_indices.tolist() == ti, k
             if rng.random() < 0.3:
                 assert theirs.lock(tn, False) == ours.inc_lock_ref(m.last_device_node), k
@@ -728,8 +784,10 @@ def test_same_results_as_sglangs_radix_cache(sglang_modules, page):
         elif op < 0.85:
             value = torch.arange(slot, slot + len(tokens), dtype=torch.int64)
             slot += len(tokens)
-            assert theirs.insert(tokens, value, extra) == ours.insert(
-                InsertParams(key=RadixKey(tokens, extra), value=value)).prefix_len, k
+            assert (
+                theirs.insert(tokens, value, extra)
+                == ours.insert(InsertParams(key=RadixKey(tokens, extra), value=value)).prefix_len
+            ), k
         elif op < 0.93 and held:
             tn, on = held.pop(rng.randrange(len(held)))
             assert theirs.lock(tn, True) == ours.dec_lock_ref(on), k
@@ -740,8 +798,9 @@ def test_same_results_as_sglangs_radix_cache(sglang_modules, page):
             # Which leaves go first may differ (see the docstring): evicting the
             # rest leaves both with exactly the locked paths, every slot freed once.
             theirs.evict(1 << 30), ours.evict(1 << 30)
-            assert sorted(s for f in theirs.alloc.freed for s in f) == \
-                sorted(s for f in ours.token_to_kv_pool_allocator.freed for s in f), k
+            assert sorted(s for f in theirs.alloc.freed for s in f) == sorted(
+                s for f in ours.token_to_kv_pool_allocator.freed for s in f
+            ), k
         assert theirs.sizes() == (ours.evictable_size(), ours.protected_size()), k
 
 
@@ -753,32 +812,49 @@ def test_same_kv_events_as_sglangs_radix_cache(sglang_modules, page):
     (radixkv's are its page keys): as many per event, parents where
     SGLang's are, the same tokens, sizes, media and salts."""
     rc, bpc = sglang_modules
-    theirs = rc.RadixCache.create_simulated(mock_allocator=Sink(page), page_size=page,
-                                            enable_kv_cache_events=True)
-    ours = RadixCache.create_simulated(mock_allocator=Sink(page), page_size=page,
-                                       enable_kv_cache_events=True)
+    theirs = rc.RadixCache.create_simulated(
+        mock_allocator=Sink(page), page_size=page, enable_kv_cache_events=True
+    )
+    ours = RadixCache.create_simulated(
+        mock_allocator=Sink(page), page_size=page, enable_kv_cache_events=True
+    )
 
     def shape(events):
-        return [(type(e).__name__, len(getattr(e, "block_hashes", ())),
-                 getattr(e, "parent_block_hash", None) is None, getattr(e, "token_ids", None),
-                 getattr(e, "block_size", None), getattr(e, "medium", None),
-                 getattr(e, "cache_salt", None)) for e in events]
+        return [
+            (
+                type(e).__name__,
+                len(getattr(e, "block_hashes", ())),
+                getattr(e, "parent_block_hash", None) is None,
+                getattr(e, "token_ids", None),
+                getattr(e, "block_size", None),
+                getattr(e, "medium", None),
+                getattr(e, "cache_salt", None),
+            )
+            for e in events
+        ]
 
     assert shape(theirs.take_events()) == shape(ours.take_events())
     rng = random.Random(page)
     bases = [[rng.randrange(50) for _ in range(40)] for _ in range(4)]
-    tags = [(None, None), ("tenant", None), ("tenant", "salt")] if compat.HAS_NAMESPACES \
+    tags = (
+        [(None, None), ("tenant", None), ("tenant", "salt")]
+        if compat.HAS_NAMESPACES
         else [(None, None)]
+    )
     slot, seen = 0, collections.Counter()
     for k in range(400):
         if rng.random() < 0.9:
-            tokens = rng.choice(bases)[: rng.randrange(41)] + \
-                [rng.randrange(50) for _ in range(rng.randrange(9))]
+            tokens = rng.choice(bases)[: rng.randrange(41)] + [
+                rng.randrange(50) for _ in range(rng.randrange(9))
+            ]
             extra, salt = rng.choice(tags)
             value = torch.arange(slot, slot + len(tokens), dtype=torch.int64)
             slot += len(tokens)
-            theirs.insert(bpc.InsertParams(key=rc.RadixKey(array("q", tokens), extra,
-                                                           cache_salt=salt), value=value))
+            theirs.insert(
+                bpc.InsertParams(
+                    key=rc.RadixKey(array("q", tokens), extra, cache_salt=salt), value=value
+                )
+            )
             ours.insert(InsertParams(key=RadixKey(tokens, extra, cache_salt=salt), value=value))
         else:
             theirs.evict(bpc.EvictParams(num_tokens=1 << 30))
@@ -801,8 +877,10 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
 
     rc, bpc = sglang_modules
     if not hasattr(rc.RadixCache, "cache_finished_req"):
-        pytest.skip("this SGLang's RadixCache has no cache_finished_req (0.5.23 has "
-                    "checkpoint / release_kv_cache instead)")
+        pytest.skip(
+            "this SGLang's RadixCache has no cache_finished_req (0.5.23 has "
+            "checkpoint / release_kv_cache instead)"
+        )
     takes_len = "kv_len_to_handle" in inspect.signature(rc.RadixCache.cache_finished_req).parameters
     page = 4
     sides = []
@@ -811,13 +889,19 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
         if theirs:
             cache = rc.RadixCache.create_simulated(mock_allocator=alloc, page_size=page)
             cache.req_to_token_pool = pool
-            sched = Scheduler(cache, pool, alloc, bpc.MatchPrefixParams,
-                              lambda t, e: rc.RadixKey(t, e))
+            sched = Scheduler(
+                cache, pool, alloc, bpc.MatchPrefixParams, lambda t, e: rc.RadixKey(t, e)
+            )
         else:  # built from SGLang's own CacheInitParams
             cip = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
-            cache = RadixCache(cip.CacheInitParams(disable=False, req_to_token_pool=pool,
-                                                   token_to_kv_pool_allocator=alloc,
-                                                   page_size=page))
+            cache = RadixCache(
+                cip.CacheInitParams(
+                    disable=False,
+                    req_to_token_pool=pool,
+                    token_to_kv_pool_allocator=alloc,
+                    page_size=page,
+                )
+            )
             assert (cache.page_size, cache.req_to_token_pool) == (page, pool)
             sched = Scheduler(cache, pool, alloc)
         sides.append(sched)
@@ -838,10 +922,11 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
         # Requests admitted in the same step compute their shared prompt twice:
         # the one caching it second frees its duplicates.
         for _ in range(rng.randrange(3) if len(running) < 5 else 0):
-            if rng.random() < 0.3:                         # a new shared prompt appears
+            if rng.random() < 0.3:  # a new shared prompt appears
                 systems.append([rng.randrange(1000) for _ in range(40)])
             prompt = rng.choice(systems[-3:])[: rng.randrange(10, 41)] + [
-                rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
+                rng.randrange(1000) for _ in range(rng.randrange(1, 30))
+            ]
             extra = rng.choice(extras)
             pair = (Req(prompt, extra, q_array), Req(prompt, extra, q_array))
             for sched, r in zip(sides, pair):
@@ -876,12 +961,16 @@ def test_same_requests_leave_the_same_pools_as_sglangs_radix_cache(sglang_module
         (a_sched, b_sched) = sides
         assert a_sched.alloc.free_slots == b_sched.alloc.free_slots, step
         for a, b in running:
-            assert a_sched.pool.req_to_token[a.req_pool_idx, :a.computed].tolist() == \
-                b_sched.pool.req_to_token[b.req_pool_idx, :b.computed].tolist(), step
+            assert (
+                a_sched.pool.req_to_token[a.req_pool_idx, : a.computed].tolist()
+                == b_sched.pool.req_to_token[b.req_pool_idx, : b.computed].tolist()
+            ), step
             assert a.prefix_indices.tolist() == b.prefix_indices.tolist(), step
             assert a.cache_protected_len == b.cache_protected_len, step
-        assert (a_sched.cache.evictable_size(), a_sched.cache.protected_size()) == \
-            (b_sched.cache.evictable_size(), b_sched.cache.protected_size()), step
+        assert (a_sched.cache.evictable_size(), a_sched.cache.protected_size()) == (
+            b_sched.cache.evictable_size(),
+            b_sched.cache.protected_size(),
+        ), step
 
 
 def _admitted(c, pool, alloc, ids, extra_key=None):
@@ -910,10 +999,11 @@ def test_a_request_that_does_not_hold_its_lock_is_refused_before_anything_change
     state = lambda: (c._tree.dump(), c.protected_size(), set(alloc.free_slots))  # noqa: E731
     before, node = state(), r.last_node
     for last_node, protected, exc, words in [
-            (foreign, 40, ValueError, "another cache"),
-            ("node", 40, TypeError, "req.last_node"),
-            (node, 36, ValueError, "cache_protected_len"),
-            (node, 60, ValueError, "cache_protected_len")]:
+        (foreign, 40, ValueError, "another cache"),
+        ("node", 40, TypeError, "req.last_node"),
+        (node, 36, ValueError, "cache_protected_len"),
+        (node, 60, ValueError, "cache_protected_len"),
+    ]:
         r.last_node, r.cache_protected_len = last_node, protected
         for call in (c.cache_finished_req, c.cache_unfinished_req):
             with pytest.raises(exc, match=words):
@@ -1012,8 +1102,11 @@ def test_kv_events_are_chains_of_pages_stored_and_removed_on_eviction(page_size)
     they continue its chain; evictions in a row are one BlockRemoved."""
     BlockStored, BlockRemoved, AllBlocksCleared = compat._event_types()  # SGLang's where it is
     freed = []
-    alloc = type("Alloc", (), {"device": torch.device("cpu"),
-                               "free": lambda self, idx: freed.append(idx.tolist())})()
+    alloc = type(
+        "Alloc",
+        (),
+        {"device": torch.device("cpu"), "free": lambda self, idx: freed.append(idx.tolist())},
+    )()
     c = RadixCache(None, alloc, page_size, enable_kv_cache_events=True)
     assert c.enable_kv_cache_events
     assert [type(e) for e in c.take_events()] == [AllBlocksCleared]
@@ -1022,7 +1115,7 @@ def test_kv_events_are_chains_of_pages_stored_and_removed_on_eviction(page_size)
     pages = 5 // page_size
     assert type(first) is BlockStored and first.block_size == page_size
     assert len(first.block_hashes) == len(set(first.block_hashes)) == pages
-    assert first.token_ids == [1, 2, 3, 4, 5][:pages * page_size]
+    assert first.token_ids == [1, 2, 3, 4, 5][: pages * page_size]
     assert first.parent_block_hash is None
     assert c.take_events() == []
     # A longer key adds only its new pages, chained on the cached ones; a
@@ -1071,5 +1164,6 @@ def test_a_key_that_repeats_a_token_needs_values():
         c.insert(RadixKey([1, 2, 3, 4, 1, 2, 3, 4]), None)
     assert c.evictable_size() == 0
     c.insert(RadixKey([1, 2, 3, 4, 1, 2, 3, 4]), torch.arange(8))
-    assert c.match_prefix(RadixKey([1, 2, 3, 4, 1, 2, 3, 4])).device_indices.tolist() == \
-        list(range(8))
+    assert c.match_prefix(RadixKey([1, 2, 3, 4, 1, 2, 3, 4])).device_indices.tolist() == list(
+        range(8)
+    )

@@ -40,9 +40,13 @@ def test_python_block_runs_alone(name, line, code, tmp_path):
     script = tmp_path / "block.py"
     # Blank lines in front keep the interpreter's line numbers those of the file.
     script.write_text("\n" * (line - 1) + code)
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     if r.returncode != 0:
         trace = r.stderr.replace(str(script), name)
-        pytest.fail(f"the ```python block at {name}:{line} fails when pasted alone "
-                    f"(exit {r.returncode}):\n{trace[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"the ```python block at {name}:{line} fails when pasted alone "
+            f"(exit {r.returncode}):\n{trace[-4000:]}",
+            pytrace=False,
+        )

@@ -51,8 +51,12 @@ def build(p):
 
 
 def snapshot(m, handles):
-    return (m.size_info, m.num_nodes, m.dump(),
-            {k: (h.lock_count, h.cached_len, m.is_valid(h)) for k, h in handles.items()})
+    return (
+        m.size_info,
+        m.num_nodes,
+        m.dump(),
+        {k: (h.lock_count, h.cached_len, m.is_valid(h)) for k, h in handles.items()},
+    )
 
 
 def probe(m, p):
@@ -126,10 +130,12 @@ NON_INTEGER = {
 NOT_INT32 = {
     "torch_int64_big": lambda: torch.tensor(seq(N - 1) + [2**31], dtype=torch.int64),
     "torch_int64_small": lambda: torch.tensor(seq(N - 1) + [-(2**31) - 1], dtype=torch.int64),
-    "torch_uint32_big": lambda: torch.tensor(seq(N - 1) + [2**31], dtype=torch.int64)
-    .to(torch.uint32),
-    "torch_uint64_big": lambda: torch.tensor(seq(N - 1) + [2**62], dtype=torch.int64)
-    .to(torch.uint64),
+    "torch_uint32_big": lambda: torch.tensor(seq(N - 1) + [2**31], dtype=torch.int64).to(
+        torch.uint32
+    ),
+    "torch_uint64_big": lambda: torch.tensor(seq(N - 1) + [2**62], dtype=torch.int64).to(
+        torch.uint64
+    ),
     "torch_int64_strided": lambda: torch.tensor([2**40] * (2 * N), dtype=torch.int64)[::2],
     "numpy_uint32_big": lambda: np.array(seq(N - 1) + [2**32 - 1], dtype=np.uint32),
     "numpy_uint64_big": lambda: np.array(seq(N - 1) + [2**64 - 1], dtype=np.uint64),
@@ -300,10 +306,14 @@ def _stored_cases(p):
         "first": (seq(4 * p, 5000), [100] + seq(4 * p - 1, 6000)),
         "last": (seq(4 * p, 5000), seq(4 * p - 1, 6000) + [200 + 4 * p - 1]),
         "locked_slot": (seq(4 * p, 5000), seq(p, 6000) + [100] + seq(3 * p - 1, 6100)),
-        "after_cached_part": (cached + seq(2 * p, 5000), seq(2 * p, 6000) + [101] + seq(2 * p - 1,
-                                                                                         6100)),
-        "extending_a_leaf": (seq(4 * p) + seq(p, 5000), seq(4 * p, 6000) + [103] + seq(p - 1,
-                                                                                      6100)),
+        "after_cached_part": (
+            cached + seq(2 * p, 5000),
+            seq(2 * p, 6000) + [101] + seq(2 * p - 1, 6100),
+        ),
+        "extending_a_leaf": (
+            seq(4 * p) + seq(p, 5000),
+            seq(4 * p, 6000) + [103] + seq(p - 1, 6100),
+        ),
     }
 
 
@@ -326,13 +336,17 @@ def _repeated_cases(p):
         # The cached part's slots are the caller's own copies, which it frees on
         # return; storing one of them for a new token would hand the caller a slot
         # the tree now owns.
-        "cached_and_new_part": (cached + seq(2 * p, 5000),
-                                [7000] + seq(2 * p - 1, 6000) + [7000] + seq(2 * p - 1, 6100)),
+        "cached_and_new_part": (
+            cached + seq(2 * p, 5000),
+            [7000] + seq(2 * p - 1, 6000) + [7000] + seq(2 * p - 1, 6100),
+        ),
     }
     if p > 1:
         # The truncated tail's slot is the caller's to free as well.
-        cases["new_part_and_truncated_tail"] = (seq(4 * p + 1, 5000),
-                                                [7000] + seq(4 * p - 1, 6000) + [7000])
+        cases["new_part_and_truncated_tail"] = (
+            seq(4 * p + 1, 5000),
+            [7000] + seq(4 * p - 1, 6000) + [7000],
+        )
     return cases
 
 
@@ -547,8 +561,12 @@ def test_radix_evict_beyond_evictable(p, extra):
     case = RadixCase(p)
     evictable, protected = case.m.size_info
     assert evictable > 0 and protected > 0
-    size = {"evictable+1": evictable + 1, "total": evictable + protected,
-            "total+5": evictable + protected + 5, "2**40": 2**40}[extra]
+    size = {
+        "evictable+1": evictable + 1,
+        "total": evictable + protected,
+        "total+5": evictable + protected + 5,
+        "2**40": 2**40,
+    }[extra]
     with raises(radixkv.OutOfCapacityError, str(size), str(evictable)) as e:
         case.m.evict(size)
     assert isinstance(e.value, RuntimeError)
@@ -580,18 +598,24 @@ def test_radix_evict_beyond_int64():
     case.check_unchanged()
 
 
-@pytest.mark.parametrize("make", [
-    lambda d: CacheManager(8, device=d),
-    lambda d: create_cache_manager(d, "radix", 1),
-    lambda d: create_cache_manager(d, "naive", 1),
-])
-@pytest.mark.parametrize("device, exc, words", [
-    ("meta", ValueError, "device must be a device that holds data, got meta"),
-    (torch.device("meta"), ValueError, "holds data"),
-    ("bogus", ValueError, "device: "),
-    (3.5, TypeError, "device must be a torch.device or a device name, got float"),
-    (True, TypeError, "got bool"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: CacheManager(8, device=d),
+        lambda d: create_cache_manager(d, "radix", 1),
+        lambda d: create_cache_manager(d, "naive", 1),
+    ],
+)
+@pytest.mark.parametrize(
+    "device, exc, words",
+    [
+        ("meta", ValueError, "device must be a device that holds data, got meta"),
+        (torch.device("meta"), ValueError, "holds data"),
+        ("bogus", ValueError, "device: "),
+        (3.5, TypeError, "device must be a torch.device or a device name, got float"),
+        (True, TypeError, "got bool"),
+    ],
+)
 def test_managers_refuse_a_device_that_holds_no_data(make, device, exc, words):
     """A manager on the meta device would hand out indices that hold nothing."""
     with pytest.raises(exc, match=words):

@@ -109,8 +109,9 @@ class Subscriber:
 
 @pytest.fixture
 def publisher():
-    pub = EventPublisher("tcp://127.0.0.1:*", topic=TOPIC, data_parallel_rank=3,
-                         replay_endpoint="tcp://127.0.0.1:*")
+    pub = EventPublisher(
+        "tcp://127.0.0.1:*", topic=TOPIC, data_parallel_rank=3, replay_endpoint="tcp://127.0.0.1:*"
+    )
     yield pub
     pub.close()
 
@@ -137,9 +138,21 @@ def decode_frames(frames, first_seq):
         for a, b in zip(ours.events, theirs.events):
             assert type(a).__name__ == type(b).__struct_config__.tag
             if isinstance(a, BlockStored):
-                assert (a.block_hashes, a.parent_block_hash, a.token_ids, a.block_size,
-                        a.lora_id, a.medium) == (b.block_hashes, b.parent_block_hash,
-                                                 b.token_ids, b.block_size, b.lora_id, b.medium)
+                assert (
+                    a.block_hashes,
+                    a.parent_block_hash,
+                    a.token_ids,
+                    a.block_size,
+                    a.lora_id,
+                    a.medium,
+                ) == (
+                    b.block_hashes,
+                    b.parent_block_hash,
+                    b.token_ids,
+                    b.block_size,
+                    b.lora_id,
+                    b.medium,
+                )
             elif isinstance(a, BlockRemoved):
                 assert (a.block_hashes, a.medium) == (b.block_hashes, b.medium)
         batches.append(ours)
@@ -167,7 +180,7 @@ class Model:
                 assert h not in blocks, f"{h} stored twice on {event.medium}"
                 assert 0 <= h < 2**64
                 blocks.add(h)
-                tokens = event.token_ids[i * page_size:(i + 1) * page_size]
+                tokens = event.token_ids[i * page_size : (i + 1) * page_size]
                 assert self.tokens.setdefault(h, (parent, tokens)) == (parent, tokens)
                 parent = h
         elif isinstance(event, BlockRemoved):
@@ -200,7 +213,7 @@ def disk_blocks(store: FileStorage):
     for sub in os.scandir(store.directory):
         for entry in os.scandir(sub.path):
             if entry.name.endswith(".page"):
-                found.add(block_hash(entry.name[:-len(".page")]))
+                found.add(block_hash(entry.name[: -len(".page")]))
     return found
 
 
@@ -219,8 +232,9 @@ def test_a_request_is_one_block_stored_encoded_as_vllm_does(publisher, subscribe
     (batch,) = decode_frames(frames, subscriber.start_seq)
     (event,) = batch.events
     keys = _core.page_keys(ids[:12].to(torch.int32), ps, None)
-    assert event == BlockStored([block_hash(k) for k in keys], None, list(range(100, 112)), ps,
-                                None, "GPU")
+    assert event == BlockStored(
+        [block_hash(k) for k in keys], None, list(range(100, 112)), ps, None, "GPU"
+    )
     assert [block_hash(k) for k in keys] == [int(k, 16) & (2**64 - 1) for k in keys]
     # Byte for byte what msgspec writes for vLLM's structs.
     payload = frames[0][2]
@@ -289,17 +303,34 @@ def cache_new(cm, ids):
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
-def test_replayed_events_are_exactly_the_blocks_of_each_tier(tmp_path, publisher, subscriber,
-                                                             write_policy):
+def test_replayed_events_are_exactly_the_blocks_of_each_tier(
+    tmp_path, publisher, subscriber, write_policy
+):
     ps = 4
-    seed = config_fingerprint(model="events", dtype=torch.float32, page_size=ps,
-                              layout="page_first", num_layers=1, kv_heads=1, head_dim=8)
-    pool = MHAKVCache(num_kv_heads=1, num_layers=1, head_dim=8, num_pages=12,
-                      dtype=torch.float32, page_size=ps)
+    seed = config_fingerprint(
+        model="events",
+        dtype=torch.float32,
+        page_size=ps,
+        layout="page_first",
+        num_layers=1,
+        kv_heads=1,
+        head_dim=8,
+    )
+    pool = MHAKVCache(
+        num_kv_heads=1, num_layers=1, head_dim=8, num_pages=12, dtype=torch.float32, page_size=ps
+    )
     store = FileStorage(str(tmp_path), seed)
-    cm = CacheManager(num_pages=12, page_size=ps, kv_cache=pool, host_num_pages=20,
-                      write_policy=write_policy, storage=store, storage_seed=seed,
-                      prefetch_policy="wait_complete", kv_events=publisher)
+    cm = CacheManager(
+        num_pages=12,
+        page_size=ps,
+        kv_cache=pool,
+        host_num_pages=20,
+        write_policy=write_policy,
+        storage=store,
+        storage_seed=seed,
+        prefetch_policy="wait_complete",
+        kv_events=publisher,
+    )
     rng = random.Random(7)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 24))] for _ in range(4)]
     model = Model()
@@ -307,7 +338,7 @@ def test_replayed_events_are_exactly_the_blocks_of_each_tier(tmp_path, publisher
     def workload(steps):
         for step in range(steps):
             base = rng.choice(prefixes)
-            ids = base[:rng.randrange(4, len(base) + 1)]
+            ids = base[: rng.randrange(4, len(base) + 1)]
             ids = ids + [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 14))]
             serve(cm, torch.tensor(ids), rng)
             if step % 8 == 7:
@@ -345,20 +376,27 @@ def test_replayed_events_are_exactly_the_blocks_of_each_tier(tmp_path, publisher
     check_tiers(cm, model, subscriber, store, seed)
 
 
-@pytest.mark.parametrize("ps, policy", [(2, "write_through"), (1, "write_back"),
-                                        (3, "write_through_selective")])
+@pytest.mark.parametrize(
+    "ps, policy", [(2, "write_through"), (1, "write_back"), (3, "write_through_selective")]
+)
 def test_failed_copies_announce_nothing(publisher, subscriber, ps, policy):
     """Backups and loads that fail (the test decides which) change no tier,
     so they announce nothing; the events still match the tree."""
-    cm = CacheManager(num_pages=30 // ps, page_size=ps, host_num_pages=36 // ps,
-                      manual_copies=True, write_policy=policy, kv_events=publisher)
+    cm = CacheManager(
+        num_pages=30 // ps,
+        page_size=ps,
+        host_num_pages=36 // ps,
+        manual_copies=True,
+        write_policy=policy,
+        kv_events=publisher,
+    )
     rng = random.Random(11)
     prefixes = [[rng.randrange(100) for _ in range(rng.randrange(4, 12))] for _ in range(3)]
     model = Model()
     aborted = 0
     for step in range(150):
         base = rng.choice(prefixes)
-        ids = base[:rng.randrange(2, len(base) + 1)]
+        ids = base[: rng.randrange(2, len(base) + 1)]
         ids = torch.tensor(ids + [rng.randrange(100, 200) for _ in range(rng.randrange(1, 6))])
         h, _ = cm.match_req(ids)
         h, cached = cm.load_back(h)
@@ -435,8 +473,11 @@ def test_reset_refuses_while_a_request_holds_a_lock(publisher, subscriber):
     batches = decode_frames(subscriber.receive(), subscriber.start_seq)
     events = [e for b in batches for e in b.events]
     assert [(type(e), getattr(e, "medium", None)) for e in events] == [
-        (BlockStored, "GPU"), (BlockStored, "CPU_PINNED"), (BlockRemoved, "CPU_PINNED"),
-        (AllBlocksCleared, None)]
+        (BlockStored, "GPU"),
+        (BlockStored, "CPU_PINNED"),
+        (BlockRemoved, "CPU_PINNED"),
+        (AllBlocksCleared, None),
+    ]
     assert events[0].block_hashes == events[1].block_hashes == events[2].block_hashes
 
 
@@ -444,8 +485,7 @@ def test_an_inproc_endpoint_on_a_shared_context_reaches_other_sockets():
     ctx = zmq.Context()
     with pytest.raises(TypeError, match="context must be a zmq.Context"):
         EventPublisher("inproc://kv-shared", context="ctx")
-    publisher = EventPublisher("inproc://kv-shared", context=ctx, topic=TOPIC,
-                               data_parallel_rank=3)
+    publisher = EventPublisher("inproc://kv-shared", context=ctx, topic=TOPIC, data_parallel_rank=3)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect("inproc://kv-shared")
@@ -486,8 +526,7 @@ def test_a_manager_goes_on_without_events_once_its_publisher_is_closed():
     cm.close()
 
 
-def test_events_past_the_bound_are_published_without_waiting(publisher, subscriber,
-                                                              monkeypatch):
+def test_events_past_the_bound_are_published_without_waiting(publisher, subscriber, monkeypatch):
     from radixkv.scheduler import block_events
 
     monkeypatch.setattr(block_events, "MAX_PENDING_EVENTS", 3)
@@ -519,10 +558,12 @@ def test_map_encoded_events_decode_too():
         events: list[MStored]
         data_parallel_rank: int | None
 
-    payload = msgspec.msgpack.encode(MBatch(2.5, [MStored([7, 8], 6, [1, 2, 3, 4], 2, None,
-                                                          "CPU_PINNED")], 1))
+    payload = msgspec.msgpack.encode(
+        MBatch(2.5, [MStored([7, 8], 6, [1, 2, 3, 4], 2, None, "CPU_PINNED")], 1)
+    )
     assert decode_batch(payload) == KVEventBatch(
-        2.5, [BlockStored([7, 8], 6, [1, 2, 3, 4], 2, None, "CPU_PINNED")], 1)
+        2.5, [BlockStored([7, 8], 6, [1, 2, 3, 4], 2, None, "CPU_PINNED")], 1
+    )
     with pytest.raises(ValueError, match="payload"):
         decode_batch(b"\x93\x01")
     import msgpack
@@ -577,15 +618,15 @@ def test_events_off_make_no_publisher_and_import_no_zmq(monkeypatch):
         raise AssertionError("a publisher was made with events off")
 
     monkeypatch.setattr(EventPublisher, "__init__", refuse)
-    pool = MHAKVCache(num_kv_heads=1, num_layers=1, head_dim=8, num_pages=4,
-                      dtype=torch.float32, page_size=2)
+    pool = MHAKVCache(
+        num_kv_heads=1, num_layers=1, head_dim=8, num_pages=4, dtype=torch.float32, page_size=2
+    )
     cm = CacheManager(num_pages=4, page_size=2, kv_cache=pool, host_num_pages=8)
     for base in (0, 100, 200, 0):
         ids = torch.arange(base, base + 5)
         h, _ = cm.match_req(ids)
         h, cached = cm.load_back(h)
-        cm.free_and_cache_finished_req(h, ids,
-                                       torch.cat([cached, cm.allocate(5 - h.cached_len)]))
+        cm.free_and_cache_finished_req(h, ids, torch.cat([cached, cm.allocate(5 - h.cached_len)]))
         cm.drain()
     cm.reset()
     assert cm.kv_events is None and cm._events is None and cm._tier.events is None
@@ -621,9 +662,13 @@ def test_namespaces_are_distinct_blocks(publisher, subscriber):
     (batch,) = decode_frames(subscriber.receive(), subscriber.start_seq)
     stored = [e.block_hashes for e in batch.events]
     spaces = Namespaces()
-    want = [[block_hash(k) for k in page_keys(ids[:8].to(torch.int32), ps,
-                                              spaces.seed(spaces.id(name), None))]
-            for name in ("a", "b", None)]
+    want = [
+        [
+            block_hash(k)
+            for k in page_keys(ids[:8].to(torch.int32), ps, spaces.seed(spaces.id(name), None))
+        ]
+        for name in ("a", "b", None)
+    ]
     assert stored == want and len({tuple(x) for x in stored}) == 3
     cm.make_room(16 * ps)
     cm.flush_events()
@@ -662,16 +707,24 @@ def test_namespaced_pages_have_one_hash_on_every_medium(tmp_path, publisher, sub
 
     pool = MHAKVCache(1, 1, 8, 8, torch.float32, page_size=2)
     fp = pool_fingerprint(pool, model="m")
-    cm = CacheManager(8, 2, host_num_pages=8, kv_cache=pool,
-                      storage=FileStorage(str(tmp_path), fingerprint=fp), kv_events=publisher)
+    cm = CacheManager(
+        8,
+        2,
+        host_num_pages=8,
+        kv_cache=pool,
+        storage=FileStorage(str(tmp_path), fingerprint=fp),
+        kv_events=publisher,
+    )
     ids = torch.arange(100, 105)
     h, _ = cm.match_req(ids, namespace="tenant")
     cm.lock(h)
     cm.free_and_cache_finished_req(h, ids, cm.allocate(5))
     cm.drain()
     spaces = Namespaces()
-    want = [block_hash(k) for k in page_keys(ids[:4].to(torch.int32), 2,
-                                              spaces.seed(spaces.id("tenant"), fp))]
+    want = [
+        block_hash(k)
+        for k in page_keys(ids[:4].to(torch.int32), 2, spaces.seed(spaces.id("tenant"), fp))
+    ]
     media = {}
     for batch in decode_frames(subscriber.receive(), subscriber.start_seq):
         for e in batch.events:

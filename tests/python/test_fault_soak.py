@@ -59,11 +59,19 @@ def _drive(requests, storage, *, overlap=False, during=None, every=None, host_fa
     the end of the run, the slowest scheduler-thread call of each kind in
     seconds)."""
     biggest = max(-(-(r.input_length + r.output_length) // BLOCK) for r in requests)
-    config = dict(block_size=BLOCK, page_size=BLOCK, capacity_pages=biggest, policy="radix",
-                  kv=KV, store=True, host_pages=min(host_factor * biggest,
-                                                    pages_for_all(requests, BLOCK)),
-                  write_policy="write_through", storage=storage,
-                  max_hash=max_hash_id(requests), overlap=overlap)
+    config = dict(
+        block_size=BLOCK,
+        page_size=BLOCK,
+        capacity_pages=biggest,
+        policy="radix",
+        kv=KV,
+        store=True,
+        host_pages=min(host_factor * biggest, pages_for_all(requests, BLOCK)),
+        write_policy="write_through",
+        storage=storage,
+        max_hash=max_hash_id(requests),
+        overlap=overlap,
+    )
     insts = [Instance(**config) for _ in range(2)]
     maker = TokenMaker(BLOCK, max_hash_id(requests))
     marks = {}
@@ -98,8 +106,13 @@ def _small_disk(path, size_mb):
     path.mkdir()
     mounted = False
     if os.geteuid() == 0:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700",
-                                  "tmpfs", str(path)], capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", str(path)],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
     try:
         yield mounted
     finally:
@@ -206,12 +219,18 @@ def test_file_storage_under_attack_keeps_every_row_right(tmp_path):
     requests = chat_sessions(200, BLOCK, seed=17)
     clean, _, _ = _drive(requests, StorageConfig("file", directory=str(tmp_path / "clean")))
     assert sum(r.kv_mismatches for r in clean) == 0
-    used = sum(os.path.getsize(os.path.join(d, f))
-               for d, _, fs in os.walk(tmp_path / "clean") for f in fs)
+    used = sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "clean") for f in fs
+    )
     with _small_disk(tmp_path / "disk", max(4, 2 * used >> 20)) as mounted:
-        store = StorageConfig("file", directory=str(tmp_path / "disk" / "store"), fault_seed=5,
-                              fault_call=0.03, fault_page=0.01,
-                              faults=StorageFaultPolicy(retry_after_s=0.2))
+        store = StorageConfig(
+            "file",
+            directory=str(tmp_path / "disk" / "store"),
+            fault_seed=5,
+            fault_call=0.03,
+            fault_page=0.01,
+            faults=StorageFaultPolicy(retry_after_s=0.2),
+        )
         with Vandal(tmp_path / "disk", seed=3, disk_full=mounted) as vandal:
             attacked, marks, _ = _drive(requests, store, every=vandal.tick)
         marks["end"] = (_threads(), _fds(), _rss())  # the vandal's file closed too
@@ -232,11 +251,17 @@ def test_file_storage_under_attack_keeps_every_row_right(tmp_path):
 def test_mooncake_paused_killed_and_restarted_mid_replay():
     requests = chat_sessions(120, BLOCK, seed=19)
     master = MooncakeMaster()
-    faults = StorageFaultPolicy(query_timeout_s=0.05, retry_after_s=0.2, max_retry_after_s=1.0,
-                                close_timeout_s=2)
-    storage = StorageConfig("mooncake", master_address=master.master_address,
-                            metadata_server=master.metadata_server, segment_bytes=32 << 20,
-                            prefetch_policy="best_effort", faults=faults)
+    faults = StorageFaultPolicy(
+        query_timeout_s=0.05, retry_after_s=0.2, max_retry_after_s=1.0, close_timeout_s=2
+    )
+    storage = StorageConfig(
+        "mooncake",
+        master_address=master.master_address,
+        metadata_server=master.metadata_server,
+        segment_bytes=32 << 20,
+        prefetch_policy="best_effort",
+        faults=faults,
+    )
     n = len(requests)
     events = []
     read_before_restart = []
@@ -254,8 +279,9 @@ def test_mooncake_paused_killed_and_restarted_mid_replay():
         elif i == 5 * n // 8:
             master = MooncakeMaster(ports=master.ports)
             events.append(("restarted", time.monotonic()))
-            read_before_restart.append(sum(inst.cm.storage_counters.prefetched_tokens
-                                           for inst in insts))
+            read_before_restart.append(
+                sum(inst.cm.storage_counters.prefetched_tokens for inst in insts)
+            )
         elif i == 7 * n // 8:
             for inst in insts:  # the next turns need their pages from the new master
                 inst.cm.reset()
@@ -300,5 +326,3 @@ def test_vandal_acts_are_real(tmp_path):
             os.rmdir(p)
         else:
             os.unlink(p)
-
-

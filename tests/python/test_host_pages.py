@@ -62,8 +62,15 @@ def test_bad_sizes_are_refused_by_name():
 
 # -- HostBlocks: the worker's copies between the layers' blocks and host pages ------------
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)"
+        ),
+    ),
+]
 
 
 def _layers(device, blocks=6, layers=3, vllm_shape=True):
@@ -73,9 +80,10 @@ def _layers(device, blocks=6, layers=3, vllm_shape=True):
     n = 1
     for s in shape:
         n *= s
-    return {f"layer.{i}": (torch.arange(n, dtype=torch.float32) + 10_000 * i)
-            .view(shape).to(device)
-            for i in range(layers)}
+    return {
+        f"layer.{i}": (torch.arange(n, dtype=torch.float32) + 10_000 * i).view(shape).to(device)
+        for i in range(layers)
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -106,7 +114,7 @@ def test_one_block_to_a_flat_page_and_back(device):
     hb = HostBlocks(caches, 6)
     page = torch.empty(hb.page_elems, dtype=torch.float32)
     hb.copy_out(3, page)
-    assert torch.equal(page[:2 * 4 * 2 * 8].view(2, 4, 2, 8), caches["layer.0"][:, 3].cpu())
+    assert torch.equal(page[: 2 * 4 * 2 * 8].view(2, 4, 2, 8), caches["layer.0"][:, 3].cpu())
     hb.copy_in(page, 0)
     for t in caches.values():
         assert torch.equal(t[:, 0].cpu(), t[:, 3].cpu())

@@ -19,8 +19,9 @@ from radixkv.scheduler import CacheManager
 
 
 def _in_subprocess(code: str, timeout: float = 120) -> str:
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -107,9 +108,11 @@ def test_finish_load_refuses_forged_ranges_and_bad_slots_changing_nothing():
     for forged in [(c[0], c[1], 3, c[3]), (c[0], c[1], 6, c[3])]:
         with pytest.raises(ValueError, match="not a load in flight"):
             t.finish_load(forged, list(range(300, 300 + forged[3] - forged[2])))
-    for slots, what in [([1000] + list(range(301, 300 + n)), "max_slots"),
-                        ([-1] + list(range(301, 300 + n)), "max_slots"),
-                        ([300] * n, "repeats")]:
+    for slots, what in [
+        ([1000] + list(range(301, 300 + n)), "max_slots"),
+        ([-1] + list(range(301, 300 + n)), "max_slots"),
+        ([300] * n, "repeats"),
+    ]:
         with pytest.raises(ValueError, match=what):
             t.finish_load(c, slots)
     assert t.dump(tiers=True) == before
@@ -154,7 +157,7 @@ def test_a_discarded_manager_lets_go_of_its_controller_and_its_pool():
     del cm
     gc.collect()
     assert controller() is None  # the pool's hook held it weakly
-    pool.k_cache(0)              # a hook whose controller is gone waits for nothing
+    pool.k_cache(0)  # a hook whose controller is gone waits for nothing
     cm2 = CacheManager(16, page_size=4, host_num_pages=32, kv_cache=pool)
     assert cm2.controller is not None
 

@@ -53,15 +53,16 @@ def kv_rows(ids, start, end, layer, side, heads=HEADS, dim=DIM, dtype=DTYPE):
     (any bit pattern: compare them as bytes)."""
     h = torch.tensor(_prefix_hashes(list(ids)[:end])[start:], dtype=torch.int64)
     width = heads * dim * dtype.itemsize
-    x = (h[:, None] * 1000003 + torch.arange(width) * 7919 + layer * 104729 + side * 1299709)
+    x = h[:, None] * 1000003 + torch.arange(width) * 7919 + layer * 104729 + side * 1299709
     x = (x & 0xFFFFFFF) * 2654435761
     raw = ((x >> 16) & 0xFF).to(torch.uint8)
     return raw.view(dtype).view(-1, heads, dim)
 
 
 def same_bytes(a, b):
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                             b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
 
 
 # --- the environment ----------------------------------------------------------------
@@ -70,16 +71,40 @@ def same_bytes(a, b):
 class Env:
     """A CacheManager with a host tier over a real MHAKVCache."""
 
-    def __init__(self, num_pages, host_pages, page_size=1, policy="write_through",
-                 layout="page_first", manual=True, heads=HEADS, dim=DIM, dtype=DTYPE,
-                 kv_layout=KVCacheLayout.LayerFirst):
+    def __init__(
+        self,
+        num_pages,
+        host_pages,
+        page_size=1,
+        policy="write_through",
+        layout="page_first",
+        manual=True,
+        heads=HEADS,
+        dim=DIM,
+        dtype=DTYPE,
+        kv_layout=KVCacheLayout.LayerFirst,
+    ):
         self.ps = page_size
         self.heads, self.dim, self.dtype = heads, dim, dtype
-        self.pool = MHAKVCache(heads, LAYERS, dim, num_pages, dtype, kv_layout=kv_layout,
-                               page_size=page_size, tp_size=1)
-        self.cm = CacheManager(num_pages, page_size=page_size, host_num_pages=host_pages,
-                               write_policy=policy, kv_cache=self.pool, host_layout=layout,
-                               manual_copies=manual)
+        self.pool = MHAKVCache(
+            heads,
+            LAYERS,
+            dim,
+            num_pages,
+            dtype,
+            kv_layout=kv_layout,
+            page_size=page_size,
+            tp_size=1,
+        )
+        self.cm = CacheManager(
+            num_pages,
+            page_size=page_size,
+            host_num_pages=host_pages,
+            write_policy=policy,
+            kv_cache=self.pool,
+            host_layout=layout,
+            manual_copies=manual,
+        )
         self.failed = []  # handles of failed loads, as loading_check/drain return them
 
     # -- K/V ------------------------------------------------------------------------
@@ -92,8 +117,12 @@ class Env:
         if len(slots) == 0:
             return
         for layer in range(LAYERS):
-            self.pool.store_kv(self.rows(ids, start, start + len(slots), layer, 0),
-                               self.rows(ids, start, start + len(slots), layer, 1), slots, layer)
+            self.pool.store_kv(
+                self.rows(ids, start, start + len(slots), layer, 0),
+                self.rows(ids, start, start + len(slots), layer, 1),
+                slots,
+                layer,
+            )
 
     def _flat(self, cache, slots):
         return cache.reshape(-1, self.heads, self.dim)[torch.as_tensor(slots, dtype=torch.long)]
@@ -123,12 +152,14 @@ class Env:
                 got = read(slots, layer, side)
                 want = self.rows(ids, start, start + len(slots), layer, side)
                 if not same_bytes(got, want):
-                    diff = (got.contiguous().view(torch.uint8).view(len(slots), -1)
-                            != want.contiguous().view(torch.uint8).view(len(slots), -1))
+                    diff = got.contiguous().view(torch.uint8).view(
+                        len(slots), -1
+                    ) != want.contiguous().view(torch.uint8).view(len(slots), -1)
                     bad = diff.any(1).nonzero().flatten().tolist()
                     raise AssertionError(
                         f"{what}: layer {layer} {'KV'[side]} rows differ at positions "
-                        f"{[start + i for i in bad]} (slots {[slots[i] for i in bad]})")
+                        f"{[start + i for i in bad]} (slots {[slots[i] for i in bad]})"
+                    )
 
     def scrub(self):
         """Fills every free device page with garbage, so a load that does not
@@ -137,8 +168,11 @@ class Env:
         if not n:
             return
         slots = self.cm.allocate(n)
-        junk = torch.full((n * self.heads * self.dim * self.dtype.itemsize,), 0xA5,
-                          dtype=torch.uint8).view(self.dtype).view(n, self.heads, self.dim)
+        junk = (
+            torch.full((n * self.heads * self.dim * self.dtype.itemsize,), 0xA5, dtype=torch.uint8)
+            .view(self.dtype)
+            .view(n, self.heads, self.dim)
+        )
         for layer in range(LAYERS):
             self.pool.store_kv(junk, junk, slots, layer)
         self.cm.free(slots)
@@ -188,13 +222,22 @@ class Env:
         cm.check_integrity()
         ev, prot, host, host_only, backing, loading, _ = cm._tree.tier_sizes()
         info = cm.host_size_info
-        assert (info.cached, info.host_only, info.backing_up, info.loading) == \
-            (host, host_only, backing, loading)
+        assert (info.cached, info.host_only, info.backing_up, info.loading) == (
+            host,
+            host_only,
+            backing,
+            loading,
+        )
         assert cm.manager.size_info.evictable_size == ev
         assert cm.manager.size_info.protected_size == prot
         # Device: every page free, cached, held by a request or owned by a load.
-        assert cm.free_pages * ps + ev + prot + cm.held_pages * ps + loading == cm.num_pages * ps, \
-            (cm.free_pages, ev, prot, cm.held_pages, loading)
+        assert cm.free_pages * ps + ev + prot + cm.held_pages * ps + loading == cm.num_pages * ps, (
+            cm.free_pages,
+            ev,
+            prot,
+            cm.held_pages,
+            loading,
+        )
         assert cm.available_size == cm.free_pages * ps + ev
         # Host: every slot free, cached or owned by a backup.
         assert info.free + host + backing == info.capacity, info
@@ -234,9 +277,16 @@ class Env:
     def state(self):
         """Everything an erroring call must leave alone."""
         cm = self.cm
-        return (cm._tree.dump(tiers=True), cm._tree.tier_sizes(), cm.free_pages, cm.held_pages,
-                cm.host_size_info, cm.tier_counters, cm.controller.waiting(),
-                cm.controller.in_flight)
+        return (
+            cm._tree.dump(tiers=True),
+            cm._tree.tier_sizes(),
+            cm.free_pages,
+            cm.held_pages,
+            cm.host_size_info,
+            cm.tier_counters,
+            cm.controller.waiting(),
+            cm.controller.in_flight,
+        )
 
     # -- requests -------------------------------------------------------------------
 
@@ -258,7 +308,7 @@ class Env:
 
     def complete_all(self, ok=True, order=None):
         ids = self.cm.controller.waiting()
-        for op in (order(ids) if order else ids):
+        for op in order(ids) if order else ids:
             assert self.cm.controller.complete(op, ok)
         return ids
 
@@ -290,20 +340,26 @@ class Req:
         except radixkv.OutOfCapacityError:
             cm.unlock(h)  # the request waits; a load it started goes on without it
             raise
-        env.store(self.ids, self.own[:self.n_own], h.cached_len)
+        env.store(self.ids, self.own[: self.n_own], h.cached_len)
 
     @property
     def loaded_slots(self):
-        return self.cached[self.device_hit:]
+        return self.cached[self.device_hit :]
 
     def forward(self):
         """Reads every cached row as attention would, and checks it."""
-        self.env.assert_rows(self.env.forward_rows, self.cached, self.ids, 0,
-                             f"cached rows of request {self.ids[:3]}...")
+        self.env.assert_rows(
+            self.env.forward_rows,
+            self.cached,
+            self.ids,
+            0,
+            f"cached rows of request {self.ids[:3]}...",
+        )
 
     def finish(self):
-        self.env.cm.free_and_cache_finished_req(self.handle, self.ids,
-                                                torch.cat([self.cached, self.own]))
+        self.env.cm.free_and_cache_finished_req(
+            self.handle, self.ids, torch.cat([self.cached, self.own])
+        )
 
     def abort(self):
         """A request whose load failed: unlock, free its own pages, compute again later."""
@@ -612,9 +668,10 @@ def test_21631_lock_of_a_match_whose_device_part_was_evicted_since():
         # A lock that succeeds must hold the handle's tokens on the device, at
         # the slots the request was given.
         assert h.lock_count == 1
-        assert env.device_tokens_of(A) == 8, \
-            "lock() succeeded on a match whose tokens left the device: the request " \
+        assert env.device_tokens_of(A) == 8, (
+            "lock() succeeded on a match whose tokens left the device: the request "
             "would read pages now owned by another request"
+        )
         assert cm._tree.handle_slots(h).tolist() == idx.tolist()
     cm.free(other)
 
@@ -657,11 +714,11 @@ def _parent_and_child(env):
 
 
 @pytest.mark.parametrize("child_first", [True, False])
-@pytest.mark.parametrize("p_ok,c_ok", [(True, True), (False, True), (True, False),
-                                       (False, False)])
+@pytest.mark.parametrize("p_ok,c_ok", [(True, True), (False, True), (True, False), (False, False)])
 @pytest.mark.parametrize("apply_between", [True, False])
 def test_30106_out_of_order_backup_acks_keep_host_copies_root_closed(
-        child_first, p_ok, c_ok, apply_between):
+    child_first, p_ok, c_ok, apply_between
+):
     env = Env(num_pages=16, host_pages=16, page_size=2)
     cm = env.cm
     P, C, op_p, op_c = _parent_and_child(env)
@@ -796,8 +853,13 @@ def test_30106_fuzz_interleaved_completions_evictions_and_requests(seed, policy)
     every cached row a request reads is the one stored for it."""
     rng = random.Random(seed)
     ps = rng.choice([1, 2, 4])
-    env = Env(num_pages=48 // ps, host_pages=32 // ps, page_size=ps, policy=policy,
-              layout=rng.choice(["page_first", "layer_first"]))
+    env = Env(
+        num_pages=48 // ps,
+        host_pages=32 // ps,
+        page_size=ps,
+        policy=policy,
+        layout=rng.choice(["page_first", "layer_first"]),
+    )
     cm = env.cm
     stems = [seq(rng.randint(4, 12), 1000 * k) for k in range(4)]
     active = []
@@ -838,7 +900,7 @@ def test_30106_fuzz_interleaved_completions_evictions_and_requests(seed, policy)
                 r.forward()
                 h, idx = cm.cache_unfinished_req(r.handle, r.ids, torch.cat([r.cached, r.own]))
                 assert h.lock_count == 1 and len(idx) == len(r.cached) + len(r.own)
-                r.handle, r.cached, r.own = h, idx[:h.cached_len], idx[h.cached_len:]
+                r.handle, r.cached, r.own = h, idx[: h.cached_len], idx[h.cached_len :]
                 r.device_hit = h.cached_len
                 r.forward()
             else:
@@ -1006,7 +1068,7 @@ def test_33862_mirrors_of_locked_running_requests_are_reclaimable():
         r = env.start(seq(8, 100 * k))
         r.forward()
         h, idx = cm.cache_unfinished_req(r.handle, r.ids, torch.cat([r.cached, r.own]))
-        r.handle, r.cached, r.own = h, idx[:h.cached_len], idx[h.cached_len:]
+        r.handle, r.cached, r.own = h, idx[: h.cached_len], idx[h.cached_len :]
         env.drain()
         running.append(r)
         env.check()
@@ -1276,8 +1338,9 @@ def test_4987_bad_inputs_on_the_tier_paths_change_nothing():
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_38452_host_hit_returns_the_stored_kv(layout, page_size):
-    env = Env(num_pages=64 // page_size, host_pages=64 // page_size, page_size=page_size,
-              layout=layout)
+    env = Env(
+        num_pages=64 // page_size, host_pages=64 // page_size, page_size=page_size, layout=layout
+    )
     cm = env.cm
     S = seq(12, 0)
     T = S + seq(13, 100)  # 25 tokens: a partial last page for page_size 4
@@ -1304,17 +1367,31 @@ def test_38452_host_hit_returns_the_stored_kv(layout, page_size):
     assert h.cached_len == whole and h.host_hit_len == 0
 
 
-@pytest.mark.parametrize("dtype,heads,dim", [
-    (torch.float16, 1, 3), (torch.bfloat16, 3, 8), (torch.float32, 1, 1),
-    (getattr(torch, "float8_e4m3fn", torch.float16), 2, 5)])
+@pytest.mark.parametrize(
+    "dtype,heads,dim",
+    [
+        (torch.float16, 1, 3),
+        (torch.bfloat16, 3, 8),
+        (torch.float32, 1, 1),
+        (getattr(torch, "float8_e4m3fn", torch.float16), 2, 5),
+    ],
+)
 @pytest.mark.parametrize("kv_layout", [KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_38452_round_trip_is_bit_exact_for_every_row_shape(dtype, heads, dim, kv_layout, layout):
     """Odd row sizes (3 to 48 bytes), every dtype, both device and host layouts:
     device -> host -> device gives back the stored bytes, and nothing around
     them is touched."""
-    env = Env(num_pages=12, host_pages=12, page_size=4, layout=layout, heads=heads, dim=dim,
-              dtype=dtype, kv_layout=kv_layout)
+    env = Env(
+        num_pages=12,
+        host_pages=12,
+        page_size=4,
+        layout=layout,
+        heads=heads,
+        dim=dim,
+        dtype=dtype,
+        kv_layout=kv_layout,
+    )
     cm = env.cm
     A, B = seq(14, 0), seq(10, 100)
     env.run(A)
@@ -1378,8 +1455,9 @@ def test_38452_failed_load_is_reported_even_when_another_call_applied_it():
     q.forward()
     q.finish()  # settles the loads in flight: applies r's failure
     failed = cm.loading_check()
-    assert [h is r.handle for h in failed] == [True], \
-        "the failed load's handle was swallowed by another request's call"
+    assert [h is r.handle for h in failed] == [
+        True
+    ], "the failed load's handle was swallowed by another request's call"
     r.abort()
     assert env.drain() == []
     env.check(idle=True)
@@ -1389,8 +1467,9 @@ def test_38452_failed_load_is_reported_even_when_another_call_applied_it():
     assert cm.controller.complete(op, False)
     r2 = env.start(B)  # load_back of the same prefix waits for r's (failed) load
     failed = cm.loading_check()
-    assert any(h is r.handle for h in failed), \
-        "the failed load's handle was swallowed by another request's load_back"
+    assert any(
+        h is r.handle for h in failed
+    ), "the failed load's handle was swallowed by another request's load_back"
     r.abort()
     r2.forward()
     assert cm.loading_check() == []
@@ -1450,8 +1529,7 @@ def test_end_to_end_controller_thread_every_loaded_row_is_the_stored_one(policy,
 def run_end_to_end(policy, layout, seed, steps=250):
     rng = random.Random(seed)
     ps = 2
-    env = Env(num_pages=40, host_pages=48, page_size=ps, policy=policy, layout=layout,
-              manual=False)
+    env = Env(num_pages=40, host_pages=48, page_size=ps, policy=policy, layout=layout, manual=False)
     cm = env.cm
     stems = [seq(rng.randint(6, 20), 1000 * k) for k in range(6)]
     active = []

@@ -26,10 +26,21 @@ from radixkv.kvcache import MHAKVCache
 from radixkv.replay.replay import KVShape
 from radixkv.scheduler import CacheManager
 
-settings.register_profile("ci", max_examples=40, stateful_step_count=50, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-settings.register_profile("long", max_examples=1500, stateful_step_count=150, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+settings.register_profile(
+    "long",
+    max_examples=1500,
+    stateful_step_count=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("RADIXKV_HYPOTHESIS_PROFILE", "ci"))
 
 KV = KVShape(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float16)
@@ -40,8 +51,8 @@ POLICIES = ["write_through", "write_through_selective", "write_back"]
 class Request:
     handle: object
     ids: torch.Tensor
-    cached: torch.Tensor   # the cache's slots for ids[:handle.cached_len]
-    own: torch.Tensor      # the request's pages for the rest
+    cached: torch.Tensor  # the cache's slots for ids[:handle.cached_len]
+    own: torch.Tensor  # the request's pages for the rest
 
 
 def prompts(page_size):
@@ -50,7 +61,8 @@ def prompts(page_size):
     pattern = st.integers(0, 2)
     if page_size == 1:
         return st.lists(st.integers(0, 3), min_size=1, max_size=20).map(
-            lambda xs: torch.tensor(xs, dtype=torch.int32))
+            lambda xs: torch.tensor(xs, dtype=torch.int32)
+        )
     pages = st.lists(pattern, min_size=0, max_size=4)
     tail = st.integers(1, page_size)
 
@@ -69,26 +81,42 @@ class TieredMachine(RuleBasedStateMachine):
         self.requests = []
         self.failed = []
 
-    @initialize(page_size=st.sampled_from([1, 16]), policy=st.sampled_from(POLICIES),
-                host_ratio=st.sampled_from([0.5, 1, 2, 3]),
-                host_layout=st.sampled_from(["page_first", "layer_first"]))
+    @initialize(
+        page_size=st.sampled_from([1, 16]),
+        policy=st.sampled_from(POLICIES),
+        host_ratio=st.sampled_from([0.5, 1, 2, 3]),
+        host_layout=st.sampled_from(["page_first", "layer_first"]),
+    )
     def setup(self, page_size, policy, host_ratio, host_layout):
         self.page_size = page_size
         self.device_pages = 24 if page_size == 1 else 8
         self.host_pages = max(1, int(self.device_pages * host_ratio))
-        self.pool = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, self.device_pages,
-                               KV.dtype, page_size=page_size)
-        self.cm = CacheManager(self.device_pages, page_size=page_size,
-                               host_num_pages=self.host_pages, write_policy=policy,
-                               kv_cache=self.pool, host_layout=host_layout, manual_copies=True)
+        self.pool = MHAKVCache(
+            KV.num_kv_heads,
+            KV.num_layers,
+            KV.head_dim,
+            self.device_pages,
+            KV.dtype,
+            page_size=page_size,
+        )
+        self.cm = CacheManager(
+            self.device_pages,
+            page_size=page_size,
+            host_num_pages=self.host_pages,
+            write_policy=policy,
+            kv_cache=self.pool,
+            host_layout=host_layout,
+            manual_copies=True,
+        )
         self.ids_st = prompts(page_size)
 
     # -- the K/V oracle -------------------------------------------------------
 
     def store(self, slots, ids, start):
         for layer in range(KV.num_layers):
-            self.pool.store_kv(KV.rows(ids, start, layer, 0), KV.rows(ids, start, layer, 1),
-                               slots, layer)
+            self.pool.store_kv(
+                KV.rows(ids, start, layer, 0), KV.rows(ids, start, layer, 1), slots, layer
+            )
 
     def check_rows(self, slots, ids, start=0):
         if len(slots) == 0:
@@ -98,8 +126,9 @@ class TieredMachine(RuleBasedStateMachine):
             for side, cache in ((0, self.pool.k_cache(layer)), (1, self.pool.v_cache(layer))):
                 rows = cache.reshape(-1, KV.num_kv_heads, KV.head_dim)[slots.long()]
                 want = KV.rows(ids, start, layer, side)
-                assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (
-                    f"layer {layer} side {side}: cached K/V differs from what was stored")
+                assert torch.equal(
+                    rows.view(torch.int16), want.view(torch.int16)
+                ), f"layer {layer} side {side}: cached K/V differs from what was stored"
 
     def take_failed(self, failed):
         self.failed.extend(failed)
@@ -118,7 +147,7 @@ class TieredMachine(RuleBasedStateMachine):
         h, idx = self.cm.match_req(ids)
         assert h.cached_len + h.host_hit_len <= len(ids) - 1
         assert len(idx) == h.cached_len
-        self.check_rows(idx, ids[:h.cached_len])
+        self.check_rows(idx, ids[: h.cached_len])
         device_hit = h.cached_len
         if h.host_hit_len:
             before = self.cm.host_size_info
@@ -137,7 +166,7 @@ class TieredMachine(RuleBasedStateMachine):
         except radixkv.OutOfCapacityError:
             self.cm.unlock(h)
             return
-        self.store(own[: len(ids) - h.cached_len], ids[h.cached_len:], h.cached_len)
+        self.store(own[: len(ids) - h.cached_len], ids[h.cached_len :], h.cached_len)
         self.requests.append(Request(h, ids, idx, own))
 
     def _read_kv(self, r):
@@ -149,8 +178,11 @@ class TieredMachine(RuleBasedStateMachine):
         if self.is_failed(r.handle):
             return False
         self.check_rows(r.cached, r.ids[: r.handle.cached_len])
-        self.check_rows(r.own[: len(r.ids) - r.handle.cached_len], r.ids[r.handle.cached_len:],
-                        r.handle.cached_len)
+        self.check_rows(
+            r.own[: len(r.ids) - r.handle.cached_len],
+            r.ids[r.handle.cached_len :],
+            r.handle.cached_len,
+        )
         return True
 
     @precondition(lambda self: self.requests)
@@ -171,7 +203,7 @@ class TieredMachine(RuleBasedStateMachine):
             return self._abandon(r)
         h, idx = self.cm.cache_unfinished_req(r.handle, r.ids, torch.cat([r.cached, r.own]))
         assert h.lock_count == 1
-        self.requests[i] = Request(h, r.ids, idx[: h.cached_len], idx[h.cached_len:])
+        self.requests[i] = Request(h, r.ids, idx[: h.cached_len], idx[h.cached_len :])
         self.check_rows(idx[: h.cached_len], r.ids[: h.cached_len])
 
     @precondition(lambda self: self.requests)
@@ -256,7 +288,8 @@ def test_every_policy_and_page_size_runs_a_long_random_session(policy, page_size
             m.finish_request(_Fixed([int(torch.randint(0, len(m.requests), (1,), generator=g))]))
         elif op == 6:
             m.chunked_prefill_step(
-                _Fixed([int(torch.randint(0, len(m.requests), (1,), generator=g))]))
+                _Fixed([int(torch.randint(0, len(m.requests), (1,), generator=g))])
+            )
         elif op == 7:
             waiting = m.cm.controller.waiting()
             if waiting:
@@ -291,8 +324,11 @@ def _prompt(g, page_size, n_pages):
     if page_size == 1:
         n = int(torch.randint(1, 16, (1,), generator=g))
         return torch.randint(0, 3, (n,), generator=g, dtype=torch.int32)
-    blocks = [torch.arange(page_size, dtype=torch.int32) * 3
-              + int(torch.randint(0, 3, (1,), generator=g)) for _ in range(n_pages)]
-    blocks.append(torch.full((int(torch.randint(1, page_size + 1, (1,), generator=g)),), 7,
-                             dtype=torch.int32))
+    blocks = [
+        torch.arange(page_size, dtype=torch.int32) * 3 + int(torch.randint(0, 3, (1,), generator=g))
+        for _ in range(n_pages)
+    ]
+    blocks.append(
+        torch.full((int(torch.randint(1, page_size + 1, (1,), generator=g)),), 7, dtype=torch.int32)
+    )
     return torch.cat(blocks)

@@ -68,14 +68,14 @@ class raises:
         if not issubclass(et, Exception):
             return False
         if not issubclass(et, self.exc):
-            pytest.fail(f"expected {want} naming {self.names}, got {et.__name__}: {ev}",
-                        pytrace=False)
+            pytest.fail(
+                f"expected {want} naming {self.names}, got {et.__name__}: {ev}", pytrace=False
+            )
         msg = str(ev)
         for name in self.names:
             options = name if isinstance(name, tuple) else (name,)
             if not any(o in msg for o in options):
-                pytest.fail(f"{et.__name__} message {msg!r} does not name {name!r}",
-                            pytrace=False)
+                pytest.fail(f"{et.__name__} message {msg!r} does not name {name!r}", pytrace=False)
         self.info.value = ev
         return True
 
@@ -103,8 +103,7 @@ class Scenario:
     argument under test (named `arg`), the other arguments being valid;
     `valid` is a valid value for it (a list of small non-negative ints)."""
 
-    def __init__(self, arg, valid, call, state, integrity=lambda: None, lenient=False,
-                 empty=None):
+    def __init__(self, arg, valid, call, state, integrity=lambda: None, lenient=False, empty=None):
         self.arg = arg
         self.valid = valid
         self.call = call
@@ -141,8 +140,12 @@ def radix_manager(p):
 
 
 def radix_state(m, hs):
-    return (m.size_info, m.num_nodes, m.dump(),
-            {k: (h.lock_count, h.cached_len, m.is_valid(h)) for k, h in hs.items()})
+    return (
+        m.size_info,
+        m.num_nodes,
+        m.dump(),
+        {k: (h.lock_count, h.cached_len, m.is_valid(h)) for k, h in hs.items()},
+    )
 
 
 def naive_manager(p):
@@ -168,15 +171,27 @@ def _prefix_cache(kind, p, which):
     handle_name = "RadixCacheHandle" if kind == "radix" else "NaiveCacheHandle"
     empty_match = (("handle", handle_name, 0, 0), ("tensor", "torch.int32", "cpu", []))
     if which == "match_prefix/input_ids":
-        return Scenario("input_ids", MATCH_IDS(p), m.match_prefix, st, m.check_integrity,
-                        empty=(lambda f: m.match_prefix(f([])), empty_match))
+        return Scenario(
+            "input_ids",
+            MATCH_IDS(p),
+            m.match_prefix,
+            st,
+            m.check_integrity,
+            empty=(lambda f: m.match_prefix(f([])), empty_match),
+        )
     if which == "insert_prefix/input_ids":
-        return Scenario("input_ids", INSERT_IDS(p), lambda x: m.insert_prefix(x, INSERT_IDX(p)),
-                        st, m.check_integrity,
-                        empty=(lambda f: m.insert_prefix(f([]), f([])), 0))
+        return Scenario(
+            "input_ids",
+            INSERT_IDS(p),
+            lambda x: m.insert_prefix(x, INSERT_IDX(p)),
+            st,
+            m.check_integrity,
+            empty=(lambda f: m.insert_prefix(f([]), f([])), 0),
+        )
     assert which == "insert_prefix/indices"
-    return Scenario("indices", INSERT_IDX(p), lambda x: m.insert_prefix(INSERT_IDS(p), x),
-                    st, m.check_integrity)
+    return Scenario(
+        "indices", INSERT_IDX(p), lambda x: m.insert_prefix(INSERT_IDS(p), x), st, m.check_integrity
+    )
 
 
 # the scheduler's CacheManager
@@ -229,9 +244,15 @@ def free_list(cm):
 
 def cm_state(cm, hs):
     dump = cm.manager.dump() if isinstance(cm.manager, RadixCacheManager) else None
-    return (free_list(cm), cm._pages.num_free_pages, cm.held_pages, cm.manager.size_info,
-            dump, cm.available_size,
-            {k: (h.lock_count, h.cached_len, cm.manager.is_valid(h)) for k, h in hs.items()})
+    return (
+        free_list(cm),
+        cm._pages.num_free_pages,
+        cm.held_pages,
+        cm.manager.size_info,
+        dump,
+        cm.available_size,
+        {k: (h.lock_count, h.cached_len, cm.manager.is_valid(h)) for k, h in hs.items()},
+    )
 
 
 def _cache_manager(t, p, which):
@@ -239,12 +260,23 @@ def _cache_manager(t, p, which):
     h = hs["locked"]
     st = lambda: cm_state(cm, hs)  # noqa: E731
     if which == "match_req/input_ids":
-        return Scenario("input_ids", seq(2 * p, 10) + [99, 98], cm.match_req, st,
-                        cm.check_integrity,
-                        empty=(lambda f: cm.match_req(f([])), ValueError))
+        return Scenario(
+            "input_ids",
+            seq(2 * p, 10) + [99, 98],
+            cm.match_req,
+            st,
+            cm.check_integrity,
+            empty=(lambda f: cm.match_req(f([])), ValueError),
+        )
     if which == "free/indices":
-        return Scenario("indices", idx[h.cached_len:].tolist(), cm.free, st, cm.check_integrity,
-                        empty=(lambda f: cm.free(f([])), None))
+        return Scenario(
+            "indices",
+            idx[h.cached_len :].tolist(),
+            cm.free,
+            st,
+            cm.check_integrity,
+            empty=(lambda f: cm.free(f([])), None),
+        )
     method, arg = which.split("/")
     fn = getattr(cm, method)
     if arg == "input_ids":
@@ -260,10 +292,20 @@ FM_B = [1, 2, 3, 4, 5, 6, 7]
 
 def _first_mismatch(which):
     if which == "a":
-        return Scenario("a", FM_A, lambda x: kernel.first_mismatch(x, FM_B), lambda: None,
-                        empty=(lambda f: kernel.first_mismatch(f([]), FM_B), 0))
-    return Scenario("b", FM_B, lambda x: kernel.first_mismatch(FM_A, x), lambda: None,
-                    empty=(lambda f: kernel.first_mismatch(FM_A, f([])), 0))
+        return Scenario(
+            "a",
+            FM_A,
+            lambda x: kernel.first_mismatch(x, FM_B),
+            lambda: None,
+            empty=(lambda f: kernel.first_mismatch(f([]), FM_B), 0),
+        )
+    return Scenario(
+        "b",
+        FM_B,
+        lambda x: kernel.first_mismatch(FM_A, x),
+        lambda: None,
+        empty=(lambda f: kernel.first_mismatch(FM_A, f([])), 0),
+    )
 
 
 def req_pool():
@@ -281,9 +323,13 @@ def pool_state(pool):
 
 def _pool_write():
     pool, rows, _ = req_pool()
-    return Scenario("values", [5, 6, 7, 200], lambda x: pool.write(rows[1], 2, x),
-                    lambda: pool_state(pool),
-                    empty=(lambda f: pool.write(rows[1], 16, f([])), None))
+    return Scenario(
+        "values",
+        [5, 6, 7, 200],
+        lambda x: pool.write(rows[1], 2, x),
+        lambda: pool_state(pool),
+        empty=(lambda f: pool.write(rows[1], 16, f([])), None),
+    )
 
 
 KV_H, KV_D, KV_L, KV_SLOTS = 2, 8, 3, 16
@@ -305,7 +351,8 @@ def kv_pool(p):
 
 def kv_state(c):
     layers = [c.k_cache(i) for i in range(c.num_layers)] + [
-        c.v_cache(i) for i in range(c.num_layers)]
+        c.v_cache(i) for i in range(c.num_layers)
+    ]
     return as_bytes(torch.stack(layers)), as_bytes(c.kv_buffer)
 
 
@@ -317,8 +364,14 @@ def _store(which, p):
             return c.store_kv(k, v, loc, 1)
         return kernel.store_cache(c.k_cache(1), c.v_cache(1), loc, k, v)
 
-    return Scenario("out_loc", STORE_LOC, call, lambda: kv_state(c), lenient=True,
-                    empty=(lambda f: call(f([]), k[:0], v[:0]), None))
+    return Scenario(
+        "out_loc",
+        STORE_LOC,
+        call,
+        lambda: kv_state(c),
+        lenient=True,
+        empty=(lambda f: call(f([]), k[:0], v[:0]), None),
+    )
 
 
 # name -> (builder(p), whether the page size matters)
@@ -326,21 +379,33 @@ ENTRIES = {}
 for _kind in ("radix", "naive"):
     for _which in ("match_prefix/input_ids", "insert_prefix/input_ids", "insert_prefix/indices"):
         ENTRIES[f"{_kind}.{_which}"] = (
-            lambda p, _k=_kind, _w=_which: _prefix_cache(_k, p, _w), True)
+            lambda p, _k=_kind, _w=_which: _prefix_cache(_k, p, _w),
+            True,
+        )
 for _t in ("radix", "naive"):
-    for _which in ("match_req/input_ids", "free/indices",
-                   "free_and_cache_finished_req/input_ids", "free_and_cache_finished_req/indices",
-                   "cache_unfinished_req/input_ids", "cache_unfinished_req/indices"):
+    for _which in (
+        "match_req/input_ids",
+        "free/indices",
+        "free_and_cache_finished_req/input_ids",
+        "free_and_cache_finished_req/indices",
+        "cache_unfinished_req/input_ids",
+        "cache_unfinished_req/indices",
+    ):
         ENTRIES[f"CacheManager[{_t}].{_which}"] = (
-            lambda p, _t=_t, _w=_which: _cache_manager(_t, p, _w), True)
+            lambda p, _t=_t, _w=_which: _cache_manager(_t, p, _w),
+            True,
+        )
 ENTRIES["kernel.first_mismatch/a"] = (lambda p: _first_mismatch("a"), False)
 ENTRIES["kernel.first_mismatch/b"] = (lambda p: _first_mismatch("b"), False)
 ENTRIES["ReqToTokenPool.write/values"] = (lambda p: _pool_write(), False)
 ENTRIES["MHAKVCache.store_kv/out_loc"] = (lambda p: _store("store_kv", p), True)
 ENTRIES["kernel.store_cache/out_loc"] = (lambda p: _store("store_cache", p), True)
 
-ENTRY_P = [pytest.param(e, p, id=f"{e}-p{p}")
-           for e, (_, paged) in ENTRIES.items() for p in (P_VALUES if paged else [1])]
+ENTRY_P = [
+    pytest.param(e, p, id=f"{e}-p{p}")
+    for e, (_, paged) in ENTRIES.items()
+    for p in (P_VALUES if paged else [1])
+]
 
 
 def build(entry, p):
@@ -404,12 +469,14 @@ def test_valid_form_same_as_int64(entry, p, form):
         got = s.call(x)
     except Exception as e:  # noqa: BLE001  (reported below, with the state)
         changed = s.state() != before
-        if (s.lenient and isinstance(e, (TypeError, ValueError)) and s.arg in str(e)
-                and not changed):
+        if s.lenient and isinstance(e, (TypeError, ValueError)) and s.arg in str(e) and not changed:
             s.integrity()
             return  # a form the K/V store documents it does not take, refused cleanly
-        pytest.fail(f"valid input refused: {type(e).__name__}: {e} -- and the state "
-                    f"{'CHANGED' if changed else 'is unchanged'}", pytrace=False)
+        pytest.fail(
+            f"valid input refused: {type(e).__name__}: {e} -- and the state "
+            f"{'CHANGED' if changed else 'is unchanged'}",
+            pytrace=False,
+        )
     assert norm(got) == want
     assert s.state() == ref.state()
     s.integrity()
@@ -574,8 +641,11 @@ SLOT_ENTRIES = {
     "kernel.store_cache/out_loc": "pool",
 }
 for _t in ("radix", "naive"):
-    for _w in ("free/indices", "free_and_cache_finished_req/indices",
-               "cache_unfinished_req/indices"):
+    for _w in (
+        "free/indices",
+        "free_and_cache_finished_req/indices",
+        "cache_unfinished_req/indices",
+    ):
         SLOT_ENTRIES[f"CacheManager[{_t}].{_w}"] = "pages"
 
 
@@ -605,7 +675,8 @@ def _slot_cases(entry, p, s):
 
 SLOT_PARAMS = [
     pytest.param(e, p, case, id=f"{e}-p{p}-{case}")
-    for e in SLOT_ENTRIES for p in (P_VALUES if ENTRIES[e][1] else [1])
+    for e in SLOT_ENTRIES
+    for p in (P_VALUES if ENTRIES[e][1] else [1])
     for case in _slot_cases(e, p, build(e, p))
 ]
 
@@ -624,8 +695,13 @@ def _length_cases(entry):
     if entry.endswith(("insert_prefix/input_ids", "insert_prefix/indices")):
         return {"one_longer": "+1", "one_shorter": "-1", "empty": "[]", "twice_as_long": "x2"}
     if entry.endswith("_req/indices"):
-        return {"one_longer": "+1", "one_shorter": "-1", "page_longer": "+p",
-                "page_shorter": "-p", "empty": "[]"}
+        return {
+            "one_longer": "+1",
+            "one_shorter": "-1",
+            "page_longer": "+p",
+            "page_shorter": "-p",
+            "empty": "[]",
+        }
     if entry.endswith("out_loc"):
         return {"one_longer": "+1", "one_shorter": "-1", "empty": "[]"}
     return {}
@@ -633,7 +709,8 @@ def _length_cases(entry):
 
 LENGTH_PARAMS = [
     pytest.param(e, p, c, id=f"{e}-p{p}-{c}")
-    for e in ENTRIES for p in (P_VALUES if ENTRIES[e][1] else [1])
+    for e in ENTRIES
+    for p in (P_VALUES if ENTRIES[e][1] else [1])
     for c in _length_cases(e)
 ]
 
@@ -654,8 +731,14 @@ def test_length_mismatch(entry, p, case):
     else:
         extra = [0]  # a slot in range
         names = [s.arg]
-    bad = {"+1": v + extra[:1], "-1": v[:-1], "+p": v + extra, "-p": v[:-p], "[]": [],
-           "x2": v + [x + 100 for x in v]}[how]
+    bad = {
+        "+1": v + extra[:1],
+        "-1": v[:-1],
+        "+p": v + extra,
+        "-p": v[:-p],
+        "[]": [],
+        "x2": v + [x + 100 for x in v],
+    }[how]
     if s.lenient:
         bad = torch.tensor(bad, dtype=torch.int64)
     before = s.state()
@@ -672,9 +755,9 @@ def test_request_ids_shorter_than_handle(p, method):
     h = hs["locked"]
     c = h.cached_len
     before = cm_state(cm, hs)
-    short = ids[:c - 1]
+    short = ids[: c - 1]
     with raises(ValueError, "old_handle"):
-        getattr(cm, method)(h, short, idx[:-(-len(short) // p) * p])
+        getattr(cm, method)(h, short, idx[: -(-len(short) // p) * p])
     assert cm_state(cm, hs) == before
     cm.check_integrity()
 
@@ -700,8 +783,10 @@ class HandleCase:
             self.integrity = m.check_integrity
             self.lock = m.lock_handle
             self.reset = m.reset
-            self.call = {"lock": lambda h: m.lock_handle(h),
-                         "unlock": lambda h: m.lock_handle(h, unlock=True)}[op]
+            self.call = {
+                "lock": lambda h: m.lock_handle(h),
+                "unlock": lambda h: m.lock_handle(h, unlock=True),
+            }[op]
             self.other_type = (naive_manager if base == "radix" else radix_manager)(p)[1]["locked"]
         else:
             t = base.split("[")[1].rstrip("]")
@@ -715,8 +800,9 @@ class HandleCase:
             self.call = {
                 "lock": cm.lock,
                 "unlock": cm.unlock,
-                "free_and_cache_finished_req":
-                    lambda h: cm.free_and_cache_finished_req(h, ids, idx),
+                "free_and_cache_finished_req": lambda h: cm.free_and_cache_finished_req(
+                    h, ids, idx
+                ),
                 "cache_unfinished_req": lambda h: cm.cache_unfinished_req(h, ids, idx),
             }[op]
             self.other_type = cache_manager(p, "naive" if t == "radix" else "radix")[1]["locked"]
@@ -725,16 +811,20 @@ class HandleCase:
 
 
 HANDLE_ENTRIES = [f"{b}:{op}" for b in ("radix", "naive") for op in ("lock", "unlock")] + [
-    f"CacheManager[{t}]:{op}" for t in ("radix", "naive")
-    for op in ("lock", "unlock", "free_and_cache_finished_req", "cache_unfinished_req")]
+    f"CacheManager[{t}]:{op}"
+    for t in ("radix", "naive")
+    for op in ("lock", "unlock", "free_and_cache_finished_req", "cache_unfinished_req")
+]
 
 HANDLE_KINDS = {
     "none": (lambda hs, o: None, TypeError),
     "int": (lambda hs, o: 3, TypeError),
     "str": (lambda hs, o: "handle", TypeError),
     "tensor": (lambda hs, o: torch.tensor([1]), TypeError),
-    "match_result_tuple": (lambda hs, o: (hs["idle"], torch.empty(0, dtype=torch.int32)),
-                           TypeError),
+    "match_result_tuple": (
+        lambda hs, o: (hs["idle"], torch.empty(0, dtype=torch.int32)),
+        TypeError,
+    ),
     "other_type_handle": (lambda hs, o: o["other_type"], (TypeError, ValueError)),
     "other_manager": (lambda hs, o: o["other"], ValueError),
     "stale_evicted": (lambda hs, o: hs["stale"], ValueError),
@@ -757,8 +847,13 @@ def _handle_applies(entry, kind):
     return True
 
 
-HANDLE_PARAMS = [pytest.param(e, p, k, id=f"{e}-p{p}-{k}") for e in HANDLE_ENTRIES
-                 for p in P_VALUES for k in HANDLE_KINDS if _handle_applies(e, k)]
+HANDLE_PARAMS = [
+    pytest.param(e, p, k, id=f"{e}-p{p}-{k}")
+    for e in HANDLE_ENTRIES
+    for p in P_VALUES
+    for k in HANDLE_KINDS
+    if _handle_applies(e, k)
+]
 
 
 @pytest.mark.parametrize("entry, p, kind", HANDLE_PARAMS)
@@ -831,8 +926,9 @@ def test_evict_bad_size(manager, p, kind):
 @pytest.mark.parametrize("p", P_VALUES)
 @pytest.mark.parametrize("manager", ["radix", "naive"])
 def test_evict_zero(manager, p):
-    (m, hs), (twin, _) = [radix_manager(p) if manager == "radix" else naive_manager(p)
-                          for _ in range(2)]
+    (m, hs), (twin, _) = [
+        radix_manager(p) if manager == "radix" else naive_manager(p) for _ in range(2)
+    ]
     got = m.evict(0)
     assert norm(got) == ("tensor", "torch.int32", "cpu", [])
     if manager == "radix":
@@ -935,9 +1031,13 @@ def test_pool_free_bad_rows(kind):
 def test_pool_free_row_forms(form):
     (pool, rows, _), (twin, trows, _) = req_pool(), req_pool()
     twin.free(list(trows))
-    make = {"list": list, "tuple": tuple, "numpy_int64": lambda r: np.array(r, dtype=np.int64),
-            "numpy_uint8": lambda r: np.array(r, dtype=np.uint8),
-            "generator": lambda r: (x for x in r)}[form]
+    make = {
+        "list": list,
+        "tuple": tuple,
+        "numpy_int64": lambda r: np.array(r, dtype=np.int64),
+        "numpy_uint8": lambda r: np.array(r, dtype=np.uint8),
+        "generator": lambda r: (x for x in r),
+    }[form]
     pool.free(make(rows))
     assert pool_state(pool) == pool_state(twin)
 
@@ -982,8 +1082,11 @@ STORE_BAD = {
     "v_shape_differs_from_k": (lambda c, k, v: dict(v=v[:, :1]), ValueError, "v"),
     "k_wrong_heads": (lambda c, k, v: dict(k=k[:, :1]), ValueError, "k"),
     "k_and_v_wrong_heads": (lambda c, k, v: dict(k=k[:, :1], v=v[:, :1]), ValueError, "k"),
-    "k_too_many_heads": (lambda c, k, v: dict(k=torch.cat([k, k], 1), v=torch.cat([v, v], 1)),
-                         ValueError, "k"),
+    "k_too_many_heads": (
+        lambda c, k, v: dict(k=torch.cat([k, k], 1), v=torch.cat([v, v], 1)),
+        ValueError,
+        "k",
+    ),
     "k_wrong_head_dim": (lambda c, k, v: dict(k=k[..., :4].contiguous()), ValueError, "k"),
     "v_wrong_head_dim": (lambda c, k, v: dict(v=torch.cat([v, v], 2)), ValueError, "v"),
     "k_rank_2": (lambda c, k, v: dict(k=k.reshape(4, -1)), ValueError, "k"),
@@ -1004,43 +1107,58 @@ STORE_BAD = {
     "k_list": (lambda c, k, v: dict(k=k.tolist()), TypeError, "k"),
     "v_numpy": (lambda c, k, v: dict(v=v.numpy()), TypeError, "v"),
     "k_None": (lambda c, k, v: dict(k=None), TypeError, "k"),
-    "k_last_dim_strided": (lambda c, k, v: dict(k=torch.cat([k, k], 2)[..., ::2]),
-                           ValueError, "k"),
+    "k_last_dim_strided": (lambda c, k, v: dict(k=torch.cat([k, k], 2)[..., ::2]), ValueError, "k"),
     "out_loc_None": (lambda c, k, v: dict(out_loc=None), TypeError, "out_loc"),
-    "out_loc_float": (lambda c, k, v: dict(out_loc=torch.tensor(STORE_LOC).float()), TypeError,
-                      "out_loc"),
-    "out_loc_repeats": (lambda c, k, v: dict(out_loc=torch.tensor(STORE_LOC[:-1] + STORE_LOC[:1])),
-                        ValueError, "out_loc"),
+    "out_loc_float": (
+        lambda c, k, v: dict(out_loc=torch.tensor(STORE_LOC).float()),
+        TypeError,
+        "out_loc",
+    ),
+    "out_loc_repeats": (
+        lambda c, k, v: dict(out_loc=torch.tensor(STORE_LOC[:-1] + STORE_LOC[:1])),
+        ValueError,
+        "out_loc",
+    ),
     "k_neg_view": (lambda c, k, v: dict(k=torch._neg_view(k)), ValueError, "k"),
     # conj().imag of a complex tensor is a lazy negation too
-    "v_conj_imag": (lambda c, k, v: dict(v=torch.complex(v.float(), v.float()).conj().imag),
-                    ValueError, "v"),
+    "v_conj_imag": (
+        lambda c, k, v: dict(v=torch.complex(v.float(), v.float()).conj().imag),
+        ValueError,
+        "v",
+    ),
 }
 STORE_CACHE_BAD = {
-    "k_cache_meta": (lambda c, k, v: dict(k_cache=c.k_cache(1).to("meta")), TypeError,
-                     "k_cache"),
-    "v_cache_meta": (lambda c, k, v: dict(v_cache=c.v_cache(1).to("meta")), TypeError,
-                     "v_cache"),
-    "v_cache_other_shape": (lambda c, k, v: dict(v_cache=c.v_cache(1)[:1]), ValueError,
-                            "v_cache"),
-    "v_cache_float32": (lambda c, k, v: dict(v_cache=c.v_cache(1).float()), TypeError,
-                        "v_cache"),
-    "k_cache_2d": (lambda c, k, v: dict(k_cache=c.kv_buffer.view(16, -1)), ValueError,
-                   "k_cache"),
+    "k_cache_meta": (lambda c, k, v: dict(k_cache=c.k_cache(1).to("meta")), TypeError, "k_cache"),
+    "v_cache_meta": (lambda c, k, v: dict(v_cache=c.v_cache(1).to("meta")), TypeError, "v_cache"),
+    "v_cache_other_shape": (lambda c, k, v: dict(v_cache=c.v_cache(1)[:1]), ValueError, "v_cache"),
+    "v_cache_float32": (lambda c, k, v: dict(v_cache=c.v_cache(1).float()), TypeError, "v_cache"),
+    "k_cache_2d": (lambda c, k, v: dict(k_cache=c.kv_buffer.view(16, -1)), ValueError, "k_cache"),
     "k_cache_numpy": (lambda c, k, v: dict(k_cache=c.k_cache(1).numpy()), TypeError, "k_cache"),
-    "k_cache_neg_view": (lambda c, k, v: dict(k_cache=torch._neg_view(c.k_cache(1))), ValueError,
-                         "k_cache"),
-    "v_cache_requires_grad": (lambda c, k, v: dict(v_cache=c.v_cache(1).clone().requires_grad_()),
-                              ValueError, "v_cache"),
-    "k_cache_complex": (lambda c, k, v: dict(
-        k_cache=torch.zeros(c.k_cache(1).shape[:-1] + (4,), dtype=torch.complex64),
-        v_cache=torch.zeros(c.k_cache(1).shape[:-1] + (4,), dtype=torch.complex64)),
-        TypeError, "k_cache"),
+    "k_cache_neg_view": (
+        lambda c, k, v: dict(k_cache=torch._neg_view(c.k_cache(1))),
+        ValueError,
+        "k_cache",
+    ),
+    "v_cache_requires_grad": (
+        lambda c, k, v: dict(v_cache=c.v_cache(1).clone().requires_grad_()),
+        ValueError,
+        "v_cache",
+    ),
+    "k_cache_complex": (
+        lambda c, k, v: dict(
+            k_cache=torch.zeros(c.k_cache(1).shape[:-1] + (4,), dtype=torch.complex64),
+            v_cache=torch.zeros(c.k_cache(1).shape[:-1] + (4,), dtype=torch.complex64),
+        ),
+        TypeError,
+        "k_cache",
+    ),
 }
-STORE_PARAMS = [pytest.param(e, p, case, id=f"{e}-p{p}-{case}")
-                for e in ("store_kv", "store_cache") for p in P_VALUES
-                for case in sorted(STORE_BAD) + (sorted(STORE_CACHE_BAD)
-                                                 if e == "store_cache" else [])]
+STORE_PARAMS = [
+    pytest.param(e, p, case, id=f"{e}-p{p}-{case}")
+    for e in ("store_kv", "store_cache")
+    for p in P_VALUES
+    for case in sorted(STORE_BAD) + (sorted(STORE_CACHE_BAD) if e == "store_cache" else [])
+]
 
 
 @pytest.mark.parametrize("entry", ["store_kv", "store_cache"])
@@ -1070,8 +1188,9 @@ def test_store_takes_any_integer_out_loc_on_cpu(entry, p, form):
 def test_store_bad_tensors(entry, p, case):
     c, k, v = kv_pool(p)
     make, exc, name = {**STORE_BAD, **STORE_CACHE_BAD}[case]
-    args = dict(k_cache=c.k_cache(1), v_cache=c.v_cache(1), out_loc=torch.tensor(STORE_LOC),
-                k=k, v=v)
+    args = dict(
+        k_cache=c.k_cache(1), v_cache=c.v_cache(1), out_loc=torch.tensor(STORE_LOC), k=k, v=v
+    )
     args.update(make(c, k, v))
     before = kv_state(c)
     with raises(exc, name):
@@ -1122,8 +1241,9 @@ def test_bad_layer(entry, p, kind):
 @pytest.mark.parametrize("entry", sorted(LAYER_ENTRIES))
 def test_layer_integer_forms(entry, form):
     (c, k, v), (twin, _, _) = kv_pool(4), kv_pool(4)
-    layer = {"numpy_int64": np.int64(2), "numpy_uint8": np.uint8(2),
-             "torch_0d": torch.tensor(2)}[form]
+    layer = {"numpy_int64": np.int64(2), "numpy_uint8": np.uint8(2), "torch_0d": torch.tensor(2)}[
+        form
+    ]
     if entry == "store_kv":
         c.store_kv(k, v, torch.tensor(STORE_LOC), layer)
         twin.store_kv(k, v, torch.tensor(STORE_LOC), 2)
@@ -1131,7 +1251,10 @@ def test_layer_integer_forms(entry, form):
     else:
         got, want = getattr(c, entry)(layer), getattr(c, entry)(2)
         assert (got.data_ptr(), got.shape, got.stride()) == (
-            want.data_ptr(), want.shape, want.stride())
+            want.data_ptr(),
+            want.shape,
+            want.stride(),
+        )
 
 
 # --- first_mismatch_batched --------------------------------------------------------------------
@@ -1141,10 +1264,12 @@ FMB_KEYS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 0, 4, 5, 6, 7, 8], [9, 2, 3, 4, 5, 
 
 
 def _fmb_args():
-    return dict(query=torch.tensor(FMB_Q, dtype=torch.int32),
-                keys=torch.tensor(FMB_KEYS, dtype=torch.int32),
-                key_lens=torch.tensor([8, 8, 8], dtype=torch.int32),
-                out=torch.full((3,), -5, dtype=torch.int32))
+    return dict(
+        query=torch.tensor(FMB_Q, dtype=torch.int32),
+        keys=torch.tensor(FMB_KEYS, dtype=torch.int32),
+        key_lens=torch.tensor([8, 8, 8], dtype=torch.int32),
+        out=torch.full((3,), -5, dtype=torch.int32),
+    )
 
 
 FMB_BAD = {
@@ -1155,8 +1280,7 @@ FMB_BAD = {
     "query_list": (lambda a: dict(query=list(FMB_Q)), TypeError, "query"),
     "query_numpy": (lambda a: dict(query=np.array(FMB_Q, dtype=np.int32)), TypeError, "query"),
     "query_meta": (lambda a: dict(query=a["query"].to("meta")), TypeError, "query"),
-    "query_stride0_huge": (lambda a: dict(query=a["query"][:1].expand(2**31)), ValueError,
-                           "query"),
+    "query_stride0_huge": (lambda a: dict(query=a["query"][:1].expand(2**31)), ValueError, "query"),
     "keys_int64": (lambda a: dict(keys=a["keys"].long()), TypeError, "keys"),
     "keys_float32": (lambda a: dict(keys=a["keys"].float()), TypeError, "keys"),
     "keys_1d": (lambda a: dict(keys=a["keys"][0]), ValueError, "keys"),
@@ -1167,12 +1291,17 @@ FMB_BAD = {
     "key_lens_short": (lambda a: dict(key_lens=a["key_lens"][:2]), ValueError, "key_lens"),
     "key_lens_2d": (lambda a: dict(key_lens=a["key_lens"].view(3, 1)), ValueError, "key_lens"),
     "key_lens_meta": (lambda a: dict(key_lens=a["key_lens"].to("meta")), TypeError, "key_lens"),
-    "key_lens_negative": (lambda a: dict(key_lens=torch.tensor([8, -1, 8])), ValueError,
-                          "key_lens"),
-    "key_lens_beyond_L": (lambda a: dict(key_lens=torch.tensor([8, 9, 8])), ValueError,
-                          "key_lens"),
-    "key_lens_2**40": (lambda a: dict(key_lens=torch.tensor([8, 2**40, 8])), ValueError,
-                       "key_lens"),
+    "key_lens_negative": (
+        lambda a: dict(key_lens=torch.tensor([8, -1, 8])),
+        ValueError,
+        "key_lens",
+    ),
+    "key_lens_beyond_L": (lambda a: dict(key_lens=torch.tensor([8, 9, 8])), ValueError, "key_lens"),
+    "key_lens_2**40": (
+        lambda a: dict(key_lens=torch.tensor([8, 2**40, 8])),
+        ValueError,
+        "key_lens",
+    ),
     "out_int64": (lambda a: dict(out=torch.full((3,), -5, dtype=torch.int64)), TypeError, "out"),
     "out_short": (lambda a: dict(out=a["out"][:2]), ValueError, "out"),
     "out_2d": (lambda a: dict(out=a["out"].view(3, 1)), ValueError, "out"),

@@ -89,8 +89,11 @@ def test_store_cache_error_names_each_argument(device):
     args = dict(k_cache=kc, v_cache=kc.clone(), out_loc=loc, k=k, v=k)
     cases = [
         (dict(k_cache=kc.view(64)), ValueError, r"^k_cache must have shape"),
-        (dict(k_cache=kc.view(8, 8), v_cache=kc.view(8, 8)), ValueError,
-         r"^k must have shape \[num_tokens, 8\]"),
+        (
+            dict(k_cache=kc.view(8, 8), v_cache=kc.view(8, 8)),
+            ValueError,
+            r"^k must have shape \[num_tokens, 8\]",
+        ),
         (dict(k_cache=torch.zeros(8, 2, 4, 1, 1, device=device)), ValueError, r"^k_cache"),
         (
             dict(v_cache=torch.zeros(9, 2, 4, device=device)),
@@ -426,8 +429,11 @@ def test_store_refuses_one_cache_twice_and_expanded_or_overlapping_rows(device, 
 
 # --- float8 conversion in the store -------------------------------------------------------
 
-FLOAT8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
-          if d is not None]
+FLOAT8 = [
+    d
+    for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+    if d is not None
+]
 
 
 def _float8_inputs():
@@ -455,8 +461,9 @@ def _store_converted(x, cache_dtype, scale, device):
     kc = torch.zeros(2, n, dtype=cache_dtype, device=device)
     vc = torch.zeros(2, n, dtype=cache_dtype, device=device)
     row = x.to(device).view(1, n)
-    kernel.store_cache(kc, vc, torch.tensor([1], device=device), row, row, k_scale=scale,
-                       v_scale=scale)
+    kernel.store_cache(
+        kc, vc, torch.tensor([1], device=device), row, row, k_scale=scale, v_scale=scale
+    )
     assert torch.equal(b(kc[1]), b(vc[1]))
     assert b(kc[0]).eq(0).all()
     return b(kc[1])
@@ -481,7 +488,8 @@ def test_float8_conversion_is_bit_identical_to_torch(device, cache_dtype, scale)
         bad = (got != want).nonzero().flatten()
         assert bad.numel() == 0, (
             f"{x.dtype}: {bad.numel()} differ, first x={x[bad[0]].item()!r} "
-            f"got 0x{got[bad[0]].item():02x} want 0x{want[bad[0]].item():02x}")
+            f"got 0x{got[bad[0]].item():02x} want 0x{want[bad[0]].item():02x}"
+        )
 
 
 @pytest.mark.skipif(not FLOAT8, reason="this torch has no float8 dtypes")

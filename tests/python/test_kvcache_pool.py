@@ -398,54 +398,66 @@ def error_cases(device):
     other = torch.device("cpu") if dev.type == "cuda" else torch.device("meta")
     k = torch.ones(3, 2, 8, dtype=torch.float16, device=dev)
     loc = torch.tensor([1, 2, 3], device=dev)
-    return [
-        ("k not a tensor", dict(k=k.tolist()), TypeError, r"^k must be a torch\.Tensor"),
-        ("k rank", dict(k=k.view(3, 16)), ValueError, r"^k must have shape \[num_tokens, 2, 8\]"),
-        (
-            "k heads",
-            dict(k=torch.ones(3, 1, 8, dtype=torch.float16, device=dev)),
-            ValueError,
-            r"^k has shape \[3, 1, 8\]",
-        ),
-        (
-            "k head_dim",
-            dict(k=torch.ones(3, 2, 4, dtype=torch.float16, device=dev)),
-            ValueError,
-            r"^k has shape",
-        ),
-        ("k dtype", dict(k=k.float()), TypeError, r"^k has dtype float32 but k_cache"),
-        ("v dtype", dict(v=k.bfloat16()), TypeError, r"^v has dtype bfloat16"),
-        ("v tokens", dict(v=k[:2]), ValueError, r"^v has 2 tokens but k has 3"),
-        ("k device", dict(k=k.to(other)), TypeError, r"^k must"),
-        ("out_loc device", dict(out_loc=loc.to(other)), TypeError, r"^out_loc must"),
-        (
-            "out_loc dtype",
-            dict(out_loc=loc.float()),
-            TypeError,
-            r"^out_loc must have dtype int32 or int64, got float32"
+    return (
+        [
+            ("k not a tensor", dict(k=k.tolist()), TypeError, r"^k must be a torch\.Tensor"),
+            (
+                "k rank",
+                dict(k=k.view(3, 16)),
+                ValueError,
+                r"^k must have shape \[num_tokens, 2, 8\]",
+            ),
+            (
+                "k heads",
+                dict(k=torch.ones(3, 1, 8, dtype=torch.float16, device=dev)),
+                ValueError,
+                r"^k has shape \[3, 1, 8\]",
+            ),
+            (
+                "k head_dim",
+                dict(k=torch.ones(3, 2, 4, dtype=torch.float16, device=dev)),
+                ValueError,
+                r"^k has shape",
+            ),
+            ("k dtype", dict(k=k.float()), TypeError, r"^k has dtype float32 but k_cache"),
+            ("v dtype", dict(v=k.bfloat16()), TypeError, r"^v has dtype bfloat16"),
+            ("v tokens", dict(v=k[:2]), ValueError, r"^v has 2 tokens but k has 3"),
+            ("k device", dict(k=k.to(other)), TypeError, r"^k must"),
+            ("out_loc device", dict(out_loc=loc.to(other)), TypeError, r"^out_loc must"),
+            (
+                "out_loc dtype",
+                dict(out_loc=loc.float()),
+                TypeError,
+                r"^out_loc must have dtype int32 or int64, got float32"
+                if dev.type != "cpu"
+                else r"^out_loc must have an integer dtype, got float32",
+            ),
+        ]
+        + (
+            [("out_loc int16", dict(out_loc=loc.short()), TypeError, r"^out_loc must have dtype")]
             if dev.type != "cpu"
-            else r"^out_loc must have an integer dtype, got float32",
-        ),
-    ] + ([("out_loc int16", dict(out_loc=loc.short()), TypeError, r"^out_loc must have dtype")]
-         if dev.type != "cpu" else []) + [
-        ("out_loc rank", dict(out_loc=loc.view(1, 3)), ValueError, r"^out_loc must be 1-D"),
-        (
-            "out_loc length",
-            dict(out_loc=loc[:2]),
-            ValueError,
-            r"^out_loc has length 2 but k has 3 tokens",
-        ),
-        (
-            "k last dim strided",
-            dict(k=torch.ones(3, 2, 16, dtype=torch.float16, device=dev)[:, :, ::2]),
-            ValueError,
-            r"^k must have a contiguous last dimension",
-        ),
-        ("layer_id range", dict(layer_id=2), ValueError, r"^layer_id=2 is out of range"),
-        ("layer_id negative", dict(layer_id=-1), ValueError, r"^layer_id=-1"),
-        ("layer_id float", dict(layer_id=1.0), TypeError, r"^layer_id must be an int"),
-        ("layer_id bool", dict(layer_id=True), TypeError, r"^layer_id must be an int"),
-    ]
+            else []
+        )
+        + [
+            ("out_loc rank", dict(out_loc=loc.view(1, 3)), ValueError, r"^out_loc must be 1-D"),
+            (
+                "out_loc length",
+                dict(out_loc=loc[:2]),
+                ValueError,
+                r"^out_loc has length 2 but k has 3 tokens",
+            ),
+            (
+                "k last dim strided",
+                dict(k=torch.ones(3, 2, 16, dtype=torch.float16, device=dev)[:, :, ::2]),
+                ValueError,
+                r"^k must have a contiguous last dimension",
+            ),
+            ("layer_id range", dict(layer_id=2), ValueError, r"^layer_id=2 is out of range"),
+            ("layer_id negative", dict(layer_id=-1), ValueError, r"^layer_id=-1"),
+            ("layer_id float", dict(layer_id=1.0), TypeError, r"^layer_id must be an int"),
+            ("layer_id bool", dict(layer_id=True), TypeError, r"^layer_id must be an int"),
+        ]
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -477,8 +489,7 @@ def test_store_kv_out_of_range_slot_writes_nothing(device, index_dtype, bad_slot
     before = snapshot(c)
     with pytest.raises(
         ValueError,
-        match=rf"^out_loc\[1\] = {bad_slot} is out of range for a "
-        r"cache of 16 slots",
+        match=rf"^out_loc\[1\] = {bad_slot} is out of range for a " r"cache of 16 slots",
     ):
         c.store_kv(k, k, out_loc, 0)
     assert_same(c, before)
@@ -511,8 +522,11 @@ def test_cuda_out_of_range_slot_is_skipped_without_check_bounds():
 
 # --- float8 pools fed float32 / float16 / bfloat16, with scales ------------------------
 
-FLOAT8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
-          if d is not None]
+FLOAT8 = [
+    d
+    for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+    if d is not None
+]
 FLOAT8_IDS = [str(d).removeprefix("torch.") for d in FLOAT8]
 SOURCES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -524,8 +538,9 @@ SOURCES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("src_dtype", SOURCES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("scales", [(None, None), (0.5, 3.25), ("tensor", 0.01)], ids=str)
 @pytest.mark.parametrize("strided", [None, "qkv"])
-def test_float8_store_kv_scales_and_rounds_like_torch(device, layout, cache_dtype, src_dtype,
-                                                      scales, strided):
+def test_float8_store_kv_scales_and_rounds_like_torch(
+    device, layout, cache_dtype, src_dtype, scales, strided
+):
     g = torch.Generator().manual_seed(17)
     H, D = 2, 80
     c = MHAKVCache(H, 3, D, 5, cache_dtype, kv_layout=layout, device=device, page_size=4)
@@ -569,15 +584,27 @@ def test_float8_bad_scales_and_dtype_pairs_name_the_argument(device):
         (c, dict(k_scale=True), TypeError, r"^k_scale must be a number"),
         (c, dict(k_scale=np.bool_(True)), TypeError, r"^k_scale must be a number"),
         (c, dict(v_scale=2**2000), ValueError, r"^v_scale must be positive and finite in float32"),
-        (c, dict(k_scale=torch.ones(1, device="meta")), TypeError, r"^k_scale is a tensor on the "
-         "meta device"),
+        (
+            c,
+            dict(k_scale=torch.ones(1, device="meta")),
+            TypeError,
+            r"^k_scale is a tensor on the " "meta device",
+        ),
         (c, dict(k=k.double()), TypeError, r"^k has dtype float64 but k_cache has dtype float8"),
         (c, dict(v=k.to(torch.int32)), TypeError, r"^v has dtype int32 but v_cache"),
         (c, dict(k=k.to(fp8), k_scale=2.0), ValueError, r"^k_scale is given, but k already has"),
-        (plain, dict(k=k.bfloat16(), v=k.bfloat16(), k_scale=2.0), ValueError,
-         r"^k_scale is given, but k already has k_cache's dtype bfloat16"),
-        (plain, dict(k=k.bfloat16(), v=k.bfloat16(), v_scale=2.0), ValueError,
-         r"^v_scale is given"),
+        (
+            plain,
+            dict(k=k.bfloat16(), v=k.bfloat16(), k_scale=2.0),
+            ValueError,
+            r"^k_scale is given, but k already has k_cache's dtype bfloat16",
+        ),
+        (
+            plain,
+            dict(k=k.bfloat16(), v=k.bfloat16(), v_scale=2.0),
+            ValueError,
+            r"^v_scale is given",
+        ),
         (plain, dict(), TypeError, r"^k has dtype float32 but k_cache has dtype bfloat16"),
     ]
     for pool, bad, exc, pattern in cases:
@@ -597,11 +624,18 @@ def test_float8_pools_get_their_own_storage_fingerprint():
     from radixkv.storage import config_fingerprint
 
     def fingerprint(pool):
-        return config_fingerprint(model="m", dtype=pool.dtype, page_size=pool.page_size,
-                                  layout="page_first", num_layers=pool.num_layers,
-                                  kv_heads=pool.local_kv_heads, head_dim=pool.head_dim)
+        return config_fingerprint(
+            model="m",
+            dtype=pool.dtype,
+            page_size=pool.page_size,
+            layout="page_first",
+            num_layers=pool.num_layers,
+            kv_heads=pool.local_kv_heads,
+            head_dim=pool.head_dim,
+        )
 
     pools = [MHAKVCache(2, 2, 16, 1, d, page_size=4) for d in [torch.bfloat16] + FLOAT8]
     assert len({fingerprint(p) for p in pools}) == len(pools)
-    assert fingerprint(pools[1]) == fingerprint(MHAKVCache(2, 2, 16, 1, pools[1].dtype,
-                                                           page_size=4))
+    assert fingerprint(pools[1]) == fingerprint(
+        MHAKVCache(2, 2, 16, 1, pools[1].dtype, page_size=4)
+    )

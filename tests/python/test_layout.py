@@ -109,7 +109,8 @@ def cycles(graph):
 def _describe(graph, comps):
     return "\n".join(
         "circle: " + "; ".join(f"{a} -> {', '.join(sorted(graph[a] & set(c)))}" for a in c)
-        for c in comps)
+        for c in comps
+    )
 
 
 def test_radixkv_imports_have_no_circle():
@@ -127,11 +128,11 @@ def test_the_check_finds_a_circle(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "_ext.pyi").write_text("")
     (pkg / "sub" / "__init__.py").write_text("from pkg.sub.a import A\n")
-    (pkg / "sub" / "a.py").write_text("from pkg import _ext\n"
-                                      "def f():\n    from .b import B\n")
+    (pkg / "sub" / "a.py").write_text("from pkg import _ext\n" "def f():\n    from .b import B\n")
     (pkg / "sub" / "b.py").write_text("from pkg.sub import a\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\n"
-                              "if TYPE_CHECKING:\n    from pkg.d import D\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\n" "if TYPE_CHECKING:\n    from pkg.d import D\n"
+    )
     (pkg / "d.py").write_text("import pkg.c\n")
     graph = import_graph(pkg)
     assert graph["pkg.sub.a"] == {"pkg.sub.b"} and graph["pkg"] == set()
@@ -170,13 +171,20 @@ def test_each_module_imports_first_in_a_fresh_interpreter():
     fresh interpreter per module): no module leans on another having been
     imported first."""
     names = sorted(modules(PACKAGE)[0])
-    out = subprocess.run([sys.executable, "-c", _EACH_FIRST, json.dumps(names)],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _EACH_FIRST, json.dumps(names)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout.strip().splitlines()[-1])
     failed = [n for n, code in status.items() if code not in (0, 3)]
     assert not failed, f"{failed} fail to import on their own:\n{out.stderr}"
     # Only the bridges into an engine (or its metrics) may need more than radixkv does.
-    optional = {"radixkv.compat.sglang_storage", "radixkv.compat.vllm_connector",
-                "radixkv.prometheus"}
+    optional = {
+        "radixkv.compat.sglang_storage",
+        "radixkv.compat.vllm_connector",
+        "radixkv.prometheus",
+    }
     assert {n for n, code in status.items() if code == 3} <= optional

@@ -15,8 +15,10 @@ from radixkv.scheduler import CacheManager
 def filled(page, seed):
     m = RadixCacheManager(page_size=page)
     g = torch.Generator().manual_seed(seed)
-    prefixes = [torch.randint(0, 50, (int(torch.randint(4, 40, (1,), generator=g)),),
-                              generator=g) for _ in range(6)]
+    prefixes = [
+        torch.randint(0, 50, (int(torch.randint(4, 40, (1,), generator=g)),), generator=g)
+        for _ in range(6)
+    ]
     slot = 0
     for k in range(30):
         base = prefixes[k % len(prefixes)]
@@ -51,9 +53,15 @@ def test_a_batch_is_one_match_per_input_in_order(page, seed):
         b.lock_handle(h, unlock=True)
 
 
-@pytest.mark.parametrize("bad,error", [("x", TypeError), ([1, 2**40], ValueError),
-                                       (torch.zeros(2, 2, dtype=torch.int32), ValueError),
-                                       ([1.5], TypeError)])
+@pytest.mark.parametrize(
+    "bad,error",
+    [
+        ("x", TypeError),
+        ([1, 2**40], ValueError),
+        (torch.zeros(2, 2, dtype=torch.int32), ValueError),
+        ([1.5], TypeError),
+    ],
+)
 def test_a_bad_input_names_its_place_and_nothing_is_matched(bad, error):
     m, prefixes, _ = filled(1, 0)
     before = m._tree.dump()

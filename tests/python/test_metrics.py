@@ -12,8 +12,10 @@ import torch
 from radixkv.kvcache import MHAKVCache
 from radixkv.scheduler import CacheManager, CacheMetrics
 
-SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
-                    r'(,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*")*\})? -?[0-9]+(\.[0-9]+)?$')
+SAMPLE = re.compile(
+    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
+    r'(,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*")*\})? -?[0-9]+(\.[0-9]+)?$'
+)
 
 
 def serve(cm, ids):
@@ -72,7 +74,8 @@ def test_host_tier_counters_and_prometheus_text():
     assert samples["radixkv_queries_total"] == 3
     assert 'instance="a \\"quoted\\"\\\\name"' in text
     assert set(parse(CacheMetrics().prometheus("engine_kv"))) == {
-        n.replace("radixkv", "engine_kv") for n in samples}
+        n.replace("radixkv", "engine_kv") for n in samples
+    }
     with pytest.raises(ValueError, match="prefix"):
         m.prometheus("9bad")
     with pytest.raises(ValueError, match="labels"):
@@ -147,14 +150,17 @@ def test_the_collector_exposes_what_prometheus_writes():
     want = hand_written(cm.metrics.prometheus(labels=labels))
     assert got == want
     assert got["radixkv_host_hit_tokens_total"][2] == {
-        '{instance="a \\"quoted\\"\\\\name",model="m"}': 12.0}
+        '{instance="a \\"quoted\\"\\\\name",model="m"}': 12.0
+    }
     assert got["radixkv_device_free_tokens"][0] == "gauge"
     assert {n for n, (kind, _, _) in got.items() if kind == "counter"} == {
-        n for n in got if n.endswith("_total")}
+        n for n in got if n.endswith("_total")
+    }
     # Read afresh at each scrape.
     serve(cm, torch.arange(200, 213))
     assert exposition(registry)["radixkv_queries_total"][2] == {
-        '{instance="a \\"quoted\\"\\\\name",model="m"}': 4.0}
+        '{instance="a \\"quoted\\"\\\\name",model="m"}': 4.0
+    }
     # One collector per prefix and registry: the names are taken.
     with pytest.raises(ValueError):
         CacheMetricsCollector(cm, registry=registry)

@@ -31,8 +31,11 @@ CUDA = pytest.param(
 )
 DEVICES = ["cpu", CUDA]
 LAYOUTS = [KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst]
-FLOAT8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
-          if d is not None]
+FLOAT8 = [
+    d
+    for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+    if d is not None
+]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] + FLOAT8
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 needs_float8 = pytest.mark.skipif(not FLOAT8, reason="this torch has no float8 dtypes")
@@ -96,8 +99,16 @@ def fill_random(cache, g):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_views_and_properties(device, layout, page_size):
-    c = MLAKVCache(512, 64, num_layers=3, num_pages=5, dtype=torch.bfloat16, kv_layout=layout,
-                   device=device, page_size=page_size)
+    c = MLAKVCache(
+        512,
+        64,
+        num_layers=3,
+        num_pages=5,
+        dtype=torch.bfloat16,
+        kv_layout=layout,
+        device=device,
+        page_size=page_size,
+    )
     assert isinstance(c, BaseKVCache)
     assert (c.kv_lora_rank, c.qk_rope_head_dim, c.row_dim) == (512, 64, 576)
     assert c.num_layers == 3 and c.num_pages == 5 and c.page_size == page_size
@@ -147,8 +158,11 @@ def test_copy_layout_locates_every_row(layout, page_size):
     for layer in range(3):
         rows = c.k_cache(layer).view(-1, 12) if layout is KVCacheLayout.LayerFirst else None
         for slot in range(c.num_slots):
-            at = (layer * cl.layer_stride + (slot // page_size) * cl.page_stride
-                  + (slot % page_size) * cl.row_stride)
+            at = (
+                layer * cl.layer_stride
+                + (slot // page_size) * cl.page_stride
+                + (slot % page_size) * cl.row_stride
+            )
             want = c.k_cache(layer)[slot // page_size, slot % page_size, 0].data_ptr()
             assert base + at == want
             if rows is not None:
@@ -167,9 +181,16 @@ def test_copy_layout_is_what_the_copy_engine_reads():
     fill_random(dst, g)
     before = snapshot(dst)
     a, b = [3, 10, 22], [0, 17, 5]
-    _core.transfer_rows(src.kv_buffer, list(src.copy_layout()), dst.kv_buffer,
-                        list(dst.copy_layout()), src.row_bytes, 3,
-                        torch.tensor(a, dtype=torch.int32), torch.tensor(b, dtype=torch.int32))
+    _core.transfer_rows(
+        src.kv_buffer,
+        list(src.copy_layout()),
+        dst.kv_buffer,
+        list(dst.copy_layout()),
+        src.row_bytes,
+        3,
+        torch.tensor(a, dtype=torch.int32),
+        torch.tensor(b, dtype=torch.int32),
+    )
     for layer in range(3):
         want = before[layer].clone()
         want[b] = layer_rows(src, layer)[a]
@@ -183,11 +204,11 @@ def test_tp_size_splits_nothing():
     assert a.k_cache(0).shape == (3, 1, 1, 80)
 
 
-@pytest.mark.parametrize("name", ["kv_lora_rank", "qk_rope_head_dim", "num_layers", "num_pages",
-                                  "page_size", "tp_size"])
+@pytest.mark.parametrize(
+    "name", ["kv_lora_rank", "qk_rope_head_dim", "num_layers", "num_pages", "page_size", "tp_size"]
+)
 def test_bad_sizes_name_the_argument(name):
-    args = dict(kv_lora_rank=8, qk_rope_head_dim=4, num_layers=1, num_pages=1,
-                dtype=torch.float32)
+    args = dict(kv_lora_rank=8, qk_rope_head_dim=4, num_layers=1, num_pages=1, dtype=torch.float32)
     with pytest.raises(ValueError, match=name):
         MLAKVCache(**{**args, name: 0})
     with pytest.raises(TypeError, match=name):
@@ -202,21 +223,36 @@ def test_bad_dtype_and_layout():
 
 
 def test_create_kvcache_mla():
-    c = create_kvcache(num_layers=2, num_kv_heads=1, num_pages=3, head_dim=576,
-                       dtype=torch.bfloat16, page_size=16, cache_layout=KVCacheLayout.PageFirst,
-                       cache_type=KVCacheType.MLA, kv_lora_rank=512, qk_rope_head_dim=64)
+    c = create_kvcache(
+        num_layers=2,
+        num_kv_heads=1,
+        num_pages=3,
+        head_dim=576,
+        dtype=torch.bfloat16,
+        page_size=16,
+        cache_layout=KVCacheLayout.PageFirst,
+        cache_type=KVCacheType.MLA,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+    )
     assert isinstance(c, MLAKVCache) and c.kv_layout is KVCacheLayout.PageFirst
     assert c.k_cache(1).shape == (3, 16, 1, 576) and c.v_cache(1).shape == (3, 16, 1, 512)
-    assert create_kvcache(1, 1, 1, 12, torch.float32, cache_type="mla", kv_lora_rank=8,
-                          qk_rope_head_dim=4).row_dim == 12
+    assert (
+        create_kvcache(
+            1, 1, 1, 12, torch.float32, cache_type="mla", kv_lora_rank=8, qk_rope_head_dim=4
+        ).row_dim
+        == 12
+    )
     with pytest.raises(ValueError, match="kv_lora_rank is required"):
         create_kvcache(1, 1, 1, 12, torch.float32, cache_type="mla", qk_rope_head_dim=4)
     with pytest.raises(ValueError, match="head_dim=10"):
-        create_kvcache(1, 1, 1, 10, torch.float32, cache_type="mla", kv_lora_rank=8,
-                       qk_rope_head_dim=4)
+        create_kvcache(
+            1, 1, 1, 10, torch.float32, cache_type="mla", kv_lora_rank=8, qk_rope_head_dim=4
+        )
     with pytest.raises(ValueError, match="num_kv_heads=2"):
-        create_kvcache(1, 2, 1, 12, torch.float32, cache_type="mla", kv_lora_rank=8,
-                       qk_rope_head_dim=4)
+        create_kvcache(
+            1, 2, 1, 12, torch.float32, cache_type="mla", kv_lora_rank=8, qk_rope_head_dim=4
+        )
     with pytest.raises(ValueError, match="kv_lora_rank is an MLA size"):
         create_kvcache(1, 1, 1, 12, torch.float32, kv_lora_rank=8)
 
@@ -254,10 +290,13 @@ def test_store_kv_matches_reference(device, layout, dtype, dims, page_size, form
     g = torch.Generator().manual_seed(lora * 7 + page_size)
     c = MLAKVCache(lora, rope, 3, 7, dtype, kv_layout=layout, device=device, page_size=page_size)
     fill_random(c, g)
-    for index_dtype, (layer, n) in zip((torch.int32, torch.int64, torch.int32),
-                                       ((1, min(5, c.num_slots)), (2, c.num_slots), (0, 1))):
-        k_nope, k_rope, out_loc = make_inputs(n, lora, rope, dtype, c.num_slots, index_dtype,
-                                              device, g, form)
+    for index_dtype, (layer, n) in zip(
+        (torch.int32, torch.int64, torch.int32),
+        ((1, min(5, c.num_slots)), (2, c.num_slots), (0, 1)),
+    ):
+        k_nope, k_rope, out_loc = make_inputs(
+            n, lora, rope, dtype, c.num_slots, index_dtype, device, g, form
+        )
         expected = reference_store(snapshot(c), c, k_nope, k_rope, out_loc, layer)
         c.store_kv(k_nope, k_rope, out_loc, layer)
         assert_same(c, expected)
@@ -268,8 +307,9 @@ def test_store_kv_large_batch(device):
     """Past the CPU kernel's streaming threshold and its GIL release."""
     g = torch.Generator().manual_seed(9)
     c = MLAKVCache(512, 64, 2, 400, torch.bfloat16, device=device, page_size=16)
-    k_nope, k_rope, out_loc = make_inputs(5000, 512, 64, torch.bfloat16, c.num_slots,
-                                          torch.int64, device, g, "fused")
+    k_nope, k_rope, out_loc = make_inputs(
+        5000, 512, 64, torch.bfloat16, c.num_slots, torch.int64, device, g, "fused"
+    )
     expected = reference_store(snapshot(c), c, k_nope, k_rope, out_loc, 1)
     c.store_kv(k_nope, k_rope, out_loc, 1)
     assert_same(c, expected)
@@ -279,8 +319,12 @@ def test_store_kv_large_batch(device):
 def test_store_kv_empty_batch_and_edge_slots(device):
     c = MLAKVCache(4, 2, 1, 3, torch.float32, device=device, page_size=16)
     before = snapshot(c)
-    c.store_kv(torch.empty(0, 4, device=device), torch.empty(0, 2, device=device),
-               torch.empty(0, dtype=torch.int32, device=device), 0)
+    c.store_kv(
+        torch.empty(0, 4, device=device),
+        torch.empty(0, 2, device=device),
+        torch.empty(0, dtype=torch.int32, device=device),
+        0,
+    )
     assert_same(c, before)
     k_nope = torch.arange(8, dtype=torch.float32, device=device).view(2, 4)
     k_rope = -torch.arange(1, 5, dtype=torch.float32, device=device).view(2, 2)
@@ -337,8 +381,11 @@ def test_store_mla_torch_fallback_matches_native():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 @pytest.mark.parametrize("cache_dtype", FLOAT8, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16, torch.bfloat16],
-                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "src_dtype",
+    [torch.float32, torch.float16, torch.bfloat16],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
 @pytest.mark.parametrize("scale", [None, 0.5, 3.7, "tensor"])
 def test_float8_pool_converts_with_one_scale(device, layout, cache_dtype, src_dtype, scale):
     g = torch.Generator().manual_seed(5)
@@ -358,14 +405,38 @@ def test_float8_pool_converts_with_one_scale(device, layout, cache_dtype, src_dt
 @needs_float8
 def test_float8_specials_match_torch():
     """NaN, infinities, overflow, subnormals and ties go as torch (>= 2.12) sends them."""
-    specials = [float("nan"), -float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 448.0,
-                464.0, 465.0, 57344.0, 61440.0, 61441.0, 2.0**-9, 2.0**-10, 3 * 2.0**-11,
-                2.0**-16, 2.0**-17, 0.0, -0.0, 1e-40]
+    specials = [
+        float("nan"),
+        -float("nan"),
+        float("inf"),
+        -float("inf"),
+        1e30,
+        -1e30,
+        448.0,
+        464.0,
+        465.0,
+        57344.0,
+        61440.0,
+        61441.0,
+        2.0**-9,
+        2.0**-10,
+        3 * 2.0**-11,
+        2.0**-16,
+        2.0**-17,
+        0.0,
+        -0.0,
+        1e-40,
+    ]
     x = torch.tensor(specials * 2, dtype=torch.float32)
     for dtype in FLOAT8:
         c = MLAKVCache(len(specials), len(specials), 1, 1, dtype)
-        c.store_kv(x[: len(specials)].view(1, -1), x[len(specials):].view(1, -1),
-                   torch.tensor([0]), 0, k_scale=1.0)
+        c.store_kv(
+            x[: len(specials)].view(1, -1),
+            x[len(specials) :].view(1, -1),
+            torch.tensor([0]),
+            0,
+            k_scale=1.0,
+        )
         want = to_float8(x, dtype).view(torch.uint8)
         if torch_casts_like_this():
             assert torch.equal(want, x.to(dtype).view(torch.uint8))
@@ -379,16 +450,30 @@ def test_float8_fingerprint_differs():
     from radixkv.storage import config_fingerprint
 
     def fingerprint(pool):
-        return config_fingerprint(model="m", dtype=pool.dtype, page_size=pool.page_size,
-                                  layout="page_first", num_layers=pool.num_layers, kv_heads=1,
-                                  head_dim=pool.row_dim)
+        return config_fingerprint(
+            model="m",
+            dtype=pool.dtype,
+            page_size=pool.page_size,
+            layout="page_first",
+            num_layers=pool.num_layers,
+            kv_heads=1,
+            head_dim=pool.row_dim,
+        )
 
-    prints = {fingerprint(MLAKVCache(16, 4, 1, 1, d, page_size=4))
-              for d in [torch.bfloat16, torch.float16] + FLOAT8}
+    prints = {
+        fingerprint(MLAKVCache(16, 4, 1, 1, d, page_size=4))
+        for d in [torch.bfloat16, torch.float16] + FLOAT8
+    }
     assert len(prints) == 2 + len(FLOAT8)
     assert fingerprint(MLAKVCache(16, 4, 1, 1, FLOAT8[0])) == config_fingerprint(
-        model="m", dtype=str(FLOAT8[0]).removeprefix("torch."), page_size=1,
-        layout="page_first", num_layers=1, kv_heads=1, head_dim=20)
+        model="m",
+        dtype=str(FLOAT8[0]).removeprefix("torch."),
+        page_size=1,
+        layout="page_first",
+        num_layers=1,
+        kv_heads=1,
+        head_dim=20,
+    )
 
 
 # --- bad arguments: a clear error naming the argument, nothing written --------------------
@@ -404,74 +489,160 @@ def error_cases(device, dtype):
     cases = [
         ("k_nope not a tensor", dict(k_nope=nope.tolist()), TypeError, r"^k_nope must be a torch"),
         ("k_nope rank", dict(k_nope=nope.view(3, 1, 1, 8)), ValueError, r"^k_nope must have shape"),
-        ("k_nope width", dict(k_nope=torch.ones(3, 7, dtype=dtype, device=dev)), ValueError,
-         r"^k_nope must have shape \[num_tokens, 8\]"),
-        ("k_nope heads", dict(k_nope=torch.ones(3, 2, 4, dtype=dtype, device=dev)), ValueError,
-         r"^k_nope has shape \[3, 2, 4\]"),
-        ("k_rope width", dict(k_rope=torch.ones(3, 5, dtype=dtype, device=dev)), ValueError,
-         r"^k_rope must have shape \[num_tokens, 4\]"),
-        ("k_rope tokens", dict(k_rope=rope[:2]), ValueError,
-         r"^k_rope has 2 tokens but k_nope has 3"),
+        (
+            "k_nope width",
+            dict(k_nope=torch.ones(3, 7, dtype=dtype, device=dev)),
+            ValueError,
+            r"^k_nope must have shape \[num_tokens, 8\]",
+        ),
+        (
+            "k_nope heads",
+            dict(k_nope=torch.ones(3, 2, 4, dtype=dtype, device=dev)),
+            ValueError,
+            r"^k_nope has shape \[3, 2, 4\]",
+        ),
+        (
+            "k_rope width",
+            dict(k_rope=torch.ones(3, 5, dtype=dtype, device=dev)),
+            ValueError,
+            r"^k_rope must have shape \[num_tokens, 4\]",
+        ),
+        (
+            "k_rope tokens",
+            dict(k_rope=rope[:2]),
+            ValueError,
+            r"^k_rope has 2 tokens but k_nope has 3",
+        ),
         ("k_rope dtype", dict(k_rope=rope.to(torch.int32)), TypeError, r"^k_rope has dtype int32"),
         ("k_nope device", dict(k_nope=nope.to(other)), TypeError, r"^k_nope must"),
         ("out_loc rank", dict(out_loc=loc.view(1, 3)), ValueError, r"^out_loc must be 1-D"),
-        ("out_loc length", dict(out_loc=loc[:2]), ValueError,
-         r"^out_loc has length 2 but k_nope has 3 tokens"),
-        ("out_loc range", dict(out_loc=torch.tensor([1, 16, 3], device=dev)), ValueError,
-         r"^out_loc\[1\] = 16 is out of range for a cache of 16 slots"),
-        ("out_loc negative", dict(out_loc=torch.tensor([1, -1, 3], device=dev)), ValueError,
-         r"^out_loc\[1\] = -1 is out of range"),
-        ("out_loc repeated", dict(out_loc=torch.tensor([1, 2, 1], device=dev)), ValueError,
-         r"^out_loc\[2\] = 1 repeats an earlier slot"),
-        ("k_nope strided last", dict(k_nope=torch.ones(3, 16, dtype=dtype, device=dev)[:, ::2]),
-         ValueError, r"^k_nope must have a contiguous last dimension"),
+        (
+            "out_loc length",
+            dict(out_loc=loc[:2]),
+            ValueError,
+            r"^out_loc has length 2 but k_nope has 3 tokens",
+        ),
+        (
+            "out_loc range",
+            dict(out_loc=torch.tensor([1, 16, 3], device=dev)),
+            ValueError,
+            r"^out_loc\[1\] = 16 is out of range for a cache of 16 slots",
+        ),
+        (
+            "out_loc negative",
+            dict(out_loc=torch.tensor([1, -1, 3], device=dev)),
+            ValueError,
+            r"^out_loc\[1\] = -1 is out of range",
+        ),
+        (
+            "out_loc repeated",
+            dict(out_loc=torch.tensor([1, 2, 1], device=dev)),
+            ValueError,
+            r"^out_loc\[2\] = 1 repeats an earlier slot",
+        ),
+        (
+            "k_nope strided last",
+            dict(k_nope=torch.ones(3, 16, dtype=dtype, device=dev)[:, ::2]),
+            ValueError,
+            r"^k_nope must have a contiguous last dimension",
+        ),
         ("layer_id range", dict(layer_id=2), ValueError, r"^layer_id=2 is out of range"),
         ("layer_id float", dict(layer_id=1.0), TypeError, r"^layer_id must be an int"),
     ]
     if dtype in FLOAT8:
         cases += [
-            ("k_scale zero", dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=0.0),
-             ValueError, r"^k_scale must be positive and finite"),
-            ("k_scale negative", dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=-2.0),
-             ValueError, r"^k_scale must be positive"),
-            ("k_scale inf", dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=float("inf")),
-             ValueError, r"^k_scale must be positive"),
-            ("k_scale nan", dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=float("nan")),
-             ValueError, r"^k_scale must be positive"),
-            ("k_scale underflows", dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=1e-50),
-             ValueError, r"^k_scale must be positive and finite in float32"),
-            ("k_scale 2 elements", dict(k_nope=nope.float(), k_rope=rope.float(),
-                                        k_scale=torch.tensor([1.0, 2.0])),
-             ValueError, r"^k_scale must be a number or a one-element tensor"),
-            ("k_scale int tensor", dict(k_nope=nope.float(), k_rope=rope.float(),
-                                        k_scale=torch.tensor([2])),
-             TypeError, r"^k_scale must be a floating tensor"),
-            ("k_scale str", dict(k_nope=nope.float(), k_rope=rope.float(), k_scale="2"),
-             TypeError, r"^k_scale must be a number"),
-            ("k_scale on a same-dtype store", dict(k_scale=2.0), ValueError,
-             r"^k_scale is given, but k_nope already has"),
-            ("k_nope float64", dict(k_nope=nope.double()), TypeError,
-             r"^k_nope has dtype float64 but kv_cache has dtype float8"),
+            (
+                "k_scale zero",
+                dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=0.0),
+                ValueError,
+                r"^k_scale must be positive and finite",
+            ),
+            (
+                "k_scale negative",
+                dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=-2.0),
+                ValueError,
+                r"^k_scale must be positive",
+            ),
+            (
+                "k_scale inf",
+                dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=float("inf")),
+                ValueError,
+                r"^k_scale must be positive",
+            ),
+            (
+                "k_scale nan",
+                dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=float("nan")),
+                ValueError,
+                r"^k_scale must be positive",
+            ),
+            (
+                "k_scale underflows",
+                dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=1e-50),
+                ValueError,
+                r"^k_scale must be positive and finite in float32",
+            ),
+            (
+                "k_scale 2 elements",
+                dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=torch.tensor([1.0, 2.0])),
+                ValueError,
+                r"^k_scale must be a number or a one-element tensor",
+            ),
+            (
+                "k_scale int tensor",
+                dict(k_nope=nope.float(), k_rope=rope.float(), k_scale=torch.tensor([2])),
+                TypeError,
+                r"^k_scale must be a floating tensor",
+            ),
+            (
+                "k_scale str",
+                dict(k_nope=nope.float(), k_rope=rope.float(), k_scale="2"),
+                TypeError,
+                r"^k_scale must be a number",
+            ),
+            (
+                "k_scale on a same-dtype store",
+                dict(k_scale=2.0),
+                ValueError,
+                r"^k_scale is given, but k_nope already has",
+            ),
+            (
+                "k_nope float64",
+                dict(k_nope=nope.double()),
+                TypeError,
+                r"^k_nope has dtype float64 but kv_cache has dtype float8",
+            ),
         ]
     else:
         cases += [
-            ("k_scale on a non-float8 cache", dict(k_scale=2.0), ValueError,
-             r"^k_scale is given, but k_nope already has"),
-            ("k_nope other float", dict(k_nope=nope.to(wrong)), TypeError,
-             r"^k_nope has dtype \w+ but kv_cache has dtype"),
+            (
+                "k_scale on a non-float8 cache",
+                dict(k_scale=2.0),
+                ValueError,
+                r"^k_scale is given, but k_nope already has",
+            ),
+            (
+                "k_nope other float",
+                dict(k_nope=nope.to(wrong)),
+                TypeError,
+                r"^k_nope has dtype \w+ but kv_cache has dtype",
+            ),
         ]
     return cases
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-@pytest.mark.parametrize("dtype", [torch.bfloat16] + FLOAT8[:1],
-                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16] + FLOAT8[:1], ids=lambda d: str(d).removeprefix("torch.")
+)
 def test_store_kv_bad_arguments(device, layout, dtype):
     c = MLAKVCache(8, 4, 2, 1, dtype, kv_layout=layout, device=device, page_size=16)
-    good = dict(k_nope=torch.full((3, 8), 5.0, device=device).to(dtype),
-                k_rope=torch.full((3, 4), 6.0, device=device).to(dtype),
-                out_loc=torch.tensor([1, 2, 3], device=device), layer_id=1)
+    good = dict(
+        k_nope=torch.full((3, 8), 5.0, device=device).to(dtype),
+        k_rope=torch.full((3, 4), 6.0, device=device).to(dtype),
+        out_loc=torch.tensor([1, 2, 3], device=device),
+        layer_id=1,
+    )
     g = torch.Generator().manual_seed(1)
     fill_random(c, g)
     before = snapshot(c)

@@ -18,14 +18,27 @@ from radixkv.storage import FileStorage, pool_fingerprint
 LORA, ROPE, LAYERS = 6, 2, 3
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not kernel.cuda_available(), reason="no CUDA GPU (or radixkv._cuda not built)"))
+CUDA = pytest.param(
+    "cuda",
+    marks=pytest.mark.skipif(
+        not kernel.cuda_available(), reason="no CUDA GPU (or radixkv._cuda not built)"
+    ),
+)
 
 
 def _pool(pages=16, page_size=2, layout="LayerFirst", dtype=torch.float32, device="cpu"):
     from radixkv.kvcache import KVCacheLayout
-    return MLAKVCache(LORA, ROPE, LAYERS, pages, dtype, kv_layout=KVCacheLayout[layout],
-                      page_size=page_size, device=device)
+
+    return MLAKVCache(
+        LORA,
+        ROPE,
+        LAYERS,
+        pages,
+        dtype,
+        kv_layout=KVCacheLayout[layout],
+        page_size=page_size,
+        device=device,
+    )
 
 
 def _store(pool, ids_len, idx, value):
@@ -39,8 +52,12 @@ def _store(pool, ids_len, idx, value):
 
 
 def _rows(pool, idx):
-    return torch.stack([pool.k_cache(layer).reshape(-1, LORA + ROPE)[idx.long().to(pool.device)]
-                        for layer in range(LAYERS)]).cpu()
+    return torch.stack(
+        [
+            pool.k_cache(layer).reshape(-1, LORA + ROPE)[idx.long().to(pool.device)]
+            for layer in range(LAYERS)
+        ]
+    ).cpu()
 
 
 def test_host_pool_of_an_mla_pool_has_one_side():
@@ -59,8 +76,16 @@ def test_host_pool_of_an_mla_pool_has_one_side():
 def test_transfers_between_pools_of_different_sides_are_refused():
     mla, mha = _pool(), MHAKVCache(1, LAYERS, LORA + ROPE, 16, torch.float32, page_size=2)
     with pytest.raises(ValueError, match="sides"):
-        _core.transfer_rows(mla.kv_buffer, list(mla.copy_layout()), mha.kv_buffer,
-                            list(mha.copy_layout()), (LORA + ROPE) * 4, LAYERS, [0], [0])
+        _core.transfer_rows(
+            mla.kv_buffer,
+            list(mla.copy_layout()),
+            mha.kv_buffer,
+            list(mha.copy_layout()),
+            (LORA + ROPE) * 4,
+            LAYERS,
+            [0],
+            [0],
+        )
     before = mha.kv_buffer.clone()
     assert torch.equal(mha.kv_buffer, before)
 
@@ -70,8 +95,15 @@ def test_transfers_between_pools_of_different_sides_are_refused():
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_mla_rows_come_back_from_host(layout, host_layout, device):
     pool = _pool(pages=8, layout=layout, device=device)
-    cm = CacheManager(8, 2, device=device, host_num_pages=16, kv_cache=pool,
-                      host_layout=host_layout, write_policy="write_through")
+    cm = CacheManager(
+        8,
+        2,
+        device=device,
+        host_num_pages=16,
+        kv_cache=pool,
+        host_layout=host_layout,
+        write_policy="write_through",
+    )
     prompts = [list(range(100 * r, 100 * r + 9)) for r in range(3)]
     want = {}
     for r, ids in enumerate(prompts):  # each fills 5 of the 8 pages: the older ones go to host
@@ -98,8 +130,15 @@ def test_one_rank_writes_mla_pages_and_every_rank_reads_them(tmp_path):
         pool = _pool()
         seed = pool_fingerprint(pool, model="m", tp_rank=rank)
         storage = FileStorage(str(tmp_path), fingerprint=seed)
-        cm = CacheManager(16, 2, host_num_pages=16, kv_cache=pool, storage=storage,
-                          prefetch_policy="wait_complete", tp_rank=rank)
+        cm = CacheManager(
+            16,
+            2,
+            host_num_pages=16,
+            kv_cache=pool,
+            storage=storage,
+            prefetch_policy="wait_complete",
+            tp_rank=rank,
+        )
         return cm, pool
 
     def files():
@@ -139,12 +178,14 @@ def test_one_rank_writes_mla_pages_and_every_rank_reads_them(tmp_path):
 
 def test_mla_fingerprints_leave_the_rank_out_and_name_the_page_kind():
     mla = _pool()
-    assert pool_fingerprint(mla, model="m", tp_rank=0) == pool_fingerprint(mla, model="m",
-                                                                          tp_rank=5)
+    assert pool_fingerprint(mla, model="m", tp_rank=0) == pool_fingerprint(
+        mla, model="m", tp_rank=5
+    )
     mha = MHAKVCache(1, LAYERS, LORA + ROPE, 16, torch.float32, page_size=2)
     assert pool_fingerprint(mha, model="m") != pool_fingerprint(mla, model="m")
-    assert pool_fingerprint(mha, model="m", tp_rank=0) != pool_fingerprint(mha, model="m",
-                                                                          tp_rank=1)
+    assert pool_fingerprint(mha, model="m", tp_rank=0) != pool_fingerprint(
+        mha, model="m", tp_rank=1
+    )
     other_split = MLAKVCache(LORA + 1, ROPE - 1, LAYERS, 16, torch.float32, page_size=2)
     assert pool_fingerprint(other_split, model="m") != pool_fingerprint(mla, model="m")
     fp8 = _pool(dtype=torch.float8_e4m3fn)

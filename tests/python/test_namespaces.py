@@ -34,8 +34,9 @@ def test_same_tokens_in_two_namespaces_share_nothing(page_size):
     assert t.match_prefix(ids, namespace=8)[0].cached_len == 0
     # A longer sequence in namespace 7 extends its own path only.
     longer = ids + list(range(50, 50 + page_size))
-    assert t.insert_prefix(longer, other + [200 + j for j in range(page_size)], namespace=7) \
-        == len(ids)
+    assert t.insert_prefix(longer, other + [200 + j for j in range(page_size)], namespace=7) == len(
+        ids
+    )
     assert t.match_prefix(longer)[0].cached_len == len(ids)
     assert t.match_prefix(longer, 7)[0].cached_len == len(longer)
     t.check_integrity()
@@ -155,8 +156,8 @@ def test_namespace_ids_are_exact_and_typed():
 def test_forgotten_names_miss_and_never_hit_wrongly():
     spaces = Namespaces(capacity=2)
     a, b = spaces.id("a"), spaces.id("b")
-    spaces.id("a")            # "b" is now the least recently used
-    c = spaces.id("c")        # ... and is forgotten
+    spaces.id("a")  # "b" is now the least recently used
+    c = spaces.id("c")  # ... and is forgotten
     assert len(spaces) == 2 and not spaces.known(b) and spaces.known(a) and spaces.known(c)
     with pytest.raises(KeyError):
         spaces.seed(b, bytes(32))
@@ -195,6 +196,7 @@ def test_failed_calls_remember_no_name_and_handles_carry_theirs():
 
 def test_naive_manager_checks_namespaces_like_the_radix_one():
     from radixkv.kvcache import create_cache_manager
+
     for kind in ("naive", "radix"):
         mgr = create_cache_manager("cpu", kind, 1)
         with pytest.raises(ValueError, match="^namespace must be >= 0"):
@@ -216,11 +218,24 @@ def test_dump_shows_namespaces_and_orders_equal_siblings_by_them():
 
 def _manager(root, device_pages=16):
     pool = MHAKVCache(1, 1, 4, device_pages, torch.float32, page_size=2)
-    fp = config_fingerprint(model="m", dtype=torch.float32, page_size=2, layout="page_first",
-                            num_layers=1, kv_heads=1, head_dim=4)
+    fp = config_fingerprint(
+        model="m",
+        dtype=torch.float32,
+        page_size=2,
+        layout="page_first",
+        num_layers=1,
+        kv_heads=1,
+        head_dim=4,
+    )
     storage = FileStorage(str(root), fingerprint=fp)
-    m = CacheManager(device_pages, 2, host_num_pages=device_pages, kv_cache=pool,
-                     storage=storage, prefetch_policy="wait_complete")
+    m = CacheManager(
+        device_pages,
+        2,
+        host_num_pages=device_pages,
+        kv_cache=pool,
+        storage=storage,
+        prefetch_policy="wait_complete",
+    )
     return m, pool, storage, fp
 
 
@@ -229,7 +244,7 @@ def _serve(m, pool, ids, namespace, value):
     m.lock(handle)
     idx = torch.cat([m._tree.handle_slots(handle), m.allocate(len(ids) - handle.cached_len)])
     rows = torch.full((len(ids), 1, 4), float(value))
-    pool.store_kv(rows, rows, idx[:len(ids)], 0)
+    pool.store_kv(rows, rows, idx[: len(ids)], 0)
     assert handle.namespace == m._namespaces.id(namespace)
     m.free_and_cache_finished_req(handle, ids, idx)  # the handle carries the namespace
     m.drain()
@@ -242,12 +257,14 @@ def test_manager_namespaces_on_every_tier(tmp_path):
     assert _serve(m, pool, prompt, "tenant-a", 1.0) == 0
     assert _serve(m, pool, prompt, "tenant-b", 2.0) == 0  # no hit across namespaces
     assert _serve(m, pool, prompt, "tenant-a", 3.0) == 8  # a hit within one
-    assert m.match_req(prompt)[0].cached_len == 0          # the default namespace is its own
+    assert m.match_req(prompt)[0].cached_len == 0  # the default namespace is its own
     m.check_integrity()
     # Storage keys: the default namespace keeps the configuration's keys, each
     # other namespace has its own, and each wrote its pages under them.
-    keys = {ns: page_keys(prompt[:8], 2, Namespaces().seed(0, fp) if ns is None else
-                          _seed(ns, fp)) for ns in (None, "tenant-a", "tenant-b")}
+    keys = {
+        ns: page_keys(prompt[:8], 2, Namespaces().seed(0, fp) if ns is None else _seed(ns, fp))
+        for ns in (None, "tenant-a", "tenant-b")
+    }
     assert keys[None] == page_keys(prompt[:8], 2, fp)
     assert len({tuple(k) for k in keys.values()}) == 3
     assert storage.batch_exists(keys["tenant-a"]) == 4
@@ -265,8 +282,7 @@ def test_manager_namespaces_on_every_tier(tmp_path):
     assert handle.host_hit_len == 8
     loaded, idx = m2.load_back(handle)
     m2.drain()
-    assert torch.equal(pool2.k_cache(0).reshape(-1, 1, 4)[idx.long()],
-                       torch.full((8, 1, 4), 2.0))
+    assert torch.equal(pool2.k_cache(0).reshape(-1, 1, 4)[idx.long()], torch.full((8, 1, 4), 2.0))
     m2.unlock(loaded)
     m2.check_integrity()
     m2.close()

@@ -72,8 +72,10 @@ def test_create_cache_manager_unknown_type(kind):
 
 
 @pytest.mark.parametrize("kind", ["radix", "naive"])
-@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-4, ValueError), (2.0, TypeError),
-                                      (True, TypeError), ("4", TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [(0, ValueError), (-4, ValueError), (2.0, TypeError), (True, TypeError), ("4", TypeError)],
+)
 def test_bad_page_size(kind, bad, exc):
     with pytest.raises(exc, match="page_size"):
         create_cache_manager("cpu", kind, bad)
@@ -173,7 +175,7 @@ def test_match_ending_inside_a_node_splits_it(P):
     # The prefix takes the new time, the suffix keeps its old one.
     assert m.dump() == [
         (-1, ids[: 2 * P], slots[: 2 * P], 0, 2),
-        (0, ids[2 * P:], slots[2 * P:], 0, 1),
+        (0, ids[2 * P :], slots[2 * P :], 0, 1),
     ]
     # Nothing is cached or uncached by a split.
     assert m.size_info == SizeInfo(4 * P, 0)
@@ -306,11 +308,13 @@ def test_insert_splits_and_adds_a_leaf(P):
     assert m.insert_prefix(b, seq(2 * P, 200)) == P  # t2: split after one page
     assert m.num_nodes == 3
     # Sibling order is checked by the dump tests; here only the tree's content.
-    assert canonical(m.dump()) == canonical([
-        (-1, a[:P], seq(P, 100), 0, 2),
-        (0, a[P:], seq(3 * P, 100 + P), 0, 1),
-        (0, seq(P, 50), seq(P, 200 + P), 0, 2),
-    ])
+    assert canonical(m.dump()) == canonical(
+        [
+            (-1, a[:P], seq(P, 100), 0, 2),
+            (0, a[P:], seq(3 * P, 100 + P), 0, 1),
+            (0, seq(P, 50), seq(P, 200 + P), 0, 2),
+        ]
+    )
     m.check_integrity()
 
 
@@ -560,11 +564,36 @@ def test_reset(P):
 
 # --- inputs of every accepted kind -----------------------------------------------
 
-TORCH_INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-                    torch.uint16, torch.uint32, torch.uint64]
-NUMPY_INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-                    np.uint64, np.intp, np.uintp, np.longlong, np.ulonglong, np.short,
-                    np.ushort, np.byte, np.ubyte, np.intc, np.uintc]
+TORCH_INT_DTYPES = [
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
+NUMPY_INT_DTYPES = [
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.intp,
+    np.uintp,
+    np.longlong,
+    np.ulonglong,
+    np.short,
+    np.ushort,
+    np.byte,
+    np.ubyte,
+    np.intc,
+    np.uintc,
+]
 
 
 def _strided_torch(values, dtype):
@@ -576,8 +605,9 @@ def _strided_torch(values, dtype):
 
 
 def _offset_torch(values, dtype):
-    base = torch.cat([torch.full((3,), 99, dtype=torch.int64), torch.tensor(values,
-                                                                            dtype=torch.int64)])
+    base = torch.cat(
+        [torch.full((3,), 99, dtype=torch.int64), torch.tensor(values, dtype=torch.int64)]
+    )
     return base.to(dtype)[3:]
 
 
@@ -612,10 +642,16 @@ FORMS = {
     "list": lambda v: list(v),
     "tuple": lambda v: tuple(v),
     "list_of_numpy_scalars": lambda v: [np.int64(x) for x in v],
-    **{f"torch_{str(d).split('.')[-1]}": (lambda d: lambda v: torch.tensor(v, dtype=torch.int64)
-                                          .to(d))(d) for d in TORCH_INT_DTYPES},
-    **{f"numpy_{np.dtype(d).name}_{i}": (lambda d: lambda v: np.array(v, dtype=d))(d)
-       for i, d in enumerate(NUMPY_INT_DTYPES)},
+    **{
+        f"torch_{str(d).split('.')[-1]}": (
+            lambda d: lambda v: torch.tensor(v, dtype=torch.int64).to(d)
+        )(d)
+        for d in TORCH_INT_DTYPES
+    },
+    **{
+        f"numpy_{np.dtype(d).name}_{i}": (lambda d: lambda v: np.array(v, dtype=d))(d)
+        for i, d in enumerate(NUMPY_INT_DTYPES)
+    },
     "torch_strided_int32": lambda v: _strided_torch(v, torch.int32),
     "torch_strided_int64": lambda v: _strided_torch(v, torch.int64),
     "torch_strided_uint8": lambda v: _strided_torch(v, torch.uint8),
@@ -633,7 +669,8 @@ FORMS = {
     "numpy_column_int32": lambda v: _column_numpy(v, np.int32),
     "numpy_column_int64": lambda v: _column_numpy(v, np.int64),
     "numpy_readonly_int32": lambda v: np.lib.stride_tricks.as_strided(
-        np.array(v, dtype=np.int32), writeable=False),
+        np.array(v, dtype=np.int32), writeable=False
+    ),
 }
 
 
@@ -683,8 +720,14 @@ def test_expanded_tensor_stride_zero():
 def test_empty_inputs_of_every_kind():
     m = radix(1)
     m.insert_prefix([1, 2], [3, 4])
-    for empty in ([], (), torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.uint8),
-                  np.empty(0, dtype=np.int32), np.empty(0, dtype=np.uint64)):
+    for empty in (
+        [],
+        (),
+        torch.empty(0, dtype=torch.int64),
+        torch.empty(0, dtype=torch.uint8),
+        np.empty(0, dtype=np.int32),
+        np.empty(0, dtype=np.uint64),
+    ):
         h, idx = m.match_prefix(empty)
         assert h.cached_len == 0
         assert_i32(idx, [])
@@ -809,7 +852,8 @@ def test_large_inputs_release_the_gil(p, form):
     assert total == rd(n, p) + rd(n, p) - rd(n // 2, p)
     out = m.evict(total)
     assert out.dtype == torch.int32
-    assert sorted(out.tolist()) == sorted(seq(rd(n, p)) + seq(rd(n, p) - rd(n // 2, p),
-                                                               n + rd(n // 2, p)))
+    assert sorted(out.tolist()) == sorted(
+        seq(rd(n, p)) + seq(rd(n, p) - rd(n // 2, p), n + rd(n // 2, p))
+    )
     assert m.size_info == SizeInfo(0, 0)
     m.check_integrity()

@@ -24,9 +24,13 @@ def read(path):
 
 def test_readme_opens_with_what_it_is_then_the_two_commands():
     text = read(README)
-    assert text.startswith("# radixkv\n\nradixkv is the KV-cache memory subsystem of an LLM serving engine")
+    assert text.startswith(
+        "# radixkv\n\nradixkv is the KV-cache memory subsystem of an LLM serving engine"
+    )
     first_block = text.index("```")
-    assert text[first_block:].startswith(SETUP), "README's first code block must be the two commands"
+    assert text[first_block:].startswith(
+        SETUP
+    ), "README's first code block must be the two commands"
     assert "## " not in text[:first_block], "the two commands come before any section"
 
 
@@ -47,22 +51,29 @@ def test_the_docs_map_matches_docs():
     text = read(README)
     linked = set(re.findall(r"\]\((docs/[^)#]+\.md)\)", text))
     present = {os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))}
-    assert linked == present, f"README's map of docs/: missing {present - linked}, dead {linked - present}"
+    assert (
+        linked == present
+    ), f"README's map of docs/: missing {present - linked}, dead {linked - present}"
 
 
 def test_relative_links_lead_somewhere():
     for path in [README] + glob.glob(os.path.join(ROOT, "docs", "*.md")):
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", read(path)):
             where = os.path.normpath(os.path.join(os.path.dirname(path), target))
-            assert os.path.exists(where), f"{os.path.relpath(path, ROOT)} links to {target}, which is not there"
+            assert os.path.exists(
+                where
+            ), f"{os.path.relpath(path, ROOT)} links to {target}, which is not there"
 
 
 def test_nothing_points_outside_the_repository():
-    docs = [README, os.path.join(ROOT, "bench", "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    docs = [README, os.path.join(ROOT, "bench", "README.md")] + glob.glob(
+        os.path.join(ROOT, "docs", "*.md")
+    )
     for path in docs:
         for n, line in enumerate(read(path).splitlines(), 1):
-            assert "../shared" not in line and "shared/traces" not in line, \
-                f"{os.path.relpath(path, ROOT)}:{n} names a path outside the repository"
+            assert (
+                "../shared" not in line and "shared/traces" not in line
+            ), f"{os.path.relpath(path, ROOT)}:{n} names a path outside the repository"
 
 
 def test_there_is_a_license():

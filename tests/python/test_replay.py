@@ -30,8 +30,10 @@ BAR = re.compile(r"replay: +\d+%\|")
 def _mooncake_trace():
     """(path, None) of the Mooncake FAST'25 conversation trace in the directory
     RADIXKV_TRACES names, or (None, why the tests that need it skip)."""
-    where = ("the Mooncake FAST'25 traces are public at github.com/kvcache-ai/Mooncake "
-             "under FAST25-release/traces")
+    where = (
+        "the Mooncake FAST'25 traces are public at github.com/kvcache-ai/Mooncake "
+        "under FAST25-release/traces"
+    )
     directory = os.environ.get("RADIXKV_TRACES")
     if not directory:
         return None, f"RADIXKV_TRACES is not set: {where}; set it to their directory"
@@ -80,7 +82,7 @@ def _reference_replay(requests, block, page, capacity_pages):
         indices = cached + own
         n = len(full)
         in_cache = cache.insert_prefix(full, indices[:n])
-        for s in indices[hit:in_cache:page] + indices[n - n % page::page]:
+        for s in indices[hit:in_cache:page] + indices[n - n % page :: page]:
             free.append(s // page)
         cache.lock_handle(handle, unlock=True)
         hit_total += hit
@@ -101,12 +103,13 @@ def test_unbounded_capacity_reaches_the_optimum(block, page):
     assert r.hit_tokens > 0 and r.requests == len(requests)
 
 
-@pytest.mark.parametrize("block,page,fraction", [(16, 16, 8), (16, 16, 32), (8, 4, 16),
-                                                 (4, 1, 64)])
+@pytest.mark.parametrize("block,page,fraction", [(16, 16, 8), (16, 16, 32), (8, 4, 16), (4, 1, 64)])
 def test_finite_capacity_follows_exact_lru(block, page, fraction):
     requests = chat_sessions(30, block, seed=fraction)
-    capacity = max(pages_for_all(requests, page) // fraction,
-                   max(-(-(r.input_length + r.output_length) // page) for r in requests))
+    capacity = max(
+        pages_for_all(requests, page) // fraction,
+        max(-(-(r.input_length + r.output_length) // page) for r in requests),
+    )
     r = replay(requests, block_size=block, page_size=page, capacity_pages=capacity, store=False)
     assert r.evicted_tokens > 0, "the capacity should force evictions"
     assert (r.hit_tokens, r.evicted_tokens) == _reference_replay(requests, block, page, capacity)
@@ -141,17 +144,44 @@ def test_mooncake_prefix_reaches_the_optimum():
 
 
 def test_cli_json_and_sweep(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--sessions", "30",
-                          "--no-store", "--json"], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixkv", "replay", "--sessions", "30", "--no-store", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     report = json.loads(out.stdout)
-    for key in ("requests", "input_tokens", "hit_tokens", "token_hit_rate", "evicted_tokens",
-                "wall_s", "requests_per_s", "latency_us"):
+    for key in (
+        "requests",
+        "input_tokens",
+        "hit_tokens",
+        "token_hit_rate",
+        "evicted_tokens",
+        "wall_s",
+        "requests_per_s",
+        "latency_us",
+    ):
         assert key in report
     assert report["hit_tokens"] == report["optimal_hit_tokens"]
     for op in ("match", "allocate", "insert", "evict"):
         assert op in report["latency_us"]
-    subprocess.run([sys.executable, "-m", "radixkv", "replay", "--sessions", "30", "--no-store",
-                    "--sweep", "3", "--out", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "replay",
+            "--sessions",
+            "30",
+            "--no-store",
+            "--sweep",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+    )
     sweep = json.loads((tmp_path / "replay_sweep.json").read_text())
     rates = [p["token_hit_rate"] for p in sweep["points"]]
     assert len(rates) == 3 and rates[-1] >= rates[0]
@@ -159,8 +189,9 @@ def test_cli_json_and_sweep(tmp_path):
 
 
 def run_cli(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "radixkv", *args], capture_output=True,
-                          text=True, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "radixkv", *args], capture_output=True, text=True, **kwargs
+    )
 
 
 def one_error_line(result, *words):
@@ -177,17 +208,20 @@ def test_cli_rejects_bad_arguments():
     one_error_line(run_cli("replay", "--kv", "1,x,8"), "--kv")
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--page-size", "0"], ["--page-size", ">= 1"]),
-    (["--block-size", "0"], ["--block-size"]),
-    (["--limit", "-5"], ["--limit"]),
-    (["--sweep", "0"], ["--sweep"]),
-    (["--capacity-tokens", "0"], ["--capacity-tokens"]),
-    (["--sessions", "x"], ["--sessions"]),
-    (["--kv", "1,1,8,int8"], ["--kv", "int8"]),
-    (["--kv", "1,1,8,nonsense"], ["--kv"]),
-    (["--capacity-pages", "1", "--no-store"], ["every request was skipped"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--page-size", "0"], ["--page-size", ">= 1"]),
+        (["--block-size", "0"], ["--block-size"]),
+        (["--limit", "-5"], ["--limit"]),
+        (["--sweep", "0"], ["--sweep"]),
+        (["--capacity-tokens", "0"], ["--capacity-tokens"]),
+        (["--sessions", "x"], ["--sessions"]),
+        (["--kv", "1,1,8,int8"], ["--kv", "int8"]),
+        (["--kv", "1,1,8,nonsense"], ["--kv"]),
+        (["--capacity-pages", "1", "--no-store"], ["every request was skipped"]),
+    ],
+)
 def test_cli_user_mistakes_get_one_error_line(args, words):
     one_error_line(run_cli("replay", "--sessions", "5", *args), *words)
 
@@ -196,8 +230,10 @@ def test_cli_trace_file_mistakes_name_the_file_and_line(tmp_path):
     one_error_line(run_cli("replay", str(tmp_path / "missing.jsonl")), "missing.jsonl")
     one_error_line(run_cli("replay", str(tmp_path)), "directory")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
-                   '{"timestamp": 1, "input_len')  # cut off mid-line
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_len'
+    )  # cut off mid-line
     one_error_line(run_cli("replay", str(bad)), "bad.jsonl:2")
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b"\xff\xfe\x00garbage")
@@ -217,8 +253,10 @@ def test_cli_sweep_checks_out_before_replaying(tmp_path):
 
 def test_cli_warns_when_the_block_size_disagrees(tmp_path):
     trace = tmp_path / "t.jsonl"
-    rows = [{"timestamp": i, "input_length": 1000, "output_length": 4,
-             "hash_ids": [3 * i, 3 * i + 1]} for i in range(20)]  # 512-token blocks
+    rows = [
+        {"timestamp": i, "input_length": 1000, "output_length": 4, "hash_ids": [3 * i, 3 * i + 1]}
+        for i in range(20)
+    ]  # 512-token blocks
     trace.write_text("\n".join(json.dumps(r) for r in rows))
     r = run_cli("replay", str(trace), "--block-size", "256", "--no-store")
     assert r.returncode == 0
@@ -230,8 +268,18 @@ def test_cli_warns_when_the_block_size_disagrees(tmp_path):
 def test_cli_optimum_is_over_the_requests_replayed(tmp_path):
     """With a pool too small for the long requests, the optimum shown is that of
     the requests actually replayed, never above 100% of their tokens."""
-    r = json.loads(run_cli("replay", "--sessions", "60", "--capacity-tokens", "400", "--no-store",
-                           "--json", check=True).stdout)
+    r = json.loads(
+        run_cli(
+            "replay",
+            "--sessions",
+            "60",
+            "--capacity-tokens",
+            "400",
+            "--no-store",
+            "--json",
+            check=True,
+        ).stdout
+    )
     assert r["skipped_requests"] > 0 and r["requests"] > 0
     assert r["optimal_hit_tokens"] <= r["input_tokens"]
     assert r["hit_tokens"] <= r["optimal_hit_tokens"]
@@ -259,9 +307,23 @@ def test_cli_progress_flag_shows_the_bar_in_a_log():
 
 
 def test_cli_ctrl_c_prints_the_partial_result():
-    p = subprocess.Popen([sys.executable, "-m", "radixkv", "replay", "--sessions", "50000",
-                          "--no-store", "--capacity-tokens", "100000000", "--progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "replay",
+            "--sessions",
+            "50000",
+            "--no-store",
+            "--capacity-tokens",
+            "100000000",
+            "--progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = wait_for_the_progress_bar(p)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
@@ -280,16 +342,17 @@ def test_default_trace_pool_is_sized_by_what_an_unbounded_cache_uses():
     requests = chat_sessions(60, 16, seed=9)
     r = replay(requests, block_size=16, page_size=16, store=False)
     assert 0 < r.peak_pages < pages_for_all(requests, 16)
-    again = replay(requests, block_size=16, page_size=16, capacity_pages=r.peak_pages,
-                   store=True)
+    again = replay(requests, block_size=16, page_size=16, capacity_pages=r.peak_pages, store=True)
     assert again.evicted_tokens == 0 and again.hit_tokens == r.hit_tokens
     assert again.pool_bytes == r.peak_pages * 16 * 32  # 1 layer, 1 head of 8 fp16, K and V
 
 
 def test_load_mooncake_names_the_bad_line(tmp_path):
     p = tmp_path / "t.jsonl"
-    p.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
-                 '{"timestamp": 1, "input_length": 5}\n')
+    p.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_length": 5}\n'
+    )
     with pytest.raises(ValueError, match=":2:"):
         load_mooncake(str(p))
 
@@ -304,10 +367,29 @@ def test_token_maker_materialises_blocks_and_fresh_tails():
 
 
 def test_cli_sweep_compares_eviction_policies(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--sessions", "30",
-                          "--no-store", "--host-capacity-tokens", "0", "--sweep", "3",
-                          "--eviction-policy", "lru,lfu,mru", "--json", "--out", str(tmp_path)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "replay",
+            "--sessions",
+            "30",
+            "--no-store",
+            "--host-capacity-tokens",
+            "0",
+            "--sweep",
+            "3",
+            "--eviction-policy",
+            "lru,lfu,mru",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     points = json.loads(out.stdout)["points"]
     assert [p["eviction_policy"] for p in points] == ["lru"] * 3 + ["lfu"] * 3 + ["mru"] * 3
     assert (tmp_path / "replay_sweep.png").stat().st_size > 1000
@@ -315,11 +397,16 @@ def test_cli_sweep_compares_eviction_policies(tmp_path):
     assert points[0]["hit_tokens"] != points[6]["hit_tokens"]  # the policies differ
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--eviction-policy", "random"], ["--eviction-policy", "random"]),
-    (["--eviction-policy", "lru,lfu"], ["--eviction-policy", "--sweep"]),
-    (["--eviction-policy", "lfu", "--policy", "naive", "--host-capacity-tokens", "0"],
-     ["--eviction-policy", "radix"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--eviction-policy", "random"], ["--eviction-policy", "random"]),
+        (["--eviction-policy", "lru,lfu"], ["--eviction-policy", "--sweep"]),
+        (
+            ["--eviction-policy", "lfu", "--policy", "naive", "--host-capacity-tokens", "0"],
+            ["--eviction-policy", "radix"],
+        ),
+    ],
+)
 def test_cli_eviction_policy_mistakes(args, words):
     one_error_line(run_cli("replay", "--sessions", "5", "--no-store", *args), *words)

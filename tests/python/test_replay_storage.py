@@ -28,8 +28,13 @@ def small_tiers(requests):
 
 
 def run(requests, storage, **kw):
-    return replay(requests, block_size=BLOCK, page_size=BLOCK, storage=storage,
-                  **{**small_tiers(requests), **kw})
+    return replay(
+        requests,
+        block_size=BLOCK,
+        page_size=BLOCK,
+        storage=storage,
+        **{**small_tiers(requests), **kw},
+    )
 
 
 @pytest.mark.parametrize("instances", [1, 2, 3])
@@ -40,8 +45,9 @@ def test_an_unbounded_file_store_reaches_the_optimum_from_small_tiers(tmp_path, 
     assert r.kv_mismatches == 0 and r.storage_errors == 0 and r.failed_loads == 0
     assert r.storage_hit_tokens > 0  # the small tiers did lose pages, storage gave them back
     assert r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens == r.hit_tokens
-    without = replay(requests, block_size=BLOCK, page_size=BLOCK, instances=1,
-                     **small_tiers(requests))
+    without = replay(
+        requests, block_size=BLOCK, page_size=BLOCK, instances=1, **small_tiers(requests)
+    )
     assert without.hit_tokens < r.hit_tokens
     if instances > 1:
         assert len(r.instances) == instances
@@ -53,8 +59,15 @@ def test_instances_are_deterministic_and_see_the_same_tokens(tmp_path):
     requests = chat_sessions(40, BLOCK, seed=7)
     a = run(requests, StorageConfig("file", directory=str(tmp_path / "a")), instances=2)
     b = run(requests, StorageConfig("file", directory=str(tmp_path / "b")), instances=2)
-    keys = ("hit_tokens", "device_hit_tokens", "host_hit_tokens", "storage_hit_tokens",
-            "storage_written_pages", "input_tokens", "stored_tokens")
+    keys = (
+        "hit_tokens",
+        "device_hit_tokens",
+        "host_hit_tokens",
+        "storage_hit_tokens",
+        "storage_written_pages",
+        "input_tokens",
+        "stored_tokens",
+    )
     assert [getattr(a, k) for k in keys] == [getattr(b, k) for k in keys]
     one = run(requests, StorageConfig("file", directory=str(tmp_path / "c")), instances=1)
     # The same tokens whichever instance serves a request: the store holds
@@ -66,8 +79,12 @@ def test_instances_are_deterministic_and_see_the_same_tokens(tmp_path):
 @pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
 def test_overlapped_instances_stay_correct(tmp_path, policy):
     requests = chat_sessions(40, BLOCK, seed=8)
-    r = run(requests, StorageConfig("file", directory=str(tmp_path), prefetch_policy=policy),
-            instances=2, overlap=True)
+    r = run(
+        requests,
+        StorageConfig("file", directory=str(tmp_path), prefetch_policy=policy),
+        instances=2,
+        overlap=True,
+    )
     assert r.kv_mismatches == 0 and r.failed_loads == 0
     assert 0 < r.hit_tokens <= r.optimal_hit_tokens
     assert r.requests == len(requests)
@@ -84,8 +101,9 @@ def test_faults_in_the_store_cost_hits_never_correctness(tmp_path):
 def test_a_bounded_store_keeps_serving(tmp_path):
     requests = chat_sessions(40, BLOCK, seed=10)
     r = run(requests, StorageConfig("file", directory=str(tmp_path), max_bytes=64 << 10))
-    pages = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs
-             if f.endswith(".page")]
+    pages = [
+        os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".page")
+    ]
     assert r.kv_mismatches == 0 and r.hit_tokens < r.optimal_hit_tokens
     assert 0 < sum(os.path.getsize(p) for p in pages) <= 64 << 10
 
@@ -94,8 +112,12 @@ def test_a_bounded_store_keeps_serving(tmp_path):
 def test_two_instances_sharing_mooncake_reach_the_optimum():
     requests = chat_sessions(40, BLOCK, seed=11)
     with MooncakeMaster() as m:
-        storage = StorageConfig("mooncake", master_address=m.master_address,
-                                metadata_server=m.metadata_server, segment_bytes=64 << 20)
+        storage = StorageConfig(
+            "mooncake",
+            master_address=m.master_address,
+            metadata_server=m.metadata_server,
+            segment_bytes=64 << 20,
+        )
         r = run(requests, storage, instances=2)
     assert r.hit_tokens == r.optimal_hit_tokens
     assert r.kv_mismatches == 0 and r.storage_errors == 0 and r.storage_hit_tokens > 0
@@ -107,24 +129,50 @@ def test_trace_through_all_tiers_reaches_the_optimum(tmp_path):
     below what the requests use."""
     requests = load_mooncake(TRACE)[:400]
     biggest = max(-(-(r.input_length + r.output_length) // 512) for r in requests)
-    r = replay(requests, block_size=512, page_size=512, capacity_pages=biggest,
-               host_pages=2 * biggest, instances=2,
-               storage=StorageConfig("file", directory=str(tmp_path)))
+    r = replay(
+        requests,
+        block_size=512,
+        page_size=512,
+        capacity_pages=biggest,
+        host_pages=2 * biggest,
+        instances=2,
+        storage=StorageConfig("file", directory=str(tmp_path)),
+    )
     assert r.hit_tokens == r.optimal_hit_tokens
     assert r.kv_mismatches == 0 and r.storage_hit_tokens > 0
 
 
 def test_cli_builtin_replay_goes_through_all_tiers():
-    out = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--sessions", "30",
-                          "--capacity-tokens", "2048", "--host-capacity-tokens", "4096",
-                          "--instances", "2", "--json"],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "replay",
+            "--sessions",
+            "30",
+            "--capacity-tokens",
+            "2048",
+            "--host-capacity-tokens",
+            "4096",
+            "--instances",
+            "2",
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     report = json.loads(out.stdout)
     assert report["storage"] == "file" and report["prefetch_policy"] == "wait_complete"
     assert report["hit_tokens"] == report["optimal_hit_tokens"]
     assert report["kv_mismatches"] == 0
-    for key in ("storage_hit_tokens", "prefetched_tokens", "storage_written_pages",
-                "storage_errors"):
+    for key in (
+        "storage_hit_tokens",
+        "prefetched_tokens",
+        "storage_written_pages",
+        "storage_errors",
+    ):
         assert key in report
     assert len(report["instances"]) == 2
 
@@ -132,8 +180,9 @@ def test_cli_builtin_replay_goes_through_all_tiers():
 def test_cli_storage_needs_a_host_tier_and_instances_need_storage():
     from test_replay import one_error_line, run_cli
 
-    one_error_line(run_cli("replay", "--storage", "file", "--host-capacity-tokens", "0"),
-                   "--storage")
+    one_error_line(
+        run_cli("replay", "--storage", "file", "--host-capacity-tokens", "0"), "--storage"
+    )
     one_error_line(run_cli("replay", "--storage", "none", "--instances", "2"), "--instances")
 
 
@@ -164,17 +213,20 @@ def test_an_instance_that_dies_ends_the_replay_with_an_error_not_a_hang(tmp_path
     assert "died" in outcome.get("error", "") or "failed" in outcome.get("error", "")
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--storage", "none", "--storage-dir", "/tmp/x"], ["--storage-dir", "file"]),
-    (["--storage", "file", "--mooncake-master", "1.2.3.4:5"], ["--mooncake-master"]),
-    (["--storage", "file", "--mooncake-segment-mib", "64"], ["--mooncake-segment-mib"]),
-    (["--storage", "none", "--prefetch-policy", "timeout"], ["--prefetch-policy"]),
-    (["--storage", "mooncake", "--mooncake-metadata", "http://x"], ["--mooncake-metadata"]),
-    (["--storage", "mooncake", "--storage-dir", "/tmp/x"], ["--storage-dir"]),
-    (["--storage-dir", ""], ["--storage-dir"]),
-    (["--storage-dir", "/proc"], ["--storage file", "/proc"]),
-    (["--storage-dir", "/proc", "--instances", "2"], ["--storage file", "/proc"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--storage", "none", "--storage-dir", "/tmp/x"], ["--storage-dir", "file"]),
+        (["--storage", "file", "--mooncake-master", "1.2.3.4:5"], ["--mooncake-master"]),
+        (["--storage", "file", "--mooncake-segment-mib", "64"], ["--mooncake-segment-mib"]),
+        (["--storage", "none", "--prefetch-policy", "timeout"], ["--prefetch-policy"]),
+        (["--storage", "mooncake", "--mooncake-metadata", "http://x"], ["--mooncake-metadata"]),
+        (["--storage", "mooncake", "--storage-dir", "/tmp/x"], ["--storage-dir"]),
+        (["--storage-dir", ""], ["--storage-dir"]),
+        (["--storage-dir", "/proc"], ["--storage file", "/proc"]),
+        (["--storage-dir", "/proc", "--instances", "2"], ["--storage file", "/proc"]),
+    ],
+)
 def test_cli_storage_mistakes_get_one_error_line(args, words):
     from test_replay import one_error_line, run_cli
 
@@ -185,9 +237,23 @@ def test_cli_ctrl_c_with_instances_prints_the_partial_result():
     """Ctrl-C reaches the whole process group, as from a terminal."""
     from test_replay import wait_for_the_progress_bar
 
-    p = subprocess.Popen([sys.executable, "-m", "radixkv", "replay", "--sessions", "5000",
-                          "--instances", "2", "--progress"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "replay",
+            "--sessions",
+            "5000",
+            "--instances",
+            "2",
+            "--progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     seen = wait_for_the_progress_bar(p)
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
@@ -299,8 +365,7 @@ def test_ctrl_c_after_the_last_request_keeps_the_whole_result(monkeypatch, capsy
     assert "token hit rate" in out.out and "interrupted" not in out.err
 
 
-def test_ctrl_c_between_sweep_points_stops_the_sweep_and_writes_it(tmp_path, monkeypatch,
-                                                                   capsys):
+def test_ctrl_c_between_sweep_points_stops_the_sweep_and_writes_it(tmp_path, monkeypatch, capsys):
     from radixkv.replay import cli
 
     _ctrl_c_during_the_final_figures(monkeypatch)

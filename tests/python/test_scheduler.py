@@ -76,8 +76,14 @@ def dump(cm):
 
 def state(cm):
     """Everything an erroring call must leave alone."""
-    return (free_pages(cm), cm.held_pages, cm.manager.size_info, dump(cm),
-            cm._pages.num_free_pages, cm.available_size)
+    return (
+        free_pages(cm),
+        cm.held_pages,
+        cm.manager.size_info,
+        dump(cm),
+        cm._pages.num_free_pages,
+        cm.available_size,
+    )
 
 
 def check(cm):
@@ -101,7 +107,7 @@ def assert_whole_pages(slots, p, count=None):
         assert len(slots) == count
     for i in range(0, len(slots), p):
         assert slots[i] % p == 0, f"page at {i} starts at {slots[i]}"
-        assert slots[i:i + p] == seq(p, slots[i])
+        assert slots[i : i + p] == seq(p, slots[i])
     assert len(set(slots)) == len(slots)
 
 
@@ -130,7 +136,7 @@ class Req:
         return self.handle.cached_len
 
     def own_pages(self):
-        return pages_of(self.indices[self.cached_len:].tolist(), self.cm.page_size)
+        return pages_of(self.indices[self.cached_len :].tolist(), self.cm.page_size)
 
     def finish(self):
         self.cm.free_and_cache_finished_req(self.handle, self.ids, self.indices)
@@ -153,7 +159,7 @@ class Req:
             check(self.cm)
 
     def abort(self):
-        self.cm.free(self.indices[self.cached_len:])
+        self.cm.free(self.indices[self.cached_len :])
         self.cm.unlock(self.handle)
         check(self.cm)
 
@@ -184,15 +190,18 @@ def test_construct_and_empty_state():
     assert CacheManager(0).available_size == 0
 
 
-@pytest.mark.parametrize("kwargs,exc,name", [
-    (dict(num_pages=-1), ValueError, "num_pages"),
-    (dict(num_pages=2.0), TypeError, "num_pages"),
-    (dict(num_pages=True), TypeError, "num_pages"),
-    (dict(num_pages=4, page_size=0), ValueError, "page_size"),
-    (dict(num_pages=4, page_size=1.0), TypeError, "page_size"),
-    (dict(num_pages=4, type="lru"), ValueError, "type"),
-    (dict(num_pages=2 ** 31, page_size=4), ValueError, "num_pages"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,name",
+    [
+        (dict(num_pages=-1), ValueError, "num_pages"),
+        (dict(num_pages=2.0), TypeError, "num_pages"),
+        (dict(num_pages=True), TypeError, "num_pages"),
+        (dict(num_pages=4, page_size=0), ValueError, "page_size"),
+        (dict(num_pages=4, page_size=1.0), TypeError, "page_size"),
+        (dict(num_pages=4, type="lru"), ValueError, "type"),
+        (dict(num_pages=2**31, page_size=4), ValueError, "num_pages"),
+    ],
+)
 def test_construct_errors(kwargs, exc, name):
     with raises(exc, name):
         CacheManager(**kwargs)
@@ -284,8 +293,12 @@ def test_match_req_matches_all_but_the_last_token(p, t):
     Req(cm, seq(4 * p, 10)).finish()
     for n in range(1, 4 * p + 2):
         ids = seq(n, 10)
-        for form in (ids, np.array(ids, dtype=np.int64), torch.tensor(ids, dtype=torch.int32),
-                     torch.tensor(ids, dtype=torch.int64)):
+        for form in (
+            ids,
+            np.array(ids, dtype=np.int64),
+            torch.tensor(ids, dtype=torch.int32),
+            torch.tensor(ids, dtype=torch.int64),
+        ):
             h, idx = cm.match_req(form)
             want = ((min(n, 4 * p + 1) - 1) // p * p) if t == "radix" else 0
             assert h.cached_len == want == len(idx)
@@ -366,7 +379,7 @@ def test_chunked_prefill_then_decode(p, t):
     r.indices = torch.cat([matched, cm.allocate(chunk)])
     check(cm)
     while len(r.ids) < len(prompt):
-        own_tail = r.indices[len(r.ids) - len(r.ids) % p:].tolist()
+        own_tail = r.indices[len(r.ids) - len(r.ids) % p :].tolist()
         r.unfinished()
         full = len(r.ids) - len(r.ids) % p
         assert r.cached_len == (full if radix else 0)
@@ -374,7 +387,7 @@ def test_chunked_prefill_then_decode(p, t):
             assert r.indices[:full].tolist() == slots_in_tree(cm, r.ids)
             assert r.indices[full:].tolist() == own_tail  # the partial page stays the request's
         assert cm.held_pages == len(r.own_pages())
-        r.extend(prompt[len(r.ids):len(r.ids) + chunk])
+        r.extend(prompt[len(r.ids) : len(r.ids) + chunk])
     r.extend(seq(3, 7000))  # decode
     r.finish()
     assert cm.held_pages == 0
@@ -510,7 +523,7 @@ def test_trap_partial_last_page_is_freed_at_finish(p, t):
     assert cm.held_pages == 0
     if t == "radix":
         assert cm.manager.size_info == (2 * p, 0)
-        assert cached_slots(cm) == r.indices[:2 * p].tolist()
+        assert cached_slots(cm) == r.indices[: 2 * p].tolist()
         assert cm._pages.num_free_pages == 6
     else:
         assert cm._pages.num_free_pages == 8
@@ -532,7 +545,7 @@ def test_trap_allocation_failure_changes_nothing(p):
     assert cm.available_size == (10 - 2 - 3 - 1 - 2) * p + 2 * p
     before = state(cm)
     handle_locks = locked.handle.lock_count
-    for n in (cm.available_size + 1, cm.available_size + p, 10 * p + 1, 10 ** 6):
+    for n in (cm.available_size + 1, cm.available_size + p, 10 * p + 1, 10**6):
         with raises(radixkv.OutOfCapacityError, "num_tokens"):
             cm.allocate(n)
         assert state(cm) == before
@@ -617,8 +630,10 @@ def test_check_integrity_catches_free_and_cached_with_balanced_counts(p):
     tree_page = torch.tensor(cached_slots(cm)[:p], dtype=torch.int32)
     cm._pages.free(tree_page)
     cm._held_pages -= 1
-    assert (cm._pages.num_free_pages + cm.manager.size_info.total_size // p + cm.held_pages
-            == cm.num_pages)
+    assert (
+        cm._pages.num_free_pages + cm.manager.size_info.total_size // p + cm.held_pages
+        == cm.num_pages
+    )
     with raises(radixkv.IntegrityError, "both free and cached"):
         cm.check_integrity()
     cm._held_pages += 1
@@ -651,7 +666,7 @@ def test_allocate_evicts_only_what_is_missing_lru_first(p):
     for ids in prefixes:  # cached in this order: prefix 0 is the oldest
         r = Req(cm, ids)
         r.finish()
-        slots.append(r.indices[:2 * p].tolist())
+        slots.append(r.indices[: 2 * p].tolist())
     assert cm._pages.num_free_pages == 2 and cm.manager.size_info == (6 * p, 0)
     # No eviction while the free pages suffice.
     a = cm.allocate(2 * p)
@@ -681,9 +696,9 @@ def test_allocate_evicts_partial_need_rounded_to_nodes(p):
     """Nodes of different sizes: asking for one page more than free evicts the
     oldest leaf only, even when it is bigger than what is missing."""
     cm = CacheManager(12, p)
-    Req(cm, seq(4 * p, 100)).finish()   # oldest: 4 pages
-    Req(cm, seq(1 * p, 200)).finish()   # 1 page
-    Req(cm, seq(2 * p, 300)).finish()   # 2 pages
+    Req(cm, seq(4 * p, 100)).finish()  # oldest: 4 pages
+    Req(cm, seq(1 * p, 200)).finish()  # 1 page
+    Req(cm, seq(2 * p, 300)).finish()  # 2 pages
     assert cm._pages.num_free_pages == 5
     a = cm.allocate(5 * p + 1)
     info = cm.manager.size_info
@@ -706,7 +721,7 @@ def test_allocate_never_evicts_locked_prefixes(p):
     Req(cm, seq(2 * p, 300)).finish()
     keep = Req(cm, old + [1])  # locks the oldest prefix (and holds 1 page)
     assert keep.cached_len == 2 * p
-    old_slots = keep.indices[:2 * p].tolist()
+    old_slots = keep.indices[: 2 * p].tolist()
     a = cm.allocate(2 * p)  # 1 free page, 1 missing: evicts prefix 200, not the locked one
     assert slots_in_tree(cm, old) == old_slots
     assert slots_in_tree(cm, seq(2 * p, 200)) == []
@@ -753,10 +768,18 @@ def test_make_room_evicts_what_allocate_would(p):
 
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("p", PS)
-@pytest.mark.parametrize("bad,exc", [
-    (-1, ValueError), (1.5, TypeError), (2.0, TypeError), (True, TypeError),
-    ("3", TypeError), (None, TypeError), ([3], TypeError),
-])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (-1, ValueError),
+        (1.5, TypeError),
+        (2.0, TypeError),
+        (True, TypeError),
+        ("3", TypeError),
+        (None, TypeError),
+        ([3], TypeError),
+    ],
+)
 def test_allocate_bad_count(p, t, bad, exc):
     cm = CacheManager(8, p, t)
     Req(cm, seq(2 * p + 1)).finish()
@@ -781,7 +804,7 @@ def _free_case(p, t="radix"):
 @pytest.mark.parametrize("p", PS)
 def test_free_errors(p):
     cm, done, r = _free_case(p)
-    own = r.indices[r.cached_len:]
+    own = r.indices[r.cached_len :]
     tree = r.indices[:p]
     free_page = free_pages(cm)[-1]
     free_slots = seq(p, free_page * p)
@@ -797,11 +820,13 @@ def test_free_errors(p):
         "none": (TypeError, None),
     }
     if p > 1:
-        bad["partial page"] = (ValueError, own[:p - 1])
-        bad["not page-aligned"] = (ValueError, own[1:p + 1])
+        bad["partial page"] = (ValueError, own[: p - 1])
+        bad["not page-aligned"] = (ValueError, own[1 : p + 1])
         bad["page out of order"] = (ValueError, own[:p].flip(0))
-        bad["halves of two pages"] = (ValueError,
-                                      torch.cat([own[:p // 2], own[p + p // 2:2 * p]]))
+        bad["halves of two pages"] = (
+            ValueError,
+            torch.cat([own[: p // 2], own[p + p // 2 : 2 * p]]),
+        )
     before = state(cm)
     for name, (exc, idx) in bad.items():
         with raises(exc, "indices"):
@@ -812,8 +837,8 @@ def test_free_errors(p):
     assert state(cm) == before
     # Inputs of every accepted form still work afterwards.
     cm.free(own[:p].numpy().astype(np.int64))
-    cm.free(own[p:2 * p].tolist())
-    cm.free(own[2 * p:])
+    cm.free(own[p : 2 * p].tolist())
+    cm.free(own[2 * p :])
     cm.unlock(r.handle)
     assert cm.held_pages == 0
     check(cm)
@@ -866,42 +891,86 @@ def test_request_errors(p, t, method):
     other.lock(oh)
     cases = [
         ("short indices", ValueError, ("indices",), lambda: fn(h, ids, idx[:-p])),
-        ("long indices", ValueError, ("indices",),
-         lambda: fn(h, ids, torch.cat([idx, torch.tensor(seq(p, free_page * p),
-                                                           dtype=torch.int32)]))),
+        (
+            "long indices",
+            ValueError,
+            ("indices",),
+            lambda: fn(
+                h, ids, torch.cat([idx, torch.tensor(seq(p, free_page * p), dtype=torch.int32)])
+            ),
+        ),
         ("unlocked handle", ValueError, ("old_handle",), lambda: fn(unlocked, ids, idx)),
         ("other manager", ValueError, ("old_handle",), lambda: fn(oh, ids, idx)),
         ("not a handle", TypeError, ("old_handle",), lambda: fn("h", ids, idx)),
-        ("unallocated slot", ValueError, ("indices",),
-         lambda: fn(h, ids, torch.cat([idx[:-p], torch.tensor(seq(p, free_page * p),
-                                                                dtype=torch.int32)]))),
-        ("repeated page", ValueError, ("indices",),
-         lambda: fn(h, ids, torch.cat([idx[:-p], idx[c:c + p]]))),
-        ("float input_ids", TypeError, ("input_ids",),
-         lambda: fn(h, torch.tensor(ids, dtype=torch.float32), idx)),
+        (
+            "unallocated slot",
+            ValueError,
+            ("indices",),
+            lambda: fn(
+                h,
+                ids,
+                torch.cat([idx[:-p], torch.tensor(seq(p, free_page * p), dtype=torch.int32)]),
+            ),
+        ),
+        (
+            "repeated page",
+            ValueError,
+            ("indices",),
+            lambda: fn(h, ids, torch.cat([idx[:-p], idx[c : c + p]])),
+        ),
+        (
+            "float input_ids",
+            TypeError,
+            ("input_ids",),
+            lambda: fn(h, torch.tensor(ids, dtype=torch.float32), idx),
+        ),
         ("2-D indices", ValueError, ("indices",), lambda: fn(h, ids, idx.view(1, -1))),
-        ("negative slot", ValueError, ("indices",),
-         lambda: fn(h, ids, torch.cat([idx[:-p], torch.tensor(seq(p, -p), dtype=torch.int32)]))),
+        (
+            "negative slot",
+            ValueError,
+            ("indices",),
+            lambda: fn(h, ids, torch.cat([idx[:-p], torch.tensor(seq(p, -p), dtype=torch.int32)])),
+        ),
     ]
     if radix:
         cases += [
-            ("cached slot as the last page", ValueError, ("indices",),
-             lambda: fn(h, ids, torch.cat([idx[:-p], foreign]))),
-            ("cached slot as the first own page", ValueError, ("indices",),
-             lambda: fn(h, ids, torch.cat([idx[:c], foreign, idx[c + p:]]))),
-            ("cached part's slots in own part", ValueError, ("indices",),
-             lambda: fn(h, ids, torch.cat([idx[:-p], idx[:p]]))),
+            (
+                "cached slot as the last page",
+                ValueError,
+                ("indices",),
+                lambda: fn(h, ids, torch.cat([idx[:-p], foreign])),
+            ),
+            (
+                "cached slot as the first own page",
+                ValueError,
+                ("indices",),
+                lambda: fn(h, ids, torch.cat([idx[:c], foreign, idx[c + p :]])),
+            ),
+            (
+                "cached part's slots in own part",
+                ValueError,
+                ("indices",),
+                lambda: fn(h, ids, torch.cat([idx[:-p], idx[:p]])),
+            ),
             ("stale handle", ValueError, ("old_handle",), lambda: fn(stale, ids, idx)),
-            ("ids shorter than the handle", ValueError, ("old_handle",),
-             lambda: fn(h, ids[:c - 1], idx[:ceil_pages(c - 1, p) * p])),
+            (
+                "ids shorter than the handle",
+                ValueError,
+                ("old_handle",),
+                lambda: fn(h, ids[: c - 1], idx[: ceil_pages(c - 1, p) * p]),
+            ),
         ]
     if p > 1:
         shifted = idx.clone()
-        shifted[c:c + p] = shifted[c:c + p] + 1
+        shifted[c : c + p] = shifted[c : c + p] + 1
         cases += [
             ("not page-aligned", ValueError, ("indices",), lambda: fn(h, ids, shifted)),
-            ("page out of order", ValueError, ("indices",),
-             lambda: fn(h, ids, torch.cat([idx[:c], idx[c:c + p].flip(0), idx[c + p:]]))),
+            (
+                "page out of order",
+                ValueError,
+                ("indices",),
+                lambda: fn(h, ids, torch.cat([idx[:c], idx[c : c + p].flip(0), idx[c + p :]])),
+            ),
         ]
     before = state(cm)
     for name, exc, names, call in cases:
@@ -954,8 +1023,12 @@ def test_request_ids_diverging_from_handle_change_nothing(p):
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("p", PS)
 def test_request_inputs_in_every_form(p, t):
-    for form in (list, lambda x: np.array(x, dtype=np.int64), lambda x: torch.tensor(x),
-                 lambda x: torch.tensor(x, dtype=torch.int32)):
+    for form in (
+        list,
+        lambda x: np.array(x, dtype=np.int64),
+        lambda x: torch.tensor(x),
+        lambda x: torch.tensor(x, dtype=torch.int32),
+    ):
         cm, r = _request_case(p, t)
         r2 = Req(cm, r.ids + [3])
         h, idx = cm.cache_unfinished_req(r.handle, form(r.ids), form(r.indices.tolist()))
@@ -998,7 +1071,7 @@ def _audit(cm, reqs):
     assert cm.held_pages == len(held)
     assert cm.available_size == len(free) * p + cm.manager.size_info.evictable_size
     for r in reqs:
-        assert set(pages_of(r.indices[:r.cached_len].tolist(), p)) <= cached
+        assert set(pages_of(r.indices[: r.cached_len].tolist(), p)) <= cached
         assert len(r.indices) == ceil_pages(len(r.ids), p) * p
 
 
@@ -1008,18 +1081,30 @@ def _soak(p, t, steps, seed, num_pages):
     radix = t == "radix"
     bases = [[rng.randrange(4) for _ in range(rng.randrange(1, 4 * p + 3))] for _ in range(5)]
     reqs = []
-    counts = dict(start=0, oom=0, decode=0, finish=0, unfinished=0, abort=0, evicting=0,
-                  hit=0, dup_unfinished=0, dup_finished=0, active=0)
+    counts = dict(
+        start=0,
+        oom=0,
+        decode=0,
+        finish=0,
+        unfinished=0,
+        abort=0,
+        evicting=0,
+        hit=0,
+        dup_unfinished=0,
+        dup_finished=0,
+        active=0,
+    )
 
     def new_ids():
         if reqs and rng.random() < 0.3:
             # the same prompt as a running request, or a prefix of it, maybe extended
             ids = rng.choice(reqs).ids
-            ids = ids[:rng.randrange(1, len(ids) + 1)]
+            ids = ids[: rng.randrange(1, len(ids) + 1)]
             return ids + [rng.randrange(6) for _ in range(rng.randrange(0, p + 1))]
         base = rng.choice(bases)
-        return base[:rng.randrange(len(base) + 1)] + [rng.randrange(6)
-                                                       for _ in range(rng.randrange(1, 2 * p + 3))]
+        return base[: rng.randrange(len(base) + 1)] + [
+            rng.randrange(6) for _ in range(rng.randrange(1, 2 * p + 3))
+        ]
 
     for _ in range(steps):
         x = rng.random()
@@ -1069,8 +1154,9 @@ def _soak(p, t, steps, seed, num_pages):
             elif x < 0.75:
                 reqs.remove(r)
                 full = len(r.ids) - len(r.ids) % p
-                counts["dup_finished"] += (radix and len(slots_in_tree(cm, r.ids[:full]))
-                                           > r.cached_len)
+                counts["dup_finished"] += (
+                    radix and len(slots_in_tree(cm, r.ids[:full])) > r.cached_len
+                )
                 cm.free_and_cache_finished_req(r.handle, r.ids, r.indices)
                 assert r.handle.lock_count == 0
                 if radix:
@@ -1079,8 +1165,8 @@ def _soak(p, t, steps, seed, num_pages):
                     assert len(got) >= full
                 counts["finish"] += 1
             elif x < 0.93:
-                old_tail = r.indices[len(r.ids) - len(r.ids) % p:].tolist()
-                old_own = r.indices[r.cached_len:].tolist()
+                old_tail = r.indices[len(r.ids) - len(r.ids) % p :].tolist()
+                old_own = r.indices[r.cached_len :].tolist()
                 h, idx = cm.cache_unfinished_req(r.handle, r.ids, r.indices)
                 assert r.handle.lock_count == 0 and h.lock_count == 1
                 r.handle, r.indices = h, idx
@@ -1090,14 +1176,14 @@ def _soak(p, t, steps, seed, num_pages):
                     assert idx[:full].tolist() == slots_in_tree(cm, r.ids)[:full]
                     assert idx[full:].tolist() == old_tail
                     c0 = len(r.indices) - len(old_own)
-                    counts["dup_unfinished"] += idx[c0:full].tolist() != old_own[:full - c0]
+                    counts["dup_unfinished"] += idx[c0:full].tolist() != old_own[: full - c0]
                 else:
                     assert h.cached_len == 0
                 assert not set(pages_of(idx.tolist(), p)) & set(free_pages(cm))
                 counts["unfinished"] += 1
             else:
                 reqs.remove(r)
-                cm.free(r.indices[r.cached_len:])
+                cm.free(r.indices[r.cached_len :])
                 cm.unlock(r.handle)
                 counts["abort"] += 1
         _audit(cm, reqs)
@@ -1116,12 +1202,18 @@ def _soak(p, t, steps, seed, num_pages):
     return counts
 
 
-@pytest.mark.parametrize("t,p,steps,num_pages,seed", [
-    ("radix", 1, 4000, 40, 1), ("radix", 1, 4000, 24, 2),
-    ("radix", 4, 4000, 24, 3), ("radix", 4, 4000, 40, 4),
-    ("radix", 16, 1000, 12, 5),
-    ("naive", 1, 1000, 40, 6), ("naive", 4, 1000, 24, 7),
-])
+@pytest.mark.parametrize(
+    "t,p,steps,num_pages,seed",
+    [
+        ("radix", 1, 4000, 40, 1),
+        ("radix", 1, 4000, 24, 2),
+        ("radix", 4, 4000, 24, 3),
+        ("radix", 4, 4000, 40, 4),
+        ("radix", 16, 1000, 12, 5),
+        ("naive", 1, 1000, 40, 6),
+        ("naive", 4, 1000, 24, 7),
+    ],
+)
 def test_soak(t, p, steps, num_pages, seed):
     counts = _soak(p, t, steps, seed=seed, num_pages=num_pages)
     # The run exercised every path, eviction and running out included.
@@ -1205,12 +1297,18 @@ BAD_POOL_CALLS = {
     # (call on pool with live rows [r0, r1], names the message must contain)
     "write_bool_row": (lambda pool, r: pool.write(True, 0, torch.tensor([9])), ("row",)),
     "write_float_row": (lambda pool, r: pool.write(float(r[1]), 0, torch.tensor([9])), ("row",)),
-    "write_float_values": (lambda pool, r: pool.write(r[0], 0, torch.tensor([1.5, 2.5])),
-                           ("values",)),
-    "write_values_beyond_int32": (lambda pool, r: pool.write(r[0], 0, torch.tensor([2 ** 40])),
-                                  ("values",)),
-    "write_2d_values": (lambda pool, r: pool.write(r[0], 0, torch.ones(2, 2, dtype=torch.int32)),
-                        ("values",)),
+    "write_float_values": (
+        lambda pool, r: pool.write(r[0], 0, torch.tensor([1.5, 2.5])),
+        ("values",),
+    ),
+    "write_values_beyond_int32": (
+        lambda pool, r: pool.write(r[0], 0, torch.tensor([2**40])),
+        ("values",),
+    ),
+    "write_2d_values": (
+        lambda pool, r: pool.write(r[0], 0, torch.ones(2, 2, dtype=torch.int32)),
+        ("values",),
+    ),
     "free_float_row": (lambda pool, r: pool.free([r[1] + 0.5]), ("row",)),
     "free_bool_row": (lambda pool, r: pool.free([True]), ("row",)),
 }
@@ -1257,7 +1355,7 @@ def test_chunked_prefill_without_a_prefix_cache_keeps_the_requests_own_pages(pag
     ids = torch.arange(5 * page + 1)
     h, idx = cm.match_req(ids)
     cm.lock(h)
-    own = cm.allocate(3 * page)             # the first chunk
+    own = cm.allocate(3 * page)  # the first chunk
     h, idx = cm.cache_unfinished_req(h, ids[: 3 * page], own)
     assert h.cached_len == 0 and torch.equal(idx, own)
     assert cm.held_pages == 3 and cm.manager.size_info.total_size == 0
@@ -1276,9 +1374,9 @@ def test_request_priorities_order_eviction_under_the_priority_policy():
         own = cm.allocate(len(ids) - h.cached_len)
         cm.free_and_cache_finished_req(h, ids, torch.cat([idx, own]), priority=priority)
 
-    serve(torch.arange(5), 3)        # 2 pages cached, priority 3
-    serve(torch.arange(10, 15), 0)   # 2 pages, priority 0 (the newer one)
-    serve(torch.arange(20, 25), 1)   # needs room: the priority-0 request's pages go
+    serve(torch.arange(5), 3)  # 2 pages cached, priority 3
+    serve(torch.arange(10, 15), 0)  # 2 pages, priority 0 (the newer one)
+    serve(torch.arange(20, 25), 1)  # needs room: the priority-0 request's pages go
     assert cm.match_req(torch.arange(5))[0].cached_len == 4
     assert cm.match_req(torch.arange(10, 15))[0].cached_len == 0
     with pytest.raises(ValueError, match="eviction_policy"):

@@ -12,8 +12,12 @@ from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.scheduler import CacheManager
 from radixkv.storage import FileStorage, pool_fingerprint
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not kernel.cuda_available(), reason="no CUDA GPU (or radixkv._cuda not built)"))
+CUDA = pytest.param(
+    "cuda",
+    marks=pytest.mark.skipif(
+        not kernel.cuda_available(), reason="no CUDA GPU (or radixkv._cuda not built)"
+    ),
+)
 LAYERS, PS = 2, 2
 
 
@@ -32,15 +36,21 @@ def _write(pool, n, idx, value):
     dev = pool.device
     for layer in range(LAYERS):
         t = torch.arange(n, dtype=torch.float32, device=dev) + 100 * layer + value
-        side = {"scale": t[:, None].expand(n, 2).contiguous(),
-                "label": (t[:, None].expand(n, 3) % 101).to(torch.int8).contiguous()}
+        side = {
+            "scale": t[:, None].expand(n, 2).contiguous(),
+            "label": (t[:, None].expand(n, 3) % 101).to(torch.int8).contiguous(),
+        }
         if isinstance(pool, MHAKVCache):
             kv = t[:, None, None].expand(n, 2, 4).contiguous()
             pool.store_kv(kv, -kv, idx[:n], layer, side=side)
         else:
-            pool.store_kv(t[:, None, None].expand(n, 1, 6).contiguous(),
-                          -t[:, None, None].expand(n, 1, 2).contiguous(), idx[:n], layer,
-                          side=side)
+            pool.store_kv(
+                t[:, None, None].expand(n, 1, 6).contiguous(),
+                -t[:, None, None].expand(n, 1, 2).contiguous(),
+                idx[:n],
+                layer,
+                side=side,
+            )
 
 
 def _read(pool, idx):
@@ -72,8 +82,9 @@ def _serve(cm, pool, ids, value):
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_side_rows_come_back_from_host_with_their_page(kind, host_layout, device):
     pool = _pool(kind, device)
-    cm = CacheManager(8, PS, device=device, host_num_pages=16, kv_cache=pool,
-                      host_layout=host_layout)
+    cm = CacheManager(
+        8, PS, device=device, host_num_pages=16, kv_cache=pool, host_layout=host_layout
+    )
     prompts = [list(range(100 * r, 100 * r + 9)) for r in range(3)]
     want = [_serve(cm, pool, ids, 1000 * (r + 1)) for r, ids in enumerate(prompts)]
     h, _ = cm.match_req(prompts[0])
@@ -93,8 +104,14 @@ def test_side_rows_go_through_storage(tmp_path):
     def manager():
         pool = _pool("mha", pages=16)
         storage = FileStorage(str(tmp_path), fingerprint=pool_fingerprint(pool, model="m"))
-        return CacheManager(16, PS, host_num_pages=16, kv_cache=pool, storage=storage,
-                            prefetch_policy="wait_complete"), pool
+        return CacheManager(
+            16,
+            PS,
+            host_num_pages=16,
+            kv_cache=pool,
+            storage=storage,
+            prefetch_policy="wait_complete",
+        ), pool
 
     first, pool = manager()
     want = _serve(first, pool, ids, 5000)
@@ -145,15 +162,23 @@ def test_controller_refuses_side_planes_that_do_not_match_the_kv():
     host = HostKVCache(pool, 8, pin_memory=False)
     (dev_buf, dev_layout, rb), _ = pool.side_copy_layouts()
     (host_buf, host_layout, _), _ = host.side_copy_layouts()
-    kv = (pool.kv_buffer, list(pool.copy_layout()), host.kv_buffer, list(host.copy_layout()),
-          host.row_bytes, LAYERS)
+    kv = (
+        pool.kv_buffer,
+        list(pool.copy_layout()),
+        host.kv_buffer,
+        list(host.copy_layout()),
+        host.row_bytes,
+        LAYERS,
+    )
     small = HostKVCache(_pool("mha", pages=4), 4, pin_memory=False)
     (small_buf, small_layout, _), _ = small.side_copy_layouts()
     bad = [
-        ([(dev_buf, list(dev_layout), small_buf, list(small_layout), rb)], ValueError,
-         "slots and page size"),
-        ([(dev_buf, list(dev_layout), host_buf, list(host_layout), "x")], TypeError,
-         "row_bytes"),
+        (
+            [(dev_buf, list(dev_layout), small_buf, list(small_layout), rb)],
+            ValueError,
+            "slots and page size",
+        ),
+        ([(dev_buf, list(dev_layout), host_buf, list(host_layout), "x")], TypeError, "row_bytes"),
         ([(dev_buf, list(dev_layout), host_buf)], ValueError, "side_planes items"),
         ([(dev_buf, ["a"], host_buf, list(host_layout), rb)], TypeError, "layouts"),
         (5, TypeError, "side_planes must be a sequence"),
@@ -161,6 +186,7 @@ def test_controller_refuses_side_planes_that_do_not_match_the_kv():
     for planes, error, message in bad:
         with pytest.raises(error, match=message):
             _core.CacheController(*kv, False, planes)
-    c = _core.CacheController(*kv, True, [(dev_buf, list(dev_layout), host_buf,
-                                           list(host_layout), rb)])
+    c = _core.CacheController(
+        *kv, True, [(dev_buf, list(dev_layout), host_buf, list(host_layout), rb)]
+    )
     assert c.num_layers == LAYERS

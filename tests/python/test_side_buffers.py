@@ -26,26 +26,35 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def make_pool(kind, device, layout, page_size=4):
     if kind == "mha":
-        return MHAKVCache(2, 3, 16, 5, torch.bfloat16, kv_layout=layout, device=device,
-                          page_size=page_size)
-    return MLAKVCache(32, 8, 3, 5, torch.bfloat16, kv_layout=layout, device=device,
-                      page_size=page_size)
+        return MHAKVCache(
+            2, 3, 16, 5, torch.bfloat16, kv_layout=layout, device=device, page_size=page_size
+        )
+    return MLAKVCache(
+        32, 8, 3, 5, torch.bfloat16, kv_layout=layout, device=device, page_size=page_size
+    )
 
 
 def kv_inputs(pool, n, g, device):
     if isinstance(pool, MHAKVCache):
         shape = (n, pool.local_kv_heads, pool.head_dim)
-        return (torch.randn(shape, generator=g).bfloat16().to(device),
-                torch.randn(shape, generator=g).bfloat16().to(device))
-    return (torch.randn(n, pool.kv_lora_rank, generator=g).bfloat16().to(device),
-            torch.randn(n, pool.qk_rope_head_dim, generator=g).bfloat16().to(device))
+        return (
+            torch.randn(shape, generator=g).bfloat16().to(device),
+            torch.randn(shape, generator=g).bfloat16().to(device),
+        )
+    return (
+        torch.randn(n, pool.kv_lora_rank, generator=g).bfloat16().to(device),
+        torch.randn(n, pool.qk_rope_head_dim, generator=g).bfloat16().to(device),
+    )
 
 
 def snapshot(pool):
     out = [as_bytes(pool.kv_buffer).clone()]
     for name in pool.side_buffer_names:
-        out.append(as_bytes(torch.stack([pool.side_buffer(name, i)
-                                         for i in range(pool.num_layers)])).clone())
+        out.append(
+            as_bytes(
+                torch.stack([pool.side_buffer(name, i) for i in range(pool.num_layers)])
+            ).clone()
+        )
     return out
 
 
@@ -56,8 +65,9 @@ def test_side_buffers_are_written_with_the_kv(device, layout, kind):
     g = torch.Generator().manual_seed(7)
     pool = make_pool(kind, device, layout)
     scales = pool.register_side_buffer("k_scale", 2, torch.float32)
-    index = pool.register_side_buffer("index_k", (4, 8), torch.float8_e4m3fn
-                                      if hasattr(torch, "float8_e4m3fn") else torch.uint8)
+    index = pool.register_side_buffer(
+        "index_k", (4, 8), torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else torch.uint8
+    )
     flags = pool.register_side_buffer("flags", 3, torch.uint8)
     assert pool.side_buffer_names == ("k_scale", "index_k", "flags")
     assert scales.shape == (3, 5, 4, 2) and index.shape == (3, 5, 4, 4, 8)
@@ -86,8 +96,13 @@ def test_side_buffers_are_written_with_the_kv(device, layout, kind):
     # Only the buffers named are written.
     before = snapshot(pool)
     a, b = kv_inputs(pool, 1, g, device)
-    pool.store_kv(a, b, torch.tensor([0], device=device), 0,
-                  side={"flags": torch.full((1, 3), 9, dtype=torch.uint8, device=device)})
+    pool.store_kv(
+        a,
+        b,
+        torch.tensor([0], device=device),
+        0,
+        side={"flags": torch.full((1, 3), 9, dtype=torch.uint8, device=device)},
+    )
     after = snapshot(pool)
     assert torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
     assert pool.side_buffer("flags", 0)[0, 0].tolist() == [9, 9, 9]
@@ -107,20 +122,41 @@ def test_side_bad_arguments_name_themselves_and_write_nothing(device, kind):
         (dict(side={"u": good_s}), ValueError, r"^side\['u'\]: no such side buffer"),
         (dict(side=[good_s]), TypeError, r"^side must be a mapping"),
         (dict(side={"s": good_s.tolist()}), TypeError, r"^side\[s\] must be a torch\.Tensor"),
-        (dict(side={"s": torch.ones(3, 3, device=device)}), ValueError,
-         r"^side\[s\] must have shape \[num_tokens, 2\]"),
-        (dict(side={"t": torch.ones(3, 3, 2, dtype=torch.int32, device=device)}), ValueError,
-         r"^side\[t\] must have shape \[num_tokens, 2, 3\]"),
-        (dict(side={"s": good_s.double()}), TypeError,
-         r"^side\[s\] has dtype float64 but side buffer s has dtype float32"),
-        (dict(side={"s": torch.ones(2, 2, device=device)}), ValueError,
-         r"^side\[s\] has 2 tokens but \w+ has 3"),
-        (dict(side={"s": torch.ones(3, 4, device=device)[:, ::2]}), ValueError,
-         r"^side\[s\] must have a contiguous last dimension"),
-        (dict(side={"s": good_s}, out_loc=torch.tensor([1, 20, 3], device=device)), ValueError,
-         r"^out_loc\[1\] = 20 is out of range"),
-        (dict(side={"s": good_s}, out_loc=torch.tensor([1, 2, 1], device=device)), ValueError,
-         r"^out_loc\[2\] = 1 repeats"),
+        (
+            dict(side={"s": torch.ones(3, 3, device=device)}),
+            ValueError,
+            r"^side\[s\] must have shape \[num_tokens, 2\]",
+        ),
+        (
+            dict(side={"t": torch.ones(3, 3, 2, dtype=torch.int32, device=device)}),
+            ValueError,
+            r"^side\[t\] must have shape \[num_tokens, 2, 3\]",
+        ),
+        (
+            dict(side={"s": good_s.double()}),
+            TypeError,
+            r"^side\[s\] has dtype float64 but side buffer s has dtype float32",
+        ),
+        (
+            dict(side={"s": torch.ones(2, 2, device=device)}),
+            ValueError,
+            r"^side\[s\] has 2 tokens but \w+ has 3",
+        ),
+        (
+            dict(side={"s": torch.ones(3, 4, device=device)[:, ::2]}),
+            ValueError,
+            r"^side\[s\] must have a contiguous last dimension",
+        ),
+        (
+            dict(side={"s": good_s}, out_loc=torch.tensor([1, 20, 3], device=device)),
+            ValueError,
+            r"^out_loc\[1\] = 20 is out of range",
+        ),
+        (
+            dict(side={"s": good_s}, out_loc=torch.tensor([1, 2, 1], device=device)),
+            ValueError,
+            r"^out_loc\[2\] = 1 repeats",
+        ),
     ]
     before = snapshot(pool)
     for bad, exc, pattern in cases:
@@ -173,8 +209,9 @@ def test_store_cache_side_on_caller_buffers_and_the_torch_fallback():
     assert torch.equal(results[0][2][loc], src) and results[0][2][1].eq(0).all()
     assert torch.equal(results[0][0], results[1][0])
     with pytest.raises(ValueError, match=r"^side\[idx\] lies in the memory of k_cache"):
-        kernel.store_cache(kc, kc.clone(), loc, k, k,
-                           side=(("idx", buf, kc.view(torch.int16)[:3, 0, :5]),))
+        kernel.store_cache(
+            kc, kc.clone(), loc, k, k, side=(("idx", buf, kc.view(torch.int16)[:3, 0, :5]),)
+        )
     with pytest.raises(ValueError, match=r"^side buffer idx must be \[num_slots, row\]"):
         kernel.store_cache(kc, kc.clone(), loc, k, k, side=(("idx", buf.view(10, 5, 1), src),))
     with pytest.raises(ValueError, match=r"^side buffer idx has 9 slots but the cache has 10"):
@@ -236,14 +273,21 @@ def test_empty_batches_with_side_buffers_and_empty_caches_are_no_ops():
     pool = MHAKVCache(2, 2, 4, 8, torch.bfloat16, page_size=2)
     pool.register_side_buffer("sc", (2, 3), torch.float32)
     empty = torch.zeros(0, 2, 4, dtype=torch.bfloat16)
-    pool.store_kv(empty, empty, torch.zeros(0, dtype=torch.int64), 1,
-                  side={"sc": torch.zeros(0, 2, 3)})
+    pool.store_kv(
+        empty, empty, torch.zeros(0, dtype=torch.int64), 1, side={"sc": torch.zeros(0, 2, 3)}
+    )
     assert pool.kv_buffer.eq(0).all()
-    _core.store_cache(torch.zeros(0, 2, 4), torch.zeros(0, 2, 4), [], torch.zeros(0, 2, 4),
-                      torch.zeros(0, 2, 4))
+    _core.store_cache(
+        torch.zeros(0, 2, 4), torch.zeros(0, 2, 4), [], torch.zeros(0, 2, 4), torch.zeros(0, 2, 4)
+    )
     with pytest.raises(ValueError, match="out_loc"):
-        _core.store_cache(torch.zeros(0, 2, 4), torch.zeros(0, 2, 4), [0], torch.zeros(1, 2, 4),
-                          torch.zeros(1, 2, 4))
+        _core.store_cache(
+            torch.zeros(0, 2, 4),
+            torch.zeros(0, 2, 4),
+            [0],
+            torch.zeros(1, 2, 4),
+            torch.zeros(1, 2, 4),
+        )
 
 
 def test_stores_bump_the_version_of_every_side_buffer_they_write():
@@ -253,12 +297,29 @@ def test_stores_bump_the_version_of_every_side_buffer_they_write():
     a, b = torch.zeros(8, 2), torch.zeros(8, 3)
     k = torch.ones(2, 1, 4)
     before = (kc._version, vc._version, a._version, b._version)
-    _core.store_cache(kc, vc, [1, 2], k, k, False, None, None,
-                      [("a", a, torch.ones(2, 2)), ("b", b, torch.ones(2, 3))])
+    _core.store_cache(
+        kc,
+        vc,
+        [1, 2],
+        k,
+        k,
+        False,
+        None,
+        None,
+        [("a", a, torch.ones(2, 2)), ("b", b, torch.ones(2, 3))],
+    )
     after = (kc._version, vc._version, a._version, b._version)
     assert all(y > x for x, y in zip(before, after))
     kv, side = torch.zeros(8, 1, 6), torch.zeros(8, 2)
     before = (kv._version, side._version)
-    _core.store_mla(kv, [3], torch.ones(1, 1, 4), torch.ones(1, 1, 2), 4, False, None,
-                    [("s", side, torch.ones(1, 2))])
+    _core.store_mla(
+        kv,
+        [3],
+        torch.ones(1, 1, 4),
+        torch.ones(1, 1, 2),
+        4,
+        False,
+        None,
+        [("s", side, torch.ones(1, 2))],
+    )
     assert kv._version > before[0] and side._version > before[1]

@@ -13,8 +13,9 @@ FP = b"f" * 32
 
 
 def _store(tmp_path, **options):
-    return StagedStore({"store": "file", "directory": str(tmp_path), **options}, FP, 64,
-                       torch.float32)
+    return StagedStore(
+        {"store": "file", "directory": str(tmp_path), **options}, FP, 64, torch.float32
+    )
 
 
 def test_pages_round_trip_and_exists_counts_from_the_first(tmp_path):
@@ -30,8 +31,9 @@ def test_pages_round_trip_and_exists_counts_from_the_first(tmp_path):
 
     s.read(names, take)
     assert sorted(got) == list(range(36))  # stops at the first miss
-    assert got[35] is None and all(torch.equal(got[i], torch.full((64,), float(i)))
-                                   for i in range(35))
+    assert got[35] is None and all(
+        torch.equal(got[i], torch.full((64,), float(i))) for i in range(35)
+    )
     s.close()
 
 
@@ -49,8 +51,9 @@ def test_bad_options_and_shapes_are_refused_by_name(tmp_path):
 def test_a_secret_file_is_read_once(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("a deployment secret\n")
-    o = store_options({"store": "file", "directory": str(tmp_path / "d"),
-                       "secret_file": str(secret)})
+    o = store_options(
+        {"store": "file", "directory": str(tmp_path / "d"), "secret_file": str(secret)}
+    )
     secret.unlink()  # what was read stays: the store does not read it again
     s = StagedStore(o, FP, 64, torch.float32)
     assert o["secret"] == b"a deployment secret" and s.name_key is not None

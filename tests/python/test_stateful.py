@@ -25,10 +25,21 @@ from reference import ReferenceRadixCache, RefOutOfCapacity
 from radixkv.kvcache import RadixCacheManager
 from radixkv.scheduler import CacheManager
 
-settings.register_profile("ci", max_examples=40, stateful_step_count=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-settings.register_profile("long", max_examples=2000, stateful_step_count=200, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+settings.register_profile(
+    "long",
+    max_examples=2000,
+    stateful_step_count=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("RADIXKV_HYPOTHESIS_PROFILE", "ci"))
 
 # A tiny alphabet makes shared prefixes, splits and page collisions common.
@@ -40,8 +51,10 @@ class RadixManagerMachine(RuleBasedStateMachine):
 
     handles = Bundle("handles")
 
-    @initialize(page_size=st.sampled_from([1, 2, 4]),
-                policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority"]))
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4]),
+        policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority"]),
+    )
     def setup(self, page_size, policy):
         self.native = RadixCacheManager("cpu", page_size, eviction_policy=policy)
         self.ref = ReferenceRadixCache(page_size, policy)
@@ -59,8 +72,9 @@ class RadixManagerMachine(RuleBasedStateMachine):
     def insert(self, ids, priority):
         slots = list(range(self.next_slot, self.next_slot + len(ids)))
         self.next_slot += len(ids)
-        assert (self.native.insert_prefix(ids, slots, priority=priority)
-                == self.ref.insert_prefix(ids, slots, priority=priority))
+        assert self.native.insert_prefix(ids, slots, priority=priority) == self.ref.insert_prefix(
+            ids, slots, priority=priority
+        )
 
     @rule(pair=handles)
     def lock(self, pair):
@@ -152,8 +166,11 @@ class CacheManagerMachine(RuleBasedStateMachine):
         if -(-need // self.page) * self.page > self.cm.available_size:
             with pytest.raises(radixkv.OutOfCapacityError):
                 self.cm.allocate(need)
-            assert before == (self.cm.available_size, self.cm.held_pages,
-                              tuple(self.cm.manager.size_info))
+            assert before == (
+                self.cm.available_size,
+                self.cm.held_pages,
+                tuple(self.cm.manager.size_info),
+            )
             self.cm.unlock(h)
             return multiple()
         own = self.cm.allocate(need)
@@ -169,8 +186,11 @@ class CacheManagerMachine(RuleBasedStateMachine):
         assert self.cm.held_pages == held - (len(indices) - h.cached_len) // self.page
         self.live -= 1
 
-    @rule(req=consumes(requests), extra=st.lists(st.integers(0, 3), min_size=0, max_size=8),
-          target=requests)
+    @rule(
+        req=consumes(requests),
+        extra=st.lists(st.integers(0, 3), min_size=0, max_size=8),
+        target=requests,
+    )
     def chunk(self, req, extra):
         ids, h, indices = req
         nh, nidx = self.cm.cache_unfinished_req(h, ids, indices)
@@ -184,7 +204,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
         if len(extra) > spare:
             need = len(extra) - spare
             if -(-need // self.page) * self.page > self.cm.available_size:
-                self.cm.free(nidx[nh.cached_len:])
+                self.cm.free(nidx[nh.cached_len :])
                 self.cm.unlock(nh)
                 self.live -= 1
                 return multiple()
@@ -194,7 +214,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
     @rule(req=consumes(requests))
     def abort(self, req):
         ids, h, indices = req
-        self.cm.free(indices[h.cached_len:])
+        self.cm.free(indices[h.cached_len :])
         self.cm.unlock(h)
         self.live -= 1
 

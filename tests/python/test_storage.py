@@ -16,8 +16,13 @@ from radixkv.kvcache import MHAKVCache
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.replay.replay import KVShape
 from radixkv.scheduler import CacheManager
-from radixkv.storage import (FaultyStorage, FileStorage, MooncakeMaster, MooncakeStorage,
-                             StorageBackend)
+from radixkv.storage import (
+    FaultyStorage,
+    FileStorage,
+    MooncakeMaster,
+    MooncakeStorage,
+    StorageBackend,
+)
 from storage_env import KV, PAGE, Instance, fingerprint, host_pool, keys, needs_mooncake, prompt
 
 # -- the file backend ---------------------------------------------------------------
@@ -38,8 +43,9 @@ def test_file_pages_round_trip_and_exists_counts_from_the_first(tmp_path):
     assert torch.equal(b[5:8], o[0:3])
     assert fs.batch_get([ks[3]], [4]) == [False]  # a miss leaves the page as it was
     assert torch.equal(b[4], o[4])
-    leftovers = [f for d in os.listdir(tmp_path) for f in os.listdir(tmp_path / d)
-                 if f.endswith(".tmp")]
+    leftovers = [
+        f for d in os.listdir(tmp_path) for f in os.listdir(tmp_path / d) if f.endswith(".tmp")
+    ]
     assert not leftovers
 
 
@@ -91,7 +97,7 @@ def test_file_store_bounded_by_least_recent_use(tmp_path):
     k = keys(5)
     fs.batch_set(k[:3], [0, 1, 2])
     assert fs.batch_get([k[0]], [7]) == [True]  # k0 is now the most recent
-    fs.batch_set(k[3:5], [3, 4])               # two more: k1 and k2 go
+    fs.batch_set(k[3:5], [3, 4])  # two more: k1 and k2 go
     assert [os.path.exists(fs.path(x)) for x in k] == [True, False, False, True, True]
     assert fs.removed_pages == 2
     again = FileStorage(str(tmp_path), fingerprint(), max_bytes=3 * page_file)  # rescans
@@ -108,18 +114,19 @@ def test_a_second_instance_reads_the_first_ones_pages(tmp_path):
     ids = prompt(1, 6)
     assert a.serve(ids) == (0, 0, 0)
     device, host, got = b.serve(ids)
-    assert (device, host, got) == (0, 6 * PAGE, 6 * PAGE)   # every whole page from storage
+    assert (device, host, got) == (0, 6 * PAGE, 6 * PAGE)  # every whole page from storage
     assert b.cm.storage_counters.prefetched_tokens == 6 * PAGE
     assert b.cm.metrics.storage_prefetched_tokens == 6 * PAGE
-    assert b.serve(ids)[0] == 6 * PAGE                       # then from its own device
+    assert b.serve(ids)[0] == 6 * PAGE  # then from its own device
     # Storage is what fell out of host memory too: A evicts everything, reads it back.
     a.evict_everything()
     assert a.serve(ids)[2] == 6 * PAGE
     a.close(), b.close()
 
 
-@pytest.mark.parametrize("change", [dict(dtype=torch.bfloat16), dict(model="other"),
-                                    dict(namespace="tenant-b")])
+@pytest.mark.parametrize(
+    "change", [dict(dtype=torch.bfloat16), dict(model="other"), dict(namespace="tenant-b")]
+)
 def test_configurations_sharing_a_store_never_read_each_others_pages(tmp_path, change):
     """SGLang #33268 (dtype missing from the key), #26747 (namespaces)."""
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
@@ -149,7 +156,7 @@ def test_host_pages_are_released_only_after_the_storage_thread_acknowledges(tmp_
     ids = prompt(3, 5)
     a.serve(ids, drain=False)
     a.cm._tier.controller.drain()
-    a.cm.writing_check()                      # the backup landed: its write is queued
+    a.cm.writing_check()  # the backup landed: its write is queued
     info = a.cm.host_size_info
     assert a.cm._tree.tier_sizes()[6] == 5 * PAGE  # pinned while written
     with pytest.raises(radixkv.OutOfCapacityError):
@@ -171,13 +178,21 @@ def test_host_pages_are_released_only_after_the_storage_thread_acknowledges(tmp_
 def test_faults_in_every_call_give_no_wrong_kv_no_leak_no_hang(tmp_path, seed, policy):
     """Seeded delays, failed calls and pages, torn reads: requests are served,
     each cached row is checked, both pools add up, nothing hangs."""
+
     def backend(s):
-        return FaultyStorage(FileStorage(str(tmp_path), fingerprint()), seed=s,
-                             fail_call=0.1, fail_page=0.15, max_delay_s=0.0005)
+        return FaultyStorage(
+            FileStorage(str(tmp_path), fingerprint()),
+            seed=s,
+            fail_call=0.1,
+            fail_page=0.15,
+            max_delay_s=0.0005,
+        )
 
     # No back-off: every call goes to the faulty store.
-    insts = [Instance(backend(seed * 10 + i), pages=10, host_pages=12, policy=policy,
-                      retry_after_s=0) for i in range(2)]
+    insts = [
+        Instance(backend(seed * 10 + i), pages=10, host_pages=12, policy=policy, retry_after_s=0)
+        for i in range(2)
+    ]
     g = torch.Generator().manual_seed(seed)
     prompts = [prompt(100 + k, 3 + k % 4) for k in range(8)]
     deadline = time.monotonic() + 60
@@ -205,6 +220,7 @@ def test_a_store_that_stops_answering_is_left_alone_then_retried(tmp_path):
     request: after three failures in a row a direction is left alone, its
     calls skipped and counted meanwhile; a failed retry doubles the window,
     and the first call after it that succeeds ends the back-off."""
+
     class Switch(FileStorage):
         down = False
         calls = 0
@@ -230,19 +246,19 @@ def test_a_store_that_stops_answering_is_left_alone_then_retried(tmp_path):
     a.serve(prompt(1, 3))
     assert a.cm.storage_counters.written_pages == 3
     store.down = True
-    for k in range(3):               # reads and writes fail three times in a row
+    for k in range(3):  # reads and writes fail three times in a row
         a.serve(prompt(2 + k, 3))
     assert tier.reads_down() and tier.writes_down()
     calls = store.calls
     for k in range(5):
         a.evict_everything()
-        a.serve(prompt(5 + k, 3))      # neither prefetched nor written
+        a.serve(prompt(5 + k, 3))  # neither prefetched nor written
     assert store.calls == calls
     c = a.cm.storage_counters
     assert c.skipped_reads >= 5 and c.skipped_writes >= 5
     assert c.skipped == c.skipped_reads + c.skipped_writes
     time.sleep(1.1)
-    a.serve(prompt(20, 3))           # the retries fail: the windows double
+    a.serve(prompt(20, 3))  # the retries fail: the windows double
     assert tier.reads_down() and tier._store.reads.backoff_s == pytest.approx(2.0)
     assert tier.writes_down() and tier._store.writes.backoff_s == pytest.approx(2.0)
     store.down = False
@@ -269,8 +285,12 @@ def master():
 @needs_mooncake
 def test_mooncake_instances_share_pages_through_a_real_master(master):
     def backend():
-        return MooncakeStorage(master.master_address, master.metadata_server,
-                               segment_bytes=32 << 20, buffer_bytes=16 << 20)
+        return MooncakeStorage(
+            master.master_address,
+            master.metadata_server,
+            segment_bytes=32 << 20,
+            buffer_bytes=16 << 20,
+        )
 
     a, b = Instance(backend()), Instance(backend())
     ids = prompt(5, 6)
@@ -286,8 +306,11 @@ def test_mooncake_instances_share_pages_through_a_real_master(master):
 @needs_mooncake
 def test_mooncake_master_stopped_mid_run_is_counted_not_a_crash_or_hang():
     m = MooncakeMaster()
-    a = Instance(MooncakeStorage(m.master_address, m.metadata_server, segment_bytes=32 << 20,
-                                 buffer_bytes=16 << 20))
+    a = Instance(
+        MooncakeStorage(
+            m.master_address, m.metadata_server, segment_bytes=32 << 20, buffer_bytes=16 << 20
+        )
+    )
     a.serve(prompt(6, 4))
     m.stop()
     t0 = time.monotonic()
@@ -307,8 +330,9 @@ def test_a_backend_needs_a_page_first_host_pool(tmp_path):
     with pytest.raises(ValueError, match="page_first"):
         FileStorage(str(tmp_path), fingerprint()).attach(HostKVCache(dev, 4, layout="layer_first"))
     with pytest.raises(ValueError, match="storage tier needs a host tier"):
-        CacheManager(4, page_size=PAGE, kv_cache=dev,
-                     storage=FileStorage(str(tmp_path), fingerprint()))
+        CacheManager(
+            4, page_size=PAGE, kv_cache=dev, storage=FileStorage(str(tmp_path), fingerprint())
+        )
     with pytest.raises(ValueError, match="32 bytes"):
         FileStorage(str(tmp_path), b"short")
     assert issubclass(FileStorage, StorageBackend)
@@ -327,14 +351,20 @@ def test_a_storage_tier_needs_a_seed_naming_its_configuration(tmp_path):
     with pytest.raises(ValueError, match="storage_seed"):
         CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8, storage=store)
     with pytest.raises(ValueError, match="storage_seed"):
-        CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8, storage=store,
-                     storage_seed=b"short")
+        CacheManager(
+            4, page_size=PAGE, kv_cache=dev, host_num_pages=8, storage=store, storage_seed=b"short"
+        )
     # The backend's own fingerprint seeds the keys; b"" asks for unseeded ones.
     a = Instance(FileStorage(str(tmp_path), fingerprint()), seed=b"")
     assert a.cm._storage.seed is None
     a.close()
-    cm = CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8,
-                      storage=FileStorage(str(tmp_path), fingerprint(model="m")))
+    cm = CacheManager(
+        4,
+        page_size=PAGE,
+        kv_cache=dev,
+        host_num_pages=8,
+        storage=FileStorage(str(tmp_path), fingerprint(model="m")),
+    )
     assert cm._storage.seed == fingerprint(model="m")
     cm.close()
 
@@ -342,13 +372,13 @@ def test_a_storage_tier_needs_a_seed_naming_its_configuration(tmp_path):
 def test_after_close_nothing_is_written_or_pinned_and_drain_returns(tmp_path):
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     ids = prompt(30, 4)
-    a.serve(ids, drain=False)    # a backup still in flight: close() lands and writes it
+    a.serve(ids, drain=False)  # a backup still in flight: close() lands and writes it
     a.close()
     tree = a.cm._tree
     assert tree.tier_sizes()[6] == 0 and tree.host_pins == 0
     assert a.cm.storage_counters.written_pages == 4
     assert a.cm.prefetch(prompt(31, 4)) is None
-    a.serve(prompt(32, 4))       # the cache keeps serving, without storage
+    a.serve(prompt(32, 4))  # the cache keeps serving, without storage
     assert a.cm.drain() == []
     a.cm.check_integrity()
 
@@ -368,6 +398,7 @@ def test_check_integrity_sees_a_pin_or_a_write_nobody_holds(tmp_path):
 
 class _Dead(FileStorage):
     """Answers existence queries; every write fails (`raises`: by raising)."""
+
     raises = False
 
     def batch_set(self, keys, pages):
@@ -416,7 +447,7 @@ def test_file_bound_follows_pages_removed_by_another_process(tmp_path):
     a.attach(pool), b.attach(pool)
     k = keys(4)
     a.batch_set(k, [0, 1, 2, 3])
-    os.unlink(b.path(k[0]))                     # another process removes one
+    os.unlink(b.path(k[0]))  # another process removes one
     assert a.batch_get([k[0]], [5]) == [False]  # a miss, and no longer counted
     assert a._total == 3 * page_file
     # A restart with a smaller bound trims at once.
@@ -440,6 +471,7 @@ def test_faults_report_the_wrapped_backends_counts_too(tmp_path):
 def test_close_without_waiting_drops_the_queued_writes(tmp_path):
     """`close(wait=False)`: the write running finishes, the ones queued behind
     it are dropped, the thread stops and the backend is closed."""
+
     class Held(FileStorage):
         def __init__(self, *args):
             super().__init__(*args)

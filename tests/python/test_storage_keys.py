@@ -18,7 +18,9 @@ def chain(tokens, page, seed=None):
         h = hashlib.sha256()
         if prior is not None:
             h.update(prior)
-        h.update(struct.pack(f"<{page}I", *[t & 0xFFFFFFFF for t in tokens[p * page:(p + 1) * page]]))
+        h.update(
+            struct.pack(f"<{page}I", *[t & 0xFFFFFFFF for t in tokens[p * page : (p + 1) * page]])
+        )
         prior = h.digest()
         out.append(prior.hex())
     return out
@@ -38,7 +40,8 @@ def test_keys_are_the_sha256_chain(page, n_extra):
 def test_fixed_vectors():
     assert page_keys(list(range(8)), 4) == [
         "baed642339816affb3fe8719792d0e4ce82f12db72b7373d244eaa65445800fe",
-        "01414b052706d93bd0f1f1646c0e8ca2fa8ef5efd7bcc99f7a1cee8eb11ad052"]
+        "01414b052706d93bd0f1f1646c0e8ca2fa8ef5efd7bcc99f7a1cee8eb11ad052",
+    ]
 
 
 def test_large_inputs_hash_with_the_gil_released_and_agree():
@@ -46,12 +49,15 @@ def test_large_inputs_hash_with_the_gil_released_and_agree():
     assert page_keys(tokens, 512) == chain(tokens.tolist(), 512)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                    reason="SGLang is not installed (bench/PEERS.md has the recipe)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None,
+    reason="SGLang is not installed (bench/PEERS.md has the recipe)",
+)
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_without_a_seed_the_keys_are_sglangs(page):
     try:
         from sglang.srt.mem_cache.utils import get_hash_str
+
         ref = get_hash_str(list(range(3 * page)), None, page)
     except Exception as e:  # its hash is a C++ extension built on first use
         pytest.skip(f"SGLang's page hash could not be built here: {e}")
@@ -61,15 +67,32 @@ def test_without_a_seed_the_keys_are_sglangs(page):
     assert page_keys(list(range(3 * page)), page) == ref
 
 
-BASE = dict(model="m", dtype=torch.bfloat16, page_size=16, layout="page_first", num_layers=4,
-            kv_heads=8, head_dim=128)
+BASE = dict(
+    model="m",
+    dtype=torch.bfloat16,
+    page_size=16,
+    layout="page_first",
+    num_layers=4,
+    kv_heads=8,
+    head_dim=128,
+)
 
 
-@pytest.mark.parametrize("change", [dict(dtype=torch.float16), dict(dtype="float8_e4m3fn"),
-                                    dict(model="m2"), dict(namespace="tenant-a"),
-                                    dict(namespace=""), dict(tp_rank=1, tp_size=2),
-                                    dict(layout="layer_first"), dict(page_size=32),
-                                    dict(num_layers=5), dict(kv_heads=4)])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(dtype=torch.float16),
+        dict(dtype="float8_e4m3fn"),
+        dict(model="m2"),
+        dict(namespace="tenant-a"),
+        dict(namespace=""),
+        dict(tp_rank=1, tp_size=2),
+        dict(layout="layer_first"),
+        dict(page_size=32),
+        dict(num_layers=5),
+        dict(kv_heads=4),
+    ],
+)
 def test_configurations_never_share_a_key(change):
     a = config_fingerprint(**BASE)
     b = config_fingerprint(**{**BASE, **change})

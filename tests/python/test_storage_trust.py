@@ -166,11 +166,17 @@ def test_events_keep_the_unkeyed_chain_which_says_nothing_of_the_secret(tmp_path
         sub = ctx.socket(zmq.SUB)
         sub.connect(name)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        pool = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 12, KV.dtype,
-                          page_size=PAGE)
+        pool = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 12, KV.dtype, page_size=PAGE)
         store = FileStorage(str(tmp_path / str(secret is None)), fingerprint(), secret=secret)
-        cm = CacheManager(12, page_size=PAGE, host_num_pages=24, kv_cache=pool, storage=store,
-                          storage_seed=fingerprint(), kv_events=pub)
+        cm = CacheManager(
+            12,
+            page_size=PAGE,
+            host_num_pages=24,
+            kv_cache=pool,
+            storage=store,
+            storage_seed=fingerprint(),
+            kv_events=pub,
+        )
         ids = prompt(6, 2)
         h, _ = cm.match_req(ids)
         cm.lock(h)
@@ -194,9 +200,15 @@ def test_events_keep_the_unkeyed_chain_which_says_nothing_of_the_secret(tmp_path
 @needs_mooncake
 def test_mooncake_with_a_secret_refuses_and_removes_a_planted_value():
     with MooncakeMaster() as m:
+
         def backend(secret=SECRET):
-            return MooncakeStorage(m.master_address, m.metadata_server, segment_bytes=32 << 20,
-                                   buffer_bytes=16 << 20, secret=secret)
+            return MooncakeStorage(
+                m.master_address,
+                m.metadata_server,
+                segment_bytes=32 << 20,
+                buffer_bytes=16 << 20,
+                secret=secret,
+            )
 
         a = Instance(backend())
         ids = prompt(7, 3)
@@ -220,8 +232,9 @@ def test_mooncake_with_a_secret_refuses_and_removes_a_planted_value():
 def _other_address():
     """An address of this machine that is not loopback (None if it has none)."""
     try:
-        out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run(
+            ["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=10
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():
@@ -255,5 +268,6 @@ def test_the_file_system_type_is_read_from_the_mount_table(tmp_path):
     kind = file_system_type(str(tmp_path))
     assert kind  # /proc/self/mountinfo names it
     assert not FileStorage(str(tmp_path), fingerprint()).blocking_queries or kind.startswith(
-        ("nfs", "fuse", "cifs", "9p"))
+        ("nfs", "fuse", "cifs", "9p")
+    )
     assert FileStorage(str(tmp_path), fingerprint(), bounded_queries=True).blocking_queries

@@ -238,8 +238,9 @@ def _prefetched_with_faults(tmp_path, fail_call, seed):
     a.close()
     store = FileStorage(d, fingerprint())
     if fail_call:
-        store = FaultyStorage(store, seed=seed, fail_call=fail_call, fail_page=0,
-                              max_delay_s=0, scribble=False)
+        store = FaultyStorage(
+            store, seed=seed, fail_call=fail_call, fail_page=0, max_delay_s=0, scribble=False
+        )
     b = Instance(store, host_pages=64)
     got = 0
     for ids in prompts:
@@ -264,10 +265,10 @@ def test_rare_transient_failures_cost_only_their_own_pages(tmp_path, fail_call, 
     assert errors > 0  # the faults happened and were counted
 
 
-def test_a_direction_backs_off_after_failures_in_a_row_and_says_how_much_it_skipped(
-        tmp_path):
-    store = FaultyStorage(FileStorage(str(tmp_path), fingerprint()), fail_call=1.0,
-                          fail_page=0, max_delay_s=0)
+def test_a_direction_backs_off_after_failures_in_a_row_and_says_how_much_it_skipped(tmp_path):
+    store = FaultyStorage(
+        FileStorage(str(tmp_path), fingerprint()), fail_call=1.0, fail_page=0, max_delay_s=0
+    )
     a = Instance(store, faults=StorageFaultPolicy(retry_after_s=60, failures_in_a_row=3))
     for k in range(6):
         a.serve(prompt(40 + k, 2))
@@ -289,12 +290,17 @@ def test_a_direction_backs_off_after_failures_in_a_row_and_says_how_much_it_skip
 def test_a_paused_master_never_blocks_the_scheduler_thread():
     m = MooncakeMaster()
     try:
-        def backend():
-            return MooncakeStorage(m.master_address, m.metadata_server, segment_bytes=32 << 20,
-                                   buffer_bytes=16 << 20)
 
-        a = Instance(backend(), policy="best_effort",
-                     faults=StorageFaultPolicy(query_timeout_s=0.05, close_timeout_s=1))
+        def backend():
+            return MooncakeStorage(
+                m.master_address, m.metadata_server, segment_bytes=32 << 20, buffer_bytes=16 << 20
+            )
+
+        a = Instance(
+            backend(),
+            policy="best_effort",
+            faults=StorageFaultPolicy(query_timeout_s=0.05, close_timeout_s=1),
+        )
         ids = prompt(7, 4)
         a.serve(ids)
         a.evict_everything()
@@ -338,8 +344,9 @@ def test_mooncake_setup_against_a_hung_master_fails_in_bounded_time():
                 print("refused", round(time.monotonic() - t0, 1), e)
         """)
         try:
-            r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                               timeout=60)
+            r = subprocess.run(
+                [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+            )
         except subprocess.TimeoutExpired:
             pytest.fail("Mooncake setup against a hung master did not return in 60 s")
         assert "refused" in r.stdout, r.stdout + r.stderr[-2000:]
@@ -353,9 +360,12 @@ def test_mooncake_setup_against_a_hung_master_fails_in_bounded_time():
 @needs_mooncake
 def test_close_with_the_master_killed_is_bounded():
     m = MooncakeMaster()
-    a = Instance(MooncakeStorage(m.master_address, m.metadata_server, segment_bytes=32 << 20,
-                                 buffer_bytes=16 << 20),
-                 faults=StorageFaultPolicy(close_timeout_s=1))
+    a = Instance(
+        MooncakeStorage(
+            m.master_address, m.metadata_server, segment_bytes=32 << 20, buffer_bytes=16 << 20
+        ),
+        faults=StorageFaultPolicy(close_timeout_s=1),
+    )
     a.serve(prompt(9, 3))
     m.proc.kill()
     m.stop()
@@ -391,9 +401,14 @@ def test_a_manager_with_storage_dropped_without_close_frees_everything(tmp_path)
     gc.disable()  # freed by reference counts alone, as a manager without storage is
     try:
         for k in range(20):
-            cm = CacheManager(16, page_size=PAGE, host_num_pages=host_pages, kv_cache=pool,
-                              storage=FileStorage(str(tmp_path), fingerprint()),
-                              storage_seed=fingerprint())
+            cm = CacheManager(
+                16,
+                page_size=PAGE,
+                host_num_pages=host_pages,
+                kv_cache=pool,
+                storage=FileStorage(str(tmp_path), fingerprint()),
+                storage_seed=fingerprint(),
+            )
             ids = prompt(k, 3)
             h, idx = cm.match_req(ids)
             cm.lock(h)
@@ -401,10 +416,12 @@ def test_a_manager_with_storage_dropped_without_close_frees_everything(tmp_path)
             cm.free_and_cache_finished_req(h, ids, own)  # a backup and a write in flight
             pools.append(weakref.ref(cm.host_pool))
             del cm, h, idx, own
-        assert _eventually(lambda: all(p() is None for p in pools)), \
-            f"{sum(p() is not None for p in pools)} of 20 host pools are still alive"
-        assert _eventually(lambda: threading.active_count() <= threads), \
-            f"{threading.active_count() - threads} threads left behind"
+        assert _eventually(
+            lambda: all(p() is None for p in pools)
+        ), f"{sum(p() is not None for p in pools)} of 20 host pools are still alive"
+        assert _eventually(
+            lambda: threading.active_count() <= threads
+        ), f"{threading.active_count() - threads} threads left behind"
         assert _rss_bytes() - rss < 256 << 20
         # The device pool can back another manager's host tier.
         cm = CacheManager(16, page_size=PAGE, host_num_pages=8, kv_cache=pool)
@@ -444,8 +461,12 @@ def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_pa
     tier = a.cm._storage
     thread = tier._writer  # writes come next
     # Kill the idle thread: the exception lands as it takes its next job.
-    assert ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit)) == 1
+    assert (
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit)
+        )
+        == 1
+    )
     a.serve(prompt(23, 3), drain=False)
     done, out = finishes(lambda: a.cm.drain())
     assert done and "error" not in out, out.get("error")
@@ -462,8 +483,11 @@ def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_pa
 # -- 9. Ctrl-C at any bytecode -----------------------------------------------------------------
 
 
-_TIER_FILES = {path for m in (cache_module, tiers_module, host_tier_module, storage_tier_module)
-               for path in (m.__file__, os.path.realpath(m.__file__))}
+_TIER_FILES = {
+    path
+    for m in (cache_module, tiers_module, host_tier_module, storage_tier_module)
+    for path in (m.__file__, os.path.realpath(m.__file__))
+}
 
 
 def _opcodes_traced() -> bool:
@@ -506,8 +530,9 @@ def _cycle(inst, k):
 
 def test_ctrl_c_at_any_bytecode_of_the_tiers_keeps_their_bookkeeping_whole(tmp_path):
     def fresh():
-        return Instance(FileStorage(str(tmp_path), fingerprint()), pages=16, host_pages=12,
-                        policy="best_effort")
+        return Instance(
+            FileStorage(str(tmp_path), fingerprint()), pages=16, host_pages=12, policy="best_effort"
+        )
 
     inst = fresh()
     for k in range(6):
@@ -556,8 +581,9 @@ def test_ctrl_c_at_any_bytecode_of_the_tiers_keeps_their_bookkeeping_whole(tmp_p
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst])
 def test_pool_storage_cannot_be_resized_away(layout):
-    dev = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 8, KV.dtype, page_size=PAGE,
-                     kv_layout=layout)
+    dev = MHAKVCache(
+        KV.num_kv_heads, KV.num_layers, KV.head_dim, 8, KV.dtype, page_size=PAGE, kv_layout=layout
+    )
     side = dev.register_side_buffer("scale", (2,), torch.float32)
     mla = MLAKVCache(16, 8, 2, 4, torch.float16, kv_layout=layout, page_size=PAGE)
     host = HostKVCache(dev, 8, pin_memory=False)
@@ -631,8 +657,7 @@ def test_a_pool_moved_under_its_copies_fails_them_and_raises_in_the_caller(tmp_p
             cm.close()
             print("ok")
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr)
 
 
@@ -649,14 +674,29 @@ def test_storage_arguments_are_refused_by_name(tmp_path):
         FileStorage("/etc/passwd", fingerprint())
     dev = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 4, KV.dtype, page_size=PAGE)
     with pytest.raises(TypeError, match="min_prefetch_tokens"):
-        CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8,
-                     storage=FileStorage(str(tmp_path), fingerprint()),
-                     min_prefetch_tokens="x")
+        CacheManager(
+            4,
+            page_size=PAGE,
+            kv_cache=dev,
+            host_num_pages=8,
+            storage=FileStorage(str(tmp_path), fingerprint()),
+            min_prefetch_tokens="x",
+        )
     with pytest.raises(TypeError, match="storage_faults"):
-        CacheManager(4, page_size=PAGE, kv_cache=dev, host_num_pages=8,
-                     storage=FileStorage(str(tmp_path), fingerprint()), storage_faults=3)
-    for field, bad in (("query_timeout_s", 0), ("retry_after_s", -1),
-                       ("failures_in_a_row", 0), ("close_timeout_s", math.nan)):
+        CacheManager(
+            4,
+            page_size=PAGE,
+            kv_cache=dev,
+            host_num_pages=8,
+            storage=FileStorage(str(tmp_path), fingerprint()),
+            storage_faults=3,
+        )
+    for field, bad in (
+        ("query_timeout_s", 0),
+        ("retry_after_s", -1),
+        ("failures_in_a_row", 0),
+        ("close_timeout_s", math.nan),
+    ):
         with pytest.raises((TypeError, ValueError), match=field):
             StorageFaultPolicy(**{field: bad})
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
@@ -666,16 +706,31 @@ def test_storage_arguments_are_refused_by_name(tmp_path):
 
 
 def test_cli_storage_dir_that_is_a_file_says_so():
-    r = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--storage", "file",
-                        "--storage-dir", "/etc/passwd", "--limit", "2"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "replay",
+            "--storage",
+            "file",
+            "--storage-dir",
+            "/etc/passwd",
+            "--limit",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "not a directory" in r.stderr, r.stderr
     assert "File exists" not in r.stderr
 
 
-@pytest.mark.parametrize("sig, exc", [(signal.SIGINT, KeyboardInterrupt),
-                                      (signal.SIGTERM, SystemExit)])
+@pytest.mark.parametrize(
+    "sig, exc", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)]
+)
 def test_a_signal_during_a_call_is_delivered_when_it_returns(sig, exc):
     """Ctrl-C, or a server's SIGTERM handler raising SystemExit, arrives when
     the CacheManager call it landed in returns, complete; the shielded
@@ -747,8 +802,10 @@ def test_a_close_racing_a_prefetch_leaves_nothing_held(tmp_path):
     a.cm.check_integrity()
 
 
-@pytest.mark.parametrize("answer", ["short", "codes", "exists_float", "exists_negative",
-                                    "exists_too_many", "exists_none"])
+@pytest.mark.parametrize(
+    "answer",
+    ["short", "codes", "exists_float", "exists_negative", "exists_too_many", "exists_none"],
+)
 def test_a_backend_out_of_contract_never_gives_a_wrong_row(tmp_path, answer):
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     ids = prompt(510, 3)
@@ -766,8 +823,12 @@ def test_a_backend_out_of_contract_never_gives_a_wrong_row(tmp_path, answer):
 
         def batch_exists(self, keys):
             n = super().batch_exists(keys)
-            return {"exists_float": n + 0.5, "exists_negative": -3,
-                    "exists_too_many": len(keys) + 5, "exists_none": None}.get(answer, n)
+            return {
+                "exists_float": n + 0.5,
+                "exists_negative": -3,
+                "exists_too_many": len(keys) + 5,
+                "exists_none": None,
+            }.get(answer, n)
 
     b = Instance(Liar(str(tmp_path), fingerprint()))
     b.serve(prompt(511, 2))  # a host-backed path, so a prefetch would pin under it
@@ -786,8 +847,13 @@ def test_reads_that_hang_hold_at_most_half_the_host_pool_and_count(tmp_path):
         a.serve(ids)
     a.close()
     store = Stuck(str(tmp_path), fingerprint())
-    b = Instance(store, pages=40, host_pages=48, policy="timeout",
-                 faults=StorageFaultPolicy(retry_after_s=60))
+    b = Instance(
+        store,
+        pages=40,
+        host_pages=48,
+        policy="timeout",
+        faults=StorageFaultPolicy(retry_after_s=60),
+    )
     b.cm._storage.timeout_base_s = 0.05
     for ids in prompts:
         b.serve(ids, drain=False)
@@ -843,8 +909,7 @@ def test_out_of_descriptors_is_an_error_and_keeps_the_pages(tmp_path):
             assert fs.batch_get(k, [3, 4, 5]) == [True] * 3
         print("ok")
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
@@ -933,8 +998,9 @@ def test_a_wait_for_a_read_that_close_dropped_ends(tmp_path):
     a.serve(first), a.serve(second)
     a.close()
     store = Stuck(str(tmp_path), fingerprint())
-    b = Instance(store, host_pages=48, policy="wait_complete",
-                 faults=StorageFaultPolicy(close_timeout_s=0.5))
+    b = Instance(
+        store, host_pages=48, policy="wait_complete", faults=StorageFaultPolicy(close_timeout_s=0.5)
+    )
     held = b.cm.prefetch(first)  # its read blocks on the reading thread
     queued = b.cm.prefetch(second)  # queued behind it
     assert held is not None and queued is not None
@@ -976,8 +1042,9 @@ def test_temporary_files_of_dead_writers_are_removed_at_start(tmp_path):
     a.serve(ids)
     page = a.cm._storage.backend.path(a.cm._storage.keys_of(ids)[0])
     a.close()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     left = f"{page}.{dead}.0.tmp"
     ours = f"{page}.{os.getpid()}.7.tmp"
     for p in (left, ours):
@@ -1075,7 +1142,14 @@ SHIELD_SCRIPTS = {
 
 @pytest.mark.parametrize("case", sorted(SHIELD_SCRIPTS))
 def test_held_signals_are_never_lost_looped_or_stuck(case):
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(SHIELD_SCRIPTS[case])],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout,
-                                                                     r.stderr[-2000:])
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SHIELD_SCRIPTS[case])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (
+        r.returncode,
+        r.stdout,
+        r.stderr[-2000:],
+    )

@@ -26,13 +26,13 @@ def test_logits_equal_a_recompute_through_every_tier(te, tmp_path):
     engine = te.Engine(model, num_pages=40, host_pages=80, storage_dir=str(tmp_path))
     served = te.serve_conversations(engine, 6, turns=3)
     assert te.check(model, served) < 1e-4
-    assert sum(r.from_cache - r.from_host for r in served) > 0   # device hits
-    assert sum(r.from_host for r in served) > 0                  # loaded back from host
+    assert sum(r.from_cache - r.from_host for r in served) > 0  # device hits
+    assert sum(r.from_host for r in served) > 0  # loaded back from host
     engine.cm.close()
     second = te.Engine(model, num_pages=40, host_pages=80, storage_dir=str(tmp_path))
     again = te.serve_conversations(second, 6, turns=3)
     assert te.check(model, again) < 1e-4
-    assert second.cm.storage_counters.prefetched_tokens > 0      # read from storage
+    assert second.cm.storage_counters.prefetched_tokens > 0  # read from storage
     assert [r.tokens.tolist() for r in again] == [r.tokens.tolist() for r in served]
     second.cm.close()
 
@@ -41,7 +41,7 @@ def test_the_check_catches_wrong_kv(te):
     model = te.TinyModel()
     engine = te.Engine(model, host_pages=0)
     te.serve_conversations(engine, 2, turns=1)
-    for layer in range(te.LAYERS):                 # damage every cached K row
+    for layer in range(te.LAYERS):  # damage every cached K row
         engine.pool.k_cache(layer).add_(0.5)
     served = te.serve_conversations(engine, 2, turns=1, seed=1)  # the same prompts again
     assert sum(r.from_cache for r in served) > 0
@@ -50,6 +50,10 @@ def test_the_check_catches_wrong_kv(te):
 
 
 def test_the_example_runs_as_documented(tmp_path):
-    out = subprocess.run([sys.executable, EXAMPLE, "--conversations", "3", "--storage",
-                          str(tmp_path)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, EXAMPLE, "--conversations", "3", "--storage", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert "logits within" in out and "second engine" in out

@@ -72,8 +72,15 @@ def test_tier_sizes_is_a_tuple_with_the_tree_s_field_names():
     t = _tree_with_copies()
     s = t.tier_sizes()
     assert type(s) is _core.TierSizes and isinstance(s, tuple) and len(s) == 7
-    names = ("device_evictable", "device_protected", "host", "host_only", "backing_up",
-             "loading", "storing")
+    names = (
+        "device_evictable",
+        "device_protected",
+        "host",
+        "host_only",
+        "backing_up",
+        "loading",
+        "storing",
+    )
     assert _core.TierSizes.__match_args__ == names
     assert tuple(getattr(s, n) for n in names) == tuple(s)
     assert (s.device_evictable, s.host, s.host_only) == (12, 10, 0)
@@ -84,17 +91,41 @@ def test_tier_sizes_is_a_tuple_with_the_tree_s_field_names():
     assert (s.device_evictable, s.host, s.host_only) == (0, 10, 10)
 
 
-@pytest.mark.parametrize("tiers,namespaces,type_name,fields", [
-    (False, False, "DumpRow", ("parent", "tokens", "device_slots", "ref_count", "timestamp")),
-    (False, True, "DumpRowNs",
-     ("parent", "tokens", "device_slots", "ref_count", "timestamp", "namespace")),
-    (True, False, "TierDumpRow",
-     ("parent", "tokens", "device_slots", "host_slots", "ref_count", "timestamp")),
-    (True, True, "TierDumpRowNs",
-     ("parent", "tokens", "device_slots", "host_slots", "ref_count", "timestamp", "namespace")),
-])
-def test_dump_rows_are_tuples_whose_fields_are_their_positions(tiers, namespaces, type_name,
-                                                               fields):
+@pytest.mark.parametrize(
+    "tiers,namespaces,type_name,fields",
+    [
+        (False, False, "DumpRow", ("parent", "tokens", "device_slots", "ref_count", "timestamp")),
+        (
+            False,
+            True,
+            "DumpRowNs",
+            ("parent", "tokens", "device_slots", "ref_count", "timestamp", "namespace"),
+        ),
+        (
+            True,
+            False,
+            "TierDumpRow",
+            ("parent", "tokens", "device_slots", "host_slots", "ref_count", "timestamp"),
+        ),
+        (
+            True,
+            True,
+            "TierDumpRowNs",
+            (
+                "parent",
+                "tokens",
+                "device_slots",
+                "host_slots",
+                "ref_count",
+                "timestamp",
+                "namespace",
+            ),
+        ),
+    ],
+)
+def test_dump_rows_are_tuples_whose_fields_are_their_positions(
+    tiers, namespaces, type_name, fields
+):
     t = _tree_with_copies()
     t.insert_prefix([7, 8], [300, 301], 0, 5)
     rows = t.dump(tiers, namespaces)
@@ -128,8 +159,9 @@ def test_a_plain_tuple_is_taken_back_wherever_a_copy_is():
     h, _ = t.match_prefix(list(range(10)))
     load = t.find_load(h)
     _, host_slots, prefix = t.begin_load(tuple(load))
-    assert t.finish_load((load.node_id, load.incarnation, load.start, load.end),
-                         list(range(200, 210)))
+    assert t.finish_load(
+        (load.node_id, load.incarnation, load.start, load.end), list(range(200, 210))
+    )
     pin = t.pin_host(list(range(5)))
     assert type(pin) is _core.TierCopy and pin.start == 5
     t.unpin_host(tuple(pin))
@@ -158,16 +190,19 @@ def test_typed_values_pickle_copy_and_repr():
     c = t.find_backup(list(range(6)) + [99, 98], through_partial=True)
     values = [c, t.tier_sizes()] + t.dump() + t.dump(True) + t.dump(True, True)
     for v in values:
-        for back in (pickle.loads(pickle.dumps(v)), copy_module.copy(v),
-                     copy_module.deepcopy(v)):
+        for back in (pickle.loads(pickle.dumps(v)), copy_module.copy(v), copy_module.deepcopy(v)):
             assert type(back) is type(v) and back == v
     # The namespace a row has by name only is kept too.
     row = next(r for r in t.dump() if r.tokens == [7, 8])
     assert pickle.loads(pickle.dumps(row)).namespace == 5
-    assert repr(c) == (f"radixkv._core.TierCopy(node_id={c.node_id}, "
-                       f"incarnation={c.incarnation}, start={c.start}, end={c.end})")
+    assert repr(c) == (
+        f"radixkv._core.TierCopy(node_id={c.node_id}, "
+        f"incarnation={c.incarnation}, start={c.start}, end={c.end})"
+    )
     assert repr(t.tier_sizes()).startswith("radixkv._core.TierSizes(device_evictable=14, ")
-    assert repr(row) == ("radixkv._core.DumpRow(parent=-1, tokens=[7, 8], "
-                         f"device_slots=[300, 301], ref_count=0, timestamp={row.timestamp})")
+    assert repr(row) == (
+        "radixkv._core.DumpRow(parent=-1, tokens=[7, 8], "
+        f"device_slots=[300, 301], ref_count=0, timestamp={row.timestamp})"
+    )
     # Made from a sequence, as any struct sequence.
     assert _core.TierCopy((1, 2, 3, 4)).incarnation == 2

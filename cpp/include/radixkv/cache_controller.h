@@ -53,7 +53,10 @@ class CopyEngine {
   virtual bool CopyLayers(CopyJob* job, int64_t begin, int64_t end) = 0;
   /// On the controller's thread: waits until every copy of `job` is done
   /// (nothing on the CPU; an event sync on CUDA). False if one failed.
-  virtual bool Finish(CopyJob* job) { (void)job; return true; }
+  virtual bool Finish(CopyJob* job) {
+    (void)job;
+    return true;
+  }
   /// On the scheduler's thread, after `Ready` reported layer `layer` of the
   /// loads queued so far: nothing on the CPU; on CUDA, makes the current
   /// stream wait for that layer's copies.
@@ -146,9 +149,9 @@ class CacheController {
 
  private:
   struct Batch {
-    uint64_t seq = 0;             // batches are numbered from 1
-    std::vector<uint64_t> ids;    // its loads
-    CopyJob merged;               // their slots, one after the other
+    uint64_t seq = 0;           // batches are numbered from 1
+    std::vector<uint64_t> ids;  // its loads
+    CopyJob merged;             // their slots, one after the other
   };
   void Run();
   void RunBackup(CopyJob* job, std::unique_lock<std::mutex>* lock);
@@ -160,17 +163,17 @@ class CacheController {
   std::unique_ptr<CopyEngine> engine_;
   const bool manual_;
   mutable std::mutex mu_;
-  std::condition_variable work_;   // the thread waits for work
-  std::condition_variable done_;   // waiters wait for progress
-  std::deque<std::unique_ptr<CopyJob>> backups_;  // queued, oldest first
+  std::condition_variable work_;                         // the thread waits for work
+  std::condition_variable done_;                         // waiters wait for progress
+  std::deque<std::unique_ptr<CopyJob>> backups_;         // queued, oldest first
   std::vector<std::unique_ptr<CopyJob>> pending_loads_;  // not in a batch yet
-  std::deque<Batch> batches_;      // started, oldest first
+  std::deque<Batch> batches_;                            // started, oldest first
   uint64_t next_id_ = 1;
-  uint64_t last_batch_ = 0;        // the last batch started
-  uint64_t running_batch_ = 0;     // the batch being copied (0: none)
-  int64_t running_layers_ = 0;     // its layers in place
-  uint64_t finished_batch_ = 0;    // batches fully done: 1 .. finished_batch_
-  int64_t running_ = 0;            // copies taken off the queues, not acknowledged yet
+  uint64_t last_batch_ = 0;      // the last batch started
+  uint64_t running_batch_ = 0;   // the batch being copied (0: none)
+  int64_t running_layers_ = 0;   // its layers in place
+  uint64_t finished_batch_ = 0;  // batches fully done: 1 .. finished_batch_
+  int64_t running_ = 0;          // copies taken off the queues, not acknowledged yet
   std::vector<CopyAck> backup_acks_, load_acks_;
   bool stop_ = false;
   std::thread thread_;

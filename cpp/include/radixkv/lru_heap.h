@@ -27,9 +27,7 @@ class LruHeap {
   uint32_t IdAt(size_t i) const noexcept { return items_[i].id; }
   uint64_t KeyAt(size_t i) const noexcept { return items_[i].key; }
   /// Heap position of `id`, or kAbsent.
-  int32_t PositionOf(uint32_t id) const noexcept {
-    return id < pos_.size() ? pos_[id] : kAbsent;
-  }
+  int32_t PositionOf(uint32_t id) const noexcept { return id < pos_.size() ? pos_[id] : kAbsent; }
 
   /// Makes room for every id below `ids` to be a member at once, so `Push`
   /// of such ids never allocates. Throws std::bad_alloc; a failure changes no

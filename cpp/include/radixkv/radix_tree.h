@@ -153,8 +153,8 @@ class RadixTree {
   /// already, or the path has a load in flight (match and load it first).
   /// `priority` raises the priority of every node on the path to at least
   /// it (what the priority policy orders by).
-  int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n,
-                       int32_t priority = 0, uint64_t ns = 0);
+  int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n, int32_t priority = 0,
+                       uint64_t ns = 0);
 
   /// Adds one lock on every node from the handle's node to the root.
   /// Throws kInvalidArgument for a handle of another tree or a freed node.
@@ -391,8 +391,8 @@ class RadixTree {
   std::vector<std::unique_ptr<Node>> nodes_;  // by id; id 0 is the root
   Node* root_ = nullptr;
   std::vector<uint32_t> free_ids_;
-  LruHeap heap_;       // device leaves that may be evicted, oldest first
-  LruHeap host_heap_;  // host copies that may be evicted, oldest first
+  LruHeap heap_;         // device leaves that may be evicted, oldest first
+  LruHeap host_heap_;    // host copies that may be evicted, oldest first
   SlotSet stored_;       // the device slots stored in the tree
   SlotSet stored_host_;  // the host slots
   SlotSet scratch_;      // working memory for input checks, empty between calls

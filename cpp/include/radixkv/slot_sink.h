@@ -14,8 +14,7 @@ namespace radixkv {
 /// it must outlive the call it is passed to.
 class SlotSink {
  public:
-  template <typename F,
-            typename = std::enable_if_t<!std::is_same_v<std::decay_t<F>, SlotSink>>>
+  template <typename F, typename = std::enable_if_t<!std::is_same_v<std::decay_t<F>, SlotSink>>>
   SlotSink(F&& f) noexcept  // NOLINT(google-explicit-constructor)
       : ctx_(const_cast<void*>(static_cast<const void*>(&f))),
         fn_([](void* ctx, int64_t n) -> int32_t* {

@@ -23,8 +23,7 @@ enum class ErrorCode {
 /// The one exception type of the core. `code()` decides the Python type.
 class Error : public std::runtime_error {
  public:
-  Error(ErrorCode code, const std::string& message)
-      : std::runtime_error(message), code_(code) {}
+  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   ErrorCode code() const noexcept { return code_; }
 
  private:
@@ -64,8 +63,8 @@ std::string StrCat(const Args&... args) {
 
 /// Throws `Error(code, message)` when `cond` is false. The message is only
 /// built on failure.
-#define RADIXKV_CHECK(cond, code, ...)                                      \
-  do {                                                                      \
+#define RADIXKV_CHECK(cond, code, ...)                                           \
+  do {                                                                           \
     if (!(cond)) throw ::radixkv::Error((code), ::radixkv::StrCat(__VA_ARGS__)); \
   } while (0)
 

@@ -72,11 +72,11 @@ struct StoreSide {
 /// the pointers are borrowed and must stay valid for the duration of the store.
 struct StoreParams {
   StoreSide side[kMaxStoreSides];
-  int32_t num_sides;        ///< sides in use, [1, kMaxStoreSides]
-  const void* indices;      ///< `num_tokens` destination slots
-  IndexType index_type;     ///< dtype of `indices`
-  int64_t num_tokens;       ///< rows to store
-  int64_t num_slots;        ///< rows of every cache; valid slots are [0, num_slots)
+  int32_t num_sides;     ///< sides in use, [1, kMaxStoreSides]
+  const void* indices;   ///< `num_tokens` destination slots
+  IndexType index_type;  ///< dtype of `indices`
+  int64_t num_tokens;    ///< rows to store
+  int64_t num_slots;     ///< rows of every cache; valid slots are [0, num_slots)
 };
 
 /// Bytes of one source element of a converting side.
@@ -172,7 +172,7 @@ RADIXKV_HOST_DEVICE uint8_t Float8FromFloat(float x, Float8Format format) {
   const uint32_t mag = bits & 0x7FFFFFFFu;
   const int fexp = static_cast<int>(mag >> 23);
   const uint32_t sig = (mag & 0x7FFFFFu) | (fexp != 0 ? 0x800000u : 0u);
-  const int exp = fexp - 127 + bias;  // the result's exponent field, if normal
+  const int exp = fexp - 127 + bias;                    // the result's exponent field, if normal
   int shift = 23 - man_bits + (exp < 1 ? 1 - exp : 0);  // bits of sig below the result's
   shift = shift > 31 ? 31 : shift;  // past 24 every bit of sig is below half: zero
   uint32_t code = (static_cast<uint32_t>(exp < 1 ? 1 : exp) - 1u) << man_bits;

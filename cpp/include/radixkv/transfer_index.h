@@ -39,12 +39,12 @@ struct PoolLayout {
 struct TransferParams {
   PoolLayout src;
   PoolLayout dst;
-  int64_t row_bytes;           ///< bytes per row, a multiple of 16 on CUDA
-  int64_t num_layers;          ///< layers in both pools
-  const int32_t* src_slots;    ///< `num_tokens` slots of `src`
-  const int32_t* dst_slots;    ///< `num_tokens` slots of `dst`
+  int64_t row_bytes;         ///< bytes per row, a multiple of 16 on CUDA
+  int64_t num_layers;        ///< layers in both pools
+  const int32_t* src_slots;  ///< `num_tokens` slots of `src`
+  const int32_t* dst_slots;  ///< `num_tokens` slots of `dst`
   int64_t num_tokens;
-  int64_t layer_begin;         ///< layers [layer_begin, layer_end) are copied
+  int64_t layer_begin;  ///< layers [layer_begin, layer_end) are copied
   int64_t layer_end;
 };
 

@@ -110,8 +110,10 @@ class HostBlocks:
             if t.dim() >= 2 and t.shape[0] == 2 and 1 in dims:
                 dims = [1]  # vLLM's [2 (K, V), blocks, ...]
             if len(dims) != 1:
-                raise ValueError(f"kv_caches: cannot find the block dimension of layer "
-                                 f"{name}'s cache {tuple(t.shape)} ({num_blocks} blocks)")
+                raise ValueError(
+                    f"kv_caches: cannot find the block dimension of layer "
+                    f"{name}'s cache {tuple(t.shape)} ({num_blocks} blocks)"
+                )
             layers.append((t, dims[0]))
             dtypes.add(t.dtype)
         if not layers:
@@ -129,8 +131,10 @@ class HostBlocks:
         # Lazy: kvcache pulls in the pools, which a scheduler-only import needs not.
         from radixkv.kvcache.host_pool import HostKVCache
         from radixkv.kvcache.mha_pool import MHAKVCache
-        shape = MHAKVCache(1, 1, self.page_elems // 2, 1, self.dtype, page_size=1,
-                           device="cpu", tp_size=1)
+
+        shape = MHAKVCache(
+            1, 1, self.page_elems // 2, 1, self.dtype, page_size=1, device="cpu", tp_size=1
+        )
         self.host = HostKVCache(shape, num_pages=num_pages, layout="page_first")
         self.rows = self.host.kv_buffer.view(num_pages, self.page_elems)
 
@@ -168,12 +172,12 @@ class HostBlocks:
         """A flat page -> block `block` of every layer."""
         at = 0
         for view in self.block(block):
-            view.copy_(page[at:at + view.numel()].view(view.shape))
+            view.copy_(page[at : at + view.numel()].view(view.shape))
             at += view.numel()
 
     def copy_out(self, block: int, page: torch.Tensor) -> None:
         """Block `block` of every layer -> a flat page."""
         at = 0
         for view in self.block(block):
-            page[at:at + view.numel()].view(view.shape).copy_(view)
+            page[at : at + view.numel()].view(view.shape).copy_(view)
             at += view.numel()

@@ -28,8 +28,16 @@ from radixkv.kvcache.base import SizeInfo
 from radixkv.kvcache.naive_manager import NaiveCacheManager
 from radixkv.kvcache.radix_manager import RadixCacheManager
 
-__all__ = ["BaseCacheHandle", "BasePrefixCache", "InsertResult", "MatchResult", "SizeInfo",
-           "RadixPrefixCache", "NaivePrefixCache", "create_prefix_cache"]
+__all__ = [
+    "BaseCacheHandle",
+    "BasePrefixCache",
+    "InsertResult",
+    "MatchResult",
+    "SizeInfo",
+    "RadixPrefixCache",
+    "NaivePrefixCache",
+    "create_prefix_cache",
+]
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity, like mini-SGLang's nodes
@@ -37,8 +45,8 @@ class BaseCacheHandle:
     """A match: `cached_len` tokens, whose slots `get_matched_indices()` gives."""
 
     cached_len: int
-    native: object          # the radixkv handle (what lock_handle takes)
-    indices: torch.Tensor   # its slots, int32 on the cache's device
+    native: object  # the radixkv handle (what lock_handle takes)
+    indices: torch.Tensor  # its slots, int32 on the cache's device
 
     def get_matched_indices(self) -> torch.Tensor:
         return self.indices
@@ -49,8 +57,8 @@ class MatchResult(NamedTuple):
 
 
 class InsertResult(NamedTuple):
-    cached_len: int           # tokens that were cached already (the caller frees its copies)
-    handle: BaseCacheHandle   # the inserted prefix (not locked)
+    cached_len: int  # tokens that were cached already (the caller frees its copies)
+    handle: BaseCacheHandle  # the inserted prefix (not locked)
 
 
 class BasePrefixCache:
@@ -66,8 +74,10 @@ class BasePrefixCache:
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         if not isinstance(handle, BaseCacheHandle):
-            raise TypeError(f"handle must come from match_prefix or insert_prefix, got "
-                            f"{type(handle).__name__}")
+            raise TypeError(
+                f"handle must come from match_prefix or insert_prefix, got "
+                f"{type(handle).__name__}"
+            )
         self._m.lock_handle(handle.native, unlock)
 
     def match_prefix(self, input_ids) -> MatchResult:
@@ -93,8 +103,12 @@ class BasePrefixCache:
 
 
 class RadixPrefixCache(BasePrefixCache):
-    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
-                 max_slots: Optional[int] = None):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        page_size: int = 1,
+        max_slots: Optional[int] = None,
+    ):
         super().__init__(RadixCacheManager(device, page_size, max_slots=max_slots))
 
 
@@ -110,8 +124,9 @@ class NaivePrefixCache(BasePrefixCache):
 _TYPES = {"radix": RadixPrefixCache, "naive": NaivePrefixCache}
 
 
-def create_prefix_cache(device: torch.device | str, type: str, page_size: int = 1,
-                        **kwargs) -> BasePrefixCache:
+def create_prefix_cache(
+    device: torch.device | str, type: str, page_size: int = 1, **kwargs
+) -> BasePrefixCache:
     """mini-SGLang's factory: `type` is "radix" or "naive"."""
     if type not in _TYPES:
         raise ValueError(f"type must be one of {', '.join(_TYPES)}, got {type!r}")

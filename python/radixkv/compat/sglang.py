@@ -61,9 +61,19 @@ from radixkv.kvcache.base import released_slots
 from radixkv.kvcache.radix_manager import check_eviction_policy
 from radixkv.scheduler.namespaces import Namespaces
 
-__all__ = ["DecLockRefResult", "EvictParams", "EvictResult", "IncLockRefResult", "InsertParams",
-           "InsertResult", "MatchPrefixParams", "MatchResult", "RadixCache", "RadixKey",
-           "HAS_NAMESPACES"]
+__all__ = [
+    "DecLockRefResult",
+    "EvictParams",
+    "EvictResult",
+    "IncLockRefResult",
+    "InsertParams",
+    "InsertResult",
+    "MatchPrefixParams",
+    "MatchResult",
+    "RadixCache",
+    "RadixKey",
+    "HAS_NAMESPACES",
+]
 
 
 def _tree_has_namespaces() -> bool:
@@ -86,8 +96,11 @@ def _event_types():
     global _EVENTS
     if _EVENTS is None:
         try:
-            from sglang.srt.disaggregation.kv_events import (AllBlocksCleared, BlockRemoved,
-                                                             BlockStored)
+            from sglang.srt.disaggregation.kv_events import (
+                AllBlocksCleared,
+                BlockRemoved,
+                BlockStored,
+            )
         except Exception:  # noqa: BLE001 - SGLang absent, or not importable here
             from radixkv.events import AllBlocksCleared, BlockRemoved, BlockStored
         _EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared)
@@ -107,8 +120,14 @@ class RadixKey:
 
     __slots__ = ("token_ids", "extra_key", "is_bigram", "limit", "cache_salt")
 
-    def __init__(self, token_ids, extra_key: Optional[str] = None, is_bigram: bool = False,
-                 limit: Optional[int] = None, cache_salt: Optional[str] = None):
+    def __init__(
+        self,
+        token_ids,
+        extra_key: Optional[str] = None,
+        is_bigram: bool = False,
+        limit: Optional[int] = None,
+        cache_salt: Optional[str] = None,
+    ):
         self.token_ids = token_ids
         self.extra_key = extra_key
         self.is_bigram = is_bigram
@@ -136,25 +155,29 @@ class RadixKey:
                 raise IndexError(f"RadixKey index out of range: {idx}")
             idx = slice(i, i + 1)
         if not isinstance(idx, slice):
-            raise TypeError(f"RadixKey indices must be an int or a slice, got "
-                            f"{type(idx).__name__}")
+            raise TypeError(
+                f"RadixKey indices must be an int or a slice, got " f"{type(idx).__name__}"
+            )
         start, stop, step = idx.indices(len(self))
         if step != 1:
             raise ValueError("RadixKey slice step must be 1")
-        return RadixKey(self.token_ids[start:max(start, stop)], self.extra_key,
-                        cache_salt=self.cache_salt)
+        return RadixKey(
+            self.token_ids[start : max(start, stop)], self.extra_key, cache_salt=self.cache_salt
+        )
 
     def page_aligned(self, page_size: int) -> "RadixKey":
         """The key's whole pages."""
-        return self if page_size == 1 else self[:len(self) // page_size * page_size]
+        return self if page_size == 1 else self[: len(self) // page_size * page_size]
 
     def match(self, other: "RadixKey", page_size: int = 1) -> int:
         """How many leading tokens this key shares with `other`, rounded down
         to whole pages; keys of other namespaces do not compare (ValueError)."""
         for tag in ("extra_key", "cache_salt"):
             if getattr(self, tag) != getattr(other, tag, None):
-                raise ValueError(f"RadixKey.match needs keys of one {tag}: "
-                                 f"{getattr(self, tag)!r} != {getattr(other, tag, None)!r}")
+                raise ValueError(
+                    f"RadixKey.match needs keys of one {tag}: "
+                    f"{getattr(self, tag)!r} != {getattr(other, tag, None)!r}"
+                )
         page_size = as_count(page_size, "page_size")
         a, b = self._ids(), list(other)
         n = min(len(a), len(b))
@@ -165,8 +188,10 @@ class RadixKey:
         ids = self._ids()
         preview = [int(t) for t in ids[:10]]
         more = "..." if len(ids) > 10 else ""
-        return (f"RadixKey(extra_key={self.extra_key!r}, cache_salt={self.cache_salt!r}, "
-                f"token_ids={preview}{more})")
+        return (
+            f"RadixKey(extra_key={self.extra_key!r}, cache_salt={self.cache_salt!r}, "
+            f"token_ids={preview}{more})"
+        )
 
 
 @dataclasses.dataclass
@@ -286,14 +311,14 @@ def _length(values, name: str) -> int:
     try:
         return len(values)
     except TypeError:
-        raise TypeError(f"{name} must be a 1-D sequence or tensor, got "
-                        f"{type(values).__name__}") from None
+        raise TypeError(
+            f"{name} must be a 1-D sequence or tensor, got " f"{type(values).__name__}"
+        ) from None
 
 
 # The Req fields the per-request calls read (prefix_indices stands in for
 # cache_protected_len on releases without it).
-_FINISHED_FIELDS = ("req_pool_idx", "origin_input_ids", "output_ids", "last_node",
-                    "prefix_indices")
+_FINISHED_FIELDS = ("req_pool_idx", "origin_input_ids", "output_ids", "last_node", "prefix_indices")
 _UNFINISHED_FIELDS = ("req_pool_idx", "last_node", "prefix_indices")
 
 _MATCH_NAMES = {"input_ids": "key"}
@@ -314,12 +339,22 @@ class RadixCache:
     radixkv.scheduler.namespaces).
     """
 
-    def __init__(self, params=None, token_to_kv_pool_allocator=None, page_size=None,
-                 disable: bool = False, enable_kv_cache_events: bool = False,
-                 eviction_policy: str = "lru", is_eagle: bool = False, *,
-                 req_to_token_pool=None, max_slots: Optional[int] = None,
-                 max_namespaces: int = 1 << 16, kv_event_lora_names=None,
-                 dynamo_kv_event_format: bool = False):
+    def __init__(
+        self,
+        params=None,
+        token_to_kv_pool_allocator=None,
+        page_size=None,
+        disable: bool = False,
+        enable_kv_cache_events: bool = False,
+        eviction_policy: str = "lru",
+        is_eagle: bool = False,
+        *,
+        req_to_token_pool=None,
+        max_slots: Optional[int] = None,
+        max_namespaces: int = 1 << 16,
+        kv_event_lora_names=None,
+        dynamo_kv_event_format: bool = False,
+    ):
         if _looks_like_init_params(params):
             p = params
             req_to_token_pool = p.req_to_token_pool
@@ -337,8 +372,10 @@ class RadixCache:
         if is_eagle:
             raise NotImplementedError("is_eagle: bigram keys are not supported by radixkv's tree")
         if dynamo_kv_event_format:
-            raise NotImplementedError("dynamo_kv_event_format: radixkv's block hashes are its "
-                                      "page keys, in SGLang's event format only")
+            raise NotImplementedError(
+                "dynamo_kv_event_format: radixkv's block hashes are its "
+                "page keys, in SGLang's event format only"
+            )
         if not isinstance(eviction_policy, str):
             raise TypeError(f"eviction_policy must be a str, got {type(eviction_policy).__name__}")
         policy = check_eviction_policy(eviction_policy.lower(), eviction_policy)
@@ -354,16 +391,18 @@ class RadixCache:
         self._lora_names = kv_event_lora_names  # SGLang's LoRANameTable: extra_key -> name
         self._ns_tags: dict = {}  # namespace id -> (extra_key, cache_salt), for events
         dev = getattr(token_to_kv_pool_allocator, "device", None)
-        self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else \
-            torch.device("cpu")
+        self.device = (
+            torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
+        )
         self._on_cpu = self.device.type == "cpu"
         self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), policy)
         self._max_namespaces = as_count(max_namespaces, "max_namespaces")
         self.reset()
 
     @classmethod
-    def create_simulated(cls, disable: bool = False, mock_allocator=None, page_size: int = 1,
-                         **kwargs) -> "RadixCache":
+    def create_simulated(
+        cls, disable: bool = False, mock_allocator=None, page_size: int = 1, **kwargs
+    ) -> "RadixCache":
         """A cache without a req-to-token pool (SGLang's, for simulations)."""
         return cls(None, mock_allocator, page_size, disable, **kwargs)
 
@@ -395,14 +434,17 @@ class RadixCache:
         if not HAS_NAMESPACES:
             raise NotImplementedError(
                 f"extra_key={extra!r}: this radixkv build's RadixTree has no namespaces "
-                "(match_prefix(..., namespace=)), so only extra_key=None is supported")
+                "(match_prefix(..., namespace=)), so only extra_key=None is supported"
+            )
         if salt is not None:
             # SGLang's names are str; the pair becomes one bytes name, both parts
             # length-prefixed, so no two pairs and no str name share it.
             Namespaces.check(extra, "extra_key")
             Namespaces.check(salt, "cache_salt")
-            parts = [repr(bytes(x) if isinstance(x, (bytearray, memoryview)) else x
-                          ).encode("utf-8") for x in (extra, salt)]
+            parts = [
+                repr(bytes(x) if isinstance(x, (bytearray, memoryview)) else x).encode("utf-8")
+                for x in (extra, salt)
+            ]
             name = b"".join(len(p).to_bytes(8, "little") + p for p in parts)
         else:
             name = extra
@@ -448,7 +490,7 @@ class RadixCache:
             ids = ids.tolist()
         if not self._namespaces.known(ns):  # its name was forgotten: no seed, no events
             return
-        keys = _core.page_keys(ids[:pages * ps], ps, self._namespaces.seed(ns, None))
+        keys = _core.page_keys(ids[: pages * ps], ps, self._namespaces.seed(ns, None))
         stored = _event_types()[0]
         extra, salt = self._ns_tags.get(ns, (None, None)) if ns else (None, None)
         tags = {}
@@ -457,10 +499,17 @@ class RadixCache:
             tags = {"cache_salt": salt, "lora_name": lora}
         for p in range(prefix // ps, pages):
             h = _signed(block_hash(keys[p]))
-            self._queue(stored(
-                block_hashes=[h], parent_block_hash=_signed(block_hash(keys[p - 1])) if p else None,
-                token_ids=[int(t) for t in ids[p * ps:(p + 1) * ps]], block_size=ps,
-                lora_id=None, medium=MEDIUM_GPU, **tags))
+            self._queue(
+                stored(
+                    block_hashes=[h],
+                    parent_block_hash=_signed(block_hash(keys[p - 1])) if p else None,
+                    token_ids=[int(t) for t in ids[p * ps : (p + 1) * ps]],
+                    block_size=ps,
+                    lora_id=None,
+                    medium=MEDIUM_GPU,
+                    **tags,
+                )
+            )
             self._page_hash[int(values[p * ps])] = h
 
     def _queue(self, event) -> None:
@@ -471,10 +520,11 @@ class RadixCache:
         tail = self._events[-1] if self._events else None
         if type(tail) is type(event) and tail.medium == event.medium:
             if hasattr(event, "parent_block_hash"):
-                same = all(getattr(tail, f, None) == getattr(event, f, None)
-                           for f in ("lora_id", "block_size", "cache_salt", "lora_name"))
-                if same and tail.block_hashes and \
-                        event.parent_block_hash == tail.block_hashes[-1]:
+                same = all(
+                    getattr(tail, f, None) == getattr(event, f, None)
+                    for f in ("lora_id", "block_size", "cache_salt", "lora_name")
+                )
+                if same and tail.block_hashes and event.parent_block_hash == tail.block_hashes[-1]:
                     tail.block_hashes.extend(event.block_hashes)
                     tail.token_ids.extend(event.token_ids)
                     return
@@ -544,9 +594,11 @@ class RadixCache:
         except ValueError as e:
             if given or "appears twice" not in str(e):
                 raise
-            raise ValueError("value=None stands for the key's token ids as slots, and this "
-                             "key repeats a token: radixkv's tree keeps each slot in one "
-                             "place; pass value (the key's slots)") from None
+            raise ValueError(
+                "value=None stands for the key's token ids as slots, and this "
+                "key repeats a token: radixkv's tree keeps each slot in one "
+                "place; pass value (the key's slots)"
+            ) from None
         return InsertResult(prefix_len=prefix) if as_params else prefix
 
     def evict(self, params) -> EvictResult:
@@ -564,8 +616,11 @@ class RadixCache:
             return EvictResult()
         freed = self._tree.evict(num)
         if self.enable_kv_cache_events:
-            hashes = [h for h in map(self._page_hash.pop, freed.tolist(), [None] * len(freed))
-                      if h is not None]
+            hashes = [
+                h
+                for h in map(self._page_hash.pop, freed.tolist(), [None] * len(freed))
+                if h is not None
+            ]
             if hashes:
                 self._queue(_event_types()[1](block_hashes=hashes, medium=MEDIUM_GPU))
         if self.token_to_kv_pool_allocator is not None:
@@ -634,8 +689,10 @@ class RadixCache:
     def available_and_evictable_str(self) -> str:
         available = self.token_to_kv_pool_allocator.available_size()
         evictable = self.evictable_size()
-        return (f"Available tokens: {available + evictable} "
-                f"(available_size={available} + evictable_size={evictable})\n")
+        return (
+            f"Available tokens: {available + evictable} "
+            f"(available_size={available} + evictable_size={evictable})\n"
+        )
 
     def path_device_indices(self, node) -> torch.Tensor:
         """The slots on the path from the root to `node` (int64, the cache's device)."""
@@ -653,8 +710,7 @@ class RadixCache:
         depth = []
         for row in self._tree.dump():
             depth.append(0 if row.parent < 0 else depth[row.parent] + 1)
-            print(" " * (2 * depth[-1] + 1), len(row.tokens), row.tokens[:10],
-                  f"r={row.ref_count}")
+            print(" " * (2 * depth[-1] + 1), len(row.tokens), row.tokens[:10], f"r={row.ref_count}")
         print(f"#tokens: {self.total_size()}")
 
     def check_integrity(self) -> None:
@@ -670,14 +726,17 @@ class RadixCache:
             raise TypeError(f"req.req_pool_idx must be the request's row, got {idx!r}")
         idx = as_int(idx, "req.req_pool_idx")
         if not 0 <= idx < rows.shape[0]:
-            raise ValueError(f"req.req_pool_idx is {idx} but req_to_token_pool has "
-                             f"{rows.shape[0]} rows")
+            raise ValueError(
+                f"req.req_pool_idx is {idx} but req_to_token_pool has " f"{rows.shape[0]} rows"
+            )
         return rows[idx, :length]
 
     def _check_req(self, req, fields: tuple) -> None:
         if self.req_to_token_pool is None or self.token_to_kv_pool_allocator is None:
-            raise ValueError("this cache has no req_to_token_pool or token_to_kv_pool_allocator "
-                             "(create_simulated): it cannot cache requests")
+            raise ValueError(
+                "this cache has no req_to_token_pool or token_to_kv_pool_allocator "
+                "(create_simulated): it cannot cache requests"
+            )
         for field in fields:
             if not hasattr(req, field):
                 raise TypeError(f"req has no {field}: SGLang's Req has it")
@@ -712,18 +771,24 @@ class RadixCache:
         node = req.last_node
         if node is not None:
             if not isinstance(node, _core.RadixCacheHandle):
-                raise TypeError("req.last_node must be a node from this cache's match_prefix, "
-                                f"got {type(node).__name__}")
+                raise TypeError(
+                    "req.last_node must be a node from this cache's match_prefix, "
+                    f"got {type(node).__name__}"
+                )
             if not self._tree.is_valid(node):
                 raise ValueError("req.last_node is stale or belongs to another cache")
             if node.lock_count < 1:
                 raise ValueError("req.last_node is not locked: inc_lock_ref it after the match")
             if protected < node.cached_len:
-                raise ValueError(f"req.cache_protected_len is {protected} but req.last_node "
-                                 f"covers {node.cached_len} tokens the tree owns")
+                raise ValueError(
+                    f"req.cache_protected_len is {protected} but req.last_node "
+                    f"covers {node.cached_len} tokens the tree owns"
+                )
         if protected < 0 or protected > n:
-            raise ValueError(f"{length_name} is {n} but req.cache_protected_len is {protected}: "
-                             "the tree owns the request's first cache_protected_len tokens")
+            raise ValueError(
+                f"{length_name} is {n} but req.cache_protected_len is {protected}: "
+                "the tree owns the request's first cache_protected_len tokens"
+            )
 
     @staticmethod
     def _request_ids(req):
@@ -731,8 +796,10 @@ class RadixCache:
         ids, out = req.origin_input_ids, req.output_ids
         for name, v in (("req.origin_input_ids", ids), ("req.output_ids", out)):
             if not isinstance(v, (list, tuple, array)):
-                raise TypeError(f"{name} must be a list or array of token ids, as SGLang's Req "
-                                f"keeps them, got {type(v).__name__}")
+                raise TypeError(
+                    f"{name} must be a list or array of token ids, as SGLang's Req "
+                    f"keeps them, got {type(v).__name__}"
+                )
         return ids + out if type(ids) is type(out) else list(ids) + list(out)
 
     def _insert_req(self, req, token_ids, kv_indices, ns: int) -> int:
@@ -740,8 +807,9 @@ class RadixCache:
         priority = _priority(as_int(getattr(req, "priority", 0) or 0, "req.priority"))
         return self._insert_ids(token_ids, kv_indices, priority, ns)
 
-    def cache_finished_req(self, req, is_insert: bool = True, *,
-                           kv_len_to_handle: Optional[int] = None, **kwargs) -> None:
+    def cache_finished_req(
+        self, req, is_insert: bool = True, *, kv_len_to_handle: Optional[int] = None, **kwargs
+    ) -> None:
         """A finished request hands its KV to the cache.
 
         Its first `kv_len_to_handle` tokens (default: what `req.
@@ -754,8 +822,11 @@ class RadixCache:
         self._check_req(req, _FINISHED_FIELDS)
         if kv_len_to_handle is None:
             pop = getattr(req, "pop_committed_kv_cache", None)
-            kv_len_to_handle = pop() if pop is not None else \
-                len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+            kv_len_to_handle = (
+                pop()
+                if pop is not None
+                else len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+            )
         kv_len = as_int(kv_len_to_handle, "kv_len_to_handle")
         if kv_len < 0:
             raise ValueError(f"kv_len_to_handle must be >= 0, got {kv_len}")
@@ -790,25 +861,31 @@ class RadixCache:
         get = getattr(req, "get_fill_ids", None)
         token_ids = get() if get is not None else req.fill_ids
         if not isinstance(token_ids, (list, tuple, array, torch.Tensor)):
-            raise TypeError(f"req.fill_ids must be the request's token ids, got "
-                            f"{type(token_ids).__name__}")
+            raise TypeError(
+                f"req.fill_ids must be the request's token ids, got " f"{type(token_ids).__name__}"
+            )
         protected = self._protected_len(req)
         self._check_lock(req, protected, len(token_ids), "len(req.fill_ids)")
         ns = self._req_namespace(req)
         kv_indices = self._row(req, len(token_ids))
         prefix = self._insert_req(req, token_ids, kv_indices, ns)
-        self._free(released_slots(kv_indices, protected, prefix, len(token_ids), self.page_size,
-                                  False)[0])
+        self._free(
+            released_slots(kv_indices, protected, prefix, len(token_ids), self.page_size, False)[0]
+        )
         handle, tree_slots = self._match(token_ids, ns)
         new_indices = self._device_indices(tree_slots)
         n = len(new_indices)
         if n > protected:
-            self.req_to_token_pool.write((req.req_pool_idx, slice(protected, n)),
-                                         new_indices[protected:])
+            self.req_to_token_pool.write(
+                (req.req_pool_idx, slice(protected, n)), new_indices[protected:]
+            )
         req.cache_protected_len = n
         self.inc_lock_ref(handle)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
-        req.prefix_indices = torch.cat([new_indices, kv_indices[n:].to(torch.int64)]) \
-            if n < len(kv_indices) else new_indices
+        req.prefix_indices = (
+            torch.cat([new_indices, kv_indices[n:].to(torch.int64)])
+            if n < len(kv_indices)
+            else new_indices
+        )
         req.last_node = handle

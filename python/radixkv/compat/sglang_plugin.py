@@ -33,8 +33,7 @@ NAME = "radixkv"
 
 def register() -> None:
     """SGLang's plug-in entry point: registers the `radixkv` backend."""
-    from sglang.srt.mem_cache.registry import (get_radix_cache_factory,
-                                               register_radix_cache_backend)
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     if get_radix_cache_factory(NAME) is None:
         register_radix_cache_backend(NAME, build)
@@ -49,26 +48,34 @@ def _refuse(ctx) -> None:
     if getattr(ctx, "is_dsa", False):
         why.append("DSA models (is_dsa)")
     if ctx.enable_hierarchical_cache:
-        why.append("--enable-hierarchical-cache (SGLang's HiCache keeps its host tier in its own "
-                   "tree: leave --radix-cache-backend unset and give HiCache radixkv's storage as "
-                   "its L3, --hicache-storage-backend dynamic)")
+        why.append(
+            "--enable-hierarchical-cache (SGLang's HiCache keeps its host tier in its own "
+            "tree: leave --radix-cache-backend unset and give HiCache radixkv's storage as "
+            "its L3, --hicache-storage-backend dynamic)"
+        )
     if getattr(ctx.params, "is_eagle", False):
         why.append("speculative decoding's bigram keys (is_eagle)")
     why += _refused_options(getattr(ctx, "server_args", None))
     if why:
-        raise ValueError(f"--radix-cache-backend {NAME} serves full-attention models with "
-                         "SGLang's device pool only; it does not support " + "; ".join(why))
+        raise ValueError(
+            f"--radix-cache-backend {NAME} serves full-attention models with "
+            "SGLang's device pool only; it does not support " + "; ".join(why)
+        )
 
 
 def _refused_options(args) -> List[str]:
     """SGLang options (of its ServerArgs) that need calls of its own trees:
     LMCache's and FlexKV's prefetches, the external linker, PD decode's
     host-pool retraction backups."""
-    why = [flag for flag, attr in (("--enable-lmcache", "enable_lmcache"),
-                                   ("--enable-flexkv", "enable_flexkv"),
-                                   ("--enable-unified-cache-external-linker",
-                                    "enable_unified_cache_external_linker"))
-           if getattr(args, attr, False)]
+    why = [
+        flag
+        for flag, attr in (
+            ("--enable-lmcache", "enable_lmcache"),
+            ("--enable-flexkv", "enable_flexkv"),
+            ("--enable-unified-cache-external-linker", "enable_unified_cache_external_linker"),
+        )
+        if getattr(args, attr, False)
+    ]
     if getattr(args, "disaggregation_decode_retraction_backup", None) == "host_pool":
         why.append("--disaggregation-decode-retraction-backup host_pool")
     return why
@@ -94,8 +101,11 @@ def _cache_class():
     if _CLASS is None:
         from sglang.srt.mem_cache import base_prefix_cache as base
 
-        _CLASS = type("RadixkvPrefixCache", (_PrefixCache, base.BasePrefixCache),
-                      {"_base": base, "__module__": __name__})
+        _CLASS = type(
+            "RadixkvPrefixCache",
+            (_PrefixCache, base.BasePrefixCache),
+            {"_base": base, "__module__": __name__},
+        )
     return _CLASS
 
 
@@ -115,8 +125,11 @@ class _PrefixCache(RadixCache):
     def reset(self) -> None:
         super().reset()
         self._empty_result = self._base.MatchResult(
-            device_prefix_len=0, last_device_node=self.root_node,
-            last_host_node=self.root_node, best_match_node=self.root_node)
+            device_prefix_len=0,
+            last_device_node=self.root_node,
+            last_host_node=self.root_node,
+            best_match_node=self.root_node,
+        )
 
     # -- the tree ------------------------------------------------------------------------
 
@@ -127,8 +140,12 @@ class _PrefixCache(RadixCache):
         ids, ns = self._key(key)
         handle, indices = self._match(ids, ns)
         n = len(indices)
-        return self._base.MatchResult(device_prefix_len=n, last_device_node=handle,
-                                      last_host_node=handle, best_match_node=handle)
+        return self._base.MatchResult(
+            device_prefix_len=n,
+            last_device_node=handle,
+            last_host_node=handle,
+            best_match_node=handle,
+        )
 
     def touch_prefix(self, key) -> None:
         if not self.disable and len(key):
@@ -174,7 +191,7 @@ class _PrefixCache(RadixCache):
             if handle is not None and not self.disable:
                 slots = self._tree.handle_slots(handle).tolist()
                 for at in range(0, len(slots), ps):
-                    page = tuple(slots[at:at + ps])
+                    page = tuple(slots[at : at + ps])
                     child = node[0].get(page)
                     if child is None:
                         child = node[0][page] = ({}, [], [0])
@@ -225,11 +242,14 @@ class _PrefixCache(RadixCache):
         new_indices = self._device_indices(tree_slots)
         n = len(new_indices)
         if n != aligned:
-            raise RuntimeError(f"radixkv: request {req.rid} inserted {aligned} tokens but the "
-                               f"tree holds {n} of them")
+            raise RuntimeError(
+                f"radixkv: request {req.rid} inserted {aligned} tokens but the "
+                f"tree holds {n} of them"
+            )
         if n > protected:
-            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, n)),
-                                         new_indices[protected:])
+            self.req_to_token_pool.write(
+                (kv.req_pool_idx, slice(protected, n)), new_indices[protected:]
+            )
         kv.cache_protected_len = n
         self.unlock(req.lock)
         req.lock = self.lock(handle)

@@ -65,32 +65,48 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         host = mem_pool_host
         kind = type(host).__name__
         if kind != "MHATokenToKVPoolHost":
-            raise ValueError(f"radixkv's SGLang L3 adapter serves SGLang's MHATokenToKVPoolHost; "
-                             f"this model's host pool is {kind}")
+            raise ValueError(
+                f"radixkv's SGLang L3 adapter serves SGLang's MHATokenToKVPoolHost; "
+                f"this model's host pool is {kind}"
+            )
         if host.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"radixkv's SGLang L3 adapter serves float16, bfloat16 and float32 "
-                             f"K/V; this host pool holds {host.dtype} (a float8 K/V cache)")
+            raise ValueError(
+                f"radixkv's SGLang L3 adapter serves float16, bfloat16 and float32 "
+                f"K/V; this host pool holds {host.dtype} (a float8 K/V cache)"
+            )
         self.page_size = host.page_size
         cfg, o = self.config, self.options
-        shard = (f"pp{cfg.pp_rank}/{cfg.pp_size} cp{cfg.attn_cp_rank}/{cfg.attn_cp_size} "
-                 f"dcp{cfg.dcp_rank}/{cfg.dcp_size}")
+        shard = (
+            f"pp{cfg.pp_rank}/{cfg.pp_size} cp{cfg.attn_cp_rank}/{cfg.attn_cp_size} "
+            f"dcp{cfg.dcp_rank}/{cfg.dcp_size}"
+        )
         namespace = o.get("namespace")
         self.fingerprint = config_fingerprint(
-            model=cfg.model_name or "", dtype=host.dtype, page_size=host.page_size,
-            layout=f"sglang:{host.layout}", num_layers=host.layer_num, kv_heads=host.head_num,
-            head_dim=host.head_dim, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
-            namespace=shard if namespace is None else f"{shard} {namespace}")
+            model=cfg.model_name or "",
+            dtype=host.dtype,
+            page_size=host.page_size,
+            layout=f"sglang:{host.layout}",
+            num_layers=host.layer_num,
+            kv_heads=host.head_num,
+            head_dim=host.head_dim,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            namespace=shard if namespace is None else f"{shard} {namespace}",
+        )
         # A page's bytes are SGLang's flat page, in its host layout's order
         # (which the fingerprint names).
         page_elems = 2 * host.layer_num * host.page_size * host.head_num * host.head_dim
         self.store = StagedStore(o, self.fingerprint, page_elems, host.dtype)
 
     def on_host_pools_registered(self) -> None:
-        extra = sorted(str(name) for name in getattr(self, "registered_pools", {})
-                       if str(name) != "kv")
+        extra = sorted(
+            str(name) for name in getattr(self, "registered_pools", {}) if str(name) != "kv"
+        )
         if extra:
-            raise ValueError("radixkv's SGLang L3 adapter moves the K/V pool only (interface "
-                             f"v1); this model also registers {', '.join(extra)}")
+            raise ValueError(
+                "radixkv's SGLang L3 adapter moves the K/V pool only (interface "
+                f"v1); this model also registers {', '.join(extra)}"
+            )
 
     def _key(self, key: str) -> str:
         """The store's name for SGLang's page key: SHA-256 of the
@@ -108,8 +124,9 @@ class RadixkvHiCacheStorage(HiCacheStorage):
             return 0
         return self.store.exists([self._key(k) for k in keys])
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info=None) -> List[bool]:
+    def batch_get_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info=None
+    ) -> List[bool]:
         """Reads pages into SGLang's host pool at `host_indices` (a page's
         first slot every `page_size`); a page after a missing one is not
         read (SGLang takes the pages before the first miss)."""
@@ -118,28 +135,37 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         def take(i: int, page: Optional[torch.Tensor]) -> bool:
             if page is None:
                 return False
-            self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * self.page_size]),
-                                                       page)
+            self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * self.page_size]), page)
             out[i] = True
             return True
 
         self._read(keys, take)
         return out
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info=None) -> List[bool]:
-        return self._write(keys, lambda i: self.mem_pool_host.get_data_page(
-            int(host_indices[i * self.page_size]), flat=True))
+    def batch_set_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info=None
+    ) -> List[bool]:
+        return self._write(
+            keys,
+            lambda i: self.mem_pool_host.get_data_page(
+                int(host_indices[i * self.page_size]), flat=True
+            ),
+        )
 
     # -- the older calls (flat pages by value) ---------------------------------------------
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+    def get(
+        self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> Optional[torch.Tensor]:
         got = self.batch_get([key], [target_location] if target_location is not None else None)
         return got[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+    def batch_get(
+        self,
+        keys: List[str],
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> List[Optional[torch.Tensor]]:
         out: List[Optional[torch.Tensor]] = [None] * len(keys)
 
         def take(i: int, page: Optional[torch.Tensor]) -> bool:
@@ -153,13 +179,22 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         self._read(keys, take)
         return out
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None,
-                  target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         if values is None:
             return False
         return all(self._write(keys, lambda i: values[i]))
@@ -173,8 +208,9 @@ class RadixkvHiCacheStorage(HiCacheStorage):
     def _write(self, keys: List[str], page_of: Callable[[int], torch.Tensor]) -> List[bool]:
         if self.store is None:
             return [False] * len(keys)
-        return self.store.write([self._key(k) for k in keys],
-                                lambda i, page: page.copy_(page_of(i).reshape(-1)))
+        return self.store.write(
+            [self._key(k) for k in keys], lambda i, page: page.copy_(page_of(i).reshape(-1))
+        )
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

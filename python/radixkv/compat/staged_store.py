@@ -54,8 +54,9 @@ class StagedStore:
     their own staging pages and lock (engines read and write from two
     threads), and their own back-off."""
 
-    def __init__(self, options: dict, fingerprint: bytes, page_elems: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, options: dict, fingerprint: bytes, page_elems: int, dtype: torch.dtype
+    ) -> None:
         o = store_options(options)
         if page_elems <= 0 or page_elems % 2:
             raise ValueError(f"page_elems must be a positive even count, got {page_elems}")
@@ -67,21 +68,31 @@ class StagedStore:
         self.skipped_reads = self.skipped_writes = 0
         # Pages [0, BATCH_PAGES) stage reads, the rest writes. A page is a
         # flat run of elements: the pool's shape only gives it its size.
-        shape = MHAKVCache(1, 1, page_elems // 2, 1, dtype, page_size=1, device="cpu",
-                           tp_size=1)  # whole pages: no shard of the engine's world
-        self.staging = HostKVCache(shape, num_pages=2 * BATCH_PAGES, layout="page_first",
-                                   pin_memory=False)
+        shape = MHAKVCache(
+            1, 1, page_elems // 2, 1, dtype, page_size=1, device="cpu", tp_size=1
+        )  # whole pages: no shard of the engine's world
+        self.staging = HostKVCache(
+            shape, num_pages=2 * BATCH_PAGES, layout="page_first", pin_memory=False
+        )
         if o["store"] == "file":
-            backend = FileStorage(o["directory"], fingerprint, o.get("max_bytes"),
-                                  shared=bool(o.get("shared", False)), secret=o["secret"])
+            backend = FileStorage(
+                o["directory"],
+                fingerprint,
+                o.get("max_bytes"),
+                shared=bool(o.get("shared", False)),
+                secret=o["secret"],
+            )
         else:
             backend = MooncakeStorage(
-                o["master_address"], o["metadata_server"],
+                o["master_address"],
+                o["metadata_server"],
                 local_hostname=o.get("local_hostname", "127.0.0.1"),
                 protocol=o.get("protocol", "tcp"),
                 segment_bytes=int(o.get("segment_bytes", 256 << 20)),
                 buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),
-                fingerprint=fingerprint, secret=o["secret"])
+                fingerprint=fingerprint,
+                secret=o["secret"],
+            )
         backend.attach(self.staging)
         self._one_at_a_time = backend.call_lock() or contextlib.nullcontext()
         self._read_lock, self._write_lock = threading.Lock(), threading.Lock()
@@ -134,9 +145,10 @@ class StagedStore:
             return
         with self._read_lock:
             for at in range(0, len(names), BATCH_PAGES):
-                chunk = names[at:at + BATCH_PAGES]
-                got = self._moved(self.reads, self.backend.batch_get, chunk,
-                                  list(range(len(chunk))))
+                chunk = names[at : at + BATCH_PAGES]
+                got = self._moved(
+                    self.reads, self.backend.batch_get, chunk, list(range(len(chunk)))
+                )
                 for i, ok in enumerate(got):
                     if not take(at + i, self._flat(i) if ok else None):
                         return
@@ -149,12 +161,13 @@ class StagedStore:
         out: List[bool] = []
         with self._write_lock:
             for at in range(0, len(names), BATCH_PAGES):
-                chunk = names[at:at + BATCH_PAGES]
+                chunk = names[at : at + BATCH_PAGES]
                 pages = list(range(BATCH_PAGES, BATCH_PAGES + len(chunk)))
                 for i, page in enumerate(pages):
                     fill(at + i, self._flat(page))
-                out += [bool(d) for d in self._moved(self.writes, self.backend.batch_set,
-                                                     chunk, pages)]
+                out += [
+                    bool(d) for d in self._moved(self.writes, self.backend.batch_set, chunk, pages)
+                ]
         return out
 
     def _moved(self, health: Health, fn, names, pages) -> List[bool]:
@@ -167,8 +180,13 @@ class StagedStore:
 
     def counts(self) -> dict:
         errors, corrupt = self.backend.counts()
-        return {"errors": errors, "corrupt_pages": corrupt, "skipped_reads": self.skipped_reads,
-                "skipped_writes": self.skipped_writes, "query_timeouts": self.query_timeouts}
+        return {
+            "errors": errors,
+            "corrupt_pages": corrupt,
+            "skipped_reads": self.skipped_reads,
+            "skipped_writes": self.skipped_writes,
+            "query_timeouts": self.query_timeouts,
+        }
 
     def close(self) -> None:
         if self._asker is not None:

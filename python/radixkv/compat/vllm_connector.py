@@ -106,10 +106,10 @@ class _Req:
     """The scheduler's view of one running request."""
 
     request: Any
-    names: List[str]          # one per full block of the prompt
+    names: List[str]  # one per full block of the prompt
     block_ids: List[int] = dataclasses.field(default_factory=list)
-    saved: int = 0            # blocks [0, saved) are in the store or on their way
-    start: int = 0            # the first block vLLM did not have at the last match
+    saved: int = 0  # blocks [0, saved) are in the store or on their way
+    start: int = 0  # the first block vLLM did not have at the last match
     load: Optional[BlockMoves] = None
     loaded: List[int] = dataclasses.field(default_factory=list)  # its blocks loaded via host
 
@@ -118,16 +118,18 @@ class RadixkvConnector(KVConnectorBase_V1):
     """vLLM's KV connector over radixkv's host tier and its FileStorage or
     MooncakeStorage."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.host_bytes = as_count(extra.pop("host_bytes", 0), "extra_config host_bytes",
-                                   minimum=0)
+        self.host_bytes = as_count(extra.pop("host_bytes", 0), "extra_config host_bytes", minimum=0)
         if extra.get("store") == "none":  # the host tier alone
             if not self.host_bytes:
-                raise ValueError('extra_config store "none" needs host_bytes > 0 (the host '
-                                 'tier is then the only one)')
+                raise ValueError(
+                    'extra_config store "none" needs host_bytes > 0 (the host '
+                    "tier is then the only one)"
+                )
             self.options: Optional[dict] = None
         else:
             self.options = store_options(extra)
@@ -136,35 +138,41 @@ class RadixkvConnector(KVConnectorBase_V1):
         if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
             # The scheduler names blocks for every rank alike; a rank's shard
             # of a block would need its own name.
-            raise ValueError("radixkv's vLLM connector serves one rank (tensor_parallel_size "
-                             "and pipeline_parallel_size 1) in this version")
+            raise ValueError(
+                "radixkv's vLLM connector serves one rank (tensor_parallel_size "
+                "and pipeline_parallel_size 1) in this version"
+            )
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             # Under "fail" a block evicted from the store between the match
             # and the load fails its request: radixkv's store is a cache.
-            raise ValueError('radixkv\'s vLLM connector needs "kv_load_failure_policy": '
-                             '"recompute" in --kv-transfer-config (a block that fails to load '
-                             'is recomputed)')
+            raise ValueError(
+                'radixkv\'s vLLM connector needs "kv_load_failure_policy": '
+                '"recompute" in --kv-transfer-config (a block that fails to load '
+                "is recomputed)"
+            )
         model = vllm_config.model_config
         self.model = extra.get("namespace") or model.model
         # What else decides a block's bytes: the weights' revision and
         # quantization, and the K/V cache dtype as configured (fp8 variants
         # share one torch dtype).
-        self.variant = (f"revision={getattr(model, 'revision', None)} "
-                        f"quantization={getattr(model, 'quantization', None)} "
-                        f"cache_dtype={vllm_config.cache_config.cache_dtype}")
+        self.variant = (
+            f"revision={getattr(model, 'revision', None)} "
+            f"quantization={getattr(model, 'quantization', None)} "
+            f"cache_dtype={vllm_config.cache_config.cache_dtype}"
+        )
         self.store: Optional[StagedStore] = None
         self._seeds: "collections.OrderedDict[Optional[str], bytes]" = collections.OrderedDict()
         # scheduler side
         self._reqs: Dict[str, _Req] = {}
         self.index: Optional[HostPageIndex] = None
-        self._pinned: List[int] = []              # host pages the step being planned names
+        self._pinned: List[int] = []  # host pages the step being planned names
         # block -> (request, name, page, the page's fills) of a load through a host page
         self._via_host: Dict[int, Tuple[str, str, int, int]] = {}
         self._seen_errors: List[int] = []
         self._fills: collections.Counter = collections.Counter()  # page -> saves planned
         # worker side
         self.blocks: Optional[HostBlocks] = None  # the layers' blocks and the host pages
-        self._valid: Optional[bytearray] = None         # host pages holding good bytes
+        self._valid: Optional[bytearray] = None  # host pages holding good bytes
         self._load_errors: set = set()  # this step's, for vLLM
         # Blocks whose load failed -> their request, kept until the scheduler
         # has seen them: steps planned before that (vLLM's async scheduling
@@ -189,17 +197,23 @@ class RadixkvConnector(KVConnectorBase_V1):
         config: what the scheduler knows before any tensor exists."""
         groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
         if len(groups) != 1:
-            raise ValueError(f"radixkv's vLLM connector serves models with one KV cache group "
-                             f"(full attention); this one has {len(groups)}")
+            raise ValueError(
+                f"radixkv's vLLM connector serves models with one KV cache group "
+                f"(full attention); this one has {len(groups)}"
+            )
         spec = groups[0].kv_cache_spec
         if type(spec).__name__ != "FullAttentionSpec":
-            raise ValueError(f"radixkv's vLLM connector serves full attention; this model's KV "
-                             f"cache is {type(spec).__name__}")
+            raise ValueError(
+                f"radixkv's vLLM connector serves full attention; this model's KV "
+                f"cache is {type(spec).__name__}"
+            )
         layers = len(groups[0].layer_names)
         dtype = spec.dtype
         per_layer = spec.page_size_bytes // torch.empty(0, dtype=dtype).element_size()
-        layout = (f"vllm:{type(spec).__name__} heads={spec.num_kv_heads} "
-                  f"head={spec.head_size} {self.variant}")
+        layout = (
+            f"vllm:{type(spec).__name__} heads={spec.num_kv_heads} "
+            f"head={spec.head_size} {self.variant}"
+        )
         return layout, layers, layers * per_layer, dtype
 
     def _open(self, layout: str, layers: int, page_elems: int, dtype: torch.dtype) -> None:
@@ -208,8 +222,10 @@ class RadixkvConnector(KVConnectorBase_V1):
         page_bytes = page_elems * torch.empty(0, dtype=dtype).element_size()
         self.host_pages = self.host_bytes // page_bytes
         if self.host_bytes and not self.host_pages:
-            raise ValueError(f"extra_config host_bytes ({self.host_bytes}) holds no block of "
-                             f"this model ({page_bytes} bytes)")
+            raise ValueError(
+                f"extra_config host_bytes ({self.host_bytes}) holds no block of "
+                f"this model ({page_bytes} bytes)"
+            )
         if self.options is not None:
             self.store = StagedStore(self.options, self._seed(None), page_elems, dtype)
 
@@ -217,10 +233,16 @@ class RadixkvConnector(KVConnectorBase_V1):
         """The fingerprint that starts a request's chain of block names."""
         seed = self._seeds.get(namespace)
         if seed is None:
-            seed = config_fingerprint(model=self.model, dtype=self.dtype,
-                                      page_size=self.block_size, layout=self.layout,
-                                      num_layers=self.num_layers, kv_heads=1, head_dim=1,
-                                      namespace=namespace)
+            seed = config_fingerprint(
+                model=self.model,
+                dtype=self.dtype,
+                page_size=self.block_size,
+                layout=self.layout,
+                num_layers=self.num_layers,
+                kv_heads=1,
+                head_dim=1,
+                namespace=namespace,
+            )
             self._seeds[namespace] = seed
             if len(self._seeds) > 4096:  # salts come from clients: keep a bounded few
                 self._seeds.popitem(last=False)
@@ -231,15 +253,20 @@ class RadixkvConnector(KVConnectorBase_V1):
     def _names(self, request: "Request") -> List[str]:
         """Store names of the prompt's full blocks; none for a prompt whose
         token ids do not say all it holds (images, embeddings)."""
-        if getattr(request, "mm_features", None) or \
-                getattr(request, "prompt_embeds", None) is not None:
+        if (
+            getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
             return []
         salt = getattr(request, "cache_salt", None)
         lora = getattr(request, "lora_request", None)
         namespace = None
         if salt or lora is not None:
-            lora_id = None if lora is None else [lora.lora_name, lora.lora_int_id,
-                                                 getattr(lora, "lora_path", None)]
+            lora_id = (
+                None
+                if lora is None
+                else [lora.lora_name, lora.lora_int_id, getattr(lora, "lora_path", None)]
+            )
             namespace = json.dumps({"salt": salt, "lora": lora_id})  # fields kept apart
         ids = list(request.prompt_token_ids or [])
         key = self.store.name_key if self.store is not None else None
@@ -247,8 +274,9 @@ class RadixkvConnector(KVConnectorBase_V1):
 
     # -- scheduler side ---------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> Tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> Tuple[int, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Req(request, self._names(request))
@@ -268,8 +296,9 @@ class RadixkvConnector(KVConnectorBase_V1):
         st.start, st.saved = start, have
         return max(0, min(have, usable) - start) * self.block_size, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0:
             return
@@ -279,9 +308,14 @@ class RadixkvConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         start = st.start
         count = num_external_tokens // self.block_size
-        names = st.names[start:start + count]
-        load = BlockMoves(request.request_id, names, block_ids[start:start + count],
-                          [-1] * count, [False] * count)
+        names = st.names[start : start + count]
+        load = BlockMoves(
+            request.request_id,
+            names,
+            block_ids[start : start + count],
+            [-1] * count,
+            [False] * count,
+        )
         if self.index is not None:
             # The host's blocks first (pinned, so that room made for the
             # store's below never takes them), then host pages for the rest.
@@ -292,12 +326,17 @@ class RadixkvConnector(KVConnectorBase_V1):
                     load.pages[i], load.in_host[i] = page, True
             for i, name in enumerate(names):
                 if not load.in_host[i]:
-                    load.pages[i] = -1 if self.store is None else \
-                        self._or_none(self.index.take(name))
+                    load.pages[i] = (
+                        -1 if self.store is None else self._or_none(self.index.take(name))
+                    )
             for i, page in enumerate(load.pages):
                 if page >= 0:
-                    self._via_host[load.block_ids[i]] = (st.request.request_id, names[i], page,
-                                                         self._fills[page])
+                    self._via_host[load.block_ids[i]] = (
+                        st.request.request_id,
+                        names[i],
+                        page,
+                        self._fills[page],
+                    )
             st.loaded = [b for b, p in zip(load.block_ids, load.pages) if p >= 0]
         st.load = load
         st.saved = max(st.saved, start + count)
@@ -332,8 +371,9 @@ class RadixkvConnector(KVConnectorBase_V1):
         meta.seen_errors, self._seen_errors = self._seen_errors, []
         return meta
 
-    def _plan(self, st: _Req, computed: int, scheduled: int,
-              meta: RadixkvConnectorMetadata) -> None:
+    def _plan(
+        self, st: _Req, computed: int, scheduled: int, meta: RadixkvConnectorMetadata
+    ) -> None:
         """This step's load of `st` and the save of the blocks the step
         completes (`computed` tokens before it, `scheduled` in it)."""
         if st.load is not None:
@@ -344,18 +384,23 @@ class RadixkvConnector(KVConnectorBase_V1):
         # back (a block failed to load): its blocks are saved again once
         # recomputed.
         st.saved = min(st.saved, computed // self.block_size)
-        full = min((computed + scheduled) // self.block_size, len(st.names),
-                   len(st.block_ids))
+        full = min((computed + scheduled) // self.block_size, len(st.names), len(st.block_ids))
         if full > st.saved:
-            names = st.names[st.saved:full]
+            names = st.names[st.saved : full]
             pages = [-1] * len(names)
             if self.index is not None:
                 pages = [self._or_none(self.index.take(name)) for name in names]
                 self._pinned += [p for p in pages if p >= 0]
                 self._fills.update(p for p in pages if p >= 0)
-            meta.saves.append(BlockMoves(st.request.request_id, names,
-                                         st.block_ids[st.saved:full], pages,
-                                         depends=st.block_ids[:st.saved]))
+            meta.saves.append(
+                BlockMoves(
+                    st.request.request_id,
+                    names,
+                    st.block_ids[st.saved : full],
+                    pages,
+                    depends=st.block_ids[: st.saved],
+                )
+            )
             st.saved = full
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -376,8 +421,9 @@ class RadixkvConnector(KVConnectorBase_V1):
                 del self._via_host[block]
         st.loaded = []
 
-    def request_finished(self, request: "Request",
-                         block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
+    def request_finished(
+        self, request: "Request", block_ids: List[int]
+    ) -> Tuple[bool, Optional[dict]]:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._forget_loads(st)
@@ -391,8 +437,10 @@ class RadixkvConnector(KVConnectorBase_V1):
         blocks = HostBlocks(kv_caches, self._kv_cache_config.num_blocks)
         layout, _, planned, _ = self._page_from_config(self._kv_cache_config)
         if blocks.page_elems != planned:  # the scheduler numbers host pages of this size
-            raise ValueError(f"radixkv's vLLM connector: the layers' blocks hold "
-                             f"{blocks.page_elems} elements, vLLM's KV cache spec says {planned}")
+            raise ValueError(
+                f"radixkv's vLLM connector: the layers' blocks hold "
+                f"{blocks.page_elems} elements, vLLM's KV cache spec says {planned}"
+            )
         self._open(layout, len(blocks.layers), blocks.page_elems, blocks.dtype)
         if self.host_pages:
             blocks.open_host(self.host_pages)
@@ -417,8 +465,10 @@ class RadixkvConnector(KVConnectorBase_V1):
                 if load.pages[i] >= 0:
                     self._valid[load.pages[i]] = 0
             if stored and self.store is not None:
-                def take(j: int, page: Optional[torch.Tensor], load=load, got=got,
-                         stored=stored) -> bool:
+
+                def take(
+                    j: int, page: Optional[torch.Tensor], load=load, got=got, stored=stored
+                ) -> bool:
                     i = stored[j]
                     hp = load.pages[i]
                     if page is None:
@@ -438,8 +488,9 @@ class RadixkvConnector(KVConnectorBase_V1):
             ok = len(got) if all(got) else got.index(False)
             via = [i for i in range(ok) if load.pages[i] >= 0]
             if via:
-                self.blocks.from_host([load.pages[i] for i in via],
-                                       [load.block_ids[i] for i in via])
+                self.blocks.from_host(
+                    [load.pages[i] for i in via], [load.block_ids[i] for i in via]
+                )
             self.moved["loaded from host"] += sum(load.in_host[:ok])
             self.moved["loaded from store"] += ok - sum(load.in_host[:ok])
             if ok < len(got):  # a block not loaded, and every one after it, is recomputed
@@ -450,8 +501,9 @@ class RadixkvConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # whole blocks of every layer are saved in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -462,14 +514,16 @@ class RadixkvConnector(KVConnectorBase_V1):
             # Blocks that failed to load, or computed over such blocks (of
             # this request or of another it shares them with) in a step vLLM
             # planned before it rolled them back: recomputed, then saved.
-            if save.req_id in failed or any(b in self._poisoned
-                                            for b in save.depends + save.block_ids):
+            if save.req_id in failed or any(
+                b in self._poisoned for b in save.depends + save.block_ids
+            ):
                 for i in hosted:
                     self._valid[save.pages[i]] = 0
                 continue
             if hosted:
-                self.blocks.to_host([save.block_ids[i] for i in hosted],
-                                    [save.pages[i] for i in hosted])
+                self.blocks.to_host(
+                    [save.block_ids[i] for i in hosted], [save.pages[i] for i in hosted]
+                )
                 for i in hosted:
                     self._valid[save.pages[i]] = 1
                 self.moved["saved to host"] += len(hosted)
@@ -490,8 +544,10 @@ class RadixkvConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self.moved:
-            logger.info("radixkv connector: blocks %s", ", ".join(
-                f"{what} {count}" for what, count in sorted(self.moved.items())))
+            logger.info(
+                "radixkv connector: blocks %s",
+                ", ".join(f"{what} {count}" for what, count in sorted(self.moved.items())),
+            )
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -499,4 +555,3 @@ class RadixkvConnector(KVConnectorBase_V1):
     def counts(self) -> dict:
         """radixkv's store counts (errors, corrupt pages, skipped calls)."""
         return self.store.counts() if self.store is not None else {}
-

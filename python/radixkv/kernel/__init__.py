@@ -9,5 +9,11 @@ other device (or on CUDA when `_cuda` is absent).
 from radixkv.kernel.compare import first_mismatch, first_mismatch_batched
 from radixkv.kernel.store import cuda_available, cuda_built, store_cache, store_mla
 
-__all__ = ["cuda_available", "cuda_built", "first_mismatch", "first_mismatch_batched",
-           "store_cache", "store_mla"]
+__all__ = [
+    "cuda_available",
+    "cuda_built",
+    "first_mismatch",
+    "first_mismatch_batched",
+    "store_cache",
+    "store_mla",
+]

@@ -37,8 +37,10 @@ def first_mismatch_batched(
     """
     devices = {t.device for t in (query, keys, key_lens, out) if isinstance(t, torch.Tensor)}
     if len(devices) > 1 or any(d.type == "meta" for d in devices):
-        raise TypeError("query, keys, key_lens and out must be on one device with data, got "
-                        + ", ".join(sorted(str(d) for d in devices)))
+        raise TypeError(
+            "query, keys, key_lens and out must be on one device with data, got "
+            + ", ".join(sorted(str(d) for d in devices))
+        )
     if out is None:
         rows = keys.shape[0] if isinstance(keys, torch.Tensor) and keys.dim() >= 1 else 0
         device = keys.device if isinstance(keys, torch.Tensor) else "cpu"

@@ -88,8 +88,10 @@ def store_cache(
             return _store_torch(k_cache, v_cache, out_loc, k, v, k_scale, v_scale, side=side)
         if check_bounds:
             if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("store_cache cannot check slots while a CUDA graph is being "
-                                   "captured (it would synchronize): pass check_bounds=False")
+                raise RuntimeError(
+                    "store_cache cannot check slots while a CUDA graph is being "
+                    "captured (it would synchronize): pass check_bounds=False"
+                )
             _check_slots(k_cache, out_loc)
             _check_device_scales(("k_scale", k_scale), ("v_scale", v_scale))
         return module.store_cache(k_cache, v_cache, out_loc, k, v, k_scale, v_scale, side)
@@ -129,18 +131,20 @@ def store_mla(
             out_loc = _core.int32_tensor(out_loc, "out_loc").to(kv_cache.device)
         module = cuda_extension()
         if module is None:
-            return _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale,
-                                    side)
+            return _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale, side)
         if check_bounds:
             if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("store_mla cannot check slots while a CUDA graph is being "
-                                   "captured (it would synchronize): pass check_bounds=False")
+                raise RuntimeError(
+                    "store_mla cannot check slots while a CUDA graph is being "
+                    "captured (it would synchronize): pass check_bounds=False"
+                )
             _check_slots(kv_cache, out_loc)
             _check_device_scales(("k_scale", k_scale))
         return module.store_mla(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale, side)
     if getattr(kv_cache, "is_cpu", True):
-        return _core.store_mla(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, False, k_scale,
-                               side)
+        return _core.store_mla(
+            kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, False, k_scale, side
+        )
     return _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale, side)
 
 
@@ -163,23 +167,30 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _scaled(x: torch.Tensor, cache: torch.Tensor, scale, name: str, scale_name: str,
-            cache_name: str):
+def _scaled(
+    x: torch.Tensor, cache: torch.Tensor, scale, name: str, scale_name: str, cache_name: str
+):
     """`x` in `cache`'s dtype: as it is, or converted as the kernel does."""
     if x.dtype == cache.dtype:
         if scale is not None:
-            raise ValueError(f"{scale_name} is given, but {name} already has {cache_name}'s "
-                             f"dtype {_dtype_name(cache.dtype)} and is copied as it is")
+            raise ValueError(
+                f"{scale_name} is given, but {name} already has {cache_name}'s "
+                f"dtype {_dtype_name(cache.dtype)} and is copied as it is"
+            )
         return x
     if cache.dtype not in _FLOAT8 or x.dtype not in _FLOAT_SOURCES:
-        raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)} but {cache_name} has dtype "
-                        f"{_dtype_name(cache.dtype)}")
+        raise TypeError(
+            f"{name} has dtype {_dtype_name(x.dtype)} but {cache_name} has dtype "
+            f"{_dtype_name(cache.dtype)}"
+        )
     if scale is None:
         scale = 1.0
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
-            raise ValueError(f"{scale_name} must be a number or a one-element tensor, got a "
-                             f"tensor of {scale.numel()} elements")
+            raise ValueError(
+                f"{scale_name} must be a number or a one-element tensor, got a "
+                f"tensor of {scale.numel()} elements"
+            )
         scale = scale.item()
     value = torch.tensor(float(scale), dtype=torch.float32)
     if not (float(value) > 0 and float(value) != float("inf")):
@@ -192,35 +203,48 @@ def _scaled(x: torch.Tensor, cache: torch.Tensor, scale, name: str, scale_name: 
     return y.to(cache.dtype)
 
 
-def _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale,
-                     side=None) -> None:
+def _store_mla_torch(kv_cache, out_loc, k_nope, k_rope, kv_lora_rank, k_scale, side=None) -> None:
     """store_mla through torch indexing, for devices without a native kernel."""
-    for name, t in (("kv_cache", kv_cache), ("out_loc", out_loc), ("k_nope", k_nope),
-                    ("k_rope", k_rope)):
+    for name, t in (
+        ("kv_cache", kv_cache),
+        ("out_loc", out_loc),
+        ("k_nope", k_nope),
+        ("k_rope", k_rope),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if kv_cache.dim() not in (2, 3, 4) or (kv_cache.dim() > 2 and kv_cache.shape[-2] != 1):
-        raise ValueError("kv_cache must have shape [num_pages, page_size, 1, row], "
-                         f"[num_slots, 1, row] or [num_slots, row], got {list(kv_cache.shape)}")
+        raise ValueError(
+            "kv_cache must have shape [num_pages, page_size, 1, row], "
+            f"[num_slots, 1, row] or [num_slots, row], got {list(kv_cache.shape)}"
+        )
     row = kv_cache.shape[-1]
     if not 0 < kv_lora_rank < row:
-        raise ValueError(f"kv_lora_rank={kv_lora_rank} must leave both parts of kv_cache's rows "
-                         f"of {row} non-empty")
+        raise ValueError(
+            f"kv_lora_rank={kv_lora_rank} must leave both parts of kv_cache's rows "
+            f"of {row} non-empty"
+        )
     rope_dim = row - kv_lora_rank
     parts = []
     for name, x, width in (("k_nope", k_nope, kv_lora_rank), ("k_rope", k_rope, rope_dim)):
         if x.dim() not in (2, 3) or tuple(x.shape[1:]) not in ((width,), (1, width)):
-            raise ValueError(f"{name} must have shape [num_tokens, 1, {width}] or "
-                             f"[num_tokens, {width}], got {list(x.shape)}")
+            raise ValueError(
+                f"{name} must have shape [num_tokens, 1, {width}] or "
+                f"[num_tokens, {width}], got {list(x.shape)}"
+            )
         parts.append(_scaled(x, kv_cache, k_scale, name, "k_scale", "kv_cache"))
     if parts[1].shape[0] != parts[0].shape[0]:
-        raise ValueError(f"k_rope has {parts[1].shape[0]} tokens but k_nope has "
-                         f"{parts[0].shape[0]}")
+        raise ValueError(
+            f"k_rope has {parts[1].shape[0]} tokens but k_nope has " f"{parts[0].shape[0]}"
+        )
     caches = (kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:])
-    shaped = [x.reshape((x.shape[0],) + tuple(c.shape[2:] if c.dim() == 4 else c.shape[1:]))
-              for x, c in zip(parts, caches)]
-    _store_torch(caches[0], caches[1], out_loc, shaped[0], shaped[1], side=side,
-                 _widths_differ=True)
+    shaped = [
+        x.reshape((x.shape[0],) + tuple(c.shape[2:] if c.dim() == 4 else c.shape[1:]))
+        for x, c in zip(parts, caches)
+    ]
+    _store_torch(
+        caches[0], caches[1], out_loc, shaped[0], shaped[1], side=side, _widths_differ=True
+    )
 
 
 def _num_slots(cache: torch.Tensor) -> int:
@@ -274,8 +298,9 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _store_torch(k_cache, v_cache, out_loc, k, v, k_scale=None, v_scale=None, *, side=None,
-                 _widths_differ=False) -> None:
+def _store_torch(
+    k_cache, v_cache, out_loc, k, v, k_scale=None, v_scale=None, *, side=None, _widths_differ=False
+) -> None:
     """The same store through torch indexing, for devices without a native kernel
     (`_widths_differ`: MLA's two halves, whose caches differ in width)."""
     names = ("k_cache", "v_cache", "out_loc", "k", "v")
@@ -315,19 +340,28 @@ def _store_torch(k_cache, v_cache, out_loc, k, v, k_scale=None, v_scale=None, *,
         name = "k_cache" if c is k_cache else "v_cache"
         for d in range(c.dim()):
             if c.stride(d) == 0 and c.shape[d] > 1:
-                raise ValueError(f"{name} has stride 0 in dimension {d}: an expanded tensor "
-                                 "would write one place many times")
+                raise ValueError(
+                    f"{name} has stride 0 in dimension {d}: an expanded tensor "
+                    "would write one place many times"
+                )
         for x, xname in ((k, "k"), (v, "v")):
             if _overlaps(x, c):
-                raise ValueError(f"{xname} lies in the memory of {name}: the store would "
-                                 "overwrite rows it has yet to read")
-    if (k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
-            and k_cache.numel() > 0 and not _widths_differ):
+                raise ValueError(
+                    f"{xname} lies in the memory of {name}: the store would "
+                    "overwrite rows it has yet to read"
+                )
+    if (
+        k_cache.data_ptr() == v_cache.data_ptr()
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.numel() > 0
+        and not _widths_differ
+    ):
         raise ValueError("v_cache is the same memory as k_cache: the store would write v over k")
     if k_cache.requires_grad or v_cache.requires_grad:
         name = "k_cache" if k_cache.requires_grad else "v_cache"
-        raise ValueError(f"{name} requires grad, and a KV cache is written in place: pass "
-                         f"{name}.detach()")
+        raise ValueError(
+            f"{name} requires grad, and a KV cache is written in place: pass " f"{name}.detach()"
+        )
     _check_slots(k_cache, out_loc)
     sides = _check_sides_torch(side, k_cache, k.shape[0])
     loc = out_loc.long()
@@ -348,11 +382,13 @@ def _check_sides_torch(side, k_cache, num_tokens):
     if side is None:
         return []
     if not isinstance(side, (list, tuple)):
-        raise TypeError(f"side must be a sequence of (name, buffer, source), got "
-                        f"{type(side).__name__}")
+        raise TypeError(
+            f"side must be a sequence of (name, buffer, source), got " f"{type(side).__name__}"
+        )
     if len(side) > 6:
-        raise ValueError(f"side has {len(side)} buffers; a store writes at most 6 beside its "
-                         "caches")
+        raise ValueError(
+            f"side has {len(side)} buffers; a store writes at most 6 beside its " "caches"
+        )
     pairs = []
     slots = _num_slots(k_cache)
     for i, entry in enumerate(side):
@@ -367,11 +403,15 @@ def _check_sides_torch(side, k_cache, num_tokens):
         if buf.dim() != 2 or buf.shape[0] != slots:
             raise ValueError(f"side buffer {name} must be [{slots}, row], got {list(buf.shape)}")
         if src.dtype != buf.dtype:
-            raise TypeError(f"side[{name}] has dtype {_dtype_name(src.dtype)} but side buffer "
-                            f"{name} has dtype {_dtype_name(buf.dtype)}")
+            raise TypeError(
+                f"side[{name}] has dtype {_dtype_name(src.dtype)} but side buffer "
+                f"{name} has dtype {_dtype_name(buf.dtype)}"
+            )
         if src.dim() != 2 or src.shape[1] != buf.shape[1]:
-            raise ValueError(f"side[{name}] must have shape [num_tokens, {buf.shape[1]}], got "
-                             f"{list(src.shape)}")
+            raise ValueError(
+                f"side[{name}] must have shape [num_tokens, {buf.shape[1]}], got "
+                f"{list(src.shape)}"
+            )
         if src.shape[0] != num_tokens:
             raise ValueError(f"side[{name}] has {src.shape[0]} tokens but k has {num_tokens}")
         pairs.append((buf, src))

@@ -19,14 +19,21 @@ from radixkv.kvcache.factory import create_kvcache
 from radixkv.kvcache.mha_pool import MHAKVCache, kv_bytes_per_page, num_pages_for_memory
 from radixkv.kvcache.mla_pool import MLAKVCache
 from radixkv.kvcache.naive_manager import NaiveCacheHandle, NaiveCacheManager
-from radixkv.kvcache.radix_manager import (EVICTION_POLICIES, RadixCacheHandle, RadixCacheManager,
-                                           check_eviction_policy)
+from radixkv.kvcache.radix_manager import (
+    EVICTION_POLICIES,
+    RadixCacheHandle,
+    RadixCacheManager,
+    check_eviction_policy,
+)
 
 _MANAGERS = {"naive": NaiveCacheManager, "radix": RadixCacheManager}
 
 
 def create_cache_manager(
-    device: torch.device | str, type: str, page_size: int = 1, max_slots: Optional[int] = None,
+    device: torch.device | str,
+    type: str,
+    page_size: int = 1,
+    max_slots: Optional[int] = None,
     eviction_policy: str = "lru",
 ) -> BaseCacheManager:
     """A cache manager of `type` ("naive" or "radix") on `device`; `max_slots`
@@ -37,8 +44,9 @@ def create_cache_manager(
     except (KeyError, TypeError):
         raise ValueError(f"type must be one of {sorted(_MANAGERS)}, got {type!r}") from None
     if cls is RadixCacheManager:
-        return cls(device=device, page_size=page_size, max_slots=max_slots,
-                   eviction_policy=eviction_policy)
+        return cls(
+            device=device, page_size=page_size, max_slots=max_slots, eviction_policy=eviction_policy
+        )
     check_eviction_policy(eviction_policy)
     return cls(device=device, page_size=page_size, max_slots=max_slots)
 

@@ -12,8 +12,13 @@ from radixkv import _core
 from radixkv._checks import as_int, to_host
 
 
-def fixed_zeros(shape: tuple, dtype: torch.dtype, device="cpu", pin_memory: bool = False,
-                owners: Optional[list] = None) -> torch.Tensor:
+def fixed_zeros(
+    shape: tuple,
+    dtype: torch.dtype,
+    device="cpu",
+    pin_memory: bool = False,
+    owners: Optional[list] = None,
+) -> torch.Tensor:
     """A zero-filled buffer whose storage cannot be resized: what the pools
     allocate. The copy controller's thread reads and writes their memory
     while the caller holds the tensors, so `untyped_storage().resize_(0)` on
@@ -56,17 +61,18 @@ class BaseCacheHandle(ABC):
         return 0
 
 
-def released_slots(indices, owned_from: int, cached_before: int, length: int, page_size: int,
-                   finished: bool) -> list:
+def released_slots(
+    indices, owned_from: int, cached_before: int, length: int, page_size: int, finished: bool
+) -> list:
     """What a request gives back after `insert_prefix` of its first `length`
     tokens with `indices` (its slots, the cache's before `owned_from`)
     returned `cached_before`: its copies of tokens that were cached already
     (`[owned_from, cached_before)`: another request cached them meanwhile)
     and, once it is finished, the slots past its last whole page. Slices of
     `indices`, possibly empty."""
-    out = [indices[owned_from:max(owned_from, cached_before)]]
+    out = [indices[owned_from : max(owned_from, cached_before)]]
     if finished:
-        out.append(indices[length - length % page_size:])
+        out.append(indices[length - length % page_size :])
     return out
 
 
@@ -87,12 +93,15 @@ class BaseCacheManager(ABC):
         input is checked before any is matched. `namespace`: one for all, or
         one per input."""
         if not isinstance(batch, (list, tuple)):
-            raise TypeError("batch must be a list or tuple of token id sequences, got "
-                            f"{type(batch).__name__}")
+            raise TypeError(
+                "batch must be a list or tuple of token id sequences, got "
+                f"{type(batch).__name__}"
+            )
         for i, ids in enumerate(batch):
             _core.check_ids(to_host(ids, f"batch[{i}]", self.device), f"batch[{i}]")
-        spaces = (list(namespace) if isinstance(namespace, (list, tuple))
-                  else [namespace] * len(batch))
+        spaces = (
+            list(namespace) if isinstance(namespace, (list, tuple)) else [namespace] * len(batch)
+        )
         if len(spaces) != len(batch):
             raise ValueError(f"namespace has {len(spaces)} entries but batch has {len(batch)}")
         return [self.match_prefix(ids, ns) for ids, ns in zip(batch, spaces)]
@@ -206,12 +215,14 @@ class PagedPool(BaseKVCache):
         L, P, S = self._num_layers, self._num_pages, self._page_size
         self.memory_owners: List[torch.Tensor] = []  # what holds the pool's memory
         if self._kv_layout is KVCacheLayout.LayerFirst:
-            self._kv_buffer = fixed_zeros((*lead, L, P, S, *row), dtype, device,
-                                          owners=self.memory_owners)
+            self._kv_buffer = fixed_zeros(
+                (*lead, L, P, S, *row), dtype, device, owners=self.memory_owners
+            )
             self._view = self._kv_buffer
         else:
-            self._kv_buffer = fixed_zeros((*lead, P, L, S, *row), dtype, device,
-                                          owners=self.memory_owners)
+            self._kv_buffer = fixed_zeros(
+                (*lead, P, L, S, *row), dtype, device, owners=self.memory_owners
+            )
             self._view = self._kv_buffer.transpose(len(lead), len(lead) + 1)
         # A CacheManager's host tier attaches its hook (attach_layer_wait): it waits
         # until loads from host have put layer i in place (CacheManager.wait_layer).
@@ -249,8 +260,10 @@ class PagedPool(BaseKVCache):
         (see CacheManager.wait_layer). `hook.alive` says whether its tier
         still exists. Raises ValueError while another live tier has one."""
         if self.backs_host_tier:
-            raise ValueError("kv_cache already backs the host tier of another CacheManager: "
-                             "its k_cache(layer) waits for that tier's loads")
+            raise ValueError(
+                "kv_cache already backs the host tier of another CacheManager: "
+                "its k_cache(layer) waits for that tier's loads"
+            )
         self._layer_wait = hook
 
     @property
@@ -320,8 +333,7 @@ def copy_layout(view: torch.Tensor, page_size: int) -> CopyLayout:
     if view.stride(5) != 1 or view.stride(4) != view.shape[5]:
         raise ValueError("a pool's rows must be contiguous [heads, head_dim] blocks")
     side, layer, page, row = (view.stride(i) * item for i in range(4))
-    return CopyLayout(side, layer, page, row, page_size, view.shape[2] * page_size,
-                      view.shape[0])
+    return CopyLayout(side, layer, page, row, page_size, view.shape[2] * page_size, view.shape[0])
 
 
 def side_plane(view: torch.Tensor, page_size: int) -> Tuple[torch.Tensor, CopyLayout, int]:
@@ -330,8 +342,11 @@ def side_plane(view: torch.Tensor, page_size: int) -> Tuple[torch.Tensor, CopyLa
     MLA pool's latent rows and each side buffer's."""
     item = view.element_size()
     layer, page, row = (view.stride(i) * item for i in range(3))
-    return (view, CopyLayout(0, layer, page, row, page_size, view.shape[1] * page_size, 1),
-            view[0, 0, 0].numel() * item)
+    return (
+        view,
+        CopyLayout(0, layer, page, row, page_size, view.shape[1] * page_size, 1),
+        view[0, 0, 0].numel() * item,
+    )
 
 
 class SideBuffers:
@@ -363,11 +378,15 @@ class SideBuffers:
         if name in self._side_buffers:
             raise ValueError(f"name={name!r} is already a side buffer of this pool")
         if self.backs_host_tier:
-            raise ValueError("register side buffers before the pool backs a CacheManager's host "
-                             "tier: its host pool holds a copy of each")
+            raise ValueError(
+                "register side buffers before the pool backs a CacheManager's host "
+                "tier: its host pool holds a copy of each"
+            )
         if len(self._side_buffers) >= self._SIDE_MAX:
-            raise ValueError(f"a pool has at most {self._SIDE_MAX} side buffers (the store kernel "
-                             "writes them with the K/V in one call)")
+            raise ValueError(
+                f"a pool has at most {self._SIDE_MAX} side buffers (the store kernel "
+                "writes them with the K/V in one call)"
+            )
         shape = (row_shape,) if isinstance(row_shape, int) else tuple(row_shape)
         for d in shape:
             if type(d) is not int or d < 1:
@@ -376,11 +395,16 @@ class SideBuffers:
             raise ValueError("row_shape must have at least one dimension")
         if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
             raise TypeError(f"dtype must be a real torch dtype, got {dtype!r}")
-        buf = fixed_zeros((self.num_layers, self.num_pages, self.page_size) + shape, dtype,
-                          self.device, owners=self.memory_owners)
+        buf = fixed_zeros(
+            (self.num_layers, self.num_pages, self.page_size) + shape,
+            dtype,
+            self.device,
+            owners=self.memory_owners,
+        )
         width = math.prod(shape)
-        rows = tuple(buf[i].view(self.num_pages * self.page_size, width)
-                     for i in range(self.num_layers))
+        rows = tuple(
+            buf[i].view(self.num_pages * self.page_size, width) for i in range(self.num_layers)
+        )
         self._side_buffers[name] = (buf, rows, shape)
         return buf
 
@@ -390,8 +414,10 @@ class SideBuffers:
         try:
             return self._side_buffers[name][0][layer]
         except (KeyError, TypeError):
-            raise ValueError(f"name={name!r} is not a side buffer of this pool "
-                             f"(registered: {sorted(self._side_buffers)})") from None
+            raise ValueError(
+                f"name={name!r} is not a side buffer of this pool "
+                f"(registered: {sorted(self._side_buffers)})"
+            ) from None
 
     @property
     def side_buffer_names(self) -> tuple:
@@ -400,8 +426,9 @@ class SideBuffers:
 
     def side_buffer_specs(self) -> tuple:
         """`(name, row_shape, dtype)` of each side buffer, in registration order."""
-        return tuple((name, shape, buf.dtype)
-                     for name, (buf, _, shape) in self._side_buffers.items())
+        return tuple(
+            (name, shape, buf.dtype) for name, (buf, _, shape) in self._side_buffers.items()
+        )
 
     def side_copy_layouts(self) -> tuple:
         """`(buffer, CopyLayout, row_bytes)` of each side buffer, in registration
@@ -419,15 +446,18 @@ class SideBuffers:
         for name, rows in side.items():
             entry = self._side_buffers.get(name) if isinstance(name, str) else None
             if entry is None:
-                raise ValueError(f"side[{name!r}]: no such side buffer (registered: "
-                                 f"{sorted(self._side_buffers)})")
+                raise ValueError(
+                    f"side[{name!r}]: no such side buffer (registered: "
+                    f"{sorted(self._side_buffers)})"
+                )
             if not isinstance(rows, torch.Tensor):
                 raise TypeError(f"side[{name}] must be a torch.Tensor, got {type(rows).__name__}")
             shape = entry[2]
             if rows.dim() != 1 + len(shape) or tuple(rows.shape[1:]) != shape:
                 want = ", ".join(str(d) for d in shape)
-                raise ValueError(f"side[{name}] must have shape [num_tokens, {want}], got "
-                                 f"{list(rows.shape)}")
+                raise ValueError(
+                    f"side[{name}] must have shape [num_tokens, {want}], got " f"{list(rows.shape)}"
+                )
             width = entry[1][layer].shape[1]  # known, so an empty batch reshapes too
             out.append((name, entry[1][layer], rows.reshape(rows.shape[0], width)))
         return tuple(out) or None

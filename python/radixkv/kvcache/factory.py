@@ -41,8 +41,7 @@ def create_kvcache(
     except ValueError:
         raise ValueError(f"cache_type must be a KVCacheType, got {cache_type!r}") from None
     if cache_type is KVCacheType.MHA:
-        for name, value in (("kv_lora_rank", kv_lora_rank),
-                            ("qk_rope_head_dim", qk_rope_head_dim)):
+        for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim)):
             if value is not None:
                 raise ValueError(f"{name} is an MLA size; cache_type is {cache_type}")
         return MHAKVCache(
@@ -64,8 +63,10 @@ def create_kvcache(
     if _count(num_kv_heads, "num_kv_heads") != 1:
         raise ValueError(f"num_kv_heads={num_kv_heads}: an MLA pool stores one latent head")
     if _count(head_dim, "head_dim") != row:
-        raise ValueError(f"head_dim={head_dim} must be kv_lora_rank + qk_rope_head_dim = {row} "
-                         "for an MLA pool")
+        raise ValueError(
+            f"head_dim={head_dim} must be kv_lora_rank + qk_rope_head_dim = {row} "
+            "for an MLA pool"
+        )
     return MLAKVCache(
         kv_lora_rank=kv_lora_rank,
         qk_rope_head_dim=qk_rope_head_dim,

@@ -36,12 +36,19 @@ class HostKVCache:
     CacheManager that owns this pool, and filled by its copy controller.
     """
 
-    def __init__(self, device_pool: Union[MHAKVCache, MLAKVCache],
-                 num_pages: Optional[int] = None, ratio: float = 2.0,
-                 layout: str = "page_first", pin_memory: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        device_pool: Union[MHAKVCache, MLAKVCache],
+        num_pages: Optional[int] = None,
+        ratio: float = 2.0,
+        layout: str = "page_first",
+        pin_memory: Optional[bool] = None,
+    ) -> None:
         if not isinstance(device_pool, (MHAKVCache, MLAKVCache)):
-            raise TypeError("device_pool must be an MHAKVCache or an MLAKVCache, got "
-                            f"{type(device_pool).__name__}")
+            raise TypeError(
+                "device_pool must be an MHAKVCache or an MLAKVCache, got "
+                f"{type(device_pool).__name__}"
+            )
         if layout not in HOST_LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(HOST_LAYOUTS)}, got {layout!r}")
         if num_pages is None:
@@ -62,15 +69,18 @@ class HostKVCache:
         specs = device_pool.side_buffer_specs()
         self._sides = {}  # name -> [L, P, S, *row_shape] view
         if layout == "layer_first":
-            self._buffer = fixed_zeros((sides, L, num_pages, S, H, D), device_pool.dtype,
-                                       pin_memory=pin, owners=own)
+            self._buffer = fixed_zeros(
+                (sides, L, num_pages, S, H, D), device_pool.dtype, pin_memory=pin, owners=own
+            )
             self._view = self._buffer  # [sides, L, P, S, H, D]
             for name, shape, dtype in specs:
-                self._sides[name] = fixed_zeros((L, num_pages, S) + shape, dtype,
-                                                pin_memory=pin, owners=own)
+                self._sides[name] = fixed_zeros(
+                    (L, num_pages, S) + shape, dtype, pin_memory=pin, owners=own
+                )
         elif not specs:
-            self._buffer = fixed_zeros((num_pages, sides, L, S, H, D), device_pool.dtype,
-                                       pin_memory=pin, owners=own)
+            self._buffer = fixed_zeros(
+                (num_pages, sides, L, S, H, D), device_pool.dtype, pin_memory=pin, owners=own
+            )
             self._view = self._buffer.permute(1, 2, 0, 3, 4, 5)
         else:
             # One byte region per page: its K/V rows, then each side buffer's
@@ -81,10 +91,15 @@ class HostKVCache:
             for shape, dtype in parts:
                 offsets.append(-(-end // 16) * 16)
                 end = offsets[-1] + math.prod(shape) * dtype.itemsize
-            self._buffer = fixed_zeros((num_pages, -(-end // 16) * 16), torch.uint8,
-                                       pin_memory=pin, owners=own)
-            carved = [self._buffer[:, o:o + math.prod(shape) * dtype.itemsize].view(dtype)
-                      .view((num_pages,) + shape) for o, (shape, dtype) in zip(offsets, parts)]
+            self._buffer = fixed_zeros(
+                (num_pages, -(-end // 16) * 16), torch.uint8, pin_memory=pin, owners=own
+            )
+            carved = [
+                self._buffer[:, o : o + math.prod(shape) * dtype.itemsize]
+                .view(dtype)
+                .view((num_pages,) + shape)
+                for o, (shape, dtype) in zip(offsets, parts)
+            ]
             self._view = carved[0].permute(1, 2, 0, 3, 4, 5)
             for (name, shape, _), part in zip(specs, carved[1:]):
                 self._sides[name] = part.transpose(0, 1)  # [L, P, S, *row_shape]
@@ -98,7 +113,7 @@ class HostKVCache:
     def v_cache(self, layer: int) -> torch.Tensor:
         """Values of `layer`, `[num_pages, page_size, heads, head_dim]` (a view)."""
         if self._value_cols is not None:
-            return self._view[0, layer][..., :self._value_cols]
+            return self._view[0, layer][..., : self._value_cols]
         return self._view[1, layer]
 
     @property
@@ -112,8 +127,10 @@ class HostKVCache:
         try:
             return self._sides[name][layer]
         except KeyError:
-            raise ValueError(f"name={name!r} is not a side buffer of the device pool "
-                             f"(registered: {sorted(self._sides)})") from None
+            raise ValueError(
+                f"name={name!r} is not a side buffer of the device pool "
+                f"(registered: {sorted(self._sides)})"
+            ) from None
 
     def side_copy_layouts(self) -> tuple:
         """`(buffer, CopyLayout, row_bytes)` of each side buffer's host rows, in
@@ -173,5 +190,7 @@ class HostKVCache:
         return self._buffer.numel() * self._buffer.element_size()
 
     def __repr__(self) -> str:
-        return (f"HostKVCache(num_pages={self._num_pages}, page_size={self.page_size}, "
-                f"layout={self._layout}, dtype={self.dtype}, pinned={self.pinned})")
+        return (
+            f"HostKVCache(num_pages={self._num_pages}, page_size={self.page_size}, "
+            f"layout={self._layout}, dtype={self.dtype}, pinned={self.pinned})"
+        )

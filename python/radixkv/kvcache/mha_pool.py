@@ -11,6 +11,7 @@ from radixkv import _core
 from radixkv._checks import as_count as _count
 from radixkv.kernel import store_cache
 from radixkv.kvcache.base import CopyLayout, KVCacheLayout, PagedPool, SideBuffers, copy_layout
+
 # The arguments every pool shares, checked; re-exported here, where they lived first.
 from radixkv.kvcache.pool_args import (  # noqa: F401
     SUPPORTED_DTYPES,
@@ -166,14 +167,27 @@ class MHAKVCache(SideBuffers, PagedPool):
                 _core.store_cache(self._k_layers[i], self._v_layers[i], out_loc, k, v, True)
             else:
                 _core.store_cache(
-                    self._k_layers[i], self._v_layers[i], out_loc, k, v, True, k_scale, v_scale,
+                    self._k_layers[i],
+                    self._v_layers[i],
+                    out_loc,
+                    k,
+                    v,
+                    True,
+                    k_scale,
+                    v_scale,
                     None if side is None else self._side_args(side, i),
                 )
             return
         sides = None if side is None else self._side_args(side, i)
         self._store(
-            self._k_layers[i], self._v_layers[i], out_loc, k, v,
-            k_scale=k_scale, v_scale=v_scale, side=sides,
+            self._k_layers[i],
+            self._v_layers[i],
+            out_loc,
+            k,
+            v,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            side=sides,
         )
 
     @property

@@ -92,12 +92,25 @@ class MLAKVCache(SideBuffers, PagedPool):
         if self._store is None:
             # This pool's own view (no grad, no lazy negation): pool_views.
             _core.store_mla(
-                self._k_layers[i], out_loc, k_nope, k_rope, self._kv_lora_rank, True, k_scale,
+                self._k_layers[i],
+                out_loc,
+                k_nope,
+                k_rope,
+                self._kv_lora_rank,
+                True,
+                k_scale,
                 sides,
             )
         else:
-            self._store(self._k_layers[i], out_loc, k_nope, k_rope, self._kv_lora_rank,
-                        k_scale=k_scale, side=sides)
+            self._store(
+                self._k_layers[i],
+                out_loc,
+                k_nope,
+                k_rope,
+                self._kv_lora_rank,
+                k_scale=k_scale,
+                side=sides,
+            )
 
     def copy_layout(self) -> CopyLayout:
         """Where this pool's rows lie, for the copy engine of a host tier: one

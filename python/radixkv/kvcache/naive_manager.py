@@ -36,8 +36,12 @@ def _check_namespace(namespace) -> None:
 class NaiveCacheManager(BaseCacheManager):
     """The baseline: never matches, stores nothing, has nothing to evict."""
 
-    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
-                 max_slots: Optional[int] = None):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        page_size: int = 1,
+        max_slots: Optional[int] = None,
+    ):
         page_size = as_count(page_size, "page_size")
         self.device = as_device(device)
         self.page_size = page_size
@@ -68,8 +72,7 @@ class NaiveCacheManager(BaseCacheManager):
     def insert_prefix(self, input_ids, indices, priority: int = 0, namespace: int = 0) -> int:
         _check_namespace(namespace)
         n = _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
-        m = _core.check_slots(to_host(indices, "indices", self.device), "indices",
-                              self._max_slots)
+        m = _core.check_slots(to_host(indices, "indices", self.device), "indices", self._max_slots)
         if n != m:
             raise ValueError(f"indices has length {m} but input_ids has length {n}")
         # Nothing is stored: report the whole pages as "cached already", so the
@@ -104,4 +107,3 @@ class NaiveCacheManager(BaseCacheManager):
 
     def check_integrity(self) -> None:
         pass
-

@@ -20,8 +20,10 @@ def check_eviction_policy(policy, given=None) -> str:
     naming eviction_policy and showing `given` (what the caller was given,
     by default `policy`)."""
     if policy not in EVICTION_POLICIES:
-        raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
-                         f"got {policy if given is None else given!r}")
+        raise ValueError(
+            f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+            f"got {policy if given is None else given!r}"
+        )
     return policy
 
 
@@ -50,8 +52,13 @@ class RadixCacheManager(BaseCacheManager):
     order. `radixkv.scheduler.CacheManager` maps names (str, bytes) to these ids.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", page_size: int = 1,
-                 max_slots: Optional[int] = None, eviction_policy: str = "lru"):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        page_size: int = 1,
+        max_slots: Optional[int] = None,
+        eviction_policy: str = "lru",
+    ):
         page_size = as_count(page_size, "page_size")
         check_eviction_policy(eviction_policy)
         self.device = as_device(device)
@@ -66,8 +73,9 @@ class RadixCacheManager(BaseCacheManager):
             self.evict = self._tree.evict
 
     def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[RadixCacheHandle, torch.Tensor]:
-        handle, indices = self._tree.match_prefix(to_host(input_ids, "input_ids", self.device),
-                                                  namespace)
+        handle, indices = self._tree.match_prefix(
+            to_host(input_ids, "input_ids", self.device), namespace
+        )
         return handle, indices.to(self.device, non_blocking=True)
 
     def match_prefix_batch(self, batch, namespace=0) -> List[Tuple[RadixCacheHandle, torch.Tensor]]:
@@ -76,21 +84,27 @@ class RadixCacheManager(BaseCacheManager):
         every input is checked before any is matched. `namespace` is one int
         for the whole batch or a sequence of one per input."""
         if not isinstance(batch, (list, tuple)):
-            raise TypeError("batch must be a list or tuple of token id sequences, got "
-                            f"{type(batch).__name__}")
+            raise TypeError(
+                "batch must be a list or tuple of token id sequences, got "
+                f"{type(batch).__name__}"
+            )
         if self.device.type == "cpu":  # the tree reads (and checks) CPU inputs itself
             return self._tree.match_prefix_batch(batch, namespace)
         out = self._tree.match_prefix_batch(
-            [to_host(ids, f"batch[{i}]", self.device) for i, ids in enumerate(batch)], namespace)
+            [to_host(ids, f"batch[{i}]", self.device) for i, ids in enumerate(batch)], namespace
+        )
         return [(h, idx.to(self.device, non_blocking=True)) for h, idx in out]
 
     def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:
         self._tree.lock_handle(handle, unlock)
 
     def insert_prefix(self, input_ids, indices, priority: int = 0, namespace: int = 0) -> int:
-        return self._tree.insert_prefix(to_host(input_ids, "input_ids", self.device),
-                                        to_host(indices, "indices", self.device), priority,
-                                        namespace)
+        return self._tree.insert_prefix(
+            to_host(input_ids, "input_ids", self.device),
+            to_host(indices, "indices", self.device),
+            priority,
+            namespace,
+        )
 
     def evict(self, size: int) -> torch.Tensor:
         return self._tree.evict(size).to(self.device, non_blocking=True)

@@ -12,8 +12,13 @@ import tempfile
 from typing import List, NoReturn, Optional, Sequence
 
 from radixkv.replay.control import StopOnCtrlC
-from radixkv.replay.core import (KVShape, ReplayResult, StorageConfig, StorageUnavailable,
-                                 pages_for_all)
+from radixkv.replay.core import (
+    KVShape,
+    ReplayResult,
+    StorageConfig,
+    StorageUnavailable,
+    pages_for_all,
+)
 from radixkv.replay.replay import replay
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
@@ -56,78 +61,153 @@ def _int_at_least(minimum: int):
 def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description=__doc__)
     positive = _int_at_least(1)
-    p.add_argument("trace", nargs="?", help="Mooncake-format JSONL trace; omitted: built-in "
-                   "multi-turn chat workload")
+    p.add_argument(
+        "trace",
+        nargs="?",
+        help="Mooncake-format JSONL trace; omitted: built-in " "multi-turn chat workload",
+    )
     cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-tokens", type=positive, help="KV pool size in tokens "
-                     "(rounded up to pages; default for a trace: the pages an unbounded cache "
-                     f"uses, no eviction; built in: {BUILTIN_CAPACITY_TOKENS:,})")
+    cap.add_argument(
+        "--capacity-tokens",
+        type=positive,
+        help="KV pool size in tokens "
+        "(rounded up to pages; default for a trace: the pages an unbounded cache "
+        f"uses, no eviction; built in: {BUILTIN_CAPACITY_TOKENS:,})",
+    )
     cap.add_argument("--capacity-pages", type=positive, help="KV pool size in pages")
-    p.add_argument("--block-size", type=positive, help=f"tokens per trace block (default "
-                   f"{MOONCAKE_BLOCK} for a trace file, {BUILTIN_BLOCK} built in)")
+    p.add_argument(
+        "--block-size",
+        type=positive,
+        help=f"tokens per trace block (default "
+        f"{MOONCAKE_BLOCK} for a trace file, {BUILTIN_BLOCK} built in)",
+    )
     p.add_argument("--page-size", type=positive, help="KV page size (default: the block size)")
     p.add_argument("--policy", choices=["radix", "naive"], default="radix")
-    p.add_argument("--host-capacity-tokens", type=_int_at_least(0), metavar="N",
-                   help="host-memory tier (L2) in tokens, rounded up to pages; 0: none "
-                   "(default for a trace: 0; built in: twice the device pool). More than the "
-                   "trace holds is an unbounded host, allocated only as large as it is used")
-    p.add_argument("--storage", choices=["none", "file", "mooncake"],
-                   help="storage tier (L3) behind the host tier (default for a trace: none; "
-                   "built in: file, in a temporary directory)")
-    p.add_argument("--storage-dir", help="--storage file: the directory (default: a temporary "
-                   "one, removed at the end); pages already there are read")
-    p.add_argument("--mooncake-master", metavar="HOST:PORT", help="--storage mooncake: the "
-                   "master (default: start mooncake_master on 127.0.0.1, stop it at the end)")
-    p.add_argument("--mooncake-metadata", metavar="URL", help="--storage mooncake: the "
-                   "metadata server (with --mooncake-master; default http://HOST:8080/metadata)")
-    p.add_argument("--mooncake-segment-mib", type=positive, metavar="MIB",
-                   help="--storage mooncake: memory each instance lends the store (default 256)")
-    p.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES),
-                   help="how long a request waits for its pages from storage (default "
-                   "wait_complete: deterministic)")
-    p.add_argument("--instances", type=positive, default=1, help="serving instances, each a "
-                   "process with its own device and host tiers, sharing the storage tier")
-    p.add_argument("--overlap", action="store_true", help="instances run concurrently and "
-                   "copies overlap later requests (not deterministic)")
-    p.add_argument("--write-policy", choices=list(WRITE_POLICIES), default="write_through",
-                   help="when a node is copied to host: when inserted (write_through), on its "
-                   "second hit (write_through_selective), when evicted (write_back)")
-    p.add_argument("--eviction-policy", default="lru", metavar="P[,P...]",
-                   help="which cached leaf goes first: " + ", ".join(EVICTION_POLICIES) +
-                   " (default lru); with --sweep a list, or 'all', compares them in one plot "
-                   "(the traces carry no request priorities: priority orders as lru)")
-    p.add_argument("--kv", default="1,1,8,float16", metavar="L,H,D[,DTYPE]",
-                   help="model shape of the KV pool: layers, kv heads, head dim, dtype "
-                   "(default 1,1,8,float16)")
+    p.add_argument(
+        "--host-capacity-tokens",
+        type=_int_at_least(0),
+        metavar="N",
+        help="host-memory tier (L2) in tokens, rounded up to pages; 0: none "
+        "(default for a trace: 0; built in: twice the device pool). More than the "
+        "trace holds is an unbounded host, allocated only as large as it is used",
+    )
+    p.add_argument(
+        "--storage",
+        choices=["none", "file", "mooncake"],
+        help="storage tier (L3) behind the host tier (default for a trace: none; "
+        "built in: file, in a temporary directory)",
+    )
+    p.add_argument(
+        "--storage-dir",
+        help="--storage file: the directory (default: a temporary "
+        "one, removed at the end); pages already there are read",
+    )
+    p.add_argument(
+        "--mooncake-master",
+        metavar="HOST:PORT",
+        help="--storage mooncake: the "
+        "master (default: start mooncake_master on 127.0.0.1, stop it at the end)",
+    )
+    p.add_argument(
+        "--mooncake-metadata",
+        metavar="URL",
+        help="--storage mooncake: the "
+        "metadata server (with --mooncake-master; default http://HOST:8080/metadata)",
+    )
+    p.add_argument(
+        "--mooncake-segment-mib",
+        type=positive,
+        metavar="MIB",
+        help="--storage mooncake: memory each instance lends the store (default 256)",
+    )
+    p.add_argument(
+        "--prefetch-policy",
+        choices=list(PREFETCH_POLICIES),
+        help="how long a request waits for its pages from storage (default "
+        "wait_complete: deterministic)",
+    )
+    p.add_argument(
+        "--instances",
+        type=positive,
+        default=1,
+        help="serving instances, each a "
+        "process with its own device and host tiers, sharing the storage tier",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="instances run concurrently and " "copies overlap later requests (not deterministic)",
+    )
+    p.add_argument(
+        "--write-policy",
+        choices=list(WRITE_POLICIES),
+        default="write_through",
+        help="when a node is copied to host: when inserted (write_through), on its "
+        "second hit (write_through_selective), when evicted (write_back)",
+    )
+    p.add_argument(
+        "--eviction-policy",
+        default="lru",
+        metavar="P[,P...]",
+        help="which cached leaf goes first: "
+        + ", ".join(EVICTION_POLICIES)
+        + " (default lru); with --sweep a list, or 'all', compares them in one plot "
+        "(the traces carry no request priorities: priority orders as lru)",
+    )
+    p.add_argument(
+        "--kv",
+        default="1,1,8,float16",
+        metavar="L,H,D[,DTYPE]",
+        help="model shape of the KV pool: layers, kv heads, head dim, dtype "
+        "(default 1,1,8,float16)",
+    )
     p.add_argument("--no-store", action="store_true", help="skip storing K/V into the pool")
     p.add_argument("--limit", type=positive, help="replay only the first N requests")
     p.add_argument("--sessions", type=positive, default=400, help="built-in workload: sessions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--progress", action="store_true",
-                   help="show the progress bar on stderr even when it is not a terminal (a log)")
-    p.add_argument("--sweep", type=positive, nargs="?", const=8, metavar="N",
-                   help="replay at N capacities (unbounded / 2^k) and write a hit-rate plot")
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show the progress bar on stderr even when it is not a terminal (a log)",
+    )
+    p.add_argument(
+        "--sweep",
+        type=positive,
+        nargs="?",
+        const=8,
+        metavar="N",
+        help="replay at N capacities (unbounded / 2^k) and write a hit-rate plot",
+    )
     p.add_argument("--out", default=".", help="directory for --sweep's JSON and PNG")
     return p
 
 
 def _table(r: ReplayResult, kv: KVShape) -> str:
     pct = lambda x: f"{100 * x / r.input_tokens:.2f}%" if r.input_tokens else "-"  # noqa: E731
-    pool = (f"{kv} x {r.capacity_tokens:,} slots = {r.pool_bytes / 2**20:,.1f} MiB"
-            if r.pool_bytes else "not stored (--no-store)")
+    pool = (
+        f"{kv} x {r.capacity_tokens:,} slots = {r.pool_bytes / 2**20:,.1f} MiB"
+        if r.pool_bytes
+        else "not stored (--no-store)"
+    )
     lines = [
         f"policy {r.policy}, page size {r.page_size}, capacity {r.capacity_tokens:,} tokens",
         f"  requests        {r.requests:>14,}   (skipped, larger than the pool: "
         f"{r.skipped_requests})",
         f"  input tokens    {r.input_tokens:>14,}",
         f"  hit tokens      {r.hit_tokens:>14,}   token hit rate {pct(r.hit_tokens)}"
-        + (f" (unbounded optimum {pct(r.optimal_hit_tokens)})"
-           if r.optimal_hit_tokens is not None else ""),
+        + (
+            f" (unbounded optimum {pct(r.optimal_hit_tokens)})"
+            if r.optimal_hit_tokens is not None
+            else ""
+        ),
     ]
     if r.host_capacity_tokens:
-        host_pool = (f"{r.host_pool_bytes / 2**20:,.1f} MiB" if r.host_pool_bytes
-                     else "not stored (--no-store)")
+        host_pool = (
+            f"{r.host_pool_bytes / 2**20:,.1f} MiB"
+            if r.host_pool_bytes
+            else "not stored (--no-store)"
+        )
         lines += [
             f"    on device     {r.device_hit_tokens:>14,}   {pct(r.device_hit_tokens)}",
             f"    on host       {r.host_hit_tokens:>14,}   {pct(r.host_hit_tokens)}",
@@ -140,8 +220,10 @@ def _table(r: ReplayResult, kv: KVShape) -> str:
         ]
     if r.storage:
         after_host = 1 + next(i for i, line in enumerate(lines) if line.startswith("    on host"))
-        lines.insert(after_host,
-                     f"    from storage  {r.storage_hit_tokens:>14,}   {pct(r.storage_hit_tokens)}")
+        lines.insert(
+            after_host,
+            f"    from storage  {r.storage_hit_tokens:>14,}   {pct(r.storage_hit_tokens)}",
+        )
         lines += [
             f"  storage tier    {r.storage}, prefetch {r.prefetch_policy}"
             + (f", {len(r.instances)} instances" if r.instances else ""),
@@ -174,8 +256,10 @@ def _plot(points: List[dict], path: str, title: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: matplotlib is not installed; no plot written "
-              "(pip install 'radixkv[plot]')", file=sys.stderr)
+        print(
+            "note: matplotlib is not installed; no plot written " "(pip install 'radixkv[plot]')",
+            file=sys.stderr,
+        )
         return False
     xs = [p["capacity_tokens"] for p in points]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -183,8 +267,12 @@ def _plot(points: List[dict], path: str, title: str) -> bool:
     if len(policies) > 1:  # one curve per eviction policy, over all tiers
         for name in policies:
             mine = [p for p in points if p.get("eviction_policy", "lru") == name]
-            ax.plot([p["capacity_tokens"] for p in mine],
-                    [100 * p["token_hit_rate"] for p in mine], marker="o", label=name)
+            ax.plot(
+                [p["capacity_tokens"] for p in mine],
+                [100 * p["token_hit_rate"] for p in mine],
+                marker="o",
+                label=name,
+            )
         ax.legend(loc="lower right")
         ax.set_xlabel("device KV capacity (tokens)")
     elif any(p["host_capacity_tokens"] for p in points):
@@ -225,6 +313,7 @@ def _load_trace(path: str) -> List[Request]:
 def _check_block_size(requests: Sequence[Request], block: int) -> Optional[str]:
     """A warning when most requests' hash ids do not cover their prompt in
     blocks of `block` tokens (the trace was made with another block size)."""
+
     def fits(b: int) -> float:
         named = [r for r in requests if r.hash_ids]
         ok = sum(len(r.hash_ids) == -(-r.input_length // b) for r in named)
@@ -234,9 +323,11 @@ def _check_block_size(requests: Sequence[Request], block: int) -> Optional[str]:
         return None
     best = max((2**k for k in range(4, 14)), key=fits)
     hint = f"; blocks of {best} fit {100 * fits(best):.0f}%" if fits(best) > fits(block) else ""
-    return (f"warning: --block-size {block} disagrees with the trace: only "
-            f"{100 * fits(block):.0f}% of its requests have ceil(input_length / {block}) hash "
-            f"ids{hint}")
+    return (
+        f"warning: --block-size {block} disagrees with the trace: only "
+        f"{100 * fits(block):.0f}% of its requests have ceil(input_length / {block}) hash "
+        f"ids{hint}"
+    )
 
 
 def _check_out_dir(path: str) -> None:
@@ -293,8 +384,7 @@ def _run(args) -> int:
     else:
         # Room for every token at once would be far more than an unbounded
         # cache ever uses: a bookkeeping-only pass measures what it does use.
-        dry = replay(requests, block_size=block, page_size=page, policy=args.policy,
-                     store=False)
+        dry = replay(requests, block_size=block, page_size=page, policy=args.policy, store=False)
         if dry.interrupted:
             raise KeyboardInterrupt
         capacity = max(1, dry.peak_pages)
@@ -309,8 +399,10 @@ def _run(args) -> int:
         if args.no_store:
             raise UsageError(f"--storage {storage_kind} moves K/V bytes: drop --no-store")
         if not host_tokens:
-            raise UsageError(f"--storage {storage_kind} sits behind the host tier: give "
-                             "--host-capacity-tokens")
+            raise UsageError(
+                f"--storage {storage_kind} sits behind the host tier: give "
+                "--host-capacity-tokens"
+            )
     elif args.instances > 1:
         raise UsageError("--instances shares a storage tier: give --storage file or mooncake")
     _check_storage_flags(args, storage_kind)
@@ -320,19 +412,22 @@ def _run(args) -> int:
         if ctrl_c.stop:  # while the storage started: nothing replayed yet
             raise KeyboardInterrupt
         try:
-            return _replays(args, requests, name, block, page, kv, capacity, host_tokens,
-                            storage, ctrl_c)
+            return _replays(
+                args, requests, name, block, page, kv, capacity, host_tokens, storage, ctrl_c
+            )
         except StorageUnavailable as e:
             raise UsageError(f"--storage {storage_kind}: {e}") from None
 
 
 def _check_storage_flags(args, kind: str) -> None:
     """A storage flag that the chosen storage would ignore is a mistake."""
-    only = {"--storage-dir": ("file", args.storage_dir),
-            "--mooncake-master": ("mooncake", args.mooncake_master),
-            "--mooncake-metadata": ("mooncake", args.mooncake_metadata),
-            "--mooncake-segment-mib": ("mooncake", args.mooncake_segment_mib),
-            "--prefetch-policy": (None, args.prefetch_policy)}
+    only = {
+        "--storage-dir": ("file", args.storage_dir),
+        "--mooncake-master": ("mooncake", args.mooncake_master),
+        "--mooncake-metadata": ("mooncake", args.mooncake_metadata),
+        "--mooncake-segment-mib": ("mooncake", args.mooncake_segment_mib),
+        "--prefetch-policy": (None, args.prefetch_policy),
+    }
     for flag, (needs, value) in only.items():
         if value is None or (needs or kind) == kind and kind != "none":
             continue
@@ -340,8 +435,10 @@ def _check_storage_flags(args, kind: str) -> None:
     if args.storage_dir == "":
         raise UsageError("--storage-dir is empty")
     if args.mooncake_metadata and not args.mooncake_master:
-        raise UsageError("--mooncake-metadata goes with --mooncake-master (without it, a local "
-                         "master is started with its own metadata server)")
+        raise UsageError(
+            "--mooncake-metadata goes with --mooncake-master (without it, a local "
+            "master is started with its own metadata server)"
+        )
 
 
 @contextlib.contextmanager
@@ -363,16 +460,20 @@ def _storage(args, kind: str):
                 raise UsageError(f"--storage-dir {args.storage_dir}: {e.strerror or e}") from None
             yield StorageConfig("file", directory=args.storage_dir, prefetch_policy=policy)
         else:
-            with tempfile.TemporaryDirectory(prefix="radixkv-store.",
-                                             ignore_cleanup_errors=True) as d:
+            with tempfile.TemporaryDirectory(
+                prefix="radixkv-store.", ignore_cleanup_errors=True
+            ) as d:
                 yield StorageConfig("file", directory=d, prefetch_policy=policy)
         return
     if args.mooncake_master:
         host = args.mooncake_master.rsplit(":", 1)[0]
-        yield StorageConfig("mooncake", master_address=args.mooncake_master,
-                            metadata_server=args.mooncake_metadata
-                            or f"http://{host}:8080/metadata",
-                            segment_bytes=segment, prefetch_policy=policy)
+        yield StorageConfig(
+            "mooncake",
+            master_address=args.mooncake_master,
+            metadata_server=args.mooncake_metadata or f"http://{host}:8080/metadata",
+            segment_bytes=segment,
+            prefetch_policy=policy,
+        )
         return
     from radixkv.storage import MooncakeMaster
 
@@ -381,9 +482,13 @@ def _storage(args, kind: str):
     except RuntimeError as e:
         raise UsageError(f"--storage mooncake: {e}") from None
     with master:
-        yield StorageConfig("mooncake", master_address=master.master_address,
-                            metadata_server=master.metadata_server,
-                            segment_bytes=segment, prefetch_policy=policy)
+        yield StorageConfig(
+            "mooncake",
+            master_address=master.master_address,
+            metadata_server=master.metadata_server,
+            segment_bytes=segment,
+            prefetch_policy=policy,
+        )
 
 
 def _eviction_policies(args) -> List[str]:
@@ -391,8 +496,10 @@ def _eviction_policies(args) -> List[str]:
     names = list(EVICTION_POLICIES) if text == "all" else [p.strip() for p in text.split(",")]
     for n in names:
         if n not in EVICTION_POLICIES:
-            raise UsageError(f"--eviction-policy: {n!r} is not one of "
-                             f"{', '.join(EVICTION_POLICIES)} (or 'all')")
+            raise UsageError(
+                f"--eviction-policy: {n!r} is not one of "
+                f"{', '.join(EVICTION_POLICIES)} (or 'all')"
+            )
     if len(names) > 1 and not args.sweep:
         raise UsageError("--eviction-policy: several policies are compared by --sweep")
     if names != ["lru"] and args.policy != "radix":
@@ -400,13 +507,21 @@ def _eviction_policies(args) -> List[str]:
     return names
 
 
-def _replays(args, requests, name, block, page, kv, capacity, host_tokens, storage,
-             ctrl_c: StopOnCtrlC) -> int:
+def _replays(
+    args, requests, name, block, page, kv, capacity, host_tokens, storage, ctrl_c: StopOnCtrlC
+) -> int:
     policies = _eviction_policies(args)
-    common = dict(block_size=block, page_size=page, policy=args.policy, kv=kv,
-                  store=not args.no_store, progress=args.progress or sys.stderr.isatty(),
-                  write_policy=args.write_policy, instances=args.instances,
-                  overlap=args.overlap)
+    common = dict(
+        block_size=block,
+        page_size=page,
+        policy=args.policy,
+        kv=kv,
+        store=not args.no_store,
+        progress=args.progress or sys.stderr.isatty(),
+        write_policy=args.write_policy,
+        instances=args.instances,
+        overlap=args.overlap,
+    )
 
     def host_pages_for(device_pages: int) -> int:
         # In a sweep the host tier keeps its ratio to the device pool.
@@ -418,7 +533,8 @@ def _replays(args, requests, name, block, page, kv, capacity, host_tokens, stora
             raise UsageError(
                 f"every request was skipped: the largest needs "
                 f"{max(-(-(q.input_length + q.output_length) // page) for q in requests):,} pages "
-                f"but the pool has {r.capacity_tokens // page:,}: raise --capacity-tokens")
+                f"but the pool has {r.capacity_tokens // page:,}: raise --capacity-tokens"
+            )
 
     if args.sweep:
         points: List[dict] = []
@@ -428,22 +544,36 @@ def _replays(args, requests, name, block, page, kv, capacity, host_tokens, stora
                 break
             pages = max(1, capacity >> (args.sweep - 1 - k))
             # Each point starts from an empty store: its own namespace.
-            point_storage = (dataclasses.replace(storage, namespace=f"sweep-{evict}-{k}")
-                             if storage is not None else None)
-            r = replay(requests, capacity_pages=pages, host_pages=host_pages_for(pages),
-                       storage=point_storage, eviction_policy=evict, **common)
+            point_storage = (
+                dataclasses.replace(storage, namespace=f"sweep-{evict}-{k}")
+                if storage is not None
+                else None
+            )
+            r = replay(
+                requests,
+                capacity_pages=pages,
+                host_pages=host_pages_for(pages),
+                storage=point_storage,
+                eviction_policy=evict,
+                **common,
+            )
             if r.interrupted and r.requests + r.skipped_requests == 0:
                 break  # stopped before its first request: no point
             points.append(r.to_json())
             if not args.json:
-                tiers = (f" (device {100 * r.device_hit_tokens / max(1, r.input_tokens):.2f}%"
-                         f" + host {100 * r.host_hit_tokens / max(1, r.input_tokens):.2f}%)"
-                         if r.host_capacity_tokens else "")
+                tiers = (
+                    f" (device {100 * r.device_hit_tokens / max(1, r.input_tokens):.2f}%"
+                    f" + host {100 * r.host_hit_tokens / max(1, r.input_tokens):.2f}%)"
+                    if r.host_capacity_tokens
+                    else ""
+                )
                 who = f"{evict:<9}" if len(policies) > 1 else ""
-                print(f"{who}capacity {r.capacity_tokens:>14,} tokens: hit rate "
-                      f"{100 * r.token_hit_rate:6.2f}%{tiers}  evicted "
-                      f"{r.evicted_tokens:,}  skipped {r.skipped_requests:,}  "
-                      f"{r.wall_s:.2f} s")
+                print(
+                    f"{who}capacity {r.capacity_tokens:>14,} tokens: hit rate "
+                    f"{100 * r.token_hit_rate:6.2f}%{tiers}  evicted "
+                    f"{r.evicted_tokens:,}  skipped {r.skipped_requests:,}  "
+                    f"{r.wall_s:.2f} s"
+                )
         json_path = os.path.join(args.out, "replay_sweep.json")
         _write_json(json_path, {"trace": name, "points": points})
         png = os.path.join(args.out, "replay_sweep.png")
@@ -453,19 +583,30 @@ def _replays(args, requests, name, block, page, kv, capacity, host_tokens, stora
         else:
             print(f"wrote {json_path}" + (f" and {png}" if plotted else ""))
         if len(points) < len(planned) or points[-1]["interrupted"]:
-            print(f"interrupted: the sweep covers {len(points)} of {len(planned)} points"
-                  + (", the last one partial" if points and points[-1]["interrupted"] else ""),
-                  file=sys.stderr)
+            print(
+                f"interrupted: the sweep covers {len(points)} of {len(planned)} points"
+                + (", the last one partial" if points and points[-1]["interrupted"] else ""),
+                file=sys.stderr,
+            )
             return INTERRUPTED
         bad = sum(p["kv_mismatches"] for p in points)
         if bad:
-            print(f"error: {bad:,} tokens loaded back from host differ from the K/V stored "
-                  "for them", file=sys.stderr)
+            print(
+                f"error: {bad:,} tokens loaded back from host differ from the K/V stored "
+                "for them",
+                file=sys.stderr,
+            )
             return 1
         return 0
 
-    r = replay(requests, capacity_pages=capacity, host_pages=host_pages_for(capacity),
-               storage=storage, eviction_policy=policies[0], **common)
+    r = replay(
+        requests,
+        capacity_pages=capacity,
+        host_pages=host_pages_for(capacity),
+        storage=storage,
+        eviction_policy=policies[0],
+        **common,
+    )
     check(r)
     out = r.to_json()
     out["trace"] = name
@@ -475,12 +616,18 @@ def _replays(args, requests, name, block, page, kv, capacity, host_tokens, stora
         print(f"replay of {name}")
         print(_table(r, kv))
     if r.interrupted:
-        print(f"interrupted: the figures cover the first {r.requests + r.skipped_requests:,} "
-              f"of {len(requests):,} requests", file=sys.stderr)
+        print(
+            f"interrupted: the figures cover the first {r.requests + r.skipped_requests:,} "
+            f"of {len(requests):,} requests",
+            file=sys.stderr,
+        )
         return INTERRUPTED
     if r.kv_mismatches:
-        print(f"error: {r.kv_mismatches:,} tokens loaded back from host differ from the K/V "
-              "stored for them", file=sys.stderr)
+        print(
+            f"error: {r.kv_mismatches:,} tokens loaded back from host differ from the K/V "
+            "stored for them",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -24,8 +24,15 @@ def progress_bar(total: int, enabled: bool) -> tqdm:
     else:
         # tqdm's monitor would drop miniters to 1 after maxinterval without an update.
         pace = dict(mininterval=1.0, miniters=max(1, total // 100), maxinterval=math.inf)
-    return tqdm(total=total, desc="replay", unit="req", file=sys.stderr, delay=1.0,
-                disable=not enabled or total == 0, **pace)
+    return tqdm(
+        total=total,
+        desc="replay",
+        unit="req",
+        file=sys.stderr,
+        delay=1.0,
+        disable=not enabled or total == 0,
+        **pace,
+    )
 
 
 class StopOnCtrlC:

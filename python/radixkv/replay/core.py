@@ -56,9 +56,12 @@ class KVShape:
         from token id, position, layer and side, exact in every dtype, so a
         row that comes back from the host tier can be checked bit for bit."""
         n, width = len(tokens), self.num_kv_heads * self.head_dim
-        key = (tokens.to(torch.int64) * 1000003
-               + torch.arange(start, start + n, dtype=torch.int64) * 7919
-               + layer * 104729 + side * 15485863)
+        key = (
+            tokens.to(torch.int64) * 1000003
+            + torch.arange(start, start + n, dtype=torch.int64) * 7919
+            + layer * 104729
+            + side * 15485863
+        )
         vals = (key[:, None] + torch.arange(width, dtype=torch.int64) * 31) % 401 - 200
         return vals.to(torch.float32).to(self.dtype).view(n, self.num_kv_heads, self.head_dim)
 
@@ -186,18 +189,18 @@ class StorageUnavailable(RuntimeError):
 class StorageConfig:
     """The storage tier a replay writes to and prefetches from."""
 
-    kind: str                            # "file" or "mooncake"
-    directory: Optional[str] = None      # file
-    max_bytes: Optional[int] = None      # file: bound on the directory
-    master_address: Optional[str] = None     # mooncake
-    metadata_server: Optional[str] = None    # mooncake
-    segment_bytes: int = 256 << 20           # mooncake: memory each instance lends
+    kind: str  # "file" or "mooncake"
+    directory: Optional[str] = None  # file
+    max_bytes: Optional[int] = None  # file: bound on the directory
+    master_address: Optional[str] = None  # mooncake
+    metadata_server: Optional[str] = None  # mooncake
+    segment_bytes: int = 256 << 20  # mooncake: memory each instance lends
     prefetch_policy: str = "wait_complete"
     namespace: Optional[str] = None
-    fault_seed: Optional[int] = None     # wrap the backend in FaultyStorage (tests)
-    fault_call: float = 0.05             # ... failing this share of calls
-    fault_page: float = 0.1              # ... and of pages
-    faults: Optional[object] = None      # the tier's StorageFaultPolicy (None: defaults)
+    fault_seed: Optional[int] = None  # wrap the backend in FaultyStorage (tests)
+    fault_call: float = 0.05  # ... failing this share of calls
+    fault_page: float = 0.1  # ... and of pages
+    faults: Optional[object] = None  # the tier's StorageFaultPolicy (None: defaults)
 
     def backend(self, kv: "KVShape", page_size: int):
         from radixkv.storage import FaultyStorage, FileStorage, MooncakeStorage
@@ -206,26 +209,35 @@ class StorageConfig:
             raise ValueError(f"storage must be file or mooncake, got {self.kind!r}")
         try:
             if self.kind == "file":
-                backend = FileStorage(self.directory, self.fingerprint(kv, page_size),
-                                      self.max_bytes)
+                backend = FileStorage(
+                    self.directory, self.fingerprint(kv, page_size), self.max_bytes
+                )
             else:
-                backend = MooncakeStorage(self.master_address, self.metadata_server,
-                                          segment_bytes=self.segment_bytes)
+                backend = MooncakeStorage(
+                    self.master_address, self.metadata_server, segment_bytes=self.segment_bytes
+                )
         except (OSError, RuntimeError) as e:
             where = self.directory if self.kind == "file" else self.master_address
             raise StorageUnavailable(f"{where}: {e}") from e
         if self.fault_seed is not None:
-            backend = FaultyStorage(backend, seed=self.fault_seed, fail_call=self.fault_call,
-                                    fail_page=self.fault_page)
+            backend = FaultyStorage(
+                backend, seed=self.fault_seed, fail_call=self.fault_call, fail_page=self.fault_page
+            )
         return backend
 
     def fingerprint(self, kv: "KVShape", page_size: int) -> bytes:
         from radixkv.storage import config_fingerprint
 
-        return config_fingerprint(model="radixkv-replay", dtype=kv.dtype, page_size=page_size,
-                                  layout="page_first", num_layers=kv.num_layers,
-                                  kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                                  namespace=self.namespace)
+        return config_fingerprint(
+            model="radixkv-replay",
+            dtype=kv.dtype,
+            page_size=page_size,
+            layout="page_first",
+            num_layers=kv.num_layers,
+            kv_heads=kv.num_kv_heads,
+            head_dim=kv.head_dim,
+            namespace=self.namespace,
+        )
 
 
 class Instance:
@@ -241,31 +253,60 @@ class Instance:
     before the next request matches.
     """
 
-    def __init__(self, *, block_size: int, page_size: int, capacity_pages: int, policy: str,
-                 kv: KVShape, store: bool, host_pages: int, write_policy: str,
-                 storage: Optional[StorageConfig], max_hash: int, overlap: bool = False,
-                 eviction_policy: str = "lru"):
-        self.page_size, self.capacity_pages, self.kv, self.store = (page_size, capacity_pages,
-                                                                    kv, store)
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        page_size: int,
+        capacity_pages: int,
+        policy: str,
+        kv: KVShape,
+        store: bool,
+        host_pages: int,
+        write_policy: str,
+        storage: Optional[StorageConfig],
+        max_hash: int,
+        overlap: bool = False,
+        eviction_policy: str = "lru",
+    ):
+        self.page_size, self.capacity_pages, self.kv, self.store = (
+            page_size,
+            capacity_pages,
+            kv,
+            store,
+        )
         self.host_pages, self.overlap = host_pages, overlap
         self.tokens = TokenMaker(block_size, max_hash)
         self.pool = None
         if store:
             from radixkv.kvcache import MHAKVCache
 
-            self.pool = MHAKVCache(kv.num_kv_heads, kv.num_layers, kv.head_dim, capacity_pages,
-                                   kv.dtype, page_size=page_size, tp_size=1)
+            self.pool = MHAKVCache(
+                kv.num_kv_heads,
+                kv.num_layers,
+                kv.head_dim,
+                capacity_pages,
+                kv.dtype,
+                page_size=page_size,
+                tp_size=1,
+            )
         backend = storage.backend(kv, page_size) if storage is not None else None
         # Without a pool the tier keeps its bookkeeping only, its copies run
         # inline (manual) when drained.
         self.cm = CacheManager(
-            capacity_pages, page_size=page_size, type=policy, host_num_pages=host_pages,
-            write_policy=write_policy, kv_cache=self.pool, manual_copies=self.pool is None,
+            capacity_pages,
+            page_size=page_size,
+            type=policy,
+            host_num_pages=host_pages,
+            write_policy=write_policy,
+            kv_cache=self.pool,
+            manual_copies=self.pool is None,
             storage=backend,
             storage_seed=storage.fingerprint(kv, page_size) if storage is not None else None,
             prefetch_policy=storage.prefetch_policy if storage is not None else "best_effort",
             storage_faults=storage.faults if storage is not None else None,
-            eviction_policy=eviction_policy)
+            eviction_policy=eviction_policy,
+        )
         r = self.result = ReplayResult(policy, page_size, capacity_pages * page_size)
         r.eviction_policy = eviction_policy
         r.pool_bytes = self.pool.nbytes if self.pool is not None else 0
@@ -286,8 +327,9 @@ class Instance:
     def _store_kv(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> None:
         kv = self.kv
         for layer in range(kv.num_layers):
-            self.pool.store_kv(kv.rows(ids, start, layer, 0), kv.rows(ids, start, layer, 1),
-                               slots, layer)
+            self.pool.store_kv(
+                kv.rows(ids, start, layer, 0), kv.rows(ids, start, layer, 1), slots, layer
+            )
         self.result.stored_tokens += len(slots)
 
     def _check_loaded(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> int:
@@ -331,7 +373,8 @@ class Instance:
             loaded = handle.cached_len - device_hit
             if self.store and loaded:
                 result.kv_mismatches += self._check_loaded(
-                    cached[device_hit:], ids[device_hit:device_hit + loaded], device_hit)
+                    cached[device_hit:], ids[device_hit : device_hit + loaded], device_hit
+                )
         else:
             cm.lock(handle)
         hit = handle.cached_len
@@ -366,7 +409,7 @@ class Instance:
         full_ids = torch.cat([ids, self.tokens.output(out)]) if out else ids
         if self.store and out:
             start = req.input_length - hit
-            self._store_kv(own[start:start + out], full_ids[req.input_length:], req.input_length)
+            self._store_kv(own[start : start + out], full_ids[req.input_length :], req.input_length)
         result.peak_pages = max(result.peak_pages, self.capacity_pages - cm.free_pages)
 
         t0 = clock()

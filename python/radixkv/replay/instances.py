@@ -20,11 +20,29 @@ from radixkv.replay.core import Instance, ReplayResult, StorageUnavailable, perc
 from radixkv.replay.traces import Request, TokenMaker
 
 # Counters summed over instances.
-_SUMMED = ("requests", "skipped_requests", "input_tokens", "hit_tokens", "computed_tokens",
-           "output_tokens", "evicted_tokens", "stored_tokens", "device_hit_tokens",
-           "host_hit_tokens", "loaded_back_tokens", "backed_up_tokens", "host_evicted_tokens",
-           "failed_loads", "kv_mismatches", "storage_hit_tokens", "prefetched_tokens",
-           "storage_written_pages", "storage_errors", "pool_bytes", "host_pool_bytes")
+_SUMMED = (
+    "requests",
+    "skipped_requests",
+    "input_tokens",
+    "hit_tokens",
+    "computed_tokens",
+    "output_tokens",
+    "evicted_tokens",
+    "stored_tokens",
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "loaded_back_tokens",
+    "backed_up_tokens",
+    "host_evicted_tokens",
+    "failed_loads",
+    "kv_mismatches",
+    "storage_hit_tokens",
+    "prefetched_tokens",
+    "storage_written_pages",
+    "storage_errors",
+    "pool_bytes",
+    "host_pool_bytes",
+)
 
 
 def _worker(conn, config: dict, overlap: bool) -> None:
@@ -106,8 +124,9 @@ def route(req: Request, index: int, instances: int) -> int:
     return index % instances
 
 
-def replay_instances(requests: Sequence[Request], config: dict, instances: int,
-                     progress: bool) -> ReplayResult:
+def replay_instances(
+    requests: Sequence[Request], config: dict, instances: int, progress: bool
+) -> ReplayResult:
     overlap = config["overlap"]
     ctx = multiprocessing.get_context("spawn")
     pipes, procs = [], []
@@ -170,12 +189,18 @@ def replay_instances(requests: Sequence[Request], config: dict, instances: int,
     return _combine(results, lats, wall, todo.interrupted)
 
 
-def _combine(results: List[ReplayResult], lats: List[Dict[str, List[int]]], wall: float,
-             interrupted: bool) -> ReplayResult:
+def _combine(
+    results: List[ReplayResult], lats: List[Dict[str, List[int]]], wall: float, interrupted: bool
+) -> ReplayResult:
     first = results[0]
     out = ReplayResult(first.policy, first.page_size, first.capacity_tokens)
-    for name in ("host_capacity_tokens", "write_policy", "storage", "prefetch_policy",
-                 "eviction_policy"):
+    for name in (
+        "host_capacity_tokens",
+        "write_policy",
+        "storage",
+        "prefetch_policy",
+        "eviction_policy",
+    ):
         setattr(out, name, getattr(first, name))
     for name in _SUMMED:
         setattr(out, name, sum(getattr(r, name) for r in results))

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from radixkv.replay.control import StopOnCtrlC, UntilStopped, progress_bar
+
 # The parts replay() is made of, importable from here as before.
 from radixkv.replay.core import (  # noqa: F401
     Instance,
@@ -23,12 +24,23 @@ from radixkv.replay.instances import replay_instances
 from radixkv.replay.traces import Request, max_hash_id, optimal_hit_tokens
 
 
-def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
-           capacity_pages: Optional[int] = None, policy: str = "radix",
-           kv: Optional[KVShape] = None, store: bool = True, progress: bool = False,
-           host_pages: int = 0, write_policy: str = "write_through",
-           storage: Optional[StorageConfig] = None, instances: int = 1,
-           overlap: bool = False, eviction_policy: str = "lru") -> ReplayResult:
+def replay(
+    requests: Sequence[Request],
+    *,
+    block_size: int,
+    page_size: int,
+    capacity_pages: Optional[int] = None,
+    policy: str = "radix",
+    kv: Optional[KVShape] = None,
+    store: bool = True,
+    progress: bool = False,
+    host_pages: int = 0,
+    write_policy: str = "write_through",
+    storage: Optional[StorageConfig] = None,
+    instances: int = 1,
+    overlap: bool = False,
+    eviction_policy: str = "lru",
+) -> ReplayResult:
     """Drives `requests` through `instances` serving instances (see radixkv.replay.core.Instance).
 
     A request larger than the whole pool is skipped and counted. Ctrl-C stops
@@ -60,18 +72,28 @@ def replay(requests: Sequence[Request], *, block_size: int, page_size: int,
         # A host pool larger than every token of every request is never full:
         # it is allocated at the size that can be used.
         host_pages = min(host_pages, pages_for_all(requests, page_size))
-        config = dict(block_size=block_size, page_size=page_size, capacity_pages=capacity_pages,
-                      policy=policy, kv=kv or KVShape(), store=store, host_pages=host_pages,
-                      write_policy=write_policy, storage=storage,
-                      max_hash=max_hash_id(requests), overlap=overlap,
-                      eviction_policy=eviction_policy)
+        config = dict(
+            block_size=block_size,
+            page_size=page_size,
+            capacity_pages=capacity_pages,
+            policy=policy,
+            kv=kv or KVShape(),
+            store=store,
+            host_pages=host_pages,
+            write_policy=write_policy,
+            storage=storage,
+            max_hash=max_hash_id(requests),
+            overlap=overlap,
+            eviction_policy=eviction_policy,
+        )
         if instances > 1:
             result = replay_instances(requests, config, instances, progress)
         else:
             result = _replay_here(requests, config, progress)
         if page_size == block_size:
-            replayed = [r for r in requests
-                        if not too_large(r, page_size, capacity_pages)][:result.requests]
+            replayed = [r for r in requests if not too_large(r, page_size, capacity_pages)][
+                : result.requests
+            ]
             result.optimal_hit_tokens = optimal_hit_tokens(replayed, block_size)
         return result
     finally:

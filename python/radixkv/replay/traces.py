@@ -42,16 +42,21 @@ def load_mooncake(path: str) -> List[Request]:
                 continue
             try:
                 r = json.loads(line)
-                session = next((str(r[k]) for k in SESSION_FIELDS if r.get(k) is not None),
-                               None)
-                req = Request(float(r["timestamp"]), int(r["input_length"]),
-                              int(r["output_length"]), [int(h) for h in r["hash_ids"]],
-                              session)
+                session = next((str(r[k]) for k in SESSION_FIELDS if r.get(k) is not None), None)
+                req = Request(
+                    float(r["timestamp"]),
+                    int(r["input_length"]),
+                    int(r["output_length"]),
+                    [int(h) for h in r["hash_ids"]],
+                    session,
+                )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({e})") from None
             if req.input_length < 1 or req.output_length < 0 or any(h < 0 for h in req.hash_ids):
-                raise ValueError(f"{path}:{lineno}: lengths and hash ids must be non-negative "
-                                 "and input_length >= 1")
+                raise ValueError(
+                    f"{path}:{lineno}: lengths and hash ids must be non-negative "
+                    "and input_length >= 1"
+                )
             requests.append(req)
     requests.sort(key=lambda r: r.timestamp)
     return requests
@@ -66,8 +71,10 @@ class TokenMaker:
 
     def __init__(self, block_size: int, max_hash_id: int):
         if (max_hash_id + 1) * block_size >= OUTPUT_TOKEN_BASE:
-            raise ValueError(f"hash ids up to {max_hash_id} with block_size {block_size} do not "
-                             "fit below the output token range")
+            raise ValueError(
+                f"hash ids up to {max_hash_id} with block_size {block_size} do not "
+                "fit below the output token range"
+            )
         self.block_size = block_size
         self._offsets = torch.arange(block_size, dtype=torch.int32)
         self._fresh = OUTPUT_TOKEN_BASE

@@ -8,8 +8,9 @@ from typing import List
 from radixkv.replay.traces import Request
 
 
-def chat_sessions(num_sessions: int = 400, block_size: int = 16, seed: int = 0,
-                  system_prompts: int = 4) -> List[Request]:
+def chat_sessions(
+    num_sessions: int = 400, block_size: int = 16, seed: int = 0, system_prompts: int = 4
+) -> List[Request]:
     """Requests in the Mooncake format, interleaved in time across sessions.
 
     Each session starts from one of `system_prompts` shared system prompts
@@ -37,8 +38,11 @@ def chat_sessions(num_sessions: int = 400, block_size: int = 16, seed: int = 0,
             tail = rng.randint(1, block_size)  # the last block is partial
             input_length = (len(history) - 1) * block_size + tail
             output_blocks = rng.randint(1, 8)
-            events.append(Request(t, input_length, output_blocks * block_size, list(history),
-                                  f"chat-{session}"))
+            events.append(
+                Request(
+                    t, input_length, output_blocks * block_size, list(history), f"chat-{session}"
+                )
+            )
             # The reply joins the history as blocks of its own.
             history = history + new_blocks(output_blocks)
             t += rng.uniform(5.0, 60.0)

@@ -57,8 +57,15 @@ DISK_MEMORY = 1 << 18
 def block_dtype(page_size: int) -> np.dtype:
     """A block as one row: its hash, its parent's hash (where `has_parent`;
     a sequence's first page has none), its tokens and its page key."""
-    return np.dtype([("hash", "<u8"), ("parent", "<u8"), ("has_parent", "?"),
-                     ("tokens", "<i4", (page_size,)), ("key", "u1", (32,))])
+    return np.dtype(
+        [
+            ("hash", "<u8"),
+            ("parent", "<u8"),
+            ("has_parent", "?"),
+            ("tokens", "<i4", (page_size,)),
+            ("key", "u1", (32,)),
+        ]
+    )
 
 
 class TierBlocks:
@@ -94,9 +101,15 @@ class TierBlocks:
 class BlockEvents:
     """Blocks per tier and the events not yet published, for one CacheManager."""
 
-    def __init__(self, publisher: EventPublisher, page_size: int, seed: Optional[bytes],
-                 num_pages: int, host_num_pages: int = 0,
-                 namespaces: Optional[Namespaces] = None):
+    def __init__(
+        self,
+        publisher: EventPublisher,
+        page_size: int,
+        seed: Optional[bytes],
+        num_pages: int,
+        host_num_pages: int = 0,
+        namespaces: Optional[Namespaces] = None,
+    ):
         self.publisher = publisher
         self.page_size = page_size
         self.seed = seed
@@ -114,8 +127,9 @@ class BlockEvents:
 
     # -- blocks ---------------------------------------------------------------------
 
-    def blocks(self, tokens: np.ndarray, first_page: int, parent_page: int = -1,
-               ns: int = 0) -> np.ndarray:
+    def blocks(
+        self, tokens: np.ndarray, first_page: int, parent_page: int = -1, ns: int = 0
+    ) -> np.ndarray:
         """The blocks (rows of `block_dtype`) of the whole pages of `tokens`
         (int32, in namespace `ns`) from `first_page` on. The key chain is
         hashed from the first page (a page's key covers its prefix), or
@@ -127,15 +141,19 @@ class BlockEvents:
         dev = self.device
         if parent_page >= 0 and dev.present[parent_page]:
             parent = dev.rows[parent_page]
-            raw = _core.page_keys(tokens[first_page * ps:n * ps], ps, parent["key"].tobytes(),
-                                  True)
+            raw = _core.page_keys(
+                tokens[first_page * ps : n * ps], ps, parent["key"].tobytes(), True
+            )
             prev: Optional[int] = int(parent["hash"])
         else:
             seed = self.namespaces.seed(ns, self.seed)
-            chain = _core.page_keys(tokens[:n * ps], ps, seed, True)
-            raw = chain[first_page * 32:]
-            prev = int(_block_hashes(chain[first_page * 32 - 32:first_page * 32])[0]) \
-                if first_page else None
+            chain = _core.page_keys(tokens[: n * ps], ps, seed, True)
+            raw = chain[first_page * 32 :]
+            prev = (
+                int(_block_hashes(chain[first_page * 32 - 32 : first_page * 32])[0])
+                if first_page
+                else None
+            )
         rows = np.empty(n - first_page, dtype=self.dtype)
         rows["key"] = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 32)
         rows["hash"] = _block_hashes(raw)
@@ -144,14 +162,14 @@ class BlockEvents:
         if len(rows):
             rows[0]["parent"] = prev or 0
             rows[0]["has_parent"] = prev is not None
-        rows["tokens"] = tokens[first_page * ps:n * ps].reshape(-1, ps)
+        rows["tokens"] = tokens[first_page * ps : n * ps].reshape(-1, ps)
         return rows
 
     def _pages(self, slots) -> np.ndarray:
         """The pages of whole-page slots (a CPU tensor or an array)."""
         if isinstance(slots, torch.Tensor):
             slots = slots.numpy()
-        return slots[::self.page_size] // self.page_size
+        return slots[:: self.page_size] // self.page_size
 
     # -- events -----------------------------------------------------------------------
 
@@ -166,9 +184,16 @@ class BlockEvents:
         for a, b in zip(cuts, cuts[1:]):
             first = blocks[a]
             parent = int(first["parent"]) if first["has_parent"] else None
-            self._add(BlockStored(hashes[a:b].tolist(), parent,
-                                  blocks["tokens"][a:b].ravel().tolist(), self.page_size,
-                                  self.lora_id, medium))
+            self._add(
+                BlockStored(
+                    hashes[a:b].tolist(),
+                    parent,
+                    blocks["tokens"][a:b].ravel().tolist(),
+                    self.page_size,
+                    self.lora_id,
+                    medium,
+                )
+            )
 
     def _add(self, event) -> None:
         self.pending.append(event)
@@ -189,8 +214,15 @@ class BlockEvents:
 
     # -- the device tier ---------------------------------------------------------------
 
-    def device_inserted(self, tokens: torch.Tensor, slots: torch.Tensor, start: int, end: int,
-                        known: int, ns: int = 0) -> None:
+    def device_inserted(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        start: int,
+        end: int,
+        known: int,
+        ns: int = 0,
+    ) -> None:
         """tokens[start:end) (whole pages; int32 on the CPU; namespace `ns`)
         joined the tree on the device, with `slots[start:end)`; `slots[:known]`
         are the tree's slots of the tokens before them. Pages of a namespace
@@ -207,8 +239,16 @@ class BlockEvents:
         self.device.put(slots[start:end:ps] // ps, blocks)
         first = blocks[0]
         parent = int(first["parent"]) if first["has_parent"] else None
-        self._add(BlockStored(blocks["hash"].tolist(), parent, ids[start:end].tolist(), ps,
-                              self.lora_id, MEDIUM_GPU))
+        self._add(
+            BlockStored(
+                blocks["hash"].tolist(),
+                parent,
+                ids[start:end].tolist(),
+                ps,
+                self.lora_id,
+                MEDIUM_GPU,
+            )
+        )
 
     def device_evicted(self, slots: torch.Tensor) -> None:
         hashes = self.device.remove(self._pages(slots))
@@ -223,8 +263,9 @@ class BlockEvents:
 
     # -- the host tier -----------------------------------------------------------------
 
-    def host_backed_up(self, device_slots: torch.Tensor, host_slots: torch.Tensor,
-                       rejected: torch.Tensor) -> None:
+    def host_backed_up(
+        self, device_slots: torch.Tensor, host_slots: torch.Tensor, rejected: torch.Tensor
+    ) -> None:
         """A backup landed: the pages of `host_slots` not in `rejected` are the
         host copies of the device pages at the same positions."""
         dp, hp = self._pages(device_slots), self._pages(host_slots)
@@ -240,8 +281,14 @@ class BlockEvents:
         if hashes:
             self._add(BlockRemoved(hashes, MEDIUM_CPU_PINNED))
 
-    def host_inserted(self, tokens: torch.Tensor, start: int, host_slots: torch.Tensor,
-                      rejected: torch.Tensor, ns: int = 0) -> None:
+    def host_inserted(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        host_slots: torch.Tensor,
+        rejected: torch.Tensor,
+        ns: int = 0,
+    ) -> None:
         """Pages read from storage joined the tree: `host_slots` hold
         tokens[start:) of namespace `ns`, those in `rejected` were not taken.
         Pages of a namespace forgotten meanwhile are not announced (nor, as

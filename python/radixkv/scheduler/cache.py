@@ -17,8 +17,12 @@ from radixkv.kvcache.pool_args import resolve_tp_rank
 from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
-from radixkv.scheduler.storage_tier import (Prefetch, StorageCounters, StorageFaultPolicy,
-                                            StorageTier)
+from radixkv.scheduler.storage_tier import (
+    Prefetch,
+    StorageCounters,
+    StorageFaultPolicy,
+    StorageTier,
+)
 from radixkv.scheduler.tiers import build_tiers
 from radixkv.storage.base import StorageBackend
 
@@ -83,39 +87,62 @@ class CacheManager:
     it (the default) nothing of this exists.
     """
 
-    def __init__(self, num_pages: int, page_size: int = 1, type: str = "radix",
-                 device: torch.device | str = "cpu", *, host_num_pages: int = 0,
-                 write_policy: str = "write_through",
-                 kv_cache: Optional[Union[MHAKVCache, MLAKVCache]] = None,
-                 host_layout: str = "page_first", manual_copies: bool = False,
-                 storage: Optional[StorageBackend] = None, storage_seed: Optional[bytes] = None,
-                 prefetch_policy: str = "best_effort", min_prefetch_tokens: int = 0,
-                 storage_faults: Optional[StorageFaultPolicy] = None,
-                 eviction_policy: str = "lru", max_namespaces: int = 1 << 16,
-                 tp_rank: Optional[int] = None, kv_events: Optional[EventPublisher] = None):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 1,
+        type: str = "radix",
+        device: torch.device | str = "cpu",
+        *,
+        host_num_pages: int = 0,
+        write_policy: str = "write_through",
+        kv_cache: Optional[Union[MHAKVCache, MLAKVCache]] = None,
+        host_layout: str = "page_first",
+        manual_copies: bool = False,
+        storage: Optional[StorageBackend] = None,
+        storage_seed: Optional[bytes] = None,
+        prefetch_policy: str = "best_effort",
+        min_prefetch_tokens: int = 0,
+        storage_faults: Optional[StorageFaultPolicy] = None,
+        eviction_policy: str = "lru",
+        max_namespaces: int = 1 << 16,
+        tp_rank: Optional[int] = None,
+        kv_events: Optional[EventPublisher] = None,
+    ):
         if kv_events is not None and not isinstance(kv_events, EventPublisher):
-            raise TypeError("kv_events must be a radixkv.events.EventPublisher (or None), got "
-                            f"{_type_name(kv_events)}")
+            raise TypeError(
+                "kv_events must be a radixkv.events.EventPublisher (or None), got "
+                f"{_type_name(kv_events)}"
+            )
         num_pages = as_count(num_pages, "num_pages", minimum=0)
         page_size = as_count(page_size, "page_size")
         host_num_pages = as_count(host_num_pages, "host_num_pages", minimum=0)
         min_prefetch_tokens = as_count(min_prefetch_tokens, "min_prefetch_tokens", minimum=0)
         if storage_faults is not None and not isinstance(storage_faults, StorageFaultPolicy):
-            raise TypeError("storage_faults must be a StorageFaultPolicy (or None), got "
-                            f"{_type_name(storage_faults)}")
+            raise TypeError(
+                "storage_faults must be a StorageFaultPolicy (or None), got "
+                f"{_type_name(storage_faults)}"
+            )
         tp_rank = resolve_tp_rank(tp_rank)
         if kv_cache is not None:
             if not isinstance(kv_cache, (MHAKVCache, MLAKVCache)):
-                raise TypeError("kv_cache must be an MHAKVCache or an MLAKVCache, got "
-                                f"{_type_name(kv_cache)}")
+                raise TypeError(
+                    "kv_cache must be an MHAKVCache or an MLAKVCache, got "
+                    f"{_type_name(kv_cache)}"
+                )
             if kv_cache.page_size != page_size or kv_cache.num_pages < num_pages:
                 raise ValueError(
                     f"kv_cache must have page_size={page_size} and at least num_pages={num_pages} "
-                    f"pages, got page_size={kv_cache.page_size} and {kv_cache.num_pages} pages")
+                    f"pages, got page_size={kv_cache.page_size} and {kv_cache.num_pages} pages"
+                )
         self._pages = _core.PageAllocator(num_pages, page_size)
-        self.manager = create_cache_manager(device, type, page_size,
-                                            max_slots=num_pages * page_size,
-                                            eviction_policy=eviction_policy)
+        self.manager = create_cache_manager(
+            device,
+            type,
+            page_size,
+            max_slots=num_pages * page_size,
+            eviction_policy=eviction_policy,
+        )
         self.device = as_device(device)
         self.page_size = page_size
         self.num_pages = num_pages
@@ -126,12 +153,24 @@ class CacheManager:
         self._evicted = 0
         self._namespaces = Namespaces(as_count(max_namespaces, "max_namespaces"))
         self._tiers = build_tiers(
-            self._tree, self._pages, self._namespaces, page_size=page_size, num_pages=num_pages,
-            host_num_pages=host_num_pages, write_policy=write_policy, kv_cache=kv_cache,
-            host_layout=host_layout, manual_copies=manual_copies, storage=storage,
-            storage_seed=storage_seed, prefetch_policy=prefetch_policy,
-            min_prefetch_tokens=min_prefetch_tokens, storage_faults=storage_faults,
-            tp_rank=tp_rank, kv_events=kv_events)
+            self._tree,
+            self._pages,
+            self._namespaces,
+            page_size=page_size,
+            num_pages=num_pages,
+            host_num_pages=host_num_pages,
+            write_policy=write_policy,
+            kv_cache=kv_cache,
+            host_layout=host_layout,
+            manual_copies=manual_copies,
+            storage=storage,
+            storage_seed=storage_seed,
+            prefetch_policy=prefetch_policy,
+            min_prefetch_tokens=min_prefetch_tokens,
+            storage_faults=storage_faults,
+            tp_rank=tp_rank,
+            kv_events=kv_events,
+        )
         self._events = self._tiers.events  # the device's events are the manager's to tell
         # What the write policy does on the request path, decided once.
         self._backs_up_on_insert = self._tiers.write_policy == "write_through"
@@ -174,8 +213,10 @@ class CacheManager:
         `namespace` is one for the whole batch, or a list or tuple of one per
         request."""
         if not isinstance(batch, (list, tuple)):
-            raise TypeError("batch must be a list or tuple of token id sequences, got "
-                            f"{type(batch).__name__}")
+            raise TypeError(
+                "batch must be a list or tuple of token id sequences, got "
+                f"{type(batch).__name__}"
+            )
         per_request = isinstance(namespace, (list, tuple))
         if per_request and len(namespace) != len(batch):
             raise ValueError(f"namespace has {len(namespace)} entries but batch has {len(batch)}")
@@ -245,7 +286,8 @@ class CacheManager:
                 room = self._pages.num_free_pages * self.page_size + evictable
                 raise _core.OutOfCapacityError(
                     f"cannot load {n} tokens back from host: {room} device slots are free "
-                    "or evictable")
+                    "or evictable"
+                )
             loaded, host_slots, prefix = tree.begin_load(copy)
         finally:
             self.unlock(handle)
@@ -353,8 +395,7 @@ class CacheManager:
         """Return pages a request holds (whole pages, not cached ones)."""
         indices = to_host(indices, "indices", self.device)
         if self._tiers.loads_in_flight():
-            self._tiers.check_not_loading(int32_tensor(indices, "indices", self.device),
-                                          "indices")
+            self._tiers.check_not_loading(int32_tensor(indices, "indices", self.device), "indices")
         self._pages.free(indices, self._tree)
         self._held_pages -= len(indices) // self.page_size
 
@@ -391,8 +432,10 @@ class CacheManager:
         if cached and not torch.equal(idx[:cached], self._tree.handle_slots(old_handle)):
             # Anything else there would be stored (or freed) as if it were the
             # cache's: a page could end up both free and cached.
-            raise ValueError(f"indices[:{cached}] must be the cache's slots that match_req "
-                             "returned with old_handle")
+            raise ValueError(
+                f"indices[:{cached}] must be the cache's slots that match_req "
+                "returned with old_handle"
+            )
         self._pages.check_owned(idx[cached:], "indices", self._tree)
         return ids, idx, n, cached
 
@@ -400,8 +443,9 @@ class CacheManager:
         if self._backs_up_on_insert:
             self._tiers.back_up(input_ids, ns)
 
-    def _insert(self, old_handle, input_ids, indices, n: int, cached: int,
-                priority: int) -> Tuple[int, int]:
+    def _insert(
+        self, old_handle, input_ids, indices, n: int, cached: int, priority: int
+    ) -> Tuple[int, int]:
         """Caches a request's whole pages in the namespace of `old_handle`'s
         match (announcing those that are new); returns how many leading tokens
         were cached already, and the namespace."""
@@ -413,8 +457,9 @@ class CacheManager:
         return in_cache, ns
 
     @shielded
-    def free_and_cache_finished_req(self, old_handle: BaseCacheHandle, input_ids, indices,
-                                    priority: int = 0) -> None:
+    def free_and_cache_finished_req(
+        self, old_handle: BaseCacheHandle, input_ids, indices, priority: int = 0
+    ) -> None:
         """Cache a finished request's tokens and return every page it held.
 
         Its whole pages not cached yet join the prefix cache; its copies of
@@ -446,8 +491,9 @@ class CacheManager:
         in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
         new_handle, tree_indices = self.manager.match_prefix(input_ids, ns)
         now_cached = new_handle.cached_len
-        self._pages.free(released_slots(indices, cached, min(in_cache, now_cached), n,
-                                        self.page_size, False)[0])
+        self._pages.free(
+            released_slots(indices, cached, min(in_cache, now_cached), n, self.page_size, False)[0]
+        )
         self.lock(new_handle)
         self.unlock(old_handle)
         self._held_pages -= (now_cached - cached) // self.page_size
@@ -525,8 +571,10 @@ class CacheManager:
         tree as host-only nodes, and the next `match_req` sees them as host
         hits. Returns the tokens the tree took from it (so far)."""
         if prefetch is not None and not isinstance(prefetch, Prefetch):
-            raise TypeError(f"prefetch must be what prefetch() returned (or None), got "
-                            f"{_type_name(prefetch)}")
+            raise TypeError(
+                f"prefetch must be what prefetch() returned (or None), got "
+                f"{_type_name(prefetch)}"
+            )
         if prefetch is None:
             return 0
         inserted = self._tiers.wait_prefetch(prefetch)
@@ -597,13 +645,17 @@ class CacheManager:
     def _reset_now(self) -> None:
         locked = self.manager.size_info.protected_size
         if locked:
-            raise RuntimeError(f"cannot reset: requests hold locks on {locked} cached tokens "
-                               "(unlock or finish them first)")
+            raise RuntimeError(
+                f"cannot reset: requests hold locks on {locked} cached tokens "
+                "(unlock or finish them first)"
+            )
         in_flight = self._tiers.storage_in_flight()
         if in_flight:
-            raise RuntimeError(f"cannot reset: {in_flight} writes or reads of the storage tier "
-                               "are still in flight (the store is not answering); their host "
-                               "pages stay theirs until they end")
+            raise RuntimeError(
+                f"cannot reset: {in_flight} writes or reads of the storage tier "
+                "are still in flight (the store is not answering); their host "
+                "pages stay theirs until they end"
+            )
         evictable = self.manager.size_info.evictable_size
         if evictable:
             evicted = self.manager.evict(evictable).cpu()
@@ -649,8 +701,10 @@ class CacheManager:
         tier, storage = self.tier_counters, self.storage_counters
         host = self.host_size_info
         return CacheMetrics(
-            queries=self._queries, query_tokens=self._query_tokens,
-            device_hit_tokens=self._device_hits, host_hit_tokens=self._host_hits,
+            queries=self._queries,
+            query_tokens=self._query_tokens,
+            device_hit_tokens=self._device_hits,
+            host_hit_tokens=self._host_hits,
             evicted_tokens=self._evicted,
             backed_up_tokens=tier.backed_up if tier else 0,
             loaded_back_tokens=tier.loaded_back if tier else 0,
@@ -665,7 +719,8 @@ class CacheManager:
             device_free_tokens=self._pages.num_free_pages * self.page_size,
             device_cached_tokens=self.manager.size_info.total_size,
             host_free_tokens=host.free if host else 0,
-            host_cached_tokens=host.cached if host else 0)
+            host_cached_tokens=host.cached if host else 0,
+        )
 
     # -- checks -----------------------------------------------------------------
 

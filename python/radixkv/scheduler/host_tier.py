@@ -31,22 +31,22 @@ Copy = _core.TierCopy
 class HostSizeInfo(NamedTuple):
     """The host tier in tokens."""
 
-    capacity: int        # the host pool's slots
-    free: int            # host slots in no node and no copy
-    cached: int          # tokens with a host copy (host only or mirrored)
-    host_only: int       # of those, tokens not on the device
-    backing_up: int      # tokens whose backup to host is in flight
-    loading: int         # tokens whose load from host is in flight
+    capacity: int  # the host pool's slots
+    free: int  # host slots in no node and no copy
+    cached: int  # tokens with a host copy (host only or mirrored)
+    host_only: int  # of those, tokens not on the device
+    backing_up: int  # tokens whose backup to host is in flight
+    loading: int  # tokens whose load from host is in flight
 
 
 class TierCounters(NamedTuple):
     """What the tier has moved since it was created, in tokens."""
 
-    backed_up: int       # backups acknowledged and taken by the tree
-    loaded_back: int     # loads acknowledged and taken by the tree
-    host_evicted: int    # host copies dropped to make room
+    backed_up: int  # backups acknowledged and taken by the tree
+    loaded_back: int  # loads acknowledged and taken by the tree
+    host_evicted: int  # host copies dropped to make room
     backups_skipped: int  # backups not started: the host pool had no room
-    failed_copies: int   # copies that reported failure
+    failed_copies: int  # copies that reported failure
 
 
 class LayerWait:
@@ -80,13 +80,24 @@ class HostTier:
     exactly one copy: a backup's host pages, a load's device pages.
     """
 
-    def __init__(self, tree: _core.RadixTree, page_size: int, host_num_pages: int,
-                 write_policy: str, kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
-                 host_layout: str, num_layers: int, manual: bool, *,
-                 events: Optional[BlockEvents] = None, keep_landed: bool = False) -> None:
+    def __init__(
+        self,
+        tree: _core.RadixTree,
+        page_size: int,
+        host_num_pages: int,
+        write_policy: str,
+        kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
+        host_layout: str,
+        num_layers: int,
+        manual: bool,
+        *,
+        events: Optional[BlockEvents] = None,
+        keep_landed: bool = False,
+    ) -> None:
         if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
-                             f"got {write_policy!r}")
+            raise ValueError(
+                f"write_policy must be one of {', '.join(WRITE_POLICIES)}, " f"got {write_policy!r}"
+            )
         self.tree = tree
         self.page_size = page_size
         self.write_policy = write_policy
@@ -94,8 +105,9 @@ class HostTier:
         self.pages = _core.PageAllocator(host_num_pages, page_size)
         self.num_pages = host_num_pages
         if kv_cache is not None:
-            self.pool: Optional[HostKVCache] = HostKVCache(kv_cache, host_num_pages,
-                                                          layout=host_layout)
+            self.pool: Optional[HostKVCache] = HostKVCache(
+                kv_cache, host_num_pages, layout=host_layout
+            )
             row_bytes = self.pool.row_bytes
             device_layout, host_layout = list(kv_cache.copy_layout()), list(self.pool.copy_layout())
             kind = kv_cache.device.type
@@ -103,22 +115,42 @@ class HostTier:
             # to the pools' storage meanwhile.
             keep = (kv_cache.memory_owners, self.pool.memory_owners)
             # Each side buffer is a plane of its own, moved with the K/V.
-            planes = [(dev, list(dl), host, list(hl), rb) for (dev, dl, rb), (host, hl, _)
-                      in zip(kv_cache.side_copy_layouts(), self.pool.side_copy_layouts())]
+            planes = [
+                (dev, list(dl), host, list(hl), rb)
+                for (dev, dl, rb), (host, hl, _) in zip(
+                    kv_cache.side_copy_layouts(), self.pool.side_copy_layouts()
+                )
+            ]
             if kind == "cpu":
                 self.controller = _core.CacheController(
-                    kv_cache.kv_buffer, device_layout, self.pool.kv_buffer, host_layout,
-                    row_bytes, kv_cache.num_layers, manual, planes, keep)
+                    kv_cache.kv_buffer,
+                    device_layout,
+                    self.pool.kv_buffer,
+                    host_layout,
+                    row_bytes,
+                    kv_cache.num_layers,
+                    manual,
+                    planes,
+                    keep,
+                )
             elif kind == "cuda":
                 # copy streams, events and the transfer kernel
                 cuda = require_cuda_extension("a host tier of a CUDA pool")
-                engine = cuda.copy_engine(kv_cache.kv_buffer, device_layout,
-                                          self.pool.kv_buffer, host_layout, row_bytes,
-                                          kv_cache.num_layers, side_planes=planes)
+                engine = cuda.copy_engine(
+                    kv_cache.kv_buffer,
+                    device_layout,
+                    self.pool.kv_buffer,
+                    host_layout,
+                    row_bytes,
+                    kv_cache.num_layers,
+                    side_planes=planes,
+                )
                 self.controller = _core.CacheController(engine, manual, keep)
             else:
-                raise TypeError(f"kv_cache must be on the CPU or a CUDA device for the host "
-                                f"tier's copies, got one on {kind}")
+                raise TypeError(
+                    f"kv_cache must be on the CPU or a CUDA device for the host "
+                    f"tier's copies, got one on {kind}"
+                )
         else:
             # Bookkeeping only (capacity planning): copies succeed at once.
             self.pool = None
@@ -127,7 +159,7 @@ class HostTier:
         self._backups: Dict[int, Tuple[Copy, torch.Tensor, torch.Tensor]] = {}
         self._loads: Dict[int, Tuple[Copy, torch.Tensor, object, torch.Tensor]] = {}
         self._backup_tokens = 0  # host slots owned by backups in flight
-        self._load_tokens = 0    # device slots owned by loads in flight
+        self._load_tokens = 0  # device slots owned by loads in flight
         self._failed_loads: List[object] = []  # handles, until the scheduler takes them
         # Acknowledgements taken from the controller and not yet applied: an
         # exception while one is applied leaves the rest for the next call.
@@ -146,8 +178,9 @@ class HostTier:
 
     # -- backups ------------------------------------------------------------------
 
-    def back_up(self, input_ids, min_hits: Optional[int] = None,
-                through_partial: bool = False, ns: int = 0) -> int:
+    def back_up(
+        self, input_ids, min_hits: Optional[int] = None, through_partial: bool = False, ns: int = 0
+    ) -> int:
         """Queues the backup of `input_ids`' cached path (in namespace `ns`)
         from where its host copy ends. Returns the tokens queued (0 when nothing needs a copy, or
         the host pool cannot make room: the path stays device only)."""
@@ -270,8 +303,9 @@ class HostTier:
 
     # -- loads --------------------------------------------------------------------
 
-    def queue_load(self, copy: Copy, host_slots: torch.Tensor, device_slots: torch.Tensor,
-                   handle) -> None:
+    def queue_load(
+        self, copy: Copy, host_slots: torch.Tensor, device_slots: torch.Tensor, handle
+    ) -> None:
         op = self.controller.load(host_slots, device_slots)
         self._loads[op] = (copy, device_slots, handle, host_slots)
         self._load_tokens += len(device_slots)
@@ -328,13 +362,23 @@ class HostTier:
 
     def size_info(self) -> HostSizeInfo:
         sizes = self.tree.tier_sizes()
-        return HostSizeInfo(self.num_pages * self.page_size,
-                            self.pages.num_free_pages * self.page_size, sizes.host,
-                            sizes.host_only, sizes.backing_up, sizes.loading)
+        return HostSizeInfo(
+            self.num_pages * self.page_size,
+            self.pages.num_free_pages * self.page_size,
+            sizes.host,
+            sizes.host_only,
+            sizes.backing_up,
+            sizes.loading,
+        )
 
     def counters(self) -> TierCounters:
-        return TierCounters(self.backed_up, self.loaded_back, self.host_evicted,
-                            self.backups_skipped, self.failed_copies)
+        return TierCounters(
+            self.backed_up,
+            self.loaded_back,
+            self.host_evicted,
+            self.backups_skipped,
+            self.failed_copies,
+        )
 
     def check_integrity(self, device_pages: _core.PageAllocator, reading: int = 0) -> None:
         """Host pages: free + cached + owned by backups + `reading` (owned by
@@ -347,7 +391,8 @@ class HostTier:
             raise _core.IntegrityError(
                 f"host slots leaked or owned twice: {free} free + {host} cached + "
                 f"{self._backup_tokens} in backups + {reading} in reads from "
-                f"storage != {self.num_pages * self.page_size}")
+                f"storage != {self.num_pages * self.page_size}"
+            )
         self.pages.check_disjoint(self.tree, True)
         if self._backups:
             slots = torch.cat([backup[1] for backup in self._backups.values()])
@@ -359,4 +404,5 @@ class HostTier:
         if self.controller.in_flight > len(self._backups) + len(self._loads):
             raise _core.IntegrityError(
                 f"the controller has {self.controller.in_flight} copies in flight, the tier "
-                f"knows of {len(self._backups)} backups and {len(self._loads)} loads")
+                f"knows of {len(self._backups)} backups and {len(self._loads)} loads"
+            )

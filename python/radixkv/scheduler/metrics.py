@@ -24,14 +24,23 @@ _DOC = {
     "storage_written_pages": ("counter", "Pages written to the storage tier."),
     "storage_prefetched_tokens": ("counter", "Tokens read from the storage tier into host."),
     "storage_errors": ("counter", "Failed storage calls and pages."),
-    "storage_corrupt_pages": ("counter", "Pages read from storage that failed their checks "
-                              "(and entries there that were not pages), removed."),
-    "storage_skipped_reads": ("counter", "Prefetches not tried while reads were left alone "
-                              "(or a query was unanswered)."),
-    "storage_skipped_writes": ("counter", "Writes to storage not tried while writes were "
-                               "left alone."),
-    "storage_query_timeouts": ("counter", "Existence queries to storage that did not answer "
-                               "within the bound."),
+    "storage_corrupt_pages": (
+        "counter",
+        "Pages read from storage that failed their checks "
+        "(and entries there that were not pages), removed.",
+    ),
+    "storage_skipped_reads": (
+        "counter",
+        "Prefetches not tried while reads were left alone " "(or a query was unanswered).",
+    ),
+    "storage_skipped_writes": (
+        "counter",
+        "Writes to storage not tried while writes were " "left alone.",
+    ),
+    "storage_query_timeouts": (
+        "counter",
+        "Existence queries to storage that did not answer " "within the bound.",
+    ),
     "device_free_tokens": ("gauge", "Free slots of the device pool."),
     "device_cached_tokens": ("gauge", "Device slots the cache holds."),
     "host_free_tokens": ("gauge", "Free slots of the host pool."),
@@ -82,8 +91,7 @@ class CacheMetrics:
             out.append((name, kind, doc, getattr(self, f.name)))
         return out
 
-    def prometheus(self, prefix: str = "radixkv",
-                   labels: Optional[Dict[str, str]] = None) -> str:
+    def prometheus(self, prefix: str = "radixkv", labels: Optional[Dict[str, str]] = None) -> str:
         """The figures in Prometheus' text exposition format (version 0.0.4):
         `# HELP` and `# TYPE` lines, then one sample per metric, with
         `labels` (say, the instance's name) on every sample. Written here,
@@ -117,8 +125,9 @@ def check_labels(labels: Optional[Dict[str, str]]) -> Dict[str, str]:
     if labels is None:
         return {}
     if not isinstance(labels, dict):
-        raise TypeError(f"labels must be a dict of label names to values, got "
-                        f"{type(labels).__name__}")
+        raise TypeError(
+            f"labels must be a dict of label names to values, got " f"{type(labels).__name__}"
+        )
     for key in labels:
         if not isinstance(key, str) or not _LABEL_NAME.fullmatch(key) or key.startswith("__"):
             raise ValueError(f"labels: {key!r} is not a Prometheus label name")

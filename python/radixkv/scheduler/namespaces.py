@@ -44,10 +44,12 @@ class Namespaces:
     def check(name: NamespaceName, arg: str = "namespace") -> None:
         """Raises TypeError naming `arg` unless `name` is None, a str, bytes
         or an int (bool and float are refused)."""
-        if name is not None and (isinstance(name, bool) or not isinstance(
-                name, (str, bytes, bytearray, memoryview, int))):
-            raise TypeError(f"{arg} must be None, a str, bytes or an int, got "
-                            f"{type(name).__name__}")
+        if name is not None and (
+            isinstance(name, bool) or not isinstance(name, (str, bytes, bytearray, memoryview, int))
+        ):
+            raise TypeError(
+                f"{arg} must be None, a str, bytes or an int, got " f"{type(name).__name__}"
+            )
 
     def id(self, name: NamespaceName, arg: str = "namespace") -> int:
         """The tree id of `name` (see `check`), remembered as just used."""
@@ -83,8 +85,13 @@ class Namespaces:
             return base
         name = self._names[ns]
         base = base or b""
-        return hashlib.sha256(b"radixkv-namespace-v1" + len(base).to_bytes(8, "little") + base +
-                              len(name).to_bytes(8, "little") + name).digest()
+        return hashlib.sha256(
+            b"radixkv-namespace-v1"
+            + len(base).to_bytes(8, "little")
+            + base
+            + len(name).to_bytes(8, "little")
+            + name
+        ).digest()
 
     def __len__(self) -> int:
         """Names remembered, the default one excluded."""

@@ -19,8 +19,7 @@ class ReqToTokenPool:
     Every call checks its arguments before it changes anything.
     """
 
-    def __init__(self, max_requests: int, max_context_len: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu"):
         for name, v in (("max_requests", max_requests), ("max_context_len", max_context_len)):
             if _index(v, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -38,8 +37,9 @@ class ReqToTokenPool:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         if count > len(self._free):
-            raise RuntimeError(f"cannot allocate count={count} request rows: "
-                               f"{len(self._free)} free")
+            raise RuntimeError(
+                f"cannot allocate count={count} request rows: " f"{len(self._free)} free"
+            )
         rows = [self._free.pop() for _ in range(count)]
         for r in rows:
             self._live[r] = True
@@ -56,8 +56,7 @@ class ReqToTokenPool:
         try:
             rows = list(rows)
         except TypeError:
-            raise TypeError(f"rows must be a sequence of ints, got {type(rows).__name__}") \
-                from None
+            raise TypeError(f"rows must be a sequence of ints, got {type(rows).__name__}") from None
         rows = [self._check_row(r, "rows: row") for r in rows]
         if len(set(rows)) != len(rows):
             raise ValueError("rows lists a row twice")
@@ -77,4 +76,4 @@ class ReqToTokenPool:
             )
         if n and int(values.min()) < 0:
             raise ValueError("values must be slot indices >= 0")
-        self.table[row, start:start + n] = values.to(self.table.device)
+        self.table[row, start : start + n] = values.to(self.table.device)

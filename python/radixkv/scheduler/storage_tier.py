@@ -73,22 +73,23 @@ class StorageFaultPolicy:
             object.__setattr__(self, name, as_seconds(getattr(self, name), name))
         for name in ("query_timeout_s", "wait_limit_s", "close_timeout_s", "stall_s"):
             object.__setattr__(self, name, as_seconds(getattr(self, name), name, positive=True))
-        object.__setattr__(self, "failures_in_a_row",
-                           as_count(self.failures_in_a_row, "failures_in_a_row"))
+        object.__setattr__(
+            self, "failures_in_a_row", as_count(self.failures_in_a_row, "failures_in_a_row")
+        )
 
 
 class StorageCounters(NamedTuple):
-    written_pages: int     # pages whose write succeeded
+    written_pages: int  # pages whose write succeeded
     prefetched_tokens: int  # tokens read from storage and added to the tree
-    errors: int            # failed calls and pages (the backend's count)
-    corrupt_pages: int     # pages read back that failed their checks, bad entries
-    write_failures: int    # pages whose write failed
-    skipped: int           # reads and writes not tried while the store was left alone
-    present_pages: int     # pages not written: the store had them already
-    skipped_reads: int = 0   # of `skipped`: prefetches not tried (reads left alone)
+    errors: int  # failed calls and pages (the backend's count)
+    corrupt_pages: int  # pages read back that failed their checks, bad entries
+    write_failures: int  # pages whose write failed
+    skipped: int  # reads and writes not tried while the store was left alone
+    present_pages: int  # pages not written: the store had them already
+    skipped_reads: int = 0  # of `skipped`: prefetches not tried (reads left alone)
     skipped_writes: int = 0  # of `skipped`: writes not tried (writes left alone)
     query_timeouts: int = 0  # existence queries that did not answer within the bound
-    lost: bool = False       # the storage thread died: storage was switched off
+    lost: bool = False  # the storage thread died: storage was switched off
 
 
 @dataclass(eq=False)  # identity: jobs are found by `is`, never compared
@@ -98,7 +99,7 @@ class _Write:
     pages: List[int]
     ok: List[bool] = field(default_factory=list)
     skipped: bool = False  # writes were left alone before every page was tried
-    present: int = 0       # pages from the first that the store had already
+    present: int = 0  # pages from the first that the store had already
     blocks: Optional[list] = None  # the pages' blocks, when KV events are on
     done: threading.Event = field(default_factory=threading.Event)
     started: Optional[float] = None  # when its thread took it (None: still queued)
@@ -109,17 +110,17 @@ class _Write:
 class Prefetch:
     """A read of pages from storage into host pages, in flight."""
 
-    tokens: torch.Tensor   # the path's tokens, up to the last page asked for
-    start: int             # tokens[start:] are being read
+    tokens: torch.Tensor  # the path's tokens, up to the last page asked for
+    start: int  # tokens[start:] are being read
     keys: List[str]
     host_slots: torch.Tensor
     pin: Optional[_core.TierCopy]  # the tree's pin on the host copy the pages join under
-    ns: int = 0            # the path's cache namespace
+    ns: int = 0  # the path's cache namespace
     pages: List[int] = field(default_factory=list)  # the host pages read into
     done: threading.Event = field(default_factory=threading.Event)
-    pages_ok: int = 0      # consecutive pages read from the first
+    pages_ok: int = 0  # consecutive pages read from the first
     applied: bool = False
-    inserted: int = 0      # tokens the tree took
+    inserted: int = 0  # tokens the tree took
     skipped: bool = False  # reads were left alone before every page was tried
     started: Optional[float] = None  # when its thread took it (None: still queued)
     stalled: bool = False  # counted as a failed read for running too long
@@ -219,7 +220,7 @@ class _Store:
         while present < len(keys):
             if self.reads.down():
                 return None
-            batch = keys[present:present + MAX_BATCH]
+            batch = keys[present : present + MAX_BATCH]
             got = self.call(self.reads, self.backend.batch_exists, batch, query=True)
             present += got
             if got < len(batch):
@@ -275,8 +276,12 @@ class _Store:
             if self.writes.down():
                 job.skipped = True
                 return
-            job.ok += self.call(self.writes, self.backend.batch_set, job.keys[i:i + MAX_BATCH],
-                                job.pages[i:i + MAX_BATCH])
+            job.ok += self.call(
+                self.writes,
+                self.backend.batch_set,
+                job.keys[i : i + MAX_BATCH],
+                job.pages[i : i + MAX_BATCH],
+            )
 
     def _read(self, job: Prefetch) -> None:
         ok = 0
@@ -284,8 +289,12 @@ class _Store:
             if self.reads.down():
                 job.skipped = True
                 break
-            got = self.call(self.reads, self.backend.batch_get, job.keys[i:i + MAX_BATCH],
-                            job.pages[i:i + MAX_BATCH])
+            got = self.call(
+                self.reads,
+                self.backend.batch_get,
+                job.keys[i : i + MAX_BATCH],
+                job.pages[i : i + MAX_BATCH],
+            )
             for g in got:
                 if not g:
                     job.pages_ok = ok
@@ -332,8 +341,12 @@ class _Asker:
                 return None, "busy"
             self._stuck = None
         if self._thread is None:
-            self._thread = threading.Thread(target=_Asker._serve, args=(self._asks, self._store),
-                                            name="radixkv-storage-query", daemon=True)
+            self._thread = threading.Thread(
+                target=_Asker._serve,
+                args=(self._asks, self._store),
+                name="radixkv-storage-query",
+                daemon=True,
+            )
             self._thread.start()
         a = _Ask(keys)
         self._asks.put(a)
@@ -370,10 +383,12 @@ def storage_seed_of(backend: StorageBackend, seed: Optional[bytes]) -> bytes:
     if seed is None:
         seed = backend.fingerprint
     if seed is None:
-        raise ValueError("storage_seed: give config_fingerprint(...) of this configuration "
-                         "(or a backend with a fingerprint), so configurations sharing a "
-                         "store never read each other's pages; b'' keys pages without a "
-                         "seed (SGLang's page hash)")
+        raise ValueError(
+            "storage_seed: give config_fingerprint(...) of this configuration "
+            "(or a backend with a fingerprint), so configurations sharing a "
+            "store never read each other's pages; b'' keys pages without a "
+            "seed (SGLang's page hash)"
+        )
     if not isinstance(seed, bytes) or len(seed) not in (0, 32):
         raise ValueError("storage_seed must be 32 bytes (config_fingerprint) or b''")
     return seed
@@ -403,21 +418,33 @@ class StorageTier:
     every rank prefetches them.
     """
 
-    def __init__(self, host_tier: HostTier, backend: StorageBackend, seed: Optional[bytes],
-                 namespaces: Namespaces,
-                 prefetch_policy: str = "best_effort", timeout_base_s: float = 1.0,
-                 timeout_per_1k_tokens_s: float = 0.25, min_prefetch_tokens: int = 0,
-                 faults: Optional[StorageFaultPolicy] = None, writer: bool = True,
-                 events: Optional[BlockEvents] = None):
+    def __init__(
+        self,
+        host_tier: HostTier,
+        backend: StorageBackend,
+        seed: Optional[bytes],
+        namespaces: Namespaces,
+        prefetch_policy: str = "best_effort",
+        timeout_base_s: float = 1.0,
+        timeout_per_1k_tokens_s: float = 0.25,
+        min_prefetch_tokens: int = 0,
+        faults: Optional[StorageFaultPolicy] = None,
+        writer: bool = True,
+        events: Optional[BlockEvents] = None,
+    ):
         if prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
-                             f"got {prefetch_policy!r}")
+            raise ValueError(
+                f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
+                f"got {prefetch_policy!r}"
+            )
         min_prefetch_tokens = as_count(min_prefetch_tokens, "min_prefetch_tokens", minimum=0)
         if faults is None:
             faults = StorageFaultPolicy()
         elif not isinstance(faults, StorageFaultPolicy):
-            raise TypeError("storage_faults must be a StorageFaultPolicy (or None), got "
-                            f"{type(faults).__name__}")
+            raise TypeError(
+                "storage_faults must be a StorageFaultPolicy (or None), got "
+                f"{type(faults).__name__}"
+            )
         if host_tier.pool is None:
             raise ValueError("a storage tier moves K/V bytes: the CacheManager needs kv_cache")
         seed = storage_seed_of(backend, seed)
@@ -438,8 +465,8 @@ class StorageTier:
         self._store = _Store(backend, faults)
         self._asker = _Asker(self._store) if backend.blocking_queries else None
         self._closed = False
-        self.lost = False        # the storage thread died: storage is off
-        self.abandoned = False   # close() left a thread stuck in a backend call
+        self.lost = False  # the storage thread died: storage is off
+        self.abandoned = False  # close() left a thread stuck in a backend call
         self._writes: Dict[_Write, None] = {}  # in flight, oldest first
         self._prefetches: List[Prefetch] = []
         self.written_pages = self.prefetched_tokens = self.write_failures = 0
@@ -447,10 +474,18 @@ class StorageTier:
         self.skipped_reads = self.skipped_writes = self.query_timeouts = 0
         self.events = events  # the manager's BlockEvents when KV events are on
         self.reading_tokens = 0  # host slots owned by prefetches in flight
-        self._reader = threading.Thread(target=self._store.run, args=(self._store.read_jobs,),
-                                        name="radixkv-storage-read", daemon=True)
-        self._writer = threading.Thread(target=self._store.run, args=(self._store.write_jobs,),
-                                        name="radixkv-storage-write", daemon=True)
+        self._reader = threading.Thread(
+            target=self._store.run,
+            args=(self._store.read_jobs,),
+            name="radixkv-storage-read",
+            daemon=True,
+        )
+        self._writer = threading.Thread(
+            target=self._store.run,
+            args=(self._store.write_jobs,),
+            name="radixkv-storage-write",
+            daemon=True,
+        )
         self._reader.start()
         self._writer.start()
         stop = weakref.finalize(self, _Store.stop_soon, self._store, self._asker)
@@ -473,8 +508,9 @@ class StorageTier:
 
     def keys_of(self, tokens, ns: int = 0) -> List[str]:
         """The store's keys of the whole pages of `tokens` in namespace `ns`."""
-        return page_keys(tokens, self.page_size, self.namespaces.seed(ns, self.seed),
-                         key=self.name_key)
+        return page_keys(
+            tokens, self.page_size, self.namespaces.seed(ns, self.seed), key=self.name_key
+        )
 
     # -- writes ---------------------------------------------------------------------
 
@@ -502,7 +538,7 @@ class StorageTier:
             else:
                 keys = [bytes(k).hex() for k in blocks["key"]]
         else:
-            keys = self.keys_of(tokens, ns)[copy.start // ps:]
+            keys = self.keys_of(tokens, ns)[copy.start // ps :]
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         job = _Write(copy, keys, pages, blocks=blocks)
         self._writes[job] = None
@@ -526,7 +562,7 @@ class StorageTier:
         if self._store.reads.down():
             self.skipped_reads += 1
             return None
-        keys = self.keys_of(tokens[:n], ns)[start // ps:]
+        keys = self.keys_of(tokens[:n], ns)[start // ps :]
         hits = self._exists(keys)
         if hits is None or hits * ps < self.min_prefetch_tokens:
             return None
@@ -556,8 +592,9 @@ class StorageTier:
                 self.tree.unpin_host(pin)
             raise
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
-        op = Prefetch(tokens[:start + hits * ps].clone(), start, keys[:hits], host_slots, pin, ns,
-                      pages)
+        op = Prefetch(
+            tokens[: start + hits * ps].clone(), start, keys[:hits], host_slots, pin, ns, pages
+        )
         self.reading_tokens += hits * ps
         self._prefetches.append(op)
         self._store.read_jobs.put(op)
@@ -603,14 +640,16 @@ class StorageTier:
         rest = op.host_slots[got:]
         self.reading_tokens -= op.num_tokens
         if got:
-            rejected = self.tree.insert_host(op.tokens[:op.start + got], op.start, taken_slots,
-                                             op.ns)
+            rejected = self.tree.insert_host(
+                op.tokens[: op.start + got], op.start, taken_slots, op.ns
+            )
             op.inserted = got - len(rejected)
             if len(rejected):
                 self.host.pages.free(rejected, self.tree, True)
             if self.events is not None and op.inserted:
-                self.events.host_inserted(op.tokens[:op.start + got], op.start, taken_slots,
-                                          rejected, op.ns)
+                self.events.host_inserted(
+                    op.tokens[: op.start + got], op.start, taken_slots, rejected, op.ns
+                )
         if len(rest):
             self.host.pages.free(rest, self.tree, True)
         if op.pin is not None:
@@ -627,11 +666,16 @@ class StorageTier:
         self._check_thread()
         applied = self._apply_finished()
         now = time.monotonic()
-        for jobs, health in ((self._writes, self._store.writes),
-                             (self._prefetches, self._store.reads)):
+        for jobs, health in (
+            (self._writes, self._store.writes),
+            (self._prefetches, self._store.reads),
+        ):
             oldest = next(iter(jobs), None)  # the one running, or finished
-            if (oldest is not None and oldest.started is not None
-                    and now - oldest.started > self.faults.stall_s):
+            if (
+                oldest is not None
+                and oldest.started is not None
+                and now - oldest.started > self.faults.stall_s
+            ):
                 self._stalled(oldest, health)
         return applied
 
@@ -723,10 +767,19 @@ class StorageTier:
 
     def counters(self) -> StorageCounters:
         errors, corrupt = self.backend.counts()
-        return StorageCounters(self.written_pages, self.prefetched_tokens, errors, corrupt,
-                               self.write_failures, self.skipped_reads + self.skipped_writes,
-                               self.present_pages, self.skipped_reads, self.skipped_writes,
-                               self.query_timeouts, self.lost)
+        return StorageCounters(
+            self.written_pages,
+            self.prefetched_tokens,
+            errors,
+            corrupt,
+            self.write_failures,
+            self.skipped_reads + self.skipped_writes,
+            self.present_pages,
+            self.skipped_reads,
+            self.skipped_writes,
+            self.query_timeouts,
+            self.lost,
+        )
 
     def check_integrity(self) -> None:
         """Checks that the host slots prefetches in flight own are counted
@@ -735,20 +788,26 @@ class StorageTier:
         storing = self.tree.tier_sizes().storing
         writing = sum(len(job.pages) for job in self._writes) * self.page_size
         if storing != writing:
-            raise _core.IntegrityError(f"the tree pins {storing} host tokens for writes to "
-                                       f"storage, the writes in flight hold {writing}")
+            raise _core.IntegrityError(
+                f"the tree pins {storing} host tokens for writes to "
+                f"storage, the writes in flight hold {writing}"
+            )
         pins = sum(op.pin is not None and not op.applied for op in self._prefetches)
         if self.tree.host_pins != pins:
-            raise _core.IntegrityError(f"the tree holds {self.tree.host_pins} host pins, "
-                                       f"prefetches in flight {pins}")
+            raise _core.IntegrityError(
+                f"the tree holds {self.tree.host_pins} host pins, " f"prefetches in flight {pins}"
+            )
         if self._prefetches:
             slots = torch.cat([op.host_slots for op in self._prefetches])
-            self.host.pages.check_owned(slots, "host slots of prefetches in flight", self.tree,
-                                        True)
+            self.host.pages.check_owned(
+                slots, "host slots of prefetches in flight", self.tree, True
+            )
         owned = sum(op.num_tokens for op in self._prefetches)
         if owned != self.reading_tokens:
-            raise _core.IntegrityError(f"reads from storage own {owned} host slots but the "
-                                       f"tier counts {self.reading_tokens}")
+            raise _core.IntegrityError(
+                f"reads from storage own {owned} host slots but the "
+                f"tier counts {self.reading_tokens}"
+            )
 
     # -- closing ----------------------------------------------------------------------
 
@@ -777,8 +836,10 @@ class StorageTier:
         self.storage_check()
         if (self._reader.is_alive() or self._writer.is_alive()) and not self._store.closing:
             self.abandoned = True
-            log.warning("radixkv: the storage tier's thread is still inside a backend call "
-                        "after close(); it is left to finish alone")
+            log.warning(
+                "radixkv: the storage tier's thread is still inside a backend call "
+                "after close(); it is left to finish alone"
+            )
 
     @_core.shielded
     def _stop(self) -> bool:
@@ -799,5 +860,3 @@ class StorageTier:
         if self._asker is not None:
             self._asker.stop()
         return True
-
-

@@ -29,11 +29,21 @@ from radixkv.kvcache.host_pool import HOST_LAYOUTS
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
 from radixkv.scheduler.block_events import BlockEvents
-from radixkv.scheduler.host_tier import (WRITE_POLICIES, HostSizeInfo, HostTier, LayerWait,
-                                         TierCounters)
+from radixkv.scheduler.host_tier import (
+    WRITE_POLICIES,
+    HostSizeInfo,
+    HostTier,
+    LayerWait,
+    TierCounters,
+)
 from radixkv.scheduler.namespaces import Namespaces
-from radixkv.scheduler.storage_tier import (Prefetch, StorageCounters, StorageFaultPolicy,
-                                            StorageTier, storage_seed_of)
+from radixkv.scheduler.storage_tier import (
+    Prefetch,
+    StorageCounters,
+    StorageFaultPolicy,
+    StorageTier,
+    storage_seed_of,
+)
 from radixkv.storage.base import StorageBackend
 
 
@@ -42,8 +52,12 @@ class Tiers:
     CacheManager (each None when off), over the manager's tree and device
     page allocator. Made by `build_tiers`."""
 
-    def __init__(self, tree: Optional[_core.RadixTree], device_pages: _core.PageAllocator,
-                 events: Optional[BlockEvents]) -> None:
+    def __init__(
+        self,
+        tree: Optional[_core.RadixTree],
+        device_pages: _core.PageAllocator,
+        events: Optional[BlockEvents],
+    ) -> None:
         self.tree = tree
         self.device_pages = device_pages
         self.events = events
@@ -228,54 +242,89 @@ class Tiers:
         self.host.check_integrity(self.device_pages, reading)
 
 
-def build_tiers(tree: Optional[_core.RadixTree], device_pages: _core.PageAllocator,
-                namespaces: Namespaces, *, page_size: int, num_pages: int,
-                host_num_pages: int, write_policy: str,
-                kv_cache: Optional[Union[MHAKVCache, MLAKVCache]], host_layout: str,
-                manual_copies: bool, storage: Optional[StorageBackend],
-                storage_seed: Optional[bytes], prefetch_policy: str, min_prefetch_tokens: int,
-                storage_faults: Optional[StorageFaultPolicy], tp_rank: int,
-                kv_events: Optional[EventPublisher]) -> Tiers:
+def build_tiers(
+    tree: Optional[_core.RadixTree],
+    device_pages: _core.PageAllocator,
+    namespaces: Namespaces,
+    *,
+    page_size: int,
+    num_pages: int,
+    host_num_pages: int,
+    write_policy: str,
+    kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
+    host_layout: str,
+    manual_copies: bool,
+    storage: Optional[StorageBackend],
+    storage_seed: Optional[bytes],
+    prefetch_policy: str,
+    min_prefetch_tokens: int,
+    storage_faults: Optional[StorageFaultPolicy],
+    tp_rank: int,
+    kv_events: Optional[EventPublisher],
+) -> Tiers:
     """The tiers of a CacheManager, from its (checked) arguments; checks the
     tiers' own first, so a bad one raises before anything is made."""
     if host_layout not in HOST_LAYOUTS:
-        raise ValueError(f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, "
-                         f"got {host_layout!r}")
+        raise ValueError(
+            f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, " f"got {host_layout!r}"
+        )
     if write_policy not in WRITE_POLICIES:
-        raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
-                         f"got {write_policy!r}")
+        raise ValueError(
+            f"write_policy must be one of {', '.join(WRITE_POLICIES)}, " f"got {write_policy!r}"
+        )
     if host_num_pages and tree is None:
         raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
     if host_num_pages and kv_cache is not None and kv_cache.backs_host_tier:
-        raise ValueError("kv_cache already backs the host tier of another CacheManager: "
-                         "its k_cache(layer) waits for that tier's loads")
+        raise ValueError(
+            "kv_cache already backs the host tier of another CacheManager: "
+            "its k_cache(layer) waits for that tier's loads"
+        )
     seed = None
     if storage is not None:
         if not host_num_pages or kv_cache is None or host_layout != "page_first":
-            raise ValueError("a storage tier needs a host tier (host_num_pages > 0) with "
-                             "kv_cache and host_layout='page_first'")
+            raise ValueError(
+                "a storage tier needs a host tier (host_num_pages > 0) with "
+                "kv_cache and host_layout='page_first'"
+            )
         seed = storage_seed_of(storage, storage_seed)
     # Blocks hash like the storage tier's page keys, so a page keeps its hash
     # on every medium.
     events = None
     if kv_events is not None:
-        events = BlockEvents(kv_events, page_size, seed or None, num_pages, host_num_pages,
-                             namespaces)
+        events = BlockEvents(
+            kv_events, page_size, seed or None, num_pages, host_num_pages, namespaces
+        )
     tiers = Tiers(tree, device_pages, events)
     if not host_num_pages:
         return tiers
-    tiers.host = HostTier(tree, page_size, host_num_pages, write_policy, kv_cache, host_layout,
-                          kv_cache.num_layers if kv_cache else 1, bool(manual_copies),
-                          events=events, keep_landed=storage is not None)
+    tiers.host = HostTier(
+        tree,
+        page_size,
+        host_num_pages,
+        write_policy,
+        kv_cache,
+        host_layout,
+        kv_cache.num_layers if kv_cache else 1,
+        bool(manual_copies),
+        events=events,
+        keep_landed=storage is not None,
+    )
     tiers.backs_up_on_match = bool(tiers.host.min_hits)
     if storage is not None:
         # An MLA pool's pages are the same on every tensor-parallel rank:
         # rank 0 writes them, every rank reads.
         writer = kv_cache.sides == 2 or tp_rank == 0
-        tiers.storage = StorageTier(tiers.host, storage, seed, namespaces, prefetch_policy,
-                                    writer=writer, min_prefetch_tokens=min_prefetch_tokens,
-                                    faults=storage_faults, events=events)
+        tiers.storage = StorageTier(
+            tiers.host,
+            storage,
+            seed,
+            namespaces,
+            prefetch_policy,
+            writer=writer,
+            min_prefetch_tokens=min_prefetch_tokens,
+            faults=storage_faults,
+            events=events,
+        )
     if kv_cache is not None:
         kv_cache.attach_layer_wait(LayerWait(tiers.host.controller))
     return tiers
-

@@ -7,5 +7,14 @@ from radixkv.storage.file import FileStorage
 from radixkv.storage.keys import config_fingerprint, page_keys, pool_fingerprint
 from radixkv.storage.mooncake import MooncakeMaster, MooncakeStorage
 
-__all__ = ["MAX_BATCH", "FaultyStorage", "FileStorage", "MooncakeMaster", "MooncakeStorage",
-           "StorageBackend", "config_fingerprint", "page_keys", "pool_fingerprint"]
+__all__ = [
+    "MAX_BATCH",
+    "FaultyStorage",
+    "FileStorage",
+    "MooncakeMaster",
+    "MooncakeStorage",
+    "StorageBackend",
+    "config_fingerprint",
+    "page_keys",
+    "pool_fingerprint",
+]

@@ -22,8 +22,9 @@ def _secret(secret) -> Optional[bytes]:
     if secret is None:
         return None
     if not isinstance(secret, (bytes, bytearray)):
-        raise TypeError(f"secret must be bytes (a deployment secret) or None, got "
-                        f"{type(secret).__name__}")
+        raise TypeError(
+            f"secret must be bytes (a deployment secret) or None, got " f"{type(secret).__name__}"
+        )
     if len(secret) < 16:
         raise ValueError(f"secret must be at least 16 bytes, got {len(secret)}")
     return bytes(secret)
@@ -77,8 +78,8 @@ class StorageBackend(ABC):
         self.page_bytes = 0
         self._bytes: Optional[torch.Tensor] = None
         self._lock = threading.Lock()
-        self.errors = 0          # failed calls or pages
-        self.corrupt_pages = 0   # pages read back that failed their checks (or bad entries)
+        self.errors = 0  # failed calls or pages
+        self.corrupt_pages = 0  # pages read back that failed their checks (or bad entries)
         self._local = threading.local()  # errors counted by the calling thread
         secret = _secret(secret)
         # Keys derived from the secret, one per use; None without a secret.
@@ -105,8 +106,10 @@ class StorageBackend(ABC):
         if not isinstance(pool, HostKVCache):
             raise TypeError(f"pool must be a HostKVCache, got {type(pool).__name__}")
         if pool.layout != "page_first":
-            raise ValueError("a storage backend moves whole pages: the host pool must be "
-                             f"page_first, got {pool.layout}")
+            raise ValueError(
+                "a storage backend moves whole pages: the host pool must be "
+                f"page_first, got {pool.layout}"
+            )
         self.pool = pool
         self._bytes = pool.kv_buffer.view(torch.uint8).reshape(pool.num_pages, -1)
         self.page_bytes = self._bytes.shape[1]

@@ -19,8 +19,15 @@ class FaultyStorage(StorageBackend):
     cache must do: count the failures, never use a failed page, leak no host
     page, never hang."""
 
-    def __init__(self, backend: StorageBackend, seed: int = 0, fail_call: float = 0.05,
-                 fail_page: float = 0.1, max_delay_s: float = 0.001, scribble: bool = True):
+    def __init__(
+        self,
+        backend: StorageBackend,
+        seed: int = 0,
+        fail_call: float = 0.05,
+        fail_page: float = 0.1,
+        max_delay_s: float = 0.001,
+        scribble: bool = True,
+    ):
         super().__init__()
         self.backend = backend
         self.rng = random.Random(seed)

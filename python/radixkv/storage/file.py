@@ -31,14 +31,43 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # a directory, a device, unreadable, damaged): a miss for that page, and the
 # entry is removed. Any other error (out of descriptors or memory, a store
 # closed) says nothing of the entry: an error, and the entry stays.
-_BAD_ENTRY = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENXIO,
-                        errno.ENODEV, errno.EIO, errno.EOVERFLOW, errno.ETXTBSY, errno.EINVAL})
+_BAD_ENTRY = frozenset(
+    {
+        errno.ELOOP,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EISDIR,
+        errno.ENXIO,
+        errno.ENODEV,
+        errno.EIO,
+        errno.EOVERFLOW,
+        errno.ETXTBSY,
+        errno.EINVAL,
+    }
+)
 
 # File systems whose calls may hang on another machine: existence queries on
 # them are asked with a bound (StorageBackend.blocking_queries).
-NETWORK_FILE_SYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs",
-                                  "lustre", "gpfs", "beegfs", "9p", "afs", "ocfs2", "gfs2",
-                                  "fuse", "fuseblk"})
+NETWORK_FILE_SYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "9p",
+        "afs",
+        "ocfs2",
+        "gfs2",
+        "fuse",
+        "fuseblk",
+    }
+)
 
 
 def file_system_type(path: str) -> str:
@@ -109,9 +138,16 @@ class FileStorage(StorageBackend):
     with a bound, as a stat() there may hang.
     """
 
-    def __init__(self, directory: str, fingerprint: bytes, max_bytes: Optional[int] = None, *,
-                 shared: bool = False, secret: Optional[bytes] = None,
-                 bounded_queries: Optional[bool] = None):
+    def __init__(
+        self,
+        directory: str,
+        fingerprint: bytes,
+        max_bytes: Optional[int] = None,
+        *,
+        shared: bool = False,
+        secret: Optional[bytes] = None,
+        bounded_queries: Optional[bool] = None,
+    ):
         super().__init__(secret)
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
@@ -171,8 +207,9 @@ class FileStorage(StorageBackend):
         except FileExistsError:
             pass
         except NotADirectoryError:
-            raise NotADirectoryError(errno.ENOTDIR, f"directory {path!r}: a part of it is "
-                                     "not a directory") from None
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"directory {path!r}: a part of it is " "not a directory"
+            ) from None
         except OSError as e:
             raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
         st = os.stat(path) if parents else os.lstat(path)
@@ -181,13 +218,19 @@ class FileStorage(StorageBackend):
         if self.shared:
             return
         if st.st_uid != self._uid:
-            raise PermissionError(errno.EPERM, f"directory {path!r} belongs to uid {st.st_uid}, "
-                                  f"not to this process (uid {self._uid}): pass shared=True "
-                                  "if the store is shared on purpose")
+            raise PermissionError(
+                errno.EPERM,
+                f"directory {path!r} belongs to uid {st.st_uid}, "
+                f"not to this process (uid {self._uid}): pass shared=True "
+                "if the store is shared on purpose",
+            )
         if st.st_mode & 0o022:
-            raise PermissionError(errno.EPERM, f"directory {path!r} is writable by others (mode "
-                                  f"{stat.S_IMODE(st.st_mode):o}): pass shared=True if the "
-                                  "store is shared on purpose")
+            raise PermissionError(
+                errno.EPERM,
+                f"directory {path!r} is writable by others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): pass shared=True if the "
+                "store is shared on purpose",
+            )
 
     def _scan(self) -> None:
         """The pages already there, for the bound; and the temporary files of
@@ -224,9 +267,11 @@ class FileStorage(StorageBackend):
     def _ours(self, st: os.stat_result) -> bool:
         """A page file of ours: a regular file of a page's size (once a pool
         is attached) that this user owns (any user's, when shared)."""
-        return (stat.S_ISREG(st.st_mode)
-                and (st.st_size == self.file_bytes or not self.page_bytes)
-                and (self.shared or st.st_uid == self._uid))
+        return (
+            stat.S_ISREG(st.st_mode)
+            and (st.st_size == self.file_bytes or not self.page_bytes)
+            and (self.shared or st.st_uid == self._uid)
+        )
 
     # -- the directory a page is in ------------------------------------------------------
 
@@ -286,8 +331,7 @@ class FileStorage(StorageBackend):
                 self._remake()
                 continue
             if self.shared:  # the umask must not take the group's access away
-                os.chmod(os.path.join(self.directory, sub), self._dir_mode,
-                         follow_symlinks=False)
+                os.chmod(os.path.join(self.directory, sub), self._dir_mode, follow_symlinks=False)
             self._made.add(sub)
             return
 
@@ -333,8 +377,9 @@ class FileStorage(StorageBackend):
         """A descriptor of `key`'s page file (`at` from `_where`), or None: a
         miss (a bad entry there is removed). Never blocks on a FIFO or device."""
         try:
-            fd = os.open(at[1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=at[0])
+            fd = os.open(
+                at[1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=at[0]
+            )
         except (FileNotFoundError, NotADirectoryError):
             self._forget(self.path(key))
             return None
@@ -403,9 +448,12 @@ class FileStorage(StorageBackend):
                 if len(head) != header.size:
                     return self._bad_entry(key, at)
                 magic, raw_key, fingerprint, length, check = header.unpack(head)
-                if (magic != (MAGIC_KEYED if self.keyed else MAGIC)
-                        or raw_key != bytes.fromhex(key)
-                        or fingerprint != self.fingerprint or length != self.page_bytes):
+                if (
+                    magic != (MAGIC_KEYED if self.keyed else MAGIC)
+                    or raw_key != bytes.fromhex(key)
+                    or fingerprint != self.fingerprint
+                    or length != self.page_bytes
+                ):
                     return self._bad_entry(key, at)
                 if f.readinto(view) != length or f.read(1):
                     return self._bad_entry(key, at)
@@ -460,11 +508,17 @@ class FileStorage(StorageBackend):
     def _set(self, key: str, page: int) -> bool:
         view = memoryview(self.page_view(page).numpy())
         if self.keyed:
-            header = HEADER_KEYED.pack(MAGIC_KEYED, bytes.fromhex(key), self.fingerprint,
-                                       self.page_bytes, self.tag(key, view))
+            header = HEADER_KEYED.pack(
+                MAGIC_KEYED,
+                bytes.fromhex(key),
+                self.fingerprint,
+                self.page_bytes,
+                self.tag(key, view),
+            )
         else:
-            header = HEADER.pack(MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes,
-                                 crc32c(view))
+            header = HEADER.pack(
+                MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes, crc32c(view)
+            )
         if self._top < 0:  # closed
             self.count_error()
             return False
@@ -498,8 +552,12 @@ class FileStorage(StorageBackend):
         dir_fd, name, close = at
         tmp = f"{name}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         self._page_mode, dir_fd=dir_fd)
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                self._page_mode,
+                dir_fd=dir_fd,
+            )
             try:
                 if self.shared:
                     os.fchmod(fd, self._page_mode)

@@ -17,12 +17,22 @@ def _field(value) -> bytes:
     return len(data).to_bytes(8, "little") + data
 
 
-def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size: int,
-                       layout: str, num_layers: int, kv_heads: int, head_dim: int,
-                       tp_rank: int = 0, tp_size: int = 1,
-                       namespace: Optional[str] = None, attention: str = "mha",
-                       side_buffers: Sequence[Tuple[str, Tuple[int, ...], object]] = (),
-                       kv_lora_rank: Optional[int] = None) -> bytes:
+def config_fingerprint(
+    *,
+    model: str,
+    dtype: Union[torch.dtype, str],
+    page_size: int,
+    layout: str,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    namespace: Optional[str] = None,
+    attention: str = "mha",
+    side_buffers: Sequence[Tuple[str, Tuple[int, ...], object]] = (),
+    kv_lora_rank: Optional[int] = None,
+) -> bytes:
     """32 bytes naming a configuration's page bytes: the model, the K/V dtype,
     the host layout, the page size, the shape of a page (layers, K/V heads on
     this rank, head dim), the tensor-parallel shard, a user namespace
@@ -37,12 +47,19 @@ def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size:
     dtype)`: their rows are part of each page."""
     if attention not in ("mha", "mla"):
         raise ValueError(f"attention must be 'mha' or 'mla', got {attention!r}")
-    parts = [b"radixkv-page-v1", _field(model), _field(str(dtype).removeprefix("torch.")),
-             _field(as_count(page_size, "page_size")), _field(layout),
-             _field(as_count(num_layers, "num_layers")), _field(as_count(kv_heads, "kv_heads")),
-             _field(as_count(head_dim, "head_dim")), _field(as_int(tp_rank, "tp_rank")),
-             _field(as_count(tp_size, "tp_size")),
-             b"\x00" if namespace is None else b"\x01" + _field(namespace)]
+    parts = [
+        b"radixkv-page-v1",
+        _field(model),
+        _field(str(dtype).removeprefix("torch.")),
+        _field(as_count(page_size, "page_size")),
+        _field(layout),
+        _field(as_count(num_layers, "num_layers")),
+        _field(as_count(kv_heads, "kv_heads")),
+        _field(as_count(head_dim, "head_dim")),
+        _field(as_int(tp_rank, "tp_rank")),
+        _field(as_count(tp_size, "tp_size")),
+        b"\x00" if namespace is None else b"\x01" + _field(namespace),
+    ]
     if attention == "mla":  # MHA keys stay those of earlier versions
         if kv_lora_rank is None:
             raise ValueError("kv_lora_rank: an MLA page's key names where its latent ends")
@@ -52,28 +69,51 @@ def config_fingerprint(*, model: str, dtype: Union[torch.dtype, str], page_size:
     return hashlib.sha256(b"".join(parts)).digest()
 
 
-def pool_fingerprint(pool, *, model: str, layout: str = "page_first", tp_rank: int = 0,
-                     namespace: Optional[str] = None) -> bytes:
+def pool_fingerprint(
+    pool,
+    *,
+    model: str,
+    layout: str = "page_first",
+    tp_rank: int = 0,
+    namespace: Optional[str] = None,
+) -> bytes:
     """`config_fingerprint` of a device pool (an MHAKVCache or MLAKVCache) and
     its host layout: an MHA pool's shard is (`tp_rank`, `pool.tp_size`); an
     MLA pool's pages are the same on every rank, so its key ignores the rank.
     The pool's side buffers are part of it."""
     sides = pool.side_buffer_specs()
     if getattr(pool, "sides", 2) == 1:
-        return config_fingerprint(model=model, dtype=pool.dtype, page_size=pool.page_size,
-                                  layout=layout, num_layers=pool.num_layers, kv_heads=1,
-                                  head_dim=pool.row_shape[1], namespace=namespace,
-                                  attention="mla", side_buffers=sides,
-                                  kv_lora_rank=pool.kv_lora_rank)
-    return config_fingerprint(model=model, dtype=pool.dtype, page_size=pool.page_size,
-                              layout=layout, num_layers=pool.num_layers,
-                              kv_heads=pool.local_kv_heads, head_dim=pool.head_dim,
-                              tp_rank=tp_rank, tp_size=pool.tp_size, namespace=namespace,
-                              side_buffers=sides)
+        return config_fingerprint(
+            model=model,
+            dtype=pool.dtype,
+            page_size=pool.page_size,
+            layout=layout,
+            num_layers=pool.num_layers,
+            kv_heads=1,
+            head_dim=pool.row_shape[1],
+            namespace=namespace,
+            attention="mla",
+            side_buffers=sides,
+            kv_lora_rank=pool.kv_lora_rank,
+        )
+    return config_fingerprint(
+        model=model,
+        dtype=pool.dtype,
+        page_size=pool.page_size,
+        layout=layout,
+        num_layers=pool.num_layers,
+        kv_heads=pool.local_kv_heads,
+        head_dim=pool.head_dim,
+        tp_rank=tp_rank,
+        tp_size=pool.tp_size,
+        namespace=namespace,
+        side_buffers=sides,
+    )
 
 
-def page_keys(input_ids, page_size: int, seed: Optional[bytes] = None,
-              key: Optional[bytes] = None) -> List[str]:
+def page_keys(
+    input_ids, page_size: int, seed: Optional[bytes] = None, key: Optional[bytes] = None
+) -> List[str]:
     """Hex keys of the whole pages of `input_ids`: key i = SHA256(key i-1 ||
     page i's tokens as little-endian uint32), key -1 being `seed` (32 bytes,
     from `config_fingerprint`). Without a seed the chain is SGLang's page hash

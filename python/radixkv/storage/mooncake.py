@@ -55,22 +55,37 @@ class MooncakeMaster:
     to start one again where a stopped one was); stopped by `stop()` or at
     the end of a `with` block."""
 
-    def __init__(self, binary: Optional[str] = None, start_timeout_s: float = 20.0,
-                 ports: Optional[tuple] = None):
+    def __init__(
+        self,
+        binary: Optional[str] = None,
+        start_timeout_s: float = 20.0,
+        ports: Optional[tuple] = None,
+    ):
         binary = binary or master_binary()
         if binary is None:
             raise RuntimeError("mooncake_master not found: pip install 'radixkv[mooncake]'")
         self.rpc_port, self.http_port, self.metrics_port = (
-            ports if ports is not None else (_free_port(), _free_port(), _free_port()))
-        self._log = tempfile.NamedTemporaryFile(prefix="mooncake_master.", suffix=".log",
-                                                delete=False)
+            ports if ports is not None else (_free_port(), _free_port(), _free_port())
+        )
+        self._log = tempfile.NamedTemporaryFile(
+            prefix="mooncake_master.", suffix=".log", delete=False
+        )
         self.log_path = self._log.name
         self.proc = subprocess.Popen(
-            [binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={self.metrics_port}"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            [
+                binary,
+                f"--rpc_port={self.rpc_port}",
+                "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.http_port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + start_timeout_s
         while not (self._listening(self.rpc_port) and self._listening(self.http_port)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -125,25 +140,30 @@ os._exit(0)
 """
 
 
-def probe_master(master_address: str, metadata_server: str, local_hostname: str,
-                 protocol: str, timeout_s: float) -> None:
+def probe_master(
+    master_address: str, metadata_server: str, local_hostname: str, protocol: str, timeout_s: float
+) -> None:
     """Checks, in a subprocess, that a client can set up against the master
     within `timeout_s`: Mooncake's own setup holds the GIL for as long as a
     hung master keeps it waiting, so it is only called once this passed.
     Raises RuntimeError naming the master otherwise."""
-    cmd = [sys.executable, "-c", _PROBE, local_hostname, metadata_server, protocol,
-           master_address]
+    cmd = [sys.executable, "-c", _PROBE, local_hostname, metadata_server, protocol, master_address]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                           stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"Mooncake master {master_address} (metadata {metadata_server}) did "
-                           f"not answer within {timeout_s:g} s") from None
+        raise RuntimeError(
+            f"Mooncake master {master_address} (metadata {metadata_server}) did "
+            f"not answer within {timeout_s:g} s"
+        ) from None
     out = r.stdout.strip().splitlines()
     if not out or out[-1] != "0":
-        raise RuntimeError(f"Mooncake Store setup failed against master {master_address} "
-                           f"(metadata {metadata_server}): "
-                           f"{out[-1] if out else r.stderr.strip()[-500:]}")
+        raise RuntimeError(
+            f"Mooncake Store setup failed against master {master_address} "
+            f"(metadata {metadata_server}): "
+            f"{out[-1] if out else r.stderr.strip()[-500:]}"
+        )
 
 
 class MooncakeStorage(StorageBackend):
@@ -175,33 +195,53 @@ class MooncakeStorage(StorageBackend):
     # across the process's clients.
     concurrent_calls = False
 
-    def __init__(self, master_address: str, metadata_server: str,
-                 local_hostname: str = "127.0.0.1", protocol: str = "tcp",
-                 segment_bytes: int = 256 << 20, buffer_bytes: int = 64 << 20,
-                 prefix: str = "radixkv/", fingerprint: Optional[bytes] = None, *,
-                 secret: Optional[bytes] = None, setup_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        master_address: str,
+        metadata_server: str,
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        segment_bytes: int = 256 << 20,
+        buffer_bytes: int = 64 << 20,
+        prefix: str = "radixkv/",
+        fingerprint: Optional[bytes] = None,
+        *,
+        secret: Optional[bytes] = None,
+        setup_timeout_s: float = 10.0,
+    ):
         super().__init__(secret)
-        if fingerprint is not None and (not isinstance(fingerprint, bytes)
-                                        or len(fingerprint) != 32):
+        if fingerprint is not None and (
+            not isinstance(fingerprint, bytes) or len(fingerprint) != 32
+        ):
             raise ValueError("fingerprint must be 32 bytes (radixkv.storage.config_fingerprint)")
         setup_timeout_s = as_seconds(setup_timeout_s, "setup_timeout_s")
         self.fingerprint = fingerprint
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
-            raise RuntimeError("Mooncake Store's client is not installed: "
-                               "pip install 'radixkv[mooncake]'") from e
+            raise RuntimeError(
+                "Mooncake Store's client is not installed: " "pip install 'radixkv[mooncake]'"
+            ) from e
         self.prefix = prefix
         self._closed = True
         self._where = (master_address, metadata_server, local_hostname, protocol)
         self._setup_timeout_s = setup_timeout_s
         probe_master(*self._where, setup_timeout_s)
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup(local_hostname, metadata_server, segment_bytes, buffer_bytes,
-                              protocol, "", master_address)
+        rc = self.store.setup(
+            local_hostname,
+            metadata_server,
+            segment_bytes,
+            buffer_bytes,
+            protocol,
+            "",
+            master_address,
+        )
         if rc != 0:
-            raise RuntimeError(f"Mooncake Store setup failed (code {rc}): master "
-                               f"{master_address}, metadata {metadata_server}")
+            raise RuntimeError(
+                f"Mooncake Store setup failed (code {rc}): master "
+                f"{master_address}, metadata {metadata_server}"
+            )
         self._closed = False
         self._tags: Optional[torch.Tensor] = None
 
@@ -248,12 +288,13 @@ class MooncakeStorage(StorageBackend):
         size = self.page_bytes + (TAG_BYTES if self.keyed else 0)
         try:
             if self.keyed:
-                got = self.store.batch_get_into_multi_buffers(self._keys(keys),
-                                                              *self._parts(host_pages))
+                got = self.store.batch_get_into_multi_buffers(
+                    self._keys(keys), *self._parts(host_pages)
+                )
             else:
-                got = self.store.batch_get_into(self._keys(keys),
-                                                [self.page_address(p) for p in host_pages],
-                                                [size] * len(keys))
+                got = self.store.batch_get_into(
+                    self._keys(keys), [self.page_address(p) for p in host_pages], [size] * len(keys)
+                )
         except Exception:
             self.count_error(len(keys))
             return [False] * len(keys)
@@ -262,8 +303,8 @@ class MooncakeStorage(StorageBackend):
             forged = []
             for i, (key, page) in enumerate(zip(keys, host_pages)):
                 if ok[i] and not hmac.compare_digest(
-                        self.tag(key, self.page_view(page).numpy()),
-                        self._tags[page].numpy().tobytes()):
+                    self.tag(key, self.page_view(page).numpy()), self._tags[page].numpy().tobytes()
+                ):
                     ok[i] = False
                     forged.append(key)
             if forged:  # planted without the secret: counted and removed
@@ -287,13 +328,17 @@ class MooncakeStorage(StorageBackend):
             if self.keyed:
                 for key, page in zip(keys, host_pages):
                     self._tags[page] = torch.frombuffer(
-                        bytearray(self.tag(key, self.page_view(page).numpy())), dtype=torch.uint8)
-                rc = self.store.batch_put_from_multi_buffers(self._keys(keys),
-                                                             *self._parts(host_pages))
+                        bytearray(self.tag(key, self.page_view(page).numpy())), dtype=torch.uint8
+                    )
+                rc = self.store.batch_put_from_multi_buffers(
+                    self._keys(keys), *self._parts(host_pages)
+                )
             else:
-                rc = self.store.batch_put_from(self._keys(keys),
-                                               [self.page_address(p) for p in host_pages],
-                                               [self.page_bytes] * len(keys))
+                rc = self.store.batch_put_from(
+                    self._keys(keys),
+                    [self.page_address(p) for p in host_pages],
+                    [self.page_bytes] * len(keys),
+                )
         except Exception:
             self.count_error(len(keys))
             return [False] * len(keys)

@@ -11,12 +11,18 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.environ.get("RADIXKV_VLLM_TESTS_DIR") or os.path.expanduser(
-    "~/.cache/radixkv-engines/vllm-tests-0.32.0"))
+sys.path.insert(
+    0,
+    os.environ.get("RADIXKV_VLLM_TESTS_DIR")
+    or os.path.expanduser("~/.cache/radixkv-engines/vllm-tests-0.32.0"),
+)
 
 import torch  # noqa: E402
-from tests.v1.kv_connector.unit.utils import (create_request, create_scheduler,  # noqa: E402
-                                               create_vllm_config)
+from tests.v1.kv_connector.unit.utils import (
+    create_request,
+    create_scheduler,  # noqa: E402
+    create_vllm_config,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
@@ -36,19 +42,31 @@ def truth(tokens, upto):
 
 
 class Sim:
-    def __init__(self, host_bytes=64 << 20, store="file", async_sched=False, num_blocks=200,
-                 batched=64, prefix_caching=True, directory=None):
+    def __init__(
+        self,
+        host_bytes=64 << 20,
+        store="file",
+        async_sched=False,
+        num_blocks=200,
+        batched=64,
+        prefix_caching=True,
+        directory=None,
+    ):
         self.dir = directory or tempfile.mkdtemp(prefix="rkstore")
         extra = {"host_bytes": host_bytes}
         if store == "file":
             extra.update(store="file", directory=self.dir)
         else:
             extra.update(store="none")
-        cfg = create_vllm_config(block_size=BS, max_num_batched_tokens=batched,
-                                 kv_connector="RadixkvConnector",
-                                 kv_connector_module_path="radixkv.compat.vllm_connector",
-                                 kv_role="kv_both", kv_connector_extra_config=extra,
-                                 kv_load_failure_policy="recompute")
+        cfg = create_vllm_config(
+            block_size=BS,
+            max_num_batched_tokens=batched,
+            kv_connector="RadixkvConnector",
+            kv_connector_module_path="radixkv.compat.vllm_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        )
         cfg.scheduler_config.async_scheduling = async_sched
         cfg.cache_config.enable_prefix_caching = prefix_caching
         self.sched = create_scheduler(cfg, num_blocks=num_blocks)
@@ -68,8 +86,10 @@ class Sim:
     def execute(self, so):
         wc = self.wc
         for new in so.scheduled_new_reqs:
-            self.wreqs[new.req_id] = [list(new.prompt_token_ids) + [TOK_OUT] * 10000,
-                                      list(new.block_ids[0])]
+            self.wreqs[new.req_id] = [
+                list(new.prompt_token_ids) + [TOK_OUT] * 10000,
+                list(new.block_ids[0]),
+            ]
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             nb = c.new_block_ids[i]
@@ -90,11 +110,13 @@ class Sim:
                 if b in errors_now:
                     continue
                 k = bids.index(b)
-                want = truth(toks, (k + 1) * BS)[k * BS:]
+                want = truth(toks, (k + 1) * BS)[k * BS :]
                 got = self.kv[0, b, :, 0, 0].tolist()
                 if got != [float(x) for x in want]:
-                    self.problems.append(f"WRONG BYTES LOADED: req {load.req_id} block#{k} "
-                                         f"(id {b}) got {got[:3]} want {want[:3]}")
+                    self.problems.append(
+                        f"WRONG BYTES LOADED: req {load.req_id} block#{k} "
+                        f"(id {b}) got {got[:3]} want {want[:3]}"
+                    )
         # toy forward
         computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         for i, rid in enumerate(c.req_ids):
@@ -116,10 +138,15 @@ class Sim:
             r = self.sched.requests.get(rid)
             done = computed[rid] + so.num_scheduled_tokens[rid]
             sampled.append([TOK_OUT] if r is None or done >= r.num_prompt_tokens else [])
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                 pooler_output=None,
-                                 kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+        )
 
     def step_sync(self):
         so = self.sched.schedule()
@@ -158,8 +185,11 @@ class Sim:
         """Every store page of these prompts' names holds the true bytes."""
         st = self.wc.store
         for toks in prompts:
-            names = self.sc._names(type("R", (), {"prompt_token_ids": toks, "cache_salt": None,
-                                                  "lora_request": None})())
+            names = self.sc._names(
+                type(
+                    "R", (), {"prompt_token_ids": toks, "cache_salt": None, "lora_request": None}
+                )()
+            )
             tr = truth(list(toks), len(names) * BS)
             got = {}
 
@@ -167,27 +197,33 @@ class Sim:
                 if page is not None:
                     got[i] = page[:BS].tolist()
                 return True
+
             for i, n in enumerate(names):
                 got.clear()
                 st.read([n], lambda j, page, i=i: take(i, page))
-                if i in got and got[i] != [float(x) for x in tr[i * BS:(i + 1) * BS]]:
-                    self.problems.append(f"WRONG BYTES IN STORE: block #{i} got {got[i][:3]} "
-                                         f"want {tr[i*BS:i*BS+3]}")
+                if i in got and got[i] != [float(x) for x in tr[i * BS : (i + 1) * BS]]:
+                    self.problems.append(
+                        f"WRONG BYTES IN STORE: block #{i} got {got[i][:3]} "
+                        f"want {tr[i*BS:i*BS+3]}"
+                    )
 
     def check_host(self, prompts):
         idx = self.sc.index
         if idx is None:
             return
         for toks in prompts:
-            names = self.sc._names(type("R", (), {"prompt_token_ids": toks, "cache_salt": None,
-                                                  "lora_request": None})())
+            names = self.sc._names(
+                type(
+                    "R", (), {"prompt_token_ids": toks, "cache_salt": None, "lora_request": None}
+                )()
+            )
             tr = truth(list(toks), len(names) * BS)
             for i, n in enumerate(names):
                 p = idx._pages.get(n)
                 if p is None or not self.wc._valid[p]:
                     continue
                 got = self.wc.blocks.rows[p].view(2, BS)[0].tolist()
-                if got != [float(x) for x in tr[i * BS:(i + 1) * BS]]:
+                if got != [float(x) for x in tr[i * BS : (i + 1) * BS]]:
                     self.problems.append(f"WRONG BYTES IN VALID HOST PAGE {p}: block #{i}")
 
 
@@ -196,11 +232,17 @@ def add(sim, req_id, tokens, max_tokens=2):
     from vllm.v1.request import Request
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.utils.hashing import sha256
+
     create_request(num_tokens=1)  # init none-hash
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sp.update_from_generation_config({}, 999999)
-    r = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp,
-                pooling_params=None, mm_features=None,
-                block_hasher=get_request_block_hasher(BS, sha256))
+    r = Request(
+        request_id=req_id,
+        prompt_token_ids=list(tokens),
+        sampling_params=sp,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
     sim.sched.add_request(r)
     return r

@@ -18,8 +18,8 @@ import pytest
 from connector_sim import Sim, add
 
 HOST = 64 << 20
-A = list(range(1, 161))          # 10 blocks of 16
-B = A[:64] + [3] * 96            # shares A's first 4 blocks
+A = list(range(1, 161))  # 10 blocks of 16
+B = A[:64] + [3] * 96  # shares A's first 4 blocks
 
 
 def forget(sim):
@@ -40,6 +40,7 @@ def evict_on_first_load(sim):
             os.unlink(sim.wc.store.backend.path(meta.loads[0].names[1]))
             lost.append(meta.loads[0].req_id)
             sim.hook_before_load = None
+
     sim.hook_before_load = hook
     return lost
 
@@ -71,6 +72,7 @@ def test_nothing_computed_over_a_failed_load_is_saved(host, async_sched):
 
     def check(sim, step, so):  # the store is right after every step the worker ran
         sim.check_store([B])
+
     sim.run_async(between=check) if async_sched else sim.run_sync()
     sim.check_store([A, B])
     sim.check_host([A, B])
@@ -92,6 +94,7 @@ def test_a_request_aborted_after_a_failed_load_leaves_nothing_wrong(host):
     def abort(sim, step, so):
         if step == 2:
             sim.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+
     sim.run_async(between=abort)
     sim.check_store([B])
     sim.check_host([B])

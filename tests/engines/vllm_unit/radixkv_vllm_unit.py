@@ -35,7 +35,8 @@ import sys
 import pytest
 
 CACHE = os.environ.get("RADIXKV_VLLM_TESTS_DIR") or os.path.expanduser(
-    "~/.cache/radixkv-engines/vllm-tests-0.32.0")
+    "~/.cache/radixkv-engines/vllm-tests-0.32.0"
+)
 HF_HOME = os.path.join(CACHE, "hf-tiny-llama")
 # Before huggingface_hub / transformers / vllm are imported (by vLLM's conftest).
 os.environ["HF_HOME"] = HF_HOME
@@ -75,6 +76,7 @@ def _fake_repo(repo_id: str) -> None:
         f.write(_REV)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tiny_model import build_model, build_tokenizer
+
     build_model(snap, "float16")
     build_tokenizer(snap)
 
@@ -87,10 +89,13 @@ _fake_hf_cache()
 
 
 def _radixkv_transfer_config(real, kw: dict, directory: str, policy: str):
-    return real(kv_connector="RadixkvConnector", kv_connector_module_path=MODULE,
-                kv_role=kw.get("kv_role", "kv_both"),
-                kv_connector_extra_config=_extra(directory),
-                kv_load_failure_policy=policy)
+    return real(
+        kv_connector="RadixkvConnector",
+        kv_connector_module_path=MODULE,
+        kv_role=kw.get("kv_role", "kv_both"),
+        kv_connector_extra_config=_extra(directory),
+        kv_load_failure_policy=policy,
+    )
 
 
 def _extra(directory: str) -> dict:
@@ -103,11 +108,14 @@ def _skip_if_fail_policy(fn):
             return fn(*args, **kwargs)
         except ValueError as e:
             if "kv_load_failure_policy" in str(e):
-                pytest.skip("test needs kv_load_failure_policy 'fail'; RadixkvConnector "
-                            "refuses it by design")
+                pytest.skip(
+                    "test needs kv_load_failure_policy 'fail'; RadixkvConnector "
+                    "refuses it by design"
+                )
             if str(e).startswith("radixkv's vLLM connector serves"):
                 pytest.skip(f"RadixkvConnector refuses this layout by design: {e}")
             raise
+
     return wrapped
 
 
@@ -129,6 +137,7 @@ def _radixkv_connector(request, monkeypatch, tmp_path):
                 if kw.get("kv_connector") == "ExampleConnector":
                     return _radixkv_transfer_config(_real, kw, directory, "recompute")
                 return _real(*args, **kw)
+
             monkeypatch.setattr(mod, "KVTransferConfig", kvt)
     elif name in GENERIC:
         mod = request.module
@@ -142,6 +151,7 @@ def _radixkv_connector(request, monkeypatch, tmp_path):
                 kw["kv_connector_extra_config"] = _extra(directory)
                 kw.setdefault("kv_load_failure_policy", "recompute")
             return real_cfg(*args, **kw)
+
         monkeypatch.setattr(mod, "create_vllm_config", create_vllm_config)
         monkeypatch.setattr(mod, "create_scheduler", _skip_if_fail_policy(mod.create_scheduler))
     yield
@@ -155,6 +165,7 @@ def _record_connectors(request, monkeypatch):
     """Records which connector classes each test really built (the summary
     lists the tests that ran RadixkvConnector)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
     real = KVConnectorFactory.create_connector.__func__
     built = _BUILT.setdefault(request.node.nodeid, set())
     ours = []
@@ -165,6 +176,7 @@ def _record_connectors(request, monkeypatch):
         if type(c).__name__ == "RadixkvConnector":
             ours.append(c)
         return c
+
     monkeypatch.setattr(KVConnectorFactory, "create_connector", classmethod(create_connector))
     yield
     # Our own invariants (not vLLM's): no per-request state is left for a
@@ -199,8 +211,9 @@ def pytest_collection_modifyitems(config, items):
     """In tests/v1/core keeps only the tests whose scheduler has vLLM's
     generic ExampleConnector (`use_kv_connector=True`, or its parameter
     True); the rest never reach a connector, or use vLLM's MockKVConnector."""
-    skip = pytest.mark.skip(reason="names a LLaVA model, whose config needs torchvision "
-                                   "(not in the CPU venv)")
+    skip = pytest.mark.skip(
+        reason="names a LLaVA model, whose config needs torchvision " "(not in the CPU venv)"
+    )
     for item in items:
         if "ec_connector" in item.name:
             item.add_marker(skip)
@@ -227,5 +240,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return (f"radixkv: RadixkvConnector substituted ({MODULE})" if SUBSTITUTE
-            else "radixkv: substitution off (vLLM's own connectors)")
+    return (
+        f"radixkv: RadixkvConnector substituted ({MODULE})"
+        if SUBSTITUTE
+        else "radixkv: substitution off (vLLM's own connectors)"
+    )

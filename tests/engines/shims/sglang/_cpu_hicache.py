@@ -27,12 +27,17 @@ def patch() -> None:
     mha.transfer_kv_direct = _transfer_kv_direct
     try:
         from sglang.srt.mem_cache import memory_pool_host
+
         memory_pool_host.transfer_kv_direct = _transfer_kv_direct
     except ImportError:
         pass
+
     def dummy_page(self):
-        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
-                           dtype=self.dtype, device="cpu").flatten()
+        return torch.zeros(
+            (2, self.layer_num, self.page_size, self.head_num, self.head_dim),
+            dtype=self.dtype,
+            device="cpu",
+        ).flatten()
 
     mha.MHATokenToKVPoolHost.get_dummy_flat_data_page = dummy_page
     if not hasattr(torch.cpu.Stream, "synchronize"):

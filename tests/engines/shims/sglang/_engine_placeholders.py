@@ -16,8 +16,9 @@ class _Meta(type):
         return placeholder(f"{cls.__module__}.{cls.__name__}", attr)
 
     def __call__(cls, *args, **kwargs):
-        raise NotImplementedError(f"{cls.__module__}.{cls.__name__} is a placeholder in "
-                                  "this test venv")
+        raise NotImplementedError(
+            f"{cls.__module__}.{cls.__name__} is a placeholder in " "this test venv"
+        )
 
 
 def placeholder(module_name: str, attr: str):

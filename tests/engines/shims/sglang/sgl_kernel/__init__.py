@@ -10,15 +10,16 @@ __version__ = "0.0.0"
 install(__name__)
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
-                                 out_cache_loc, pool_len):
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+):
     """Row req_pool_indices[i] of req_to_token takes, from column
     start_offset[i] to end_offset[i], the next slots of out_cache_loc."""
     starts, ends = start_offset.tolist(), end_offset.tolist()
     at = 0
     for row, s, e in zip(req_pool_indices.tolist(), starts, ends):
         n = e - s
-        req_to_token[row, s:e] = out_cache_loc[at:at + n].to(req_to_token.dtype)
+        req_to_token[row, s:e] = out_cache_loc[at : at + n].to(req_to_token.dtype)
         at += n
 
 
