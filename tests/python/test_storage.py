@@ -5,6 +5,7 @@ Every page a request is handed is checked against the K/V stored for its
 tokens."""
 
 import os
+import signal
 import threading
 import time
 
@@ -512,3 +513,55 @@ def test_close_without_waiting_drops_the_queued_writes(tmp_path):
     a.cm.check_integrity()
     assert a.cm.prefetch(prompt(60, 2)) is None  # closed: no more storage calls
     assert store.sets == 1
+
+
+def test_backups_that_land_during_a_prefetch_are_written_before_it_makes_host_room(tmp_path):
+    # A prefetch that first copies its path to host again waits for every
+    # backup in flight; those must be pinned by their writes to storage
+    # before the prefetch makes host room, which would evict them otherwise.
+    a = Instance(FileStorage(str(tmp_path), fingerprint()))
+    p = prompt(1, 6)
+    a.serve(p)
+    a.close()
+    b = Instance(FileStorage(str(tmp_path), fingerprint()), pages=16, host_pages=4)
+    b.serve(torch.cat([p[:PAGE], torch.tensor([7], dtype=torch.int32)]))  # p's first page
+    b.serve(prompt(2, 3))  # the host tier is full
+    q = prompt(3, 3)
+    b.serve(q, drain=False)  # its backup is in flight
+    b.serve(p, drain=False)  # prefetch: the path to host again, then room for the pages
+    b.cm.drain()
+    b.cm.check_integrity()
+    st = b.cm._storage
+    assert st.backend.batch_exists(st.keys_of(q[: 3 * PAGE])) == 3
+    b.close()
+
+
+def test_ctrl_c_while_backups_are_applied_still_queues_their_writes(tmp_path):
+    # Applying a backup and queueing its write to storage are one step: a
+    # Ctrl-C that arrives meanwhile waits for both, so the host copy is
+    # pinned by its write before anything can evict it.
+    a = Instance(FileStorage(str(tmp_path), fingerprint()), host_pages=8)
+    a.serve(prompt(1, 3), drain=False)  # its write_through backup is in flight
+    tier = a.cm._tier
+    real = tier.controller
+
+    class InterruptedAcks:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def take_backup_acks(self):
+            signal.raise_signal(signal.SIGINT)
+            return real.take_backup_acks()
+
+    tier.controller = InterruptedAcks()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            a.cm.drain()
+    finally:
+        tier.controller = real
+    assert a.cm._tree.tier_sizes().storing == 3 * PAGE  # pinned by its write
+    tier.make_room(8 * PAGE)  # a host eviction before the next tier call
+    a.cm.drain()
+    a.cm.check_integrity()
+    assert a.cm.storage_counters.written_pages == 3
+    a.close()

@@ -434,7 +434,10 @@ class RadixkvConnector(KVConnectorBase_V1):
     # -- worker side ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        blocks = HostBlocks(kv_caches, self._kv_cache_config.num_blocks)
+        try:
+            blocks = HostBlocks(kv_caches, self._kv_cache_config.num_blocks)
+        except ValueError as e:  # vLLM's log names the connector that refused
+            raise ValueError(f"radixkv's vLLM connector: {e}") from None
         layout, _, planned, _ = self._page_from_config(self._kv_cache_config)
         if blocks.page_elems != planned:  # the scheduler numbers host pages of this size
             raise ValueError(

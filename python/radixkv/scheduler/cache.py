@@ -12,7 +12,7 @@ from radixkv._checks import as_count, as_device, as_int, int32_tensor, to_host
 from radixkv.events import EventPublisher
 from radixkv.kvcache import BaseCacheHandle, MHAKVCache, MLAKVCache, create_cache_manager
 from radixkv.kvcache.base import released_slots
-from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.kvcache.pool_args import resolve_tp_rank
 from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
 from radixkv.scheduler.metrics import CacheMetrics
@@ -23,7 +23,7 @@ from radixkv.scheduler.storage_tier import (
     StorageFaultPolicy,
     StorageTier,
 )
-from radixkv.scheduler.tiers import build_tiers
+from radixkv.scheduler.tiers import build_tiers, check_tier_args
 from radixkv.storage.base import StorageBackend
 
 
@@ -124,6 +124,10 @@ class CacheManager:
                 f"{_type_name(storage_faults)}"
             )
         tp_rank = resolve_tp_rank(tp_rank)
+        if host_layout not in HOST_LAYOUTS:
+            raise ValueError(
+                f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, got {host_layout!r}"
+            )
         if kv_cache is not None:
             if not isinstance(kv_cache, (MHAKVCache, MLAKVCache)):
                 raise TypeError(
@@ -135,6 +139,7 @@ class CacheManager:
                     f"kv_cache must have page_size={page_size} and at least num_pages={num_pages} "
                     f"pages, got page_size={kv_cache.page_size} and {kv_cache.num_pages} pages"
                 )
+        check_tier_args(type == "radix", host_num_pages, write_policy, kv_cache)
         self._pages = _core.PageAllocator(num_pages, page_size)
         self.manager = create_cache_manager(
             device,

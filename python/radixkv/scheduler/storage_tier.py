@@ -544,6 +544,17 @@ class StorageTier:
         self._writes[job] = None
         self._store.write_jobs.put(job)
 
+    def write_landed(self) -> None:
+        """Queues the writes of the backups that landed on the host tier
+        since the last call (`HostTier.landed`), oldest first, one at a time:
+        an error leaves the rest for the next call. Called by the tiers'
+        owner after every host-tier call that may apply backups, and here
+        as soon as a prefetch made a path's host copy again (before it
+        makes host room, which could evict what landed)."""
+        landed = self.host.landed
+        while landed:
+            self.write(landed.popleft())
+
     # -- prefetch -------------------------------------------------------------------
 
     def prefetch(self, tokens: torch.Tensor, ns: int = 0) -> Optional[Prefetch]:
@@ -573,8 +584,13 @@ class StorageTier:
             hits = min(hits, (self.host.num_pages * ps // 2 - self.reading_tokens) // ps)
             if hits * ps < self.min_prefetch_tokens:
                 return None
-        if not host_backed and not self.host.copy_path_to_host(tokens[:start], ns):
-            return None
+        if not host_backed:
+            try:
+                backed = self.host.copy_path_to_host(tokens[:start], ns)
+            finally:  # what landed meanwhile is pinned before host room is made
+                self.write_landed()
+            if not backed:
+                return None
         # The host copy the pages will join under stays until they do.
         pin = self.tree.pin_host(tokens[:start], ns) if start else None
         if start and pin is None:

@@ -25,7 +25,6 @@ import torch
 
 from radixkv import _core
 from radixkv.events import EventPublisher
-from radixkv.kvcache.host_pool import HOST_LAYOUTS
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
 from radixkv.scheduler.block_events import BlockEvents
@@ -38,6 +37,7 @@ from radixkv.scheduler.host_tier import (
 )
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.scheduler.storage_tier import (
+    PREFETCH_POLICIES,
     Prefetch,
     StorageCounters,
     StorageFaultPolicy,
@@ -66,17 +66,6 @@ class Tiers:
         # write_through_selective backs a path up when a match reaches it.
         self.backs_up_on_match = False
 
-    @_core.shielded
-    def _write_landed(self) -> None:
-        """The backups that gave nodes host copies since the last call are
-        written on to storage, one at a time (an error leaves the rest for
-        the next call; Ctrl-C waits: a write's pins and its job are made
-        together). Called after every host-tier call that may apply
-        backups: the host tier never calls the storage tier."""
-        landed = self.host.landed
-        while landed:
-            self.storage.write(landed.popleft())
-
     # -- the host tier ------------------------------------------------------------------
 
     @property
@@ -102,29 +91,34 @@ class Tiers:
         """write_back: the device leaves that evicting `size` tokens takes get
         their host copies first (waited for)."""
         if self.host is not None:
-            self.host.back_up_before_evict(size)
-            if self.storage is not None:
-                self._write_landed()
+            self._applying_backups(self.host.back_up_before_evict, size)
 
     def settle_backups(self) -> int:
         """Waits for every backup queued so far and applies them all (what
         landed is written on to storage); returns how many were applied."""
         if self.host is None:
             return 0
-        applied = self.host.settle_backups()
-        if self.storage is not None:
-            self._write_landed()
-        return applied
+        self.host.controller.drain()
+        return self.writing_check()
 
     def writing_check(self) -> int:
         """Applies the backups that finished (what landed is written on to
         storage); returns how many."""
         if self.host is None:
             return 0
-        applied = self.host.writing_check()
-        if self.storage is not None:
-            self._write_landed()
-        return applied
+        return self._applying_backups(self.host.writing_check)
+
+    @_core.shielded
+    def _applying_backups(self, fn, *args):
+        """`fn(*args)`, a host-tier call that may apply backups, then the
+        storage tier's writes of what landed, as one step: Ctrl-C waits
+        until both are done, and an error in the first still leaves the
+        writes queued (their host copies are pinned from then on)."""
+        try:
+            return fn(*args)
+        finally:
+            if self.storage is not None:
+                self.storage.write_landed()
 
     def free_loaded(self, slots: torch.Tensor) -> None:
         """Device pages of a load that did not join the tree go back."""
@@ -193,9 +187,7 @@ class Tiers:
     def prefetch(self, tokens: torch.Tensor, ns: int) -> Optional[Prefetch]:
         if self.storage is None:
             return None
-        op = self.storage.prefetch(tokens, ns)  # may copy the path to host first
-        self._write_landed()
-        return op
+        return self.storage.prefetch(tokens, ns)
 
     def wait_prefetch(self, op: Prefetch) -> int:
         """Waits for a read as the prefetch policy says, then applies what
@@ -242,6 +234,27 @@ class Tiers:
         self.host.check_integrity(self.device_pages, reading)
 
 
+def check_tier_args(
+    radix: bool,
+    host_num_pages: int,
+    write_policy: str,
+    kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
+) -> None:
+    """The host tier's arguments that CacheManager checks before it makes
+    anything (its `host_layout` and `kv_cache` checked already)."""
+    if host_num_pages and not radix:
+        raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(
+            f"write_policy must be one of {', '.join(WRITE_POLICIES)}, " f"got {write_policy!r}"
+        )
+    if host_num_pages and kv_cache is not None and kv_cache.backs_host_tier:
+        raise ValueError(
+            "kv_cache already backs the host tier of another CacheManager: "
+            "its k_cache(layer) waits for that tier's loads"
+        )
+
+
 def build_tiers(
     tree: Optional[_core.RadixTree],
     device_pages: _core.PageAllocator,
@@ -262,23 +275,9 @@ def build_tiers(
     tp_rank: int,
     kv_events: Optional[EventPublisher],
 ) -> Tiers:
-    """The tiers of a CacheManager, from its (checked) arguments; checks the
-    tiers' own first, so a bad one raises before anything is made."""
-    if host_layout not in HOST_LAYOUTS:
-        raise ValueError(
-            f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, " f"got {host_layout!r}"
-        )
-    if write_policy not in WRITE_POLICIES:
-        raise ValueError(
-            f"write_policy must be one of {', '.join(WRITE_POLICIES)}, " f"got {write_policy!r}"
-        )
-    if host_num_pages and tree is None:
-        raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
-    if host_num_pages and kv_cache is not None and kv_cache.backs_host_tier:
-        raise ValueError(
-            "kv_cache already backs the host tier of another CacheManager: "
-            "its k_cache(layer) waits for that tier's loads"
-        )
+    """The tiers of a CacheManager, from its arguments (checked by
+    check_tier_args); the storage tier's are checked before anything is
+    made, and the pool's hook is attached last."""
     seed = None
     if storage is not None:
         if not host_num_pages or kv_cache is None or host_layout != "page_first":
@@ -287,6 +286,11 @@ def build_tiers(
                 "kv_cache and host_layout='page_first'"
             )
         seed = storage_seed_of(storage, storage_seed)
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
+                f"got {prefetch_policy!r}"
+            )
     # Blocks hash like the storage tier's page keys, so a page keeps its hash
     # on every medium.
     events = None
