@@ -98,6 +98,7 @@ def main() -> None:
             PAGE,
             kv_cache=pool,
             host_num_pages=64,
+            manual_copies=True,  # copies run in the calls that wait for them: one count
             storage=FileStorage(root, seed),
             kv_events=_Keep(),
         )
