@@ -24,7 +24,6 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
                           "_layout must be (side_stride, layer_stride, "
                           "page_stride, row_stride, page_size, num_slots[, sides])");
   }
-  if (row_bytes < 1 || layers < 1) throw py::value_error("row_bytes and layers must be >= 1");
   Pool p;
   Tensor t(buffer, name, Tensor::kWritten);
   t.Check();  // on the caller's tensor (requires grad, lazy negation), then its alias
@@ -39,35 +38,9 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   p.alias = py::reinterpret_borrow<py::object>(t.object());
   p.layout = PoolLayout{t.data(),   strides[0], strides[1], strides[2],
                         strides[3], strides[4], strides[5], strides.size() == 7 ? strides[6] : 2};
-  const PoolLayout& l = p.layout;
-  if (l.sides != 1 && l.sides != 2) {
-    throw py::value_error(std::string(name) + "_layout must have 1 or 2 sides, got " +
-                          std::to_string(l.sides));
-  }
-  if (l.page_size < 1 || l.num_slots < 0 || l.side_stride < 0 || l.layer_stride < 0 ||
-      l.page_stride < 0 || l.row_stride < 0) {
-    throw py::value_error(std::string(name) +
-                          "_layout has a negative stride, a page size < 1 "
-                          "or a negative slot count");
-  }
-  if (l.num_slots > int64_t{1} << 31) {
-    throw py::value_error(std::string(name) + "_layout has more slots than int32 can name");
-  }
-  // Every row the layout names must lie inside the tensor's memory: the last
-  // byte of the farthest row (strides are non-negative, so it is the last
-  // one), computed without overflow.
   const auto [begin, end] = t.Extent();
   p.bytes = end - begin;
-  if (l.num_slots > 0) {
-    const __int128 slot = l.num_slots - 1, page = slot / l.page_size;
-    const __int128 last = __int128{l.sides - 1} * l.side_stride +
-                          __int128{layers - 1} * l.layer_stride + page * l.page_stride +
-                          (slot - page * l.page_size) * l.row_stride + row_bytes;
-    if (t.data() != begin || last > p.bytes) {
-      throw py::value_error(std::string(name) + "_layout reaches past the end of " + name + " (" +
-                            std::to_string(p.bytes) + " bytes there)");
-    }
-  }
+  CheckPoolLayout(p.layout, row_bytes, layers, end - t.data(), name);
   return p;
 }
 

@@ -132,13 +132,10 @@ void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle k
   if (lens) lens->Check();
   for (Tensor* t : {&q, &ks, &o}) t->View();
   if (lens) lens->View();
-  const radixkv::bindings::CompareArgs a =
-      CheckCompareArgs(q, ks, lens ? &*lens : nullptr, o, kDLCUDA);
-  if (a.num_keys == 0) return;
-  DeviceGuard guard(a.device.device_id);
-  auto stream = static_cast<cudaStream_t>(CurrentStream(a.device));
-  const radixkv::cuda::CompareBatch c{a.query,    a.query_len, a.keys,     a.key_stride, a.key_cols,
-                                      a.key_lens, a.len_type,  a.num_keys, a.out};
+  const radixkv::CompareBatch c = CheckCompareArgs(q, ks, lens ? &*lens : nullptr, o, kDLCUDA);
+  if (c.num_keys == 0) return;
+  DeviceGuard guard(q.device().device_id);
+  auto stream = static_cast<cudaStream_t>(CurrentStream(q.device()));
   CheckCuda(radixkv::cuda::LaunchFirstMismatchBatched(c, stream), "first_mismatch_batched launch");
   MarkWritten(out);
 }

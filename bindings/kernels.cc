@@ -163,14 +163,11 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
     if (lens) lens->View();
     return CheckCompareArgs(q, k, lens ? &*lens : nullptr, o, kDLCPU);
   };
-  CompareArgs a = view_all();
-  for (int64_t b = 0; b < a.num_keys; ++b) {
-    int64_t len = a.key_cols;
-    if (a.key_lens != nullptr) {
-      len = LoadSlot(a.key_lens, a.len_type, b);
-      KERNEL_CHECK_VALUE(len >= 0 && len <= a.key_cols, "key_lens[", b, "] = ", len,
-                         " is outside [0, ", a.key_cols, "]");
-    }
+  CompareBatch a = view_all();
+  const int64_t bad = FindBadKeyLength(a);
+  if (bad >= 0) {
+    const int64_t len = LoadSlot(a.key_lens, a.len_type, bad);
+    KERNEL_CHECK_VALUE(false, "key_lens[", bad, "] = ", len, " is outside [0, ", a.key_cols, "]");
   }
   std::optional<py::gil_scoped_release> nogil;
   if (a.num_keys * std::min(a.query_len, a.key_cols) >= (int64_t{1} << 16)) {
@@ -179,15 +176,8 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
     a = view_all();
     nogil.emplace();
   }
-  for (int64_t b = 0; b < a.num_keys; ++b) {
-    // Loaded again (maybe without the GIL): clamp, in case it changed.
-    int64_t len = a.key_cols;
-    if (a.key_lens != nullptr) {
-      len = std::clamp<int64_t>(LoadSlot(a.key_lens, a.len_type, b), 0, a.key_cols);
-    }
-    const size_t n = static_cast<size_t>(std::min(a.query_len, len));
-    a.out[b] = static_cast<int32_t>(FirstMismatch(a.query, a.keys + b * a.key_stride, n));
-  }
+  // Lengths loaded again (maybe without the GIL) are clamped, in case they changed.
+  FirstMismatchBatched(a);
   nogil.reset();
   MarkWritten(o.object());
 }
@@ -630,7 +620,7 @@ void MarkWritten(py::handle a, py::handle b) {
   Py_DECREF(r);
 }
 
-CompareArgs CheckCompareArgs(const Tensor& q, const Tensor& keys, const Tensor* lens,
+CompareBatch CheckCompareArgs(const Tensor& q, const Tensor& keys, const Tensor* lens,
                              const Tensor& out, DLDeviceType device_type) {
   q.CheckDevice(device_type);
   keys.CheckSameDevice(q);
@@ -655,7 +645,7 @@ CompareArgs CheckCompareArgs(const Tensor& q, const Tensor& keys, const Tensor* 
                       DTypeName(lens->dtype()));
     lens->CheckLastContiguous();
   }
-  CompareArgs a{};
+  CompareBatch a{};
   a.query = reinterpret_cast<const int32_t*>(q.data());
   a.query_len = q.size(0);
   a.keys = reinterpret_cast<const int32_t*>(keys.data());
@@ -665,7 +655,6 @@ CompareArgs CheckCompareArgs(const Tensor& q, const Tensor& keys, const Tensor* 
   a.len_type = lens && lens->dtype().bits == 32 ? IndexType::kInt32 : IndexType::kInt64;
   a.num_keys = b;
   a.out = reinterpret_cast<int32_t*>(out.data());
-  a.device = q.device();
   return a;
 }
 

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "radixkv/compare.h"
 #include "radixkv/store_index.h"
 #include "torch_api.h"
 
@@ -219,30 +220,12 @@ void SetStoreIndices(StoreParams* p, const Tensor& out_loc, const Tensor& k_cach
 /// ops do.
 void MarkWritten(pybind11::handle a, pybind11::handle b = pybind11::handle());
 
-/// The checked arguments of a batched first-mismatch: `out[b]` receives the
-/// first i < min(query_len, len_b) with `query[i] != keys[b * key_stride + i]`,
-/// else that minimum; `len_b` is `key_lens[b]` or `key_cols` when `key_lens`
-/// is null (a length outside [0, key_cols] raises on the CPU and is clamped on
-/// CUDA, where checking would need a sync).
-struct CompareArgs {
-  const int32_t* query;
-  int64_t query_len;
-  const int32_t* keys;
-  int64_t key_stride;  ///< elements from one key to the next
-  int64_t key_cols;
-  const void* key_lens;  ///< nullable
-  IndexType len_type;
-  int64_t num_keys;
-  int32_t* out;
-  DLDevice device;
-};
-
 /// Checks `first_mismatch_batched(query, keys, key_lens, out)` from `View`ed
 /// tensors: int32 `query` 1-D, int32 `keys` 2-D `[B, L]` with contiguous rows,
 /// `key_lens` None or 1-D int32/int64 of length B, int32 `out` 1-D contiguous
 /// of length B, all on one device of type `device_type`. Raises TypeError or
 /// ValueError naming the argument.
-CompareArgs CheckCompareArgs(const Tensor& query, const Tensor& keys, const Tensor* key_lens,
+CompareBatch CheckCompareArgs(const Tensor& query, const Tensor& keys, const Tensor* key_lens,
                              const Tensor& out, DLDeviceType device_type);
 
 /// Torch's current work stream on `device` (nullptr on the CPU), through the

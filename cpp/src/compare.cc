@@ -1,5 +1,7 @@
 #include "radixkv/compare.h"
 
+#include <algorithm>
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #elif defined(__ARM_NEON)
@@ -31,6 +33,26 @@ size_t FirstMismatch(const int32_t* a, const int32_t* b, size_t n) noexcept {
     if (a[i] != b[i]) return i;
   }
   return n;
+}
+
+int64_t FindBadKeyLength(const CompareBatch& c) noexcept {
+  if (c.key_lens == nullptr) return -1;
+  for (int64_t b = 0; b < c.num_keys; ++b) {
+    const int64_t len = LoadSlot(c.key_lens, c.len_type, b);
+    if (len < 0 || len > c.key_cols) return b;
+  }
+  return -1;
+}
+
+void FirstMismatchBatched(const CompareBatch& c) noexcept {
+  for (int64_t b = 0; b < c.num_keys; ++b) {
+    int64_t len = c.key_cols;
+    if (c.key_lens != nullptr) {
+      len = std::clamp<int64_t>(LoadSlot(c.key_lens, c.len_type, b), 0, c.key_cols);
+    }
+    const size_t n = static_cast<size_t>(std::min(c.query_len, len));
+    c.out[b] = static_cast<int32_t>(FirstMismatch(c.query, c.keys + b * c.key_stride, n));
+  }
 }
 
 }  // namespace radixkv

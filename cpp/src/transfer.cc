@@ -2,7 +2,32 @@
 
 #include <cstring>
 
+#include "radixkv/status.h"
+
 namespace radixkv {
+
+void CheckPoolLayout(const PoolLayout& l, int64_t row_bytes, int64_t layers, int64_t bytes,
+                     std::string_view name) {
+  constexpr ErrorCode kBad = ErrorCode::kInvalidArgument;
+  RADIXKV_CHECK(row_bytes >= 1 && layers >= 1, kBad, "row_bytes and layers must be >= 1");
+  RADIXKV_CHECK(l.sides == 1 || l.sides == 2, kBad, name, "_layout must have 1 or 2 sides, got ",
+                l.sides);
+  RADIXKV_CHECK(l.page_size >= 1 && l.num_slots >= 0 && l.side_stride >= 0 &&
+                    l.layer_stride >= 0 && l.page_stride >= 0 && l.row_stride >= 0,
+                kBad, name,
+                "_layout has a negative stride, a page size < 1 or a negative slot count");
+  RADIXKV_CHECK(l.num_slots <= int64_t{1} << 31, kBad, name,
+                "_layout has more slots than int32 can name");
+  if (l.num_slots == 0) return;
+  // Strides are non-negative, so the farthest row is the last one; its last
+  // byte, in 128 bits so that no stride can overflow it.
+  const __int128 slot = l.num_slots - 1, page = slot / l.page_size;
+  const __int128 end = __int128{l.sides - 1} * l.side_stride +
+                       __int128{layers - 1} * l.layer_stride + page * l.page_stride +
+                       (slot - page * l.page_size) * l.row_stride + row_bytes;
+  RADIXKV_CHECK(end <= bytes, kBad, name, "_layout reaches past the end of ", name, " (", bytes,
+                " bytes there)");
+}
 namespace {
 
 // Whether tokens [i, i + page) map whole pages onto whole pages.

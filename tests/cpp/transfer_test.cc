@@ -10,8 +10,10 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "radixkv/status.h"
 #include "radixkv/transfer_index.h"
 
 namespace radixkv {
@@ -178,6 +180,73 @@ TEST(TransferTest, OutOfRangeSlotCopiesNothing) {
   s[2] = 16;
   EXPECT_EQ(TransferRows(p), 2);
   EXPECT_EQ(dst.bytes, before);
+}
+
+// The message of the Error a layout check throws, or "" when it passes.
+std::string LayoutError(const PoolLayout& l, int64_t row_bytes, int64_t layers, int64_t bytes) {
+  try {
+    CheckPoolLayout(l, row_bytes, layers, bytes, "host");
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PoolLayoutCheckTest, AcceptsEveryKindThatFitsExactly) {
+  for (const Kind kind : {Kind::kLayerFirst, Kind::kPageFirst, Kind::kHostPageFirst}) {
+    for (const int64_t sides : {1, 2}) {
+      Pool p(kind, 3, 4, 5, 16, sides);
+      const int64_t n = static_cast<int64_t>(p.bytes.size());
+      EXPECT_EQ(LayoutError(p.layout, 16, 3, n), "") << static_cast<int>(kind);
+      EXPECT_NE(LayoutError(p.layout, 16, 3, n - 1), "") << "one byte short";
+      EXPECT_NE(LayoutError(p.layout, 17, 3, n), "") << "rows one byte longer";
+      EXPECT_NE(LayoutError(p.layout, 16, 4, n), "") << "one more layer";
+    }
+  }
+}
+
+TEST(PoolLayoutCheckTest, NamesWhatIsWrong) {
+  Pool p(Kind::kLayerFirst, 2, 2, 2, 8);
+  const int64_t n = static_cast<int64_t>(p.bytes.size());
+  PoolLayout l = p.layout;
+  EXPECT_EQ(LayoutError(l, 8, 2, n - 1), "host_layout reaches past the end of host (" +
+                                             std::to_string(n - 1) + " bytes there)");
+  EXPECT_EQ(LayoutError(l, 0, 2, n), "row_bytes and layers must be >= 1");
+  EXPECT_EQ(LayoutError(l, 8, 0, n), "row_bytes and layers must be >= 1");
+  l.sides = 3;
+  EXPECT_EQ(LayoutError(l, 8, 2, n), "host_layout must have 1 or 2 sides, got 3");
+  l = p.layout;
+  l.page_size = 0;
+  EXPECT_NE(LayoutError(l, 8, 2, n).find("page size < 1"), std::string::npos);
+  l = p.layout;
+  l.row_stride = -8;
+  EXPECT_NE(LayoutError(l, 8, 2, n).find("negative stride"), std::string::npos);
+  l = p.layout;
+  l.num_slots = (int64_t{1} << 31) + 1;
+  EXPECT_EQ(LayoutError(l, 8, 2, n), "host_layout has more slots than int32 can name");
+  l = p.layout;
+  l.num_slots = 0;  // names no row: fits in no bytes at all
+  EXPECT_EQ(LayoutError(l, 8, 2, 0), "");
+}
+
+// Strides whose products overflow int64 must not wrap around into "fits".
+TEST(PoolLayoutCheckTest, HugeStridesDoNotOverflowIntoAFit) {
+  Pool p(Kind::kLayerFirst, 2, 2, 2, 8);
+  const int64_t n = static_cast<int64_t>(p.bytes.size());
+  for (int64_t PoolLayout::*stride : {&PoolLayout::side_stride, &PoolLayout::layer_stride,
+                                      &PoolLayout::page_stride, &PoolLayout::row_stride}) {
+    PoolLayout l = p.layout;
+    l.*stride = INT64_MAX;
+    EXPECT_NE(LayoutError(l, 8, 2, n), "");
+    l.*stride = INT64_MAX / 2 + 1;  // times 2 wraps to INT64_MIN in 64 bits
+    EXPECT_NE(LayoutError(l, 8, 2, n), "");
+  }
+  PoolLayout l = p.layout;
+  l.num_slots = int64_t{1} << 31;
+  l.page_size = 1;
+  l.page_stride = INT64_MAX / ((int64_t{1} << 31) - 1) + 1;
+  EXPECT_NE(LayoutError(l, 8, 2, n), "");
 }
 
 }  // namespace

@@ -4,10 +4,20 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "radixkv/transfer_index.h"
 
 namespace radixkv {
+
+/// Checks a pool layout against the memory it describes: 1 or 2 sides, a page
+/// size >= 1, no negative stride or slot count, at most 2^31 slots (an int32
+/// names each), `row_bytes` and `layers` >= 1, and every row it names (rows of
+/// `row_bytes` bytes in `layers` layers) inside the `bytes` bytes that start
+/// at `l.base`, computed without overflow. Throws Error(kInvalidArgument)
+/// whose message starts with `<name>_layout`. O(1).
+void CheckPoolLayout(const PoolLayout& l, int64_t row_bytes, int64_t layers, int64_t bytes,
+                     std::string_view name);
 
 /// Position of the first token whose source or destination slot is outside
 /// its pool, or -1. O(num_tokens).
