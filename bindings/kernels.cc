@@ -621,7 +621,7 @@ void MarkWritten(py::handle a, py::handle b) {
 }
 
 CompareBatch CheckCompareArgs(const Tensor& q, const Tensor& keys, const Tensor* lens,
-                             const Tensor& out, DLDeviceType device_type) {
+                              const Tensor& out, DLDeviceType device_type) {
   q.CheckDevice(device_type);
   keys.CheckSameDevice(q);
   out.CheckSameDevice(q);

@@ -226,7 +226,7 @@ void MarkWritten(pybind11::handle a, pybind11::handle b = pybind11::handle());
 /// of length B, all on one device of type `device_type`. Raises TypeError or
 /// ValueError naming the argument.
 CompareBatch CheckCompareArgs(const Tensor& query, const Tensor& keys, const Tensor* key_lens,
-                             const Tensor& out, DLDeviceType device_type);
+                              const Tensor& out, DLDeviceType device_type);
 
 /// Torch's current work stream on `device` (nullptr on the CPU), through the
 /// exchange API's `current_work_stream`. Raises on failure.

@@ -12,8 +12,8 @@ void CheckPoolLayout(const PoolLayout& l, int64_t row_bytes, int64_t layers, int
   RADIXKV_CHECK(row_bytes >= 1 && layers >= 1, kBad, "row_bytes and layers must be >= 1");
   RADIXKV_CHECK(l.sides == 1 || l.sides == 2, kBad, name, "_layout must have 1 or 2 sides, got ",
                 l.sides);
-  RADIXKV_CHECK(l.page_size >= 1 && l.num_slots >= 0 && l.side_stride >= 0 &&
-                    l.layer_stride >= 0 && l.page_stride >= 0 && l.row_stride >= 0,
+  RADIXKV_CHECK(l.page_size >= 1 && l.num_slots >= 0 && l.side_stride >= 0 && l.layer_stride >= 0 &&
+                    l.page_stride >= 0 && l.row_stride >= 0,
                 kBad, name,
                 "_layout has a negative stride, a page size < 1 or a negative slot count");
   RADIXKV_CHECK(l.num_slots <= int64_t{1} << 31, kBad, name,

@@ -84,9 +84,9 @@ TEST(FirstMismatchBatchedTest, MatchesOneCallPerKey) {
   for (const int64_t query_len : {int64_t{0}, int64_t{7}, kCols, int64_t{25}}) {
     std::vector<int32_t> query(query_len);
     std::iota(query.begin(), query.end(), 0);
-    for (const void* lens : {static_cast<const void*>(nullptr),
-                             static_cast<const void*>(lens32.data()),
-                             static_cast<const void*>(lens64.data())}) {
+    for (const void* lens :
+         {static_cast<const void*>(nullptr), static_cast<const void*>(lens32.data()),
+          static_cast<const void*>(lens64.data())}) {
       std::vector<int32_t> out(kKeys, -7);
       const IndexType type = lens == lens32.data() ? IndexType::kInt32 : IndexType::kInt64;
       FirstMismatchBatched(CompareBatch{query.data(), query_len, keys.data(), kStride, kCols, lens,
@@ -102,8 +102,8 @@ TEST(FirstMismatchBatchedTest, MatchesOneCallPerKey) {
   // Key 0 equals the query on every column; key 1 (length 2) stops before its mismatch.
   std::vector<int32_t> query(kCols), out(kKeys);
   std::iota(query.begin(), query.end(), 0);
-  FirstMismatchBatched(CompareBatch{query.data(), kCols, keys.data(), kStride, kCols,
-                                    lens64.data(), IndexType::kInt64, kKeys, out.data()});
+  FirstMismatchBatched(CompareBatch{query.data(), kCols, keys.data(), kStride, kCols, lens64.data(),
+                                    IndexType::kInt64, kKeys, out.data()});
   EXPECT_EQ(out[0], kCols);
   EXPECT_EQ(out[1], 2);
   EXPECT_EQ(out[2], 5);  // length 5 < the mismatch at 6

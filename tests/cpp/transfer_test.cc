@@ -210,8 +210,8 @@ TEST(PoolLayoutCheckTest, NamesWhatIsWrong) {
   Pool p(Kind::kLayerFirst, 2, 2, 2, 8);
   const int64_t n = static_cast<int64_t>(p.bytes.size());
   PoolLayout l = p.layout;
-  EXPECT_EQ(LayoutError(l, 8, 2, n - 1), "host_layout reaches past the end of host (" +
-                                             std::to_string(n - 1) + " bytes there)");
+  EXPECT_EQ(LayoutError(l, 8, 2, n - 1),
+            "host_layout reaches past the end of host (" + std::to_string(n - 1) + " bytes there)");
   EXPECT_EQ(LayoutError(l, 0, 2, n), "row_bytes and layers must be >= 1");
   EXPECT_EQ(LayoutError(l, 8, 0, n), "row_bytes and layers must be >= 1");
   l.sides = 3;
