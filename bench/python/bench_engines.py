@@ -29,34 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "engines"))
-from engine_env import Server, Workload, build_model, complete, generate, vllm_server
-
-
-def sglang_server(python, model, log, backend):
-    cmd = [
-        python,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model,
-        "--device",
-        "cpu",
-        "--attention-backend",
-        "torch_native",
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "16384",
-        "--host",
-        "127.0.0.1",
-        "--random-seed",
-        "0",
-    ]
-    if backend:
-        cmd += ["--radix-cache-backend", backend]
-    return Server.start(
-        lambda port: cmd + ["--port", str(port)], log, {"SGLANG_USE_CPU_ENGINE": "1"}
-    )
+from engine_env import Workload, build_model, complete, generate, sglang_server, vllm_server
 
 
 def measure(server, samples: int, seed: int):

@@ -226,6 +226,52 @@ def generate(server: Server, ids: List[int], extras: dict, max_new_tokens: int =
     return list(out["output_ids"]), int(out["meta_info"]["cached_tokens"])
 
 
+def sglang_server(
+    python: str,
+    model: str,
+    log_path: str,
+    backend: Optional[str] = None,
+    max_total_tokens: int = 16384,
+    page_size: int = 1,
+    extra_args=(),
+    env: Optional[dict] = None,
+) -> Server:
+    """SGLang's server on the CPU with the tiny model, float32 and the torch
+    attention backend; with `backend` ("radixkv"), that prefix cache.
+    SGLang's idle check raises on leaked slots (its default, set all the
+    same)."""
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--page-size",
+        str(page_size),
+        "--host",
+        "127.0.0.1",
+        "--random-seed",
+        "0",
+    ]
+    if backend:
+        cmd += ["--radix-cache-backend", backend]
+    cmd += list(extra_args)
+    env = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+        **(env or {}),
+    }
+    return Server.start(lambda port: cmd + ["--port", str(port)], log_path, env)
+
+
 VLLM_BLOCK = 32  # vLLM's CPU backend prefers multiples of 32
 
 

@@ -15,12 +15,12 @@ import time
 import pytest
 
 from engine_env import (
-    Server,
     Workload,
     build_model,
     free_port,
     generate,
     server_problems,
+    sglang_server,
     venv_python,
 )
 
@@ -39,37 +39,9 @@ def model(python, tmp_path_factory):
 
 
 def serve(python, model, log_path, page_size, backend=None, extra_args=(), env=None):
-    cmd = [
-        python,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model,
-        "--device",
-        "cpu",
-        "--attention-backend",
-        "torch_native",
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        str(MAX_TOTAL_TOKENS),
-        "--page-size",
-        str(page_size),
-        "--host",
-        "127.0.0.1",
-        "--random-seed",
-        "0",
-    ]
-    if backend:
-        cmd += ["--radix-cache-backend", backend]
-    cmd += list(extra_args)
-    # SGLang's idle check raises on leaked slots (its default, set all the same).
-    env = {
-        "SGLANG_USE_CPU_ENGINE": "1",
-        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
-        **(env or {}),
-    }
-    return Server.start(lambda port: cmd + ["--port", str(port)], log_path, env)
+    return sglang_server(
+        python, model, log_path, backend, MAX_TOTAL_TOKENS, page_size, extra_args, env
+    )
 
 
 def run_workload(python, model, tmp_path, page_size, backend=None):
