@@ -30,21 +30,37 @@ def serve(cm, ids):
     return h.cached_len
 
 
-def parse(text):
-    out, helps, types = {}, set(), {}
+def exposition(text):
+    """{name: [kind, help, {labels text: value}]} of a Prometheus text
+    exposition (radixkv's own or prometheus_client's), every sample line
+    checked against the format, every name with one HELP and one TYPE, and
+    counters, and only counters, named *_total."""
+    out = {}
     for line in text.splitlines():
         if line.startswith("# HELP "):
-            helps.add(line.split()[2])
+            _, _, name, doc = line.split(" ", 3)
+            assert name not in out, line
+            out[name] = [None, doc, {}]
         elif line.startswith("# TYPE "):
             _, _, name, kind = line.split()
-            types[name] = kind
+            assert out[name][0] is None, line
+            out[name][0] = kind
         else:
             assert SAMPLE.match(line), line
-            name = re.split(r"[{ ]", line)[0]
-            out[name] = int(line.rsplit(" ", 1)[1])
-    assert set(out) == helps == set(types)
-    for name, kind in types.items():
-        assert name.endswith("_total") == (kind == "counter")
+            name, rest = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(.*)", line).groups()
+            labels, value = rest.rsplit(" ", 1)
+            out[name][2][labels] = float(value)
+    for name, (kind, _, samples) in out.items():
+        assert kind is not None and samples, name
+        assert name.endswith("_total") == (kind == "counter"), name
+    return out
+
+
+def values(text):
+    """{name: value} of an exposition whose metrics have one sample each."""
+    out = {}
+    for name, (_, _, samples) in exposition(text).items():
+        (out[name],) = samples.values()
     return out
 
 
@@ -69,11 +85,13 @@ def test_host_tier_counters_and_prometheus_text():
     m = cm.metrics
     assert m.host_hit_tokens == 12 and m.loaded_back_tokens == 12 and m.backed_up_tokens > 0
     text = m.prometheus(labels={"instance": 'a "quoted"\\name'})
-    samples = parse(text)
+    samples = values(text)
+    counts = [line.rsplit(" ", 1)[1] for line in text.splitlines() if not line.startswith("#")]
+    assert all(re.fullmatch(r"-?[0-9]+", c) for c in counts)  # counts are written as ints
     assert samples["radixkv_host_hit_tokens_total"] == 12
     assert samples["radixkv_queries_total"] == 3
     assert 'instance="a \\"quoted\\"\\\\name"' in text
-    assert set(parse(CacheMetrics().prometheus("engine_kv"))) == {
+    assert set(values(CacheMetrics().prometheus("engine_kv"))) == {
         n.replace("radixkv", "engine_kv") for n in samples
     }
     with pytest.raises(ValueError, match="prefix"):
@@ -93,41 +111,11 @@ def test_host_tier_counters_and_prometheus_text():
 # --- prometheus_client: radixkv.prometheus.CacheMetricsCollector ----------------------------
 
 
-def exposition(registry):
-    """{name: (kind, help, {labels text: value})} of prometheus_client's text."""
+def scrape(registry):
+    """The exposition prometheus_client writes for `registry`."""
     from prometheus_client import generate_latest
 
-    out = {}
-    for line in generate_latest(registry).decode().splitlines():
-        if line.startswith("# HELP "):
-            _, _, name, doc = line.split(" ", 3)
-            out[name] = [None, doc, {}]
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            out[name][0] = kind
-        else:
-            assert SAMPLE.match(line), line
-            name, rest = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(.*)", line).groups()
-            labels, value = rest.rsplit(" ", 1)
-            out[name][2][labels] = float(value)
-    return out
-
-
-def hand_written(text):
-    """The same shape, of CacheMetrics.prometheus()'s text."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            _, _, name, doc = line.split(" ", 3)
-            out[name] = [None, doc, {}]
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            out[name][0] = kind
-        else:
-            name, rest = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(.*)", line).groups()
-            labels, value = rest.rsplit(" ", 1)
-            out[name][2][labels] = float(int(value))
-    return out
+    return exposition(generate_latest(registry).decode())
 
 
 def test_the_collector_exposes_what_prometheus_writes():
@@ -146,8 +134,8 @@ def test_the_collector_exposes_what_prometheus_writes():
     collector = CacheMetricsCollector(cm, labels=labels, registry=registry)
     a, b = torch.arange(13), torch.arange(100, 113)
     serve(cm, a), serve(cm, b), serve(cm, a)  # a comes back from host
-    got = exposition(registry)
-    want = hand_written(cm.metrics.prometheus(labels=labels))
+    got = scrape(registry)
+    want = exposition(cm.metrics.prometheus(labels=labels))
     assert got == want
     assert got["radixkv_host_hit_tokens_total"][2] == {
         '{instance="a \\"quoted\\"\\\\name",model="m"}': 12.0
@@ -158,14 +146,14 @@ def test_the_collector_exposes_what_prometheus_writes():
     }
     # Read afresh at each scrape.
     serve(cm, torch.arange(200, 213))
-    assert exposition(registry)["radixkv_queries_total"][2] == {
+    assert scrape(registry)["radixkv_queries_total"][2] == {
         '{instance="a \\"quoted\\"\\\\name",model="m"}': 4.0
     }
     # One collector per prefix and registry: the names are taken.
     with pytest.raises(ValueError):
         CacheMetricsCollector(cm, registry=registry)
     registry.unregister(collector)
-    assert exposition(registry) == {}
+    assert scrape(registry) == {}
 
 
 def test_the_collector_takes_a_snapshot_source_and_checks_its_arguments():
@@ -179,8 +167,8 @@ def test_the_collector_takes_a_snapshot_source_and_checks_its_arguments():
     collector = CacheMetricsCollector(lambda: latest, prefix="engine_kv", registry=None)
     assert generate_latest(registry) == b""  # registry=None: not registered
     registry.register(collector)
-    got = exposition(registry)
-    assert got == hand_written(latest.prometheus("engine_kv"))
+    got = scrape(registry)
+    assert got == exposition(latest.prometheus("engine_kv"))
     assert got["engine_kv_queries_total"][2] == {"": 7.0}
     assert got["engine_kv_device_free_tokens"][2] == {"": 32.0}
     with pytest.raises(TypeError, match="source must be"):
