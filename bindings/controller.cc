@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "errors.h"
 #include "kernels.h"
 #include "radixkv/cache_controller.h"
 #include "radixkv/transfer.h"
@@ -19,21 +20,17 @@ namespace radixkv::bindings {
 
 Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name,
               int64_t row_bytes, int64_t layers, bool cuda) {
-  if (strides.size() != 6 && strides.size() != 7) {
-    throw py::value_error(std::string(name) +
-                          "_layout must be (side_stride, layer_stride, "
-                          "page_stride, row_stride, page_size, num_slots[, sides])");
-  }
+  CHECK_VALUE(strides.size() == 6 || strides.size() == 7, name,
+              "_layout must be (side_stride, layer_stride, "
+              "page_stride, row_stride, page_size, num_slots[, sides])");
   Pool p;
   Tensor t(buffer, name, Tensor::kWritten);
   t.Check();  // on the caller's tensor (requires grad, lazy negation), then its alias
   t.Pin();
   t.View();
   const DLDeviceType type = t.device().device_type;
-  if (cuda ? type != kDLCUDA : (type != kDLCPU && type != kDLCUDAHost)) {
-    throw py::type_error(std::string(name) + " must be a " + (cuda ? "CUDA" : "CPU") +
-                         " tensor, got one on device type " + std::to_string(type));
-  }
+  CHECK_TYPE(cuda ? type == kDLCUDA : (type == kDLCPU || type == kDLCUDAHost), name, " must be a ",
+             cuda ? "CUDA" : "CPU", " tensor, got one on device type ", type);
   p.device = t.device();
   p.alias = py::reinterpret_borrow<py::object>(t.object());
   p.layout = PoolLayout{t.data(),   strides[0], strides[1], strides[2],
@@ -45,10 +42,8 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
 }
 
 void CheckSameSides(const Pool& a, const Pool& b, const char* a_name, const char* b_name) {
-  if (a.layout.sides != b.layout.sides) {
-    throw py::value_error(std::string(a_name) + "_layout has " + std::to_string(a.layout.sides) +
-                          " sides but " + b_name + "_layout has " + std::to_string(b.layout.sides));
-  }
+  CHECK_VALUE(a.layout.sides == b.layout.sides, a_name, "_layout has ", a.layout.sides,
+              " sides but ", b_name, "_layout has ", b.layout.sides);
 }
 
 std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bool cuda,
@@ -56,17 +51,13 @@ std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bo
                                       std::vector<Pool>* pools) {
   std::vector<CopyPlane> planes;
   if (side_planes.is_none()) return planes;
-  if (!PySequence_Check(side_planes.ptr())) {
-    throw py::type_error(
-        "side_planes must be a sequence of (device, device_layout, host, "
-        "host_layout, row_bytes)");
-  }
+  CHECK_TYPE(PySequence_Check(side_planes.ptr()),
+             "side_planes must be a sequence of (device, device_layout, host, "
+             "host_layout, row_bytes)");
   for (py::handle item : py::reinterpret_borrow<py::sequence>(side_planes)) {
-    if (!PyTuple_Check(item.ptr()) || PyTuple_GET_SIZE(item.ptr()) != 5) {
-      throw py::value_error(
-          "side_planes items must be tuples (device, device_layout, host, "
-          "host_layout, row_bytes)");
-    }
+    CHECK_VALUE(PyTuple_Check(item.ptr()) && PyTuple_GET_SIZE(item.ptr()) == 5,
+                "side_planes items must be tuples (device, device_layout, host, "
+                "host_layout, row_bytes)");
     const py::tuple t = py::reinterpret_borrow<py::tuple>(item);
     const int64_t row_bytes = ToInt64(t[4], "row_bytes");
     std::vector<int64_t> device_layout, host_layout;
@@ -74,7 +65,7 @@ std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bo
       device_layout = t[1].cast<std::vector<int64_t>>();
       host_layout = t[3].cast<std::vector<int64_t>>();
     } catch (const py::cast_error&) {
-      throw py::type_error("side_planes layouts must be sequences of ints");
+      CHECK_TYPE(false, "side_planes layouts must be sequences of ints");
     }
     Pool d = ReadPool(t[0], device_layout, "side device", row_bytes, layers, cuda);
     Pool h = ReadPool(t[2], host_layout, "side host", row_bytes, layers, false);
@@ -83,11 +74,10 @@ std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bo
     // have their slots, or a copy would fail half done.
     const PoolLayout* pairs[2][2] = {{&d.layout, &kv_device.layout}, {&h.layout, &kv_host.layout}};
     for (const auto& pair : pairs) {
-      if (pair[0]->num_slots != pair[1]->num_slots || pair[0]->page_size != pair[1]->page_size) {
-        throw py::value_error(
-            "side_planes: a side buffer must have the slots and page size of "
-            "the K/V it moves with");
-      }
+      CHECK_VALUE(
+          pair[0]->num_slots == pair[1]->num_slots && pair[0]->page_size == pair[1]->page_size,
+          "side_planes: a side buffer must have the slots and page size of "
+          "the K/V it moves with");
     }
     planes.push_back(CopyPlane{d.layout, h.layout, row_bytes});
     pools->push_back(std::move(d));
@@ -102,11 +92,9 @@ void Pool::CheckUnchanged(const char* name) const {
   t.Check();
   t.View();
   const auto [begin, end] = t.Extent();
-  if (t.data() != layout.base || end - begin != bytes) {
-    throw py::value_error(std::string(name) +
-                          "'s storage was resized or replaced after the "
-                          "controller was made: its copies would touch freed memory");
-  }
+  CHECK_VALUE(t.data() == layout.base && end - begin == bytes, name,
+              "'s storage was resized or replaced after the "
+              "controller was made: its copies would touch freed memory");
 }
 
 namespace {
@@ -141,16 +129,15 @@ class PyController {
   }
   // Bookkeeping only: copies succeed at once.
   PyController(int64_t layers, bool manual) {
-    if (layers < 1) throw py::value_error("layers must be >= 1");
+    CHECK_VALUE(layers >= 1, "layers must be >= 1");
     c_ = std::make_unique<CacheController>(MakeNullCopyEngine(layers), manual);
   }
   // An engine another module made (radixkv._cuda.copy_engine), taken once.
   PyController(py::capsule engine, bool manual, py::object keep) : keep_(std::move(keep)) {
-    if (std::string(engine.name() ? engine.name() : "") != kEngineCapsule) {
-      throw py::type_error("engine must come from radixkv._cuda.copy_engine");
-    }
+    CHECK_TYPE(std::string(engine.name() ? engine.name() : "") == kEngineCapsule,
+               "engine must come from radixkv._cuda.copy_engine");
     auto* box = engine.get_pointer<EngineBox>();
-    if (!box->engine) throw py::value_error("engine was already given to a CacheController");
+    CHECK_VALUE(box->engine != nullptr, "engine was already given to a CacheController");
     device_ = std::move(box->device);
     host_ = std::move(box->host);
     sides_ = std::move(box->sides);
@@ -161,12 +148,12 @@ class PyController {
   uint64_t Backup(py::handle device, py::handle host) {
     std::vector<int32_t> d = Slots(device, "device_slots"), h = Slots(host, "host_slots");
     CheckedStream();
-    if (d.size() != h.size()) throw py::value_error("device_slots and host_slots differ in length");
+    CHECK_VALUE(d.size() == h.size(), "device_slots and host_slots differ in length");
     return c_->Backup(std::move(d), std::move(h));
   }
   uint64_t Load(py::handle host, py::handle device) {
     std::vector<int32_t> h = Slots(host, "host_slots"), d = Slots(device, "device_slots");
-    if (d.size() != h.size()) throw py::value_error("device_slots and host_slots differ in length");
+    CHECK_VALUE(d.size() == h.size(), "device_slots and host_slots differ in length");
     CheckedStream();
     return c_->Load(std::move(h), std::move(d));
   }
@@ -176,10 +163,8 @@ class PyController {
   }
   void WaitLayer(py::handle layer) {
     const int64_t l = ToInt64(layer, "layer");
-    if (l < 0 || l >= c_->num_layers()) {
-      throw py::value_error("layer=" + std::to_string(l) + " is out of range for " +
-                            std::to_string(c_->num_layers()) + " layers");
-    }
+    CHECK_VALUE(l >= 0 && l < c_->num_layers(), "layer=", l, " is out of range for ",
+                c_->num_layers(), " layers");
     Stream();
     py::gil_scoped_release nogil;
     c_->WaitLayer(l);
@@ -265,21 +250,16 @@ int64_t TransferRowsNow(py::handle src, const std::vector<int64_t>& src_layout, 
   Pool d = ReadPool(dst, dst_layout, "dst", row_bytes, layers, false);
   CheckSameSides(s, d, "src", "dst");
   std::vector<int32_t> a = Slots(src_slots, "src_slots"), b = Slots(dst_slots, "dst_slots");
-  if (a.size() != b.size()) throw py::value_error("src_slots and dst_slots differ in length");
+  CHECK_VALUE(a.size() == b.size(), "src_slots and dst_slots differ in length");
   if (layer_end == -1) layer_end = layers;
-  if (layer_begin < 0 || layer_begin > layer_end || layer_end > layers) {
-    throw py::value_error("layers [" + std::to_string(layer_begin) + ", " +
-                          std::to_string(layer_end) + ") are not within [0, " +
-                          std::to_string(layers) + ")");
-  }
+  CHECK_VALUE(layer_begin >= 0 && layer_begin <= layer_end && layer_end <= layers, "layers [",
+              layer_begin, ", ", layer_end, ") are not within [0, ", layers, ")");
   TransferParams p{
       s.layout,    d.layout, row_bytes, layers, a.data(), b.data(), static_cast<int64_t>(a.size()),
       layer_begin, layer_end};
   const int64_t bad = TransferRows(p);
-  if (bad >= 0) {
-    throw py::value_error("slot pair " + std::to_string(bad) + " (" + std::to_string(a[bad]) +
-                          " -> " + std::to_string(b[bad]) + ") is out of range; nothing copied");
-  }
+  CHECK_VALUE(bad < 0, "slot pair ", bad, " (", a[bad], " -> ", b[bad],
+              ") is out of range; nothing copied");
   return static_cast<int64_t>(a.size());
 }
 

@@ -14,6 +14,7 @@
 #include "compare.cuh"
 #include "controller.h"
 #include "copy_engine.cuh"
+#include "errors.h"
 #include "kernels.h"
 #include "radixkv/status.h"
 #include "store.cuh"
@@ -149,11 +150,10 @@ py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_lay
   box->host = ReadPool(host, host_layout, "host", row_bytes, layers, false);
   radixkv::bindings::CheckSameSides(box->device, box->host, "device", "host");
   cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, box->host.layout.base) != cudaSuccess ||
-      attr.type != cudaMemoryTypeHost) {
-    cudaGetLastError();  // clear the error an unregistered pointer leaves
-    throw py::value_error("host must be in pinned memory (HostKVCache(pin_memory=True))");
-  }
+  const bool host_pinned = cudaPointerGetAttributes(&attr, box->host.layout.base) == cudaSuccess &&
+                           attr.type == cudaMemoryTypeHost;
+  if (!host_pinned) cudaGetLastError();  // clear the error an unregistered pointer leaves
+  CHECK_VALUE(host_pinned, "host must be in pinned memory (HostKVCache(pin_memory=True))");
   std::vector<radixkv::CopyPlane> planes{
       radixkv::CopyPlane{box->device.layout, box->host.layout, row_bytes}};
   for (radixkv::CopyPlane& p : radixkv::bindings::ReadSidePlanes(
@@ -161,11 +161,10 @@ py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_lay
     planes.push_back(p);
   }
   for (size_t i = 1; i < box->sides.size(); i += 2) {
-    if (cudaPointerGetAttributes(&attr, box->sides[i].layout.base) != cudaSuccess ||
-        attr.type != cudaMemoryTypeHost) {
-      cudaGetLastError();
-      throw py::value_error("side buffers' host copies must be in pinned memory");
-    }
+    const bool pinned = cudaPointerGetAttributes(&attr, box->sides[i].layout.base) == cudaSuccess &&
+                        attr.type == cudaMemoryTypeHost;
+    if (!pinned) cudaGetLastError();
+    CHECK_VALUE(pinned, "side buffers' host copies must be in pinned memory");
   }
   const int dev = box->device.device.device_id;
   DeviceGuard guard(dev);

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "errors.h"
 #include "fast_call.h"
 #include "radixkv/compare.h"
 #include "radixkv/status.h"
@@ -17,14 +18,6 @@
 #include "torch_api.h"
 
 namespace py = pybind11;
-
-// The one check vocabulary of the kernel boundary: TypeError for a wrong type,
-// dtype or device, ValueError for a wrong shape, stride, length or value. The
-// message always starts with the argument's name.
-#define KERNEL_CHECK_TYPE(cond, ...) \
-  RADIXKV_CHECK(cond, ::radixkv::ErrorCode::kWrongType, __VA_ARGS__)
-#define KERNEL_CHECK_VALUE(cond, ...) \
-  RADIXKV_CHECK(cond, ::radixkv::ErrorCode::kInvalidArgument, __VA_ARGS__)
 
 namespace radixkv::bindings {
 namespace {
@@ -167,7 +160,7 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
   const int64_t bad = FindBadKeyLength(a);
   if (bad >= 0) {
     const int64_t len = LoadSlot(a.key_lens, a.len_type, bad);
-    KERNEL_CHECK_VALUE(false, "key_lens[", bad, "] = ", len, " is outside [0, ", a.key_cols, "]");
+    CHECK_VALUE(false, "key_lens[", bad, "] = ", len, " is outside [0, ", a.key_cols, "]");
   }
   std::optional<py::gil_scoped_release> nogil;
   if (a.num_keys * std::min(a.query_len, a.key_cols) >= (int64_t{1} << 16)) {
@@ -187,25 +180,25 @@ void FirstMismatchBatchedCpu(py::handle query, py::handle keys, py::handle key_l
 Tensor::Tensor(py::handle obj, const char* name, Checks checks)
     : obj_(obj), name_(name), checks_(checks) {
   PyObject* o = obj.ptr();
-  KERNEL_CHECK_TYPE(IsTorchTensor(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
+  CHECK_TYPE(IsTorchTensor(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
 }
 
 void Tensor::Check() {
   if (checks_ == kTrusted) return;
   PyObject* o = object().ptr();
   // torch's DLPack export ignores the bit: the memory holds -x for x.
-  KERNEL_CHECK_VALUE(!IsNegView(o), name_, " is a lazy negation (its negative bit is set): pass ",
-                     name_, ".resolve_neg()");
-  KERNEL_CHECK_VALUE(checks_ != kWritten || !RequiresGrad(o), name_,
-                     " requires grad, and a KV cache is written in place: pass ", name_,
-                     ".detach() (or create it with requires_grad=False)");
+  CHECK_VALUE(!IsNegView(o), name_, " is a lazy negation (its negative bit is set): pass ", name_,
+              ".resolve_neg()");
+  CHECK_VALUE(checks_ != kWritten || !RequiresGrad(o), name_,
+              " requires grad, and a KV cache is written in place: pass ", name_,
+              ".detach() (or create it with requires_grad=False)");
 }
 
 void Tensor::View() {
   TorchTensorView view(object().ptr(), name_);
   const DLTensor& t = view.get();
   ndim_ = t.ndim;
-  KERNEL_CHECK_VALUE(ndim_ <= kMaxDims, name_, " has ", ndim_, " dimensions, too many");
+  CHECK_VALUE(ndim_ <= kMaxDims, name_, " has ", ndim_, " dimensions, too many");
   int64_t expected = 1;
   for (int d = ndim_ - 1; d >= 0; --d) {
     shape_[d] = t.shape[d];
@@ -214,8 +207,8 @@ void Tensor::View() {
   }
   dtype_ = t.dtype;
   device_ = t.device;
-  KERNEL_CHECK_TYPE(t.data != nullptr || expected == 0, name_,
-                    " has no data (a fake tensor, or one whose storage was freed)");
+  CHECK_TYPE(t.data != nullptr || expected == 0, name_,
+             " has no data (a fake tensor, or one whose storage was freed)");
   data_ = static_cast<char*>(t.data) + t.byte_offset;
 }
 
@@ -223,7 +216,7 @@ void Tensor::Pin() {
   // detach() makes a new tensor sharing the storage: the storage lives as
   // long as the alias, even if the caller's tensor is given another one.
   pinned_ = py::reinterpret_borrow<py::object>(obj_).attr("detach")();
-  KERNEL_CHECK_TYPE(IsTorchTensor(pinned_.ptr()), name_, ".detach() did not return a tensor");
+  CHECK_TYPE(IsTorchTensor(pinned_.ptr()), name_, ".detach() did not return a tensor");
 }
 
 std::pair<const char*, const char*> Tensor::Extent() const {
@@ -249,12 +242,12 @@ std::string Tensor::ShapeString() const {
 }
 
 void Tensor::CheckDevice(DLDeviceType type) const {
-  KERNEL_CHECK_TYPE(device_.device_type == type, name_, " must be a ", DeviceTypeName(type),
-                    " tensor, got one on ", DeviceName(device_));
+  CHECK_TYPE(device_.device_type == type, name_, " must be a ", DeviceTypeName(type),
+             " tensor, got one on ", DeviceName(device_));
 }
 
 void Tensor::CheckSameDevice(const Tensor& ref) const {
-  KERNEL_CHECK_TYPE(
+  CHECK_TYPE(
       device_.device_type == ref.device_.device_type && device_.device_id == ref.device_.device_id,
       name_, " must be on ", DeviceName(ref.device_), " like ", ref.name_, ", got ",
       DeviceName(device_));
@@ -263,8 +256,8 @@ void Tensor::CheckSameDevice(const Tensor& ref) const {
 void Tensor::CheckLastContiguous() const {
   // The last dimension is contiguous (or too short for it to matter).
   const bool ok = ndim_ == 0 || shape_[ndim_ - 1] <= 1 || strides_[ndim_ - 1] == 1;
-  KERNEL_CHECK_VALUE(ok, name_, " must have a contiguous last dimension (stride 1), got stride ",
-                     strides_[ndim_ - 1], "; pass ", name_, ".contiguous()");
+  CHECK_VALUE(ok, name_, " must have a contiguous last dimension (stride 1), got stride ",
+              strides_[ndim_ - 1], "; pass ", name_, ".contiguous()");
 }
 
 namespace {
@@ -284,16 +277,16 @@ SourceFloat ConvertibleSource(const DLDataType& d) {
 
 void CheckCacheDType(const Tensor& c) {
   const DLDataType& dt = c.dtype();
-  KERNEL_CHECK_TYPE(dt.lanes == 1 && dt.bits % 8 == 0 && dt.bits > 0, c.name(), " has dtype ",
-                    DTypeName(dt), ", which is not whole bytes");
-  KERNEL_CHECK_TYPE(dt.code != kDLComplex, c.name(), " has dtype ", DTypeName(dt),
-                    ": complex K/V is not supported");
+  CHECK_TYPE(dt.lanes == 1 && dt.bits % 8 == 0 && dt.bits > 0, c.name(), " has dtype ",
+             DTypeName(dt), ", which is not whole bytes");
+  CHECK_TYPE(dt.code != kDLComplex, c.name(), " has dtype ", DTypeName(dt),
+             ": complex K/V is not supported");
 }
 
 void CheckNoStride0(const Tensor& c) {
   for (int d = 0; d < c.ndim(); ++d) {
-    KERNEL_CHECK_VALUE(c.stride(d) != 0 || c.size(d) <= 1, c.name(), " has stride 0 in dimension ",
-                       d, ": an expanded tensor would write one place many times");
+    CHECK_VALUE(c.stride(d) != 0 || c.size(d) <= 1, c.name(), " has stride 0 in dimension ", d,
+                ": an expanded tensor would write one place many times");
   }
 }
 
@@ -307,19 +300,19 @@ ScaleArg::ScaleArg(py::handle obj, const char* name, DLDeviceType device_type) :
   if (IsTorchTensor(o)) {
     py::object t = py::reinterpret_borrow<py::object>(obj);
     const int64_t numel = t.attr("numel")().cast<int64_t>();
-    KERNEL_CHECK_VALUE(numel == 1, name,
-                       " must be a number or a one-element tensor, got a tensor "
-                       "of ",
-                       numel, " elements");
-    KERNEL_CHECK_TYPE(t.attr("is_floating_point")().cast<bool>(), name,
-                      " must be a floating tensor, got dtype ",
-                      py::str(t.attr("dtype")).cast<std::string>());
+    CHECK_VALUE(numel == 1, name,
+                " must be a number or a one-element tensor, got a tensor "
+                "of ",
+                numel, " elements");
+    CHECK_TYPE(t.attr("is_floating_point")().cast<bool>(), name,
+               " must be a floating tensor, got dtype ",
+               py::str(t.attr("dtype")).cast<std::string>());
     if (device_type == kDLCUDA && t.attr("is_cuda").cast<bool>()) {
       tensor_.emplace(obj, name);
       return;  // read by the kernel; checked with the other tensors
     }
-    KERNEL_CHECK_TYPE(!t.attr("is_meta").cast<bool>(), name,
-                      " is a tensor on the meta device: it has no value");
+    CHECK_TYPE(!t.attr("is_meta").cast<bool>(), name,
+               " is a tensor on the meta device: it has no value");
     value = t.attr("item")().cast<double>();
   } else {
     // A number: what has float() or index() (not a string, which float() parses,
@@ -328,15 +321,14 @@ ScaleArg::ScaleArg(py::handle obj, const char* name, DLDeviceType device_type) :
     const bool numeric = num != nullptr && (num->nb_float != nullptr || num->nb_index != nullptr);
     const std::string type = Py_TYPE(o)->tp_name;
     const bool boolean = PyBool_Check(o) || type == "numpy.bool" || type == "numpy.bool_";
-    KERNEL_CHECK_TYPE(numeric && !boolean, name, " must be a number or a one-element tensor, got ",
-                      type);
+    CHECK_TYPE(numeric && !boolean, name, " must be a number or a one-element tensor, got ", type);
     PyObject* f = PyNumber_Float(o);
     if (f == nullptr) {
       const bool overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
       PyErr_Clear();
-      KERNEL_CHECK_VALUE(!overflow, name,
-                         " must be positive and finite in float32, got a "
-                         "number too large for a float");
+      CHECK_VALUE(!overflow, name,
+                  " must be positive and finite in float32, got a "
+                  "number too large for a float");
       throw Error(ErrorCode::kWrongType, StrCat(name,
                                                 " must be a number or a one-element tensor, "
                                                 "got ",
@@ -346,8 +338,8 @@ ScaleArg::ScaleArg(py::handle obj, const char* name, DLDeviceType device_type) :
     Py_DECREF(f);
   }
   value_ = static_cast<float>(value);  // rounds to nearest, as torch does a Python scalar
-  KERNEL_CHECK_VALUE(value_ > 0 && std::isfinite(value_), name,
-                     " must be positive and finite in float32, got ", value);
+  CHECK_VALUE(value_ > 0 && std::isfinite(value_), name,
+              " must be positive and finite in float32, got ", value);
 }
 
 StoreSide CheckStoreSide(const Tensor& cache, const RowLayout& cache_layout, int64_t col_offset,
@@ -358,38 +350,36 @@ StoreSide CheckStoreSide(const Tensor& cache, const RowLayout& cache_layout, int
   StoreSide side{};
   if (!SameDType(src.dtype(), dt)) {
     side.source = IsFloat8(dt) ? ConvertibleSource(src.dtype()) : SourceFloat::kNone;
-    KERNEL_CHECK_TYPE(
-        side.source != SourceFloat::kNone, src.name(), " has dtype ", DTypeName(src.dtype()),
-        " but ", cache.name(), " has dtype ", DTypeName(dt),
-        IsFloat8(dt) ? " (a float8 cache also takes float32, float16 or bfloat16)" : "");
+    CHECK_TYPE(side.source != SourceFloat::kNone, src.name(), " has dtype ", DTypeName(src.dtype()),
+               " but ", cache.name(), " has dtype ", DTypeName(dt),
+               IsFloat8(dt) ? " (a float8 cache also takes float32, float16 or bfloat16)" : "");
     side.format = dt.code == kDLFloat8_e4m3fn ? Float8Format::kE4M3Fn : Float8Format::kE5M2;
     side.scale = scale.value();
     if (const Tensor* t = scale.tensor()) {
       t->CheckSameDevice(cache);
-      KERNEL_CHECK_TYPE(SameDType(t->dtype(), DLDataType{kDLFloat, 32, 1}), scale.name(), " on ",
-                        DeviceName(t->device()), " must have dtype float32, got ",
-                        DTypeName(t->dtype()));
+      CHECK_TYPE(SameDType(t->dtype(), DLDataType{kDLFloat, 32, 1}), scale.name(), " on ",
+                 DeviceName(t->device()), " must have dtype float32, got ", DTypeName(t->dtype()));
       side.scale_ptr = reinterpret_cast<const float*>(t->data());
     }
   } else if (scale.given()) {
-    KERNEL_CHECK_VALUE(false, scale.name(), " is given, but ", src.name(), " already has ",
-                       cache.name(), "'s dtype ", DTypeName(dt),
-                       " and is copied as it is (a "
-                       "scale applies when a float8 cache is fed float32, float16 or bfloat16)");
+    CHECK_VALUE(false, scale.name(), " is given, but ", src.name(), " already has ", cache.name(),
+                "'s dtype ", DTypeName(dt),
+                " and is copied as it is (a "
+                "scale applies when a float8 cache is fed float32, float16 or bfloat16)");
   }
   const int64_t rank = flat_src ? 2 : 3;
   if (flat_src) {
-    KERNEL_CHECK_VALUE(src.ndim() == 2 && src.size(1) == head_dim, src.name(),
-                       " must have shape [num_tokens, ", head_dim, "], got ", src.ShapeString());
+    CHECK_VALUE(src.ndim() == 2 && src.size(1) == head_dim, src.name(),
+                " must have shape [num_tokens, ", head_dim, "], got ", src.ShapeString());
   } else {
-    KERNEL_CHECK_VALUE(src.ndim() == rank, src.name(), " must have shape [num_tokens, ", heads,
-                       ", ", head_dim, "], got ", src.ShapeString());
-    KERNEL_CHECK_VALUE(src.size(1) == heads && src.size(2) == head_dim, src.name(), " has shape ",
-                       src.ShapeString(), " but the cache rows are [", heads, ", ", head_dim, "]");
+    CHECK_VALUE(src.ndim() == rank, src.name(), " must have shape [num_tokens, ", heads, ", ",
+                head_dim, "], got ", src.ShapeString());
+    CHECK_VALUE(src.size(1) == heads && src.size(2) == head_dim, src.name(), " has shape ",
+                src.ShapeString(), " but the cache rows are [", heads, ", ", head_dim, "]");
   }
   src.CheckLastContiguous();
-  KERNEL_CHECK_VALUE(!src.Overlaps(cache), src.name(), " lies in the memory of ", cache.name(),
-                     ": the store would overwrite rows it has yet to read");
+  CHECK_VALUE(!src.Overlaps(cache), src.name(), " lies in the memory of ", cache.name(),
+              ": the store would overwrite rows it has yet to read");
   const int64_t se = src.elem_bytes(), ce = cache.elem_bytes();
   side.src = src.data();
   side.dst = cache.data() + col_offset * ce;
@@ -406,39 +396,39 @@ StoreParams CheckStoreTensors(const Tensor& kc, const Tensor& vc, const Tensor& 
                               DLDeviceType device_type) {
   kc.CheckDevice(device_type);
   for (const Tensor* t : {&vc, &k, &v}) t->CheckSameDevice(kc);
-  KERNEL_CHECK_VALUE(kc.ndim() >= 2 && kc.ndim() <= 4,
-                     "k_cache must have shape [num_pages, page_size, heads, head_dim], "
-                     "[num_slots, heads, head_dim] or [num_slots, row], got ",
-                     kc.ShapeString());
-  KERNEL_CHECK_VALUE(vc.ShapeString() == kc.ShapeString(), "v_cache has shape ", vc.ShapeString(),
-                     " but k_cache has shape ", kc.ShapeString());
+  CHECK_VALUE(kc.ndim() >= 2 && kc.ndim() <= 4,
+              "k_cache must have shape [num_pages, page_size, heads, head_dim], "
+              "[num_slots, heads, head_dim] or [num_slots, row], got ",
+              kc.ShapeString());
+  CHECK_VALUE(vc.ShapeString() == kc.ShapeString(), "v_cache has shape ", vc.ShapeString(),
+              " but k_cache has shape ", kc.ShapeString());
   CheckCacheDType(kc);
-  KERNEL_CHECK_TYPE(SameDType(vc.dtype(), kc.dtype()), "v_cache has dtype ", DTypeName(vc.dtype()),
-                    " but k_cache has dtype ", DTypeName(kc.dtype()));
+  CHECK_TYPE(SameDType(vc.dtype(), kc.dtype()), "v_cache has dtype ", DTypeName(vc.dtype()),
+             " but k_cache has dtype ", DTypeName(kc.dtype()));
   const bool rows = kc.ndim() == 2;  // mini-SGLang's [num_slots, row] caches
   const int64_t heads = rows ? 1 : kc.size(kc.ndim() - 2), head_dim = kc.size(kc.ndim() - 1);
   StoreParams p;  // only what num_sides names is read: no need to clear the rest
   p.num_sides = 2;
   p.side[0] = CheckStoreSide(kc, CacheLayout(kc), 0, k, heads, head_dim, rows, k_scale);
   p.side[1] = CheckStoreSide(vc, CacheLayout(vc), 0, v, heads, head_dim, rows, v_scale);
-  KERNEL_CHECK_VALUE(v.size(0) == k.size(0), "v has ", v.size(0), " tokens but k has ", k.size(0));
+  CHECK_VALUE(v.size(0) == k.size(0), "v has ", v.size(0), " tokens but k has ", k.size(0));
   for (const Tensor* c : {&kc, &vc}) {
     c->CheckLastContiguous();
     CheckNoStride0(*c);
   }
   for (const Tensor* x : {&k, &v}) {
     const Tensor& other = x == &k ? vc : kc;
-    KERNEL_CHECK_VALUE(!x->Overlaps(other), x->name(), " lies in the memory of ", other.name(),
-                       ": the store would overwrite rows it has yet to read");
+    CHECK_VALUE(!x->Overlaps(other), x->name(), " lies in the memory of ", other.name(),
+                ": the store would overwrite rows it has yet to read");
   }
   // K and V caches may interleave (pages holding both), so only the same rows
   // twice is refused: v would overwrite k.
   // (Caches with no elements hold no memory: nothing can be overwritten.)
   bool same = kc.data() == vc.data() && kc.Extent().first != kc.Extent().second;
   for (int d = 0; same && d < kc.ndim(); ++d) same = kc.stride(d) == vc.stride(d);
-  KERNEL_CHECK_VALUE(!same,
-                     "v_cache is the same memory as k_cache: the store would write v "
-                     "over k");
+  CHECK_VALUE(!same,
+              "v_cache is the same memory as k_cache: the store would write v "
+              "over k");
   p.num_tokens = k.size(0);
   p.num_slots = kc.ndim() == 4 ? kc.size(0) * kc.size(1) : kc.size(0);
   return p;
@@ -448,34 +438,33 @@ StoreParams CheckMlaTensors(const Tensor& kv, const Tensor& k_nope, const Tensor
                             int64_t kv_lora_rank, const ScaleArg& k_scale,
                             DLDeviceType device_type) {
   kv.CheckDevice(device_type);
-  KERNEL_CHECK_VALUE(
-      (kv.ndim() >= 2 && kv.ndim() <= 4) && (kv.ndim() == 2 || kv.size(kv.ndim() - 2) == 1),
-      "kv_cache must have shape [num_pages, page_size, 1, row], [num_slots, 1, "
-      "row] or [num_slots, row], got ",
-      kv.ShapeString());
+  CHECK_VALUE((kv.ndim() >= 2 && kv.ndim() <= 4) && (kv.ndim() == 2 || kv.size(kv.ndim() - 2) == 1),
+              "kv_cache must have shape [num_pages, page_size, 1, row], [num_slots, 1, "
+              "row] or [num_slots, row], got ",
+              kv.ShapeString());
   CheckCacheDType(kv);
   const int64_t row = kv.size(kv.ndim() - 1);
-  KERNEL_CHECK_VALUE(kv_lora_rank > 0 && kv_lora_rank < row, "kv_lora_rank=", kv_lora_rank,
-                     " must leave both parts of kv_cache's rows of ", row, " non-empty");
+  CHECK_VALUE(kv_lora_rank > 0 && kv_lora_rank < row, "kv_lora_rank=", kv_lora_rank,
+              " must leave both parts of kv_cache's rows of ", row, " non-empty");
   const int64_t rope = row - kv_lora_rank;
   // A 2-D row cache is one head of the whole row (see CacheLayout): here each
   // side is a run of its own width inside it.
   RowLayout layout = CacheLayout(kv);
   layout.head_stride = row * kv.elem_bytes();
   for (const Tensor* x : {&k_nope, &k_rope}) {
-    KERNEL_CHECK_VALUE(x->ndim() == 2 || x->ndim() == 3, x->name(),
-                       " must have shape "
-                       "[num_tokens, 1, ",
-                       x == &k_nope ? kv_lora_rank : rope, "] or [num_tokens, ",
-                       x == &k_nope ? kv_lora_rank : rope, "], got ", x->ShapeString());
+    CHECK_VALUE(x->ndim() == 2 || x->ndim() == 3, x->name(),
+                " must have shape "
+                "[num_tokens, 1, ",
+                x == &k_nope ? kv_lora_rank : rope, "] or [num_tokens, ",
+                x == &k_nope ? kv_lora_rank : rope, "], got ", x->ShapeString());
   }
   StoreParams p;  // only what num_sides names is read
   p.num_sides = 2;
   p.side[0] = CheckStoreSide(kv, layout, 0, k_nope, 1, kv_lora_rank, k_nope.ndim() == 2, k_scale);
   p.side[1] =
       CheckStoreSide(kv, layout, kv_lora_rank, k_rope, 1, rope, k_rope.ndim() == 2, k_scale);
-  KERNEL_CHECK_VALUE(k_rope.size(0) == k_nope.size(0), "k_rope has ", k_rope.size(0),
-                     " tokens but k_nope has ", k_nope.size(0));
+  CHECK_VALUE(k_rope.size(0) == k_nope.size(0), "k_rope has ", k_rope.size(0),
+              " tokens but k_nope has ", k_nope.size(0));
   kv.CheckLastContiguous();
   CheckNoStride0(kv);
   p.num_tokens = k_nope.size(0);
@@ -485,9 +474,9 @@ StoreParams CheckMlaTensors(const Tensor& kv, const Tensor& k_nope, const Tensor
 
 SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
   if (sides.is_none()) return;
-  KERNEL_CHECK_TYPE(PyTuple_Check(sides.ptr()) || PyList_Check(sides.ptr()),
-                    "side must be a sequence of (name, buffer, source), got ",
-                    Py_TYPE(sides.ptr())->tp_name);
+  CHECK_TYPE(PyTuple_Check(sides.ptr()) || PyList_Check(sides.ptr()),
+             "side must be a sequence of (name, buffer, source), got ",
+             Py_TYPE(sides.ptr())->tp_name);
   // A snapshot this object owns: Python code run later in the call (an
   // out_loc item's __index__) may empty the caller's list, but not free the
   // entries or their tensors while the store still uses them.
@@ -495,20 +484,20 @@ SideArgs::SideArgs(py::handle sides, Tensor::Checks buffer_checks) {
   if (!entries_) throw py::error_already_set();
   const py::tuple& seq = entries_;
   const size_t count = seq.size();
-  KERNEL_CHECK_VALUE(count <= kMaxStoreSides - 2, "side has ", count,
-                     " buffers; a store writes at most ", kMaxStoreSides - 2, " beside its caches");
+  CHECK_VALUE(count <= kMaxStoreSides - 2, "side has ", count, " buffers; a store writes at most ",
+              kMaxStoreSides - 2, " beside its caches");
   names_.reserve(2 * count);  // the Tensors keep pointers into it: never reallocated
   for (size_t i = 0; i < count; ++i) {
     py::handle entry = seq[i];
-    KERNEL_CHECK_TYPE(PyTuple_Check(entry.ptr()) && PyTuple_GET_SIZE(entry.ptr()) == 3, "side[", i,
-                      "] must be a (name, buffer, source) tuple");
+    CHECK_TYPE(PyTuple_Check(entry.ptr()) && PyTuple_GET_SIZE(entry.ptr()) == 3, "side[", i,
+               "] must be a (name, buffer, source) tuple");
     py::tuple t = py::reinterpret_borrow<py::tuple>(entry);
-    KERNEL_CHECK_TYPE(PyUnicode_Check(t[0].ptr()), "side[", i, "]'s name must be a str");
+    CHECK_TYPE(PyUnicode_Check(t[0].ptr()), "side[", i, "]'s name must be a str");
     Py_ssize_t size = 0;
     const char* utf8 = PyUnicode_AsUTF8AndSize(t[0].ptr(), &size);
     if (utf8 == nullptr) {
       PyErr_Clear();
-      KERNEL_CHECK_VALUE(false, "side[", i, "]'s name is not valid text");
+      CHECK_VALUE(false, "side[", i, "]'s name is not valid text");
     }
     const std::string name(utf8, static_cast<size_t>(size));
     names_.push_back("side[" + name + "]");
@@ -533,54 +522,51 @@ void SideArgs::AddTo(StoreParams* p, std::initializer_list<const Tensor*> caches
                      std::initializer_list<const Tensor*> sources) const {
   const int64_t count = static_cast<int64_t>(buffers_.size());
   if (count == 0) return;
-  KERNEL_CHECK_VALUE(p->num_sides + count <= kMaxStoreSides, "side has ", count,
-                     " buffers; a store writes at most ", kMaxStoreSides - p->num_sides,
-                     " beside its caches");
+  CHECK_VALUE(p->num_sides + count <= kMaxStoreSides, "side has ", count,
+              " buffers; a store writes at most ", kMaxStoreSides - p->num_sides,
+              " beside its caches");
   const ScaleArg none(py::none(), "scale", kDLCPU);
   for (int64_t i = 0; i < count; ++i) {
     const Tensor& buf = *buffers_[i];
     const Tensor& src = *sources_[i];
     buf.CheckSameDevice(**caches.begin());
-    KERNEL_CHECK_VALUE(buf.ndim() == 2, buf.name(), " must be [num_slots, row], got ",
-                       buf.ShapeString());
-    KERNEL_CHECK_VALUE(buf.size(0) == p->num_slots, buf.name(), " has ", buf.size(0),
-                       " slots but the cache has ", p->num_slots);
+    CHECK_VALUE(buf.ndim() == 2, buf.name(), " must be [num_slots, row], got ", buf.ShapeString());
+    CHECK_VALUE(buf.size(0) == p->num_slots, buf.name(), " has ", buf.size(0),
+                " slots but the cache has ", p->num_slots);
     CheckCacheDType(buf);
     buf.CheckLastContiguous();
     CheckNoStride0(buf);
-    KERNEL_CHECK_TYPE(SameDType(src.dtype(), buf.dtype()), src.name(), " has dtype ",
-                      DTypeName(src.dtype()), " but ", buf.name(), " has dtype ",
-                      DTypeName(buf.dtype()));
+    CHECK_TYPE(SameDType(src.dtype(), buf.dtype()), src.name(), " has dtype ",
+               DTypeName(src.dtype()), " but ", buf.name(), " has dtype ", DTypeName(buf.dtype()));
     p->side[p->num_sides] =
         CheckStoreSide(buf, CacheLayout(buf), 0, src, 1, buf.size(1), true, none);
     ++p->num_sides;
-    KERNEL_CHECK_VALUE(src.size(0) == p->num_tokens, src.name(), " has ", src.size(0),
-                       " tokens but ", (*sources.begin())->name(), " has ", p->num_tokens);
+    CHECK_VALUE(src.size(0) == p->num_tokens, src.name(), " has ", src.size(0), " tokens but ",
+                (*sources.begin())->name(), " has ", p->num_tokens);
     // Sources are read while caches and buffers are written: none may meet.
     for (const Tensor* c : caches) {
-      KERNEL_CHECK_VALUE(!src.Overlaps(*c), src.name(), " lies in the memory of ", c->name(),
-                         ": the store would overwrite rows it has yet to read");
-      KERNEL_CHECK_VALUE(!buf.Overlaps(*c), buf.name(), " lies in the memory of ", c->name());
+      CHECK_VALUE(!src.Overlaps(*c), src.name(), " lies in the memory of ", c->name(),
+                  ": the store would overwrite rows it has yet to read");
+      CHECK_VALUE(!buf.Overlaps(*c), buf.name(), " lies in the memory of ", c->name());
     }
     for (const Tensor* x : sources) {
-      KERNEL_CHECK_VALUE(!x->Overlaps(buf), x->name(), " lies in the memory of ", buf.name(),
-                         ": the store would overwrite rows it has yet to read");
+      CHECK_VALUE(!x->Overlaps(buf), x->name(), " lies in the memory of ", buf.name(),
+                  ": the store would overwrite rows it has yet to read");
     }
     for (int64_t j = 0; j < count; ++j) {
       if (j == i) continue;
-      KERNEL_CHECK_VALUE(!sources_[j]->Overlaps(buf), sources_[j]->name(),
-                         " lies in the memory of ", buf.name(),
-                         ": the store would overwrite rows it has yet to read");
-      KERNEL_CHECK_VALUE(j < i || !buffers_[j]->Overlaps(buf), buffers_[j]->name(), " and ",
-                         buf.name(), " share memory: one would overwrite the other");
+      CHECK_VALUE(!sources_[j]->Overlaps(buf), sources_[j]->name(), " lies in the memory of ",
+                  buf.name(), ": the store would overwrite rows it has yet to read");
+      CHECK_VALUE(j < i || !buffers_[j]->Overlaps(buf), buffers_[j]->name(), " and ", buf.name(),
+                  " share memory: one would overwrite the other");
     }
   }
 }
 
 void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n,
                      const char* tokens_name) {
-  KERNEL_CHECK_VALUE(n == p->num_tokens, "out_loc has length ", n, " but ", tokens_name, " has ",
-                     p->num_tokens, " tokens");
+  CHECK_VALUE(n == p->num_tokens, "out_loc has length ", n, " but ", tokens_name, " has ",
+              p->num_tokens, " tokens");
   p->indices = data;
   p->index_type = type;
 }
@@ -588,9 +574,9 @@ void SetStoreIndices(StoreParams* p, const void* data, IndexType type, int64_t n
 void SetStoreIndices(StoreParams* p, const Tensor& loc, const Tensor& k_cache,
                      const char* tokens_name) {
   loc.CheckSameDevice(k_cache);
-  KERNEL_CHECK_VALUE(loc.ndim() == 1, "out_loc must be 1-D, got shape ", loc.ShapeString());
-  KERNEL_CHECK_TYPE(IsIndexDType(loc.dtype()), "out_loc must have dtype int32 or int64, got ",
-                    DTypeName(loc.dtype()));
+  CHECK_VALUE(loc.ndim() == 1, "out_loc must be 1-D, got shape ", loc.ShapeString());
+  CHECK_TYPE(IsIndexDType(loc.dtype()), "out_loc must have dtype int32 or int64, got ",
+             DTypeName(loc.dtype()));
   loc.CheckLastContiguous();
   SetStoreIndices(p, loc.data(), loc.dtype().bits == 32 ? IndexType::kInt32 : IndexType::kInt64,
                   loc.size(0), tokens_name);
@@ -628,21 +614,21 @@ CompareBatch CheckCompareArgs(const Tensor& q, const Tensor& keys, const Tensor*
   if (lens) lens->CheckSameDevice(q);
   const DLDataType i32{kDLInt, 32, 1};
   for (const Tensor* t : {&q, &keys, &out}) {
-    KERNEL_CHECK_TYPE(SameDType(t->dtype(), i32), t->name(), " must have dtype int32, got ",
-                      DTypeName(t->dtype()));
+    CHECK_TYPE(SameDType(t->dtype(), i32), t->name(), " must have dtype int32, got ",
+               DTypeName(t->dtype()));
   }
-  KERNEL_CHECK_VALUE(q.ndim() == 1, "query must be 1-D, got shape ", q.ShapeString());
-  KERNEL_CHECK_VALUE(keys.ndim() == 2, "keys must be 2-D [num_keys, length], got shape ",
-                     keys.ShapeString());
+  CHECK_VALUE(q.ndim() == 1, "query must be 1-D, got shape ", q.ShapeString());
+  CHECK_VALUE(keys.ndim() == 2, "keys must be 2-D [num_keys, length], got shape ",
+              keys.ShapeString());
   const int64_t b = keys.size(0);
-  KERNEL_CHECK_VALUE(out.ndim() == 1 && out.size(0) == b, "out must have shape [", b, "], got ",
-                     out.ShapeString());
+  CHECK_VALUE(out.ndim() == 1 && out.size(0) == b, "out must have shape [", b, "], got ",
+              out.ShapeString());
   for (const Tensor* t : {&q, &keys, &out}) t->CheckLastContiguous();
   if (lens) {
-    KERNEL_CHECK_VALUE(lens->ndim() == 1 && lens->size(0) == b, "key_lens must have shape [", b,
-                       "], got ", lens->ShapeString());
-    KERNEL_CHECK_TYPE(IsIndexDType(lens->dtype()), "key_lens must have dtype int32 or int64, got ",
-                      DTypeName(lens->dtype()));
+    CHECK_VALUE(lens->ndim() == 1 && lens->size(0) == b, "key_lens must have shape [", b, "], got ",
+                lens->ShapeString());
+    CHECK_TYPE(IsIndexDType(lens->dtype()), "key_lens must have dtype int32 or int64, got ",
+               DTypeName(lens->dtype()));
     lens->CheckLastContiguous();
   }
   CompareBatch a{};
@@ -683,8 +669,8 @@ constexpr Params kStoreMla{
 py::handle OrNone(PyObject* o) { return o != nullptr ? o : Py_None; }
 
 bool PoolViews(PyObject* o) {
-  KERNEL_CHECK_TYPE(o == nullptr || PyBool_Check(o), "pool_views must be a bool, got ",
-                    Py_TYPE(o)->tp_name);
+  CHECK_TYPE(o == nullptr || PyBool_Check(o), "pool_views must be a bool, got ",
+             Py_TYPE(o)->tp_name);
   return o == Py_True;
 }
 
@@ -707,10 +693,10 @@ PyObject* StoreMlaFast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObj
   PyObject* a[kMaxParams] = {};
   if (!BindArgs(kStoreMla, args, nargs, kwnames, a)) return nullptr;
   try {
-    KERNEL_CHECK_TYPE(PyLong_Check(a[4]) && !PyBool_Check(a[4]),
-                      "kv_lora_rank must be an int, "
-                      "got ",
-                      Py_TYPE(a[4])->tp_name);
+    CHECK_TYPE(PyLong_Check(a[4]) && !PyBool_Check(a[4]),
+               "kv_lora_rank must be an int, "
+               "got ",
+               Py_TYPE(a[4])->tp_name);
     const long long rank = PyLong_AsLongLong(a[4]);
     if (rank == -1 && PyErr_Occurred()) throw py::error_already_set();
     StoreMlaCpu(a[0], a[1], a[2], a[3], rank, PoolViews(a[5]), OrNone(a[6]), OrNone(a[7]));

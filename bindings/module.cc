@@ -202,10 +202,8 @@ bool Truth(PyObject* o, bool absent) {
 }
 
 Handle& AsHandle(PyObject* obj) {
-  if (Py_TYPE(obj) != g_handle_type) {
-    throw py::type_error(std::string("handle must be a RadixCacheHandle from match_prefix, got ") +
-                         Py_TYPE(obj)->tp_name);
-  }
+  CHECK_TYPE(Py_TYPE(obj) == g_handle_type,
+             "handle must be a RadixCacheHandle from match_prefix, got ", Py_TYPE(obj)->tp_name);
   return Unbox<Handle>(obj);
 }
 
@@ -213,7 +211,7 @@ Handle& AsHandle(PyObject* obj) {
 uint64_t AsNamespace(PyObject* o, const char* name = "namespace") {
   if (o == nullptr) return 0;
   const int64_t ns = ToInt64(o, name);
-  if (ns < 0) throw py::value_error(std::string(name) + " must be >= 0, got " + std::to_string(ns));
+  CHECK_VALUE(ns >= 0, name, " must be >= 0, got ", ns);
   return static_cast<uint64_t>(ns);
 }
 
@@ -236,10 +234,8 @@ py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
 // lock (the GIL released once when the batch is large). The same as one
 // match_prefix per input, in order.
 py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
-  if (!PyList_Check(a[0]) && !PyTuple_Check(a[0])) {
-    throw py::type_error(std::string("batch must be a list or tuple of token id sequences, got ") +
-                         Py_TYPE(a[0])->tp_name);
-  }
+  CHECK_TYPE(PyList_Check(a[0]) || PyTuple_Check(a[0]),
+             "batch must be a list or tuple of token id sequences, got ", Py_TYPE(a[0])->tp_name);
   // A snapshot: Python code run while items are converted cannot change it.
   const py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[0]));
   if (!items) throw py::error_already_set();
@@ -251,10 +247,7 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
   if (a[1] != nullptr && (PyList_Check(a[1]) || PyTuple_Check(a[1]))) {
     const py::tuple given = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[1]));
     if (!given) throw py::error_already_set();
-    if (given.size() != n) {
-      throw py::value_error("namespace has " + std::to_string(given.size()) +
-                            " entries but batch has " + std::to_string(n));
-    }
+    CHECK_VALUE(given.size() == n, "namespace has ", given.size(), " entries but batch has ", n);
     for (size_t i = 0; i < n; ++i) {
       const std::string name = "namespace[" + std::to_string(i) + "]";
       spaces[i] = AsNamespace(given[i].ptr(), name.c_str());
@@ -299,15 +292,12 @@ py::object RadixTree_InsertPrefix(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   Int32View slots(a[1], "indices");
   const int64_t priority = a[2] != nullptr ? ToInt64(a[2], "priority") : 0;
-  if (priority < INT32_MIN || priority > INT32_MAX) {
-    throw py::value_error("priority must fit int32, got " + std::to_string(priority));
-  }
+  CHECK_VALUE(priority >= INT32_MIN && priority <= INT32_MAX, "priority must fit int32, got ",
+              priority);
   const uint64_t ns = AsNamespace(a[3]);
   FinishViews(ids, slots);
-  if (ids.size() != slots.size()) {
-    throw py::value_error("indices has length " + std::to_string(slots.size()) +
-                          " but input_ids has length " + std::to_string(ids.size()));
-  }
+  CHECK_VALUE(ids.size() == slots.size(), "indices has length ", slots.size(),
+              " but input_ids has length ", ids.size());
   return py::int_(Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
       [&] {
@@ -397,20 +387,19 @@ py::object CopyTuple(const radixkv::TierCopy& c) {
 
 radixkv::TierCopy AsCopy(PyObject* o) {
   // A TierCopy is a tuple of four; so is a plain (node_id, incarnation, start, end).
-  if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 4) {
-    throw py::type_error(std::string("copy must be a TierCopy (node_id, incarnation, start, end) "
-                                     "from find_backup or find_load, or a tuple of those four, "
-                                     "got ") +
-                         Py_TYPE(o)->tp_name);
-  }
+  CHECK_TYPE(PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 4,
+             "copy must be a TierCopy (node_id, incarnation, start, end) "
+             "from find_backup or find_load, or a tuple of those four, "
+             "got ",
+             Py_TYPE(o)->tp_name);
   radixkv::TierCopy c;
   const int64_t id = ToInt64(PyTuple_GET_ITEM(o, 0), "copy.node_id");
-  if (id < 0 || id > UINT32_MAX) throw py::value_error("copy.node_id is not a node id");
+  CHECK_VALUE(id >= 0 && id <= UINT32_MAX, "copy.node_id is not a node id");
   c.node_id = static_cast<uint32_t>(id);
   c.incarnation = static_cast<uint64_t>(ToInt64(PyTuple_GET_ITEM(o, 1), "copy.incarnation"));
   c.start = ToInt64(PyTuple_GET_ITEM(o, 2), "copy.start");
   c.end = ToInt64(PyTuple_GET_ITEM(o, 3), "copy.end");
-  if (c.start < 0 || c.end < c.start) throw py::value_error("copy has a bad range");
+  CHECK_VALUE(c.start >= 0 && c.end >= c.start, "copy has a bad range");
   return c;
 }
 
@@ -434,7 +423,7 @@ py::object RadixTree_EvictHost(PyRadixTree& t, PyObject* const* a) {
 py::object RadixTree_FindBackup(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   const int64_t min_hits = a[1] != nullptr ? ToInt64(a[1], "min_hits") : 0;
-  if (min_hits < 0 || min_hits > UINT32_MAX) throw py::value_error("min_hits is out of range");
+  CHECK_VALUE(min_hits >= 0 && min_hits <= UINT32_MAX, "min_hits is out of range");
   const bool through_partial = Truth(a[2], false);
   const uint64_t ns = AsNamespace(a[3]);
   FinishViews(ids);
@@ -461,10 +450,8 @@ py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
   const bool ok = Truth(a[2], true);
   Int32View host(a[1], "host_slots");
   FinishViews(host);
-  if (host.size() != c.length()) {
-    throw py::value_error("host_slots has length " + std::to_string(host.size()) +
-                          " but the copy covers " + std::to_string(c.length()) + " tokens");
-  }
+  CHECK_VALUE(host.size() == c.length(), "host_slots has length ", host.size(),
+              " but the copy covers ", c.length(), " tokens");
   TensorSink rejected;
   Locked(t, false, [&] { t.tree.FinishBackup(c, host.data(), ok, rejected); });
   return rejected.take();
@@ -488,10 +475,8 @@ py::object RadixTree_FinishLoad(PyRadixTree& t, PyObject* const* a) {
   const bool ok = Truth(a[2], true);
   Int32View device(a[1], "device_slots");
   FinishViews(device);
-  if (device.size() != c.length()) {
-    throw py::value_error("device_slots has length " + std::to_string(device.size()) +
-                          " but the copy covers " + std::to_string(c.length()) + " tokens");
-  }
+  CHECK_VALUE(device.size() == c.length(), "device_slots has length ", device.size(),
+              " but the copy covers ", c.length(), " tokens");
   return py::bool_(Locked(t, false, [&] { return t.tree.FinishLoad(c, device.data(), ok); }));
 }
 
@@ -558,11 +543,9 @@ py::object RadixTree_InsertHost(PyRadixTree& t, PyObject* const* a) {
   const uint64_t ns = AsNamespace(a[3]);
   Int32View host(a[2], "host_slots");
   FinishViews(ids, host);
-  if (start < 0 || start > ids.size() || host.size() != ids.size() - start) {
-    throw py::value_error("host_slots has length " + std::to_string(host.size()) +
-                          " but must cover input_ids[start:] (start=" + std::to_string(start) +
-                          ", " + std::to_string(ids.size()) + " tokens)");
-  }
+  CHECK_VALUE(start >= 0 && start <= ids.size() && host.size() == ids.size() - start,
+              "host_slots has length ", host.size(),
+              " but must cover input_ids[start:] (start=", start, ", ", ids.size(), " tokens)");
   TensorSink rejected;
   Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
@@ -586,7 +569,7 @@ radixkv::EvictionPolicy ParsePolicy(const std::string& name) {
   for (std::string_view n : radixkv::kEvictionPolicyNames) {
     names += (names.empty() ? "" : ", ") + std::string(n);
   }
-  throw py::value_error("eviction_policy must be one of " + names + ", got '" + name + "'");
+  CHECK_VALUE(false, "eviction_policy must be one of ", names, ", got '", name, "'");
 }
 
 py::tuple EvictionPolicies() {
@@ -663,10 +646,8 @@ PyObject* Handle_Repr(PyObject* self) {
 
 PyRadixTree* AsTree(py::handle tree) {
   if (tree.is_none()) return nullptr;
-  if (Py_TYPE(tree.ptr()) != g_tree_type) {
-    throw py::type_error(std::string("tree must be a radixkv._core.RadixTree or None, got ") +
-                         Py_TYPE(tree.ptr())->tp_name);
-  }
+  CHECK_TYPE(Py_TYPE(tree.ptr()) == g_tree_type,
+             "tree must be a radixkv._core.RadixTree or None, got ", Py_TYPE(tree.ptr())->tp_name);
   return &Unbox<PyRadixTree>(tree.ptr());
 }
 
@@ -791,13 +772,11 @@ py::list HexKeys(const uint8_t* keys, int64_t n) {
 // `obj` as 32 bytes (a seed or a key), or empty for None.
 std::string Bytes32(py::handle obj, const std::string& name) {
   if (obj.is_none()) return {};
-  if (!PyBytes_Check(obj.ptr())) throw py::type_error(name + " must be bytes or None");
+  CHECK_TYPE(PyBytes_Check(obj.ptr()), name, " must be bytes or None");
   char* data = nullptr;
   Py_ssize_t size = 0;
   if (PyBytes_AsStringAndSize(obj.ptr(), &data, &size) != 0) throw py::error_already_set();
-  if (size != radixkv::kPageKeyBytes) {
-    throw py::value_error(name + " must be 32 bytes, got " + std::to_string(size));
-  }
+  CHECK_VALUE(size == radixkv::kPageKeyBytes, name, " must be 32 bytes, got ", size);
   return std::string(data, static_cast<size_t>(size));
 }
 
@@ -809,7 +788,7 @@ py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed,
                     py::handle key) {
   Int32View ids(input_ids, "input_ids");
   const int64_t page = ToInt64(page_size, "page_size");
-  if (page < 1) throw py::value_error("page_size must be >= 1, got " + std::to_string(page));
+  CHECK_VALUE(page >= 1, "page_size must be >= 1, got ", page);
   const std::string seed_bytes = Bytes32(seed, "seed"), key_bytes = Bytes32(key, "key");
   FinishViews(ids);
   const int64_t pages = ids.size() / page;
@@ -835,17 +814,15 @@ py::object PageKeys(py::handle input_ids, py::handle page_size, py::handle seed,
 // under `key`, as hex strings.
 py::list KeyedPageKeys(py::handle raw_keys, py::handle key) {
   const std::string key_bytes = Bytes32(key, "key");
-  if (key_bytes.empty()) throw py::type_error("key must be 32 bytes");
+  CHECK_TYPE(!key_bytes.empty(), "key must be 32 bytes");
   Py_buffer view;
   if (PyObject_GetBuffer(raw_keys.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
     throw py::error_already_set();
   }
   std::string keys(static_cast<const char*>(view.buf), static_cast<size_t>(view.len));
   PyBuffer_Release(&view);
-  if (keys.size() % radixkv::kPageKeyBytes) {
-    throw py::value_error("raw_keys must be 32-byte keys back to back, got " +
-                          std::to_string(keys.size()) + " bytes");
-  }
+  CHECK_VALUE(keys.size() % radixkv::kPageKeyBytes == 0,
+              "raw_keys must be 32-byte keys back to back, got ", keys.size(), " bytes");
   const int64_t n = static_cast<int64_t>(keys.size()) / radixkv::kPageKeyBytes;
   auto* data = reinterpret_cast<uint8_t*>(keys.data());
   radixkv::KeyPageKeys(data, n, U8(key_bytes), data);
