@@ -6,6 +6,8 @@ import numpy as np
 import torch
 from _typeshed import structseq
 
+from radixkv.kvcache.base import BaseCacheHandle
+
 _Ids = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 class OutOfCapacityError(RuntimeError): ...
@@ -16,6 +18,34 @@ EVICTION_POLICIES: Tuple[str, ...]
 def first_mismatch(a: _Ids, b: _Ids) -> int: ...
 def int32_tensor(values: _Ids, name: str = "values") -> torch.Tensor: ...
 def crc32c(data: object, value: int = 0) -> int: ...
+
+# Hex keys (a list of str), or with `raw` the 32-byte keys back to back (bytes).
+@overload
+def page_keys(
+    input_ids: _Ids,
+    page_size: int,
+    seed: Optional[bytes] = None,
+    raw: Literal[False] = False,
+    key: Optional[bytes] = None,
+) -> List[str]: ...
+@overload
+def page_keys(
+    input_ids: _Ids,
+    page_size: int,
+    seed: Optional[bytes],
+    raw: Literal[True],
+    key: Optional[bytes] = None,
+) -> bytes: ...
+@overload
+def page_keys(
+    input_ids: _Ids,
+    page_size: int,
+    seed: Optional[bytes] = None,
+    *,
+    raw: Literal[True],
+    key: Optional[bytes] = None,
+) -> bytes: ...
+@overload
 def page_keys(
     input_ids: _Ids,
     page_size: int,
@@ -66,8 +96,11 @@ def store_mla(
 def first_mismatch_batched(
     query: torch.Tensor, keys: torch.Tensor, key_lens: Optional[torch.Tensor], out: torch.Tensor
 ) -> None: ...
+
+# radixkv.kvcache registers it as a BaseCacheHandle (BaseCacheHandle.register),
+# which `import radixkv` always does.
 @final
-class RadixCacheHandle:
+class RadixCacheHandle(BaseCacheHandle):
     @property
     def cached_len(self) -> int: ...
     @property

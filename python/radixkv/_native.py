@@ -25,10 +25,12 @@ def _load() -> Optional[ModuleType]:
         with _lock:
             if not _tried:
                 try:
-                    from radixkv import _cuda as module
+                    from radixkv import _cuda
                 except ImportError as e:  # not built, or its CUDA libraries are missing
-                    module, _error = None, e
-                _module, _tried = module, True
+                    _error = e
+                else:
+                    _module = _cuda
+                _tried = True  # after _module: _tried is read without the lock
     return _module
 
 

@@ -280,23 +280,24 @@ class EventPublisher:
         self._topic = topic.encode("utf-8")
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
-        self._pub = self._replay = None
+        pub = replay = None
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.setsockopt(zmq.SNDHWM, hwm)
-            self.endpoint = self._open(self._pub, endpoint, "endpoint", zmq, bind)
+            pub = self._ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, hwm)
+            self.endpoint = self._open(pub, endpoint, "endpoint", zmq, bind)
             if replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
+                replay = self._ctx.socket(zmq.ROUTER)
                 # Room for a whole replay and its end marker.
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self.replay_endpoint: Optional[str] = self._bind(
-                    self._replay, replay_endpoint, "replay_endpoint", zmq
+                    replay, replay_endpoint, "replay_endpoint", zmq
                 )
             else:
                 self.replay_endpoint = None
         except BaseException:
-            self._close_sockets()
+            self._close_sockets(pub, replay)
             raise
+        self._pub, self._replay = pub, replay  # the PUB socket always, the ROUTER if asked
         self._lock = threading.Lock()  # the PUB socket, the numbers and the kept batches
         self._buffer: deque = deque(maxlen=buffer_steps)  # (seq bytes, payload), immutable
         self._next_seq = 0
@@ -335,8 +336,9 @@ class EventPublisher:
             raise OSError(f"{name}={endpoint!r}: cannot bind: {e}") from None
         return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
-    def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
+    def _close_sockets(self, *socks) -> None:
+        """Closes `socks` (None for one never opened), then the context if it is ours."""
+        for sock in socks:
             if sock is not None:
                 sock.close(linger=1000)  # what was sent reaches connected subscribers
         if self._own_ctx:
@@ -346,6 +348,8 @@ class EventPublisher:
         # The replay socket is this thread's alone; the kept batches are
         # copied under the lock (their bytes are never changed).
         zmq, sock = self._zmq, self._replay
+        if sock is None:
+            raise RuntimeError("the replay thread needs the replay socket (replay_endpoint)")
         while not self._closed:
             if not sock.poll(100):
                 continue
@@ -407,7 +411,7 @@ class EventPublisher:
         if self._thread is not None:
             self._thread.join()
         with self._lock:
-            self._close_sockets()
+            self._close_sockets(self._pub, self._replay)
 
     def __enter__(self) -> "EventPublisher":
         return self

@@ -78,6 +78,7 @@ class CacheMetricsCollector(Collector):
 
     def _families(self, metrics: CacheMetrics, samples: bool) -> Iterator[Metric]:
         for name, kind, doc, value in metrics.families(self._prefix):
+            family: Union[CounterMetricFamily, GaugeMetricFamily]
             if kind == "counter":
                 family = CounterMetricFamily(name, doc, labels=self._label_names)
             else:

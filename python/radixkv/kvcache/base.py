@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import List, NamedTuple, Optional, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Generic,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Tuple,
+    TypeVar,
+)
 
 import torch
 
@@ -76,19 +85,39 @@ def released_slots(
     return out
 
 
-class BaseCacheManager(ABC):
-    """A prefix cache from token ids to KV slot indices. Lengths are in tokens."""
+class CacheHandle(Protocol):
+    """What a manager's handles offer: BaseCacheHandle's contract, which the
+    native `_core.RadixCacheHandle` meets too (it is registered as a
+    BaseCacheHandle, not derived from it)."""
+
+    @property
+    def cached_len(self) -> int: ...
+
+    @property
+    def host_hit_len(self) -> int: ...
+
+
+#: The handle type of a cache manager (its `match_prefix` returns, its `lock_handle` takes).
+H = TypeVar("H", bound=CacheHandle)
+
+
+class BaseCacheManager(ABC, Generic[H]):
+    """A prefix cache from token ids to KV slot indices. Lengths are in tokens.
+    Generic over its handle type `H`."""
+
+    #: Where the manager's results live (each subclass sets it).
+    device: torch.device
 
     #: The native tree the manager owns (a RadixCacheManager's), which the
     #: tiers behind a CacheManager share; None for managers without one.
     tree: Optional[_core.RadixTree] = None
 
     @abstractmethod
-    def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[BaseCacheHandle, torch.Tensor]:
+    def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[H, torch.Tensor]:
         """Longest cached prefix of `input_ids` in whole pages: a handle and its slots (int32).
         Sequences of different namespaces (ints >= 0) never share a prefix."""
 
-    def match_prefix_batch(self, batch, namespace=0) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+    def match_prefix_batch(self, batch, namespace=0) -> List[Tuple[H, torch.Tensor]]:
         """`match_prefix` of each input of a prefill batch, in order. Every
         input is checked before any is matched. `namespace`: one for all, or
         one per input."""
@@ -107,7 +136,7 @@ class BaseCacheManager(ABC):
         return [self.match_prefix(ids, ns) for ids, ns in zip(batch, spaces)]
 
     @abstractmethod
-    def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+    def lock_handle(self, handle: H, unlock: bool = False) -> None:
         """Add (or with `unlock`, remove) one lock on the handle's prefix."""
 
     @abstractmethod
@@ -120,7 +149,7 @@ class BaseCacheManager(ABC):
         """Free at least `size` unlocked tokens, least recently used first; return their slots."""
 
     @abstractmethod
-    def is_valid(self, handle: BaseCacheHandle) -> bool:
+    def is_valid(self, handle: H) -> bool:
         """Whether `handle` came from this manager and still names cached tokens."""
 
     @abstractmethod
@@ -204,6 +233,12 @@ class PagedPool(BaseKVCache):
     it (`_k_layers`, `_v_layers`), and the host tier's hook that makes
     `k_cache(i)` and `v_cache(i)` wait for loads of layer i."""
 
+    # Set by each pool's __init__ (before `_allocate`):
+    _num_layers: int
+    _num_pages: int
+    _page_size: int
+    _tp_size: int
+    _kv_layout: KVCacheLayout
     _k_layers: tuple
     _v_layers: tuple
     _layer_wait = None
@@ -364,6 +399,23 @@ class SideBuffers:
     """
 
     _SIDE_MAX = 6  # the store kernel writes 8 sides, two of them the K/V
+
+    # What the mixin uses of its host pool (a PagedPool): declared for the
+    # type checker only, so the pool's own definitions stay the ones found.
+    memory_owners: List[torch.Tensor]
+    if TYPE_CHECKING:
+
+        @property
+        def num_layers(self) -> int: ...
+        @property
+        def num_pages(self) -> int: ...
+        @property
+        def page_size(self) -> int: ...
+        @property
+        def device(self) -> torch.device: ...
+        @property
+        def backs_host_tier(self) -> bool: ...
+        def _layer(self, index, name: str) -> int: ...
 
     def _init_side_buffers(self) -> None:
         self._side_buffers: dict = {}  # name -> (buffer, per-layer [num_slots, W] views, row)

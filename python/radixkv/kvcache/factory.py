@@ -56,9 +56,9 @@ def create_kvcache(
             tp_size=tp_size,
             check_bounds=check_bounds,
         )
-    for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim)):
-        if value is None:
-            raise ValueError(f"{name} is required for cache_type {cache_type}")
+    if kv_lora_rank is None or qk_rope_head_dim is None:
+        name = "kv_lora_rank" if kv_lora_rank is None else "qk_rope_head_dim"
+        raise ValueError(f"{name} is required for cache_type {cache_type}")
     row = _count(kv_lora_rank, "kv_lora_rank") + _count(qk_rope_head_dim, "qk_rope_head_dim")
     if _count(num_kv_heads, "num_kv_heads") != 1:
         raise ValueError(f"num_kv_heads={num_kv_heads}: an MLA pool stores one latent head")

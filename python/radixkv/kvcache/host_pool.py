@@ -149,7 +149,7 @@ class HostKVCache:
         return copy_layout(self._view, self.page_size)
 
     @property
-    def device_pool(self) -> MHAKVCache:
+    def device_pool(self) -> Union[MHAKVCache, MLAKVCache]:
         return self._device_pool
 
     @property

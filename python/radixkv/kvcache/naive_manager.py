@@ -33,7 +33,7 @@ def _check_namespace(namespace) -> None:
         raise ValueError(f"namespace must be >= 0, got {namespace}")
 
 
-class NaiveCacheManager(BaseCacheManager):
+class NaiveCacheManager(BaseCacheManager[NaiveCacheHandle]):
     """The baseline: never matches, stores nothing, has nothing to evict."""
 
     def __init__(

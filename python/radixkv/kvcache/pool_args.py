@@ -4,7 +4,7 @@ pool (and the factory) build on it; it imports neither."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import torch
 
@@ -28,7 +28,7 @@ def as_dtype(dtype: DTypeLike) -> torch.dtype:
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise TypeError(f"dtype must be one of {names}, got {dtype!r}")
-    return dtype
+    return cast(torch.dtype, dtype)  # one of SUPPORTED_DTYPES
 
 
 def as_layout(kv_layout) -> KVCacheLayout:

@@ -27,7 +27,7 @@ def check_eviction_policy(policy, given=None) -> str:
     return policy
 
 
-class RadixCacheManager(BaseCacheManager):
+class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
     """Shares the KV slots of common prefixes between requests.
 
     Every method is one call into the native tree, which checks its inputs and
@@ -67,10 +67,10 @@ class RadixCacheManager(BaseCacheManager):
         self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), eviction_policy)
         self.tree = self._tree
         if self.device.type == "cpu":
-            self.match_prefix = self._tree.match_prefix
-            self.insert_prefix = self._tree.insert_prefix
-            self.lock_handle = self._tree.lock_handle
-            self.evict = self._tree.evict
+            # The tree's own methods (same signatures) bound over these: a call
+            # costs no Python frame. (setattr: mypy refuses assigning to a method.)
+            for name in ("match_prefix", "insert_prefix", "lock_handle", "evict"):
+                setattr(self, name, getattr(self._tree, name))
 
     def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[RadixCacheHandle, torch.Tensor]:
         handle, indices = self._tree.match_prefix(
@@ -134,7 +134,7 @@ class RadixCacheManager(BaseCacheManager):
         """Whether `handle` came from this cache and still names a live node."""
         return isinstance(handle, RadixCacheHandle) and self._tree.is_valid(handle)
 
-    def dump(self) -> List[Tuple[int, List[int], List[int], int, int]]:
+    def dump(self) -> List[_core.DumpRow]:
         """Every node as (parent, tokens, slots, ref_count, timestamp).
 
         Parents come before children and siblings in ascending token order;
