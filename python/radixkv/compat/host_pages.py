@@ -155,17 +155,23 @@ class HostBlocks:
 
     def to_host(self, block_ids: List[int], pages: List[int]) -> None:
         """Blocks -> host pages, a layer at a time; done when it returns."""
+        host = self.rows
+        if host is None:
+            raise RuntimeError("HostBlocks: no host pages (open_host makes them)")
         for t, d, blocks, rows, cols in self._by_layer(block_ids, pages):
             part = t.index_select(d, blocks).movedim(d, 0).reshape(len(pages), -1)
-            self.rows[rows, cols] = part.cpu()
+            host[rows, cols] = part.cpu()
 
     def from_host(self, pages: List[int], block_ids: List[int]) -> None:
         """Host pages -> blocks, a layer at a time. Each layer's pages are
         gathered into a fresh host tensor first, so the host pages may be
         reused as soon as it returns; on a GPU the copies are ordered on the
         current stream, before the forward pass that reads the blocks."""
+        host = self.rows
+        if host is None:
+            raise RuntimeError("HostBlocks: no host pages (open_host makes them)")
         for t, d, blocks, rows, cols in self._by_layer(block_ids, pages):
-            part = self.rows[rows, cols].view(len(pages), *t.select(d, 0).shape)
+            part = host[rows, cols].view(len(pages), *t.select(d, 0).shape)
             t.index_copy_(d, blocks, part.to(t.device, non_blocking=True).movedim(0, d))
 
     def copy_in(self, page: torch.Tensor, block: int) -> None:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 
@@ -108,7 +108,7 @@ def _event_types():
 
 
 def _has_field(event_type, name: str) -> bool:
-    fields = getattr(event_type, "__struct_fields__", None) or getattr(event_type, "_fields", ())
+    fields = getattr(event_type, "__struct_fields__", ()) or getattr(event_type, "_fields", ())
     return name in fields
 
 
@@ -517,20 +517,25 @@ class RadixCache:
         (SGLang 0.5.23 does the same): a BlockStored whose parent is the
         last page of a BlockStored of the same tags, a BlockRemoved after a
         BlockRemoved of the same medium."""
-        tail = self._events[-1] if self._events else None
-        if type(tail) is type(event) and tail.medium == event.medium:
-            if hasattr(event, "parent_block_hash"):
-                same = all(
-                    getattr(tail, f, None) == getattr(event, f, None)
-                    for f in ("lora_id", "block_size", "cache_salt", "lora_name")
-                )
-                if same and tail.block_hashes and event.parent_block_hash == tail.block_hashes[-1]:
+        if self._events:
+            tail = self._events[-1]
+            if type(tail) is type(event) and tail.medium == event.medium:
+                if hasattr(event, "parent_block_hash"):
+                    same = all(
+                        getattr(tail, f, None) == getattr(event, f, None)
+                        for f in ("lora_id", "block_size", "cache_salt", "lora_name")
+                    )
+                    if (
+                        same
+                        and tail.block_hashes
+                        and event.parent_block_hash == tail.block_hashes[-1]
+                    ):
+                        tail.block_hashes.extend(event.block_hashes)
+                        tail.token_ids.extend(event.token_ids)
+                        return
+                elif hasattr(event, "block_hashes"):
                     tail.block_hashes.extend(event.block_hashes)
-                    tail.token_ids.extend(event.token_ids)
                     return
-            elif hasattr(event, "block_hashes"):
-                tail.block_hashes.extend(event.block_hashes)
-                return
         self._events.append(event)
 
     def _device_indices(self, indices: torch.Tensor) -> torch.Tensor:
@@ -707,7 +712,7 @@ class RadixCache:
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def pretty_print(self) -> None:
-        depth = []
+        depth: List[int] = []
         for row in self._tree.dump():
             depth.append(0 if row.parent < 0 else depth[row.parent] + 1)
             print(" " * (2 * depth[-1] + 1), len(row.tokens), row.tokens[:10], f"r={row.ref_count}")

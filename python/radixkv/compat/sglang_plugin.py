@@ -22,13 +22,18 @@ trees (LMCache, FlexKV, the external linker, PD decode's host-pool retraction).
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
 from radixkv.compat.sglang import RadixCache
 
 NAME = "radixkv"
+
+if TYPE_CHECKING:
+    # A node of dfs_weight_order's tree of matched paths: its children by
+    # page (the page's slots), its own request indices, its weight (in a list).
+    _Node = Tuple[Dict[Tuple[int, ...], "_Node"], List[int], List[int]]
 
 
 def register() -> None:
@@ -115,6 +120,13 @@ class _PrefixCache(RadixCache):
 
     _base: Any
 
+    if TYPE_CHECKING:
+        # SGLang's BasePrefixCache's, which _cache_class() puts after this class.
+        def init_metrics_collector(self) -> None: ...
+        def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None: ...
+        def lock(self, node: Any) -> Any: ...
+        def unlock(self, lock: Any) -> None: ...
+
     def __init__(self, params) -> None:
         super().__init__(params)
         self.kv_events = None  # radixkv records its own (take_events)
@@ -185,7 +197,7 @@ class _PrefixCache(RadixCache):
         Iterative (paths of any length), reading the tree's host copy of
         each path's slots (no device sync)."""
         ps = self.page_size
-        root = ({}, [], [0])  # children by page, own request indices, weight
+        root: _Node = ({}, [], [0])  # children by page, own request indices, weight
         for i, handle in enumerate(node_handles):
             node = root
             if handle is not None and not self.disable:
@@ -197,7 +209,8 @@ class _PrefixCache(RadixCache):
                         child = node[0][page] = ({}, [], [0])
                     node = child
             node[1].append(i)
-        post, stack = [], [root]
+        post: List[_Node] = []
+        stack = [root]
         while stack:  # every node after its parent; reversed, children first
             node = stack.pop()
             post.append(node)
@@ -205,15 +218,15 @@ class _PrefixCache(RadixCache):
         for node in reversed(post):
             node[2][0] = len(node[1]) + sum(c[2][0] for c in node[0].values())
         order: List[int] = []
-        stack = [(root, False)]
-        while stack:
-            node, visited = stack.pop()
+        todo = [(root, False)]
+        while todo:
+            node, visited = todo.pop()
             if visited:
                 order.extend(node[1])
                 continue
-            stack.append((node, True))
+            todo.append((node, True))
             children = sorted(node[0].values(), key=lambda c: -c[2][0])
-            stack.extend((c, False) for c in reversed(children))
+            todo.extend((c, False) for c in reversed(children))
         return order
 
     # -- a request's KV --------------------------------------------------------------------

@@ -56,7 +56,8 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         self.options = store_options(storage_config.extra_config)
         if storage_config.is_mla_model:
             raise ValueError("radixkv's SGLang L3 adapter serves MHA models; this model is MLA")
-        self.store = None  # made when SGLang registers its host pool (the page shape)
+        # Made when SGLang registers its host pool (the page shape).
+        self.store: Optional[StagedStore] = None
 
     # -- the host pool and the store -----------------------------------------------------
 
@@ -113,8 +114,15 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         fingerprint and the key, or with a secret an HMAC under the key
         derived from it."""
         parts = [self.fingerprint, key.encode()]
-        if self.store.name_key is not None:
-            return _core.hmac_sha256(self.store.name_key, parts).hex()
+        store = self.store
+        if store is None:
+            raise RuntimeError(
+                "radixkv's SGLang L3 adapter has no store yet: SGLang registers its "
+                "host pool (register_mem_pool_host) first"
+            )
+        name_key = store.name_key
+        if name_key is not None:
+            return _core.hmac_sha256(name_key, parts).hex()
         return hashlib.sha256(b"".join(parts)).hexdigest()
 
     # -- interface v1 ---------------------------------------------------------------------
@@ -170,10 +178,11 @@ class RadixkvHiCacheStorage(HiCacheStorage):
 
         def take(i: int, page: Optional[torch.Tensor]) -> bool:
             dst = None if target_locations is None else target_locations[i]
-            if page is not None and dst is None:
-                out[i] = page.clone()
-            elif page is not None:
-                out[i] = dst.copy_(page.reshape(dst.shape))
+            if page is not None:
+                if dst is None:
+                    out[i] = page.clone()
+                else:
+                    out[i] = dst.copy_(page.reshape(dst.shape))
             return True
 
         self._read(keys, take)

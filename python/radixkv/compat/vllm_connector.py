@@ -76,6 +76,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _lacks(what: str) -> RuntimeError:
+    """A step's moves need `what`, which this worker does not have."""
+    return RuntimeError(
+        f"radixkv's vLLM connector: a step's moves need {what}, which this worker lacks"
+    )
+
+
 @dataclasses.dataclass
 class BlockMoves:
     """Blocks of one request to load or save: `names[i]` <-> `block_ids[i]`
@@ -178,7 +185,7 @@ class RadixkvConnector(KVConnectorBase_V1):
         # has seen them: steps planned before that (vLLM's async scheduling
         # plans one ahead) would save bytes computed over them.
         self._poisoned: Dict[int, str] = {}
-        self.moved = collections.Counter()
+        self.moved: "collections.Counter[str]" = collections.Counter()
         if role == KVConnectorRole.SCHEDULER:
             self._open(*self._page_from_config(kv_cache_config))
             if self.host_pages:
@@ -458,6 +465,10 @@ class RadixkvConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         loads = list(getattr(meta, "loads", ()))
+        # Host pages (and their marks) exist only with a host tier; a step
+        # names one only then.
+        blocks, valid = self.blocks, self._valid
+        rows = None if blocks is None else blocks.rows
         # First every store read of the step (into host pages where it has
         # them), then every copy from host pages: a load planned after
         # another took a page for the store may read that page.
@@ -466,7 +477,9 @@ class RadixkvConnector(KVConnectorBase_V1):
             stored = [i for i, host in enumerate(load.in_host) if not host]
             for i in stored:  # pages taken for the store's blocks: good once read
                 if load.pages[i] >= 0:
-                    self._valid[load.pages[i]] = 0
+                    if valid is None:
+                        raise _lacks("host pages")
+                    valid[load.pages[i]] = 0
             if stored and self.store is not None:
 
                 def take(
@@ -477,23 +490,30 @@ class RadixkvConnector(KVConnectorBase_V1):
                     if page is None:
                         return False
                     if hp >= 0:
-                        self.blocks.rows[hp].copy_(page)
-                        self._valid[hp] = 1
+                        if rows is None or valid is None:
+                            raise _lacks("host pages")
+                        rows[hp].copy_(page)
+                        valid[hp] = 1
                     else:
-                        self.blocks.copy_in(page, load.block_ids[i])
+                        if blocks is None:
+                            raise _lacks("the layers' blocks (register_kv_caches)")
+                        blocks.copy_in(page, load.block_ids[i])
                     got[i] = True
                     return True
 
                 self.store.read([load.names[i] for i in stored], take)
         for load, got in zip(loads, done):
             for i, page in enumerate(load.pages):
-                got[i] = got[i] or (page >= 0 and self._valid[page] == 1)
+                if not got[i] and page >= 0:
+                    if valid is None:
+                        raise _lacks("host pages")
+                    got[i] = valid[page] == 1
             ok = len(got) if all(got) else got.index(False)
             via = [i for i in range(ok) if load.pages[i] >= 0]
             if via:
-                self.blocks.from_host(
-                    [load.pages[i] for i in via], [load.block_ids[i] for i in via]
-                )
+                if blocks is None:
+                    raise _lacks("the layers' blocks (register_kv_caches)")
+                blocks.from_host([load.pages[i] for i in via], [load.block_ids[i] for i in via])
             self.moved["loaded from host"] += sum(load.in_host[:ok])
             self.moved["loaded from store"] += ok - sum(load.in_host[:ok])
             if ok < len(got):  # a block not loaded, and every one after it, is recomputed
@@ -512,6 +532,8 @@ class RadixkvConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         failed = set(self._poisoned.values())
+        blocks, valid = self.blocks, self._valid  # valid, rows: None without a host tier
+        rows = None if blocks is None else blocks.rows
         for save in getattr(meta, "saves", ()):
             hosted = [i for i, p in enumerate(save.pages) if p >= 0]
             # Blocks that failed to load, or computed over such blocks (of
@@ -521,23 +543,31 @@ class RadixkvConnector(KVConnectorBase_V1):
                 b in self._poisoned for b in save.depends + save.block_ids
             ):
                 for i in hosted:
-                    self._valid[save.pages[i]] = 0
+                    if valid is None:
+                        raise _lacks("host pages")
+                    valid[save.pages[i]] = 0
                 continue
             if hosted:
-                self.blocks.to_host(
-                    [save.block_ids[i] for i in hosted], [save.pages[i] for i in hosted]
-                )
+                if blocks is None:
+                    raise _lacks("the layers' blocks (register_kv_caches)")
+                if valid is None:
+                    raise _lacks("host pages")
+                blocks.to_host([save.block_ids[i] for i in hosted], [save.pages[i] for i in hosted])
                 for i in hosted:
-                    self._valid[save.pages[i]] = 1
+                    valid[save.pages[i]] = 1
                 self.moved["saved to host"] += len(hosted)
             if self.store is None:
                 continue
 
             def fill(i: int, page: torch.Tensor, save=save) -> None:
                 if save.pages[i] >= 0:
-                    page.copy_(self.blocks.rows[save.pages[i]])
+                    if rows is None:
+                        raise _lacks("host pages")
+                    page.copy_(rows[save.pages[i]])
                 else:
-                    self.blocks.copy_out(save.block_ids[i], page)
+                    if blocks is None:
+                        raise _lacks("the layers' blocks (register_kv_caches)")
+                    blocks.copy_out(save.block_ids[i], page)
 
             self.moved["saved to store"] += sum(self.store.write(save.names, fill))
 
