@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import torch
 
 from radixkv.replay.traces import Request, TokenMaker
 from radixkv.scheduler import CacheManager
+
+if TYPE_CHECKING:
+    from radixkv.scheduler.storage_tier import StorageFaultPolicy
+    from radixkv.storage.base import StorageBackend
+
+# The K/V rows are stored and checked only by an instance with a pool (`store`).
+_NO_POOL = "this instance stores no K/V: it has no pool (store=False)"
 
 
 @dataclass
@@ -38,7 +45,7 @@ class KVShape:
         dtype = getattr(torch, parts[3].strip(), None) if len(parts) == 4 else torch.float16
         if min(layers, heads, dim) < 1:
             raise ValueError(f"--kv sizes must be >= 1, got {text!r}")
-        if dtype not in SUPPORTED_DTYPES:
+        if dtype is None or dtype not in SUPPORTED_DTYPES:
             names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
             raise ValueError(f"--kv dtype must be one of {names}, got {parts[3]!r}")
         return cls(layers, heads, dim, dtype)
@@ -80,7 +87,7 @@ class ReplayResult:
     evicted_tokens: int = 0
     stored_tokens: int = 0
     wall_s: float = 0.0
-    latency_us: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    latency_us: Dict[str, Dict[str, Optional[float]]] = field(default_factory=dict)
     # The unbounded optimum over the requests replayed (None when pages and
     # trace blocks differ, where the block-level optimum does not apply).
     optimal_hit_tokens: Optional[int] = None
@@ -172,7 +179,7 @@ def pages_for_all(requests: Sequence[Request], page_size: int) -> int:
     return sum(-(-(r.input_length + r.output_length) // page_size) for r in requests)
 
 
-def percentiles(samples_ns: List[int]) -> Dict[str, float]:
+def percentiles(samples_ns: List[int]) -> Dict[str, Optional[float]]:
     if not samples_ns:
         return {"count": 0, "p50": None, "p99": None}
     t = torch.tensor(samples_ns, dtype=torch.float64) / 1e3
@@ -200,19 +207,24 @@ class StorageConfig:
     fault_seed: Optional[int] = None  # wrap the backend in FaultyStorage (tests)
     fault_call: float = 0.05  # ... failing this share of calls
     fault_page: float = 0.1  # ... and of pages
-    faults: Optional[object] = None  # the tier's StorageFaultPolicy (None: defaults)
+    faults: Optional[StorageFaultPolicy] = None  # the tier's (None: defaults)
 
-    def backend(self, kv: "KVShape", page_size: int):
+    def backend(self, kv: "KVShape", page_size: int) -> StorageBackend:
         from radixkv.storage import FaultyStorage, FileStorage, MooncakeStorage
 
         if self.kind not in ("file", "mooncake"):
             raise ValueError(f"storage must be file or mooncake, got {self.kind!r}")
+        backend: StorageBackend
         try:
             if self.kind == "file":
+                if self.directory is None:
+                    raise TypeError("storage 'file' needs a directory")
                 backend = FileStorage(
                     self.directory, self.fingerprint(kv, page_size), self.max_bytes
                 )
             else:
+                if self.master_address is None or self.metadata_server is None:
+                    raise TypeError("storage 'mooncake' needs master_address and metadata_server")
                 backend = MooncakeStorage(
                     self.master_address, self.metadata_server, segment_bytes=self.segment_bytes
                 )
@@ -325,9 +337,11 @@ class Instance:
         self.replayed: List[Request] = []
 
     def _store_kv(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> None:
-        kv = self.kv
+        kv, pool = self.kv, self.pool
+        if pool is None:
+            raise RuntimeError(_NO_POOL)
         for layer in range(kv.num_layers):
-            self.pool.store_kv(
+            pool.store_kv(
                 kv.rows(ids, start, layer, 0), kv.rows(ids, start, layer, 1), slots, layer
             )
         self.result.stored_tokens += len(slots)
@@ -335,6 +349,8 @@ class Instance:
     def _check_loaded(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> int:
         """Tokens among `slots` whose rows differ from what was stored for them."""
         kv, pool = self.kv, self.pool
+        if pool is None:
+            raise RuntimeError(_NO_POOL)
         bad = torch.zeros(len(slots), dtype=torch.bool)
         for layer in range(kv.num_layers):  # k_cache(layer) waits for the layer's load
             for side, cache in ((0, pool.k_cache(layer)), (1, pool.v_cache(layer))):
@@ -441,6 +457,8 @@ class Instance:
         if self.host_pages:
             result.failed_loads += len(cm.drain())
             counters = cm.tier_counters
+            if counters is None:  # (a manager with a host tier has them)
+                raise RuntimeError("the host tier's counters are missing")
             result.loaded_back_tokens = counters.loaded_back
             result.backed_up_tokens = counters.backed_up
             result.host_evicted_tokens = counters.host_evicted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Set
 
 import torch
 
@@ -127,7 +127,7 @@ def optimal_hit_tokens(requests: Sequence[Request], block_size: int) -> int:
     only). Matching stops before the last token, so a request hits at most
     its full blocks before that token. Independent of any cache code.
     """
-    seen = set()
+    seen: Set[int] = set()
     hit = 0
     for r in requests:
         usable = (r.input_length - 1) // block_size

@@ -231,12 +231,12 @@ class BlockEvents:
         if not self.namespaces.known(ns):
             return
         ps = self.page_size
-        ids, slots = tokens.numpy(), slots.numpy()
-        parent_page = int(slots[start - ps]) // ps if 0 < start <= known else -1
+        ids, slot_ids = tokens.numpy(), slots.numpy()
+        parent_page = int(slot_ids[start - ps]) // ps if 0 < start <= known else -1
         blocks = self.blocks(ids[:end], start // ps, parent_page, ns)
         if len(blocks) == 0:
             return
-        self.device.put(slots[start:end:ps] // ps, blocks)
+        self.device.put(slot_ids[start:end:ps] // ps, blocks)
         first = blocks[0]
         parent = int(first["parent"]) if first["has_parent"] else None
         self._add(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Tuple, Union, cast
 
 import torch
 
 from radixkv import _core
-from radixkv._core import shielded
+from radixkv._core import RadixCacheHandle, shielded
 from radixkv._checks import as_count, as_device, as_int, int32_tensor, to_host
 from radixkv.events import EventPublisher
 from radixkv.kvcache import BaseCacheHandle, MHAKVCache, MLAKVCache, create_cache_manager
@@ -266,13 +266,16 @@ class CacheManager:
         only: check `cached_len`, never `handle.host_hit_len`, for what the
         request may skip.
         """
-        tier, tree = self._tiers.host, self._tree
+        tier = self._tiers.host
         if not isinstance(handle, BaseCacheHandle):
             raise TypeError(f"handle must be a cache handle, got {type(handle).__name__}")
         if not self.manager.is_valid(handle):
             raise ValueError("handle is stale or belongs to another cache manager")
         if tier is None or handle.host_hit_len == 0:
             return self._lock_device_part(handle)
+        tree = tier.tree  # (the manager's tree: a host tier needs the radix cache)
+        if TYPE_CHECKING:  # so a valid handle is the tree's (no call at run time)
+            handle = cast(RadixCacheHandle, handle)
         try:
             copy = tree.find_load(handle)
         except ValueError:

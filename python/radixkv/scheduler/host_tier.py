@@ -11,6 +11,7 @@ import torch
 
 from radixkv import _core
 from radixkv._native import require_cuda_extension
+from radixkv.kvcache.base import BaseCacheHandle
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
@@ -109,7 +110,8 @@ class HostTier:
                 kv_cache, host_num_pages, layout=host_layout
             )
             row_bytes = self.pool.row_bytes
-            device_layout, host_layout = list(kv_cache.copy_layout()), list(self.pool.copy_layout())
+            device_layout = list(kv_cache.copy_layout())
+            host_copy_layout = list(self.pool.copy_layout())
             kind = kv_cache.device.type
             # The controller keeps the memory its copies use, whatever is done
             # to the pools' storage meanwhile.
@@ -126,7 +128,7 @@ class HostTier:
                     kv_cache.kv_buffer,
                     device_layout,
                     self.pool.kv_buffer,
-                    host_layout,
+                    host_copy_layout,
                     row_bytes,
                     kv_cache.num_layers,
                     manual,
@@ -140,7 +142,7 @@ class HostTier:
                     kv_cache.kv_buffer,
                     device_layout,
                     self.pool.kv_buffer,
-                    host_layout,
+                    host_copy_layout,
                     row_bytes,
                     kv_cache.num_layers,
                     side_planes=planes,
@@ -157,10 +159,10 @@ class HostTier:
             self.controller = _core.CacheController(num_layers, manual)
         # op -> (copy, host slots, device slots) / (copy, device slots, handle, host slots)
         self._backups: Dict[int, Tuple[Copy, torch.Tensor, torch.Tensor]] = {}
-        self._loads: Dict[int, Tuple[Copy, torch.Tensor, object, torch.Tensor]] = {}
+        self._loads: Dict[int, Tuple[Copy, torch.Tensor, BaseCacheHandle, torch.Tensor]] = {}
         self._backup_tokens = 0  # host slots owned by backups in flight
         self._load_tokens = 0  # device slots owned by loads in flight
-        self._failed_loads: List[object] = []  # handles, until the scheduler takes them
+        self._failed_loads: List[BaseCacheHandle] = []  # handles, until the scheduler takes them
         # Acknowledgements taken from the controller and not yet applied: an
         # exception while one is applied leaves the rest for the next call.
         self._backup_acks: Deque[Tuple[int, bool]] = deque()
@@ -304,7 +306,11 @@ class HostTier:
     # -- loads --------------------------------------------------------------------
 
     def queue_load(
-        self, copy: Copy, host_slots: torch.Tensor, device_slots: torch.Tensor, handle
+        self,
+        copy: Copy,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        handle: BaseCacheHandle,
     ) -> None:
         op = self.controller.load(host_slots, device_slots)
         self._loads[op] = (copy, device_slots, handle, host_slots)
@@ -332,7 +338,7 @@ class HostTier:
                     self.failed_copies += len(device_slots)
                     self._failed_loads.append(handle)
 
-    def take_failed_loads(self) -> List[object]:
+    def take_failed_loads(self) -> List[BaseCacheHandle]:
         """The handles of loads that failed since the last call."""
         failed, self._failed_loads = self._failed_loads, []
         return failed

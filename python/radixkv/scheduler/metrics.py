@@ -102,8 +102,8 @@ class CacheMetrics:
         label = ""
         if labels:
             parts = []
-            for key, value in labels.items():
-                text = value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+            for key, label_value in labels.items():
+                text = label_value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
                 parts.append(f'{key}="{text}"')
             label = "{" + ",".join(parts) + "}"
         lines = []

@@ -25,6 +25,7 @@ import torch
 
 from radixkv import _core
 from radixkv.events import EventPublisher
+from radixkv.kvcache.base import BaseCacheHandle
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
 from radixkv.scheduler.block_events import BlockEvents
@@ -124,7 +125,7 @@ class Tiers:
         """Device pages of a load that did not join the tree go back."""
         self.device_pages.free(slots, self.tree)
 
-    def loading_check(self) -> List[object]:
+    def loading_check(self) -> List[BaseCacheHandle]:
         """Applies the loads that finished; returns the handles of those that
         failed since the last call (their pages were freed)."""
         if self.host is None:
@@ -167,7 +168,7 @@ class Tiers:
         if self.storage is not None:
             self.storage.drain(storage_limit_s)
 
-    def drain(self) -> List[object]:
+    def drain(self) -> List[BaseCacheHandle]:
         """`settle`, then the handles of the loads that failed."""
         self.settle()
         return self.host.take_failed_loads() if self.host is not None else []
@@ -176,10 +177,11 @@ class Tiers:
         """Evicts every host copy (a reset: nothing may be locked or in flight)."""
         host = self.host
         if host is not None:
-            size = self.tree.tier_sizes().host
+            tree = host.tree  # (the tiers' tree: a host tier has one)
+            size = tree.tier_sizes().host
             if size:
-                freed = self.tree.evict_host(size)
-                host.pages.free(freed, self.tree, True)
+                freed = tree.evict_host(size)
+                host.pages.free(freed, tree, True)
                 host.host_evicted += len(freed)
 
     # -- the storage tier ---------------------------------------------------------------
@@ -301,6 +303,8 @@ def build_tiers(
     tiers = Tiers(tree, device_pages, events)
     if not host_num_pages:
         return tiers
+    if tree is None:  # check_tier_args refused a host tier without one
+        raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
     tiers.host = HostTier(
         tree,
         page_size,
@@ -317,6 +321,8 @@ def build_tiers(
     if storage is not None:
         # An MLA pool's pages are the same on every tensor-parallel rank:
         # rank 0 writes them, every rank reads.
+        if kv_cache is None:  # refused above
+            raise ValueError("a storage tier needs a host tier with kv_cache")
         writer = kv_cache.sides == 2 or tp_rank == 0
         tiers.storage = StorageTier(
             tiers.host,

@@ -32,6 +32,8 @@ def _secret(secret) -> Optional[bytes]:
 
 _CALL_LOCKS: dict = {}
 
+_NOT_ATTACHED = "the storage backend has no host pool yet: attach() one first"
+
 
 class StorageBackend(ABC):
     """A store of K/V pages addressed by page key, shared by many instances.
@@ -99,7 +101,10 @@ class StorageBackend(ABC):
 
     def tag(self, key: str, data) -> bytes:
         """The authentication tag of page `key` (hex) holding `data`."""
-        return _core.hmac_sha256(self.tag_key, [bytes.fromhex(key), data])
+        tag_key = self.tag_key
+        if tag_key is None:  # callers tag only when `keyed`
+            raise RuntimeError("tag() needs a keyed backend (one given a secret)")
+        return _core.hmac_sha256(tag_key, [bytes.fromhex(key), data])
 
     def attach(self, pool: HostKVCache) -> None:
         """Pages move to and from `pool` (its `page_first` buffer)."""
@@ -120,10 +125,16 @@ class StorageBackend(ABC):
 
     def page_view(self, page: int) -> torch.Tensor:
         """Host page `page` as `page_bytes` uint8 (a view)."""
-        return self._bytes[page]
+        pages = self._bytes
+        if pages is None:
+            raise RuntimeError(_NOT_ATTACHED)
+        return pages[page]
 
     def page_address(self, page: int) -> int:
-        return self._bytes.data_ptr() + page * self.page_bytes
+        pages = self._bytes
+        if pages is None:
+            raise RuntimeError(_NOT_ATTACHED)
+        return pages.data_ptr() + page * self.page_bytes
 
     def call_lock(self) -> Optional[threading.Lock]:
         """None where reads and writes may run at once; else the lock they

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from radixkv.storage.base import StorageBackend
 
@@ -39,11 +39,17 @@ class FaultyStorage(StorageBackend):
         self.name_key, self.tag_key = backend.name_key, backend.tag_key
         self.blocking_queries = backend.blocking_queries
         self.concurrent_calls = backend.concurrent_calls
-        self.call_lock = backend.call_lock
         self._rng_lock = threading.Lock()  # batch_exists may come from another thread
 
+    def call_lock(self) -> Optional[threading.Lock]:
+        """The wrapped backend's: calls through the wrapper take turns as its own do."""
+        return self.backend.call_lock()
+
     def _attached(self) -> None:
-        self.backend.attach(self.pool)
+        pool = self.pool
+        if pool is None:  # (attach() sets it before it calls this)
+            raise RuntimeError("_attached() runs from attach(), once the pool is set")
+        self.backend.attach(pool)
 
     def _random(self) -> float:
         with self._rng_lock:

@@ -440,7 +440,7 @@ class FileStorage(StorageBackend):
             if not at[2] and self._reopened():  # the store was deleted, and made again
                 return self._get(key, page)
             return False
-        view = memoryview(self.page_view(page).numpy())
+        view = self.page_view(page).numpy().data  # (a memoryview of the page)
         header = self._header
         try:
             with open(fd, "rb", buffering=0) as f:
@@ -506,7 +506,7 @@ class FileStorage(StorageBackend):
         return [self._set(k, p) for k, p in zip(keys, host_pages)]
 
     def _set(self, key: str, page: int) -> bool:
-        view = memoryview(self.page_view(page).numpy())
+        view = self.page_view(page).numpy().data  # (a memoryview of the page)
         if self.keyed:
             header = HEADER_KEYED.pack(
                 MAGIC_KEYED,
@@ -604,7 +604,10 @@ class FileStorage(StorageBackend):
             self._trim(keep=1)
 
     def _trim(self, keep: int = 0) -> None:
-        while self._total > self.max_bytes and len(self._lru) > keep:
+        limit = self.max_bytes
+        if limit is None:  # called only for a bounded store
+            raise RuntimeError("_trim() needs max_bytes")
+        while self._total > limit and len(self._lru) > keep:
             old, old_size = self._lru.popitem(last=False)
             self._total -= old_size
             try:

@@ -64,8 +64,8 @@ def config_fingerprint(
         if kv_lora_rank is None:
             raise ValueError("kv_lora_rank: an MLA page's key names where its latent ends")
         parts.append(_field(f"mla:{as_count(kv_lora_rank, 'kv_lora_rank')}"))
-    for name, shape, dtype in side_buffers:
-        parts.append(_field(f"side:{name}:{tuple(shape)}:{str(dtype).removeprefix('torch.')}"))
+    for name, shape, side_dtype in side_buffers:
+        parts.append(_field(f"side:{name}:{tuple(shape)}:{str(side_dtype).removeprefix('torch.')}"))
     return hashlib.sha256(b"".join(parts)).digest()
 
 

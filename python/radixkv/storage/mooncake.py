@@ -29,6 +29,8 @@ log = logging.getLogger("radixkv")
 _NOT_FOUND = -704
 # Clients whose master did not answer when they were closed.
 _LEFT_OPEN: list = []
+# A keyed store's calls before attach() made the tags' array.
+_NO_TAGS = "the keyed store has no page tags yet: attach() a host pool first"
 
 
 def _free_port() -> int:
@@ -246,10 +248,14 @@ class MooncakeStorage(StorageBackend):
         self._tags: Optional[torch.Tensor] = None
 
     def _attached(self) -> None:
-        self._register(self._bytes.data_ptr(), self.page_bytes * self.pool.num_pages, "host pool")
+        pool = self.pool
+        if pool is None:  # (attach() sets it before it calls this)
+            raise RuntimeError("_attached() runs from attach(), once the pool is set")
+        self._register(self.page_address(0), self.page_bytes * pool.num_pages, "host pool")
         if self.keyed:  # one tag per host page, moved with the page
-            self._tags = torch.zeros((self.pool.num_pages, TAG_BYTES), dtype=torch.uint8)
-            self._register(self._tags.data_ptr(), self._tags.numel(), "page tags")
+            tags = torch.zeros((pool.num_pages, TAG_BYTES), dtype=torch.uint8)
+            self._tags = tags
+            self._register(tags.data_ptr(), tags.numel(), "page tags")
 
     def _register(self, address: int, size: int, what: str) -> None:
         rc = self.store.register_buffer(address, size)
@@ -261,7 +267,10 @@ class MooncakeStorage(StorageBackend):
 
     def _parts(self, host_pages: Sequence[int]):
         """Each page's buffers and sizes: the page, then its tag."""
-        tags = self._tags.data_ptr()
+        page_tags = self._tags
+        if page_tags is None:
+            raise RuntimeError(_NO_TAGS)
+        tags = page_tags.data_ptr()
         ptrs = [[self.page_address(p), tags + p * TAG_BYTES] for p in host_pages]
         return ptrs, [[self.page_bytes, TAG_BYTES]] * len(host_pages)
 
@@ -300,10 +309,13 @@ class MooncakeStorage(StorageBackend):
             return [False] * len(keys)
         ok = [g == size for g in got]
         if self.keyed:
+            tags = self._tags
+            if tags is None:
+                raise RuntimeError(_NO_TAGS)
             forged = []
             for i, (key, page) in enumerate(zip(keys, host_pages)):
                 if ok[i] and not hmac.compare_digest(
-                    self.tag(key, self.page_view(page).numpy()), self._tags[page].numpy().tobytes()
+                    self.tag(key, self.page_view(page).numpy()), tags[page].numpy().tobytes()
                 ):
                     ok[i] = False
                     forged.append(key)
@@ -326,8 +338,11 @@ class MooncakeStorage(StorageBackend):
             return []
         try:
             if self.keyed:
+                tags = self._tags
+                if tags is None:
+                    raise RuntimeError(_NO_TAGS)
                 for key, page in zip(keys, host_pages):
-                    self._tags[page] = torch.frombuffer(
+                    tags[page] = torch.frombuffer(
                         bytearray(self.tag(key, self.page_view(page).numpy())), dtype=torch.uint8
                     )
                 rc = self.store.batch_put_from_multi_buffers(
