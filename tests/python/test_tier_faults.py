@@ -27,6 +27,7 @@ from radixkv.scheduler import cache as cache_module
 from radixkv.scheduler import host_tier as host_tier_module
 from radixkv.scheduler import storage_tier as storage_tier_module
 from radixkv.scheduler import tiers as tiers_module
+from radixkv.storage import threads as storage_threads_module
 from radixkv.storage import FaultyStorage, FileStorage, MooncakeMaster, MooncakeStorage
 from storage_env import KV, PAGE, Instance, fingerprint, host_pool, keys, needs_mooncake, prompt
 
@@ -485,7 +486,13 @@ def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_pa
 
 _TIER_FILES = {
     path
-    for m in (cache_module, tiers_module, host_tier_module, storage_tier_module)
+    for m in (
+        cache_module,
+        tiers_module,
+        host_tier_module,
+        storage_tier_module,
+        storage_threads_module,
+    )
     for path in (m.__file__, os.path.realpath(m.__file__))
 }
 

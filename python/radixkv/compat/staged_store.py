@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, List, Literal, Optional, overload
 
 import torch
 
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
-from radixkv.scheduler.storage_tier import StorageFaultPolicy, _Asker
-from radixkv.storage import FileStorage, MooncakeStorage
+from radixkv.scheduler.storage_tier import StorageFaultPolicy
+from radixkv.storage.threads import BoundedQuery
+from radixkv.storage import FileStorage, MooncakeStorage, StorageBackend
 from radixkv.storage.health import Health
 
 # Pages staged per direction; longer calls go in chunks.
@@ -74,6 +75,7 @@ class StagedStore:
         self.staging = HostKVCache(
             shape, num_pages=2 * BATCH_PAGES, layout="page_first", pin_memory=False
         )
+        backend: StorageBackend
         if o["store"] == "file":
             backend = FileStorage(
                 o["directory"],
@@ -98,7 +100,9 @@ class StagedStore:
         self._read_lock, self._write_lock = threading.Lock(), threading.Lock()
         self.backend = backend
         self.query_timeouts = 0
-        self._asker = _Asker(self) if backend.blocking_queries else None
+        self._asker = (
+            BoundedQuery(self.exists, backend.count_error) if backend.blocking_queries else None
+        )
 
     @property
     def name_key(self) -> Optional[bytes]:
@@ -119,6 +123,11 @@ class StagedStore:
                 self.skipped_writes += 1
             return False
         return True
+
+    @overload
+    def exists(self, names: List[str], bounded: Literal[False] = False) -> int: ...
+    @overload
+    def exists(self, names: List[str], bounded: bool) -> Optional[int]: ...
 
     def exists(self, names: List[str], bounded: bool = False) -> Optional[int]:
         """How many of `names`, from the first, the store holds. `bounded`:
@@ -153,9 +162,10 @@ class StagedStore:
                     if not take(at + i, self._flat(i) if ok else None):
                         return
 
-    def write(self, names: List[str], fill: Callable[[int, torch.Tensor], None]) -> List[bool]:
+    def write(self, names: List[str], fill: Callable[[int, torch.Tensor], object]) -> List[bool]:
         """Writes page i under names[i], `fill(i, page)` having filled the
-        flat staging page; which pages were stored."""
+        flat staging page (what it returns is not used); which pages were
+        stored."""
         if not self._ready(names, self.writes):
             return [False] * len(names)
         out: List[bool] = []

@@ -3,14 +3,13 @@ their backup to host, and prefetched from it into host pages after a match."""
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ from radixkv.scheduler.namespaces import Namespaces
 from radixkv.storage.base import MAX_BATCH, StorageBackend
 from radixkv.storage.health import Health
 from radixkv.storage.keys import page_keys
+from radixkv.storage.threads import BoundedQuery, drop_queued, serving
 
 log = logging.getLogger("radixkv")
 
@@ -100,7 +100,7 @@ class _Write:
     ok: List[bool] = field(default_factory=list)
     skipped: bool = False  # writes were left alone before every page was tried
     present: int = 0  # pages from the first that the store had already
-    blocks: Optional[list] = None  # the pages' blocks, when KV events are on
+    blocks: Optional[np.ndarray] = None  # the pages' blocks, when KV events are on
     done: threading.Event = field(default_factory=threading.Event)
     started: Optional[float] = None  # when its thread took it (None: still queued)
     stalled: bool = False  # counted as a failed call for running too long
@@ -130,24 +130,6 @@ class Prefetch:
         return len(self.host_slots)
 
 
-# The queues of the tiers' threads while they run, by thread: at exit they
-# are stopped and waited for (briefly) before the interpreter is torn down,
-# so none of them runs Python code while it is.
-_RUNNING: Dict[int, "queue.SimpleQueue"] = {}
-
-
-@atexit.register
-def _stop_threads_at_exit(limit_s: float = 2.0) -> None:
-    running = dict(_RUNNING)
-    for requests in running.values():
-        _drop_queued(requests)
-        requests.put(None)
-    deadline = time.monotonic() + limit_s
-    for t in threading.enumerate():
-        if t.ident in running:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-
 def _answer(got, n: int, query: bool):
     """A backend's answer as the tier takes it, or ValueError: a query's
     count, an int in [0, n]; one True or False per page of a get or set
@@ -163,15 +145,7 @@ def _answer(got, n: int, query: bool):
     return [bool(f) for f in flags]
 
 
-def _drop_queued(requests: "queue.SimpleQueue") -> None:
-    while True:
-        try:
-            requests.get_nowait()
-        except queue.Empty:
-            return
-
-
-class _Store:
+class _BackendIO:
     """The backend, how it has been answering, and the storage threads'
     queues: what the reading and writing threads, the query thread and the
     scheduler's thread share. Reads and writes have a thread each, so a
@@ -230,11 +204,10 @@ class _Store:
     # -- the storage thread --------------------------------------------------------
 
     def run(self, jobs: "queue.SimpleQueue") -> None:
-        _RUNNING[threading.get_ident()] = jobs
         try:
-            self._serve(jobs, self.finished)
+            with serving(jobs):
+                self._serve(jobs, self.finished)
         finally:
-            _RUNNING.pop(threading.get_ident(), None)
             with self._lock:
                 self._running -= 1
                 last = self._running == 0
@@ -303,78 +276,15 @@ class _Store:
         job.pages_ok = ok
 
     @staticmethod
-    def stop_soon(store: "_Store", asker: Optional["_Asker"]) -> None:
+    def stop_soon(store: "_BackendIO", asker: Optional[BoundedQuery]) -> None:
         """Stops the threads of a tier that was dropped: nobody will apply
         what is queued, so it is dropped; the threads end after their calls
         and the last closes the backend."""
         for jobs in (store.read_jobs, store.write_jobs):
-            _drop_queued(jobs)
+            drop_queued(jobs)
             jobs.put(None)
         if asker is not None:
             asker.stop()
-
-
-@dataclass(eq=False)
-class _Ask:
-    keys: List[str]
-    done: threading.Event = field(default_factory=threading.Event)
-    hits: Optional[int] = None
-
-
-class _Asker:
-    """Existence queries from the scheduler's thread to a backend whose
-    queries may block, asked on a thread of their own and waited for at most
-    a bound. One at a time: while one is still unanswered, others are misses
-    without asking."""
-
-    def __init__(self, store: _Store) -> None:
-        self._store = store
-        self._asks: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._stuck: Optional[_Ask] = None
-        self._thread: Optional[threading.Thread] = None
-
-    def ask(self, keys: List[str], timeout_s: float):
-        """(hits or None, why): why is "" (answered), "busy" (an earlier query
-        is still unanswered) or "timeout"."""
-        if self._stuck is not None:
-            if not self._stuck.done.is_set():
-                return None, "busy"
-            self._stuck = None
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_Asker._serve,
-                args=(self._asks, self._store),
-                name="radixkv-storage-query",
-                daemon=True,
-            )
-            self._thread.start()
-        a = _Ask(keys)
-        self._asks.put(a)
-        if a.done.wait(timeout_s):
-            return a.hits, ""
-        self._stuck = a
-        return None, "timeout"
-
-    @staticmethod
-    def _serve(asks: "queue.SimpleQueue", store: _Store) -> None:
-        _RUNNING[threading.get_ident()] = asks
-        try:
-            while True:
-                a = asks.get()
-                if a is None:
-                    return
-                try:
-                    a.hits = store.exists(a.keys)
-                except BaseException:  # noqa: BLE001
-                    store.backend.count_error()
-                finally:
-                    a.done.set()
-                del a
-        finally:
-            _RUNNING.pop(threading.get_ident(), None)
-
-    def stop(self) -> None:
-        self._asks.put(None)
 
 
 def storage_seed_of(backend: StorageBackend, seed: Optional[bytes]) -> bytes:
@@ -462,8 +372,12 @@ class StorageTier:
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self.min_prefetch_tokens = max(min_prefetch_tokens, self.page_size)
         backend.attach(host_tier.pool)
-        self._store = _Store(backend, faults)
-        self._asker = _Asker(self._store) if backend.blocking_queries else None
+        self._store = _BackendIO(backend, faults)
+        self._asker = (
+            BoundedQuery(self._store.exists, self._store.backend.count_error)
+            if backend.blocking_queries
+            else None
+        )
         self._closed = False
         self.lost = False  # the storage thread died: storage is off
         self.abandoned = False  # close() left a thread stuck in a backend call
@@ -488,7 +402,7 @@ class StorageTier:
         )
         self._reader.start()
         self._writer.start()
-        stop = weakref.finalize(self, _Store.stop_soon, self._store, self._asker)
+        stop = weakref.finalize(self, _BackendIO.stop_soon, self._store, self._asker)
         stop.atexit = False
 
     # -- the store's health -----------------------------------------------------------
@@ -682,10 +596,11 @@ class StorageTier:
         self._check_thread()
         applied = self._apply_finished()
         now = time.monotonic()
-        for jobs, health in (
+        in_flight: Tuple[Tuple[Iterable[Union[_Write, Prefetch]], Health], ...] = (
             (self._writes, self._store.writes),
             (self._prefetches, self._store.reads),
-        ):
+        )
+        for jobs, health in in_flight:
             oldest = next(iter(jobs), None)  # the one running, or finished
             if (
                 oldest is not None
