@@ -117,13 +117,13 @@ PyStructSequence_Field kTierSizesFields[] = {
     {"host_only", "Tokens with a host copy and not on the device."},
     {"backing_up", "Tokens on the device with a backup in flight."},
     {"loading", "Host-only tokens with a load in flight."},
-    {"storing", "Tokens with a host copy being written to storage."},
+    {"storage_writing", "Tokens with a host copy being written to storage."},
     {nullptr, nullptr},
 };
 PyStructSequence_Desc kTierSizesDesc{
     "radixkv._core.TierSizes",
     "TierSizes(device_evictable, device_protected, host, host_only, backing_up, loading,\n"
-    "storing): token counts of the two tiers. A tuple.",
+    "storage_writing): token counts of the two tiers. A tuple.",
     kTierSizesFields, 7};
 
 constexpr const char* kParentDoc = "Index in the dump of the node's parent (-1: the root).";
@@ -407,7 +407,7 @@ py::object RadixTree_TierSizes(PyRadixTree& t, PyObject* const*) {
   const radixkv::TierSizes z = Locked(t, false, [&] { return t.tree.tier_sizes(); });
   Fields sizes(g_tier_sizes_type);
   for (const int64_t n : {z.device_evictable, z.device_protected, z.host, z.host_only, z.backing_up,
-                          z.loading, z.storing}) {
+                          z.loading, z.storage_writing}) {
     sizes.Add(PyLong_FromLongLong(n));
   }
   return py::reinterpret_steal<py::object>(sizes.Take());
@@ -491,13 +491,13 @@ py::object RadixTree_EvictionCandidatesWithoutHost(PyRadixTree& t, PyObject* con
 
 // --- the storage tier ------------------------------------------------------------------
 
-py::object RadixTree_BeginStore(PyRadixTree& t, PyObject* const* a) {
+py::object RadixTree_BeginStorageWrite(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy from = AsCopy(a[0]);
   TensorSink host, tokens;
   radixkv::TierCopy c;
   uint64_t ns = 0;
   const bool found =
-      Locked(t, false, [&] { return t.tree.BeginStore(from, host, tokens, &c, &ns); });
+      Locked(t, false, [&] { return t.tree.BeginStorageWrite(from, host, tokens, &c, &ns); });
   if (!found) return py::none();
   return py::make_tuple(CopyTuple(c), host.take(), tokens.take(), ns);
 }
@@ -531,9 +531,9 @@ py::object RadixTree_UnpinHost(PyRadixTree& t, PyObject* const* a) {
   return py::none();
 }
 
-py::object RadixTree_FinishStore(PyRadixTree& t, PyObject* const* a) {
+py::object RadixTree_FinishStorageWrite(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
-  Locked(t, false, [&] { t.tree.FinishStore(c); });
+  Locked(t, false, [&] { t.tree.FinishStorageWrite(c); });
   return py::none();
 }
 
@@ -908,8 +908,8 @@ constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
 constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
 constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
 constexpr Params kCandidates{"eviction_candidates_without_host", {"size"}, 1, 1};
-constexpr Params kBeginStore{"begin_store", {"copy"}, 1, 1};
-constexpr Params kFinishStore{"finish_store", {"copy"}, 1, 1};
+constexpr Params kBeginStorageWrite{"begin_storage_write", {"copy"}, 1, 1};
+constexpr Params kFinishStorageWrite{"finish_storage_write", {"copy"}, 1, 1};
 constexpr Params kPinHost{"pin_host", {"input_ids", "namespace"}, 2, 1};
 constexpr Params kUnpinHost{"unpin_host", {"pin"}, 1, 1};
 constexpr Params kStoragePrefixEnd{"storage_prefix_end", {"input_ids", "namespace"}, 2, 1};
@@ -945,7 +945,7 @@ PyMethodDef kTreeMethods[] = {
      "namespace)."},
     {"tier_sizes", Fast<RadixTree_TierSizes, kTierSizes>(), kFastCall,
      "tier_sizes() -> TierSizes (device_evictable, device_protected, host, host_only,\n"
-     "backing_up, loading, storing), in tokens."},
+     "backing_up, loading, storage_writing), in tokens."},
     {"evict_host", Fast<RadixTree_EvictHost, kEvictHost>(), kFastCall,
      "evict_host(size) -> host slots freed, least recently used host copies first."},
     {"find_backup", Fast<RadixTree_FindBackup, kFindBackup>(), kFastCall,
@@ -966,8 +966,8 @@ PyMethodDef kTreeMethods[] = {
     {"eviction_candidates_without_host",
      Fast<RadixTree_EvictionCandidatesWithoutHost, kCandidates>(), kFastCall,
      "The device leaves evict(size) would take that have no host copy, as backups."},
-    {"begin_store", Fast<RadixTree_BeginStore, kBeginStore>(), kFastCall,
-     "begin_store(backup) -> (copy, host slots, path tokens, namespace) or None: pins on\n"
+    {"begin_storage_write", Fast<RadixTree_BeginStorageWrite, kBeginStorageWrite>(), kFastCall,
+     "begin_storage_write(backup) -> (copy, host slots, path tokens, namespace) or None: pins on\n"
      "host what a finished backup gave a host copy, while its pages are written to storage."},
     {"storage_prefix_end", Fast<RadixTree_StoragePrefixEnd, kStoragePrefixEnd>(), kFastCall,
      "storage_prefix_end(input_ids, namespace=0) -> (where pages from storage would join\n"
@@ -979,8 +979,8 @@ PyMethodDef kTreeMethods[] = {
      "the root or without a host copy."},
     {"unpin_host", Fast<RadixTree_UnpinHost, kUnpinHost>(), kFastCall,
      "unpin_host(pin): releases a pin of pin_host."},
-    {"finish_store", Fast<RadixTree_FinishStore, kFinishStore>(), kFastCall,
-     "finish_store(copy): the write to storage is over; unpins."},
+    {"finish_storage_write", Fast<RadixTree_FinishStorageWrite, kFinishStorageWrite>(), kFastCall,
+     "finish_storage_write(copy): the write to storage is over; unpins."},
     {"insert_host", Fast<RadixTree_InsertHost, kInsertHost>(), kFastCall,
      "insert_host(input_ids, start, host_slots, namespace=0) -> host slots not taken: pages\n"
      "read from storage (input_ids[start:]) as host-only nodes under the path's host copy."},

@@ -68,7 +68,7 @@ struct Node {
   /// A load of this host-only node to the device is in flight.
   bool loading = false;
   /// Its host pages are being written to storage (not evictable from host).
-  bool storing = false;
+  bool storage_writing = false;
   /// Reads from storage in flight that will join the tree below this node:
   /// while any, its host copy stays (not evictable from host).
   int32_t host_pins = 0;
@@ -76,7 +76,7 @@ struct Node {
   /// load; -1 when none): finishing a copy checks its range against it.
   int64_t copy_start = -1;
   /// The same for a write to storage that ends at this node.
-  int64_t store_start = -1;
+  int64_t storage_write_start = -1;
   /// Bumped each time the id is freed (only then): copies in flight name
   /// their node by it, since a node may leave the device meanwhile.
   uint64_t incarnation = 0;
@@ -148,7 +148,7 @@ inline bool RadixTree::DeviceEvictable(const Node* x) noexcept {
 }
 
 inline bool RadixTree::HostEvictable(const Node* x) noexcept {
-  return x->has_host() && x->host_children == 0 && !x->loading && !x->storing &&
+  return x->has_host() && x->host_children == 0 && !x->loading && !x->storage_writing &&
          x->host_pins == 0 && (x->on_device || x->ref_count == 0);
 }
 

@@ -204,9 +204,9 @@ Node* RadixTree::TakeNode(Node* parent, NodeBlock data, int64_t length, uint64_t
   node->priority = 0;
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
-  node->backing_up = node->loading = node->storing = false;
+  node->backing_up = node->loading = node->storage_writing = false;
   node->host_pins = 0;
-  node->copy_start = node->store_start = -1;
+  node->copy_start = node->storage_write_start = -1;
   ++num_nodes_;
   return node;
 }
@@ -324,7 +324,7 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   prefix->on_device = node->on_device;
   prefix->backing_up = node->backing_up;
   prefix->loading = node->loading;
-  prefix->storing = node->storing;
+  prefix->storage_writing = node->storage_writing;
   prefix->device_children = node->on_device;
   prefix->host_children = node->has_host() || node->backing_up;
   prefix->children = std::move(plan->prefix_children);
@@ -539,7 +539,7 @@ void RadixTree::Reset() {
   stored_.Clear();
   stored_host_.Clear();
   evictable_size_ = protected_size_ = 0;
-  host_size_ = host_only_size_ = backing_up_size_ = loading_size_ = storing_size_ = 0;
+  host_size_ = host_only_size_ = backing_up_size_ = loading_size_ = storage_writing_size_ = 0;
   host_pins_ = 0;
   ++clock_;
 }
@@ -552,7 +552,7 @@ TierSizes RadixTree::tier_sizes() const noexcept {
   s.host_only = host_only_size_;
   s.backing_up = backing_up_size_;
   s.loading = loading_size_;
-  s.storing = storing_size_;
+  s.storage_writing = storage_writing_size_;
   return s;
 }
 

@@ -16,7 +16,7 @@ using tree_errors::kInvalid;
 void RadixTree::CheckIntegrity() const {
   int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, host_members = 0;
   int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0,
-          storing = 0, pins = 0;
+          storage_writing = 0, pins = 0;
   SlotSet seen, seen_host;
   std::vector<const Node*> stack{root_};
   RADIXKV_CHECK(root_->parent == nullptr && root_->length == 0 && root_->depth == 0, kBroken,
@@ -119,11 +119,11 @@ void RadixTree::CheckIntegrity() const {
     }
     backing_up += x->backing_up ? x->length : 0;
     loading += x->loading ? x->length : 0;
-    storing += x->storing ? x->length : 0;
+    storage_writing += x->storage_writing ? x->length : 0;
     pins += x->host_pins;
     RADIXKV_CHECK(x->host_pins >= 0 && (x->host_pins == 0 || x->has_host()), kBroken, "node ",
                   x->id, " is pinned for a read from storage but has no host copy");
-    RADIXKV_CHECK(!x->storing || x->has_host(), kBroken, "node ", x->id,
+    RADIXKV_CHECK(!x->storage_writing || x->has_host(), kBroken, "node ", x->id,
                   " is being written to storage without a host copy");
   }
   RADIXKV_CHECK(stored_.Count() == device_tokens, kBroken, stored_.Count(),
@@ -141,8 +141,9 @@ void RadixTree::CheckIntegrity() const {
   RADIXKV_CHECK(host_tokens == host_size_ && host_only == host_only_size_, kBroken,
                 "host sizes are ", host_size_, " and ", host_only_size_,
                 " host only, but nodes hold ", host_tokens, " and ", host_only);
-  RADIXKV_CHECK(storing == storing_size_, kBroken, "writes to storage are counted as ",
-                storing_size_, " tokens, but nodes hold ", storing);
+  RADIXKV_CHECK(storage_writing == storage_writing_size_, kBroken,
+                "writes to storage are counted as ", storage_writing_size_,
+                " tokens, but nodes hold ", storage_writing);
   RADIXKV_CHECK(pins == host_pins_, kBroken, "host pins are counted as ", host_pins_,
                 " but nodes hold ", pins);
   RADIXKV_CHECK(backing_up == backing_up_size_ && loading == loading_size_, kBroken,

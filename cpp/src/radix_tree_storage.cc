@@ -17,8 +17,8 @@ using tree_errors::kInvalid;
 
 // --- the storage tier: writes of host pages, pages read back -------------------------
 
-bool RadixTree::BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens, TierCopy* copy,
-                           uint64_t* ns) {
+bool RadixTree::BeginStorageWrite(const TierCopy& from, SlotSink host, SlotSink tokens,
+                                  TierCopy* copy, uint64_t* ns) {
   Node* x = ResolveCopy(from);
   if (x == nullptr) return false;  // gone since (evicted from both tiers, or Reset)
   Node* end = x;                   // the deepest node of the range with a host copy
@@ -29,7 +29,8 @@ bool RadixTree::BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens,
   RADIXKV_CHECK(top->depth - top->length == from.start, kInvalid, "start=", from.start,
                 " is not where a node of the path begins");
   for (Node* y = end;; y = y->parent) {
-    RADIXKV_CHECK(!y->storing, kInvalid, "node ", y->id, " is being written to storage already");
+    RADIXKV_CHECK(!y->storage_writing, kInvalid, "node ", y->id,
+                  " is being written to storage already");
     if (y == top) break;
   }
   int32_t* slots = host(end->depth - from.start);
@@ -41,36 +42,37 @@ bool RadixTree::BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens,
   }
   for (Node* y = end;; y = y->parent) {
     std::memcpy(slots + (y->depth - y->length - from.start), y->host, y->length * sizeof(int32_t));
-    y->storing = true;
-    storing_size_ += y->length;
+    y->storage_writing = true;
+    storage_writing_size_ += y->length;
     Refresh(y);
     if (y == top) break;
   }
-  end->store_start = from.start;
+  end->storage_write_start = from.start;
   *copy = TierCopy{end->id, end->incarnation, from.start, end->depth};
   if (ns != nullptr) *ns = end->ns;
   return true;
 }
 
-void RadixTree::FinishStore(const TierCopy& copy) {
+void RadixTree::FinishStorageWrite(const TierCopy& copy) {
   Node* end = ResolveCopy(copy);
   if (end == nullptr) return;  // only Reset frees a node being written
-  RADIXKV_CHECK(end->storing && end->store_start == copy.start, kInvalid,
+  RADIXKV_CHECK(end->storage_writing && end->storage_write_start == copy.start, kInvalid,
                 "copy is not a write to storage in flight: it was finished already, or its "
                 "range is not the one begun");
   std::vector<Node*> nodes;
   ForEachInCopy(end, copy, [&](Node* x, int64_t) { nodes.push_back(x); });
   for (Node* x : nodes) {
-    RADIXKV_CHECK(x->storing, kInvalid, "node ", x->id, " finishes a write it did not start");
+    RADIXKV_CHECK(x->storage_writing, kInvalid, "node ", x->id,
+                  " finishes a write it did not start");
   }
   // Nothing below allocates or throws.
   ++clock_;
   for (Node* x : nodes) {
-    x->storing = false;
-    storing_size_ -= x->length;
+    x->storage_writing = false;
+    storage_writing_size_ -= x->length;
     Refresh(x);
   }
-  end->store_start = -1;
+  end->storage_write_start = -1;
 }
 
 Node* RadixTree::MatchEnd(const int32_t* tokens, int64_t n, uint64_t ns, int64_t* pos) const {

@@ -384,29 +384,31 @@ TEST(RadixTreeTiersTest, PagesBeingStoredStayOnHostUntilTheWriteEnds) {
   Match(&t, {1, 2});  // split: the write covers two nodes
   Ints slots, tokens;
   TierCopy c;
-  ASSERT_TRUE(t.BeginStore(backup, SlotSink::Into(&slots), SlotSink::Into(&tokens), &c));
+  ASSERT_TRUE(t.BeginStorageWrite(backup, SlotSink::Into(&slots), SlotSink::Into(&tokens), &c));
   EXPECT_EQ(slots, Ints({100, 101, 102, 103}));
   EXPECT_EQ(tokens, a);
-  EXPECT_EQ(t.tier_sizes().storing, 4);
+  EXPECT_EQ(t.tier_sizes().storage_writing, 4);
   t.CheckIntegrity();
   Ints freed;
   t.Evict(4, &freed);                           // device eviction: the nodes stay, host only
   EXPECT_THROW(t.EvictHost(1, &freed), Error);  // pinned on host while being written
   Ints again;
   TierCopy c2;
-  EXPECT_THROW(t.BeginStore(backup, SlotSink::Into(&again), SlotSink::Into(&again), &c2), Error);
-  EXPECT_THROW(t.BeginStore(TierCopy{backup.node_id, backup.incarnation, 1, backup.end},
-                            SlotSink::Into(&again), SlotSink::Into(&again), &c2),
+  EXPECT_THROW(t.BeginStorageWrite(backup, SlotSink::Into(&again), SlotSink::Into(&again), &c2),
+               Error);
+  EXPECT_THROW(t.BeginStorageWrite(TierCopy{backup.node_id, backup.incarnation, 1, backup.end},
+                                   SlotSink::Into(&again), SlotSink::Into(&again), &c2),
                Error);  // not a node boundary
-  EXPECT_THROW(t.FinishStore(TierCopy{c.node_id, c.incarnation, 2, c.end}), Error);  // forged
+  EXPECT_THROW(t.FinishStorageWrite(TierCopy{c.node_id, c.incarnation, 2, c.end}),
+               Error);  // forged
   t.CheckIntegrity();
-  t.FinishStore(c);  // the node left the device meanwhile: the copy still names it
-  EXPECT_THROW(t.FinishStore(c), Error);  // twice
-  EXPECT_EQ(t.tier_sizes().storing, 0);
+  t.FinishStorageWrite(c);  // the node left the device meanwhile: the copy still names it
+  EXPECT_THROW(t.FinishStorageWrite(c), Error);  // twice
+  EXPECT_EQ(t.tier_sizes().storage_writing, 0);
   t.EvictHost(4, &freed);
   EXPECT_EQ(t.num_nodes(), 0);
   t.CheckIntegrity();
-  EXPECT_FALSE(t.BeginStore(backup, SlotSink::Into(&again), SlotSink::Into(&again), &c2));
+  EXPECT_FALSE(t.BeginStorageWrite(backup, SlotSink::Into(&again), SlotSink::Into(&again), &c2));
 }
 
 TEST(RadixTreeTiersTest, PagesReadFromStorageBecomeHostOnlyNodesUnderAHostPath) {

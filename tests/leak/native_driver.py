@@ -108,16 +108,16 @@ t.insert_prefix([1, 2, 3, 4], [0, 1, 2, 3])
 c = t.find_backup([1, 2, 3, 4], 0, True)
 t.begin_backup(c)
 t.finish_backup(c, [8, 9, 10, 11])
-began = t.begin_store(c)
-t.finish_store(began[0])
+began = t.begin_storage_write(c)
+t.finish_storage_write(began[0])
 # The typed values: every dump row layout, the tier sizes, a copy as a plain tuple.
 for tiers in (False, True):
     for spaces in (False, True):
         t.dump(tiers, spaces)
 t.tier_sizes()
-again = t.begin_store(tuple(c))
+again = t.begin_storage_write(tuple(c))
 if again is not None:
-    t.finish_store(tuple(again[0]))
+    t.finish_storage_write(tuple(again[0]))
 pin = t.pin_host([1, 2, 3, 4])
 t.storage_prefix_end([1, 2, 3, 4, 5, 6])
 t.insert_host([1, 2, 3, 4, 5, 6], 4, [20, 21])

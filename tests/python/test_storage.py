@@ -559,7 +559,7 @@ def test_ctrl_c_while_backups_are_applied_still_queues_their_writes(tmp_path):
             a.cm.drain()
     finally:
         tier.controller = real
-    assert a.cm._tree.tier_sizes().storing == 3 * PAGE  # pinned by its write
+    assert a.cm._tree.tier_sizes().storage_writing == 3 * PAGE  # pinned by its write
     tier.make_room(8 * PAGE)  # a host eviction before the next tier call
     a.cm.drain()
     a.cm.check_integrity()

@@ -79,7 +79,7 @@ def test_tier_sizes_is_a_tuple_with_the_tree_s_field_names():
         "host_only",
         "backing_up",
         "loading",
-        "storing",
+        "storage_writing",
     )
     assert _core.TierSizes.__match_args__ == names
     assert tuple(getattr(s, n) for n in names) == tuple(s)
@@ -166,10 +166,10 @@ def test_a_plain_tuple_is_taken_back_wherever_a_copy_is():
     assert type(pin) is _core.TierCopy and pin.start == 5
     t.unpin_host(tuple(pin))
     assert t.host_pins == 0
-    began = t.begin_store(tuple(c))
+    began = t.begin_storage_write(tuple(c))
     assert began is not None and type(began[0]) is _core.TierCopy
-    t.finish_store(tuple(began[0]))
-    assert t.tier_sizes().storing == 0
+    t.finish_storage_write(tuple(began[0]))
+    assert t.tier_sizes().storage_writing == 0
     t.check_integrity()
 
 

@@ -63,7 +63,7 @@ struct TierSizes {
   int64_t host_only = 0;         ///< with a host copy and not on the device
   int64_t backing_up = 0;        ///< on the device, a backup in flight
   int64_t loading = 0;           ///< host only, a load in flight
-  int64_t storing = 0;           ///< with a host copy, a write to storage in flight
+  int64_t storage_writing = 0;   ///< with a host copy, a write to storage in flight
 };
 
 /// One node as seen by `RadixTree::Dump`: tokens, slots and bookkeeping.
@@ -274,8 +274,8 @@ class RadixTree {
   /// copy, or its node is gone. Throws kInvalidArgument if `from.start` is
   /// not a node boundary of the path or a node there is being written. Sets
   /// `*ns` (when not null) to the path's namespace.
-  bool BeginStore(const TierCopy& from, SlotSink host, SlotSink tokens, TierCopy* copy,
-                  uint64_t* ns = nullptr);
+  bool BeginStorageWrite(const TierCopy& from, SlotSink host, SlotSink tokens, TierCopy* copy,
+                         uint64_t* ns = nullptr);
   /// Where pages read from storage would join `tokens[0, n)`'s path: the
   /// matched length (whole pages). `*host_backed` says whether the match
   /// ends at the root or on a node with a host copy; if not, pages could not
@@ -294,7 +294,7 @@ class RadixTree {
   void UnpinHost(const TierCopy& pin);
   /// Ends a write to storage (success or not: storage has no state here):
   /// unpins the nodes. A copy whose node is gone (Reset) is ignored.
-  void FinishStore(const TierCopy& copy);
+  void FinishStorageWrite(const TierCopy& copy);
   /// Adds pages read from storage as host-only nodes: `host[0, n - start)`
   /// are host slots holding the K/V of `tokens[start, n)` (whole pages). The
   /// part already in the tree keeps what it has; the rest becomes one
@@ -404,7 +404,7 @@ class RadixTree {
   int64_t backing_up_size_ = 0;
   int64_t loading_size_ = 0;
   EvictionPolicy policy_ = EvictionPolicy::kLru;
-  int64_t storing_size_ = 0;
+  int64_t storage_writing_size_ = 0;
   int64_t host_pins_ = 0;
   int64_t num_nodes_ = 0;
 };

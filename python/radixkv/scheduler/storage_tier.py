@@ -310,7 +310,7 @@ class StorageTier:
     Backend calls run on the tier's own thread (and existence queries of a
     blocking backend on one more, with a bound); the tree and the host pages
     change only on the scheduler's thread, when it applies what finished
-    (`storage_check`). A write pins its host pages (the tree's BeginStore)
+    (`storage_check`). A write pins its host pages (the tree's BeginStorageWrite)
     until the thread reports it, so they are never evicted, freed or reused
     under the write. A prefetch owns the host pages it reads into until it is
     applied: the pages read (consecutive from the first) join the tree as a
@@ -435,12 +435,12 @@ class StorageTier:
         if self._store.writes.down():
             self.skipped_writes += 1
             return
-        began = self.tree.begin_store(backup_copy)
+        began = self.tree.begin_storage_write(backup_copy)
         if began is None:
             return
         copy, host_slots, tokens, ns = began
         if not self.namespaces.known(ns):  # its name was forgotten: no seed for its keys
-            self.tree.finish_store(copy)
+            self.tree.finish_storage_write(copy)
             return
         ps = self.page_size
         blocks = None
@@ -632,7 +632,7 @@ class StorageTier:
             if job not in self._writes:
                 return 0
             del self._writes[job]
-            self.tree.finish_store(job.copy)
+            self.tree.finish_storage_write(job.copy)
             # A failed page ends the run of pages that count as stored.
             run = job.ok.index(False) if False in job.ok else len(job.ok)
             self.written_pages += run - job.present
@@ -716,11 +716,11 @@ class StorageTier:
         """Checks that the host slots prefetches in flight own are counted
         (`reading_tokens`), allocated and in no node, that the tree's pins
         are the prefetches' and its pages being written the writes'."""
-        storing = self.tree.tier_sizes().storing
+        storage_writing = self.tree.tier_sizes().storage_writing
         writing = sum(len(job.pages) for job in self._writes) * self.page_size
-        if storing != writing:
+        if storage_writing != writing:
             raise _core.IntegrityError(
-                f"the tree pins {storing} host tokens for writes to "
+                f"the tree pins {storage_writing} host tokens for writes to "
                 f"storage, the writes in flight hold {writing}"
             )
         pins = sum(op.pin is not None and not op.applied for op in self._prefetches)
