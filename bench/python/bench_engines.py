@@ -130,7 +130,7 @@ def main() -> None:
             else:
                 store = None if name == own else tempfile.mkdtemp(prefix="store-", dir=tmp)
                 if name == "radixkv+host":
-                    store = {"store": "file", "directory": store, "host_bytes": 256 << 20}
+                    store = {"backend": "file", "directory": store, "host_bytes": 256 << 20}
                 server = vllm_server(python, model, log, store)
             try:
                 run = measure if args.engine == "sglang" else measure_vllm

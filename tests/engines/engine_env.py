@@ -320,7 +320,7 @@ def vllm_server(
                     "kv_load_failure_policy": failure_policy,
                     "kv_connector_extra_config": store
                     if isinstance(store, dict)
-                    else {"store": "file", "directory": store},
+                    else {"backend": "file", "directory": store},
                 }
             ),
         ]

@@ -318,7 +318,7 @@ def radixkv_l3(directory):
                 "interface_v1": 1,
                 "module_path": "radixkv.compat.sglang_storage",
                 "class_name": "RadixkvHiCacheStorage",
-                "store": "file",
+                "backend": "file",
                 "directory": str(directory),
             }
         ),
@@ -417,7 +417,7 @@ def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(
             "interface_v1": 1,
             "module_path": "radixkv.compat.sglang_storage",
             "class_name": "RadixkvHiCacheStorage",
-            "store": "mooncake",
+            "backend": "mooncake",
             "master_address": master.master_address,
             "metadata_server": master.metadata_server,
         }

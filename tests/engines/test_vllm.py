@@ -99,7 +99,7 @@ def runs(python, model, tmp_path_factory):
         python,
         model,
         str(tmp / "radixkv.log"),
-        {"store": "file", "directory": store, "host_bytes": HOST_BYTES},
+        {"backend": "file", "directory": store, "host_bytes": HOST_BYTES},
     )
     client = Client(ours)
     try:
@@ -161,7 +161,7 @@ def test_the_host_tier_alone_serves_after_a_reset(python, model, tmp_path):
     prompts = [[rng.randrange(3, 1000) for _ in range(200)] for _ in range(2)]
     long = [rng.randrange(3, 1000) for _ in range(20 * BLOCK)]
     server = start(
-        python, model, str(tmp_path / "host.log"), {"store": "none", "host_bytes": HOST_BYTES}
+        python, model, str(tmp_path / "host.log"), {"backend": "none", "host_bytes": HOST_BYTES}
     )
     try:
         first = [complete(server, p, {}) for p in prompts]
@@ -192,7 +192,7 @@ def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, 
         python,
         model,
         str(tmp / "second.log"),
-        {"store": "file", "directory": store, "host_bytes": HOST_BYTES},
+        {"backend": "file", "directory": store, "host_bytes": HOST_BYTES},
     )
     try:
         client = Client(second)
@@ -248,7 +248,7 @@ def test_mooncake_store_through_the_connector_serves_after_a_reset_and_a_second_
         # A loaded 2-core machine may take longer than the 50 ms the
         # scheduler waits for an answer by default (then: a miss, not an error).
         store = {
-            "store": "mooncake",
+            "backend": "mooncake",
             "master_address": master.master_address,
             "metadata_server": master.metadata_server,
             "query_timeout_s": 5.0,

@@ -8,13 +8,13 @@ back-off and stores shared by many instances.
     --hicache-storage-backend-extra-config '{"backend_name": "radixkv",
         "module_path": "radixkv.compat.sglang_storage",
         "class_name": "RadixkvHiCacheStorage", "interface_v1": 1,
-        "store": "file", "directory": "/var/cache/kv"}'
+        "backend": "file", "directory": "/var/cache/kv"}'
 
 Other keys of the extra config: `namespace` (a name for the model's
 weights: SGLang's model name is only the served alias), `max_bytes`,
 `shared` (a store directory shared with other users on purpose), `secret`
 or `secret_file` (a file holding it: a command line is visible to every
-user), and for `"store": "mooncake"`: `master_address`, `metadata_server`,
+user), and for `"backend": "mooncake"`: `master_address`, `metadata_server`,
 `local_hostname`, `protocol`, `segment_bytes`, `buffer_bytes`.
 
 A page's name is SHA-256 of a fingerprint and SGLang's page key (its
@@ -41,7 +41,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from radixkv import _core
-from radixkv.compat.staged_store import StagedStore, store_options
+from radixkv.compat.staged_storage import StagedStorage, storage_options
 from radixkv.storage import config_fingerprint
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -53,11 +53,11 @@ class RadixkvHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config, kwargs: Optional[dict] = None) -> None:
         self.config = storage_config
-        self.options = store_options(storage_config.extra_config)
+        self.options = storage_options(storage_config.extra_config)
         if storage_config.is_mla_model:
             raise ValueError("radixkv's SGLang L3 adapter serves MHA models; this model is MLA")
         # Made when SGLang registers its host pool (the page shape).
-        self.store: Optional[StagedStore] = None
+        self.storage: Optional[StagedStorage] = None
 
     # -- the host pool and the store -----------------------------------------------------
 
@@ -97,7 +97,7 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         # A page's bytes are SGLang's flat page, in its host layout's order
         # (which the fingerprint names).
         page_elems = 2 * host.layer_num * host.page_size * host.head_num * host.head_dim
-        self.store = StagedStore(o, self.fingerprint, page_elems, host.dtype)
+        self.storage = StagedStorage(o, self.fingerprint, page_elems, host.dtype)
 
     def on_host_pools_registered(self) -> None:
         extra = sorted(
@@ -114,7 +114,7 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         fingerprint and the key, or with a secret an HMAC under the key
         derived from it."""
         parts = [self.fingerprint, key.encode()]
-        store = self.store
+        store = self.storage
         if store is None:
             raise RuntimeError(
                 "radixkv's SGLang L3 adapter has no store yet: SGLang registers its "
@@ -128,9 +128,9 @@ class RadixkvHiCacheStorage(HiCacheStorage):
     # -- interface v1 ---------------------------------------------------------------------
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
-        if self.store is None or not keys:
+        if self.storage is None or not keys:
             return 0
-        return self.store.exists([self._key(k) for k in keys])
+        return self.storage.exists([self._key(k) for k in keys])
 
     def batch_get_v1(
         self, keys: List[str], host_indices: torch.Tensor, extra_info=None
@@ -211,13 +211,13 @@ class RadixkvHiCacheStorage(HiCacheStorage):
     # -- through the staging pages --------------------------------------------------------
 
     def _read(self, keys: List[str], take: Callable[[int, Optional[torch.Tensor]], bool]) -> None:
-        if self.store is not None:
-            self.store.read([self._key(k) for k in keys], take)
+        if self.storage is not None:
+            self.storage.read([self._key(k) for k in keys], take)
 
     def _write(self, keys: List[str], page_of: Callable[[int], torch.Tensor]) -> List[bool]:
-        if self.store is None:
+        if self.storage is None:
             return [False] * len(keys)
-        return self.store.write(
+        return self.storage.write(
             [self._key(k) for k in keys], lambda i, page: page.copy_(page_of(i).reshape(-1))
         )
 
@@ -225,8 +225,8 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        if self.storage is not None:
+            self.storage.close()
 
     def get_stats(self):
         """None: SGLang's metrics take its own StorageMetrics type; radixkv's
@@ -234,6 +234,6 @@ class RadixkvHiCacheStorage(HiCacheStorage):
         return None
 
     def counts(self) -> dict:
-        if self.store is None:
+        if self.storage is None:
             return {"errors": 0, "corrupt_pages": 0, "skipped_reads": 0, "skipped_writes": 0}
-        return self.store.counts()
+        return self.storage.counts()

@@ -10,11 +10,11 @@ has dropped it or restarted.
         "kv_connector_module_path": "radixkv.compat.vllm_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"host_bytes": 4294967296,
-                                      "store": "file", "directory": "/var/cache/kv"}}'
+                                      "backend": "file", "directory": "/var/cache/kv"}}'
 
 The extra config takes `host_bytes` (host memory for the host tier; 0, the
-default: none), the store options of `radixkv.compat.staged_store` (`"store":
-"none"`: the host tier alone) and `namespace` (a name for the model's
+default: none), the storage options of `radixkv.compat.staged_storage`
+(`"backend": "none"`: the host tier alone) and `namespace` (a name for the model's
 weights: vLLM's model name may be only a path or an alias). vLLM's scheduler
 asks the store which blocks it holds on its own thread: a store whose
 queries may block (Mooncake) is waited for at most `query_timeout_s` (0.05
@@ -64,7 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from radixkv._checks import as_count
 from radixkv.compat.host_pages import HostBlocks, HostPageIndex
-from radixkv.compat.staged_store import StagedStore, store_options
+from radixkv.compat.staged_storage import StagedStorage, storage_options
 from radixkv.storage import config_fingerprint, page_keys
 
 logger = logging.getLogger("vllm.radixkv")  # under vLLM's logger: shown in its log
@@ -131,15 +131,15 @@ class RadixkvConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.host_bytes = as_count(extra.pop("host_bytes", 0), "extra_config host_bytes", minimum=0)
-        if extra.get("store") == "none":  # the host tier alone
+        if extra.get("backend") == "none":  # the host tier alone
             if not self.host_bytes:
                 raise ValueError(
-                    'extra_config store "none" needs host_bytes > 0 (the host '
+                    'extra_config backend "none" needs host_bytes > 0 (the host '
                     "tier is then the only one)"
                 )
             self.options: Optional[dict] = None
         else:
-            self.options = store_options(extra)
+            self.options = storage_options(extra)
         self.block_size = vllm_config.cache_config.block_size
         par = vllm_config.parallel_config
         if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
@@ -167,7 +167,7 @@ class RadixkvConnector(KVConnectorBase_V1):
             f"quantization={getattr(model, 'quantization', None)} "
             f"cache_dtype={vllm_config.cache_config.cache_dtype}"
         )
-        self.store: Optional[StagedStore] = None
+        self.storage: Optional[StagedStorage] = None
         self._seeds: "collections.OrderedDict[Optional[str], bytes]" = collections.OrderedDict()
         # scheduler side
         self._reqs: Dict[str, _Req] = {}
@@ -234,7 +234,7 @@ class RadixkvConnector(KVConnectorBase_V1):
                 f"this model ({page_bytes} bytes)"
             )
         if self.options is not None:
-            self.store = StagedStore(self.options, self._seed(None), page_elems, dtype)
+            self.storage = StagedStorage(self.options, self._seed(None), page_elems, dtype)
 
     def _seed(self, namespace: Optional[str]) -> bytes:
         """The fingerprint that starts a request's chain of block names."""
@@ -276,7 +276,7 @@ class RadixkvConnector(KVConnectorBase_V1):
             )
             namespace = json.dumps({"salt": salt, "lora": lora_id})  # fields kept apart
         ids = list(request.prompt_token_ids or [])
-        key = self.store.name_key if self.store is not None else None
+        key = self.storage.name_key if self.storage is not None else None
         return page_keys(ids, self.block_size, self._seed(namespace), key=key)
 
     # -- scheduler side ---------------------------------------------------------------------
@@ -294,8 +294,8 @@ class RadixkvConnector(KVConnectorBase_V1):
         # holds after them: the rest are saved once computed, also those vLLM
         # had (they may hold an earlier turn's output, which no prompt saved).
         have = self.index.run(st.names) if self.index is not None else 0
-        if self.store is not None and have < len(st.names):
-            more = self.store.exists(st.names[have:], bounded=True)  # vLLM's thread waits
+        if self.storage is not None and have < len(st.names):
+            more = self.storage.exists(st.names[have:], bounded=True)  # vLLM's thread waits
             if more is None:  # the store did not answer in time: no rewrites
                 st.start, st.saved = start, max(st.saved, start, have)
                 return max(0, min(have, usable) - start) * self.block_size, False
@@ -334,7 +334,7 @@ class RadixkvConnector(KVConnectorBase_V1):
             for i, name in enumerate(names):
                 if not load.in_host[i]:
                     load.pages[i] = (
-                        -1 if self.store is None else self._or_none(self.index.take(name))
+                        -1 if self.storage is None else self._or_none(self.index.take(name))
                     )
             for i, page in enumerate(load.pages):
                 if page >= 0:
@@ -480,7 +480,7 @@ class RadixkvConnector(KVConnectorBase_V1):
                     if valid is None:
                         raise _lacks("host pages")
                     valid[load.pages[i]] = 0
-            if stored and self.store is not None:
+            if stored and self.storage is not None:
 
                 def take(
                     j: int, page: Optional[torch.Tensor], load=load, got=got, stored=stored
@@ -501,7 +501,7 @@ class RadixkvConnector(KVConnectorBase_V1):
                     got[i] = True
                     return True
 
-                self.store.read([load.names[i] for i in stored], take)
+                self.storage.read([load.names[i] for i in stored], take)
         for load, got in zip(loads, done):
             for i, page in enumerate(load.pages):
                 if not got[i] and page >= 0:
@@ -556,7 +556,7 @@ class RadixkvConnector(KVConnectorBase_V1):
                 for i in hosted:
                     valid[save.pages[i]] = 1
                 self.moved["saved to host"] += len(hosted)
-            if self.store is None:
+            if self.storage is None:
                 continue
 
             def fill(i: int, page: torch.Tensor, save=save) -> None:
@@ -569,7 +569,7 @@ class RadixkvConnector(KVConnectorBase_V1):
                         raise _lacks("the layers' blocks (register_kv_caches)")
                     blocks.copy_out(save.block_ids[i], page)
 
-            self.moved["saved to store"] += sum(self.store.write(save.names, fill))
+            self.moved["saved to store"] += sum(self.storage.write(save.names, fill))
 
     def get_block_ids_with_load_errors(self) -> set:
         errors, self._load_errors = self._load_errors, set()
@@ -581,10 +581,10 @@ class RadixkvConnector(KVConnectorBase_V1):
                 "radixkv connector: blocks %s",
                 ", ".join(f"{what} {count}" for what, count in sorted(self.moved.items())),
             )
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
 
     def counts(self) -> dict:
         """radixkv's store counts (errors, corrupt pages, skipped calls)."""
-        return self.store.counts() if self.store is not None else {}
+        return self.storage.counts() if self.storage is not None else {}

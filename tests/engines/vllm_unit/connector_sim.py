@@ -183,7 +183,7 @@ class Sim:
 
     def check_store(self, prompts):
         """Every store page of these prompts' names holds the true bytes."""
-        st = self.wc.store
+        st = self.wc.storage
         for toks in prompts:
             names = self.sc._names(
                 type(

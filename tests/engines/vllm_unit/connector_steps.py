@@ -37,7 +37,7 @@ def evict_on_first_load(sim):
 
     def hook(sim, so, meta):
         if meta.loads:
-            os.unlink(sim.wc.store.backend.path(meta.loads[0].names[1]))
+            os.unlink(sim.wc.storage.backend.path(meta.loads[0].names[1]))
             lost.append(meta.loads[0].req_id)
             sim.hook_before_load = None
 

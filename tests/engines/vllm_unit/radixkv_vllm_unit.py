@@ -99,7 +99,7 @@ def _radixkv_transfer_config(real, kw: dict, directory: str, policy: str):
 
 
 def _extra(directory: str) -> dict:
-    return {"store": "file", "directory": directory, "host_bytes": HOST_BYTES}
+    return {"backend": "file", "directory": directory, "host_bytes": HOST_BYTES}
 
 
 def _skip_if_fail_policy(fn):
@@ -191,7 +191,7 @@ def _record_connectors(request, monkeypatch):
         waiting = any(st.load is not None for st in c._reqs.values())
         if c.index is not None and c.index.pinned() and not waiting:
             problems.append(f"host pages left pinned: {c.index.pinned()}")
-        if c.store is not None:
+        if c.storage is not None:
             c.shutdown()
     if problems:
         pytest.fail("RadixkvConnector: " + "; ".join(problems))

@@ -3,7 +3,7 @@ store or Mooncake Store behind a small staging pool, with radixkv's page
 integrity checks, per-direction back-off and stores shared by many
 instances. The SGLang L3 adapter and the vLLM connector both stand on it.
 
-Options (an engine's extra config, a dict): `store` ("file" or "mooncake"),
+Options (an engine's extra config, a dict): `backend` ("file" or "mooncake"),
 `directory`, `max_bytes` and `shared` for the file store; `master_address`,
 `metadata_server`, `local_hostname`, `protocol`, `segment_bytes` and
 `buffer_bytes` for Mooncake; `secret` or `secret_file` (a file holding it);
@@ -33,12 +33,12 @@ BATCH_PAGES = 32
 _FAULT_OPTIONS = ("failures_in_a_row", "retry_after_s", "max_retry_after_s", "query_timeout_s")
 
 
-def store_options(options: Optional[dict]) -> dict:
+def storage_options(options: Optional[dict]) -> dict:
     """`options` checked for what every store needs, with its secret read."""
     options = dict(options or {})
-    store = options.setdefault("store", "file")
+    store = options.setdefault("backend", "file")
     if store not in ("file", "mooncake"):
-        raise ValueError(f"extra_config store must be 'file' or 'mooncake', got {store!r}")
+        raise ValueError(f"extra_config backend must be 'file' or 'mooncake', got {store!r}")
     if store == "file" and not options.get("directory"):
         raise ValueError("extra_config directory: the file store's directory is required")
     secret = options.get("secret")
@@ -49,7 +49,7 @@ def store_options(options: Optional[dict]) -> dict:
     return options
 
 
-class StagedStore:
+class StagedStorage:
     """A FileStorage or MooncakeStorage whose pages are `page_elems` elements
     of `dtype`, moved through a staging pool: reads and writes each have
     their own staging pages and lock (engines read and write from two
@@ -58,7 +58,7 @@ class StagedStore:
     def __init__(
         self, options: dict, fingerprint: bytes, page_elems: int, dtype: torch.dtype
     ) -> None:
-        o = store_options(options)
+        o = storage_options(options)
         if page_elems <= 0 or page_elems % 2:
             raise ValueError(f"page_elems must be a positive even count, got {page_elems}")
         self.dtype = dtype
@@ -76,7 +76,7 @@ class StagedStore:
             shape, num_pages=2 * BATCH_PAGES, layout="page_first", pin_memory=False
         )
         backend: StorageBackend
-        if o["store"] == "file":
+        if o["backend"] == "file":
             backend = FileStorage(
                 o["directory"],
                 fingerprint,

@@ -1,20 +1,20 @@
-"""radixkv.compat.staged_store: the store the engine adapters share."""
+"""radixkv.compat.staged_storage: the store the engine adapters share."""
 
 import time
 
 import pytest
 import torch
 
-from radixkv.compat import staged_store
-from radixkv.compat.staged_store import StagedStore, store_options
+from radixkv.compat import staged_storage
+from radixkv.compat.staged_storage import StagedStorage, storage_options
 from radixkv.storage import FileStorage, page_keys
 
 FP = b"f" * 32
 
 
 def _store(tmp_path, **options):
-    return StagedStore(
-        {"store": "file", "directory": str(tmp_path), **options}, FP, 64, torch.float32
+    return StagedStorage(
+        {"backend": "file", "directory": str(tmp_path), **options}, FP, 64, torch.float32
     )
 
 
@@ -38,12 +38,12 @@ def test_pages_round_trip_and_exists_counts_from_the_first(tmp_path):
 
 
 def test_bad_options_and_shapes_are_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="store must be 'file' or 'mooncake'"):
-        store_options({"store": "s3"})
+    with pytest.raises(ValueError, match="backend must be 'file' or 'mooncake'"):
+        storage_options({"backend": "s3"})
     with pytest.raises(ValueError, match="directory"):
-        store_options({"store": "file"})
+        storage_options({"backend": "file"})
     with pytest.raises(ValueError, match="page_elems"):
-        StagedStore({"store": "file", "directory": str(tmp_path)}, FP, 63, torch.float32)
+        StagedStorage({"backend": "file", "directory": str(tmp_path)}, FP, 63, torch.float32)
     with pytest.raises(ValueError, match="^retry_after_s must be"):
         _store(tmp_path, retry_after_s=-1)
 
@@ -51,11 +51,11 @@ def test_bad_options_and_shapes_are_refused_by_name(tmp_path):
 def test_a_secret_file_is_read_once(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("a deployment secret\n")
-    o = store_options(
-        {"store": "file", "directory": str(tmp_path / "d"), "secret_file": str(secret)}
+    o = storage_options(
+        {"backend": "file", "directory": str(tmp_path / "d"), "secret_file": str(secret)}
     )
     secret.unlink()  # what was read stays: the store does not read it again
-    s = StagedStore(o, FP, 64, torch.float32)
+    s = StagedStorage(o, FP, 64, torch.float32)
     assert o["secret"] == b"a deployment secret" and s.name_key is not None
     s.close()
 
@@ -75,7 +75,7 @@ class _SlowQueries(FileStorage):
 
 
 def test_a_slow_store_is_waited_for_within_the_bound(tmp_path, monkeypatch):
-    monkeypatch.setattr(staged_store, "FileStorage", _SlowQueries)
+    monkeypatch.setattr(staged_storage, "FileStorage", _SlowQueries)
     s = _store(tmp_path, query_timeout_s=0.05)
     names = page_keys(list(range(8)), 4, b"s" * 32)
     s.write(names, lambda i, page: page.fill_(i))
