@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Optional
 
 import torch
 
@@ -26,6 +27,18 @@ def as_count(value, name: str, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def per_input(value, count: int, name: str = "namespace") -> Optional[list]:
+    """A batch argument given once for all `count` inputs or once per input:
+    a list or tuple (one per input: its length must be `count`) comes back
+    as a list, anything else (one for all) as None. ValueError naming
+    `name` on a length mismatch."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    if len(value) != count:
+        raise ValueError(f"{name} has {len(value)} entries but batch has {count}")
+    return list(value)
 
 
 def as_max_slots(value) -> int:

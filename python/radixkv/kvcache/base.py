@@ -18,7 +18,7 @@ from typing import (
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_int, to_host
+from radixkv._checks import as_int, per_input, to_host
 
 
 def fixed_zeros(
@@ -128,11 +128,9 @@ class BaseCacheManager(ABC, Generic[H]):
             )
         for i, ids in enumerate(batch):
             _core.check_ids(to_host(ids, f"batch[{i}]", self.device), f"batch[{i}]")
-        spaces = (
-            list(namespace) if isinstance(namespace, (list, tuple)) else [namespace] * len(batch)
-        )
-        if len(spaces) != len(batch):
-            raise ValueError(f"namespace has {len(spaces)} entries but batch has {len(batch)}")
+        spaces = per_input(namespace, len(batch))
+        if spaces is None:
+            spaces = [namespace] * len(batch)
         return [self.match_prefix(ids, ns) for ids, ns in zip(batch, spaces)]
 
     @abstractmethod

@@ -8,7 +8,7 @@ import torch
 
 from radixkv import _core
 from radixkv._core import RadixCacheHandle, shielded
-from radixkv._checks import as_count, as_device, as_int, int32_tensor, to_host
+from radixkv._checks import as_count, as_device, as_int, int32_tensor, per_input, to_host
 from radixkv.events import EventPublisher
 from radixkv.kvcache import BaseCacheHandle, MHAKVCache, MLAKVCache, create_cache_manager
 from radixkv.kvcache.base import released_slots
@@ -222,17 +222,15 @@ class CacheManager:
                 "batch must be a list or tuple of token id sequences, got "
                 f"{type(batch).__name__}"
             )
-        per_request = isinstance(namespace, (list, tuple))
-        if per_request and len(namespace) != len(batch):
-            raise ValueError(f"namespace has {len(namespace)} entries but batch has {len(batch)}")
+        names = per_input(namespace, len(batch))
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
             if len(x) == 0:
                 raise ValueError(f"batch[{i}] must hold at least one token")
-        if per_request:  # all checked before any is remembered
-            for i, x in enumerate(namespace):
+        if names is not None:  # all checked before any is remembered
+            for i, x in enumerate(names):
                 Namespaces.check(x, f"namespace[{i}]")
-            spaces = [self._namespaces.id(x) for x in namespace]
+            spaces = [self._namespaces.id(x) for x in names]
         else:
             spaces = [self._namespaces.id(namespace)] * len(batch)
         out = self.manager.match_prefix_batch([x[:-1] for x in ids], spaces)

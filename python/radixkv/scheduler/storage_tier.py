@@ -287,6 +287,14 @@ class _BackendIO:
             asker.stop()
 
 
+def check_prefetch_policy(policy: str) -> None:
+    """Raises ValueError unless `policy` is one of PREFETCH_POLICIES."""
+    if policy not in PREFETCH_POLICIES:
+        raise ValueError(
+            f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, got {policy!r}"
+        )
+
+
 def storage_seed_of(backend: StorageBackend, seed: Optional[bytes]) -> bytes:
     """The seed of a store's page keys: `seed`, else the backend's
     fingerprint; b'' keys pages without one (SGLang's page hash)."""
@@ -342,11 +350,7 @@ class StorageTier:
         writer: bool = True,
         events: Optional[BlockEvents] = None,
     ):
-        if prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(
-                f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
-                f"got {prefetch_policy!r}"
-            )
+        check_prefetch_policy(prefetch_policy)
         min_prefetch_tokens = as_count(min_prefetch_tokens, "min_prefetch_tokens", minimum=0)
         if faults is None:
             faults = StorageFaultPolicy()

@@ -38,11 +38,11 @@ from radixkv.scheduler.host_tier import (
 )
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.scheduler.storage_tier import (
-    PREFETCH_POLICIES,
     Prefetch,
     StorageCounters,
     StorageFaultPolicy,
     StorageTier,
+    check_prefetch_policy,
     storage_seed_of,
 )
 from radixkv.storage.base import StorageBackend
@@ -175,14 +175,8 @@ class Tiers:
 
     def drop_host_copies(self) -> None:
         """Evicts every host copy (a reset: nothing may be locked or in flight)."""
-        host = self.host
-        if host is not None:
-            tree = host.tree  # (the tiers' tree: a host tier has one)
-            size = tree.tier_sizes().host
-            if size:
-                freed = tree.evict_host(size)
-                host.pages.free(freed, tree, True)
-                host.host_evicted += len(freed)
+        if self.host is not None:
+            self.host.drop_all()
 
     # -- the storage tier ---------------------------------------------------------------
 
@@ -288,11 +282,7 @@ def build_tiers(
                 "kv_cache and host_layout='page_first'"
             )
         seed = storage_seed_of(storage, storage_seed)
-        if prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(
-                f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, "
-                f"got {prefetch_policy!r}"
-            )
+        check_prefetch_policy(prefetch_policy)
     # Blocks hash like the storage tier's page keys, so a page keeps its hash
     # on every medium.
     events = None
