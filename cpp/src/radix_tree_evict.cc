@@ -31,45 +31,36 @@ Node* RadixTree::PopOldest(LruHeap* heap) noexcept {
   return nullptr;
 }
 
-int64_t RadixTree::Evict(int64_t size, SlotSink out) {
-  RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
-  RADIXKV_CHECK(size <= evictable_size_, ErrorCode::kOutOfCapacity, "cannot evict size=", size,
-                " tokens: evictable_size is ", evictable_size_);
-  // Take the victims, oldest first, keeping their storage and their parents'
-  // tables, so they can be put back if `out` fails. A victim with a host copy
-  // stays in the tree, host only; one without is unlinked (deleted at commit).
-  Node* victims = nullptr;
+namespace {
+
+// One eviction, the same on both tiers: take victims (`pop` gives the
+// oldest, null when none is left; `take` takes it out of its tier, keeping
+// its storage and its parent's table) until they hold `size` tokens, ask
+// `out` for room for their slots, then `commit` each victim with its slots'
+// place in that room, oldest victim last in the room. If too few can be
+// taken (`short_of(freed)` is the error) or `out` throws, `undo` puts every
+// victim back, newest first, and nothing has changed. Returns the tokens freed.
+template <typename Pop, typename Take, typename Undo, typename Commit, typename ShortOf>
+inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, const SlotSink& out,
+                                                           Pop pop, Take take, Undo undo,
+                                                           Commit commit, ShortOf short_of) {
+  Node* victims = nullptr;  // newest first
   auto put_back = [&]() noexcept {
-    for (Node* x = victims; x != nullptr;) {  // most recent first
-      Node* parent = x->parent;
+    for (Node* x = victims; x != nullptr;) {
       Node* next = x->next;
-      if (!x->has_host()) parent->children.Insert(x->child_key, x);  // the kept table has room
-      SetOnDevice(x, true);
-      Refresh(x);
-      Refresh(parent);
+      undo(x);
       x->next = nullptr;
       x = next;
     }
   };
   int64_t freed = 0;
   while (freed < size) {
-    Node* x = PopOldest(&heap_);
+    Node* x = pop();
     if (x == nullptr) {
       put_back();
-      throw Error(kBroken, StrCat("no evictable leaf left with ", size - freed,
-                                  " evictable tokens still counted"));
+      throw short_of(freed);
     }
-    if (!heap_.empty()) {
-      // Overlap the next victim's cache misses with the work on this one.
-      const Node* next = nodes_[heap_.top()].get();
-      __builtin_prefetch(next);
-      __builtin_prefetch(next->data);
-    }
-    Node* parent = x->parent;
-    if (!x->has_host()) parent->children.Erase(x->child_key, x, /*keep_table=*/true);
-    SetOnDevice(x, false);
-    Refresh(x);
-    Refresh(parent);
+    take(x);
     x->next = victims;
     victims = x;
     freed += x->length;
@@ -81,17 +72,55 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
     put_back();
     throw;
   }
-  // Commit: the slots in eviction order (the list is newest first).
-  ++clock_;
+  // The slots in eviction order (the list is newest first).
   int64_t end = freed;
   for (Node* x = victims; x != nullptr;) {
-    Node* parent = x->parent;
     Node* next = x->next;
     x->next = nullptr;
     end -= x->length;
-    std::memcpy(slots + end, x->value(), x->length * sizeof(int32_t));
+    commit(x, slots + end);
+    x = next;
+  }
+  return freed;
+}
+
+}  // namespace
+
+int64_t RadixTree::Evict(int64_t size, SlotSink out) {
+  RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
+  RADIXKV_CHECK(size <= evictable_size_, ErrorCode::kOutOfCapacity, "cannot evict size=", size,
+                " tokens: evictable_size is ", evictable_size_);
+  // A victim with a host copy stays in the tree, host only; one without is
+  // unlinked (deleted at commit).
+  auto pop = [&]() {
+    Node* x = PopOldest(&heap_);
+    if (x != nullptr && !heap_.empty()) {
+      // Overlap the next victim's cache misses with the work on this one.
+      const Node* next = nodes_[heap_.top()].get();
+      __builtin_prefetch(next);
+      __builtin_prefetch(next->data);
+    }
+    return x;
+  };
+  auto take = [&](Node* x) {
+    Node* parent = x->parent;
+    if (!x->has_host()) parent->children.Erase(x->child_key, x, /*keep_table=*/true);
+    SetOnDevice(x, false);
+    Refresh(x);
+    Refresh(parent);
+  };
+  auto undo = [&](Node* x) noexcept {
+    Node* parent = x->parent;
+    if (!x->has_host()) parent->children.Insert(x->child_key, x);  // the kept table has room
+    SetOnDevice(x, true);
+    Refresh(x);
+    Refresh(parent);
+  };
+  auto commit = [&](Node* x, int32_t* slots) {
+    std::memcpy(slots, x->value(), x->length * sizeof(int32_t));
     stored_.RemoveAll(x->value(), x->length);
     if (!x->has_host()) {
+      Node* parent = x->parent;
       if (parent->children.empty()) parent->children.Clear();
       FreeNode(x);
     } else {
@@ -99,75 +128,57 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
       // if the node had been deleted (a match gives host-only nodes anew).
       ++x->generation;
     }
-    x = next;
-  }
+  };
+  auto short_of = [&](int64_t freed) {
+    return Error(kBroken, StrCat("no evictable leaf left with ", size - freed,
+                                 " evictable tokens still counted"));
+  };
+  const int64_t freed = EvictVictims(size, out, pop, take, undo, commit, short_of);
+  ++clock_;
   return freed;
 }
 
 int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
   RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
-  // As Evict: take the victims first, put them back if `size` cannot be
-  // reached or `out` fails. A victim also on the device keeps its node; a
-  // host-only one (which has no children) is unlinked and deleted at commit.
-  Node* victims = nullptr;
-  auto put_back = [&]() noexcept {
-    for (Node* x = victims; x != nullptr;) {
-      Node* parent = x->parent;
-      Node* next = x->next;
-      if (!x->on_device) parent->children.Insert(x->child_key, x);  // the kept table has room
-      ++parent->host_children;
-      CountHost(x, +1);
-      host_heap_.Push(x->id, Key(x));
-      Refresh(parent);
-      x->next = nullptr;
-      x = next;
-    }
-  };
-  int64_t freed = 0;
-  while (freed < size) {
-    Node* x = PopOldest(&host_heap_);
-    if (x == nullptr) {
-      put_back();
-      throw Error(ErrorCode::kOutOfCapacity,
-                  StrCat("cannot evict size=", size, " host tokens: only ", freed,
-                         " can go now (of ", host_size_,
-                         " with a host copy, the rest are "
-                         "being loaded, or ancestors of host copies that stay)"));
-    }
+  // A victim also on the device keeps its node; a host-only one (which has
+  // no children) is unlinked and deleted at commit.
+  auto pop = [&]() { return PopOldest(&host_heap_); };
+  auto take = [&](Node* x) {
     Node* parent = x->parent;
     if (!x->on_device) parent->children.Erase(x->child_key, x, /*keep_table=*/true);
     --parent->host_children;
     CountHost(x, -1);
     Refresh(parent);
-    x->next = victims;
-    victims = x;
-    freed += x->length;
-  }
-  int32_t* slots;
-  try {
-    slots = out(freed);
-  } catch (...) {
-    put_back();
-    throw;
-  }
-  ++clock_;
-  int64_t end = freed;
-  for (Node* x = victims; x != nullptr;) {
+  };
+  auto undo = [&](Node* x) noexcept {
     Node* parent = x->parent;
-    Node* next = x->next;
-    x->next = nullptr;
-    end -= x->length;
-    std::memcpy(slots + end, x->host, x->length * sizeof(int32_t));
+    if (!x->on_device) parent->children.Insert(x->child_key, x);  // the kept table has room
+    ++parent->host_children;
+    CountHost(x, +1);
+    host_heap_.Push(x->id, Key(x));
+    Refresh(parent);
+  };
+  auto commit = [&](Node* x, int32_t* slots) {
+    std::memcpy(slots, x->host, x->length * sizeof(int32_t));
     stored_host_.RemoveAll(x->host, x->length);
     FreeHost(x);
     if (x->on_device) {
       Refresh(x);
     } else {
+      Node* parent = x->parent;
       if (parent->children.empty()) parent->children.Clear();
       FreeNode(x);
     }
-    x = next;
-  }
+  };
+  auto short_of = [&](int64_t freed) {
+    return Error(ErrorCode::kOutOfCapacity,
+                 StrCat("cannot evict size=", size, " host tokens: only ", freed,
+                        " can go now (of ", host_size_,
+                        " with a host copy, the rest are being loaded, or ancestors of host "
+                        "copies that stay)"));
+  };
+  const int64_t freed = EvictVictims(size, out, pop, take, undo, commit, short_of);
+  ++clock_;
   return freed;
 }
 
