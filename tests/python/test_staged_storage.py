@@ -42,6 +42,10 @@ def test_bad_options_and_shapes_are_refused_by_name(tmp_path):
         storage_options({"backend": "s3"})
     with pytest.raises(ValueError, match="directory"):
         storage_options({"backend": "file"})
+    # The key's old name is refused, never read as the default file store.
+    for old in ({"store": "mooncake", "directory": str(tmp_path)}, {"store": "none"}):
+        with pytest.raises(ValueError, match="extra_config store: the key is 'backend' now"):
+            storage_options(old)
     with pytest.raises(ValueError, match="page_elems"):
         StagedStorage({"backend": "file", "directory": str(tmp_path)}, FP, 63, torch.float32)
     with pytest.raises(ValueError, match="^retry_after_s must be"):

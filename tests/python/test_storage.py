@@ -260,13 +260,13 @@ def test_a_store_that_stops_answering_is_left_alone_then_retried(tmp_path):
     assert c.skipped == c.skipped_reads + c.skipped_writes
     time.sleep(1.1)
     a.serve(prompt(20, 3))  # the retries fail: the windows double
-    assert tier.reads_down() and tier._store.reads.backoff_s == pytest.approx(2.0)
-    assert tier.writes_down() and tier._store.writes.backoff_s == pytest.approx(2.0)
+    assert tier.reads_down() and tier._io.reads.backoff_s == pytest.approx(2.0)
+    assert tier.writes_down() and tier._io.writes.backoff_s == pytest.approx(2.0)
     store.down = False
     time.sleep(2.1)
     a.evict_everything()
     assert a.serve(prompt(1, 3))[2] == 3 * PAGE  # back: prefetched again
-    assert not tier.reads_down() and tier._store.reads.backoff_s == 0
+    assert not tier.reads_down() and tier._io.reads.backoff_s == 0
     a.cm.check_integrity()
     info = a.cm.host_size_info
     a.cm.drain()
@@ -418,8 +418,8 @@ def test_back_off_doubles_while_writes_fail_though_queries_answer(tmp_path, rais
     windows = []
     for k in range(6):
         a.serve(prompt(40 + k, 2))
-        windows.append(round(tier._store.writes.backoff_s, 3))
-        time.sleep(tier._store.writes.backoff_s + 0.01)
+        windows.append(round(tier._io.writes.backoff_s, 3))
+        time.sleep(tier._io.writes.backoff_s + 0.01)
     assert windows == [0, 0, 0.05, 0.1, 0.2, 0.4]  # from the third failure in a row
     assert not tier.reads_down()  # reads answer: they are not left alone
     counters = a.cm.storage_counters
@@ -497,10 +497,10 @@ def test_close_without_waiting_drops_the_queued_writes(tmp_path):
     while store.sets < 1:  # the thread holds the first write
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert tier._store.write_jobs.qsize() >= 2  # behind the one the thread holds
+    assert tier._io.write_jobs.qsize() >= 2  # behind the one the thread holds
     closer = threading.Thread(target=a.cm.close, kwargs={"wait": False})
     closer.start()
-    while not (tier._closed and tier._store.write_jobs.qsize() <= 1):  # only the stop is queued
+    while not (tier._closed and tier._io.write_jobs.qsize() <= 1):  # only the stop is queued
         assert time.monotonic() < deadline
         time.sleep(0.01)
     store.release.set()

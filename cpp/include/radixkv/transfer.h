@@ -15,7 +15,7 @@ namespace radixkv {
 /// names each), `row_bytes` and `layers` >= 1, and every row it names (rows of
 /// `row_bytes` bytes in `layers` layers) inside the `bytes` bytes that start
 /// at `l.base`, computed without overflow. Throws Error(kInvalidArgument)
-/// whose message starts with `<name>_layout`. O(1).
+/// whose message names `name`. O(1).
 void CheckPoolLayout(const PoolLayout& l, int64_t row_bytes, int64_t layers, int64_t bytes,
                      std::string_view name);
 

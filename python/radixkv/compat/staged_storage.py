@@ -36,10 +36,15 @@ _FAULT_OPTIONS = ("failures_in_a_row", "retry_after_s", "max_retry_after_s", "qu
 def storage_options(options: Optional[dict]) -> dict:
     """`options` checked for what every store needs, with its secret read."""
     options = dict(options or {})
-    store = options.setdefault("backend", "file")
-    if store not in ("file", "mooncake"):
-        raise ValueError(f"extra_config backend must be 'file' or 'mooncake', got {store!r}")
-    if store == "file" and not options.get("directory"):
+    if "store" in options:  # the key's old name: refused, never read as a file store
+        raise ValueError(
+            "extra_config store: the key is 'backend' now ('file', 'mooncake' or, for vLLM, "
+            "'none')"
+        )
+    backend = options.setdefault("backend", "file")
+    if backend not in ("file", "mooncake"):
+        raise ValueError(f"extra_config backend must be 'file' or 'mooncake', got {backend!r}")
+    if backend == "file" and not options.get("directory"):
         raise ValueError("extra_config directory: the file store's directory is required")
     secret = options.get("secret")
     if options.get("secret_file") is not None:

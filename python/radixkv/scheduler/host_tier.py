@@ -241,26 +241,28 @@ class HostTier:
         missing = n - self.pages.num_free_pages * self.page_size
         return missing <= 0 or self._evict(missing)
 
-    def _evict(self, size: int, announce: bool = True) -> bool:
+    def _evict(self, size: int) -> bool:
         """Drops host copies of at least `size` tokens (least recently used
-        first) and frees their pages; False, dropping none, if it cannot.
-        `announce`: tell the events of each block that left."""
+        first) and frees their pages; False, dropping none, if it cannot."""
         try:
             freed = self.tree.evict_host(size)
         except _core.OutOfCapacityError:
             return False
         self.pages.free(freed, self.tree, True)
         self.host_evicted += len(freed)
-        if announce and self.events is not None:
+        if self.events is not None:
             self.events.host_evicted(freed)
         return True
 
     def drop_all(self) -> None:
         """Drops every host copy, for a reset (nothing may be locked or in
-        flight). Not announced block by block: the reset is one event."""
+        flight: OutOfCapacityError, dropping none, if a copy cannot go). Not
+        announced block by block: the reset is one event."""
         size = self.tree.tier_sizes().host
         if size:
-            self._evict(size, announce=False)
+            freed = self.tree.evict_host(size)
+            self.pages.free(freed, self.tree, True)
+            self.host_evicted += len(freed)
 
     def _start_backup(self, copy: Copy) -> int:
         n = copy.end - copy.start

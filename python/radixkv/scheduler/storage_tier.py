@@ -376,9 +376,9 @@ class StorageTier:
         self.timeout_per_1k_tokens_s = timeout_per_1k_tokens_s
         self.min_prefetch_tokens = max(min_prefetch_tokens, self.page_size)
         backend.attach(host_tier.pool)
-        self._store = _BackendIO(backend, faults)
+        self._io = _BackendIO(backend, faults)
         self._asker = (
-            BoundedQuery(self._store.exists, self._store.backend.count_error)
+            BoundedQuery(self._io.exists, self._io.backend.count_error)
             if backend.blocking_queries
             else None
         )
@@ -393,31 +393,31 @@ class StorageTier:
         self.events = events  # the manager's BlockEvents when KV events are on
         self.reading_tokens = 0  # host slots owned by prefetches in flight
         self._reader = threading.Thread(
-            target=self._store.run,
-            args=(self._store.read_jobs,),
+            target=self._io.run,
+            args=(self._io.read_jobs,),
             name="radixkv-storage-read",
             daemon=True,
         )
         self._writer = threading.Thread(
-            target=self._store.run,
-            args=(self._store.write_jobs,),
+            target=self._io.run,
+            args=(self._io.write_jobs,),
             name="radixkv-storage-write",
             daemon=True,
         )
         self._reader.start()
         self._writer.start()
-        stop = weakref.finalize(self, _BackendIO.stop_soon, self._store, self._asker)
+        stop = weakref.finalize(self, _BackendIO.stop_soon, self._io, self._asker)
         stop.atexit = False
 
     # -- the store's health -----------------------------------------------------------
 
     def reads_down(self) -> bool:
         """True while reads (prefetches) are left alone."""
-        return self._store.reads.down()
+        return self._io.reads.down()
 
     def writes_down(self) -> bool:
         """True while writes are left alone."""
-        return self._store.writes.down()
+        return self._io.writes.down()
 
     @property
     def thread_alive(self) -> bool:
@@ -436,7 +436,7 @@ class StorageTier:
         """Queues the write of what a finished backup gave a host copy."""
         if self._closed or not self.writer:
             return
-        if self._store.writes.down():
+        if self._io.writes.down():
             self.skipped_writes += 1
             return
         began = self.tree.begin_storage_write(backup_copy)
@@ -460,7 +460,7 @@ class StorageTier:
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
         job = _Write(copy, keys, pages, blocks=blocks)
         self._writes[job] = None
-        self._store.write_jobs.put(job)
+        self._io.write_jobs.put(job)
 
     def write_landed(self) -> None:
         """Queues the writes of the backups that landed on the host tier
@@ -488,7 +488,7 @@ class StorageTier:
         start, host_backed = self.tree.storage_prefix_end(tokens[:n], ns)
         if n - start < self.min_prefetch_tokens:
             return None
-        if self._store.reads.down():
+        if self._io.reads.down():
             self.skipped_reads += 1
             return None
         keys = self.keys_of(tokens[:n], ns)[start // ps :]
@@ -531,7 +531,7 @@ class StorageTier:
         )
         self.reading_tokens += hits * ps
         self._prefetches.append(op)
-        self._store.read_jobs.put(op)
+        self._io.read_jobs.put(op)
         return op
 
     def _exists(self, keys: List[str]) -> Optional[int]:
@@ -539,13 +539,13 @@ class StorageTier:
         scheduler's thread: within `query_timeout_s` for a blocking backend.
         None (counted) when reads are left alone or no answer came."""
         if self._asker is None:
-            hits = self._store.exists(keys)
+            hits = self._io.exists(keys)
         else:
             hits, why = self._asker.ask(keys, self.faults.query_timeout_s)
             if why:  # no answer in time, or an earlier query still waits for one
                 self.query_timeouts += why == "timeout"
                 self.skipped_reads += why == "busy"
-                self._store.reads.failed()
+                self._io.reads.failed()
                 return None
         if hits is None:
             self.skipped_reads += 1
@@ -565,7 +565,7 @@ class StorageTier:
         else:
             return
         if not op.done.is_set():  # given up on: it failed to come in time, whether it
-            self._stalled(op, self._store.reads)  # ran or waited behind slow reads
+            self._stalled(op, self._io.reads)  # ran or waited behind slow reads
 
     def _apply_prefetch(self, op: Prefetch) -> None:
         ps = self.page_size
@@ -601,8 +601,8 @@ class StorageTier:
         applied = self._apply_finished()
         now = time.monotonic()
         in_flight: Tuple[Tuple[Iterable[Union[_Write, Prefetch]], Health], ...] = (
-            (self._writes, self._store.writes),
-            (self._prefetches, self._store.reads),
+            (self._writes, self._io.writes),
+            (self._prefetches, self._io.reads),
         )
         for jobs, health in in_flight:
             oldest = next(iter(jobs), None)  # the one running, or finished
@@ -624,7 +624,7 @@ class StorageTier:
         applied = 0
         while True:
             try:
-                job = self._store.finished.get_nowait()
+                job = self._io.finished.get_nowait()
             except queue.Empty:
                 return applied
             applied += self._apply(job)
@@ -769,7 +769,7 @@ class StorageTier:
         for thread in (self._reader, self._writer):
             thread.join(max(0.0, deadline - time.monotonic()))
         self.storage_check()
-        if (self._reader.is_alive() or self._writer.is_alive()) and not self._store.closing:
+        if (self._reader.is_alive() or self._writer.is_alive()) and not self._io.closing:
             self.abandoned = True
             log.warning(
                 "radixkv: the storage tier's thread is still inside a backend call "
@@ -783,7 +783,7 @@ class StorageTier:
         if self._closed:
             return False
         self._closed = True
-        for jobs in (self._store.read_jobs, self._store.write_jobs):
+        for jobs in (self._io.read_jobs, self._io.write_jobs):
             while True:
                 try:
                     job = jobs.get_nowait()

@@ -45,7 +45,7 @@ class Sim:
     def __init__(
         self,
         host_bytes=64 << 20,
-        store="file",
+        backend="file",
         async_sched=False,
         num_blocks=200,
         batched=64,
@@ -54,10 +54,10 @@ class Sim:
     ):
         self.dir = directory or tempfile.mkdtemp(prefix="rkstore")
         extra = {"host_bytes": host_bytes}
-        if store == "file":
-            extra.update(store="file", directory=self.dir)
+        if backend == "file":
+            extra.update(backend="file", directory=self.dir)
         else:
-            extra.update(store="none")
+            extra.update(backend="none")
         cfg = create_vllm_config(
             block_size=BS,
             max_num_batched_tokens=batched,
