@@ -875,8 +875,8 @@ constexpr const char* kInsertDoc =
     "Store the whole pages of input_ids that are not cached yet, with their\n"
     "slot indices; return how many leading tokens were cached already (the\n"
     "caller frees its own copies of those). Raises ValueError, changing\n"
-    "nothing, for a negative, out-of-range or repeated slot or one the cache\n"
-    "already stores.";
+    "nothing, for a negative, out-of-range or repeated slot, one the cache\n"
+    "already stores, or a whole page whose slots are not consecutive.";
 constexpr const char* kLockDoc =
     "lock_handle(handle, unlock=False)\n\n"
     "Add (or with unlock=True remove) one lock on every node from the\n"

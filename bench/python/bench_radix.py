@@ -47,6 +47,7 @@ VOCAB = 32000
 PREFIX = 512
 SEQ = 1024
 SUFFIX_EVICT = 128
+MEMORY_PAGE_SIZES = (1, 16, 512)
 
 
 class RadixkvCache:
@@ -309,8 +310,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def bytes_per_token(tokens: int = 1 << 20) -> float:
-    """RSS growth per cached token over `tokens` tokens in 1,024-token sequences."""
+def bytes_per_token(page_size: int = 1, tokens: int = 1 << 22) -> float:
+    """RSS growth per cached token over `tokens` tokens in 1,024-token sequences,
+    at `page_size` (the tree keeps a slot per page)."""
     g = torch.Generator().manual_seed(7)
     seqs = [
         torch.randint(0, VOCAB, (SEQ,), generator=g, dtype=torch.int32)
@@ -319,7 +321,7 @@ def bytes_per_token(tokens: int = 1 << 20) -> float:
     slots = [torch.arange(i * SEQ, (i + 1) * SEQ, dtype=torch.int32) for i in range(len(seqs))]
     gc.collect()
     before = rss_bytes()
-    m = RadixCacheManager("cpu", 1)
+    m = RadixCacheManager("cpu", page_size)
     for s, v in zip(seqs, slots):
         m.insert_prefix(s, v)
     after = rss_bytes()
@@ -350,9 +352,10 @@ def main(argv=None) -> int:
         action="store_true",
         help="print bytes per cached token and exit (run in a fresh process)",
     )
+    p.add_argument("--memory-page-size", type=int, default=1, help="the page size of --memory-only")
     args = p.parse_args(argv)
     if args.memory_only:
-        print(f"{bytes_per_token():.3f}")
+        print(f"{bytes_per_token(args.memory_page_size):.3f}")
         return 0
 
     impls: Dict[str, Callable] = {"radixkv": RadixkvCache}
@@ -388,15 +391,22 @@ def main(argv=None) -> int:
             else:
                 row += f"{v:>9.2f} ({v / results['radixkv'][case]:>4.1f}x)"
         print(row)
-    # A fresh process, so memory freed by the runs above cannot hide growth.
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--memory-only"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    bpt = float(out.strip().splitlines()[-1])
-    print(f"\nradixkv memory: {bpt:.1f} bytes per cached token (RSS growth over 1M tokens)")
+    # A fresh process per page size, so memory freed by the runs above cannot
+    # hide growth.
+    bpt = {}
+    for page in MEMORY_PAGE_SIZES:
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--memory-only"]
+            + ["--memory-page-size", str(page)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        bpt[page] = float(out.strip().splitlines()[-1])
+    print(
+        "\nradixkv memory, bytes per cached token (RSS growth over 4M tokens): "
+        + ", ".join(f"page {page} {v:.2f}" for page, v in bpt.items())
+    )
     for n in names:
         for case, v in results[n].items():
             base = results["radixkv"].get(case)
@@ -411,11 +421,9 @@ def main(argv=None) -> int:
                     }
                 )
             )
-    print(
-        json.dumps(
-            {"bench": "radix", "impl": "radixkv", "case": "bytes_per_token", "value": round(bpt, 2)}
-        )
-    )
+    for page, v in bpt.items():
+        case = "bytes_per_token" if page == 1 else f"bytes_per_token_page{page}"
+        print(json.dumps({"bench": "radix", "impl": "radixkv", "case": case, "value": round(v, 2)}))
     ns = bench_namespaces(max(args.reps, 2000), args.seed)
     print(
         f"\nnamespaces: match of a 1,024-token request, default namespace "

@@ -17,19 +17,21 @@ namespace radixkv {
 /// Where a node's K/V is: on the device, in host memory, or both.
 enum class NodeState : uint8_t { kDevice, kHost, kDeviceAndHost };
 
-/// One edge of the radix tree: a run of tokens, the device slot of each token
-/// while the node is on the device, and its host slot while it has a host
-/// copy. Nodes are intrusive: each carries its own children, parent link,
-/// lock count, LRU timestamp, tier state and heap positions. Owned by the
-/// `RadixTree`.
+/// One edge of the radix tree: a run of tokens, the device slots of its
+/// pages while the node is on the device, and its host slots while it has a
+/// host copy. A page's slots are consecutive, so a node keeps one slot per
+/// page, the page's first (`length / page_size` of them; at page_size 1, one
+/// per token). Nodes are intrusive: each carries its own children, parent
+/// link, lock count, LRU timestamp, tier state and heap positions. Owned by
+/// the `RadixTree`.
 struct Node {
   // The fields a walk and an eviction touch come first (one cache line).
   Node* parent = nullptr;
   ChildMap<Node> children;
-  /// `2 * length` int32 values: tokens in [0, length), device slots in
-  /// [length, 2 * length) (meaningful while `on_device`), in a block of the
-  /// tree's NodeArena (`data_slab` is its slab) with room for `capacity`
-  /// tokens (a split may leave a node in a larger block).
+  /// The tokens in [0, length), then the first device slot of each page
+  /// (meaningful while `on_device`), in a block of the tree's NodeArena
+  /// (`data_slab` is its slab) with room for `capacity` tokens and their
+  /// pages (a split may leave a node in a larger block).
   int32_t* data = nullptr;
   int64_t length = 0;
   /// Tokens from the root to the end of this node.
@@ -46,8 +48,8 @@ struct Node {
   /// The cache namespace of the node's path (0: the default one). Paths of
   /// different namespaces never share a node: they part at the root.
   uint64_t ns = 0;
-  /// `length` host slots while the node has a host copy, else null; a block
-  /// with room for `host_capacity` slots.
+  /// The first host slot of each page while the node has a host copy, else
+  /// null; a block with room for the pages of `host_capacity` tokens.
   int32_t* host = nullptr;
   /// Index in the tree's node table; reused after the node is freed.
   uint32_t id = 0;
@@ -93,7 +95,8 @@ struct Node {
   Node* next = nullptr;
 
   const int32_t* key() const noexcept { return data; }
-  const int32_t* value() const noexcept { return data + length; }
+  /// The first device slot of each page.
+  int32_t* value() const noexcept { return data + length; }
   bool is_leaf() const noexcept { return children.empty(); }
   bool has_host() const noexcept { return host != nullptr; }
   NodeState state() const noexcept {
@@ -103,20 +106,25 @@ struct Node {
   }
 };
 
-// A block of a node's tokens and device slots (or of its host slots), owned
-// until it is given to a node (or freed).
+// A block of a node's tokens and device page slots (or of its host page
+// slots), owned until it is given to a node (or freed).
 class RadixTree::NodeBlock {
  public:
   NodeBlock() = default;
-  // `length` tokens then their slots, or with `tokens` null only `length`
-  // slots (a host slot array).
-  NodeBlock(NodeArena* arena, const int32_t* tokens, const int32_t* slots, int64_t length);
+  // Room for `length` tokens, a copy of `tokens`, then the slots of their
+  // pages (`pages()`, to be filled by the caller); with `tokens` null only
+  // the page slots (a host slot array).
+  NodeBlock(NodeArena* arena, const int32_t* tokens, int64_t length, int64_t page_size);
+  // Where the block's page slots go.
+  int32_t* pages() const noexcept {
+    return static_cast<int32_t*>(block_.data) + (slots_only_ ? 0 : capacity_);
+  }
   NodeBlock(NodeBlock&& other) noexcept { *this = std::move(other); }
   NodeBlock& operator=(NodeBlock&& other) noexcept;
   ~NodeBlock() { Free(); }
   explicit operator bool() const noexcept { return block_.data != nullptr; }
   // Takes `node`'s data block (or its host block).
-  static NodeBlock Adopt(NodeArena* arena, Node* node, bool host) noexcept;
+  static NodeBlock Adopt(NodeArena* arena, Node* node, bool host, int64_t page_size) noexcept;
   // Gives the block to `node` as its data (`length` tokens) or host slots.
   void MoveTo(Node* node, int64_t length) noexcept;
   void MoveToHost(Node* node) noexcept;
@@ -126,6 +134,7 @@ class RadixTree::NodeBlock {
   NodeArena* arena_ = nullptr;
   NodeArena::Block block_;
   int64_t capacity_ = 0;  // tokens
+  int64_t page_size_ = 1;
   bool slots_only_ = false;
 };
 

@@ -41,26 +41,24 @@ uint64_t HashPage(const int32_t* tokens, int64_t n) noexcept {
   return h;
 }
 
-size_t BlockBytes(int64_t length, bool slots_only) {
-  return static_cast<size_t>(slots_only ? length : 2 * length) * sizeof(int32_t);
+// The bytes of a block for `length` tokens (unless `slots_only`) and one slot
+// per page of them.
+size_t BlockBytes(int64_t length, int64_t page_size, bool slots_only) {
+  return static_cast<size_t>((slots_only ? 0 : length) + length / page_size) * sizeof(int32_t);
 }
 
 }  // namespace
 
 // --- node blocks ------------------------------------------------------------------
 
-RadixTree::NodeBlock::NodeBlock(NodeArena* arena, const int32_t* tokens, const int32_t* slots,
-                                int64_t length)
+RadixTree::NodeBlock::NodeBlock(NodeArena* arena, const int32_t* tokens, int64_t length,
+                                int64_t page_size)
     : arena_(arena),
-      block_(arena->Allocate(BlockBytes(length, tokens == nullptr))),
+      block_(arena->Allocate(BlockBytes(length, page_size, tokens == nullptr))),
       capacity_(length),
+      page_size_(page_size),
       slots_only_(tokens == nullptr) {
-  auto* data = static_cast<int32_t*>(block_.data);
-  if (tokens != nullptr) {
-    std::memcpy(data, tokens, length * sizeof(int32_t));
-    data += length;
-  }
-  std::memcpy(data, slots, length * sizeof(int32_t));
+  if (tokens != nullptr) std::memcpy(block_.data, tokens, length * sizeof(int32_t));
 }
 
 RadixTree::NodeBlock& RadixTree::NodeBlock::operator=(NodeBlock&& other) noexcept {
@@ -68,14 +66,17 @@ RadixTree::NodeBlock& RadixTree::NodeBlock::operator=(NodeBlock&& other) noexcep
   arena_ = other.arena_;
   block_ = other.block_;
   capacity_ = other.capacity_;
+  page_size_ = other.page_size_;
   slots_only_ = other.slots_only_;
   other.block_ = NodeArena::Block{};
   return *this;
 }
 
-RadixTree::NodeBlock RadixTree::NodeBlock::Adopt(NodeArena* arena, Node* node, bool host) noexcept {
+RadixTree::NodeBlock RadixTree::NodeBlock::Adopt(NodeArena* arena, Node* node, bool host,
+                                                 int64_t page_size) noexcept {
   NodeBlock s;
   s.arena_ = arena;
+  s.page_size_ = page_size;
   s.slots_only_ = host;
   if (host) {
     s.block_ = NodeArena::Block{node->host, node->host_slab};
@@ -107,7 +108,9 @@ void RadixTree::NodeBlock::MoveToHost(Node* node) noexcept {
 }
 
 void RadixTree::NodeBlock::Free() noexcept {
-  if (block_.data != nullptr) arena_->Free(block_, BlockBytes(capacity_, slots_only_));
+  if (block_.data != nullptr) {
+    arena_->Free(block_, BlockBytes(capacity_, page_size_, slots_only_));
+  }
   block_ = NodeArena::Block{};
 }
 
@@ -137,14 +140,16 @@ RadixTree::~RadixTree() {
 
 void RadixTree::FreeStorage(Node* node) noexcept {
   if (node->data == nullptr) return;
-  arena_.Free(NodeArena::Block{node->data, node->data_slab}, BlockBytes(node->capacity, false));
+  arena_.Free(NodeArena::Block{node->data, node->data_slab},
+              BlockBytes(node->capacity, page_size_, false));
   node->data = nullptr;
   node->data_slab = nullptr;
 }
 
 void RadixTree::FreeHost(Node* node) noexcept {
   if (node->host == nullptr) return;
-  arena_.Free(NodeArena::Block{node->host, node->host_slab}, BlockBytes(node->host_capacity, true));
+  arena_.Free(NodeArena::Block{node->host, node->host_slab},
+              BlockBytes(node->host_capacity, page_size_, true));
   node->host = nullptr;
   node->host_slab = nullptr;
 }
@@ -279,11 +284,13 @@ void RadixTree::PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPl
   plan->pos = pos;
   const int64_t rest = node->length - pos;
   const bool front = pos <= rest;  // the smaller part is the prefix
-  plan->smaller = front ? NodeBlock(&arena_, node->key(), node->value(), pos)
-                        : NodeBlock(&arena_, node->key() + pos, node->value() + pos, rest);
+  const int64_t from = front ? 0 : pos, length = front ? pos : rest;
+  const size_t page_bytes = static_cast<size_t>(length / page_size_) * sizeof(int32_t);
+  plan->smaller = NodeBlock(&arena_, node->key() + from, length, page_size_);
+  std::memcpy(plan->smaller.pages(), node->value() + from / page_size_, page_bytes);
   if (node->has_host()) {
-    plan->smaller_host = front ? NodeBlock(&arena_, nullptr, node->host, pos)
-                               : NodeBlock(&arena_, nullptr, node->host + pos, rest);
+    plan->smaller_host = NodeBlock(&arena_, nullptr, length, page_size_);
+    std::memcpy(plan->smaller_host.pages(), node->host + from / page_size_, page_bytes);
   }
   plan->prefix_children.Reserve(children);
 }
@@ -291,6 +298,7 @@ void RadixTree::PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPl
 Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   Node* node = plan->node;
   const int64_t pos = plan->pos, len = node->length, rest = len - pos;
+  const int64_t pos_pages = pos / page_size_, rest_pages = rest / page_size_;
   const bool host = node->has_host();
   Node* parent = node->parent;
   Node* prefix;
@@ -298,20 +306,20 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
     // The suffix keeps the blocks: its tokens and slots move to the front.
     prefix = TakeNode(parent, std::move(plan->smaller), pos, node->ns);
     std::memmove(node->data, node->data + pos, rest * sizeof(int32_t));
-    std::memmove(node->data + rest, node->data + len + pos, rest * sizeof(int32_t));
+    std::memmove(node->data + rest, node->data + len + pos_pages, rest_pages * sizeof(int32_t));
     if (host) {
       plan->smaller_host.MoveToHost(prefix);
-      std::memmove(node->host, node->host + pos, rest * sizeof(int32_t));
+      std::memmove(node->host, node->host + pos_pages, rest_pages * sizeof(int32_t));
     }
     node->length = rest;
   } else {
     // The prefix takes the blocks: its tokens stay, its slots move down.
     NodeBlock suffix = std::move(plan->smaller);
-    prefix = TakeNode(parent, NodeBlock::Adopt(&arena_, node, false), pos, node->ns);
-    std::memmove(prefix->data + pos, prefix->data + len, pos * sizeof(int32_t));
+    prefix = TakeNode(parent, NodeBlock::Adopt(&arena_, node, false, page_size_), pos, node->ns);
+    std::memmove(prefix->data + pos, prefix->data + len, pos_pages * sizeof(int32_t));
     suffix.MoveTo(node, rest);
     if (host) {
-      NodeBlock::Adopt(&arena_, node, true).MoveToHost(prefix);
+      NodeBlock::Adopt(&arena_, node, true, page_size_).MoveToHost(prefix);
       plan->smaller_host.MoveToHost(node);
     }
   }
@@ -424,6 +432,8 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   } shrink{runs_};
   CheckSlots(runs_, slots, "indices", &scratch_, max_slots_);
   n -= n % page_size_;
+  // The tree keeps a slot per page: each whole page's slots must be one run.
+  CheckPages(runs_, slots, n, page_size_, "indices");
   Node* node;
   Node* partial;
   int64_t partial_len;
@@ -451,7 +461,8 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
     ReserveNodes((partial != nullptr) + (pos < n));
     if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + (pos < n), &split);
     if (pos < n) {
-      leaf_data = NodeBlock(&arena_, tokens + pos, slots + pos, n - pos);
+      leaf_data = NodeBlock(&arena_, tokens + pos, n - pos, page_size_);
+      FirstOfPages(slots + pos, (n - pos) / page_size_, page_size_, leaf_data.pages());
       if (partial == nullptr) node->children.Reserve(node->children.size() + 1);
     }
   } catch (...) {
@@ -463,7 +474,7 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   if (partial != nullptr) node = CommitSplit(&split);
   for (Node* x = node; x != root_ && !x->on_device; x = x->parent) {
     const int64_t start = x->depth - x->length;
-    std::memcpy(x->data + x->length, slots + start, x->length * sizeof(int32_t));
+    FirstOfPages(slots + start, x->length / page_size_, page_size_, x->value());
     SetOnDevice(x, true);
     Refresh(x);
     Refresh(x->parent);
@@ -497,7 +508,7 @@ bool RadixTree::IsValid(const Handle& handle) const noexcept {
 
 void RadixTree::CopyPathSlots(const Node* node, int32_t* out) const noexcept {
   for (const Node* x = node; x != root_; x = x->parent) {
-    std::memcpy(out + (x->depth - x->length), x->value(), x->length * sizeof(int32_t));
+    ExpandPages(x->value(), x->length / page_size_, page_size_, out + (x->depth - x->length));
   }
 }
 

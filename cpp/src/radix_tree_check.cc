@@ -18,6 +18,12 @@ void RadixTree::CheckIntegrity() const {
   int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0,
           storage_writing = 0, pins = 0;
   SlotSet seen, seen_host;
+  // A node's slots, token by token (it keeps the first of each page).
+  auto slots_of = [&](const int32_t* pages, int64_t length) {
+    std::vector<int32_t> slots(static_cast<size_t>(length));
+    ExpandPages(pages, length / page_size_, page_size_, slots.data());
+    return slots;
+  };
   std::vector<const Node*> stack{root_};
   RADIXKV_CHECK(root_->parent == nullptr && root_->length == 0 && root_->depth == 0, kBroken,
                 "root node has a parent or tokens");
@@ -93,28 +99,28 @@ void RadixTree::CheckIntegrity() const {
     if (x->on_device) {
       (x->ref_count == 0 ? evictable : protected_tokens) += x->length;
       device_tokens += x->length;
-      const int64_t bad = FindOutOfRange(x->value(), x->length, max_slots_);
-      RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores slot ",
-                    bad < 0 ? 0 : x->value()[bad], ", outside [0, max_slots)");
-      for (int64_t i = 0; i < x->length; ++i) {
-        RADIXKV_CHECK(stored_.Contains(x->value()[i]), kBroken, "slot ", x->value()[i],
-                      " is stored but not marked");
+      const std::vector<int32_t> slots = slots_of(x->value(), x->length);
+      const int64_t bad = FindOutOfRange(slots.data(), x->length, max_slots_);
+      RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores slot ", bad < 0 ? 0 : slots[bad],
+                    ", outside [0, max_slots)");
+      for (int32_t slot : slots) {
+        RADIXKV_CHECK(stored_.Contains(slot), kBroken, "slot ", slot, " is stored but not marked");
       }
-      const int64_t twice = seen.AddAll(x->value(), x->length);
-      RADIXKV_CHECK(twice < 0, kBroken, "slot ", twice < 0 ? 0 : x->value()[twice],
-                    " is stored twice");
+      const int64_t twice = seen.AddAll(slots.data(), x->length);
+      RADIXKV_CHECK(twice < 0, kBroken, "slot ", twice < 0 ? 0 : slots[twice], " is stored twice");
     }
     if (x->has_host()) {
       host_tokens += x->length;
       host_only += x->on_device ? 0 : x->length;
-      const int64_t bad = FindOutOfRange(x->host, x->length);
+      const std::vector<int32_t> slots = slots_of(x->host, x->length);
+      const int64_t bad = FindOutOfRange(slots.data(), x->length);
       RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores a negative host slot");
-      for (int64_t i = 0; i < x->length; ++i) {
-        RADIXKV_CHECK(stored_host_.Contains(x->host[i]), kBroken, "host slot ", x->host[i],
+      for (int32_t slot : slots) {
+        RADIXKV_CHECK(stored_host_.Contains(slot), kBroken, "host slot ", slot,
                       " is stored but not marked");
       }
-      const int64_t twice = seen_host.AddAll(x->host, x->length);
-      RADIXKV_CHECK(twice < 0, kBroken, "host slot ", twice < 0 ? 0 : x->host[twice],
+      const int64_t twice = seen_host.AddAll(slots.data(), x->length);
+      RADIXKV_CHECK(twice < 0, kBroken, "host slot ", twice < 0 ? 0 : slots[twice],
                     " is stored twice");
     }
     backing_up += x->backing_up ? x->length : 0;
@@ -182,8 +188,15 @@ std::vector<NodeInfo> RadixTree::Dump() const {
       NodeInfo info;
       info.parent = index;
       info.key.assign(c->key(), c->key() + c->length);
-      if (c->on_device) info.value.assign(c->value(), c->value() + c->length);
-      if (c->has_host()) info.host_value.assign(c->host, c->host + c->length);
+      const int64_t pages = c->length / page_size_;
+      if (c->on_device) {
+        info.value.resize(static_cast<size_t>(c->length));
+        ExpandPages(c->value(), pages, page_size_, info.value.data());
+      }
+      if (c->has_host()) {
+        info.host_value.resize(static_cast<size_t>(c->length));
+        ExpandPages(c->host, pages, page_size_, info.host_value.data());
+      }
       info.ref_count = c->ref_count;
       info.timestamp = c->timestamp;
       info.ns = c->ns;

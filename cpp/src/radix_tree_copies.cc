@@ -70,7 +70,7 @@ void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
   // Nothing below allocates or throws.
   ++clock_;
   ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
-    std::memcpy(slots + offset, x->value(), x->length * sizeof(int32_t));
+    ExpandPages(x->value(), x->length / page_size_, page_size_, slots + offset);
     x->backing_up = true;
     ++x->parent->host_children;
     backing_up_size_ += x->length;
@@ -93,6 +93,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
                 "not the one begun");
   RADIXKV_CHECK(FindOutOfRange(host, copy.length()) < 0, kInvalid,
                 "host_slots has a negative slot");
+  CheckPages(host, copy.length(), page_size_, "host_slots");
   // Top down: a node takes its host slots only if its parent has a host copy
   // by then, so a failed parent cuts off the nodes below it.
   std::vector<Node*> nodes;
@@ -109,7 +110,8 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
     take[k] = ok && parent_has;
     if (take[k]) {
       const int32_t* from = host + (x->depth - x->length - copy.start);
-      blocks[k] = NodeBlock(&arena_, nullptr, from, x->length);
+      blocks[k] = NodeBlock(&arena_, nullptr, x->length, page_size_);
+      FirstOfPages(from, x->length / page_size_, page_size_, blocks[k].pages());
       kept += x->length;
     }
   }
@@ -210,7 +212,7 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, 
   // Nothing below allocates or throws.
   ++clock_;
   ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
-    std::memcpy(slots + offset, x->host, x->length * sizeof(int32_t));
+    ExpandPages(x->host, x->length / page_size_, page_size_, slots + offset);
     x->loading = true;
     loading_size_ += x->length;
     Refresh(x);
@@ -244,6 +246,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok)
     const int64_t bad = FindOutOfRange(device, copy.length(), max_slots_);
     RADIXKV_CHECK(bad < 0, kInvalid, "device_slots has slot ", bad < 0 ? 0 : device[bad],
                   ", outside [0, max_slots)");
+    CheckPages(device, copy.length(), page_size_, "device_slots");
   }
   std::vector<Node*> nodes;
   ForEachInCopy(end, copy, [&](Node* x, int64_t) { nodes.push_back(x); });
@@ -273,8 +276,8 @@ bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok)
     x->loading = false;
     loading_size_ -= x->length;
     if (ok) {
-      std::memcpy(x->data + x->length, device + (x->depth - x->length - copy.start),
-                  x->length * sizeof(int32_t));
+      FirstOfPages(device + (x->depth - x->length - copy.start), x->length / page_size_, page_size_,
+                   x->value());
       SetOnDevice(x, true);
     }
     Refresh(x);

@@ -117,8 +117,9 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
     Refresh(parent);
   };
   auto commit = [&](Node* x, int32_t* slots) {
-    std::memcpy(slots, x->value(), x->length * sizeof(int32_t));
-    stored_.RemoveAll(x->value(), x->length);
+    const int64_t pages = x->length / page_size_;
+    ExpandPages(x->value(), pages, page_size_, slots);
+    stored_.RemovePages(x->value(), pages, page_size_);
     if (!x->has_host()) {
       Node* parent = x->parent;
       if (parent->children.empty()) parent->children.Clear();
@@ -159,8 +160,9 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
     Refresh(parent);
   };
   auto commit = [&](Node* x, int32_t* slots) {
-    std::memcpy(slots, x->host, x->length * sizeof(int32_t));
-    stored_host_.RemoveAll(x->host, x->length);
+    const int64_t pages = x->length / page_size_;
+    ExpandPages(x->host, pages, page_size_, slots);
+    stored_host_.RemovePages(x->host, pages, page_size_);
     FreeHost(x);
     if (x->on_device) {
       Refresh(x);

@@ -41,7 +41,8 @@ bool RadixTree::BeginStorageWrite(const TierCopy& from, SlotSink host, SlotSink 
     std::memcpy(path + (y->depth - y->length), y->key(), y->length * sizeof(int32_t));
   }
   for (Node* y = end;; y = y->parent) {
-    std::memcpy(slots + (y->depth - y->length - from.start), y->host, y->length * sizeof(int32_t));
+    ExpandPages(y->host, y->length / page_size_, page_size_,
+                slots + (y->depth - y->length - from.start));
     y->storage_writing = true;
     storage_writing_size_ += y->length;
     Refresh(y);
@@ -122,6 +123,7 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start, c
       kInvalid, "pages read from storage must be whole pages from a page boundary");
   const int64_t len = n - start;
   RADIXKV_CHECK(FindOutOfRange(host, len) < 0, kInvalid, "host_slots has a negative slot");
+  CheckPages(host, len, page_size_, "host_slots");
   Node* node;
   Node* partial;
   int64_t partial_len;
@@ -142,8 +144,11 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start, c
       marked = true;
       ReserveNodes((partial != nullptr) + 1);
       if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + 1, &split);
-      data = NodeBlock(&arena_, tokens + pos, fresh, take);  // slots: unused until on the device
-      block = NodeBlock(&arena_, nullptr, fresh, take);
+      // Device slots: none until a load puts the node on the device.
+      data = NodeBlock(&arena_, tokens + pos, take, page_size_);
+      std::fill_n(data.pages(), take / page_size_, -1);
+      block = NodeBlock(&arena_, nullptr, take, page_size_);
+      FirstOfPages(fresh, take / page_size_, page_size_, block.pages());
       if (partial == nullptr) node->children.Reserve(node->children.size() + 1);
     }
     int32_t* out = rejected(len - take);

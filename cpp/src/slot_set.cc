@@ -1,6 +1,7 @@
 #include "radixkv/slot_set.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -212,6 +213,22 @@ void SlotSet::RemoveAll(const SlotRuns& runs) noexcept {
   RemoveRuns([&](auto fn) { return ForEachRun(runs, fn); });
 }
 
+void SlotSet::RemovePages(const int32_t* first, int64_t pages, int64_t page_size) noexcept {
+  if (page_size == 1) {
+    RemoveAll(first, pages);
+    return;
+  }
+  RemoveRuns([&](auto fn) {
+    // Pages that follow on from each other make one run.
+    for (int64_t k = 0; k < pages;) {
+      int64_t j = k + 1;
+      while (j < pages && int64_t{first[j]} == int64_t{first[j - 1]} + page_size) ++j;
+      if (!fn(k * page_size, int64_t{first[k]}, int64_t{first[j - 1]} + page_size)) return;
+      k = j;
+    }
+  });
+}
+
 int64_t SlotSet::Count() const noexcept {
   int64_t count = 0;
   for (const auto& c : chunks_) count += c ? c->count : 0;
@@ -284,6 +301,88 @@ void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scra
   SlotRuns runs;
   runs.Assign(slots, n);
   CheckSlots(runs, slots, name, scratch, limit);
+}
+
+int64_t FindBrokenPage(const int32_t* slots, int64_t n, int64_t page_size) noexcept {
+  if (page_size == 1) return -1;
+  for (int64_t p = 0; p < n; p += page_size) {
+    const int32_t* page = slots + p;
+    // Slot i of the page, minus i, is the page's first slot: one compare per
+    // slot, without a branch, so the loop vectorizes.
+    const uint32_t base = static_cast<uint32_t>(page[0]);
+    uint32_t differs = 0;
+    for (int64_t i = 1; i < page_size; ++i) {
+      differs |= static_cast<uint32_t>(page[i]) - static_cast<uint32_t>(i) - base;
+    }
+    if (differs == 0) continue;
+    for (int64_t i = 1; i < page_size; ++i) {
+      if (static_cast<uint32_t>(page[i]) - static_cast<uint32_t>(i) != base) return p + i;
+    }
+  }
+  return -1;
+}
+
+namespace {
+
+[[noreturn]] void ThrowBrokenPage(const int32_t* slots, int64_t bad, int64_t page_size,
+                                  const char* name) {
+  const int64_t start = bad - bad % page_size;
+  throw Error(ErrorCode::kInvalidArgument,
+              StrCat(name, "[", bad, "] = ", slots[bad], " breaks the page at ", name, "[", start,
+                     "] = ", slots[start], ": with page_size ", page_size,
+                     " the slots of a page are consecutive"));
+}
+
+}  // namespace
+
+void CheckPages(const int32_t* slots, int64_t n, int64_t page_size, const char* name) {
+  const int64_t bad = FindBrokenPage(slots, n, page_size);
+  if (bad >= 0) ThrowBrokenPage(slots, bad, page_size, name);
+}
+
+void CheckPages(const SlotRuns& runs, const int32_t* slots, int64_t n, int64_t page_size,
+                const char* name) {
+  // Runs are maximal, so a page is whole exactly when no run starts inside it.
+  for (const SlotRun& r : runs) {
+    if (r.at >= n) break;
+    if (r.at % page_size != 0) ThrowBrokenPage(slots, r.at, page_size, name);
+  }
+}
+
+void ExpandPages(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept {
+  if (page_size == 1) {
+    std::memcpy(out, first, static_cast<size_t>(pages) * sizeof(int32_t));
+    return;
+  }
+#if defined(__SSE2__)
+  if (page_size % 4 == 0) {
+    // Four slots a store: base + {0, 1, 2, 3}, then + 4 each step.
+    const __m128i ramp = _mm_setr_epi32(0, 1, 2, 3);
+    const __m128i step = _mm_set1_epi32(4);
+    for (int64_t k = 0; k < pages; ++k) {
+      __m128i v = _mm_add_epi32(_mm_set1_epi32(first[k]), ramp);
+      auto* page = reinterpret_cast<__m128i*>(out + k * page_size);
+      for (int64_t i = 0; i < page_size / 4; ++i) {
+        _mm_storeu_si128(page + i, v);
+        v = _mm_add_epi32(v, step);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < pages; ++k) {
+    const int32_t base = first[k];
+    int32_t* page = out + k * page_size;
+    for (int64_t i = 0; i < page_size; ++i) page[i] = base + static_cast<int32_t>(i);
+  }
+}
+
+void FirstOfPages(const int32_t* slots, int64_t pages, int64_t page_size, int32_t* out) noexcept {
+  if (page_size == 1) {
+    std::memcpy(out, slots, static_cast<size_t>(pages) * sizeof(int32_t));
+    return;
+  }
+  for (int64_t k = 0; k < pages; ++k) out[k] = slots[k * page_size];
 }
 
 }  // namespace radixkv

@@ -29,8 +29,8 @@ TEST(NodeArenaTest, ClassesCoverEverySizeWithLittleRounding) {
     ASSERT_GE(c, 0) << bytes;
     const size_t size = NodeArena::ClassSize(c);
     ASSERT_GE(size, bytes);
-    // 32-byte steps up to 512, then at most 1/8 of the block is rounding
-    ASSERT_LE(size - bytes, bytes <= 512 ? 31u : size / 8) << bytes;
+    // 32-byte steps up to 512, then at most 1/16 of the block is rounding
+    ASSERT_LE(size - bytes, bytes <= 512 ? 31u : size / 16) << bytes;
   }
   EXPECT_EQ(NodeArena::ClassOf(NodeArena::ClassSize(NodeArena::kClasses - 1) + 1), -1);
 }

@@ -62,8 +62,13 @@ class Driver:
         self.strict_dump = strict_dump
         self.held = []  # (native handle, model handle)
         self.history = []  # recent token sequences, to share prefixes with
-        self.free_slots = []  # slots handed back by evict / not stored by insert
-        self.next_slot = 0
+        # Slots come as a paged pool hands them out: whole pages of `page_size`
+        # consecutive slots, page g being slots base + g * page_size + i. The
+        # base (fixed per run) need not be a multiple of page_size: the tree
+        # asks only that a page's slots be consecutive.
+        self.free_pages = []  # pages handed back by evict / not stored by insert
+        self.next_page = 0
+        self.slot_base = self.rng.randrange(page_size)
         self.cap = 128 * page_size if page_size > 1 else 300
         # A small pool of pages, with near-duplicates that differ in one token
         # (first, middle or last), so walks stop inside pages and at page ends.
@@ -103,22 +108,35 @@ class Driver:
         return out
 
     def fresh_slots(self, n):
-        out = []
-        self.rng.shuffle(self.free_slots)
-        while len(out) < n and self.free_slots:
-            out.append(self.free_slots.pop())
-        while len(out) < n:
-            if self.rng.random() < 0.002:
-                self.next_slot += self.rng.randrange(1, 5000)  # sparse, growing slot bitmap
-            out.append(self.next_slot)
-            self.next_slot += 1
-        return out
+        """n slots: whole pages of consecutive slots (the last one cut short when
+        n is not a multiple of page_size), pages reused in random order."""
+        pages = []
+        n_pages = -(-n // self.p)
+        self.rng.shuffle(self.free_pages)
+        while len(pages) < n_pages and self.free_pages:
+            pages.append(self.free_pages.pop())
+        while len(pages) < n_pages:
+            if self.rng.random() < 0.002 * self.p:
+                # sparse, growing slot bitmap
+                self.next_page += -(-self.rng.randrange(1, 5000) // self.p)
+            pages.append(self.next_page)
+            self.next_page += 1
+        return [self.slot_base + g * self.p + i for g in pages for i in range(self.p)][:n]
+
+    def free(self, slots):
+        """Hand back the pages of `slots` (whole pages, or the start of one)."""
+        self.free_pages.extend((s - self.slot_base) // self.p for s in slots[:: self.p])
 
     def form(self, v):
         return self.rng.choice(INPUT_FORMS)(v)
 
     def stored_slots(self):
         return [s for _, _, value, _, _ in self.ref.dump() for s in value]
+
+    def stored_pages(self):
+        """The tree's pages, each a list of page_size consecutive slots."""
+        slots = self.stored_slots()
+        return [slots[i : i + self.p] for i in range(0, len(slots), self.p)]
 
     # -- operations ----------------------------------------------------------------
     def op_match(self):
@@ -169,7 +187,8 @@ class Driver:
         assert got >= n_own
         n = len(ids) - len(ids) % self.p
         # Slots the tree did not keep go back to the caller's free list.
-        self.free_slots.extend(slots[n_own:got] + slots[n:])
+        self.free(slots[n_own:got])
+        self.free(slots[n:])
 
     def op_lock(self):
         live = [(h, rh) for h, rh in self.held if self.ref.is_valid(rh)]
@@ -212,10 +231,10 @@ class Driver:
         assert out.dtype == torch.int32 and out.dim() == 1
         assert out.tolist() == want
         assert len(want) >= size
-        self.free_slots.extend(want)
+        self.free(want)
 
     def op_reset(self):
-        self.free_slots.extend(self.stored_slots())
+        self.free(self.stored_slots())
         self.native.reset()
         self.ref.reset()
 
@@ -240,16 +259,17 @@ class Driver:
                     self.native.lock_handle(h, unlock=True)
                 self.count("unlock_unlocked")
                 return
-        stored = self.stored_slots()
+        stored = self.stored_pages()
         if choice == 2 and stored:
-            # An uncached sequence whose new part repeats a slot the tree holds.
+            # An uncached sequence whose new part repeats a page the tree holds
+            # (a whole page, consecutive, so that "already stored" is the fault).
             ids = [-1 - r.randrange(1000)] * self.p + self.tokens()
             slots = self.fresh_slots(len(ids))
             n = len(ids) - len(ids) % self.p
-            k = r.randrange(n)
-            self.free_slots.extend(slots)
-            slots[k] = r.choice(stored)
-            with pytest.raises(ValueError, match="indices"):
+            k = r.randrange(n // self.p) * self.p
+            self.free(slots)
+            slots[k : k + self.p] = r.choice(stored)
+            with pytest.raises(ValueError, match="indices.*already stored"):
                 self.native.insert_prefix(self.form(ids), self.form(slots))
             with pytest.raises(ValueError):
                 self.ref.insert_prefix(ids, slots)

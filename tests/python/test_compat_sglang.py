@@ -70,6 +70,65 @@ class Allocator:
         return len(self.free_slots)
 
 
+class PagedAllocator:
+    """A token-to-KV allocator of the shape of SGLang's paged one
+    (PagedTokenToKVPoolAllocator): it hands out whole pages of page_size
+    consecutive slots (page g is slots g * page_size + i), a request's
+    extension fills the rest of its last page before taking new pages
+    (alloc_extend), and freeing any slot of a page frees the whole page. It
+    refuses a page freed twice or never handed out, so every test can count
+    slots exactly (free_slots: every slot of a free page)."""
+
+    def __init__(self, size: int, page_size: int, device="cpu"):
+        assert size % page_size == 0
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self.size = size
+        self.free_pages = set(range(size // page_size))
+        self.freed = []  # every free() call, in order
+
+    @property
+    def free_slots(self) -> set:
+        p = self.page_size
+        return {g * p + i for g in self.free_pages for i in range(p)}
+
+    def new_slots_needed(self, prefix_len: int, n: int) -> int:
+        """Slots of new pages that extending a row of prefix_len by n takes."""
+        room = -prefix_len % self.page_size  # the rest of the row's last page
+        return -(-max(n - room, 0) // self.page_size) * self.page_size
+
+    def alloc_extend(self, prefix_len: int, last_loc: int, n: int) -> torch.Tensor:
+        """n slots after a row of prefix_len whose last slot is last_loc."""
+        p = self.page_size
+        room = min(-prefix_len % p, n)
+        out = [last_loc + 1 + i for i in range(room)]
+        k = self.new_slots_needed(prefix_len, n) // p
+        if k > len(self.free_pages):
+            raise RuntimeError("out of slots")
+        pages = sorted(self.free_pages)[:k]
+        self.free_pages.difference_update(pages)
+        out += [g * p + i for g in pages for i in range(p)][: n - room]
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices.device != torch.empty(0, device=self.device).device:
+            raise AssertionError(f"slots on {indices.device}, the pool is on {self.device}")
+        slots = indices.tolist()
+        if any(not 0 <= s < self.size for s in slots):
+            raise AssertionError(f"foreign slot: {slots}")
+        pages = {s // self.page_size for s in slots}
+        if len(set(slots)) != len(slots) or self.free_pages.intersection(pages):
+            raise AssertionError(f"double free: {slots}")
+        self.free_pages.update(pages)
+        self.freed.append(slots)
+
+    def free_segment(self, indices: torch.Tensor, start_pos: int = 0) -> None:
+        self.free(indices)
+
+    def available_size(self) -> int:
+        return len(self.free_pages) * self.page_size
+
+
 class Sink:
     """An allocator that only records what a cache frees (the differential
     test hands out no slots of its own)."""
@@ -114,8 +173,8 @@ class Req:
         return self.fill_ids
 
 
-def cache_and_pools(page=1, slots=512, rows=8, ctx=256, device="cpu", **kw):
-    alloc = Allocator(slots, page, device)
+def cache_and_pools(page=1, slots=512, rows=8, ctx=256, device="cpu", paged=False, **kw):
+    alloc = (PagedAllocator if paged else Allocator)(slots, page, device)
     pool = ReqToTokenPool(rows, ctx, device)
     return (
         RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=page, **kw),
@@ -352,16 +411,27 @@ class Scheduler:
     def extend(self, req, upto):
         """Compute KV for [len(prefix_indices), upto): fresh slots in the row."""
         start = len(req.prefix_indices)
-        short = upto - start - self.alloc.available_size()
+        paged = isinstance(self.alloc, PagedAllocator)
+        need = self.alloc.new_slots_needed(start, upto - start) if paged else upto - start
+        short = need - self.alloc.available_size()
         if short > 0:
             self.cache.evict(EvictParams(num_tokens=short))
-        fresh = self.alloc.alloc(upto - start)
+        if paged:  # the row's last page first, then whole new pages
+            last = int(self.pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
+            fresh = self.alloc.alloc_extend(start, last, upto - start)
+        else:
+            fresh = self.alloc.alloc(upto - start)
         self.pool.write((req.req_pool_idx, slice(start, upto)), fresh)
         req.fill_ids = (req.origin_input_ids + req.output_ids)[:upto]
         req.prefix_indices = self.pool.req_to_token[req.req_pool_idx, :upto].to(torch.int64)
 
     def row_owned(self, req, upto):
-        return self.pool.req_to_token[req.req_pool_idx, req.cache_protected_len : upto].tolist()
+        owned = self.pool.req_to_token[req.req_pool_idx, req.cache_protected_len : upto].tolist()
+        if isinstance(self.alloc, PagedAllocator) and owned:
+            # The request holds the whole of its row's last page.
+            p = self.alloc.page_size
+            owned += range(owned[-1] + 1, owned[-1] // p * p + p)
+        return owned
 
     def finish(self, req):
         self.cache.cache_finished_req(req)
@@ -451,7 +521,9 @@ def test_many_requests_with_shared_prefixes_leak_nothing(page):
     allocator runs short: after every step each slot is free, cached or held,
     exactly once (the allocator itself refuses a double free)."""
     rng = random.Random(page)
-    c, pool, alloc = cache_and_pools(page, slots=1024, rows=6, ctx=160)
+    # A paged pool, as SGLang's at page_size > 1: the tree takes whole pages
+    # of consecutive slots.
+    c, pool, alloc = cache_and_pools(page, slots=1024, rows=6, ctx=160, paged=page > 1)
     sched = Scheduler(c, pool, alloc)
     systems = [[rng.randrange(1000) for _ in range(40)] for _ in range(3)]
     running = []

@@ -300,19 +300,22 @@ def test_naive_negative_slot(p):
 
 
 def _stored_cases(p):
-    """(input_ids, indices) whose part to be stored holds a slot the tree stores."""
+    """(input_ids, indices) whose part to be stored holds a page the tree stores.
+
+    The stored page is whole (p consecutive slots), as every page given to the
+    tree is, so that "already stored" is the only fault."""
     cached = seq(2 * p)
     return {
-        "first": (seq(4 * p, 5000), [100] + seq(4 * p - 1, 6000)),
-        "last": (seq(4 * p, 5000), seq(4 * p - 1, 6000) + [200 + 4 * p - 1]),
-        "locked_slot": (seq(4 * p, 5000), seq(p, 6000) + [100] + seq(3 * p - 1, 6100)),
+        "first": (seq(4 * p, 5000), seq(p, 100) + seq(3 * p, 6000)),
+        "last": (seq(4 * p, 5000), seq(3 * p, 6000) + seq(p, 200 + 3 * p)),
+        "locked_slot": (seq(4 * p, 5000), seq(p, 6000) + seq(p, 100) + seq(2 * p, 6100)),
         "after_cached_part": (
             cached + seq(2 * p, 5000),
-            seq(2 * p, 6000) + [101] + seq(2 * p - 1, 6100),
+            seq(2 * p, 6000) + seq(p, 100 + p) + seq(p, 6100),
         ),
         "extending_a_leaf": (
             seq(4 * p) + seq(p, 5000),
-            seq(4 * p, 6000) + [103] + seq(p - 1, 6100),
+            seq(4 * p, 6000) + seq(p, 100 + 3 * p),
         ),
     }
 
@@ -360,6 +363,38 @@ def test_radix_slot_repeated_in_indices(p, where):
     with raises(ValueError, "indices"):
         case.m.insert_prefix(ids, indices)
     case.check_unchanged()
+
+
+def _broken_page_cases():
+    """(input_ids, indices, the index that breaks its page) at page_size 4."""
+    return {
+        "first_page": (seq(16, 5000), [6000, 6001, 6003, 6002] + seq(12, 6004), 2),
+        "after_cached_part": (
+            seq(8) + seq(8, 5000),
+            seq(8, 6000) + [6100, 6101, 6102, 7] + seq(4, 6200),
+            11,
+        ),
+        "last_whole_page": (seq(16, 5000) + [1], seq(12, 6000) + [6012, 6013, 6014, 6016, 999], 15),
+        "descending": (seq(8, 5000), seq(4, 6000) + [6103, 6102, 6101, 6100], 5),
+    }
+
+
+@pytest.mark.parametrize("where", sorted(_broken_page_cases()))
+def test_radix_page_of_slots_not_consecutive(where):
+    """With page_size > 1 the slots of a whole page are consecutive (the tree
+    keeps one slot per page); a page that breaks this is refused, naming the
+    slot, and changes nothing. A partial last page is not checked."""
+    ids, indices, bad = _broken_page_cases()[where]
+    case = RadixCase(4)
+    with raises(ValueError, f"indices[{bad}] = {indices[bad]}", "page_size 4"):
+        case.m.insert_prefix(ids, indices)
+    case.check_unchanged()
+    # Consecutive slots that are not page-aligned, and any slots past the last
+    # whole page, are accepted.
+    m, _ = build(4)
+    assert m.insert_prefix(seq(9, 5000), seq(8, 6001) + [999]) == 0
+    assert m.match_prefix(seq(9, 5000))[1].tolist() == seq(8, 6001)
+    m.check_integrity()
 
 
 def test_failed_insert_leaves_its_slots_free():

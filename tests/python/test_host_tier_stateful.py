@@ -269,7 +269,7 @@ TestTieredMachine = TieredMachine.TestCase
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, 512])
 def test_every_policy_and_page_size_runs_a_long_random_session(policy, page_size):
     """A fixed-seed session per (policy, page size), so each combination is
     exercised whatever hypothesis draws."""

@@ -87,7 +87,9 @@ def test_random_operations_over_namespaces_match_the_model(page_size, seed):
     rng = random.Random(seed)
     native = RadixCacheManager("cpu", page_size)
     ref = ReferenceRadixCache(page_size)
-    held, free, next_slot = [], [], 0
+    # Slots come in pages of page_size consecutive slots (page g: g * page_size + i),
+    # handed out and taken back whole, as a paged pool does.
+    held, free, next_page = [], [], 0
     words = [[rng.randrange(2) for _ in range(page_size)] for _ in range(3)]
     for step in range(600):
         ns = rng.randrange(3)
@@ -103,17 +105,19 @@ def test_random_operations_over_namespaces_match_the_model(page_size, seed):
                 held.append((h, rh))
         elif op < 0.75:
             slots = []
-            for _ in ids:
+            for _ in range(-(-len(ids) // page_size)):
                 if free:
-                    slots.append(free.pop())
+                    page = free.pop()
                 else:
-                    slots.append(next_slot)
-                    next_slot += 1
+                    page = next_page
+                    next_page += 1
+                slots.extend(page * page_size + i for i in range(page_size))
+            slots = slots[: len(ids)]
             got = native.insert_prefix(ids, slots, 0, ns)
             assert got == ref.insert_prefix(ids, slots, 0, ns), step
             # Slots of tokens cached already, and of a ragged tail, stay the caller's.
             n = len(ids) - len(ids) % page_size
-            free.extend(slots[:got] + slots[n:])
+            free.extend(s // page_size for s in (slots[:got] + slots[n:])[::page_size])
         elif op < 0.85 and held:
             h, rh = held.pop(rng.randrange(len(held)))
             native.lock_handle(h, True)
@@ -128,7 +132,7 @@ def test_random_operations_over_namespaces_match_the_model(page_size, seed):
                 continue
             got = native.evict(size).tolist()
             assert got == want, step  # one eviction order over every namespace
-            free.extend(got)
+            free.extend(s // page_size for s in got[::page_size])
         assert tuple(native.size_info) == ref.size_info()
         assert native.num_nodes == ref.num_nodes
         native.check_integrity()

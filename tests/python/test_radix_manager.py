@@ -247,7 +247,9 @@ def test_insert_rounds_down_to_whole_pages(P):
     if P > 1:
         tail = seq(P - 1, 40 + 3 * P)
         other = seq(P, 9000)
-        assert m.insert_prefix(other, tail + [999]) == 0
+        # A whole page of consecutive slots: the tail's, then the one after it.
+        assert m.insert_prefix(other, tail + [40 + 4 * P - 1]) == 0
+        assert_i32(m.match_prefix(other)[1], seq(P, 40 + 3 * P))
     m.check_integrity()
 
 

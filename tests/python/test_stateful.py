@@ -116,16 +116,23 @@ class RadixManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def insert_stored_slot(self, data):
+        p = self.native.page_size
         stored = [v for _, _, vals, _, _ in self.native.dump() for v in vals]
-        if not stored:
+        # Whole pages of consecutive slots, as the tree stores them.
+        pages = [stored[i : i + p] for i in range(0, len(stored), p)]
+        if not pages:
             return
-        slot = data.draw(st.sampled_from(stored))
+        page = data.draw(st.sampled_from(pages))
+        # The page shifted by less than a page (consecutive still, not aligned
+        # with the stored ones): it holds at least one stored slot.
+        shift = data.draw(st.integers(max(-page[0], 1 - p), p - 1))
+        slots = [s + shift for s in page]
         # A first token outside the alphabet: the whole input is new, so the
         # stored slot must be refused and nothing may change.
-        ids = [100] * self.native.page_size
+        ids = [100] * p
         before = self.native.dump()
         with pytest.raises(ValueError, match="already stored"):
-            self.native.insert_prefix(ids, [slot] + [10**6 + i for i in range(len(ids) - 1)])
+            self.native.insert_prefix(ids, slots)
         assert self.native.dump() == before
 
     @rule()

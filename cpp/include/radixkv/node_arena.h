@@ -7,7 +7,7 @@
 namespace radixkv {
 
 /// A slab allocator for node storage. Blocks come in size classes (32-byte
-/// steps to 512 bytes, then eight classes per power of two, so at most 1/8 of
+/// steps to 512 bytes, then sixteen classes per power of two, so at most 1/16 of
 /// a block is rounding); each class carves its blocks from slabs of its own,
 /// which double in size as the class grows, up to 2 MiB slabs backed by huge
 /// pages where the kernel allows (madvise). A tree that grows by a node per
@@ -44,7 +44,9 @@ class NodeArena {
   size_t reserved_bytes() const noexcept { return reserved_; }
 
   /// The number of size classes, and the block size of class `c`.
-  static constexpr int kClasses = 16 + 8 * 12;  // up to 2 MiB blocks
+  static constexpr int kStepShift = 4;
+  static constexpr int kStepsPerOctave = 1 << kStepShift;
+  static constexpr int kClasses = 16 + kStepsPerOctave * 12;  // up to 2 MiB blocks
   static size_t ClassSize(int c) noexcept;
   /// The smallest class whose blocks hold `bytes`, or -1 if none does.
   static int ClassOf(size_t bytes) noexcept;

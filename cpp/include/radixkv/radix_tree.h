@@ -80,6 +80,10 @@ struct NodeInfo {
 /// The radix tree. Token ids and slot indices are int32; lengths are in
 /// tokens. With `page_size > 1` every node holds whole pages, children are
 /// keyed by their first page, and inputs are rounded down to whole pages.
+/// A page's slots are consecutive (`s, s + 1, ..., s + page_size - 1`, as a
+/// paged pool hands them out; every call that gives the tree slots checks
+/// it), so a node keeps one slot per page and expands them where a call
+/// returns slots: a 12k-token request at page 512 stores 24 slots, not 12k.
 ///
 /// Two tiers: a node's K/V is on the device (its device slots), in host
 /// memory (its host slots), or both. Device-resident nodes are root-closed (a
@@ -149,8 +153,9 @@ class RadixTree {
   /// rest becomes a new leaf. Returns how many leading tokens were on the
   /// device already; their `slots` are ignored and stay the caller's. Throws
   /// kInvalidArgument, changing nothing, if any of `slots[0, n)` is negative,
-  /// not below `max_slots`, or repeated, or a slot to be stored is in the tree
-  /// already, or the path has a load in flight (match and load it first).
+  /// not below `max_slots`, or repeated, or a whole page's slots are not
+  /// consecutive, or a slot to be stored is in the tree already, or the path
+  /// has a load in flight (match and load it first).
   /// `priority` raises the priority of every node on the path to at least
   /// it (what the priority policy orders by).
   int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n, int32_t priority = 0,
@@ -233,7 +238,8 @@ class RadixTree {
     BeginBackup(copy, SlotSink::Into(device));
   }
   /// Ends a backup: when `ok`, the nodes take the host slots `host[0,
-  /// copy.length())` (those whose parent has no host copy do not: a parent
+  /// copy.length())`, whole pages of consecutive slots (those whose parent
+  /// has no host copy do not: a parent
   /// whose own backup failed cuts its subtree off); unpins them. Writes to
   /// `rejected` the host slots not taken (all of them when not `ok`, or when
   /// the copy's node is gone, which only Reset does); returns how many.
@@ -260,7 +266,8 @@ class RadixTree {
     BeginLoad(copy, SlotSink::Into(host), SlotSink::Into(prefix ? prefix : &unused), loaded);
   }
   /// Ends a load: when `ok`, the nodes take the device slots `device[0,
-  /// copy.length())` and are on the device; either way they are no longer
+  /// copy.length())` (whole pages of consecutive slots) and are on the
+  /// device; either way they are no longer
   /// loading and the copy's pin goes. Returns false (taking nothing) when the
   /// copy's node is gone.
   bool FinishLoad(const TierCopy& copy, const int32_t* device, bool ok);
@@ -302,7 +309,8 @@ class RadixTree {
   /// (or the root) at or after `start`. Writes the host slots not taken to
   /// `rejected` (all of them when the path no longer reaches `start` with a
   /// host copy) and returns the tokens taken. Throws kInvalidArgument for a
-  /// negative or repeated host slot, or one the tree stores already.
+  /// negative or repeated host slot, or one the tree stores already, or a
+  /// page of host slots that are not consecutive.
   int64_t InsertHost(const int32_t* tokens, int64_t n, int64_t start, const int32_t* host,
                      SlotSink rejected, uint64_t ns = 0);
 

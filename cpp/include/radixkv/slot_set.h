@@ -82,6 +82,9 @@ class SlotSet {
   /// chunks that empty.
   void RemoveAll(const int32_t* slots, int64_t n) noexcept;
   void RemoveAll(const SlotRuns& runs) noexcept;
+  /// Removes `pages` pages of `page_size` slots each, page k being
+  /// `first[k], first[k] + 1, ..., first[k] + page_size - 1` (see ExpandPages).
+  void RemovePages(const int32_t* first, int64_t pages, int64_t page_size) noexcept;
 
   /// Number of slots in the set. O(chunks).
   int64_t Count() const noexcept;
@@ -122,6 +125,29 @@ void CheckSlots(const SlotRuns& runs, const int32_t* slots, const char* name, Sl
 /// The same, finding the runs itself.
 void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scratch,
                 int64_t limit = -1);
+
+// --- pages: `page_size` consecutive slots, kept as the first of them ---------------
+
+/// Position of the first slot of `slots[0, n)` (n a multiple of `page_size`)
+/// that breaks its page: a page's slots must be consecutive (`slots[p + i] ==
+/// slots[p] + i`); -1 when every page is whole. One vectorized pass.
+int64_t FindBrokenPage(const int32_t* slots, int64_t n, int64_t page_size) noexcept;
+
+/// Throws kInvalidArgument naming `name` ("indices[17] = 40 breaks the page at
+/// indices[16]: with page_size 16 a page's slots are consecutive") unless
+/// every page of `slots[0, n)` is whole (see FindBrokenPage).
+void CheckPages(const int32_t* slots, int64_t n, int64_t page_size, const char* name);
+/// The same from the runs of `slots` (found before; O(runs)).
+void CheckPages(const SlotRuns& runs, const int32_t* slots, int64_t n, int64_t page_size,
+                const char* name);
+
+/// Writes the slots of `pages` pages, page k starting at `first[k]`, to
+/// `out[0, pages * page_size)`: `out[k * page_size + i] = first[k] + i`.
+void ExpandPages(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept;
+
+/// The first slot of each whole page of `slots[0, pages * page_size)`:
+/// `out[k] = slots[k * page_size]` (the inverse of ExpandPages).
+void FirstOfPages(const int32_t* slots, int64_t pages, int64_t page_size, int32_t* out) noexcept;
 
 /// Returns the position of the first slot that repeats an earlier one, or
 /// -1. Slots must be >= 0. `scratch` is working memory, empty again on return
