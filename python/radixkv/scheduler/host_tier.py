@@ -190,13 +190,15 @@ class HostTier:
         copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
         if copy is None:
             return 0
-        if not self._room_for(copy.end - copy.start):
-            self.backups_skipped += copy.end - copy.start
-            return 0
-        # Making room may have dropped the host copy the range started under.
-        copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
-        if copy is None:
-            return 0
+        missing = copy.end - copy.start - self.pages.num_free_pages * self.page_size
+        if missing > 0:
+            if not self._evict(missing):
+                self.backups_skipped += copy.end - copy.start
+                return 0
+            # Making room may have dropped the host copy the range started under.
+            copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
+            if copy is None:
+                return 0
         return self._start_backup(copy)
 
     def copy_path_to_host(self, tokens, ns: int = 0) -> bool:
