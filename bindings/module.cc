@@ -955,14 +955,16 @@ PyMethodDef kTreeMethods[] = {
     {"begin_backup", Fast<RadixTree_BeginBackup, kBeginBackup>(), kFastCall,
      "begin_backup(copy) -> device slots: pins the nodes until finish_backup."},
     {"finish_backup", Fast<RadixTree_FinishBackup, kFinishBackup>(), kFastCall,
-     "finish_backup(copy, host_slots, ok=True) -> host slots not taken."},
+     "finish_backup(copy, host_slots, ok=True) -> host slots not taken. With ok, ValueError\n"
+     "unless each page of host_slots is page_size consecutive slots."},
     {"find_load", Fast<RadixTree_FindLoad, kFindLoad>(), kFastCall,
      "find_load(handle) -> TierCopy: the host-only part of the handle's match."},
     {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,
      "begin_load(copy) -> (locked handle for the whole match, host slots, device slots of\n"
      "the path above the copy)."},
     {"finish_load", Fast<RadixTree_FinishLoad, kFinishLoad>(), kFastCall,
-     "finish_load(copy, device_slots, ok=True) -> False if the copy's node is gone."},
+     "finish_load(copy, device_slots, ok=True) -> False if the copy's node is gone. With ok,\n"
+     "ValueError unless each page of device_slots is page_size consecutive slots."},
     {"eviction_candidates_without_host",
      Fast<RadixTree_EvictionCandidatesWithoutHost, kCandidates>(), kFastCall,
      "The device leaves evict(size) would take that have no host copy, as backups."},
@@ -983,7 +985,8 @@ PyMethodDef kTreeMethods[] = {
      "finish_storage_write(copy): the write to storage is over; unpins."},
     {"insert_host", Fast<RadixTree_InsertHost, kInsertHost>(), kFastCall,
      "insert_host(input_ids, start, host_slots, namespace=0) -> host slots not taken: pages\n"
-     "read from storage (input_ids[start:]) as host-only nodes under the path's host copy."},
+     "read from storage (input_ids[start:]) as host-only nodes under the path's host copy.\n"
+     "ValueError unless each page of host_slots is page_size consecutive slots."},
     {"is_valid", Fast<RadixTree_IsValid, kIsValid>(), kFastCall,
      "Whether handle names a live node of this tree."},
     {"handle_slots", Fast<RadixTree_HandleSlots, kSlotsOfHandle>(), kFastCall,

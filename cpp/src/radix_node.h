@@ -10,6 +10,7 @@
 #include "radixkv/child_map.h"
 #include "radixkv/node_arena.h"
 #include "radixkv/radix_tree.h"
+#include "radixkv/slot_set.h"
 #include "radixkv/status.h"
 
 namespace radixkv {
@@ -132,9 +133,9 @@ class RadixTree::NodeBlock {
 
  private:
   NodeArena* arena_ = nullptr;
+  size_t bytes_ = 0;  // what the arena gave, for Free
   NodeArena::Block block_;
   int64_t capacity_ = 0;  // tokens
-  int64_t page_size_ = 1;
   bool slots_only_ = false;
 };
 
@@ -159,6 +160,13 @@ inline bool RadixTree::DeviceEvictable(const Node* x) noexcept {
 inline bool RadixTree::HostEvictable(const Node* x) noexcept {
   return x->has_host() && x->host_children == 0 && !x->loading && !x->storage_writing &&
          x->host_pins == 0 && (x->on_device || x->ref_count == 0);
+}
+
+inline int64_t RadixTree::Pages(const Node* x) const noexcept { return x->length / page_size_; }
+
+inline void RadixTree::ExpandSlots(const int32_t* first, const Node* x,
+                                   int32_t* out) const noexcept {
+  ExpandPages(first, Pages(x), page_size_, out);
 }
 
 // Calls fn(node, offset) for the nodes of `copy`, deepest first; `offset` is

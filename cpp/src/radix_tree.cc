@@ -54,9 +54,9 @@ size_t BlockBytes(int64_t length, int64_t page_size, bool slots_only) {
 RadixTree::NodeBlock::NodeBlock(NodeArena* arena, const int32_t* tokens, int64_t length,
                                 int64_t page_size)
     : arena_(arena),
-      block_(arena->Allocate(BlockBytes(length, page_size, tokens == nullptr))),
+      bytes_(BlockBytes(length, page_size, tokens == nullptr)),
+      block_(arena->Allocate(bytes_)),
       capacity_(length),
-      page_size_(page_size),
       slots_only_(tokens == nullptr) {
   if (tokens != nullptr) std::memcpy(block_.data, tokens, length * sizeof(int32_t));
 }
@@ -65,8 +65,8 @@ RadixTree::NodeBlock& RadixTree::NodeBlock::operator=(NodeBlock&& other) noexcep
   Free();
   arena_ = other.arena_;
   block_ = other.block_;
+  bytes_ = other.bytes_;
   capacity_ = other.capacity_;
-  page_size_ = other.page_size_;
   slots_only_ = other.slots_only_;
   other.block_ = NodeArena::Block{};
   return *this;
@@ -76,16 +76,17 @@ RadixTree::NodeBlock RadixTree::NodeBlock::Adopt(NodeArena* arena, Node* node, b
                                                  int64_t page_size) noexcept {
   NodeBlock s;
   s.arena_ = arena;
-  s.page_size_ = page_size;
   s.slots_only_ = host;
   if (host) {
     s.block_ = NodeArena::Block{node->host, node->host_slab};
     s.capacity_ = node->host_capacity;
+    s.bytes_ = BlockBytes(s.capacity_, page_size, true);
     node->host = nullptr;
     node->host_slab = nullptr;
   } else {
     s.block_ = NodeArena::Block{node->data, node->data_slab};
     s.capacity_ = node->capacity;
+    s.bytes_ = BlockBytes(s.capacity_, page_size, false);
     node->data = nullptr;
     node->data_slab = nullptr;
   }
@@ -109,7 +110,7 @@ void RadixTree::NodeBlock::MoveToHost(Node* node) noexcept {
 
 void RadixTree::NodeBlock::Free() noexcept {
   if (block_.data != nullptr) {
-    arena_->Free(block_, BlockBytes(capacity_, page_size_, slots_only_));
+    arena_->Free(block_, bytes_);
   }
   block_ = NodeArena::Block{};
 }
@@ -474,7 +475,7 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   if (partial != nullptr) node = CommitSplit(&split);
   for (Node* x = node; x != root_ && !x->on_device; x = x->parent) {
     const int64_t start = x->depth - x->length;
-    FirstOfPages(slots + start, x->length / page_size_, page_size_, x->value());
+    FirstOfPages(slots + start, Pages(x), page_size_, x->value());
     SetOnDevice(x, true);
     Refresh(x);
     Refresh(x->parent);
@@ -508,7 +509,7 @@ bool RadixTree::IsValid(const Handle& handle) const noexcept {
 
 void RadixTree::CopyPathSlots(const Node* node, int32_t* out) const noexcept {
   for (const Node* x = node; x != root_; x = x->parent) {
-    ExpandPages(x->value(), x->length / page_size_, page_size_, out + (x->depth - x->length));
+    ExpandSlots(x->value(), x, out + (x->depth - x->length));
   }
 }
 

@@ -188,14 +188,13 @@ std::vector<NodeInfo> RadixTree::Dump() const {
       NodeInfo info;
       info.parent = index;
       info.key.assign(c->key(), c->key() + c->length);
-      const int64_t pages = c->length / page_size_;
       if (c->on_device) {
         info.value.resize(static_cast<size_t>(c->length));
-        ExpandPages(c->value(), pages, page_size_, info.value.data());
+        ExpandSlots(c->value(), c, info.value.data());
       }
       if (c->has_host()) {
         info.host_value.resize(static_cast<size_t>(c->length));
-        ExpandPages(c->host, pages, page_size_, info.host_value.data());
+        ExpandSlots(c->host, c, info.host_value.data());
       }
       info.ref_count = c->ref_count;
       info.timestamp = c->timestamp;

@@ -70,7 +70,7 @@ void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
   // Nothing below allocates or throws.
   ++clock_;
   ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
-    ExpandPages(x->value(), x->length / page_size_, page_size_, slots + offset);
+    ExpandSlots(x->value(), x, slots + offset);
     x->backing_up = true;
     ++x->parent->host_children;
     backing_up_size_ += x->length;
@@ -93,7 +93,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
                 "not the one begun");
   RADIXKV_CHECK(FindOutOfRange(host, copy.length()) < 0, kInvalid,
                 "host_slots has a negative slot");
-  CheckPages(host, copy.length(), page_size_, "host_slots");
+  if (ok) CheckPages(host, copy.length(), page_size_, "host_slots");
   // Top down: a node takes its host slots only if its parent has a host copy
   // by then, so a failed parent cuts off the nodes below it.
   std::vector<Node*> nodes;
@@ -111,7 +111,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
     if (take[k]) {
       const int32_t* from = host + (x->depth - x->length - copy.start);
       blocks[k] = NodeBlock(&arena_, nullptr, x->length, page_size_);
-      FirstOfPages(from, x->length / page_size_, page_size_, blocks[k].pages());
+      FirstOfPages(from, Pages(x), page_size_, blocks[k].pages());
       kept += x->length;
     }
   }
@@ -212,7 +212,7 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, 
   // Nothing below allocates or throws.
   ++clock_;
   ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
-    ExpandPages(x->host, x->length / page_size_, page_size_, slots + offset);
+    ExpandSlots(x->host, x, slots + offset);
     x->loading = true;
     loading_size_ += x->length;
     Refresh(x);
@@ -276,8 +276,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok)
     x->loading = false;
     loading_size_ -= x->length;
     if (ok) {
-      FirstOfPages(device + (x->depth - x->length - copy.start), x->length / page_size_, page_size_,
-                   x->value());
+      FirstOfPages(device + (x->depth - x->length - copy.start), Pages(x), page_size_, x->value());
       SetOnDevice(x, true);
     }
     Refresh(x);

@@ -117,8 +117,8 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
     Refresh(parent);
   };
   auto commit = [&](Node* x, int32_t* slots) {
-    const int64_t pages = x->length / page_size_;
-    ExpandPages(x->value(), pages, page_size_, slots);
+    const int64_t pages = Pages(x);
+    ExpandSlots(x->value(), x, slots);
     stored_.RemovePages(x->value(), pages, page_size_);
     if (!x->has_host()) {
       Node* parent = x->parent;
@@ -160,8 +160,8 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
     Refresh(parent);
   };
   auto commit = [&](Node* x, int32_t* slots) {
-    const int64_t pages = x->length / page_size_;
-    ExpandPages(x->host, pages, page_size_, slots);
+    const int64_t pages = Pages(x);
+    ExpandSlots(x->host, x, slots);
     stored_host_.RemovePages(x->host, pages, page_size_);
     FreeHost(x);
     if (x->on_device) {

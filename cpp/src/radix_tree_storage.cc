@@ -41,8 +41,7 @@ bool RadixTree::BeginStorageWrite(const TierCopy& from, SlotSink host, SlotSink 
     std::memcpy(path + (y->depth - y->length), y->key(), y->length * sizeof(int32_t));
   }
   for (Node* y = end;; y = y->parent) {
-    ExpandPages(y->host, y->length / page_size_, page_size_,
-                slots + (y->depth - y->length - from.start));
+    ExpandSlots(y->host, y, slots + (y->depth - y->length - from.start));
     y->storage_writing = true;
     storage_writing_size_ += y->length;
     Refresh(y);

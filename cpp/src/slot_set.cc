@@ -306,18 +306,8 @@ void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scra
 int64_t FindBrokenPage(const int32_t* slots, int64_t n, int64_t page_size) noexcept {
   if (page_size == 1) return -1;
   for (int64_t p = 0; p < n; p += page_size) {
-    const int32_t* page = slots + p;
-    // Slot i of the page, minus i, is the page's first slot: one compare per
-    // slot, without a branch, so the loop vectorizes.
-    const uint32_t base = static_cast<uint32_t>(page[0]);
-    uint32_t differs = 0;
-    for (int64_t i = 1; i < page_size; ++i) {
-      differs |= static_cast<uint32_t>(page[i]) - static_cast<uint32_t>(i) - base;
-    }
-    if (differs == 0) continue;
-    for (int64_t i = 1; i < page_size; ++i) {
-      if (static_cast<uint32_t>(page[i]) - static_cast<uint32_t>(i) != base) return p + i;
-    }
+    const int64_t end = RunEnd(slots, p, p + page_size);
+    if (end < p + page_size) return end;
   }
   return -1;
 }

@@ -148,6 +148,52 @@ def test_finish_backup_refuses_forged_ranges_and_bad_slots_changing_nothing():
     assert t.tier_sizes()[2] == 10
 
 
+def test_tier_calls_refuse_broken_pages_changing_nothing():
+    """At page_size 4 the tree keeps a slot per page, so the host or device
+    slots a backup, a load or pages from storage bring must be whole pages of
+    consecutive slots; a broken page is refused, naming the slot, with the
+    tree unchanged. A failed backup (ok=False) takes nothing and checks nothing:
+    its slots all come back."""
+    t = _core.RadixTree(4, max_slots=1000)
+    t.insert_prefix(list(range(8)), list(range(100, 108)))
+    c = t.find_backup(list(range(8)))
+    t.begin_backup(c)
+    before = t.dump(tiers=True)
+    broken = [20, 21, 22, 23, 40, 41, 43, 42]
+    with pytest.raises(
+        ValueError, match=r"host_slots\[6\] = 43 breaks the page at host_slots\[4\]"
+    ):
+        t.finish_backup(c, broken)
+    assert t.dump(tiers=True) == before
+    t.check_integrity()
+    assert sorted(t.finish_backup(c, broken, ok=False).tolist()) == sorted(broken)
+    assert t.tier_sizes()[2] == 0  # no host copy
+    t.check_integrity()
+
+    c = t.find_backup(list(range(8)))
+    t.begin_backup(c)
+    assert len(t.finish_backup(c, [41, 42, 43, 44, 20, 21, 22, 23])) == 0  # unaligned is fine
+    assert t.evict(8).tolist() == list(range(100, 108))  # now host-only
+    handle = t.match_prefix(list(range(8)))[0]
+    load = t.find_load(handle)
+    t.begin_load(load)
+    before = t.dump(tiers=True)
+    with pytest.raises(ValueError, match=r"device_slots\[1\] = 9 breaks the page"):
+        t.finish_load(load, [7, 9, 10, 11, 500, 501, 502, 503])
+    assert t.dump(tiers=True) == before
+    assert t.finish_load(load, [8, 9, 10, 11, 500, 501, 502, 503])
+    t.check_integrity()
+
+    # Pages read from storage join under a host copy.
+    before = t.dump(tiers=True)
+    with pytest.raises(ValueError, match=r"host_slots\[3\] = 64 breaks the page"):
+        t.insert_host(list(range(16)), 8, [60, 61, 62, 64, 70, 71, 72, 73])
+    assert t.dump(tiers=True) == before
+    t.check_integrity()
+    assert len(t.insert_host(list(range(16)), 8, [60, 61, 62, 63, 70, 71, 72, 73])) == 0
+    t.check_integrity()
+
+
 def test_a_discarded_manager_lets_go_of_its_controller_and_its_pool():
     pool = MHAKVCache(1, 2, 8, 16, torch.float16, page_size=4)
     cm = CacheManager(16, page_size=4, host_num_pages=32, kv_cache=pool)

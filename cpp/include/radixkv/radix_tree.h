@@ -239,10 +239,10 @@ class RadixTree {
   }
   /// Ends a backup: when `ok`, the nodes take the host slots `host[0,
   /// copy.length())`, whole pages of consecutive slots (those whose parent
-  /// has no host copy do not: a parent
-  /// whose own backup failed cuts its subtree off); unpins them. Writes to
-  /// `rejected` the host slots not taken (all of them when not `ok`, or when
-  /// the copy's node is gone, which only Reset does); returns how many.
+  /// has no host copy do not: a parent whose own backup failed cuts its
+  /// subtree off); unpins them. Writes to `rejected` the host slots not taken
+  /// (all of them when not `ok`, or when the copy's node is gone, which only
+  /// Reset does); returns how many. The pages are checked only when `ok`.
   int64_t FinishBackup(const TierCopy& copy, const int32_t* host, bool ok, SlotSink rejected);
 
   /// The host-only part of `handle`'s match, as a copy starting at the
@@ -267,9 +267,8 @@ class RadixTree {
   }
   /// Ends a load: when `ok`, the nodes take the device slots `device[0,
   /// copy.length())` (whole pages of consecutive slots) and are on the
-  /// device; either way they are no longer
-  /// loading and the copy's pin goes. Returns false (taking nothing) when the
-  /// copy's node is gone.
+  /// device; either way they are no longer loading and the copy's pin goes.
+  /// Returns false (taking nothing) when the copy's node is gone.
   bool FinishLoad(const TierCopy& copy, const int32_t* device, bool ok);
 
   /// The storage tier. Starts writing to storage the host pages of the
@@ -376,6 +375,10 @@ class RadixTree {
   // The deepest node on the device from `x` up (the root at worst).
   Node* DeviceEnd(Node* x) const noexcept;
   void CopyPathSlots(const Node* node, int32_t* out) const noexcept;
+  // The pages of `x`'s tokens, and the slots of those pages given their
+  // first slots `first` (x->value() or x->host), written to `out`.
+  int64_t Pages(const Node* x) const noexcept;
+  void ExpandSlots(const int32_t* first, const Node* x, int32_t* out) const noexcept;
   // Calls fn(node, offset) for the nodes of `copy`, deepest first; `offset`
   // is where the node's tokens start within the copy.
   template <typename Fn>

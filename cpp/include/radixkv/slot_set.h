@@ -130,11 +130,12 @@ void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scra
 
 /// Position of the first slot of `slots[0, n)` (n a multiple of `page_size`)
 /// that breaks its page: a page's slots must be consecutive (`slots[p + i] ==
-/// slots[p] + i`); -1 when every page is whole. One vectorized pass.
+/// slots[p] + i`); -1 when every page is whole. One vectorized pass (RunEnd
+/// per page).
 int64_t FindBrokenPage(const int32_t* slots, int64_t n, int64_t page_size) noexcept;
 
 /// Throws kInvalidArgument naming `name` ("indices[17] = 40 breaks the page at
-/// indices[16]: with page_size 16 a page's slots are consecutive") unless
+/// indices[16] = 777: with page_size 16 the slots of a page are consecutive") unless
 /// every page of `slots[0, n)` is whole (see FindBrokenPage).
 void CheckPages(const int32_t* slots, int64_t n, int64_t page_size, const char* name);
 /// The same from the runs of `slots` (found before; O(runs)).
