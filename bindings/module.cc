@@ -26,6 +26,7 @@
 #include "radixkv/radix_tree.h"
 #include "radixkv/slot_set.h"
 #include "radixkv/status.h"
+#include "radixkv/tier_steps.h"
 #include "signal_shield.h"
 #include "tensor_view.h"
 
@@ -78,6 +79,22 @@ auto Locked(std::mutex& mu, bool release_gil, F&& f, Own&& own) {
 template <typename F>
 auto Locked(PyRadixTree& t, bool release_gil, F&& f) {
   return Locked(t.mu, release_gil, std::forward<F>(f), [] {});
+}
+
+// Runs f() holding both the tree's mutex and the GIL: for a call that also
+// changes a Python-owned object the GIL guards (a PageAllocator). Waiting for
+// the mutex releases the GIL (`own()` first), as Locked does; the GIL is
+// taken back once the mutex is held, which never deadlocks, since no thread
+// waits for the mutex while holding the GIL.
+template <typename F, typename Own>
+auto LockedWithGil(PyRadixTree& t, F&& f, Own&& own) {
+  if (!t.mu.try_lock()) {
+    own();
+    py::gil_scoped_release nogil;
+    t.mu.lock();
+  }
+  std::lock_guard<std::mutex> guard(t.mu, std::adopt_lock);
+  return f();
 }
 
 PyTypeObject* g_tree_type = nullptr;
@@ -445,15 +462,58 @@ py::object RadixTree_BeginBackup(PyRadixTree& t, PyObject* const* a) {
   return slots.take();
 }
 
+// The host pool's pages of a fused tier step (None: the caller frees).
+radixkv::PageAllocator* AsPages(PyObject* obj, const char* name) {
+  if (obj == nullptr || obj == Py_None) return nullptr;
+  py::handle h(obj);
+  CHECK_TYPE(py::isinstance<radixkv::PageAllocator>(h), name,
+             " must be a radixkv._core.PageAllocator, got ", Py_TYPE(obj)->tp_name);
+  return h.cast<radixkv::PageAllocator*>();
+}
+
+py::object RadixTree_StartBackup(PyRadixTree& t, PyObject* const* a) {
+  Int32View ids(a[0], "input_ids");
+  radixkv::PageAllocator* pages = AsPages(a[1], "host_pages");
+  CHECK_TYPE(pages != nullptr, "host_pages must be a radixkv._core.PageAllocator, got None");
+  CHECK_VALUE(pages->page_size() == t.tree.page_size(), "host_pages has page_size ",
+              pages->page_size(), " but the tree has ", t.tree.page_size());
+  const int64_t min_hits = a[2] != nullptr ? ToInt64(a[2], "min_hits") : 0;
+  CHECK_VALUE(min_hits >= 0 && min_hits <= UINT32_MAX, "min_hits is out of range");
+  const bool through_partial = Truth(a[3], false);
+  const uint64_t ns = AsNamespace(a[4]);
+  FinishViews(ids);
+  radixkv::TierCopy c;
+  TensorSink device, host;
+  const radixkv::BackupStart r = LockedWithGil(
+      t,
+      [&] {
+        return radixkv::StartBackup(&t.tree, pages, ids.data(), ids.size(),
+                                    static_cast<uint32_t>(min_hits), through_partial, ns, &c,
+                                    device, host);
+      },
+      [&] { ids.Own(); });
+  if (r == radixkv::BackupStart::kNothing) return py::none();
+  if (r == radixkv::BackupStart::kNoRoom)
+    return py::make_tuple(CopyTuple(c), py::none(), py::none());
+  return py::make_tuple(CopyTuple(c), device.take(), host.take());
+}
+
 py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
   const bool ok = Truth(a[2], true);
+  radixkv::PageAllocator* pages = AsPages(a[3], "host_pages");
   Int32View host(a[1], "host_slots");
   FinishViews(host);
   CHECK_VALUE(host.size() == c.length(), "host_slots has length ", host.size(),
               " but the copy covers ", c.length(), " tokens");
   TensorSink rejected;
-  Locked(t, false, [&] { t.tree.FinishBackup(c, host.data(), ok, rejected); });
+  if (pages != nullptr) {
+    LockedWithGil(
+        t, [&] { radixkv::FinishBackup(&t.tree, pages, c, host.data(), ok, rejected); },
+        [&] { host.Own(); });
+  } else {
+    Locked(t, false, [&] { t.tree.FinishBackup(c, host.data(), ok, rejected); });
+  }
   return rejected.take();
 }
 
@@ -903,7 +963,9 @@ constexpr Params kEvictHost{"evict_host", {"size"}, 1, 1};
 constexpr Params kFindBackup{
     "find_backup", {"input_ids", "min_hits", "through_partial", "namespace"}, 4, 1};
 constexpr Params kBeginBackup{"begin_backup", {"copy"}, 1, 1};
-constexpr Params kFinishBackup{"finish_backup", {"copy", "host_slots", "ok"}, 3, 2};
+constexpr Params kStartBackup{
+    "start_backup", {"input_ids", "host_pages", "min_hits", "through_partial", "namespace"}, 5, 2};
+constexpr Params kFinishBackup{"finish_backup", {"copy", "host_slots", "ok", "host_pages"}, 4, 2};
 constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
 constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
 constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
@@ -954,9 +1016,15 @@ PyMethodDef kTreeMethods[] = {
      "whole)."},
     {"begin_backup", Fast<RadixTree_BeginBackup, kBeginBackup>(), kFastCall,
      "begin_backup(copy) -> device slots: pins the nodes until finish_backup."},
+    {"start_backup", Fast<RadixTree_StartBackup, kStartBackup>(), kFastCall,
+     "start_backup(input_ids, host_pages, min_hits=0, through_partial=False, namespace=0) ->\n"
+     "None, or (copy, device_slots, host_slots): find_backup, then, when host_pages (a\n"
+     "PageAllocator) has the pages, takes them and begin_backup. The slots are None when it\n"
+     "has not (nothing begun)."},
     {"finish_backup", Fast<RadixTree_FinishBackup, kFinishBackup>(), kFastCall,
-     "finish_backup(copy, host_slots, ok=True) -> host slots not taken. With ok, ValueError\n"
-     "unless each page of host_slots is page_size consecutive slots."},
+     "finish_backup(copy, host_slots, ok=True, host_pages=None) -> host slots not taken\n"
+     "(given host_pages, also freed there). With ok, ValueError unless each page of\n"
+     "host_slots is page_size consecutive slots."},
     {"find_load", Fast<RadixTree_FindLoad, kFindLoad>(), kFastCall,
      "find_load(handle) -> TierCopy: the host-only part of the handle's match."},
     {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,

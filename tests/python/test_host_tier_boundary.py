@@ -194,6 +194,48 @@ def test_tier_calls_refuse_broken_pages_changing_nothing():
     t.check_integrity()
 
 
+def test_start_backup_finds_takes_pages_and_begins_in_one_call():
+    """start_backup is find_backup, the host pages and begin_backup at once;
+    with too few free pages it begins nothing and takes nothing; a finish
+    given the pages frees there what the tree did not take."""
+    t = _core.RadixTree(4, max_slots=1000)
+    pages = _core.PageAllocator(3, 4)
+    assert t.start_backup(list(range(8)), pages) is None  # nothing cached
+    t.insert_prefix(list(range(8)), list(range(100, 108)))
+    t.insert_prefix(list(range(16)), list(range(100, 116)))
+    before = t.dump(tiers=True)
+    copy, dev, host = t.start_backup(list(range(16)), pages)
+    assert (copy.start, copy.end) == (0, 16) and dev is None and host is None
+    assert pages.num_free_pages == 3 and t.dump(tiers=True) == before
+    t.check_integrity()
+
+    copy, dev, host = t.start_backup(list(range(8)), pages)
+    assert (copy.start, copy.end) == (0, 8)
+    assert dev.tolist() == list(range(100, 108)) and len(host) == 8
+    assert pages.num_free_pages == 1 and t.tier_sizes().backing_up == 8
+    with pytest.raises(ValueError, match="in flight"):  # a second start of the same range
+        t.begin_backup(copy)
+    # A failed copy: all its host pages come back to the allocator.
+    assert len(t.finish_backup(copy, host, False, pages)) == 8
+    assert pages.num_free_pages == 3 and t.tier_sizes().host == 0
+    copy, dev, host = t.start_backup(list(range(8)), pages)
+    assert len(t.finish_backup(copy, host, True, pages)) == 0
+    assert pages.num_free_pages == 1 and t.tier_sizes().host == 8
+    pages.check_disjoint(t, True)
+    t.check_integrity()
+
+    with pytest.raises(TypeError, match="host_pages must be a radixkv._core.PageAllocator"):
+        t.start_backup(list(range(16)), None)
+    with pytest.raises(TypeError, match="host_pages must be a radixkv._core.PageAllocator"):
+        t.start_backup(list(range(16)), [1, 2])
+    with pytest.raises(ValueError, match="host_pages has page_size 2"):
+        t.start_backup(list(range(16)), _core.PageAllocator(8, 2))
+    with pytest.raises(TypeError, match="host_pages"):
+        t.finish_backup(copy, host, True, "pages")
+    assert pages.num_free_pages == 1
+    t.check_integrity()
+
+
 def test_a_discarded_manager_lets_go_of_its_controller_and_its_pool():
     pool = MHAKVCache(1, 2, 8, 16, torch.float16, page_size=4)
     cm = CacheManager(16, page_size=4, host_num_pages=32, kv_cache=pool)

@@ -286,10 +286,10 @@ def _ctrl_c_during_the_backup(monkeypatch, nth, times=1):
     from radixkv.scheduler.host_tier import HostTier
 
     calls, began = [0], [0]
-    start_backup, serve = HostTier._start_backup, Instance.serve
+    queue_backup, serve = HostTier._queue_backup, Instance.serve
 
-    def start_backup_then_ctrl_c(self, copy):
-        n = start_backup(self, copy)
+    def queue_backup_then_ctrl_c(self, copy, device_slots, host_slots):
+        n = queue_backup(self, copy, device_slots, host_slots)
         calls[0] += 1
         if calls[0] == nth:
             for _ in range(times):
@@ -300,7 +300,7 @@ def _ctrl_c_during_the_backup(monkeypatch, nth, times=1):
         began[0] += 1
         return serve(self, *args)
 
-    monkeypatch.setattr(HostTier, "_start_backup", start_backup_then_ctrl_c)
+    monkeypatch.setattr(HostTier, "_queue_backup", queue_backup_then_ctrl_c)
     monkeypatch.setattr(Instance, "serve", counting_serve)
     return began
 

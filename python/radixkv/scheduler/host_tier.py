@@ -187,19 +187,25 @@ class HostTier:
         from where its host copy ends. Returns the tokens queued (0 when nothing needs a copy, or
         the host pool cannot make room: the path stays device only)."""
         min_hits = self.min_hits if min_hits is None else min_hits
-        copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
-        if copy is None:
+        # One native call finds the range, takes its host pages and pins it.
+        started = self.tree.start_backup(input_ids, self.pages, min_hits, through_partial, ns)
+        if started is None:
             return 0
-        missing = copy.end - copy.start - self.pages.num_free_pages * self.page_size
-        if missing > 0:
-            if not self._evict(missing):
-                self.backups_skipped += copy.end - copy.start
+        copy, device_slots, host_slots = started
+        if device_slots is None:  # the host pool has too few free pages
+            n = copy.end - copy.start
+            if not self._evict(n - self.pages.num_free_pages * self.page_size):
+                self.backups_skipped += n
                 return 0
             # Making room may have dropped the host copy the range started under.
-            copy = self.tree.find_backup(input_ids, min_hits, through_partial, ns)
-            if copy is None:
+            started = self.tree.start_backup(input_ids, self.pages, min_hits, through_partial, ns)
+            if started is None:
                 return 0
-        return self._start_backup(copy)
+            copy, device_slots, host_slots = started
+            if device_slots is None:
+                self.backups_skipped += copy.end - copy.start
+                return 0
+        return self._queue_backup(copy, device_slots, host_slots)
 
     def copy_path_to_host(self, tokens, ns: int = 0) -> bool:
         """Makes the host copy of `tokens`' cached path again where it was
@@ -277,11 +283,19 @@ class HostTier:
         except BaseException:
             self.pages.free(host_slots, self.tree, True)
             raise
+        return self._queue_backup(copy, device_slots, host_slots)
+
+    def _queue_backup(
+        self, copy: Copy, device_slots: torch.Tensor, host_slots: torch.Tensor
+    ) -> int:
+        """Hands a begun backup to the controller and owns its slots until
+        `writing_check` applies it."""
         try:
             op = self.controller.backup(device_slots, host_slots)
         except BaseException:  # (a pool moved since the controller was made)
-            self.pages.free(self.tree.finish_backup(copy, host_slots, False), self.tree, True)
+            self.tree.finish_backup(copy, host_slots, False, self.pages)
             raise
+        n = copy.end - copy.start
         self._backups[op] = (copy, host_slots, device_slots)
         self._backup_tokens += n
         return n
@@ -303,9 +317,8 @@ class HostTier:
         while acks:
             op, ok = acks.popleft()
             copy, host_slots, device_slots = self._backups.pop(op)
-            rejected = self.tree.finish_backup(copy, host_slots, ok)
-            if len(rejected):
-                self.pages.free(rejected, self.tree, True)
+            # The tree takes the slots; those it does not go back to the pages.
+            rejected = self.tree.finish_backup(copy, host_slots, ok, self.pages)
             if self.events is not None and len(rejected) < len(host_slots):
                 self.events.host_backed_up(device_slots, host_slots, rejected)
             self._backup_tokens -= len(host_slots)

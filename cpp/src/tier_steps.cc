@@ -1,0 +1,35 @@
+#include "radixkv/tier_steps.h"
+
+#include <vector>
+
+namespace radixkv {
+
+BackupStart StartBackup(RadixTree* tree, PageAllocator* host_pages, const int32_t* tokens,
+                        int64_t n, uint32_t min_hits, bool through_partial, uint64_t ns,
+                        TierCopy* copy, SlotSink device, SlotSink host) {
+  if (!tree->FindBackup(tokens, n, min_hits, copy, through_partial, ns)) {
+    return BackupStart::kNothing;
+  }
+  const int64_t pages = (copy->length() + tree->page_size() - 1) / tree->page_size();
+  if (pages > host_pages->num_free_pages()) return BackupStart::kNoRoom;
+  int32_t* slots = nullptr;
+  host_pages->Allocate(copy->length(), [&](int64_t k) { return slots = host(k); });
+  try {
+    tree->BeginBackup(*copy, device);
+  } catch (...) {
+    host_pages->Free(slots, copy->length());
+    throw;
+  }
+  return BackupStart::kStarted;
+}
+
+int64_t FinishBackup(RadixTree* tree, PageAllocator* host_pages, const TierCopy& copy,
+                     const int32_t* host, bool ok, SlotSink rejected) {
+  int32_t* out = nullptr;
+  const int64_t k =
+      tree->FinishBackup(copy, host, ok, [&](int64_t m) { return out = rejected(m); });
+  if (k > 0) host_pages->Free(out, k, &tree->stored_host_slots());
+  return k;
+}
+
+}  // namespace radixkv
