@@ -12,6 +12,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -21,6 +23,7 @@
 #include "kernels.h"
 #include "radixkv/checksum.h"
 #include "radixkv/compare.h"
+#include "radixkv/event_pack.h"
 #include "radixkv/page_allocator.h"
 #include "radixkv/page_hash.h"
 #include "radixkv/radix_tree.h"
@@ -923,6 +926,111 @@ py::bytes HmacSha256(py::bytes key, py::sequence parts) {
   return py::bytes(reinterpret_cast<const char*>(out), sizeof(out));
 }
 
+// A 1-D or N-D buffer of T's (read in C order), borrowed while `view` is
+// held; N-D or oddly strided input is copied into `owned`.
+template <typename T>
+struct PackInput {
+  Py_buffer view{};
+  bool held = false;
+  std::vector<T> owned;
+  radixkv::Strided<T> run;
+  ~PackInput() {
+    if (held) PyBuffer_Release(&view);
+  }
+};
+
+// Whether a buffer format names a native-order T (uint64 or int32).
+template <typename T>
+bool NativeFormat(const char* format) {
+  std::string f = format ? format : "B";
+  if (!f.empty() && (f[0] == '@' || f[0] == '=' || f[0] == '<')) f = f.substr(1);
+  if (f.size() != 1) return false;
+  if constexpr (std::is_same_v<T, uint64_t>) {
+    return f == "Q" || (f == "L" && sizeof(unsigned long) == 8);
+  } else {
+    return f == "i" || (f == "l" && sizeof(long) == 4);
+  }
+}
+
+template <typename T>
+void ReadPackInput(py::handle obj, const char* name, const char* dtype, PackInput<T>* in) {
+  CHECK_TYPE(PyObject_CheckBuffer(obj.ptr()), name, " must be a NumPy array of ", dtype, ", got ",
+             Py_TYPE(obj.ptr())->tp_name);
+  if (PyObject_GetBuffer(obj.ptr(), &in->view, PyBUF_RECORDS_RO) != 0) {
+    throw py::error_already_set();
+  }
+  in->held = true;
+  const Py_buffer& v = in->view;
+  CHECK_TYPE(v.itemsize == sizeof(T) && NativeFormat<T>(v.format), name, " must hold ", dtype,
+             ", got format '", v.format ? v.format : "B", "'");
+  const auto* base = static_cast<const unsigned char*>(v.buf);
+  if (v.ndim == 1) {
+    in->run = {base, v.shape[0], v.strides[0]};
+    return;
+  }
+  int64_t total = 1;
+  for (int d = 0; d < v.ndim; ++d) total *= v.shape[d];
+  in->owned.resize(static_cast<size_t>(total));
+  std::vector<int64_t> index(static_cast<size_t>(v.ndim), 0);
+  for (int64_t i = 0; i < total; ++i) {
+    const unsigned char* p = base;
+    for (int d = 0; d < v.ndim; ++d) p += index[d] * v.strides[d];
+    std::memcpy(&in->owned[static_cast<size_t>(i)], p, sizeof(T));
+    for (int d = v.ndim - 1; d >= 0 && ++index[d] == v.shape[d]; --d) index[d] = 0;
+  }
+  in->run = {reinterpret_cast<const unsigned char*>(in->owned.data()), total, sizeof(T)};
+}
+
+std::optional<std::string_view> MediumArg(py::handle medium) {
+  if (medium.is_none()) return std::nullopt;
+  CHECK_TYPE(PyUnicode_Check(medium.ptr()), "medium must be a str or None, got ",
+             Py_TYPE(medium.ptr())->tp_name);
+  Py_ssize_t n = 0;
+  const char* s = PyUnicode_AsUTF8AndSize(medium.ptr(), &n);
+  if (s == nullptr) throw py::error_already_set();
+  return std::string_view(s, static_cast<size_t>(n));
+}
+
+std::optional<uint64_t> ParentArg(py::handle parent) {
+  if (parent.is_none()) return std::nullopt;
+  CHECK_TYPE(PyLong_Check(parent.ptr()) && !PyBool_Check(parent.ptr()),
+             "parent_block_hash must be an int or None, got ", Py_TYPE(parent.ptr())->tp_name);
+  const unsigned long long v = PyLong_AsUnsignedLongLong(parent.ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    CHECK_VALUE(false, "parent_block_hash must be in [0, 2**64)");
+  }
+  return static_cast<uint64_t>(v);
+}
+
+// One BlockStored event as msgpack (radixkv.events.encode_batch's bytes for it).
+py::bytes PackBlockStored(py::handle block_hashes, py::handle parent_block_hash,
+                          py::handle token_ids, py::handle block_size, py::handle lora_id,
+                          py::handle medium) {
+  PackInput<uint64_t> hashes;
+  ReadPackInput(block_hashes, "block_hashes", "uint64", &hashes);
+  PackInput<int32_t> tokens;
+  ReadPackInput(token_ids, "token_ids", "int32", &tokens);
+  const std::optional<uint64_t> parent = ParentArg(parent_block_hash);
+  const int64_t size = ToInt64(block_size, "block_size");
+  std::optional<int64_t> lora;
+  if (!lora_id.is_none()) lora = ToInt64(lora_id, "lora_id");
+  const auto med = MediumArg(medium);
+  std::string out;
+  radixkv::PackBlockStored(&out, hashes.run, parent, tokens.run, size, lora, med);
+  return py::bytes(out);
+}
+
+// One BlockRemoved event as msgpack.
+py::bytes PackBlockRemoved(py::handle block_hashes, py::handle medium) {
+  PackInput<uint64_t> hashes;
+  ReadPackInput(block_hashes, "block_hashes", "uint64", &hashes);
+  const auto med = MediumArg(medium);
+  std::string out;
+  radixkv::PackBlockRemoved(&out, hashes.run, med);
+  return py::bytes(out);
+}
+
 constexpr const char* kMatchDoc =
     "match_prefix(input_ids, namespace=0) -> (handle, indices)\n\n"
     "Longest cached prefix of input_ids in whole pages: a handle (cached_len\n"
@@ -1129,6 +1237,13 @@ PYBIND11_MODULE(_core, m) {
         "keyed_page_keys(raw_keys, key) -> hex of HMAC-SHA-256(key, k) for each 32-byte k.");
   m.def("hmac_sha256", &HmacSha256, py::arg("key"), py::arg("parts"),
         "hmac_sha256(key, parts) -> HMAC-SHA-256 under key of the buffers in parts, joined.");
+  m.def("pack_block_stored", &PackBlockStored, py::arg("block_hashes"),
+        py::arg("parent_block_hash"), py::arg("token_ids"), py::arg("block_size"),
+        py::arg("lora_id"), py::arg("medium"),
+        "pack_block_stored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, "
+        "medium) -> the msgpack of one BlockStored event (uint64 and int32 arrays).");
+  m.def("pack_block_removed", &PackBlockRemoved, py::arg("block_hashes"), py::arg("medium"),
+        "pack_block_removed(block_hashes, medium) -> the msgpack of one BlockRemoved event.");
   m.def("check_ids", &CheckIds, py::arg("values"), py::arg("name"));
   m.def("check_slots", &CheckSlots, py::arg("values"), py::arg("name"), py::arg("limit") = -1);
 

@@ -43,6 +43,9 @@ class _Keep(EventPublisher):
     def publish(self, events) -> None:
         self.batches.append(events)
 
+    def publish_packed(self, events) -> None:
+        self.batches.append(events)
+
 
 def _one_request(cm: CacheManager, ids: list) -> None:
     op = cm.prefetch(ids)

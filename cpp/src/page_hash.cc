@@ -33,9 +33,13 @@ void PageKeys(const int32_t* tokens, int64_t n, int64_t page_size, const uint8_t
   }
   const int64_t pages = n / page_size;
   if (pages == 0) return;
-  std::unique_ptr<EVP_MD_CTX, CtxFree> ctx(EVP_MD_CTX_new());
+  // One context initialised once, copied per page: a fresh EVP_DigestInit_ex
+  // per page costs more than the hash of a small page.
+  std::unique_ptr<EVP_MD_CTX, CtxFree> base(EVP_MD_CTX_new()), ctx(EVP_MD_CTX_new());
   const EVP_MD* sha256 = EVP_sha256();
-  if (!ctx || sha256 == nullptr) throw std::runtime_error("libcrypto: no SHA-256 context");
+  if (!base || !ctx || sha256 == nullptr || EVP_DigestInit_ex(base.get(), sha256, nullptr) != 1) {
+    throw std::runtime_error("libcrypto: no SHA-256 context");
+  }
   const bool little = LittleEndian();
   std::vector<uint32_t> swapped(little ? 0 : static_cast<size_t>(page_size));
   const uint8_t* prior = seed;
@@ -51,7 +55,7 @@ void PageKeys(const int32_t* tokens, int64_t n, int64_t page_size, const uint8_t
     }
     uint8_t* key = out + p * kPageKeyBytes;
     unsigned int len = 0;
-    if (EVP_DigestInit_ex(ctx.get(), sha256, nullptr) != 1 ||
+    if (EVP_MD_CTX_copy_ex(ctx.get(), base.get()) != 1 ||
         (prior != nullptr && EVP_DigestUpdate(ctx.get(), prior, kPageKeyBytes) != 1) ||
         EVP_DigestUpdate(ctx.get(), bytes, static_cast<size_t>(page_size) * 4) != 1 ||
         EVP_DigestFinal_ex(ctx.get(), key, &len) != 1 || len != kPageKeyBytes) {

@@ -44,10 +44,11 @@ publisher is made or a batch is encoded: `import radixkv` never needs them.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections import deque
-from typing import List, NamedTuple, Optional, Union
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 """Where a publisher binds by default: loopback only (the events carry prompts' token ids)."""
@@ -131,6 +132,62 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     return msgpack.packb(
         [float(batch.ts), [_wire(e) for e in batch.events], batch.data_parallel_rank],
         use_bin_type=True,
+    )
+
+
+def pack_event(event: KVEvent) -> bytes:
+    """One event's msgpack, natively: what `encode_batch` writes for it inside
+    a batch (its block hashes uint64, its tokens int32). A batch of packed
+    events goes out through `EventPublisher.publish_packed`."""
+    import numpy as np
+
+    from radixkv import _core
+
+    if isinstance(event, BlockStored):
+        return _core.pack_block_stored(
+            np.asarray(event.block_hashes, dtype=np.uint64),
+            event.parent_block_hash,
+            np.asarray(event.token_ids, dtype=np.int32),
+            event.block_size,
+            event.lora_id,
+            event.medium,
+        )
+    if isinstance(event, BlockRemoved):
+        return _core.pack_block_removed(
+            np.asarray(event.block_hashes, dtype=np.uint64), event.medium
+        )
+    if isinstance(event, AllBlocksCleared):
+        return ALL_BLOCKS_CLEARED
+    raise TypeError(
+        f"event must be a BlockStored, BlockRemoved or AllBlocksCleared, got "
+        f"{type(event).__name__}"
+    )
+
+
+ALL_BLOCKS_CLEARED = b"\x91\xb0AllBlocksCleared"
+"""The msgpack of `["AllBlocksCleared"]`."""
+
+
+def packed_batch(ts: float, events: Sequence[bytes], data_parallel_rank: Optional[int]) -> bytes:
+    """The payload of a batch whose events are already msgpack (`pack_event`,
+    or the cache's own): byte for byte `encode_batch` of the same events."""
+    import msgpack
+
+    n = len(events)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n <= 0xFFFF:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return b"".join(
+        (
+            b"\x93\xcb",
+            struct.pack(">d", float(ts)),
+            head,
+            *events,
+            msgpack.packb(data_parallel_rank),
+        )
     )
 
 
@@ -380,6 +437,19 @@ class EventPublisher:
         if self._closed:
             raise RuntimeError("the EventPublisher is closed")
         payload = encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank))
+        return self._send(payload)
+
+    def publish_packed(self, events: Sequence[bytes]) -> Optional[int]:
+        """`publish` for events already in msgpack (`pack_event`, or a cache's
+        own): the same batch on the wire, numbered, kept and counted as
+        `publish`'s."""
+        if not isinstance(events, (list, tuple)):
+            raise TypeError(f"events must be a list of bytes, got {type(events).__name__}")
+        if self._closed:
+            raise RuntimeError("the EventPublisher is closed")
+        return self._send(packed_batch(time.time(), events, self.data_parallel_rank))
+
+    def _send(self, payload: bytes) -> Optional[int]:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the EventPublisher is closed")

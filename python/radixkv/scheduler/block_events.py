@@ -38,12 +38,10 @@ import torch
 from radixkv import _core
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.events import (
+    ALL_BLOCKS_CLEARED,
     MEDIUM_CPU_PINNED,
     MEDIUM_DISK,
     MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     EventPublisher,
 )
 
@@ -85,14 +83,14 @@ class TierBlocks:
         held = self.present[pages]
         return held, self.rows[pages[held]]
 
-    def remove(self, pages: np.ndarray) -> List[int]:
-        """Clears `pages`; returns the hashes of those that held a block."""
+    def remove(self, pages: np.ndarray) -> np.ndarray:
+        """Clears `pages`; returns the hashes (uint64) of those that held a block."""
         pages = pages[self.present[pages]]
         self.present[pages] = False
-        return self.rows["hash"][pages].tolist()
+        return self.rows["hash"][pages]
 
-    def hashes(self) -> List[int]:
-        return self.rows["hash"][self.present].tolist()
+    def hashes(self) -> np.ndarray:
+        return self.rows["hash"][self.present]
 
     def clear(self) -> None:
         self.present[:] = False
@@ -123,7 +121,8 @@ class BlockEvents:
         # Hashes announced on DISK, the most recent DISK_MEMORY of them (one
         # older than that may be announced again: a duplicate, never a loss).
         self.disk: "OrderedDict[int, None]" = OrderedDict()
-        self.pending: List = []
+        # The events not published yet, each already msgpack (packed natively).
+        self.pending: List[bytes] = []
 
     # -- blocks ---------------------------------------------------------------------
 
@@ -185,17 +184,17 @@ class BlockEvents:
             first = blocks[a]
             parent = int(first["parent"]) if first["has_parent"] else None
             self._add(
-                BlockStored(
-                    hashes[a:b].tolist(),
+                _core.pack_block_stored(
+                    hashes[a:b],
                     parent,
-                    blocks["tokens"][a:b].ravel().tolist(),
+                    blocks["tokens"][a:b],
                     self.page_size,
                     self.lora_id,
                     medium,
                 )
             )
 
-    def _add(self, event) -> None:
+    def _add(self, event: bytes) -> None:
         self.pending.append(event)
         if len(self.pending) >= MAX_PENDING_EVENTS:
             self.flush()
@@ -209,7 +208,7 @@ class BlockEvents:
             events, self.pending = self.pending, []
             if self.publisher.closed:
                 return 0
-            self.publisher.publish(events)
+            self.publisher.publish_packed(events)
         return n
 
     # -- the device tier ---------------------------------------------------------------
@@ -231,7 +230,7 @@ class BlockEvents:
         if not self.namespaces.known(ns):
             return
         ps = self.page_size
-        ids, slot_ids = tokens.numpy(), slots.numpy()
+        ids, slot_ids = np.asarray(tokens.numpy(), dtype=np.int32), slots.numpy()
         parent_page = int(slot_ids[start - ps]) // ps if 0 < start <= known else -1
         blocks = self.blocks(ids[:end], start // ps, parent_page, ns)
         if len(blocks) == 0:
@@ -240,20 +239,15 @@ class BlockEvents:
         first = blocks[0]
         parent = int(first["parent"]) if first["has_parent"] else None
         self._add(
-            BlockStored(
-                blocks["hash"].tolist(),
-                parent,
-                ids[start:end].tolist(),
-                ps,
-                self.lora_id,
-                MEDIUM_GPU,
+            _core.pack_block_stored(
+                blocks["hash"], parent, ids[start:end], ps, self.lora_id, MEDIUM_GPU
             )
         )
 
     def device_evicted(self, slots: torch.Tensor) -> None:
         hashes = self.device.remove(self._pages(slots))
-        if hashes:
-            self._add(BlockRemoved(hashes, MEDIUM_GPU))
+        if len(hashes):
+            self._add(_core.pack_block_removed(hashes, MEDIUM_GPU))
 
     def device_loaded(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Pages loaded from host joined the device with `device_slots`."""
@@ -278,8 +272,8 @@ class BlockEvents:
 
     def host_evicted(self, slots: torch.Tensor) -> None:
         hashes = self.host.remove(self._pages(slots))
-        if hashes:
-            self._add(BlockRemoved(hashes, MEDIUM_CPU_PINNED))
+        if len(hashes):
+            self._add(_core.pack_block_removed(hashes, MEDIUM_CPU_PINNED))
 
     def host_inserted(
         self,
@@ -322,9 +316,9 @@ class BlockEvents:
         """The device and host tiers were emptied: the host blocks are
         removed one by one, the device's by AllBlocksCleared."""
         hashes = self.host.hashes()
-        if hashes:
-            self._add(BlockRemoved(hashes, MEDIUM_CPU_PINNED))
-        self._add(AllBlocksCleared())
+        if len(hashes):
+            self._add(_core.pack_block_removed(hashes, MEDIUM_CPU_PINNED))
+        self._add(ALL_BLOCKS_CLEARED)
         self.device.clear()
         self.host.clear()
 
