@@ -9,6 +9,9 @@ has a host copy, as write_through leaves it):
   backup       "on" only: write_through's bookkeeping after each of those
                inserts (find_backup, begin_backup, host pages from a
                PageAllocator, finish_backup), without the copy itself
+  backup_fused the same in the host tier's two calls: start_backup (find,
+               host pages, begin) and finish_backup freeing what is not taken
+               (alternating batches with "backup", half the inserts each)
   evict@10000  evict 1,024 tokens (8 leaves) from 10,000 unlocked leaves; "on"
                keeps them as host-only nodes instead of deleting them (the
                evicted leaves are put back between samples, untimed)
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -56,6 +60,15 @@ class Backups:
             return
         tree.begin_backup(copy)
         tree.finish_backup(copy, self.host.allocate(copy[3] - copy[2]))
+
+    def fused(self, ids):
+        """The same in the two calls the host tier makes: start_backup (find,
+        host pages, begin) and finish_backup freeing what is not taken."""
+        started = self.tree.start_backup(ids, self.host)
+        if started is None:
+            return
+        copy, _, host = started
+        self.tree.finish_backup(copy, host, True, self.host)
 
 
 def make_tree(seqs, tier: bool):
@@ -101,7 +114,13 @@ def bench_tree(tier: bool, seed: int, reps: int) -> dict:
     if tier:
         for s, v in fresh[1000:]:
             tree.insert_prefix(s, v)
-        out["backup"] = batched([(s,) for s, _ in fresh[1000:]], backups)
+        # Half the fresh requests each way, batches alternating.
+        calls = [(s,) for s, _ in fresh[1000:]]
+        seps, fus = [], []
+        for b in range(0, len(calls), 40):
+            seps.append(batched(calls[b : b + 20], backups))
+            fus.append(batched(calls[b + 20 : b + 40], backups.fused))
+        out["backup"], out["backup_fused"] = statistics.median(seps), statistics.median(fus)
 
     # evict@10000
     w = Workload(seed)
@@ -191,7 +210,7 @@ def main() -> None:
     on = bench_tree(True, args.seed, args.reps)
     rows = []
     print(f"{'case':<14}{'tier off':>10}{'tier on':>10}{'on/off':>8}   (median us)")
-    for case in ["match_many", "insert_many", "evict@10000", "backup", "load"]:
+    for case in ["match_many", "insert_many", "evict@10000", "backup", "backup_fused", "load"]:
         a, b = off.get(case), on.get(case)
         ratio = f"{b / a:>7.2f}x" if a else "       -"
         print(
