@@ -192,7 +192,7 @@ class HostTier:
         if started is None:
             return 0
         copy, device_slots, host_slots = started
-        if device_slots is None:  # the host pool has too few free pages
+        if device_slots is None or host_slots is None:  # too few free host pages
             n = copy.end - copy.start
             if not self._evict(n - self.pages.num_free_pages * self.page_size):
                 self.backups_skipped += n
@@ -202,7 +202,7 @@ class HostTier:
             if started is None:
                 return 0
             copy, device_slots, host_slots = started
-            if device_slots is None:
+            if device_slots is None or host_slots is None:
                 self.backups_skipped += copy.end - copy.start
                 return 0
         return self._queue_backup(copy, device_slots, host_slots)
