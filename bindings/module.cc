@@ -505,6 +505,9 @@ py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
   const bool ok = Truth(a[2], true);
   radixkv::PageAllocator* pages = AsPages(a[3], "host_pages");
+  CHECK_VALUE(pages == nullptr || pages->page_size() == t.tree.page_size(),
+              "host_pages has page_size ", pages == nullptr ? 0 : pages->page_size(),
+              " but the tree has ", t.tree.page_size());
   Int32View host(a[1], "host_slots");
   FinishViews(host);
   CHECK_VALUE(host.size() == c.length(), "host_slots has length ", host.size(),
@@ -515,7 +518,9 @@ py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
         t, [&] { radixkv::FinishBackup(&t.tree, pages, c, host.data(), ok, rejected); },
         [&] { host.Own(); });
   } else {
-    Locked(t, false, [&] { t.tree.FinishBackup(c, host.data(), ok, rejected); });
+    Locked(
+        t.mu, false, [&] { return t.tree.FinishBackup(c, host.data(), ok, rejected); },
+        [&] { host.Own(); });
   }
   return rejected.take();
 }
@@ -540,7 +545,8 @@ py::object RadixTree_FinishLoad(PyRadixTree& t, PyObject* const* a) {
   FinishViews(device);
   CHECK_VALUE(device.size() == c.length(), "device_slots has length ", device.size(),
               " but the copy covers ", c.length(), " tokens");
-  return py::bool_(Locked(t, false, [&] { return t.tree.FinishLoad(c, device.data(), ok); }));
+  return py::bool_(Locked(
+      t.mu, false, [&] { return t.tree.FinishLoad(c, device.data(), ok); }, [&] { device.Own(); }));
 }
 
 py::object RadixTree_EvictionCandidatesWithoutHost(PyRadixTree& t, PyObject* const* a) {

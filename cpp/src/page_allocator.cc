@@ -61,9 +61,9 @@ void PageAllocator::CheckOwned(const int32_t* slots, int64_t n, const char* name
   }
 }
 
-void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached) {
-  CheckOwned(slots, n, "indices", cached);
-  // Mark as we go so a repeated page is caught; undo on failure.
+// Marks the pages of `slots` free, catching a repeated page; undoes the marks
+// and throws on one. Returns with them marked.
+void PageAllocator::MarkFree(const int32_t* slots, int64_t n, const char* name) {
   int64_t i = 0;
   for (; i < n; i += page_size_) {
     const int32_t page = static_cast<int32_t>(slots[i] / page_size_);
@@ -73,8 +73,20 @@ void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached)
   if (i < n) {
     for (int64_t k = 0; k < i; k += page_size_) is_free_[slots[k] / page_size_] = 0;
     throw Error(kInvalid,
-                StrCat("indices[", i, "] = ", slots[i], " repeats page ", slots[i] / page_size_));
+                StrCat(name, "[", i, "] = ", slots[i], " repeats page ", slots[i] / page_size_));
   }
+}
+
+void PageAllocator::CheckFree(const int32_t* slots, int64_t n, const char* name,
+                              const SlotSet* cached) {
+  CheckOwned(slots, n, name, cached);
+  MarkFree(slots, n, name);
+  for (int64_t k = 0; k < n; k += page_size_) is_free_[slots[k] / page_size_] = 0;
+}
+
+void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached) {
+  CheckOwned(slots, n, "indices", cached);
+  MarkFree(slots, n, "indices");
   for (int64_t k = 0; k < n; k += page_size_) {
     free_.push_back(static_cast<int32_t>(slots[k] / page_size_));
   }

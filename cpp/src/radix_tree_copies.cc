@@ -93,7 +93,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
                 "not the one begun");
   RADIXKV_CHECK(FindOutOfRange(host, copy.length()) < 0, kInvalid,
                 "host_slots has a negative slot");
-  if (ok) CheckPages(host, copy.length(), page_size_, "host_slots");
+  CheckPages(host, copy.length(), page_size_, "host_slots");
   // Top down: a node takes its host slots only if its parent has a host copy
   // by then, so a failed parent cuts off the nodes below it.
   std::vector<Node*> nodes;

@@ -166,7 +166,10 @@ def test_tier_calls_refuse_broken_pages_changing_nothing():
         t.finish_backup(c, broken)
     assert t.dump(tiers=True) == before
     t.check_integrity()
-    assert sorted(t.finish_backup(c, broken, ok=False).tolist()) == sorted(broken)
+    with pytest.raises(ValueError, match="breaks the page"):  # failed or not
+        t.finish_backup(c, broken, ok=False)
+    assert t.dump(tiers=True) == before
+    assert len(t.finish_backup(c, [20, 21, 22, 23, 40, 41, 42, 43], ok=False)) == 8
     assert t.tier_sizes()[2] == 0  # no host copy
     t.check_integrity()
 
@@ -232,7 +235,29 @@ def test_start_backup_finds_takes_pages_and_begins_in_one_call():
         t.start_backup(list(range(16)), _core.PageAllocator(8, 2))
     with pytest.raises(TypeError, match="host_pages"):
         t.finish_backup(copy, host, True, "pages")
-    assert pages.num_free_pages == 1
+    # Slots that could not all go back to the pages are refused before the
+    # tree changes (the tree would take some and the rest would leak).
+    t = _core.RadixTree(4, max_slots=1000)
+    t.insert_prefix(list(range(8)), list(range(100, 108)))
+    pages = _core.PageAllocator(8, 4)
+    copy, dev, host = t.start_backup(list(range(8)), pages)
+    before, free = t.dump(tiers=True), pages.num_free_pages
+    for ok in (True, False):
+        for bad, what in [
+            (torch.cat([host[:4], host[:4]]), "repeats page"),
+            (torch.arange(40, 48, dtype=torch.int32), "out of range"),
+        ]:
+            with pytest.raises(ValueError, match=what):
+                t.finish_backup(copy, bad, ok, pages)
+            assert t.dump(tiers=True) == before and pages.num_free_pages == free
+        with pytest.raises(ValueError, match="free"):  # pages of another allocator
+            t.finish_backup(copy, host, ok, _core.PageAllocator(3, 4))
+        with pytest.raises(ValueError, match="host_pages has page_size 2"):
+            t.finish_backup(copy, host, ok, _core.PageAllocator(8, 2))
+        assert t.dump(tiers=True) == before and pages.num_free_pages == free
+    assert len(t.finish_backup(copy, host, False, pages)) == 8
+    assert pages.num_free_pages == free + 2
+    pages.check_disjoint(t, True)
     t.check_integrity()
 
 

@@ -40,6 +40,12 @@ class PageAllocator {
   /// slot is in `cached`.
   void Free(const int32_t* slots, int64_t n, const SlotSet* cached = nullptr);
 
+  /// Throws what Free(slots, n, cached) would throw (naming `name`), and frees
+  /// nothing either way: for a caller that must know Free will succeed
+  /// before it changes anything else.
+  void CheckFree(const int32_t* slots, int64_t n, const char* name,
+                 const SlotSet* cached = nullptr);
+
   /// Throws kInvalidArgument, naming `name`, unless `slots[0, n)` are whole
   /// pages in order that are allocated and (when given) not in `cached`.
   void CheckOwned(const int32_t* slots, int64_t n, const char* name,
@@ -50,6 +56,8 @@ class PageAllocator {
   void CheckDisjoint(const SlotSet& cached) const;
 
  private:
+  void MarkFree(const int32_t* slots, int64_t n, const char* name);
+
   const int64_t num_pages_;
   const int64_t page_size_;
   std::vector<int32_t> free_;     // stack of free page ids

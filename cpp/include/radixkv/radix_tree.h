@@ -242,7 +242,7 @@ class RadixTree {
   /// has no host copy do not: a parent whose own backup failed cuts its
   /// subtree off); unpins them. Writes to `rejected` the host slots not taken
   /// (all of them when not `ok`, or when the copy's node is gone, which only
-  /// Reset does); returns how many. The pages are checked only when `ok`.
+  /// Reset does); returns how many.
   int64_t FinishBackup(const TierCopy& copy, const int32_t* host, bool ok, SlotSink rejected);
 
   /// The host-only part of `handle`'s match, as a copy starting at the

@@ -27,6 +27,9 @@ BackupStart StartBackup(RadixTree* tree, PageAllocator* host_pages, const int32_
 
 /// FinishBackup, then the host slots the tree did not take go back to
 /// `host_pages`; they are also written to `rejected`. Returns how many.
+/// Throws kInvalidArgument, changing nothing, unless every one of `host[0,
+/// copy.length())` could go back (whole pages of `host_pages`, allocated,
+/// none twice, none cached).
 int64_t FinishBackup(RadixTree* tree, PageAllocator* host_pages, const TierCopy& copy,
                      const int32_t* host, bool ok, SlotSink rejected);
 
