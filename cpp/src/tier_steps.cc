@@ -1,7 +1,5 @@
 #include "radixkv/tier_steps.h"
 
-#include <vector>
-
 namespace radixkv {
 
 BackupStart StartBackup(RadixTree* tree, PageAllocator* host_pages, const int32_t* tokens,

@@ -194,7 +194,7 @@ class HostTier:
         copy, device_slots, host_slots = started
         if device_slots is None or host_slots is None:  # too few free host pages
             n = copy.end - copy.start
-            if not self._evict(n - self.pages.num_free_pages * self.page_size):
+            if not self._room_for(n):
                 self.backups_skipped += n
                 return 0
             # Making room may have dropped the host copy the range started under.
