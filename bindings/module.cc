@@ -27,6 +27,7 @@
 #include "radixkv/page_allocator.h"
 #include "radixkv/page_hash.h"
 #include "radixkv/radix_tree.h"
+#include "radixkv/request_steps.h"
 #include "radixkv/slot_set.h"
 #include "radixkv/status.h"
 #include "radixkv/tier_steps.h"
@@ -221,9 +222,9 @@ bool Truth(PyObject* o, bool absent) {
   return truth != 0;
 }
 
-Handle& AsHandle(PyObject* obj) {
-  CHECK_TYPE(Py_TYPE(obj) == g_handle_type,
-             "handle must be a RadixCacheHandle from match_prefix, got ", Py_TYPE(obj)->tp_name);
+Handle& AsHandle(PyObject* obj, const char* name = "handle") {
+  CHECK_TYPE(Py_TYPE(obj) == g_handle_type, name,
+             " must be a RadixCacheHandle from match_prefix, got ", Py_TYPE(obj)->tp_name);
   return Unbox<Handle>(obj);
 }
 
@@ -308,22 +309,24 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
   return std::move(out);
 }
 
+// An eviction priority: an int that fits int32 (0 when absent).
+int32_t AsPriority(PyObject* o, const char* name = "priority") {
+  const int64_t p = o != nullptr ? ToInt64(o, name) : 0;
+  CHECK_VALUE(p >= INT32_MIN && p <= INT32_MAX, name, " must fit int32, got ", p);
+  return static_cast<int32_t>(p);
+}
+
 py::object RadixTree_InsertPrefix(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   Int32View slots(a[1], "indices");
-  const int64_t priority = a[2] != nullptr ? ToInt64(a[2], "priority") : 0;
-  CHECK_VALUE(priority >= INT32_MIN && priority <= INT32_MAX, "priority must fit int32, got ",
-              priority);
+  const int32_t priority = AsPriority(a[2]);
   const uint64_t ns = AsNamespace(a[3]);
   FinishViews(ids, slots);
   CHECK_VALUE(ids.size() == slots.size(), "indices has length ", slots.size(),
               " but input_ids has length ", ids.size());
   return py::int_(Locked(
       t.mu, ids.size() >= kReleaseGilTokens,
-      [&] {
-        return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size(),
-                                   static_cast<int32_t>(priority), ns);
-      },
+      [&] { return t.tree.InsertPrefix(ids.data(), slots.data(), ids.size(), priority, ns); },
       [&] {
         ids.Own();
         slots.Own();
@@ -523,6 +526,116 @@ py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
         [&] { host.Own(); });
   }
   return rejected.take();
+}
+
+// The device pool's pages of a request step (required).
+radixkv::PageAllocator* AsDevicePages(PyObject* obj) {
+  radixkv::PageAllocator* pages = AsPages(obj, "pages");
+  CHECK_TYPE(pages != nullptr, "pages must be a radixkv._core.PageAllocator, got None");
+  return pages;
+}
+
+py::object RadixTree_FinishRequest(PyRadixTree& t, PyObject* const* a) {
+  Handle& h = AsHandle(a[0], "old_handle");
+  Int32View ids(a[1], "input_ids");
+  Int32View slots(a[2], "indices");
+  radixkv::PageAllocator* pages = AsDevicePages(a[3]);
+  const int32_t priority = AsPriority(a[4]);
+  FinishViews(ids, slots);
+  return py::int_(LockedWithGil(
+      t,
+      [&] {
+        return radixkv::FinishRequest(
+            &t.tree, pages, {&h, ids.data(), ids.size(), slots.data(), slots.size(), priority});
+      },
+      [&] {
+        ids.Own();
+        slots.Own();
+      }));
+}
+
+py::object RadixTree_CacheRequest(PyRadixTree& t, PyObject* const* a) {
+  Handle& h = AsHandle(a[0], "old_handle");
+  Int32View ids(a[1], "input_ids");
+  Int32View slots(a[2], "indices");
+  radixkv::PageAllocator* pages = AsDevicePages(a[3]);
+  const int32_t priority = AsPriority(a[4]);
+  FinishViews(ids, slots);
+  py::object handle = NewBoxed<Handle>(g_handle_type);
+  TensorSink indices;
+  const int64_t in_cache = LockedWithGil(
+      t,
+      [&] {
+        return radixkv::CacheRequest(
+            &t.tree, pages, {&h, ids.data(), ids.size(), slots.data(), slots.size(), priority},
+            &Unbox<Handle>(handle.ptr()), indices);
+      },
+      [&] {
+        ids.Own();
+        slots.Own();
+      });
+  return py::make_tuple(std::move(handle), indices.take(), in_cache);
+}
+
+// A batch's requests: each item an (old_handle, input_ids, indices) tuple; the
+// snapshot `items` keeps every object alive while the views borrow them.
+py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
+  CHECK_TYPE(PyList_Check(a[0]) || PyTuple_Check(a[0]),
+             "batch must be a list or tuple of (old_handle, input_ids, indices), got ",
+             Py_TYPE(a[0])->tp_name);
+  const py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[0]));
+  if (!items) throw py::error_already_set();
+  const size_t n = items.size();
+  radixkv::PageAllocator* pages = AsDevicePages(a[1]);
+  std::vector<int32_t> priorities(n);
+  const bool each = a[2] != nullptr && (PyList_Check(a[2]) || PyTuple_Check(a[2]));
+  if (each) {
+    const py::tuple given = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[2]));
+    if (!given) throw py::error_already_set();
+    CHECK_VALUE(given.size() == n, "priority has ", given.size(), " entries but batch has ", n);
+    for (size_t i = 0; i < n; ++i) {
+      priorities[i] = AsPriority(given[i].ptr(), ("priority[" + std::to_string(i) + "]").c_str());
+    }
+  } else {
+    std::fill(priorities.begin(), priorities.end(), AsPriority(a[2]));
+  }
+  std::vector<std::string> names(3 * n);
+  std::vector<Handle*> handles(n);
+  std::vector<std::unique_ptr<Int32View>> views(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    const std::string where = "batch[" + std::to_string(i) + "]";
+    PyObject* item = items[i].ptr();
+    CHECK_TYPE(PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 3, where,
+               " must be a tuple (old_handle, input_ids, indices), got ", Py_TYPE(item)->tp_name);
+    names[3 * i] = where + " old_handle";
+    names[3 * i + 1] = where + " input_ids";
+    names[3 * i + 2] = where + " indices";
+    handles[i] = &AsHandle(PyTuple_GET_ITEM(item, 0), names[3 * i].c_str());
+    views[2 * i] = std::make_unique<Int32View>(PyTuple_GET_ITEM(item, 1), names[3 * i + 1].c_str());
+    views[2 * i + 1] =
+        std::make_unique<Int32View>(PyTuple_GET_ITEM(item, 2), names[3 * i + 2].c_str());
+  }
+  for (auto& v : views) v->Finish();
+  std::vector<int64_t> in_cache(n);
+  LockedWithGil(
+      t,
+      [&] {
+        std::vector<radixkv::FinishedRequest> batch(n);
+        for (size_t i = 0; i < n; ++i) {
+          const Int32View& ids = *views[2 * i];
+          const Int32View& slots = *views[2 * i + 1];
+          batch[i] = {handles[i],   ids.data(),   ids.size(),
+                      slots.data(), slots.size(), priorities[i]};
+        }
+        radixkv::FinishRequests(&t.tree, pages, batch.data(), static_cast<int64_t>(n),
+                                in_cache.data());
+      },
+      [&] {
+        for (auto& v : views) v->Own();
+      });
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = py::int_(in_cache[i]);
+  return std::move(out);
 }
 
 py::object RadixTree_FindLoad(PyRadixTree& t, PyObject* const* a) {
@@ -1080,6 +1193,11 @@ constexpr Params kBeginBackup{"begin_backup", {"copy"}, 1, 1};
 constexpr Params kStartBackup{
     "start_backup", {"input_ids", "host_pages", "min_hits", "through_partial", "namespace"}, 5, 2};
 constexpr Params kFinishBackup{"finish_backup", {"copy", "host_slots", "ok", "host_pages"}, 4, 2};
+constexpr Params kFinishRequest{
+    "finish_request", {"old_handle", "input_ids", "indices", "pages", "priority"}, 5, 4};
+constexpr Params kCacheRequest{
+    "cache_request", {"old_handle", "input_ids", "indices", "pages", "priority"}, 5, 4};
+constexpr Params kFinishRequests{"finish_requests", {"batch", "pages", "priority"}, 3, 2};
 constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
 constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
 constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
@@ -1139,6 +1257,29 @@ PyMethodDef kTreeMethods[] = {
      "finish_backup(copy, host_slots, ok=True, host_pages=None) -> host slots not taken\n"
      "(given host_pages, also freed there). With ok, ValueError unless each page of\n"
      "host_slots is page_size consecutive slots."},
+    {"finish_request", Fast<RadixTree_FinishRequest, kFinishRequest>(), kFastCall,
+     "finish_request(old_handle, input_ids, indices, pages, priority=0) -> int\n\n"
+     "The end of a request in one call: checks that indices cover input_ids in whole pages,\n"
+     "that old_handle is live and locked and indices[:cached_len] are its slots, and that\n"
+     "the rest are pages `pages` (the device pool's PageAllocator) handed out, none cached;\n"
+     "then caches the whole pages (insert_prefix in the handle's namespace), frees into\n"
+     "`pages` the request's copies of tokens cached meanwhile and its partial last page,\n"
+     "and unlocks old_handle. Returns insert_prefix's count. Raises ValueError or\n"
+     "TypeError naming the argument, changing nothing."},
+    {"cache_request", Fast<RadixTree_CacheRequest, kCacheRequest>(), kFastCall,
+     "cache_request(old_handle, input_ids, indices, pages, priority=0)\n"
+     "    -> (new_handle, indices, in_cache)\n\n"
+     "finish_request for a request that goes on (a chunk of a chunked prefill): the same\n"
+     "checks and insert, then match_prefix of input_ids gives new_handle (locked;\n"
+     "old_handle is unlocked), the request's copies of tokens it now covers go back to\n"
+     "`pages`, and indices are the slots it goes on with: the cache's for the matched\n"
+     "part, then its own. Raises, changing nothing, on bad input."},
+    {"finish_requests", Fast<RadixTree_FinishRequests, kFinishRequests>(), kFastCall,
+     "finish_requests(batch, pages, priority=0) -> [int, ...]\n\n"
+     "finish_request of each (old_handle, input_ids, indices) of batch, in order, in one\n"
+     "call. priority is one int for all or a sequence with one per request. Every request\n"
+     "is checked first, and together (no page in two requests, no handle unlocked more\n"
+     "often than it is locked, no load from host in flight): a failed check changes nothing."},
     {"find_load", Fast<RadixTree_FindLoad, kFindLoad>(), kFastCall,
      "find_load(handle) -> TierCopy: the host-only part of the handle's match."},
     {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,

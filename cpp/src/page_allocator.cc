@@ -84,6 +84,46 @@ void PageAllocator::CheckFree(const int32_t* slots, int64_t n, const char* name,
   for (int64_t k = 0; k < n; k += page_size_) is_free_[slots[k] / page_size_] = 0;
 }
 
+void PageAllocator::CheckFreeAll(const Span* spans, int64_t k, const SlotSet* cached) {
+  for (int64_t i = 0; i < k; ++i) {
+    CheckOwned(spans[i].slots, spans[i].n, spans[i].name.c_str(), cached);
+  }
+  // Marks each span's pages free in turn: a page marked already repeats in
+  // its own span or is held by an earlier one. The marks are undone either way.
+  int64_t done = 0, at = 0;  // spans marked whole; slots of span `done` marked
+  auto unmark = [&] {
+    for (int64_t i = 0; i <= done && i < k; ++i) {
+      const int64_t end = i < done ? spans[i].n : at;
+      for (int64_t s = 0; s < end; s += page_size_) is_free_[spans[i].slots[s] / page_size_] = 0;
+    }
+  };
+  for (; done < k; ++done) {
+    const Span& span = spans[done];
+    for (at = 0; at < span.n; at += page_size_) {
+      const int64_t page = span.slots[at] / page_size_;
+      if (!is_free_[page]) {
+        is_free_[page] = 1;
+        continue;
+      }
+      int64_t owner = done;
+      for (int64_t i = 0; i < done && owner == done; ++i) {
+        for (int64_t s = 0; s < spans[i].n; s += page_size_) {
+          if (spans[i].slots[s] / page_size_ == page) owner = i;
+        }
+      }
+      unmark();
+      if (owner == done) {
+        throw Error(kInvalid,
+                    StrCat(span.name, "[", at, "] = ", span.slots[at], " repeats page ", page));
+      }
+      throw Error(kInvalid,
+                  StrCat(spans[owner].name, " and ", span.name, " both hold page ", page));
+    }
+    at = 0;
+  }
+  unmark();
+}
+
 void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached) {
   CheckOwned(slots, n, "indices", cached);
   MarkFree(slots, n, "indices");

@@ -520,6 +520,13 @@ void RadixTree::HandleSlots(const Handle& handle, SlotSink out) const {
   CopyPathSlots(node, out(node->depth));
 }
 
+bool RadixTree::HandleMatches(const Handle& handle, const int32_t* tokens) const {
+  for (const Node* x = Resolve(handle, "handle"); x != root_; x = x->parent) {
+    if (!std::equal(x->key(), x->key() + x->length, tokens + (x->depth - x->length))) return false;
+  }
+  return true;
+}
+
 void RadixTree::Lock(Handle* handle) {
   Node* node = Resolve(*handle, "handle");
   ++clock_;

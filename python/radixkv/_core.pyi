@@ -340,6 +340,28 @@ class RadixTree:
         ok: bool = True,
         host_pages: Optional[PageAllocator] = None,
     ) -> torch.Tensor: ...
+    def finish_request(
+        self,
+        old_handle: RadixCacheHandle,
+        input_ids: _Ids,
+        indices: _Ids,
+        pages: PageAllocator,
+        priority: int = 0,
+    ) -> int: ...
+    def cache_request(
+        self,
+        old_handle: RadixCacheHandle,
+        input_ids: _Ids,
+        indices: _Ids,
+        pages: PageAllocator,
+        priority: int = 0,
+    ) -> Tuple[RadixCacheHandle, torch.Tensor, int]: ...
+    def finish_requests(
+        self,
+        batch: Sequence[Tuple[RadixCacheHandle, _Ids, _Ids]],
+        pages: PageAllocator,
+        priority: Union[int, Sequence[int]] = 0,
+    ) -> List[int]: ...
     def find_load(self, handle: RadixCacheHandle) -> TierCopy: ...
     def begin_load(self, copy: _Copy) -> Tuple[RadixCacheHandle, torch.Tensor, torch.Tensor]: ...
     def finish_load(self, copy: _Copy, device_slots: _Ids, ok: bool = True) -> bool: ...

@@ -6,6 +6,7 @@
 #include <functional>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "radixkv/slot_set.h"
@@ -86,6 +87,33 @@ TEST(PageAllocator, CheckDisjointFindsAPageBothFreeAndCached) {
   std::vector<int32_t> slot{3};
   cached.AddAll(slot.data(), 1);  // page 1 is free but "cached"
   EXPECT_EQ(CodeOf([&] { a.CheckDisjoint(cached); }), ErrorCode::kIntegrity);
+}
+
+TEST(PageAllocator, CheckFreeAllNamesAPageTwoSpansShare) {
+  PageAllocator a(8, 2);
+  std::vector<int32_t> slots;
+  a.Allocate(8, &slots);  // pages 0..3
+  const std::vector<int32_t> x{0, 1, 2, 3}, y{4, 5, 2, 3}, z{6, 7, 6, 7};
+  auto message = [&](std::vector<PageAllocator::Span> spans) {
+    try {
+      a.CheckFreeAll(spans.data(), static_cast<int64_t>(spans.size()));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(message({{x.data(), 4, "a"}, {y.data(), 4, "b"}}), "a and b both hold page 1");
+  EXPECT_EQ(message({{x.data(), 4, "a"}, {z.data(), 4, "c"}}), "c[2] = 6 repeats page 3");
+  EXPECT_NE(message({{x.data(), 4, "a"}, {slots.data(), 2, "d"}}).find("both hold page 0"),
+            std::string::npos);
+  const std::vector<int32_t> free_page{8, 9};
+  EXPECT_NE(message({{free_page.data(), 2, "e"}}).find("which is free"), std::string::npos);
+  // Nothing stays marked: the spans that are fine together pass, and free.
+  const std::vector<int32_t> w{4, 5}, v{6, 7};
+  EXPECT_EQ(message({{x.data(), 4, "a"}, {w.data(), 2, "b"}, {v.data(), 2, "c"}}), "");
+  EXPECT_EQ(a.num_free_pages(), 4);
+  a.Free(slots.data(), 8);
+  EXPECT_EQ(a.num_free_pages(), 8);
 }
 
 TEST(PageAllocator, RandomAllocateFreeKeepsEveryPageOnce) {

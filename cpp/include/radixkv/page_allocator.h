@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "radixkv/slot_set.h"
@@ -45,6 +46,16 @@ class PageAllocator {
   /// before it changes anything else.
   void CheckFree(const int32_t* slots, int64_t n, const char* name,
                  const SlotSet* cached = nullptr);
+
+  /// Slots a caller would free, and the name its errors give them.
+  struct Span {
+    const int32_t* slots = nullptr;
+    int64_t n = 0;
+    std::string name;
+  };
+  /// CheckFree of `spans[0, k)` as one: also throws kInvalidArgument when two
+  /// spans hold the same page (naming both). O(pages); frees nothing.
+  void CheckFreeAll(const Span* spans, int64_t k, const SlotSet* cached = nullptr);
 
   /// Throws kInvalidArgument, naming `name`, unless `slots[0, n)` are whole
   /// pages in order that are allocated and (when given) not in `cached`.

@@ -218,6 +218,9 @@ class RadixTree {
   }
   /// Whether `handle` refers to a live node of this tree.
   bool IsValid(const Handle& handle) const noexcept;
+  /// Whether `tokens[0, cached_len)` are the tokens of the handle's prefix.
+  /// Throws kInvalidArgument for a foreign or stale handle.
+  bool HandleMatches(const Handle& handle, const int32_t* tokens) const;
 
   // --- copies between the tiers -------------------------------------------------
 

@@ -1,0 +1,136 @@
+#include "radixkv/request_steps.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "radixkv/status.h"
+
+namespace radixkv {
+namespace {
+
+constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
+
+// The request's own slots: those after the cache's part.
+int64_t OwnStart(const FinishedRequest& r) noexcept { return r.handle->cached_len; }
+
+// The insert, the frees and the unlock of a request CheckFinish passed.
+int64_t Apply(RadixTree* tree, PageAllocator* pages, const FinishedRequest& r) {
+  const int64_t cached = OwnStart(r);
+  const int64_t in_cache = tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns);
+  // Its copies of tokens another request cached meanwhile.
+  if (in_cache > cached) pages->Free(r.slots + cached, in_cache - cached, &tree->stored_slots());
+  // Its partial last page, never cached.
+  const int64_t full = r.n - r.n % tree->page_size();
+  if (r.m > full) pages->Free(r.slots + full, r.m - full, &tree->stored_slots());
+  tree->Unlock(r.handle);
+  return in_cache;
+}
+
+}  // namespace
+
+void CheckFinish(const RadixTree& tree, PageAllocator* pages, const FinishedRequest& r,
+                 const std::string& where) {
+  const int64_t ps = tree.page_size();
+  RADIXKV_CHECK(pages == nullptr || pages->page_size() == ps, kInvalid, "pages has page_size ",
+                pages == nullptr ? 0 : pages->page_size(), " but the tree has ", ps);
+  RADIXKV_CHECK(r.n >= 0, kInvalid, where, "input_ids length must be >= 0, got ", r.n);
+  const int64_t whole = (r.n + ps - 1) / ps * ps;
+  RADIXKV_CHECK(r.m == whole, kInvalid, where, "indices has length ", r.m, " but must cover ",
+                where, "input_ids (length ", r.n, ") in whole pages of ", ps, ": expected ", whole);
+  const Handle& h = *r.handle;
+  RADIXKV_CHECK(tree.IsValid(h), kInvalid, where,
+                "old_handle is stale or belongs to another cache manager");
+  RADIXKV_CHECK(h.lock_count >= 1, kInvalid, where,
+                "old_handle is not locked: lock it after the match");
+  RADIXKV_CHECK(h.cached_len <= r.n, kInvalid, where, "old_handle covers ", h.cached_len,
+                " tokens but ", where, "input_ids has only ", r.n);
+  if (h.cached_len > 0) {
+    // The insert must start where the match ended (or later): it could
+    // otherwise refuse after a batch's earlier requests finished.
+    RADIXKV_CHECK(tree.HandleMatches(h, r.tokens), kInvalid, where, "input_ids[:", h.cached_len,
+                  "] are not the tokens ", where, "old_handle matched");
+    // Anything else there would be stored (or freed) as if it were the
+    // cache's: a page could end up both free and cached.
+    thread_local std::vector<int32_t> cache_slots;
+    try {
+      tree.HandleSlots(h, &cache_slots);
+    } catch (const Error& e) {
+      throw Error(e.code(), StrCat(where, "old_handle: ", e.what()));
+    }
+    RADIXKV_CHECK(std::equal(cache_slots.begin(), cache_slots.end(), r.slots), kInvalid, where,
+                  "indices[:", h.cached_len, "] must be the cache's slots that the match returned",
+                  " with ", where, "old_handle");
+  }
+  const std::string name = where + "indices";
+  const int32_t* own = r.slots + OwnStart(r);
+  const int64_t count = r.m - OwnStart(r);
+  if (pages != nullptr) pages->CheckFree(own, count, name.c_str(), &tree.stored_slots());
+  if (tree.max_slots() != RadixTree::kAnySlot) {
+    for (int64_t i = 0; i < count; i += ps) {
+      RADIXKV_CHECK(own[i] + ps <= tree.max_slots(), kInvalid, name, "[", i, "] = ", own[i],
+                    " starts a page that ends past the cache's max_slots ", tree.max_slots());
+    }
+  }
+}
+
+int64_t FinishRequest(RadixTree* tree, PageAllocator* pages, const FinishedRequest& r) {
+  CheckFinish(*tree, pages, r);
+  return Apply(tree, pages, r);
+}
+
+int64_t CacheRequest(RadixTree* tree, PageAllocator* pages, const FinishedRequest& r,
+                     Handle* new_handle, SlotSink out) {
+  CheckFinish(*tree, pages, r);
+  const int64_t cached = OwnStart(r);
+  const int64_t in_cache = tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns);
+  // Past the insert only `out` can throw (a failed allocation): the request
+  // is cached then, and still holds its old handle.
+  int32_t* slots = nullptr;
+  *new_handle = tree->MatchPrefix(
+      r.tokens, r.n, [&](int64_t) { return slots = out(r.m); }, r.handle->ns);
+  if (slots == nullptr) slots = out(r.m);
+  const int64_t now_cached = new_handle->cached_len;
+  std::copy(r.slots + now_cached, r.slots + r.m, slots + now_cached);
+  // Its copies of tokens another request cached meanwhile (now the match's).
+  const int64_t copies_end = std::min(in_cache, now_cached);
+  if (copies_end > cached)
+    pages->Free(r.slots + cached, copies_end - cached, &tree->stored_slots());
+  tree->Lock(new_handle);
+  tree->Unlock(r.handle);
+  return in_cache;
+}
+
+void FinishRequests(RadixTree* tree, PageAllocator* pages, const FinishedRequest* batch, int64_t k,
+                    int64_t* in_cache) {
+  RADIXKV_CHECK(tree->tier_sizes().loading == 0, kInvalid,
+                "a load from host is in flight: wait for it (loading_check) before finishing "
+                "a batch");
+  RADIXKV_CHECK(pages->page_size() == tree->page_size(), kInvalid, "pages has page_size ",
+                pages->page_size(), " but the tree has ", tree->page_size());
+  // Each request alone, then its own pages as one (no page in two
+  // requests), then its unlocks (a handle as often as it is locked).
+  std::vector<PageAllocator::Span> own(static_cast<size_t>(k));
+  std::vector<std::pair<Handle*, int64_t>> unlocks;
+  for (int64_t i = 0; i < k; ++i) {
+    const FinishedRequest& r = batch[i];
+    const std::string where = "batch[" + std::to_string(i) + "] ";
+    CheckFinish(*tree, nullptr, r, where);
+    own[i] = {r.slots + OwnStart(r), r.m - OwnStart(r), where + "indices"};
+    unlocks.emplace_back(r.handle, i);
+  }
+  std::sort(unlocks.begin(), unlocks.end());
+  for (size_t j = 0; j < unlocks.size();) {
+    size_t e = j;
+    while (e < unlocks.size() && unlocks[e].first == unlocks[j].first) ++e;
+    const int64_t uses = static_cast<int64_t>(e - j);
+    RADIXKV_CHECK(uses <= unlocks[j].first->lock_count, kInvalid, "batch[", unlocks[j].second,
+                  "] old_handle appears ", uses, " times in the batch but holds ",
+                  unlocks[j].first->lock_count, " locks");
+    j = e;
+  }
+  pages->CheckFreeAll(own.data(), k, &tree->stored_slots());
+  for (int64_t i = 0; i < k; ++i) in_cache[i] = Apply(tree, pages, batch[i]);
+}
+
+}  // namespace radixkv
