@@ -756,7 +756,7 @@ def test_a_signal_during_a_call_is_delivered_when_it_returns(sig, exc):
 
     def tracer(frame, event, arg):
         if frame.f_code.co_filename in _TIER_FILES:
-            if event == "call" and frame.f_code.co_name == "_insert" and not fired:
+            if event == "call" and frame.f_code.co_name == "_finished" and not fired:
                 fired.append(1)
                 signal.raise_signal(sig)
             return tracer
@@ -1085,7 +1085,7 @@ SHIELD_SCRIPTS = {
         asyncio.run(asyncio.sleep(0))
         fired = []
         def tracer(frame, event, arg):
-            if event == "call" and frame.f_code.co_name == "_insert" and not fired:
+            if event == "call" and frame.f_code.co_name == "_finished" and not fired:
                 fired.append(1)
                 signal.raise_signal(signal.SIGINT)
             return None

@@ -27,6 +27,11 @@ from radixkv.scheduler.tiers import build_tiers, check_tier_args
 from radixkv.storage.base import StorageBackend
 
 
+def _length(values) -> int:
+    """len() of a checked 1-D input; a tensor's own len() is a Python call."""
+    return values.shape[0] if isinstance(values, torch.Tensor) else len(values)
+
+
 class CacheManager:
     """Hands KV pages to requests and caches their prefixes when they finish.
 
@@ -225,7 +230,7 @@ class CacheManager:
         names = per_input(namespace, len(batch))
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
-            if len(x) == 0:
+            if x.shape[0] == 0:
                 raise ValueError(f"batch[{i}] must hold at least one token")
         if names is not None:  # all checked before any is remembered
             for i, x in enumerate(names):
@@ -235,7 +240,7 @@ class CacheManager:
             spaces = [self._namespaces.id(namespace)] * len(batch)
         out = self.manager.match_prefix_batch([x[:-1] for x in ids], spaces)
         for x, (handle, _) in zip(ids, out):
-            self._count_match(len(x) - 1, handle)
+            self._count_match(x.shape[0] - 1, handle)
         if self._tiers.backs_up_on_match:
             for x, ns in zip(ids, spaces):
                 self._tiers.back_up(x[:-1], ns)
@@ -397,13 +402,45 @@ class CacheManager:
         return slots if self.device.type == "cpu" else slots.to(self.device, non_blocking=True)
 
     @shielded
+    def allocate_batch(self, sizes) -> List[torch.Tensor]:
+        """`allocate` of each count of `sizes` (a list or tuple), in order: one
+        eviction for the whole batch and one native allocation, split into
+        one tensor of whole pages per count (views of one tensor). All or
+        nothing: raises `radixkv.OutOfCapacityError`, changing nothing, when
+        even evicting every unlocked cached page cannot hold them all."""
+        if not isinstance(sizes, (list, tuple)):
+            raise TypeError(
+                f"sizes must be a list or tuple of token counts, got {type(sizes).__name__}"
+            )
+        ps = self.page_size
+        pages = []
+        for i, x in enumerate(sizes):
+            n = as_int(x, f"sizes[{i}]")
+            if n < 0:
+                raise ValueError(f"sizes[{i}] must be >= 0, got {n}")
+            pages.append(-(-n // ps))
+        total = sum(pages) * ps
+        missing, evictable = self._device_room(total)
+        if missing > evictable:
+            raise _core.OutOfCapacityError(
+                f"cannot allocate sizes (together {sum(pages)} pages of {ps}): "
+                f"{self._pages.num_free_pages} pages are free and {evictable // ps} evictable"
+            )
+        self.make_room(total)
+        slots = self._pages.allocate(total)
+        self._held_pages += slots.shape[0] // ps
+        if self.device.type != "cpu":
+            slots = slots.to(self.device, non_blocking=True)
+        return list(torch.split(slots, [p * ps for p in pages]))
+
+    @shielded
     def free(self, indices) -> None:
         """Return pages a request holds (whole pages, not cached ones)."""
         indices = to_host(indices, "indices", self.device)
         if self._tiers.loads_in_flight():
             self._tiers.check_not_loading(int32_tensor(indices, "indices", self.device), "indices")
         self._pages.free(indices, self._tree)
-        self._held_pages -= len(indices) // self.page_size
+        self._held_pages -= _length(indices) // self.page_size
 
     # -- finishing requests -----------------------------------------------------
 
@@ -473,13 +510,108 @@ class CacheManager:
         freed; then its lock is released. The tokens are cached in the
         namespace of `old_handle`'s match.
         """
-        input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
-        in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
-        for slots in released_slots(indices, cached, in_cache, n, self.page_size, True):
-            self._pages.free(slots)
-        self._held_pages -= (indices.shape[0] - cached) // self.page_size
-        self.unlock(old_handle)
-        self._write_through(input_ids, ns)
+        if self._tree is None:
+            input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
+            in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
+            for slots in released_slots(indices, cached, in_cache, n, self.page_size, True):
+                self._pages.free(slots)
+            self._held_pages -= (indices.shape[0] - cached) // self.page_size
+            self.unlock(old_handle)
+            return
+        ids = to_host(input_ids, "input_ids", self.device)
+        indices = to_host(indices, "indices", self.device)
+        if self._tiers.loads_in_flight():
+            # The request's loads (and any on its path) join the tree before
+            # its slots are compared with the tree's.
+            self._tiers.settle_loads()
+        if TYPE_CHECKING:  # the tree checks the handle's type itself
+            old_handle = cast(RadixCacheHandle, old_handle)
+        # One native call checks everything, caches the whole pages, frees
+        # the rest and unlocks; it raises, changing nothing, on bad input.
+        in_cache = self._tree.finish_request(old_handle, ids, indices, self._pages, priority)
+        self._finished(old_handle, ids, indices, in_cache)
+
+    @shielded
+    def free_and_cache_finished_reqs(self, batch, priority=0) -> None:
+        """`free_and_cache_finished_req` of each (old_handle, input_ids,
+        indices) of `batch`, in order, in one native call for the radix
+        cache. Every request is checked first, and together (no page held by
+        two of them, no handle finished more often than it is locked): a bad
+        one raises, naming it, and changes nothing. `priority` is one int for
+        the whole batch, or a list or tuple of one per request."""
+        if not isinstance(batch, (list, tuple)):
+            raise TypeError(
+                "batch must be a list or tuple of (old_handle, input_ids, indices), got "
+                f"{type(batch).__name__}"
+            )
+        for i, item in enumerate(batch):
+            if not isinstance(item, tuple) or len(item) != 3:
+                raise TypeError(
+                    f"batch[{i}] must be a tuple (old_handle, input_ids, indices), got "
+                    f"{type(item).__name__}"
+                )
+        if self._tree is None:
+            self._finish_naive_batch(batch, priority)
+            return
+        host = []
+        for i, (handle, ids, indices) in enumerate(batch):
+            host.append(
+                (
+                    handle,
+                    to_host(ids, f"batch[{i}] input_ids", self.device),
+                    to_host(indices, f"batch[{i}] indices", self.device),
+                )
+            )
+        if self._tiers.loads_in_flight():
+            self._tiers.settle_loads()
+        in_cache = self._tree.finish_requests(host, self._pages, priority)
+        for (handle, ids, indices), k in zip(host, in_cache):
+            self._finished(handle, ids, indices, k)
+
+    def _finish_naive_batch(self, batch, priority) -> None:
+        """The naive cache's batch: every request checked (each alone, and
+        no handle more often than it is locked) before any finishes."""
+        priorities = per_input(priority, len(batch), "priority") or [priority] * len(batch)
+        uses: dict = {}
+        for i, (handle, ids, indices) in enumerate(batch):
+            try:
+                self._check_request(handle, ids, indices)
+                as_int(priorities[i], "priority")
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"batch[{i}] {e}") from None
+            uses[id(handle)] = uses.get(id(handle), 0) + 1
+            if uses[id(handle)] > handle.lock_count:
+                raise ValueError(
+                    f"batch[{i}] old_handle appears {uses[id(handle)]} times in the batch but "
+                    f"holds {handle.lock_count} locks"
+                )
+        for item, p in zip(batch, priorities):
+            self.free_and_cache_finished_req(*item, priority=p)
+
+    def _finished(self, handle, ids, indices, in_cache: int) -> None:
+        """The Python side of a request that finish_request ended (its inputs
+        were checked there): the pages it held, its KV events and its
+        write_through backup."""
+        self._held_pages -= (_length(indices) - handle.cached_len) // self.page_size
+        self._announce(handle, ids, indices, in_cache)
+        self._write_through(ids, handle.namespace)
+
+    def _announce(self, handle, ids, indices, in_cache: int) -> None:
+        """The KV events of the pages a request's insert cached (checked
+        inputs; `in_cache` tokens were on the device before it)."""
+        if self._events is None:
+            return
+        n = _length(ids)
+        full = n - n % self.page_size
+        if in_cache < full:
+            self._events.device_inserted(
+                int32_tensor(ids, "input_ids", self.device),
+                int32_tensor(indices, "indices", self.device),
+                in_cache,
+                full,
+                handle.cached_len,
+                handle.namespace,
+            )
 
     @shielded
     def cache_unfinished_req(
@@ -493,6 +625,22 @@ class CacheManager:
         meanwhile are freed, so it never keeps a slot that was just freed.
         The tokens are cached in the namespace of `old_handle`'s match.
         """
+        if self._tree is not None:
+            ids = to_host(input_ids, "input_ids", self.device)
+            indices = to_host(indices, "indices", self.device)
+            if self._tiers.loads_in_flight():
+                self._tiers.settle_loads()
+            if TYPE_CHECKING:  # the tree checks the handle's type itself
+                old_handle = cast(RadixCacheHandle, old_handle)
+            # One native call: the checks, the insert, the new match and its
+            # lock, the frees and the unlock; it raises, changing nothing.
+            handle, new_indices, in_cache = self._tree.cache_request(
+                old_handle, ids, indices, self._pages, priority
+            )
+            self._held_pages -= (handle.cached_len - old_handle.cached_len) // self.page_size
+            self._announce(old_handle, ids, indices, in_cache)
+            self._write_through(ids, old_handle.namespace)
+            return handle, new_indices.to(self.device, non_blocking=True)
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
         in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
         new_handle, tree_indices = self.manager.match_prefix(input_ids, ns)
