@@ -282,10 +282,14 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
     views[i] = std::make_unique<Int32View>(items[i], names[i].c_str());
   }
   for (size_t i = 0; i < n; ++i) handles[i] = NewBoxed<Handle>(g_handle_type);
+  // skip_last: each input without its last token, which a scheduler always
+  // computes (so each must have one).
+  const bool skip_last = Truth(a[2], false);
   int64_t total = 0;
-  for (auto& v : views) {
-    v->Finish();
-    total += v->size();
+  for (size_t i = 0; i < n; ++i) {
+    views[i]->Finish();
+    CHECK_VALUE(!skip_last || views[i]->size() > 0, names[i], " must hold at least one token");
+    total += views[i]->size();
   }
   std::vector<TensorSink> indices(n);
   std::vector<Handle> matched(n);
@@ -293,8 +297,8 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
       t.mu, total >= kReleaseGilTokens,
       [&] {
         for (size_t i = 0; i < n; ++i) {
-          matched[i] =
-              t.tree.MatchPrefix(views[i]->data(), views[i]->size(), indices[i], spaces[i]);
+          matched[i] = t.tree.MatchPrefix(views[i]->data(), views[i]->size() - skip_last,
+                                          indices[i], spaces[i]);
         }
         return 0;
       },
@@ -1175,7 +1179,7 @@ constexpr const char* kEvictDoc =
     "changing nothing, when size exceeds the evictable size.";
 
 constexpr Params kIds{"match_prefix", {"input_ids", "namespace"}, 2, 1};
-constexpr Params kBatch{"match_prefix_batch", {"batch", "namespace"}, 2, 1};
+constexpr Params kBatch{"match_prefix_batch", {"batch", "namespace", "skip_last"}, 3, 1};
 constexpr Params kInsert{"insert_prefix", {"input_ids", "indices", "priority", "namespace"}, 4, 2};
 constexpr Params kLock{"lock_handle", {"handle", "unlock"}, 2, 1};
 constexpr Params kSize{"evict", {"size"}, 1, 1};
@@ -1220,9 +1224,10 @@ constexpr int kFastCall = METH_FASTCALL | METH_KEYWORDS;
 PyMethodDef kTreeMethods[] = {
     {"match_prefix", Fast<RadixTree_MatchPrefix, kIds>(), kFastCall, kMatchDoc},
     {"match_prefix_batch", Fast<RadixTree_MatchPrefixBatch, kBatch>(), kFastCall,
-     "match_prefix_batch(batch, namespace=0) -> [(handle, indices), ...]: match_prefix of\n"
-     "each input in order, in one call (inputs are all checked before any is matched);\n"
-     "namespace is one int for all or a sequence with one per input."},
+     "match_prefix_batch(batch, namespace=0, skip_last=False) -> [(handle, indices), ...]:\n"
+     "match_prefix of each input in order, in one call (inputs are all checked before any\n"
+     "is matched); namespace is one int for all or a sequence with one per input. With\n"
+     "skip_last each input is matched without its last token (each must have one)."},
     {"insert_prefix", Fast<RadixTree_InsertPrefix, kInsert>(), kFastCall, kInsertDoc},
     {"lock_handle", Fast<RadixTree_LockHandle, kLock>(), kFastCall, kLockDoc},
     {"evict", Fast<RadixTree_Evict, kSize>(), kFastCall, kEvictDoc},

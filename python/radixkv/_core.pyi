@@ -284,7 +284,10 @@ class RadixTree:
         self, input_ids: _Ids, namespace: int = 0
     ) -> Tuple[RadixCacheHandle, torch.Tensor]: ...
     def match_prefix_batch(
-        self, batch: Sequence[_Ids], namespace: Union[int, List[int], Tuple[int, ...]] = 0
+        self,
+        batch: Sequence[_Ids],
+        namespace: Union[int, List[int], Tuple[int, ...]] = 0,
+        skip_last: bool = False,
     ) -> List[Tuple[RadixCacheHandle, torch.Tensor]]: ...
     def insert_prefix(
         self, input_ids: _Ids, indices: _Ids, priority: int = 0, namespace: int = 0

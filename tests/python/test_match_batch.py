@@ -4,6 +4,7 @@ checked before any is matched, and a large batch runs without the GIL."""
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,21 @@ def test_a_bad_input_names_its_place_and_nothing_is_matched(bad, error):
     with pytest.raises(TypeError, match="batch must be a list or tuple"):
         m.match_prefix_batch(prefixes[0])
     assert m.match_prefix_batch([]) == []
+
+
+@pytest.mark.parametrize("kind", [RadixCacheManager, NaiveCacheManager])
+def test_skip_last_matches_each_input_but_its_last_token(kind):
+    m = kind(page_size=2) if kind is NaiveCacheManager else filled(2, 3)[0]
+    batch = [torch.arange(7), [5, 6, 7], np.arange(3, dtype=np.int64)]
+    skipped = m.match_prefix_batch(batch, 0, skip_last=True)
+    plain = m.match_prefix_batch([torch.as_tensor(x)[:-1] for x in batch])
+    for (h1, i1), (h2, i2) in zip(skipped, plain):
+        assert h1.cached_len == h2.cached_len and torch.equal(i1, i2)
+    before = m.dump() if kind is RadixCacheManager else None
+    with pytest.raises(ValueError, match=r"batch\[1\] must hold at least one token"):
+        m.match_prefix_batch([[1, 2], []], skip_last=True)
+    if before is not None:
+        assert m.dump() == before  # the first was not matched either
 
 
 def test_the_batch_is_read_once_whatever_its_items_do():

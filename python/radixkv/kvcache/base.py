@@ -117,21 +117,28 @@ class BaseCacheManager(ABC, Generic[H]):
         """Longest cached prefix of `input_ids` in whole pages: a handle and its slots (int32).
         Sequences of different namespaces (ints >= 0) never share a prefix."""
 
-    def match_prefix_batch(self, batch, namespace=0) -> List[Tuple[H, torch.Tensor]]:
+    def match_prefix_batch(
+        self, batch, namespace=0, skip_last: bool = False
+    ) -> List[Tuple[H, torch.Tensor]]:
         """`match_prefix` of each input of a prefill batch, in order. Every
         input is checked before any is matched. `namespace`: one for all, or
-        one per input."""
+        one per input. With `skip_last` each input is matched without its
+        last token (each must have one)."""
         if not isinstance(batch, (list, tuple)):
             raise TypeError(
                 "batch must be a list or tuple of token id sequences, got "
                 f"{type(batch).__name__}"
             )
+        checked = []
         for i, ids in enumerate(batch):
-            _core.check_ids(to_host(ids, f"batch[{i}]", self.device), f"batch[{i}]")
+            ids = _core.int32_tensor(to_host(ids, f"batch[{i}]", self.device), f"batch[{i}]")
+            if skip_last and ids.shape[0] == 0:
+                raise ValueError(f"batch[{i}] must hold at least one token")
+            checked.append(ids[:-1] if skip_last else ids)
         spaces = per_input(namespace, len(batch))
         if spaces is None:
             spaces = [namespace] * len(batch)
-        return [self.match_prefix(ids, ns) for ids, ns in zip(batch, spaces)]
+        return [self.match_prefix(ids, ns) for ids, ns in zip(checked, spaces)]
 
     @abstractmethod
     def lock_handle(self, handle: H, unlock: bool = False) -> None:

@@ -228,6 +228,11 @@ class CacheManager:
                 f"{type(batch).__name__}"
             )
         names = per_input(namespace, len(batch))
+        default = namespace is None or (type(namespace) is int and namespace == 0)
+        if default and self._tree is not None and not self._tiers.backs_up_on_match:
+            # The default namespace: nothing to remember before the inputs
+            # are checked, and the tree reads and checks them itself.
+            return self._match_batch_natively(batch)
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
             if x.shape[0] == 0:
@@ -244,6 +249,21 @@ class CacheManager:
         if self._tiers.backs_up_on_match:
             for x, ns in zip(ids, spaces):
                 self._tiers.back_up(x[:-1], ns)
+        return out
+
+    def _match_batch_natively(self, batch) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+        """match_req_batch in the default namespace in one native call that
+        reads and checks the inputs, each matched without its last token."""
+        out = self.manager.match_prefix_batch(batch, 0, True)
+        tokens = device = host = 0
+        for x, (handle, _) in zip(batch, out):
+            tokens += _length(x) - 1
+            device += handle.cached_len
+            host += handle.host_hit_len
+        self._queries += len(out)
+        self._query_tokens += tokens
+        self._device_hits += device
+        self._host_hits += host
         return out
 
     @shielded
