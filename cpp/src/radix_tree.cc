@@ -520,9 +520,23 @@ void RadixTree::HandleSlots(const Handle& handle, SlotSink out) const {
   CopyPathSlots(node, out(node->depth));
 }
 
-bool RadixTree::HandleMatches(const Handle& handle, const int32_t* tokens) const {
-  for (const Node* x = Resolve(handle, "handle"); x != root_; x = x->parent) {
-    if (!std::equal(x->key(), x->key() + x->length, tokens + (x->depth - x->length))) return false;
+bool RadixTree::HandleMatches(const Handle& handle, const int32_t* tokens,
+                              const int32_t* slots) const {
+  const Node* node = Resolve(handle, "handle");
+  RADIXKV_CHECK(slots == nullptr || node == root_ || node->on_device, kInvalid,
+                "handle's prefix is not on the device (its load from host did not finish)");
+  for (const Node* x = node; x != root_; x = x->parent) {
+    const int64_t start = x->depth - x->length;
+    if (!std::equal(x->key(), x->key() + x->length, tokens + start)) return false;
+    if (slots == nullptr) continue;
+    // A page's slots are consecutive from its first: compare, never expand.
+    const int32_t* first = x->value();
+    for (int64_t p = 0; p < Pages(x); ++p) {
+      const int32_t* given = slots + start + p * page_size_;
+      int32_t differ = 0;  // branch-free within a page, so it vectorizes
+      for (int32_t j = 0; j < page_size_; ++j) differ |= given[j] ^ (first[p] + j);
+      if (differ != 0) return false;
+    }
   }
   return true;
 }

@@ -46,21 +46,22 @@ void CheckFinish(const RadixTree& tree, PageAllocator* pages, const FinishedRequ
   RADIXKV_CHECK(h.cached_len <= r.n, kInvalid, where, "old_handle covers ", h.cached_len,
                 " tokens but ", where, "input_ids has only ", r.n);
   if (h.cached_len > 0) {
-    // The insert must start where the match ended (or later): it could
-    // otherwise refuse after a batch's earlier requests finished.
-    RADIXKV_CHECK(tree.HandleMatches(h, r.tokens), kInvalid, where, "input_ids[:", h.cached_len,
-                  "] are not the tokens ", where, "old_handle matched");
-    // Anything else there would be stored (or freed) as if it were the
-    // cache's: a page could end up both free and cached.
-    thread_local std::vector<int32_t> cache_slots;
+    // The insert must start where the match ended (or later), or it could
+    // refuse after a batch's earlier requests finished; and slots other than
+    // the match's would be stored or freed as if they were the cache's.
+    bool same = false;
     try {
-      tree.HandleSlots(h, &cache_slots);
+      same = tree.HandleMatches(h, r.tokens, r.slots);
     } catch (const Error& e) {
       throw Error(e.code(), StrCat(where, "old_handle: ", e.what()));
     }
-    RADIXKV_CHECK(std::equal(cache_slots.begin(), cache_slots.end(), r.slots), kInvalid, where,
-                  "indices[:", h.cached_len, "] must be the cache's slots that the match returned",
-                  " with ", where, "old_handle");
+    if (!same) {
+      RADIXKV_CHECK(tree.HandleMatches(h, r.tokens), kInvalid, where, "input_ids[:", h.cached_len,
+                    "] are not the tokens ", where, "old_handle matched");
+      throw Error(kInvalid, StrCat(where, "indices[:", h.cached_len,
+                                   "] must be the cache's slots that the match returned with ",
+                                   where, "old_handle"));
+    }
   }
   const std::string name = where + "indices";
   const int32_t* own = r.slots + OwnStart(r);

@@ -65,6 +65,31 @@ Snapshot Take(const RadixTree& t, const PageAllocator& p, const Handle& h) {
   return {p.num_free_pages(), t.num_nodes(), t.evictable_size(), t.protected_size(), h.lock_count};
 }
 
+TEST(HandleMatches, ComparesTokensAndEverySlotOfEachPage) {
+  RadixTree tree(4, 64);
+  const Ints tokens = testing_util::Iota(1, 12), slots = testing_util::Iota(20, 12);
+  testing_util::Insert(&tree, Ints(tokens.begin(), tokens.begin() + 8),
+                       Ints(slots.begin(), slots.begin() + 8));
+  testing_util::Insert(&tree, tokens, slots);  // a second node below the first
+  Ints got;
+  const Handle h = tree.MatchPrefix(tokens.data(), 12, &got);
+  ASSERT_EQ(h.cached_len, 12);
+  EXPECT_TRUE(tree.HandleMatches(h, tokens.data()));
+  EXPECT_TRUE(tree.HandleMatches(h, tokens.data(), slots.data()));
+  for (int i : {0, 5, 11}) {  // a slot inside a page, in either node
+    Ints other = slots;
+    other[i] += 1;
+    EXPECT_FALSE(tree.HandleMatches(h, tokens.data(), other.data())) << i;
+    Ints other_tokens = tokens;
+    other_tokens[i] = 99;
+    EXPECT_FALSE(tree.HandleMatches(h, other_tokens.data())) << i;
+  }
+  Handle stale = h;
+  stale.generation += 1;
+  EXPECT_NE(MessageOf([&] { tree.HandleMatches(stale, tokens.data()); }).find("stale"),
+            std::string::npos);
+}
+
 TEST(FinishRequest, CachesWholePagesFreesTheRestAndUnlocks) {
   RadixTree tree(4, 64);
   PageAllocator pages(16, 4);

@@ -218,9 +218,12 @@ class RadixTree {
   }
   /// Whether `handle` refers to a live node of this tree.
   bool IsValid(const Handle& handle) const noexcept;
-  /// Whether `tokens[0, cached_len)` are the tokens of the handle's prefix.
-  /// Throws kInvalidArgument for a foreign or stale handle.
-  bool HandleMatches(const Handle& handle, const int32_t* tokens) const;
+  /// Whether `tokens[0, cached_len)` are the tokens of the handle's prefix
+  /// and, unless `slots` is null, `slots[0, cached_len)` its device slots
+  /// (HandleSlots, compared page by page without writing them out). Throws
+  /// kInvalidArgument as HandleSlots does.
+  bool HandleMatches(const Handle& handle, const int32_t* tokens,
+                     const int32_t* slots = nullptr) const;
 
   // --- copies between the tiers -------------------------------------------------
 
