@@ -642,6 +642,29 @@ py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
   return std::move(out);
 }
 
+py::object RadixTree_StartLoad(PyRadixTree& t, PyObject* const* a) {
+  const Handle& h = AsHandle(a[0]);
+  radixkv::PageAllocator* pages = AsPages(a[1], "device_pages");
+  CHECK_TYPE(pages != nullptr, "device_pages must be a radixkv._core.PageAllocator, got None");
+  CHECK_VALUE(pages->page_size() == t.tree.page_size(), "device_pages has page_size ",
+              pages->page_size(), " but the tree has ", t.tree.page_size());
+  radixkv::TierCopy c;
+  py::object loaded = NewBoxed<Handle>(g_handle_type);
+  TensorSink host, indices;
+  const radixkv::LoadStart r = LockedWithGil(
+      t,
+      [&] {
+        return radixkv::StartLoad(&t.tree, pages, h, &c, &Unbox<Handle>(loaded.ptr()), host,
+                                  indices);
+      },
+      [] {});
+  if (r == radixkv::LoadStart::kNothing) return py::none();
+  if (r == radixkv::LoadStart::kNoRoom) {
+    return py::make_tuple(CopyTuple(c), py::none(), py::none(), py::none());
+  }
+  return py::make_tuple(CopyTuple(c), std::move(loaded), host.take(), indices.take());
+}
+
 py::object RadixTree_FindLoad(PyRadixTree& t, PyObject* const* a) {
   const Handle& h = AsHandle(a[0]);
   return CopyTuple(Locked(t, false, [&] { return t.tree.FindLoad(h); }));
@@ -1202,6 +1225,7 @@ constexpr Params kFinishRequest{
 constexpr Params kCacheRequest{
     "cache_request", {"old_handle", "input_ids", "indices", "pages", "priority"}, 5, 4};
 constexpr Params kFinishRequests{"finish_requests", {"batch", "pages", "priority"}, 3, 2};
+constexpr Params kStartLoad{"start_load", {"handle", "device_pages"}, 2, 2};
 constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
 constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
 constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
@@ -1285,6 +1309,16 @@ PyMethodDef kTreeMethods[] = {
      "call. priority is one int for all or a sequence with one per request. Every request\n"
      "is checked first, and together (no page in two requests, no handle unlocked more\n"
      "often than it is locked, no load from host in flight): a failed check changes nothing."},
+    {"start_load", Fast<RadixTree_StartLoad, kStartLoad>(), kFastCall,
+     "start_load(handle, device_pages) -> None | (copy, None, None, None)\n"
+     "    | (copy, loaded, host_slots, indices)\n\n"
+     "find_load, then, when device_pages (the device pool's PageAllocator) has the pages,\n"
+     "begin_load and the pages in one call: None when no host part is left to load (lock\n"
+     "the handle's device part); (copy, None, None, None) when too few pages are free\n"
+     "(nothing changed: make room and call again); else the locked handle for the whole\n"
+     "match, the copy's host slots, and the slots the request goes on with: the device\n"
+     "part's, then from copy.start the new pages the copy fills. Raises as find_load and\n"
+     "begin_load, changing nothing."},
     {"find_load", Fast<RadixTree_FindLoad, kFindLoad>(), kFastCall,
      "find_load(handle) -> TierCopy: the host-only part of the handle's match."},
     {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,

@@ -16,7 +16,10 @@ has a host copy, as write_through leaves it):
                keeps them as host-only nodes instead of deleting them (the
                evicted leaves are put back between samples, untimed)
   load         "on" only: the bookkeeping of loading one 128-token host-only
-               leaf back (find_load, begin_load, finish_load)
+               leaf back (find_load, begin_load, device pages from a
+               PageAllocator, the request's indices, finish_load)
+  load_fused   the same with start_load (find, begin, pages and indices in
+               one call), then finish_load (alternating with "load")
 Request cycle (CacheManager, 1,024-token requests sharing 512 tokens, a pool
 of 64 requests' pages so every request evicts, page 16): match_req,
 lock or load_back, allocate, free_and_cache_finished_req and, with the tier,
@@ -150,22 +153,32 @@ def bench_tree(tier: bool, seed: int, reps: int) -> dict:
     out["evict@10000"] = median_us(samples)
 
     if tier:
-        # Load bookkeeping: evict a leaf to host only, then load it back.
-        samples = []
-        for i in range(reps * 20):
+        # Load bookkeeping: evict a leaf to host only, then load it back into
+        # pages of a device allocator (which hands out slots past the tree's).
+        device = _core.PageAllocator(slot + (1 << 22), 1)
+        device.allocate(slot)
+        samples, fused = [], []
+        for i in range(reps * 40):
             tree.evict(SUFFIX_EVICT)  # the oldest leaf goes to host only
             s = seqs[(cursor + i) % leaves]
             h, _ = tree.match_prefix(s)
             if h.host_hit_len == 0:
                 continue
-            t0 = now_ns()
-            copy = tree.find_load(h)
-            loaded, host, prefix = tree.begin_load(copy)
-            tree.finish_load(copy, torch.arange(slot, slot + len(host), dtype=torch.int32))
-            samples.append(now_ns() - t0)
-            slot += len(host)
+            if i % 2 == 0:  # find, begin, pages, the request's indices; then finish
+                t0 = now_ns()
+                copy = tree.find_load(h)
+                loaded, host, prefix = tree.begin_load(copy)
+                new = device.allocate(len(host))
+                torch.cat([prefix, new])
+                tree.finish_load(copy, new)
+                samples.append(now_ns() - t0)
+            else:  # the same in start_load's one call; then finish
+                t0 = now_ns()
+                copy, loaded, host, indices = tree.start_load(h, device)
+                tree.finish_load(copy, indices[copy.start :])
+                fused.append(now_ns() - t0)
             tree.lock_handle(loaded, True)
-        out["load"] = median_us(samples)
+        out["load"], out["load_fused"] = median_us(samples), median_us(fused)
     return out
 
 
@@ -210,7 +223,8 @@ def main() -> None:
     on = bench_tree(True, args.seed, args.reps)
     rows = []
     print(f"{'case':<14}{'tier off':>10}{'tier on':>10}{'on/off':>8}   (median us)")
-    for case in ["match_many", "insert_many", "evict@10000", "backup", "backup_fused", "load"]:
+    cases = ["match_many", "insert_many", "evict@10000", "backup", "backup_fused", "load"]
+    for case in cases + ["load_fused"]:
         a, b = off.get(case), on.get(case)
         ratio = f"{b / a:>7.2f}x" if a else "       -"
         print(

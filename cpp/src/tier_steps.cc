@@ -33,4 +33,19 @@ int64_t FinishBackup(RadixTree* tree, PageAllocator* host_pages, const TierCopy&
   return k;
 }
 
+LoadStart StartLoad(RadixTree* tree, PageAllocator* device_pages, const Handle& handle,
+                    TierCopy* copy, Handle* loaded, SlotSink host, SlotSink indices) {
+  *copy = tree->FindLoad(handle);
+  if (copy->end == handle.cached_len) return LoadStart::kNothing;
+  const int64_t ps = tree->page_size();
+  const int64_t pages = (copy->length() + ps - 1) / ps;
+  if (pages > device_pages->num_free_pages()) return LoadStart::kNoRoom;
+  int32_t* out = nullptr;
+  tree->BeginLoad(
+      *copy, host, [&](int64_t k) { return out = indices(k + pages * ps); }, loaded);
+  // The pages are there: taking them cannot fail.
+  device_pages->Allocate(copy->length(), [&](int64_t) { return out + copy->start; });
+  return LoadStart::kStarted;
+}
+
 }  // namespace radixkv

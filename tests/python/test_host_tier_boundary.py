@@ -261,6 +261,55 @@ def test_start_backup_finds_takes_pages_and_begins_in_one_call():
     t.check_integrity()
 
 
+def test_start_load_finds_begins_and_takes_device_pages_in_one_call():
+    """start_load is find_load, begin_load and the device pages at once: None
+    when nothing is left on the host, the copy alone (nothing changed) when
+    too few device pages are free, else the loaded handle, the host slots and
+    the request's indices (the device part's slots, then the new pages)."""
+    t = _core.RadixTree(4, max_slots=64)
+    device = _core.PageAllocator(16, 4)
+    host = _core.PageAllocator(16, 4)
+    ids = list(range(16))
+    slots = device.allocate(16)
+    t.insert_prefix(ids, slots)
+    copy, _, hs = t.start_backup(ids, host)
+    t.finish_backup(copy, hs, True, host)
+    t.lock_handle(t.match_prefix(ids[:8])[0])  # keeps the first 8 on the device
+    device.free(t.evict(8))  # the last 8 are host only now
+    h, _ = t.match_prefix(ids)
+    assert (h.cached_len, h.host_hit_len) == (8, 8)
+    assert t.start_load(t.match_prefix(ids[:8])[0], device) is None  # no host part
+
+    taken = device.allocate(4 * (device.num_free_pages - 1))  # one page left
+    before, free = t.dump(tiers=True), device.num_free_pages
+    copy, loaded, host_slots, indices = t.start_load(h, device)
+    assert (copy.start, copy.end) == (8, 16) and loaded is None and host_slots is None
+    assert indices is None and t.dump(tiers=True) == before and device.num_free_pages == free
+    for bad, error, says in [
+        (None, TypeError, "device_pages must be a radixkv._core.PageAllocator"),
+        (_core.PageAllocator(8, 2), ValueError, "device_pages has page_size 2"),
+    ]:
+        with pytest.raises(error, match=says):
+            t.start_load(h, bad)
+        assert t.dump(tiers=True) == before
+
+    device.free(taken)
+    copy, loaded, host_slots, indices = t.start_load(h, device)
+    assert (loaded.cached_len, loaded.lock_count) == (16, 1) and len(host_slots) == 8
+    assert indices[:8].tolist() == slots[:8].tolist() and len(indices) == 16
+    new = indices[8:]
+    for p in range(0, 8, 4):  # whole pages the allocator handed out
+        assert new[p] % 4 == 0 and new[p : p + 4].tolist() == list(range(new[p], new[p] + 4))
+    assert device.num_free_pages == free + len(taken) // 4 - 2
+    with pytest.raises(ValueError, match="load"):  # its host part is loading now
+        t.start_load(h, device)
+    assert t.finish_load(copy, new, True)
+    assert t.match_prefix(ids)[0].cached_len == 16
+    t.lock_handle(loaded, True)
+    device.check_disjoint(t)
+    t.check_integrity()
+
+
 def test_a_discarded_manager_lets_go_of_its_controller_and_its_pool():
     pool = MHAKVCache(1, 2, 8, 16, torch.float16, page_size=4)
     cm = CacheManager(16, page_size=4, host_num_pages=32, kv_cache=pool)

@@ -1,5 +1,6 @@
-// The steps of a backup to the host tier that touch both the tree and the
-// host pool's pages, each one call: what write_through does per request.
+// The steps of the copies between the tiers that touch both the tree and a
+// pool's pages, each one call: what write_through does per request, and
+// what loading a match back from host does.
 #pragma once
 
 #include <cstdint>
@@ -32,5 +33,21 @@ BackupStart StartBackup(RadixTree* tree, PageAllocator* host_pages, const int32_
 /// none twice, none cached).
 int64_t FinishBackup(RadixTree* tree, PageAllocator* host_pages, const TierCopy& copy,
                      const int32_t* host, bool ok, SlotSink rejected);
+
+/// How StartLoad ended.
+enum class LoadStart : uint8_t {
+  kNothing,  ///< no host part is left to load: lock the handle's device part
+  kNoRoom,   ///< `*copy` needs more device pages than are free; nothing changed
+  kStarted,  ///< begun (or the part landed meanwhile: an empty copy)
+};
+
+/// FindLoad, then, when `device_pages` has the pages for the copy, BeginLoad
+/// and takes them: `*loaded` is the new handle for the whole match (locked),
+/// the copy's host slots go to `host`, and the slots the request goes on
+/// with to `indices`: the device part's, then the new pages' (`copy.start`
+/// on), which the copy fills. Throws what FindLoad and BeginLoad throw, and
+/// then nothing changed.
+LoadStart StartLoad(RadixTree* tree, PageAllocator* device_pages, const Handle& handle,
+                    TierCopy* copy, Handle* loaded, SlotSink host, SlotSink indices);
 
 }  // namespace radixkv

@@ -299,16 +299,28 @@ class CacheManager:
         tree = tier.tree  # (the manager's tree: a host tier needs the radix cache)
         if TYPE_CHECKING:  # so a valid handle is the tree's (no call at run time)
             handle = cast(RadixCacheHandle, handle)
-        try:
-            copy = tree.find_load(handle)
-        except ValueError:
-            if not tree.tier_sizes().loading:
-                raise
-            # Another request is loading this part: let it land, then take it.
-            self._tiers.settle_loads()
-            copy = tree.find_load(handle)
-        if copy.end == handle.cached_len:  # nothing left beyond the device part
+        started = self._start_load(tree, handle)
+        if started is None:  # nothing left on the host beyond the device part
             return self._lock_device_part(handle)
+        copy, loaded, host_slots, indices = started
+        if loaded is None or host_slots is None or indices is None:
+            return self._load_making_room(tier, tree, handle, copy)
+        if copy.end == copy.start:  # another request's load landed the whole part meanwhile
+            return loaded, indices.to(self.device, non_blocking=True)
+        device_slots = indices[copy.start :]
+        try:
+            tier.queue_load(copy, host_slots, device_slots, loaded)
+        except BaseException:
+            tree.finish_load(copy, torch.zeros(copy.end - copy.start, dtype=torch.int32), False)
+            tree.lock_handle(loaded, True)
+            self._pages.free(device_slots)
+            raise
+        return loaded, indices.to(self.device, non_blocking=True)
+
+    def _load_making_room(self, tier, tree, handle, copy) -> Tuple[BaseCacheHandle, torch.Tensor]:
+        """load_back when device pages must be evicted first: the load is
+        begun (its host part pinned) before the eviction, so a write_back
+        backup of the victims cannot take the host room the load reads."""
         n = copy.end - copy.start
         self.lock(handle)  # the device part stays while room is made
         try:
@@ -322,8 +334,6 @@ class CacheManager:
             loaded, host_slots, prefix = tree.begin_load(copy)
         finally:
             self.unlock(handle)
-        if n == 0:  # another request's load landed the whole part meanwhile
-            return loaded, prefix.to(self.device, non_blocking=True)
         device_slots = None
         try:
             self.make_room(n)
@@ -337,6 +347,18 @@ class CacheManager:
             raise
         indices = torch.cat([prefix, device_slots])
         return loaded, indices.to(self.device, non_blocking=True)
+
+    def _start_load(self, tree, handle):
+        """`start_load` (find, room check, begin and the device pages in one
+        call); a load in flight on the match's host part lands first."""
+        try:
+            return tree.start_load(handle, self._pages)
+        except ValueError:
+            if not tree.tier_sizes().loading:
+                raise
+            # Another request is loading this part: let it land, then take it.
+            self._tiers.settle_loads()
+            return tree.start_load(handle, self._pages)
 
     def _lock_device_part(self, handle) -> Tuple[BaseCacheHandle, torch.Tensor]:
         indices = self._device_slots(handle)  # raises, changing nothing, if not there
