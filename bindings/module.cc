@@ -539,45 +539,49 @@ radixkv::PageAllocator* AsDevicePages(PyObject* obj) {
   return pages;
 }
 
+// The arguments of a request step (old_handle, input_ids, indices, pages,
+// priority), read in that order and finished.
+struct RequestArgs {
+  explicit RequestArgs(PyObject* const* a)
+      : handle(AsHandle(a[0], "old_handle")),
+        ids(a[1], "input_ids"),
+        slots(a[2], "indices"),
+        pages(AsDevicePages(a[3])),
+        priority(AsPriority(a[4])) {
+    FinishViews(ids, slots);
+  }
+  // Read under the lock: Own() may have moved the data.
+  radixkv::FinishedRequest request() const {
+    return {&handle, ids.data(), ids.size(), slots.data(), slots.size(), priority};
+  }
+  void Own() {
+    ids.Own();
+    slots.Own();
+  }
+
+  Handle& handle;
+  Int32View ids, slots;
+  radixkv::PageAllocator* pages;
+  int32_t priority;
+};
+
 py::object RadixTree_FinishRequest(PyRadixTree& t, PyObject* const* a) {
-  Handle& h = AsHandle(a[0], "old_handle");
-  Int32View ids(a[1], "input_ids");
-  Int32View slots(a[2], "indices");
-  radixkv::PageAllocator* pages = AsDevicePages(a[3]);
-  const int32_t priority = AsPriority(a[4]);
-  FinishViews(ids, slots);
+  RequestArgs r(a);
   return py::int_(LockedWithGil(
-      t,
-      [&] {
-        return radixkv::FinishRequest(
-            &t.tree, pages, {&h, ids.data(), ids.size(), slots.data(), slots.size(), priority});
-      },
-      [&] {
-        ids.Own();
-        slots.Own();
-      }));
+      t, [&] { return radixkv::FinishRequest(&t.tree, r.pages, r.request()); }, [&] { r.Own(); }));
 }
 
 py::object RadixTree_CacheRequest(PyRadixTree& t, PyObject* const* a) {
-  Handle& h = AsHandle(a[0], "old_handle");
-  Int32View ids(a[1], "input_ids");
-  Int32View slots(a[2], "indices");
-  radixkv::PageAllocator* pages = AsDevicePages(a[3]);
-  const int32_t priority = AsPriority(a[4]);
-  FinishViews(ids, slots);
+  RequestArgs r(a);
   py::object handle = NewBoxed<Handle>(g_handle_type);
   TensorSink indices;
   const int64_t in_cache = LockedWithGil(
       t,
       [&] {
-        return radixkv::CacheRequest(
-            &t.tree, pages, {&h, ids.data(), ids.size(), slots.data(), slots.size(), priority},
-            &Unbox<Handle>(handle.ptr()), indices);
+        return radixkv::CacheRequest(&t.tree, r.pages, r.request(), &Unbox<Handle>(handle.ptr()),
+                                     indices);
       },
-      [&] {
-        ids.Own();
-        slots.Own();
-      });
+      [&] { r.Own(); });
   return py::make_tuple(std::move(handle), indices.take(), in_cache);
 }
 
@@ -648,6 +652,10 @@ py::object RadixTree_StartLoad(PyRadixTree& t, PyObject* const* a) {
   CHECK_TYPE(pages != nullptr, "device_pages must be a radixkv._core.PageAllocator, got None");
   CHECK_VALUE(pages->page_size() == t.tree.page_size(), "device_pages has page_size ",
               pages->page_size(), " but the tree has ", t.tree.page_size());
+  CHECK_VALUE(t.tree.max_slots() == radixkv::RadixTree::kAnySlot ||
+                  pages->num_pages() * pages->page_size() <= t.tree.max_slots(),
+              "device_pages has ", pages->num_pages() * pages->page_size(),
+              " slots but the tree takes slots below max_slots ", t.tree.max_slots());
   radixkv::TierCopy c;
   py::object loaded = NewBoxed<Handle>(g_handle_type);
   TensorSink host, indices;

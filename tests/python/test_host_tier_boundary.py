@@ -288,6 +288,7 @@ def test_start_load_finds_begins_and_takes_device_pages_in_one_call():
     for bad, error, says in [
         (None, TypeError, "device_pages must be a radixkv._core.PageAllocator"),
         (_core.PageAllocator(8, 2), ValueError, "device_pages has page_size 2"),
+        (_core.PageAllocator(17, 4), ValueError, "68 slots but the tree takes slots below"),
     ]:
         with pytest.raises(error, match=says):
             t.start_load(h, bad)
@@ -322,6 +323,34 @@ def test_a_discarded_manager_lets_go_of_its_controller_and_its_pool():
     pool.k_cache(0)  # a hook whose controller is gone waits for nothing
     cm2 = CacheManager(16, page_size=4, host_num_pages=32, kv_cache=pool)
     assert cm2.controller is not None
+
+
+def test_the_indices_load_back_returns_are_the_callers_not_the_loads():
+    """A caller may write into the indices load_back returned (a scheduler
+    reuses its buffers): the load in flight keeps its own slots."""
+    pool = MHAKVCache(1, 1, 4, 8, torch.float16, page_size=4)
+    cm = CacheManager(8, page_size=4, host_num_pages=16, kv_cache=pool)
+    ids = list(range(1, 17))
+    h, _ = cm.match_req(ids[:8] + [0])
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids[:8] + [0], cm.allocate(9))
+    h, idx = cm.match_req(ids + [0])
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids + [0], torch.cat([idx, cm.allocate(9)]))
+    cm.drain()  # both nodes have host copies
+    h, _ = cm.match_req(ids[:8] + [0])
+    cm.lock(h)  # the first node stays on the device
+    cm.make_room(4 * 6)  # the second node leaves it (4 pages were free)
+    cm.unlock(h)
+    h, _ = cm.match_req(ids + [0])
+    assert (h.cached_len, h.host_hit_len) == (8, 8)
+    loaded, idx = cm.load_back(h)
+    slots = idx.clone()
+    idx[8:] = 31  # the caller reuses its tensor
+    cm.drain()
+    cm.check_integrity()
+    assert torch.equal(cm.match_req(ids + [0])[1], slots[:16])
+    cm.unlock(loaded)
 
 
 def test_load_back_after_the_host_part_was_evicted_gives_the_device_part():

@@ -143,3 +143,24 @@ def test_naive_and_scheduler_managers_take_batches():
     with pytest.raises(ValueError, match=r"batch\[0\] must hold at least one token"):
         cm.match_req_batch([[]])
     assert isinstance(got[0][0], _core.RadixCacheHandle)
+
+
+def test_scheduler_batch_inputs_without_len_or_rank_are_read_or_named():
+    """match_req_batch hands the default namespace's inputs to the tree: one
+    the tree reads but len() does not (a buffer) is matched as before, and a
+    0-d tensor is refused naming its place, nothing matched or counted."""
+    import array
+    import pickle
+
+    cm = CacheManager(num_pages=16, page_size=4)
+    ids = list(range(1, 13))
+    h, _ = cm.match_req(ids + [0])
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids + [0], cm.allocate(13))
+    before = (cm.manager.dump(), cm.metrics)
+    with pytest.raises(ValueError, match=r"batch\[1\]"):
+        cm.match_req_batch([[1, 2, 3], torch.tensor(5)])
+    assert (cm.manager.dump(), cm.metrics) == before
+    out = cm.match_req_batch([[1, 2, 3], pickle.PickleBuffer(array.array("i", [1, 2, 3, 4, 5]))])
+    assert [h.cached_len for h, _ in out] == [0, 4]
+    assert cm.metrics.query_tokens == before[1].query_tokens + 2 + 4

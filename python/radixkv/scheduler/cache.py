@@ -231,8 +231,14 @@ class CacheManager:
         default = namespace is None or (type(namespace) is int and namespace == 0)
         if default and self._tree is not None and not self._tiers.backs_up_on_match:
             # The default namespace: nothing to remember before the inputs
-            # are checked, and the tree reads and checks them itself.
-            return self._match_batch_natively(batch)
+            # are checked, and the tree reads and checks them itself (the
+            # lengths are taken first: an input the tree reads may have none).
+            try:
+                tokens = sum(_length(x) for x in batch) - len(batch)
+            except (TypeError, IndexError):  # (no len(), a 0-d tensor): checked below
+                tokens = None
+            if tokens is not None:
+                return self._match_batch_natively(batch, tokens)
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
             if x.shape[0] == 0:
@@ -251,13 +257,15 @@ class CacheManager:
                 self._tiers.back_up(x[:-1], ns)
         return out
 
-    def _match_batch_natively(self, batch) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+    def _match_batch_natively(
+        self, batch, tokens: int
+    ) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
         """match_req_batch in the default namespace in one native call that
-        reads and checks the inputs, each matched without its last token."""
+        reads and checks the inputs, each matched without its last token
+        (`tokens` in all, once matched)."""
         out = self.manager.match_prefix_batch(batch, 0, True)
-        tokens = device = host = 0
-        for x, (handle, _) in zip(batch, out):
-            tokens += _length(x) - 1
+        device = host = 0
+        for handle, _ in out:
             device += handle.cached_len
             host += handle.host_hit_len
         self._queries += len(out)
@@ -307,7 +315,8 @@ class CacheManager:
             return self._load_making_room(tier, tree, handle, copy)
         if copy.end == copy.start:  # another request's load landed the whole part meanwhile
             return loaded, indices.to(self.device, non_blocking=True)
-        device_slots = indices[copy.start :]
+        # The load's own slots: the caller may reuse the indices it gets.
+        device_slots = indices[copy.start :].clone()
         try:
             tier.queue_load(copy, host_slots, device_slots, loaded)
         except BaseException:
@@ -560,18 +569,23 @@ class CacheManager:
             self._held_pages -= (indices.shape[0] - cached) // self.page_size
             self.unlock(old_handle)
             return
-        ids = to_host(input_ids, "input_ids", self.device)
-        indices = to_host(indices, "indices", self.device)
-        if self._tiers.loads_in_flight():
-            # The request's loads (and any on its path) join the tree before
-            # its slots are compared with the tree's.
-            self._tiers.settle_loads()
+        ids, indices = self._request_inputs(input_ids, indices)
         if TYPE_CHECKING:  # the tree checks the handle's type itself
             old_handle = cast(RadixCacheHandle, old_handle)
         # One native call checks everything, caches the whole pages, frees
         # the rest and unlocks; it raises, changing nothing, on bad input.
         in_cache = self._tree.finish_request(old_handle, ids, indices, self._pages, priority)
         self._finished(old_handle, ids, indices, in_cache)
+
+    def _request_inputs(self, input_ids, indices):
+        """A request's inputs on the host for a native request step, once
+        its loads (and any on its path) joined the tree: its slots are
+        compared with the tree's."""
+        ids = to_host(input_ids, "input_ids", self.device)
+        indices = to_host(indices, "indices", self.device)
+        if self._tiers.loads_in_flight():
+            self._tiers.settle_loads()
+        return ids, indices
 
     @shielded
     def free_and_cache_finished_reqs(self, batch, priority=0) -> None:
@@ -668,10 +682,7 @@ class CacheManager:
         The tokens are cached in the namespace of `old_handle`'s match.
         """
         if self._tree is not None:
-            ids = to_host(input_ids, "input_ids", self.device)
-            indices = to_host(indices, "indices", self.device)
-            if self._tiers.loads_in_flight():
-                self._tiers.settle_loads()
+            ids, indices = self._request_inputs(input_ids, indices)
             if TYPE_CHECKING:  # the tree checks the handle's type itself
                 old_handle = cast(RadixCacheHandle, old_handle)
             # One native call: the checks, the insert, the new match and its
