@@ -472,21 +472,27 @@ py::object RadixTree_BeginBackup(PyRadixTree& t, PyObject* const* a) {
   return slots.take();
 }
 
-// The host pool's pages of a fused tier step (None: the caller frees).
-radixkv::PageAllocator* AsPages(PyObject* obj, const char* name) {
-  if (obj == nullptr || obj == Py_None) return nullptr;
+// A pool's pages for a step that takes or frees them with the tree's: a
+// PageAllocator of the tree's page size. None is refused when `required`,
+// else it comes back null (the caller frees).
+radixkv::PageAllocator* PagesFor(const PyRadixTree& t, PyObject* obj, const char* name,
+                                 bool required) {
+  if (obj == nullptr || obj == Py_None) {
+    CHECK_TYPE(!required, name, " must be a radixkv._core.PageAllocator, got None");
+    return nullptr;
+  }
   py::handle h(obj);
   CHECK_TYPE(py::isinstance<radixkv::PageAllocator>(h), name,
              " must be a radixkv._core.PageAllocator, got ", Py_TYPE(obj)->tp_name);
-  return h.cast<radixkv::PageAllocator*>();
+  auto* pages = h.cast<radixkv::PageAllocator*>();
+  CHECK_VALUE(pages->page_size() == t.tree.page_size(), name, " has page_size ", pages->page_size(),
+              " but the tree has ", t.tree.page_size());
+  return pages;
 }
 
 py::object RadixTree_StartBackup(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
-  radixkv::PageAllocator* pages = AsPages(a[1], "host_pages");
-  CHECK_TYPE(pages != nullptr, "host_pages must be a radixkv._core.PageAllocator, got None");
-  CHECK_VALUE(pages->page_size() == t.tree.page_size(), "host_pages has page_size ",
-              pages->page_size(), " but the tree has ", t.tree.page_size());
+  radixkv::PageAllocator* pages = PagesFor(t, a[1], "host_pages", true);
   const int64_t min_hits = a[2] != nullptr ? ToInt64(a[2], "min_hits") : 0;
   CHECK_VALUE(min_hits >= 0 && min_hits <= UINT32_MAX, "min_hits is out of range");
   const bool through_partial = Truth(a[3], false);
@@ -511,10 +517,7 @@ py::object RadixTree_StartBackup(PyRadixTree& t, PyObject* const* a) {
 py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
   const bool ok = Truth(a[2], true);
-  radixkv::PageAllocator* pages = AsPages(a[3], "host_pages");
-  CHECK_VALUE(pages == nullptr || pages->page_size() == t.tree.page_size(),
-              "host_pages has page_size ", pages == nullptr ? 0 : pages->page_size(),
-              " but the tree has ", t.tree.page_size());
+  radixkv::PageAllocator* pages = PagesFor(t, a[3], "host_pages", false);
   Int32View host(a[1], "host_slots");
   FinishViews(host);
   CHECK_VALUE(host.size() == c.length(), "host_slots has length ", host.size(),
@@ -532,21 +535,14 @@ py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
   return rejected.take();
 }
 
-// The device pool's pages of a request step (required).
-radixkv::PageAllocator* AsDevicePages(PyObject* obj) {
-  radixkv::PageAllocator* pages = AsPages(obj, "pages");
-  CHECK_TYPE(pages != nullptr, "pages must be a radixkv._core.PageAllocator, got None");
-  return pages;
-}
-
 // The arguments of a request step (old_handle, input_ids, indices, pages,
 // priority), read in that order and finished.
 struct RequestArgs {
-  explicit RequestArgs(PyObject* const* a)
+  RequestArgs(const PyRadixTree& t, PyObject* const* a)
       : handle(AsHandle(a[0], "old_handle")),
         ids(a[1], "input_ids"),
         slots(a[2], "indices"),
-        pages(AsDevicePages(a[3])),
+        pages(PagesFor(t, a[3], "pages", true)),
         priority(AsPriority(a[4])) {
     FinishViews(ids, slots);
   }
@@ -566,13 +562,13 @@ struct RequestArgs {
 };
 
 py::object RadixTree_FinishRequest(PyRadixTree& t, PyObject* const* a) {
-  RequestArgs r(a);
+  RequestArgs r(t, a);
   return py::int_(LockedWithGil(
       t, [&] { return radixkv::FinishRequest(&t.tree, r.pages, r.request()); }, [&] { r.Own(); }));
 }
 
 py::object RadixTree_CacheRequest(PyRadixTree& t, PyObject* const* a) {
-  RequestArgs r(a);
+  RequestArgs r(t, a);
   py::object handle = NewBoxed<Handle>(g_handle_type);
   TensorSink indices;
   const int64_t in_cache = LockedWithGil(
@@ -594,7 +590,7 @@ py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
   const py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[0]));
   if (!items) throw py::error_already_set();
   const size_t n = items.size();
-  radixkv::PageAllocator* pages = AsDevicePages(a[1]);
+  radixkv::PageAllocator* pages = PagesFor(t, a[1], "pages", true);
   std::vector<int32_t> priorities(n);
   const bool each = a[2] != nullptr && (PyList_Check(a[2]) || PyTuple_Check(a[2]));
   if (each) {
@@ -648,10 +644,7 @@ py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
 
 py::object RadixTree_StartLoad(PyRadixTree& t, PyObject* const* a) {
   const Handle& h = AsHandle(a[0]);
-  radixkv::PageAllocator* pages = AsPages(a[1], "device_pages");
-  CHECK_TYPE(pages != nullptr, "device_pages must be a radixkv._core.PageAllocator, got None");
-  CHECK_VALUE(pages->page_size() == t.tree.page_size(), "device_pages has page_size ",
-              pages->page_size(), " but the tree has ", t.tree.page_size());
+  radixkv::PageAllocator* pages = PagesFor(t, a[1], "device_pages", true);
   CHECK_VALUE(t.tree.max_slots() == radixkv::RadixTree::kAnySlot ||
                   pages->num_pages() * pages->page_size() <= t.tree.max_slots(),
               "device_pages has ", pages->num_pages() * pages->page_size(),
