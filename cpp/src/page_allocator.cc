@@ -46,7 +46,7 @@ void PageAllocator::CheckOwned(const int32_t* slots, int64_t n, const char* name
     const int64_t s = slots[i];
     RADIXKV_CHECK(s >= 0 && s < num_pages_ * page_size_, kInvalid, name, "[", i, "] = ", s,
                   " is out of range [0, ", num_pages_ * page_size_, ")");
-    const int64_t page = page_size_ == 1 ? s : s / page_size_;  // (a division costs)
+    const int64_t page = PageOf(s);
     RADIXKV_CHECK(page * page_size_ == s, kInvalid, name, "[", i, "] = ", s,
                   " does not start a page of ", page_size_);
     // Branch-free over the page (it vectorizes); the slot is found only on failure.
@@ -70,14 +70,14 @@ void PageAllocator::CheckOwned(const int32_t* slots, int64_t n, const char* name
 void PageAllocator::MarkFree(const int32_t* slots, int64_t n, const char* name) {
   int64_t i = 0;
   for (; i < n; i += page_size_) {
-    const int32_t page = static_cast<int32_t>(page_size_ == 1 ? slots[i] : slots[i] / page_size_);
+    const int64_t page = PageOf(slots[i]);
     if (is_free_[page]) break;
     is_free_[page] = 1;
   }
   if (i < n) {
-    for (int64_t k = 0; k < i; k += page_size_) is_free_[slots[k] / page_size_] = 0;
+    for (int64_t k = 0; k < i; k += page_size_) is_free_[PageOf(slots[k])] = 0;
     throw Error(kInvalid,
-                StrCat(name, "[", i, "] = ", slots[i], " repeats page ", slots[i] / page_size_));
+                StrCat(name, "[", i, "] = ", slots[i], " repeats page ", PageOf(slots[i])));
   }
 }
 
@@ -86,7 +86,7 @@ void PageAllocator::CheckFree(const int32_t* slots, int64_t n, const char* name,
   CheckOwned(slots, n, name, cached);
   MarkFree(slots, n, name);
   for (int64_t k = 0; k < n; k += page_size_) {
-    is_free_[page_size_ == 1 ? slots[k] : slots[k] / page_size_] = 0;
+    is_free_[PageOf(slots[k])] = 0;
   }
 }
 
@@ -100,13 +100,13 @@ void PageAllocator::CheckFreeAll(const Span* spans, int64_t k, const SlotSet* ca
   auto unmark = [&] {
     for (int64_t i = 0; i <= done && i < k; ++i) {
       const int64_t end = i < done ? spans[i].n : at;
-      for (int64_t s = 0; s < end; s += page_size_) is_free_[spans[i].slots[s] / page_size_] = 0;
+      for (int64_t s = 0; s < end; s += page_size_) is_free_[PageOf(spans[i].slots[s])] = 0;
     }
   };
   for (; done < k; ++done) {
     const Span& span = spans[done];
     for (at = 0; at < span.n; at += page_size_) {
-      const int64_t page = span.slots[at] / page_size_;
+      const int64_t page = PageOf(span.slots[at]);
       if (!is_free_[page]) {
         is_free_[page] = 1;
         continue;
@@ -114,7 +114,7 @@ void PageAllocator::CheckFreeAll(const Span* spans, int64_t k, const SlotSet* ca
       int64_t owner = done;
       for (int64_t i = 0; i < done && owner == done; ++i) {
         for (int64_t s = 0; s < spans[i].n; s += page_size_) {
-          if (spans[i].slots[s] / page_size_ == page) owner = i;
+          if (PageOf(spans[i].slots[s]) == page) owner = i;
         }
       }
       unmark();
@@ -134,7 +134,7 @@ void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached)
   CheckOwned(slots, n, "indices", cached);
   MarkFree(slots, n, "indices");
   for (int64_t k = 0; k < n; k += page_size_) {
-    free_.push_back(static_cast<int32_t>(slots[k] / page_size_));
+    free_.push_back(static_cast<int32_t>(PageOf(slots[k])));
   }
 }
 

@@ -68,6 +68,8 @@ class PageAllocator {
 
  private:
   void MarkFree(const int32_t* slots, int64_t n, const char* name);
+  // The page of `slot` (no division at page 1: the checks run per page).
+  int64_t PageOf(int64_t slot) const noexcept { return page_size_ == 1 ? slot : slot / page_size_; }
 
   const int64_t num_pages_;
   const int64_t page_size_;
