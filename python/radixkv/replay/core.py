@@ -369,7 +369,8 @@ class Instance:
             return
         if fresh_at is not None:
             self.tokens.seek(fresh_at)
-        ids = self.tokens.prompt(req)
+        full_ids = self.tokens.request_tokens(req)
+        ids = full_ids[: req.input_length]
 
         prefetched = 0
         if "prefetch" in lat:
@@ -421,15 +422,19 @@ class Instance:
                 lat["evict"].append(t1 - t0)
                 result.evicted_tokens += evicted
             lat["allocate"].append(t2 - t0)
-            own = torch.cat([own, more])
-        full_ids = torch.cat([ids, self.tokens.output(out)]) if out else ids
+            indices = torch.cat([cached, own, more])
+        else:
+            indices = torch.cat([cached, own])
         if self.store and out:
-            start = req.input_length - hit
-            self._store_kv(own[start : start + out], full_ids[req.input_length :], req.input_length)
+            self._store_kv(
+                indices[req.input_length : req.input_length + out],
+                full_ids[req.input_length :],
+                req.input_length,
+            )
         result.peak_pages = max(result.peak_pages, self.capacity_pages - cm.free_pages)
 
         t0 = clock()
-        cm.free_and_cache_finished_req(handle, full_ids, torch.cat([cached, own]))
+        cm.free_and_cache_finished_req(handle, full_ids, indices)
         lat["insert"].append(clock() - t0)
         if self.host_pages:
             if self.overlap:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Set
 
+import numpy as np
 import torch
 
 # Output tokens get ids above every block token, so they never match a prompt.
@@ -76,24 +77,46 @@ class TokenMaker:
                 "fit below the output token range"
             )
         self.block_size = block_size
-        self._offsets = torch.arange(block_size, dtype=torch.int32)
+        self._offsets = np.arange(block_size, dtype=np.int32)
         self._fresh = OUTPUT_TOKEN_BASE
 
-    def _fresh_tokens(self, n: int) -> torch.Tensor:
+    def _take_fresh(self, n: int) -> int:
+        """The first of `n` fresh token ids, taken."""
         if self._fresh + n > 2**31:
             self._fresh = OUTPUT_TOKEN_BASE  # wrap: ids this old are long evicted
         start = self._fresh
         self._fresh += n
-        return torch.arange(start, start + n, dtype=torch.int32)
+        return start
+
+    def _fill(self, out: np.ndarray, req: Request) -> None:
+        """Writes the prompt of `req` into `out` (`req.input_length` int32)."""
+        n = req.input_length
+        h = np.asarray(req.hash_ids, dtype=np.int32)
+        named = min(len(h) * self.block_size, n)
+        out[:named] = (h[:, None] * self.block_size + self._offsets).reshape(-1)[:named]
+        if named < n:
+            start = self._take_fresh(n - named)
+            out[named:] = np.arange(start, start + n - named, dtype=np.int32)
 
     def prompt(self, req: Request) -> torch.Tensor:
-        h = torch.as_tensor(req.hash_ids, dtype=torch.int32)
-        ids = (h[:, None] * self.block_size + self._offsets).reshape(-1)[: req.input_length]
-        missing = req.input_length - ids.numel()
-        return ids if missing <= 0 else torch.cat([ids, self._fresh_tokens(missing)])
+        out = np.empty(req.input_length, dtype=np.int32)
+        self._fill(out, req)
+        return torch.from_numpy(out)
 
     def output(self, n: int) -> torch.Tensor:
-        return self._fresh_tokens(n)
+        start = self._take_fresh(n)
+        return torch.arange(start, start + n, dtype=torch.int32)
+
+    def request_tokens(self, req: Request) -> torch.Tensor:
+        """`prompt(req)` then `output(req.output_length)`, in one tensor (the
+        prompt is its first `req.input_length` tokens)."""
+        n, out = req.input_length, req.output_length
+        buf = np.empty(n + out, dtype=np.int32)
+        self._fill(buf[:n], req)
+        if out:
+            start = self._take_fresh(out)
+            buf[n:] = np.arange(start, start + out, dtype=np.int32)
+        return torch.from_numpy(buf)
 
     def advance(self, req: Request) -> None:
         """Moves on as `prompt(req)` and `output(req.output_length)` would,
