@@ -1,5 +1,6 @@
 #include "radixkv/page_allocator.h"
 
+#include <cstring>
 #include <limits>
 
 #include "radixkv/status.h"
@@ -40,8 +41,38 @@ void PageAllocator::Allocate(int64_t num_tokens, SlotSink sink) {
 
 void PageAllocator::CheckOwned(const int32_t* slots, int64_t n, const char* name,
                                const SlotSet* cached) const {
+  Check(slots, n, name, cached);
+}
+
+bool PageAllocator::AnyFree(int64_t first_page, int64_t end_page) const noexcept {
+  uint8_t any = 0;  // branch-free: it vectorizes
+  for (int64_t p = first_page; p < end_page; ++p) any |= is_free_[p];
+  return any != 0;
+}
+
+bool PageAllocator::OwnedByRuns(const int32_t* slots, int64_t n, const SlotSet* cached) const {
+  // Slots scattered page by page gain nothing from runs: give up early.
+  const int64_t pages = n / page_size_;
+  if (!runs_.Assign(slots, n, static_cast<size_t>(pages / 4 + 1))) return false;
+  const int64_t limit = num_pages_ * page_size_;
+  for (const SlotRun& r : runs_) {
+    // A run of whole pages: it starts a page of the input and of the pool,
+    // and spans whole pages.
+    if (r.at % page_size_ != 0 || r.lo % page_size_ != 0 || (r.hi - r.lo) % page_size_ != 0 ||
+        r.lo < 0 || r.hi > limit) {
+      return false;
+    }
+    if (AnyFree(PageOf(r.lo), PageOf(r.hi))) return false;
+    if (cached != nullptr && cached->AnyIn(r.lo, r.hi)) return false;
+  }
+  return true;
+}
+
+bool PageAllocator::Check(const int32_t* slots, int64_t n, const char* name,
+                          const SlotSet* cached) const {
   RADIXKV_CHECK(n % page_size_ == 0, kInvalid, name, " has length ", n,
                 ", not a whole number of pages of ", page_size_);
+  if (OwnedByRuns(slots, n, cached)) return true;
   for (int64_t i = 0; i < n; i += page_size_) {
     const int64_t s = slots[i];
     RADIXKV_CHECK(s >= 0 && s < num_pages_ * page_size_, kInvalid, name, "[", i, "] = ", s,
@@ -63,6 +94,26 @@ void PageAllocator::CheckOwned(const int32_t* slots, int64_t n, const char* name
                     " is owned by the prefix cache");
     }
   }
+  return false;
+}
+
+bool PageAllocator::MarkRunsFree() noexcept {
+  for (const SlotRun* r = runs_.begin(); r != runs_.end(); ++r) {
+    if (AnyFree(PageOf(r->lo), PageOf(r->hi))) {  // marked by an earlier run
+      for (const SlotRun* q = runs_.begin(); q != r; ++q) {
+        std::memset(&is_free_[PageOf(q->lo)], 0, PageOf(q->hi) - PageOf(q->lo));
+      }
+      return false;
+    }
+    std::memset(&is_free_[PageOf(r->lo)], 1, PageOf(r->hi) - PageOf(r->lo));
+  }
+  return true;
+}
+
+void PageAllocator::SetRuns(uint8_t free) noexcept {
+  for (const SlotRun& r : runs_) {
+    std::memset(&is_free_[PageOf(r.lo)], free, PageOf(r.hi) - PageOf(r.lo));
+  }
 }
 
 // Marks the pages of `slots` free, catching a repeated page; undoes the marks
@@ -83,7 +134,10 @@ void PageAllocator::MarkFree(const int32_t* slots, int64_t n, const char* name) 
 
 void PageAllocator::CheckFree(const int32_t* slots, int64_t n, const char* name,
                               const SlotSet* cached) {
-  CheckOwned(slots, n, name, cached);
+  if (Check(slots, n, name, cached) && MarkRunsFree()) {
+    SetRuns(0);
+    return;
+  }
   MarkFree(slots, n, name);
   for (int64_t k = 0; k < n; k += page_size_) {
     is_free_[PageOf(slots[k])] = 0;
@@ -131,7 +185,13 @@ void PageAllocator::CheckFreeAll(const Span* spans, int64_t k, const SlotSet* ca
 }
 
 void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached) {
-  CheckOwned(slots, n, "indices", cached);
+  if (Check(slots, n, "indices", cached) && MarkRunsFree()) {
+    for (const SlotRun& r : runs_) {
+      for (int64_t p = PageOf(r.lo); p < PageOf(r.hi); ++p)
+        free_.push_back(static_cast<int32_t>(p));
+    }
+    return;
+  }
   MarkFree(slots, n, "indices");
   for (int64_t k = 0; k < n; k += page_size_) {
     free_.push_back(static_cast<int32_t>(PageOf(slots[k])));

@@ -197,6 +197,17 @@ void SlotSet::RemoveRuns(ForEachRunFn for_each_run) noexcept {
   });
 }
 
+bool SlotSet::AnyIn(int64_t lo, int64_t hi) const noexcept {
+  const int64_t end = std::min(hi, static_cast<int64_t>(chunks_.size()) << kChunkShift);
+  for (int64_t w = lo >> 6; lo < end && w <= (end - 1) >> 6; ++w) {
+    const Chunk* chunk = chunks_[w >> kWordShift].get();
+    if (chunk != nullptr && (chunk->words[w & kWordMask] & RangeMask(w, lo, end)) != 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 int64_t SlotSet::AddAll(const int32_t* slots, int64_t n) {
   return AddRuns([&](auto fn) { return ForEachRun(slots, n, fn); });
 }

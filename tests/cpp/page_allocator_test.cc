@@ -152,6 +152,112 @@ TEST(PageAllocator, RandomAllocateFreeKeepsEveryPageOnce) {
   }
 }
 
+// Free and CheckFree check runs of consecutive slots a run at a time, and
+// fall back to page by page when a run fails. Either way they must accept
+// exactly the inputs a page-by-page reading accepts, and change nothing on
+// a refusal.
+TEST(PageAllocator, RunChecksAcceptExactlyWhatPagesWould) {
+  std::mt19937 rng(11);
+  for (int64_t ps : {1, 4}) {
+    const int64_t num_pages = 64;
+    for (int round = 0; round < 400; ++round) {
+      PageAllocator a(num_pages, ps);
+      std::vector<int32_t> held;
+      a.Allocate(48 * ps, &held);  // pages 0..47 allocated, 48..63 free
+      SlotSet cached;
+      const int32_t cached_page = static_cast<int32_t>(40 + rng() % 8);
+      for (int64_t j = 0; j < ps; ++j) {
+        const int32_t slot = static_cast<int32_t>(cached_page * ps + j);
+        ASSERT_EQ(cached.AddAll(&slot, 1), -1);
+      }
+      // Runs of whole allocated pages (below the cached one), in random order.
+      std::vector<int32_t> input;
+      for (int r = 0, runs = 1 + static_cast<int>(rng() % 4); r < runs; ++r) {
+        const int64_t first = rng() % 36, len = 1 + rng() % 4;
+        for (int64_t s = first * ps; s < (first + len) * ps; ++s) {
+          input.push_back(static_cast<int32_t>(s));
+        }
+      }
+      // One defect, or none.
+      switch (rng() % 7) {
+        case 0:
+          input.push_back(static_cast<int32_t>(50 * ps));
+          break;  // a free page
+        case 1:
+          input.push_back(static_cast<int32_t>(num_pages * ps));
+          break;  // out of range
+        case 2:
+          input.push_back(static_cast<int32_t>(cached_page * ps));
+          break;  // cached
+        case 3:
+          input.insert(input.begin(), 1);
+          break;  // mid-page or repeat
+        case 4:
+          if (!input.empty()) input.push_back(input.front());
+          break;  // a repeat
+        default:
+          break;
+      }
+      if (ps > 1 && input.size() % ps != 0) {
+        while (input.size() % ps != 0) input.push_back(input.back() + 1);
+      }
+      // The reference: whole aligned pages, in range, allocated, not cached, once each.
+      bool valid = input.size() % ps == 0;
+      std::set<int64_t> pages;
+      for (size_t i = 0; valid && i < input.size(); i += ps) {
+        const int64_t s = input[i];
+        valid = s >= 0 && s < num_pages * ps && s % ps == 0 && !a.IsFree(s / ps) &&
+                s / ps != cached_page && pages.insert(s / ps).second;
+        for (int64_t j = 1; valid && j < ps; ++j) valid = input[i + j] == s + j;
+      }
+      std::vector<bool> before(num_pages);
+      for (int64_t p = 0; p < num_pages; ++p) before[p] = a.IsFree(p);
+      const int64_t n = static_cast<int64_t>(input.size());
+      bool refused = false;
+      try {
+        a.CheckFree(input.data(), n, "indices", &cached);
+      } catch (const Error& e) {
+        ASSERT_EQ(e.code(), ErrorCode::kInvalidArgument);
+        refused = true;
+      }
+      ASSERT_EQ(refused, !valid) << "page size " << ps << ", round " << round;
+      for (int64_t p = 0; p < num_pages; ++p) ASSERT_EQ(a.IsFree(p), before[p]);
+      refused = false;
+      try {
+        a.Free(input.data(), n, &cached);
+      } catch (const Error& e) {
+        ASSERT_EQ(e.code(), ErrorCode::kInvalidArgument);
+        refused = true;
+      }
+      ASSERT_EQ(refused, !valid);
+      for (int64_t p = 0; p < num_pages; ++p) {
+        ASSERT_EQ(a.IsFree(p), before[p] || (valid && pages.count(p) > 0)) << "page " << p;
+      }
+      ASSERT_EQ(a.num_free_pages(), 16 + (valid ? static_cast<int64_t>(pages.size()) : 0));
+    }
+  }
+}
+
+TEST(SlotSet, AnyInAgreesWithContains) {
+  std::mt19937 rng(5);
+  SlotSet s;
+  std::set<int32_t> in;
+  // Slots around word and chunk edges, and beyond the last chunk.
+  for (int32_t slot : {0, 63, 64, 127, 65535, 65536, 65600, 131071, 200000}) {
+    ASSERT_EQ(s.AddAll(&slot, 1), -1);
+    in.insert(slot);
+  }
+  for (int k = 0; k < 3000; ++k) {
+    const int64_t lo = rng() % 270000, hi = lo + rng() % (k % 2 ? 200 : 70000);
+    const auto it = in.lower_bound(static_cast<int32_t>(lo));
+    const bool want = it != in.end() && *it < hi;
+    ASSERT_EQ(s.AnyIn(lo, hi), want) << "[" << lo << ", " << hi << ")";
+  }
+  EXPECT_FALSE(s.AnyIn(5, 5));
+  EXPECT_TRUE(s.AnyIn(63, 64));
+  EXPECT_FALSE(s.AnyIn(1, 63));
+}
+
 TEST(SlotSet, AddAllIsAllOrNothing) {
   SlotSet s;
   std::vector<int32_t> a{1, 2, 3, 200};

@@ -67,6 +67,18 @@ class PageAllocator {
   void CheckDisjoint(const SlotSet& cached) const;
 
  private:
+  // CheckOwned; true when it checked run by run (then `runs_` holds the
+  // runs of `slots`), false when it went page by page.
+  bool Check(const int32_t* slots, int64_t n, const char* name, const SlotSet* cached) const;
+  // The checks of CheckOwned over the runs of consecutive slots (a page or
+  // more each): true when every run passes. False decides nothing: the
+  // page-by-page checks find the page at fault and name it.
+  bool OwnedByRuns(const int32_t* slots, int64_t n, const SlotSet* cached) const;
+  bool AnyFree(int64_t first_page, int64_t end_page) const noexcept;
+  // Marks the pages of `runs_` free; false, marking none, when a page
+  // repeats (MarkFree then names it).
+  bool MarkRunsFree() noexcept;
+  void SetRuns(uint8_t free) noexcept;
   void MarkFree(const int32_t* slots, int64_t n, const char* name);
   // The page of `slot` (no division at page 1: the checks run per page).
   int64_t PageOf(int64_t slot) const noexcept { return page_size_ == 1 ? slot : slot / page_size_; }
@@ -75,6 +87,7 @@ class PageAllocator {
   const int64_t page_size_;
   std::vector<int32_t> free_;     // stack of free page ids
   std::vector<uint8_t> is_free_;  // by page id
+  mutable SlotRuns runs_;         // scratch of the checks (the allocator is one thread's)
 };
 
 }  // namespace radixkv

@@ -86,6 +86,10 @@ class SlotSet {
   /// `first[k], first[k] + 1, ..., first[k] + page_size - 1` (see ExpandPages).
   void RemovePages(const int32_t* first, int64_t pages, int64_t page_size) noexcept;
 
+  /// Whether any of the slots `[lo, hi)` (0 <= lo <= hi) is in the set. One
+  /// access per 64-bit word.
+  bool AnyIn(int64_t lo, int64_t hi) const noexcept;
+
   /// Number of slots in the set. O(chunks).
   int64_t Count() const noexcept;
 
