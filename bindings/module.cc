@@ -242,11 +242,15 @@ py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
   // The handle object is made before the match, so nothing can fail after it,
   // and before `ids` is borrowed, since making an object may run Python code.
   py::object handle = NewBoxed<Handle>(g_handle_type);
+  // skip_last: without the last token, which a scheduler always computes.
+  const bool skip_last = Truth(a[2], false);
   FinishViews(ids);
+  CHECK_VALUE(!skip_last || ids.size() > 0, "input_ids must hold at least one token");
+  const int64_t n = ids.size() - skip_last;
   TensorSink indices;
   Unbox<Handle>(handle.ptr()) = Locked(
-      t.mu, ids.size() >= kReleaseGilTokens,
-      [&] { return t.tree.MatchPrefix(ids.data(), ids.size(), indices, ns); }, [&] { ids.Own(); });
+      t.mu, n >= kReleaseGilTokens, [&] { return t.tree.MatchPrefix(ids.data(), n, indices, ns); },
+      [&] { ids.Own(); });
   return py::make_tuple(std::move(handle), indices.take());
 }
 
@@ -1179,12 +1183,13 @@ py::bytes PackBlockRemoved(py::handle block_hashes, py::handle medium) {
 }
 
 constexpr const char* kMatchDoc =
-    "match_prefix(input_ids, namespace=0) -> (handle, indices)\n\n"
+    "match_prefix(input_ids, namespace=0, skip_last=False) -> (handle, indices)\n\n"
     "Longest cached prefix of input_ids in whole pages: a handle (cached_len\n"
     "tokens, no locks) and the slot indices stored for them (int32).\n"
     "Refreshes the LRU time of exactly the matched tokens; may split a node.\n"
     "namespace (an int >= 0) is the cache namespace: sequences of different\n"
-    "namespaces never share a prefix.";
+    "namespaces never share a prefix. With skip_last the last token is left\n"
+    "out (a scheduler always computes it): input_ids must hold one.";
 constexpr const char* kInsertDoc =
     "insert_prefix(input_ids, indices, priority=0, namespace=0) -> int\n\n"
     "Store the whole pages of input_ids that are not cached yet, with their\n"
@@ -1202,7 +1207,7 @@ constexpr const char* kEvictDoc =
     "return their slots in eviction order. Raises OutOfCapacityError,\n"
     "changing nothing, when size exceeds the evictable size.";
 
-constexpr Params kIds{"match_prefix", {"input_ids", "namespace"}, 2, 1};
+constexpr Params kIds{"match_prefix", {"input_ids", "namespace", "skip_last"}, 3, 1};
 constexpr Params kBatch{"match_prefix_batch", {"batch", "namespace", "skip_last"}, 3, 1};
 constexpr Params kInsert{"insert_prefix", {"input_ids", "indices", "priority", "namespace"}, 4, 2};
 constexpr Params kLock{"lock_handle", {"handle", "unlock"}, 2, 1};

@@ -281,7 +281,7 @@ class RadixTree:
     @property
     def host_pins(self) -> int: ...
     def match_prefix(
-        self, input_ids: _Ids, namespace: int = 0
+        self, input_ids: _Ids, namespace: int = 0, skip_last: bool = False
     ) -> Tuple[RadixCacheHandle, torch.Tensor]: ...
     def match_prefix_batch(
         self,

@@ -89,6 +89,47 @@ def test_skip_last_matches_each_input_but_its_last_token(kind):
         assert m.dump() == before  # the first was not matched either
 
 
+def test_the_trees_single_match_leaves_out_the_last_token_too():
+    m, prefixes, _ = filled(2, 3)
+    tree = m._tree
+    for ids in [prefixes[0], torch.arange(7), [5, 6, 7], np.arange(3, dtype=np.int64), [9]]:
+        h1, i1 = tree.match_prefix(ids, 0, True)
+        h2, i2 = tree.match_prefix(torch.as_tensor(ids)[:-1])
+        assert h1.cached_len == h2.cached_len and torch.equal(i1, i2)
+    before = m.dump()
+    with pytest.raises(ValueError, match=r"input_ids must hold at least one token"):
+        tree.match_prefix([], skip_last=True)
+    assert m.dump() == before
+
+
+def test_match_req_hands_cpu_inputs_to_the_tree_with_the_same_hits_and_errors():
+    """The default namespace's match_req reads its input natively; a named
+    one takes the checked path. Both count and refuse alike."""
+    from radixkv.scheduler import CacheManager
+
+    ids = torch.arange(40, dtype=torch.int32)
+    results = []
+    for ns in (None, "named"):
+        cm = CacheManager(32, page_size=4)
+        h, idx = cm.match_req(ids, ns)
+        cm.lock(h)
+        slots = torch.cat([idx, cm.allocate(40)])
+        cm.free_and_cache_finished_req(h, ids, slots)
+        h, idx = cm.match_req(ids.tolist(), ns)
+        m = cm.metrics
+        stats = (h.cached_len, idx.tolist(), m.queries, m.query_tokens, m.device_hit_tokens)
+        errors = []
+        for bad in ([], torch.zeros(2, 2, dtype=torch.int32), [1, "a"], None):
+            with pytest.raises((TypeError, ValueError)) as e:
+                cm.match_req(bad, ns)
+            errors.append((type(e.value), str(e.value)))
+        with pytest.raises(TypeError, match="must be a CPU tensor, got a tensor on meta"):
+            cm.match_req(torch.zeros(3, dtype=torch.int32, device="meta"), ns)
+        results.append((stats, errors))
+    assert results[0] == results[1]
+    assert results[0][0][0] == 36  # whole pages of the 39 tokens matched
+
+
 def test_the_batch_is_read_once_whatever_its_items_do():
     m, prefixes, _ = filled(1, 1)
     batch = [prefixes[0], None, prefixes[1]]

@@ -199,6 +199,20 @@ class CacheManager:
     @shielded
     def match_req(self, input_ids, namespace=None) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """Match `input_ids[:-1]`: the last token is always computed."""
+        tree = self._tree
+        if tree is not None and self.device.type == "cpu" and self._matches_natively(namespace):
+            # The tree reads and checks the input itself, without its last
+            # token (the length is taken first: an input the tree reads may
+            # have none).
+            try:
+                n = _length(input_ids)
+            except (TypeError, IndexError):  # (no len(), a 0-d tensor): checked below
+                n = None
+            if n is not None:
+                ids = to_host(input_ids, "input_ids", self.device)  # (refuses other devices)
+                handle, indices = tree.match_prefix(ids, 0, True)
+                self._count_match(n - 1, handle)
+                return handle, indices
         ids = int32_tensor(input_ids, "input_ids", self.device)
         n = ids.shape[0]  # (a tensor's len() is a Python call)
         if n == 0:
@@ -209,6 +223,16 @@ class CacheManager:
         if self._tiers.backs_up_on_match:
             self._tiers.back_up(ids[:-1], ns)
         return handle, indices
+
+    def _matches_natively(self, namespace) -> bool:
+        """Whether a match can hand its inputs to the tree as they come: the
+        radix cache, the default namespace (nothing to remember before the
+        inputs are checked), and no backup on match."""
+        return (
+            self._tree is not None
+            and (namespace is None or (type(namespace) is int and namespace == 0))
+            and not self._tiers.backs_up_on_match
+        )
 
     def _count_match(self, tokens: int, handle: BaseCacheHandle) -> None:
         self._queries += 1
@@ -228,11 +252,9 @@ class CacheManager:
                 f"{type(batch).__name__}"
             )
         names = per_input(namespace, len(batch))
-        default = namespace is None or (type(namespace) is int and namespace == 0)
-        if default and self._tree is not None and not self._tiers.backs_up_on_match:
-            # The default namespace: nothing to remember before the inputs
-            # are checked, and the tree reads and checks them itself (the
-            # lengths are taken first: an input the tree reads may have none).
+        if self._matches_natively(namespace):
+            # The tree reads and checks the inputs itself (the lengths are
+            # taken first: an input the tree reads may have none).
             try:
                 tokens = sum(_length(x) for x in batch) - len(batch)
             except (TypeError, IndexError):  # (no len(), a 0-d tensor): checked below
