@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <limits>
+#include <new>
 
 #include "radixkv/status.h"
 
@@ -53,7 +54,11 @@ bool PageAllocator::AnyFree(int64_t first_page, int64_t end_page) const noexcept
 bool PageAllocator::OwnedByRuns(const int32_t* slots, int64_t n, const SlotSet* cached) const {
   // Slots scattered page by page gain nothing from runs: give up early.
   const int64_t pages = n / page_size_;
-  if (!runs_.Assign(slots, n, static_cast<size_t>(pages / 4 + 1))) return false;
+  try {
+    if (!runs_.Assign(slots, n, static_cast<size_t>(pages / 4 + 1))) return false;
+  } catch (const std::bad_alloc&) {
+    return false;  // page by page needs no memory: a free after its check cannot fail
+  }
   const int64_t limit = num_pages_ * page_size_;
   for (const SlotRun& r : runs_) {
     // A run of whole pages: it starts a page of the input and of the pool,

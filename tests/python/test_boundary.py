@@ -534,8 +534,8 @@ def test_fast_methods_name_themselves_in_argument_errors():
         t.reset(1)
     with pytest.raises(TypeError, match=r"^handle_slots\(\) missing required argument 'handle'"):
         t.handle_slots()
-    with pytest.raises(TypeError, match=r"^match_prefix\(\) takes at most 2 arguments \(3"):
-        t.match_prefix([1], 0, [2])
+    with pytest.raises(TypeError, match=r"^match_prefix\(\) takes at most 3 arguments \(4"):
+        t.match_prefix([1], 0, False, [2])
     with pytest.raises(TypeError, match="page_size must be an int"):
         _core.RadixTree(True)
     with pytest.raises(ValueError, match="page_size is out of the int64 range"):

@@ -87,7 +87,9 @@ class PageAllocator {
   const int64_t page_size_;
   std::vector<int32_t> free_;     // stack of free page ids
   std::vector<uint8_t> is_free_;  // by page id
-  mutable SlotRuns runs_;         // scratch of the checks (the allocator is one thread's)
+  // Scratch of the checks, so even the const ones are for one thread at a
+  // time (as every call is: the bindings hold the GIL around them).
+  mutable SlotRuns runs_;
 };
 
 }  // namespace radixkv
