@@ -114,6 +114,21 @@ class Figures:
         return ns
 
 
+def request_slots(allocate, prefix: torch.Tensor, prefill: int, out: int, f: Figures):
+    """A request's row of slots as a scheduler builds it, in parts: the
+    match's `prefix`, pages for the `prefill` tokens, then pages for the `out`
+    decode tokens the last prefill page cannot hold. `allocate(n, f)` is a
+    system's timed allocation, returning (slots, ns). Returns (parts, ns)."""
+    own, spent = allocate(prefill, f)
+    parts = [prefix, own]
+    spare = own.numel() - prefill
+    if out > spare:
+        more, ns = allocate(out - spare, f)
+        spent += ns
+        parts.append(more)
+    return parts, spent
+
+
 # ---------------------------------------------------------------------------
 # radixkv
 # ---------------------------------------------------------------------------
@@ -152,14 +167,8 @@ class Radixkv:
             spent += f.add("lock", clock() - t0)
         hit = handle.cached_len
 
-        own, ns = self._allocate(n_in - hit, f)
+        parts, ns = request_slots(self._allocate, cached, n_in - hit, out, f)
         spent += ns
-        parts = [cached, own]
-        spare = own.numel() - (n_in - hit)
-        if out > spare:
-            more, ns = self._allocate(out - spare, f)
-            spent += ns
-            parts.append(more)
 
         t0 = clock()  # the row of slots joined inside the timing, as SGLang's is
         cm.free_and_cache_finished_req(handle, full, torch.cat(parts))
@@ -352,14 +361,8 @@ class Sglang:
         prefix = cache.path_device_indices(node)[:hit]
         spent += f.add("match", t1 - t0 + clock() - t3)
 
-        own, ns = self._allocate(n_in - hit, f)
+        parts, ns = request_slots(self._allocate, prefix, n_in - hit, out, f)
         spent += ns
-        parts = [prefix, own]
-        spare = own.numel() - (n_in - hit)
-        if out > spare:
-            more, ns = self._allocate(out - spare, f)
-            spent += ns
-            parts.append(more)
         total = n_in + out
 
         t0 = clock()
