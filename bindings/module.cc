@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "block_ledger.h"
 #include "controller.h"
 #include "errors.h"
 #include "fast_call.h"
@@ -1413,6 +1414,7 @@ PYBIND11_MODULE(_core, m) {
   radixkv::bindings::RegisterErrors(m);
   radixkv::bindings::RegisterKernels(m);
   radixkv::bindings::RegisterController(m);
+  radixkv::bindings::RegisterBlockLedger(m);
   radixkv::bindings::RegisterSignalShield(m);
   m.attr("EVICTION_POLICIES") = EvictionPolicies();
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));

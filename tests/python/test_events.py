@@ -734,3 +734,40 @@ def test_namespaced_pages_have_one_hash_on_every_medium(tmp_path, publisher, sub
     keys = page_keys(ids[:4].to(torch.int32), 2, spaces.seed(spaces.id("tenant"), fp))
     assert FileStorage(str(tmp_path), fingerprint=fp).batch_exists(keys) == 2
     cm.close()
+
+
+def test_the_native_ledger_refuses_bad_input_naming_it_and_changes_nothing():
+    ledger = _core.BlockLedger(4, 2, 2)
+    tokens, slots = torch.arange(4, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+    ledger.device_inserted(tokens, slots, 0, 4, 0)
+    ledger.take_events()
+    cases = [
+        (
+            ValueError,
+            "seed must be 32 bytes",
+            lambda: ledger.device_inserted(tokens, slots, 0, 4, 0, b"x"),
+        ),
+        (
+            TypeError,
+            "seed must be bytes",
+            lambda: ledger.device_inserted(tokens, slots, 0, 4, 0, "s"),
+        ),
+        (ValueError, "end", lambda: ledger.device_inserted(tokens, slots, 0, 6, 0)),
+        (ValueError, "whole pages", lambda: ledger.device_inserted(tokens, slots, 1, 4, 0)),
+        (ValueError, "slots\\[2\\] = 8", lambda: ledger.device_evicted(torch.tensor([0, 1, 8, 9]))),
+        (ValueError, "slots\\[0\\] = -2", lambda: ledger.device_evicted(torch.tensor([-2, -1]))),
+        (TypeError, "slots", lambda: ledger.device_evicted(torch.zeros(2))),
+        (ValueError, "same length", lambda: ledger.device_loaded(slots, slots[:2])),
+        (ValueError, "host_slots\\[2\\] = 4", lambda: ledger.host_backed_up(slots, slots + 2, [])),
+        (ValueError, "rejected\\[0\\] = 9", lambda: ledger.host_backed_up(slots, slots, [9])),
+        (ValueError, "name 1 pages", lambda: ledger.host_inserted(tokens, 0, slots[:2], [])),
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()
+        assert ledger.pending == 0
+        assert (ledger.device_blocks, ledger.host_blocks) == (2, 0)
+    # What they would have done, done right.
+    ledger.host_backed_up(slots, slots, [])
+    ledger.device_evicted(slots)
+    assert (ledger.device_blocks, ledger.host_blocks) == (0, 2) and ledger.pending == 2

@@ -450,7 +450,7 @@ class StorageTier:
         blocks = None
         if self.events is not None:
             # The blocks hold the pages' chain keys: the chain is hashed once.
-            blocks = self.events.blocks(tokens.to(torch.int32).numpy(), copy.start // ps, -1, ns)
+            blocks = self.events.blocks(tokens.to(torch.int32).numpy(), copy.start // ps, ns)
             if self.name_key is not None:
                 keys = _core.keyed_page_keys(np.ascontiguousarray(blocks["key"]), self.name_key)
             else:

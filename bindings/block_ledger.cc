@@ -1,0 +1,115 @@
+#include "block_ledger.h"
+
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "radixkv/block_ledger.h"
+#include "tensor_view.h"
+
+namespace py = pybind11;
+
+namespace radixkv::bindings {
+namespace {
+
+using radixkv::BlockLedger;
+
+// A seed: 32 bytes, or None (the unseeded chain).
+const uint8_t* SeedArg(py::handle seed) {
+  if (seed.is_none()) return nullptr;
+  CHECK_TYPE(PyBytes_Check(seed.ptr()), "seed must be bytes or None, got ",
+             Py_TYPE(seed.ptr())->tp_name);
+  CHECK_VALUE(PyBytes_GET_SIZE(seed.ptr()) == 32, "seed must be 32 bytes, got ",
+              static_cast<int64_t>(PyBytes_GET_SIZE(seed.ptr())));
+  return reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(seed.ptr()));
+}
+
+void CheckSameLength(const Int32View& a, const Int32View& b, const char* a_name,
+                     const char* b_name) {
+  CHECK_VALUE(a.size() == b.size(), a_name, " and ", b_name, " must have the same length, got ",
+              a.size(), " and ", b.size());
+}
+
+void DeviceInserted(BlockLedger& l, py::handle tokens, py::handle slots, int64_t start, int64_t end,
+                    int64_t known, py::handle seed) {
+  Int32View t(tokens, "tokens"), s(slots, "slots");
+  const uint8_t* seed_bytes = SeedArg(seed);
+  FinishViews(t, s);
+  CHECK_VALUE(end >= 0 && end <= t.size() && end <= s.size(), "end (", end,
+              ") must be in [0, min(len(tokens), len(slots))] = [0, ", std::min(t.size(), s.size()),
+              "]");
+  l.DeviceInserted(t.data(), s.data(), start, end, known, seed_bytes);
+}
+
+void DeviceEvicted(BlockLedger& l, py::handle slots) {
+  Int32View s(slots, "slots");
+  FinishViews(s);
+  l.DeviceEvicted(s.data(), s.size());
+}
+
+void DeviceLoaded(BlockLedger& l, py::handle host_slots, py::handle device_slots) {
+  Int32View h(host_slots, "host_slots"), d(device_slots, "device_slots");
+  FinishViews(h, d);
+  CheckSameLength(h, d, "host_slots", "device_slots");
+  l.DeviceLoaded(h.data(), d.data(), h.size());
+}
+
+void HostBackedUp(BlockLedger& l, py::handle device_slots, py::handle host_slots,
+                  py::handle rejected) {
+  Int32View d(device_slots, "device_slots"), h(host_slots, "host_slots"), r(rejected, "rejected");
+  FinishViews(d, h, r);
+  CheckSameLength(d, h, "device_slots", "host_slots");
+  l.HostBackedUp(d.data(), h.data(), d.size(), r.data(), r.size());
+}
+
+void HostEvicted(BlockLedger& l, py::handle slots) {
+  Int32View s(slots, "slots");
+  FinishViews(s);
+  l.HostEvicted(s.data(), s.size());
+}
+
+void HostInserted(BlockLedger& l, py::handle tokens, int64_t start, py::handle host_slots,
+                  py::handle rejected, py::handle seed) {
+  Int32View t(tokens, "tokens"), h(host_slots, "host_slots"), r(rejected, "rejected");
+  const uint8_t* seed_bytes = SeedArg(seed);
+  FinishViews(t, h, r);
+  l.HostInserted(t.data(), t.size(), start, h.data(), h.size(), r.data(), r.size(), seed_bytes);
+}
+
+py::list TakeEvents(BlockLedger& l) {
+  std::vector<std::string> events = l.TakeEvents();
+  py::list out(events.size());
+  for (size_t i = 0; i < events.size(); ++i) out[i] = py::bytes(events[i]);
+  return out;
+}
+
+}  // namespace
+
+void RegisterBlockLedger(py::module_& m) {
+  py::class_<BlockLedger>(m, "BlockLedger",
+                          "The blocks each tier holds (a row per pool page) and the KV events\n"
+                          "their changes make, packed as msgpack as they happen.")
+      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("device_pages"), py::arg("host_pages"),
+           py::arg("page_size"))
+      .def_property_readonly("page_size", &BlockLedger::page_size)
+      .def_property_readonly("pending", &BlockLedger::pending)
+      .def_property_readonly("device_blocks", &BlockLedger::device_blocks)
+      .def_property_readonly("host_blocks", &BlockLedger::host_blocks)
+      .def_property("lora_id", &BlockLedger::lora_id, &BlockLedger::set_lora_id)
+      .def("device_inserted", &DeviceInserted, py::arg("tokens"), py::arg("slots"),
+           py::arg("start"), py::arg("end"), py::arg("known"), py::arg("seed") = py::none())
+      .def("device_evicted", &DeviceEvicted, py::arg("slots"))
+      .def("device_loaded", &DeviceLoaded, py::arg("host_slots"), py::arg("device_slots"))
+      .def("host_backed_up", &HostBackedUp, py::arg("device_slots"), py::arg("host_slots"),
+           py::arg("rejected"))
+      .def("host_evicted", &HostEvicted, py::arg("slots"))
+      .def("host_inserted", &HostInserted, py::arg("tokens"), py::arg("start"),
+           py::arg("host_slots"), py::arg("rejected"), py::arg("seed") = py::none())
+      .def("reset", &BlockLedger::Reset)
+      .def("take_events", &TakeEvents);
+}
+
+}  // namespace radixkv::bindings

@@ -1,0 +1,139 @@
+// The blocks each tier of a cache holds, told as KV events.
+//
+// The tree returns slots, not blocks: an eviction gives back the freed slots,
+// a copy between tiers names its slots. The ledger keeps, for every page of
+// the device pool and of the host pool, the block it holds (its hash, its
+// parent's hash, its page key and its tokens) and turns each change into
+// BlockStored / BlockRemoved events, packed as msgpack as they happen
+// (radixkv/event_pack.h), so a consumer replaying them holds exactly each
+// tier's blocks: a block is announced stored on a medium once while it is
+// there, and removed only after it was announced stored.
+//
+// A block's key is the storage tier's page key (radixkv/page_hash.h): the
+// SHA-256 chain over the pages, so a page keeps its hash on every medium; its
+// hash is the key's last 8 bytes, big-endian. An insert below a page the
+// device holds continues the chain from that page's key instead of hashing the
+// prefix again.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace radixkv {
+
+/// The events' names for the tiers' media (vLLM's).
+inline constexpr const char* kMediumGpu = "GPU";
+inline constexpr const char* kMediumCpuPinned = "CPU_PINNED";
+
+class BlockLedger {
+ public:
+  /// A ledger for a device pool of `device_pages` and a host pool of
+  /// `host_pages` pages of `page_size` tokens. The rows are allocated zeroed
+  /// (the memory is touched only as pages are used): per page 56 bytes and 4
+  /// a token. Throws kInvalidArgument for a negative count or page_size < 1.
+  BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_size);
+
+  int64_t page_size() const noexcept { return page_size_; }
+  int64_t device_pages() const noexcept { return device_.pages; }
+  int64_t host_pages() const noexcept { return host_.pages; }
+  /// The lora_id every BlockStored carries (none: nil).
+  std::optional<int64_t> lora_id() const noexcept { return lora_id_; }
+  void set_lora_id(std::optional<int64_t> id) noexcept { lora_id_ = id; }
+
+  /// `tokens[start, end)` (whole pages) joined the tree on the device with
+  /// `slots[start, end)`; `slots[0, known)` are the tree's slots of the
+  /// tokens before them. The chain goes on from the device block of the page
+  /// before `start` when it holds one, else is hashed from `seed` (32 bytes,
+  /// or null: unseeded) over `tokens[0, end)`. One BlockStored ("GPU").
+  void DeviceInserted(const int32_t* tokens, const int32_t* slots, int64_t start, int64_t end,
+                      int64_t known, const uint8_t* seed);
+  /// The pages of `slots[0, n)` (every page_size-th slot names one) left
+  /// the device: one BlockRemoved of those that held a block.
+  void DeviceEvicted(const int32_t* slots, int64_t n);
+  /// The host pages of `host_slots[0, n)` were loaded into the device pages
+  /// of `device_slots[0, n)` at the same positions: their blocks are on the
+  /// device too, a BlockStored ("GPU") per chain of consecutive blocks.
+  void DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n);
+
+  /// A backup landed: the host pages of `host_slots[0, n)` not among the
+  /// pages of `rejected[0, n_rejected)` hold copies of the device pages of
+  /// `device_slots[0, n)` at the same positions. A BlockStored
+  /// ("CPU_PINNED") per chain of the blocks the device held.
+  void HostBackedUp(const int32_t* device_slots, const int32_t* host_slots, int64_t n,
+                    const int32_t* rejected, int64_t n_rejected);
+  /// The host pages of `slots[0, n)` were dropped: one BlockRemoved.
+  void HostEvicted(const int32_t* slots, int64_t n);
+  /// Pages read from storage joined the tree on the host: `host_slots[0,
+  /// n_host)` hold the whole pages of `tokens[start, n)` (hashed from `seed`
+  /// over `tokens[0, n)`), those among the pages of `rejected` were not
+  /// taken. A BlockStored ("CPU_PINNED") per chain.
+  void HostInserted(const int32_t* tokens, int64_t n, int64_t start, const int32_t* host_slots,
+                    int64_t n_host, const int32_t* rejected, int64_t n_rejected,
+                    const uint8_t* seed);
+
+  /// Both tiers were emptied: a BlockRemoved of the host's blocks, then
+  /// AllBlocksCleared for the device's.
+  void Reset();
+
+  /// The events packed since the last take, oldest first.
+  std::vector<std::string> TakeEvents();
+  int64_t pending() const noexcept { return static_cast<int64_t>(pending_.size()); }
+
+  /// Pages holding a block, per tier (a linear scan: for tests and checks).
+  int64_t device_blocks() const noexcept { return device_.Count(); }
+  int64_t host_blocks() const noexcept { return host_.Count(); }
+
+  // Every call above throws kInvalidArgument, changing nothing, for a slot
+  // outside its pool or ranges that are not whole pages of the input; then
+  // nothing was recorded or packed.
+
+ private:
+  struct Block {
+    uint64_t hash;
+    uint64_t parent;
+    uint8_t key[32];
+    bool has_parent;
+    bool present;
+  };
+  struct FreeDeleter {
+    void operator()(void* p) const noexcept { std::free(p); }
+  };
+  // One pool's blocks, by page; its tokens beside them, page_size a page.
+  struct Tier {
+    int64_t pages = 0;
+    std::unique_ptr<Block[], FreeDeleter> blocks;
+    std::unique_ptr<int32_t[], FreeDeleter> tokens;
+    int64_t Count() const noexcept;
+  };
+
+  // The page of each page_size-th of `slots[0, n)` in `pages_`, each checked
+  // to lie in `tier` (`what` names the argument in the message).
+  void PagesOf(const Tier& tier, const int32_t* slots, int64_t n, const char* what,
+               std::vector<int64_t>* pages) const;
+  // The blocks of `tokens`' pages [first, last) into `blocks_`/`tokens_`, the
+  // chain from `seed` or, with `from`, on from that block.
+  void Chain(const int32_t* tokens, int64_t first, int64_t last, const Block* from,
+             const uint8_t* seed);
+  void Put(Tier* tier, int64_t page, const Block& b, const int32_t* tokens);
+  // A BlockRemoved of the blocks of `pages` that `tier` holds, which it drops.
+  void Remove(Tier* tier, const std::vector<int64_t>& pages, const char* medium);
+  // A BlockStored per chain of the gathered blocks (`blocks_`, `tokens_`).
+  void PackStoredChains(const char* medium);
+
+  int64_t page_size_;
+  Tier device_, host_;
+  std::optional<int64_t> lora_id_;
+  std::vector<std::string> pending_;
+  // Scratch reused across calls (no allocation once warm).
+  std::vector<int64_t> pages_, other_pages_, rejected_;
+  std::vector<Block> blocks_;
+  std::vector<int32_t> tokens_;
+  std::vector<uint8_t> keys_;
+  std::vector<uint64_t> hashes_;
+};
+
+}  // namespace radixkv

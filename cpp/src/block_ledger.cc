@@ -1,0 +1,271 @@
+#include "radixkv/block_ledger.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+#include "radixkv/event_pack.h"
+#include "radixkv/page_hash.h"
+#include "radixkv/status.h"
+
+namespace radixkv {
+namespace {
+
+// A page key's block hash: its last 8 bytes, big-endian.
+uint64_t HashOfKey(const uint8_t* key) {
+  uint64_t h = 0;
+  for (int i = 24; i < 32; ++i) h = (h << 8) | key[i];
+  return h;
+}
+
+template <typename T>
+T* Zeroed(int64_t n) {
+  if (n == 0) return nullptr;
+  void* p = std::calloc(static_cast<size_t>(n), sizeof(T));
+  if (p == nullptr) throw std::bad_alloc();
+  return static_cast<T*>(p);
+}
+
+template <typename T>
+Strided<T> Run(const T* data, int64_t n) {
+  return {reinterpret_cast<const unsigned char*>(data), n, sizeof(T)};
+}
+
+}  // namespace
+
+int64_t BlockLedger::Tier::Count() const noexcept {
+  int64_t n = 0;
+  for (int64_t p = 0; p < pages; ++p) n += blocks[p].present ? 1 : 0;
+  return n;
+}
+
+BlockLedger::BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_size)
+    : page_size_(page_size) {
+  RADIXKV_CHECK(page_size >= 1, ErrorCode::kInvalidArgument, "page_size must be >= 1, got ",
+                page_size);
+  RADIXKV_CHECK(device_pages >= 0, ErrorCode::kInvalidArgument, "device_pages must be >= 0, got ",
+                device_pages);
+  RADIXKV_CHECK(host_pages >= 0, ErrorCode::kInvalidArgument, "host_pages must be >= 0, got ",
+                host_pages);
+  for (auto [tier, pages] : {std::pair{&device_, device_pages}, std::pair{&host_, host_pages}}) {
+    RADIXKV_CHECK(pages <= INT64_MAX / page_size / 4, ErrorCode::kInvalidArgument,
+                  "too many pages for a ledger: ", pages);
+    tier->pages = pages;
+    tier->blocks.reset(Zeroed<Block>(pages));
+    tier->tokens.reset(Zeroed<int32_t>(pages * page_size));
+  }
+}
+
+void BlockLedger::PagesOf(const Tier& tier, const int32_t* slots, int64_t n, const char* what,
+                          std::vector<int64_t>* pages) const {
+  pages->clear();
+  for (int64_t i = 0; i < n; i += page_size_) {
+    const int64_t page = slots[i] >= 0 ? slots[i] / page_size_ : -1;
+    RADIXKV_CHECK(page >= 0 && page < tier.pages, ErrorCode::kInvalidArgument, what, "[", i,
+                  "] = ", slots[i], " is not a slot of a pool of ", tier.pages, " pages of ",
+                  page_size_);
+    pages->push_back(page);
+  }
+}
+
+void BlockLedger::Chain(const int32_t* tokens, int64_t first, int64_t last, const Block* from,
+                        const uint8_t* seed) {
+  const int64_t ps = page_size_, count = last - first;
+  blocks_.resize(static_cast<size_t>(count));
+  hashes_.resize(static_cast<size_t>(count));
+  tokens_.assign(tokens + first * ps, tokens + last * ps);
+  const uint8_t* keys;
+  std::optional<uint64_t> prev;
+  if (from != nullptr) {
+    keys_.resize(static_cast<size_t>(count * kPageKeyBytes));
+    PageKeys(tokens + first * ps, count * ps, ps, from->key, keys_.data());
+    keys = keys_.data();
+    prev = from->hash;
+  } else {
+    keys_.resize(static_cast<size_t>(last * kPageKeyBytes));
+    PageKeys(tokens, last * ps, ps, seed, keys_.data());
+    keys = keys_.data() + first * kPageKeyBytes;
+    if (first > 0) prev = HashOfKey(keys - kPageKeyBytes);
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    Block& b = blocks_[static_cast<size_t>(i)];
+    std::memcpy(b.key, keys + i * kPageKeyBytes, kPageKeyBytes);
+    b.hash = HashOfKey(b.key);
+    b.has_parent = prev.has_value();
+    b.parent = prev.value_or(0);
+    b.present = true;
+    hashes_[static_cast<size_t>(i)] = b.hash;
+    prev = b.hash;
+  }
+}
+
+void BlockLedger::Put(Tier* tier, int64_t page, const Block& b, const int32_t* tokens) {
+  tier->blocks[page] = b;
+  tier->blocks[page].present = true;
+  std::memcpy(&tier->tokens[page * page_size_], tokens,
+              static_cast<size_t>(page_size_) * sizeof(int32_t));
+}
+
+void BlockLedger::Remove(Tier* tier, const std::vector<int64_t>& pages, const char* medium) {
+  hashes_.clear();
+  for (int64_t page : pages) {
+    Block& b = tier->blocks[page];
+    if (!b.present) continue;
+    b.present = false;
+    hashes_.push_back(b.hash);
+  }
+  if (hashes_.empty()) return;
+  std::string event;
+  PackBlockRemoved(&event, Run(hashes_.data(), static_cast<int64_t>(hashes_.size())), medium);
+  pending_.push_back(std::move(event));
+}
+
+void BlockLedger::PackStoredChains(const char* medium) {
+  const int64_t n = static_cast<int64_t>(blocks_.size()), ps = page_size_;
+  hashes_.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) hashes_[static_cast<size_t>(i)] = blocks_[i].hash;
+  for (int64_t a = 0; a < n;) {
+    int64_t b = a + 1;
+    while (b < n && blocks_[b].has_parent && blocks_[b].parent == blocks_[b - 1].hash) ++b;
+    const Block& first = blocks_[a];
+    std::optional<uint64_t> parent;
+    if (first.has_parent) parent = first.parent;
+    std::string event;
+    PackBlockStored(&event, Run(hashes_.data() + a, b - a), parent,
+                    Run(tokens_.data() + a * ps, (b - a) * ps), ps, lora_id_, medium);
+    pending_.push_back(std::move(event));
+    a = b;
+  }
+}
+
+void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, int64_t start,
+                                 int64_t end, int64_t known, const uint8_t* seed) {
+  const int64_t ps = page_size_;
+  RADIXKV_CHECK(start >= 0 && start % ps == 0 && end % ps == 0, ErrorCode::kInvalidArgument,
+                "start (", start, ") and end (", end, ") must be whole pages of ", ps);
+  if (start >= end) return;
+  PagesOf(device_, slots + start, end - start, "slots", &pages_);
+  const Block* from = nullptr;
+  if (start > 0 && start <= known) {
+    PagesOf(device_, slots + start - ps, 1, "slots", &other_pages_);
+    const Block& parent = device_.blocks[other_pages_[0]];
+    if (parent.present) from = &parent;
+  }
+  Chain(tokens, start / ps, end / ps, from, seed);
+  for (size_t i = 0; i < pages_.size(); ++i) {
+    Put(&device_, pages_[i], blocks_[i], tokens_.data() + static_cast<int64_t>(i) * ps);
+  }
+  std::optional<uint64_t> parent;
+  if (blocks_[0].has_parent) parent = blocks_[0].parent;
+  std::string event;
+  PackBlockStored(&event, Run(hashes_.data(), static_cast<int64_t>(hashes_.size())), parent,
+                  Run(tokens + start, end - start), ps, lora_id_, kMediumGpu);
+  pending_.push_back(std::move(event));
+}
+
+void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n) {
+  PagesOf(device_, slots, n, "slots", &pages_);
+  Remove(&device_, pages_, kMediumGpu);
+}
+
+void BlockLedger::HostEvicted(const int32_t* slots, int64_t n) {
+  PagesOf(host_, slots, n, "slots", &pages_);
+  Remove(&host_, pages_, kMediumCpuPinned);
+}
+
+void BlockLedger::DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n) {
+  PagesOf(host_, host_slots, n, "host_slots", &pages_);
+  PagesOf(device_, device_slots, n, "device_slots", &other_pages_);
+  const int64_t ps = page_size_;
+  blocks_.clear();
+  tokens_.clear();
+  for (size_t i = 0; i < pages_.size(); ++i) {
+    const int64_t page = pages_[i];
+    if (!host_.blocks[page].present) continue;
+    blocks_.push_back(host_.blocks[page]);
+    const int32_t* t = &host_.tokens[page * ps];
+    tokens_.insert(tokens_.end(), t, t + ps);
+    Put(&device_, other_pages_[i], blocks_.back(), t);
+  }
+  PackStoredChains(kMediumGpu);
+}
+
+void BlockLedger::HostBackedUp(const int32_t* device_slots, const int32_t* host_slots, int64_t n,
+                               const int32_t* rejected, int64_t n_rejected) {
+  PagesOf(device_, device_slots, n, "device_slots", &pages_);
+  PagesOf(host_, host_slots, n, "host_slots", &other_pages_);
+  PagesOf(host_, rejected, n_rejected, "rejected", &rejected_);
+  std::sort(rejected_.begin(), rejected_.end());
+  const int64_t ps = page_size_;
+  blocks_.clear();
+  tokens_.clear();
+  for (size_t i = 0; i < pages_.size(); ++i) {
+    const int64_t host_page = other_pages_[i];
+    if (std::binary_search(rejected_.begin(), rejected_.end(), host_page)) continue;
+    const int64_t page = pages_[i];
+    if (!device_.blocks[page].present) continue;
+    blocks_.push_back(device_.blocks[page]);
+    const int32_t* t = &device_.tokens[page * ps];
+    tokens_.insert(tokens_.end(), t, t + ps);
+    Put(&host_, host_page, blocks_.back(), t);
+  }
+  PackStoredChains(kMediumCpuPinned);
+}
+
+void BlockLedger::HostInserted(const int32_t* tokens, int64_t n, int64_t start,
+                               const int32_t* host_slots, int64_t n_host, const int32_t* rejected,
+                               int64_t n_rejected, const uint8_t* seed) {
+  const int64_t ps = page_size_;
+  RADIXKV_CHECK(start >= 0 && start <= n, ErrorCode::kInvalidArgument, "start (", start,
+                ") must be in [0, ", n, "]");
+  const int64_t first = start / ps, last = n / ps;
+  PagesOf(host_, host_slots, n_host, "host_slots", &pages_);
+  RADIXKV_CHECK(static_cast<int64_t>(pages_.size()) == last - first, ErrorCode::kInvalidArgument,
+                "host_slots name ", pages_.size(), " pages, the tokens after start hold ",
+                last - first);
+  PagesOf(host_, rejected, n_rejected, "rejected", &rejected_);
+  std::sort(rejected_.begin(), rejected_.end());
+  if (last <= first) return;
+  Chain(tokens, first, last, nullptr, seed);
+  // Keep the taken blocks (and their tokens) in place, in order.
+  size_t kept = 0;
+  for (size_t i = 0; i < pages_.size(); ++i) {
+    if (std::binary_search(rejected_.begin(), rejected_.end(), pages_[i])) continue;
+    if (kept != i) {
+      blocks_[kept] = blocks_[i];
+      std::memcpy(&tokens_[kept * ps], &tokens_[i * ps], static_cast<size_t>(ps) * sizeof(int32_t));
+    }
+    Put(&host_, pages_[i], blocks_[kept], &tokens_[kept * ps]);
+    ++kept;
+  }
+  blocks_.resize(kept);
+  tokens_.resize(kept * ps);
+  PackStoredChains(kMediumCpuPinned);
+}
+
+void BlockLedger::Reset() {
+  hashes_.clear();
+  for (int64_t p = 0; p < host_.pages; ++p) {
+    if (host_.blocks[p].present) hashes_.push_back(host_.blocks[p].hash);
+  }
+  std::string removed, cleared;
+  if (!hashes_.empty()) {
+    PackBlockRemoved(&removed, Run(hashes_.data(), static_cast<int64_t>(hashes_.size())),
+                     kMediumCpuPinned);
+  }
+  PackAllBlocksCleared(&cleared);
+  pending_.reserve(pending_.size() + 2);
+  if (!removed.empty()) pending_.push_back(std::move(removed));
+  pending_.push_back(std::move(cleared));
+  for (Tier* tier : {&device_, &host_}) {
+    for (int64_t p = 0; p < tier->pages; ++p) tier->blocks[p].present = false;
+  }
+}
+
+std::vector<std::string> BlockLedger::TakeEvents() {
+  std::vector<std::string> out;
+  out.swap(pending_);
+  return out;
+}
+
+}  // namespace radixkv

@@ -1,0 +1,183 @@
+#include "radixkv/block_ledger.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "radixkv/event_pack.h"
+#include "radixkv/page_hash.h"
+#include "radixkv/status.h"
+
+namespace radixkv {
+namespace {
+
+constexpr int64_t kPage = 4;
+
+// The block hashes of the whole pages of `tokens`, chained from `seed`.
+std::vector<uint64_t> Hashes(const std::vector<int32_t>& tokens, const uint8_t* seed = nullptr) {
+  const int64_t n = static_cast<int64_t>(tokens.size()) / kPage;
+  std::vector<uint8_t> keys(static_cast<size_t>(n * kPageKeyBytes));
+  PageKeys(tokens.data(), n * kPage, kPage, seed, keys.data());
+  std::vector<uint64_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t h = 0;
+    for (int b = 24; b < 32; ++b) h = (h << 8) | keys[static_cast<size_t>(i * 32 + b)];
+    out.push_back(h);
+  }
+  return out;
+}
+
+template <typename T>
+Strided<T> Run(const std::vector<T>& v, size_t from = 0, size_t count = SIZE_MAX) {
+  count = std::min(count, v.size() - from);
+  return {reinterpret_cast<const unsigned char*>(v.data() + from), static_cast<int64_t>(count),
+          sizeof(T)};
+}
+
+std::string Stored(const std::vector<uint64_t>& hashes, size_t from, size_t count,
+                   std::optional<uint64_t> parent, const std::vector<int32_t>& tokens,
+                   const char* medium) {
+  std::string out;
+  PackBlockStored(&out, Run(hashes, from, count), parent, Run(tokens, from * kPage, count * kPage),
+                  kPage, std::nullopt, medium);
+  return out;
+}
+
+std::string Removed(const std::vector<uint64_t>& hashes, const char* medium) {
+  std::string out;
+  PackBlockRemoved(&out, Run(hashes), medium);
+  return out;
+}
+
+std::vector<int32_t> Iota(int32_t n, int32_t from = 0) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), from);
+  return v;
+}
+
+TEST(BlockLedgerTest, AnInsertIsOneBlockStoredChainedBelowWhatTheDeviceHolds) {
+  BlockLedger ledger(8, 8, kPage);
+  const std::vector<int32_t> tokens = Iota(16, 100);  // 4 pages
+  const std::vector<int32_t> slots = Iota(16, 8);     // pages 2..5
+  const std::vector<uint64_t> h = Hashes(tokens);
+  ledger.DeviceInserted(tokens.data(), slots.data(), 0, 8, 0, nullptr);
+  // The next two pages go on from the stored key of page 1 (slots 12..15).
+  ledger.DeviceInserted(tokens.data(), slots.data(), 8, 16, 8, nullptr);
+  const auto events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0], Stored(h, 0, 2, std::nullopt, tokens, kMediumGpu));
+  EXPECT_EQ(events[1], Stored(h, 2, 2, h[1], tokens, kMediumGpu));
+  EXPECT_EQ(ledger.device_blocks(), 4);
+  EXPECT_EQ(ledger.pending(), 0);
+}
+
+TEST(BlockLedgerTest, WithoutTheParentOnTheDeviceTheChainIsHashedFromTheSeed) {
+  BlockLedger ledger(8, 0, kPage);
+  std::vector<uint8_t> seed(32, 7);
+  const std::vector<int32_t> tokens = Iota(12, 5);
+  const std::vector<int32_t> slots = Iota(12, 0);
+  const std::vector<uint64_t> h = Hashes(tokens, seed.data());
+  // Pages 0 and 1 are the tree's but the ledger never saw them.
+  ledger.DeviceInserted(tokens.data(), slots.data(), 8, 12, 8, seed.data());
+  const auto events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0], Stored(h, 2, 1, h[1], tokens, kMediumGpu));
+}
+
+TEST(BlockLedgerTest, AnEvictionRemovesWhatWasStoredOnce) {
+  BlockLedger ledger(8, 0, kPage);
+  const std::vector<int32_t> tokens = Iota(8);
+  const std::vector<int32_t> slots = {12, 13, 14, 15, 4, 5, 6, 7};  // pages 3 and 1
+  const std::vector<uint64_t> h = Hashes(tokens);
+  ledger.DeviceInserted(tokens.data(), slots.data(), 0, 8, 0, nullptr);
+  ledger.TakeEvents();
+  const std::vector<int32_t> freed = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15};
+  ledger.DeviceEvicted(freed.data(), static_cast<int64_t>(freed.size()));
+  ledger.DeviceEvicted(freed.data(), static_cast<int64_t>(freed.size()));  // nothing left
+  const auto events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0], Removed({h[1], h[0]}, kMediumGpu));
+  EXPECT_EQ(ledger.device_blocks(), 0);
+}
+
+TEST(BlockLedgerTest, CopiesMoveBlocksBetweenTiersAndSplitIntoChains) {
+  BlockLedger ledger(8, 8, kPage);
+  const std::vector<int32_t> tokens = Iota(12, 40);
+  const std::vector<int32_t> slots = Iota(12, 0);  // device pages 0..2
+  const std::vector<uint64_t> h = Hashes(tokens);
+  ledger.DeviceInserted(tokens.data(), slots.data(), 0, 12, 0, nullptr);
+  ledger.TakeEvents();
+  // Back up pages 0 and 2 (not 1): two chains; host page 6 is rejected.
+  const std::vector<int32_t> device = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7};
+  const std::vector<int32_t> host = {20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+  const std::vector<int32_t> rejected = {28, 29, 30, 31};  // host page 7: device page 1's copy
+  ledger.HostBackedUp(device.data(), host.data(), 12, rejected.data(), 4);
+  auto events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0], Stored(h, 0, 1, std::nullopt, tokens, kMediumCpuPinned));
+  EXPECT_EQ(events[1], Stored(h, 2, 1, h[1], tokens, kMediumCpuPinned));
+  EXPECT_EQ(ledger.host_blocks(), 2);
+
+  // Evict device page 0 and load its host copy (host page 5) into page 4.
+  const std::vector<int32_t> page0 = {0, 1, 2, 3};
+  ledger.DeviceEvicted(page0.data(), 4);
+  const std::vector<int32_t> from = {20, 21, 22, 23}, to = {16, 17, 18, 19};
+  ledger.DeviceLoaded(from.data(), to.data(), 4);
+  events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0], Removed({h[0]}, kMediumGpu));
+  EXPECT_EQ(events[1], Stored(h, 0, 1, std::nullopt, tokens, kMediumGpu));
+
+  // A reset: the host's blocks one by one (in page order), the device's at once.
+  ledger.Reset();
+  events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0], Removed({h[0], h[2]}, kMediumCpuPinned));
+  std::string cleared;
+  PackAllBlocksCleared(&cleared);
+  EXPECT_EQ(events[1], cleared);
+  EXPECT_EQ(ledger.device_blocks() + ledger.host_blocks(), 0);
+}
+
+TEST(BlockLedgerTest, PagesFromStorageAreStoredOnTheHostButTheRejected) {
+  BlockLedger ledger(0, 8, kPage);
+  std::vector<uint8_t> seed(32, 1);
+  const std::vector<int32_t> tokens = Iota(14, 9);  // 3 whole pages and 2 tokens
+  const std::vector<uint64_t> h = Hashes(tokens, seed.data());
+  const std::vector<int32_t> host = {0, 1, 2, 3, 4, 5, 6, 7};  // pages 1 and 2 of the tokens
+  const std::vector<int32_t> rejected = {4, 5, 6, 7};
+  ledger.HostInserted(tokens.data(), 14, 4, host.data(), 8, rejected.data(), 4, seed.data());
+  const auto events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0], Stored(h, 1, 1, h[0], tokens, kMediumCpuPinned));
+  EXPECT_EQ(ledger.host_blocks(), 1);
+}
+
+TEST(BlockLedgerTest, BadSlotsThrowAndChangeNothing) {
+  BlockLedger ledger(4, 2, kPage);
+  const std::vector<int32_t> tokens = Iota(8);
+  const std::vector<int32_t> out_of_pool = {0, 1, 2, 3, 16, 17, 18, 19};  // page 4 of 4
+  EXPECT_THROW(ledger.DeviceInserted(tokens.data(), out_of_pool.data(), 0, 8, 0, nullptr), Error);
+  const std::vector<int32_t> negative = {-4, -3, -2, -1};
+  EXPECT_THROW(ledger.DeviceEvicted(negative.data(), 4), Error);
+  EXPECT_THROW(ledger.DeviceInserted(tokens.data(), out_of_pool.data(), 2, 8, 0, nullptr), Error);
+  const std::vector<int32_t> slots = Iota(8);
+  const std::vector<int32_t> host = {0, 1, 2, 3, 8, 9, 10, 11};  // host page 2 of 2
+  ledger.DeviceInserted(tokens.data(), slots.data(), 0, 8, 0, nullptr);
+  ledger.TakeEvents();
+  EXPECT_THROW(ledger.HostBackedUp(slots.data(), host.data(), 8, nullptr, 0), Error);
+  EXPECT_THROW(ledger.HostInserted(tokens.data(), 8, 0, host.data(), 4, nullptr, 0, nullptr),
+               Error);  // one page named for two
+  EXPECT_EQ(ledger.pending(), 0);
+  EXPECT_EQ(ledger.device_blocks(), 2);
+  EXPECT_EQ(ledger.host_blocks(), 0);
+  EXPECT_THROW(BlockLedger(4, 4, 0), Error);
+  EXPECT_THROW(BlockLedger(-1, 4, 1), Error);
+}
+
+}  // namespace
+}  // namespace radixkv
