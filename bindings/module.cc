@@ -1091,11 +1091,13 @@ struct PackInput {
   }
 };
 
-// Whether a buffer format names a native-order T (uint64 or int32).
+// Whether a buffer format names a native-order T (uint64 or int32): no byte
+// order, native ('@', '='), or the one this machine has ('<' or '>').
 template <typename T>
 bool NativeFormat(const char* format) {
   std::string f = format ? format : "B";
-  if (!f.empty() && (f[0] == '@' || f[0] == '=' || f[0] == '<')) f = f.substr(1);
+  const char own = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '<' : '>';
+  if (!f.empty() && (f[0] == '@' || f[0] == '=' || f[0] == own)) f = f.substr(1);
   if (f.size() != 1) return false;
   if constexpr (std::is_same_v<T, uint64_t>) {
     return f == "Q" || (f == "L" && sizeof(unsigned long) == 8);

@@ -143,18 +143,30 @@ def pack_event(event: KVEvent) -> bytes:
 
     from radixkv import _core
 
+    def ints(values, dtype, name: str) -> "np.ndarray":
+        # Exactly the values given: a float, a bool or one out of the type's
+        # range is refused, where a cast would write another number.
+        info = np.iinfo(dtype)
+        values = list(values)
+        for v in values:
+            if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"{name} must hold ints, got {type(v).__name__}")
+            if not info.min <= v <= info.max:
+                raise ValueError(f"{name} must hold ints in [{info.min}, {info.max}], got {v}")
+        return np.array(values, dtype=dtype)
+
     if isinstance(event, BlockStored):
         return _core.pack_block_stored(
-            np.asarray(event.block_hashes, dtype=np.uint64),
+            ints(event.block_hashes, np.uint64, "block_hashes"),
             event.parent_block_hash,
-            np.asarray(event.token_ids, dtype=np.int32),
+            ints(event.token_ids, np.int32, "token_ids"),
             event.block_size,
             event.lora_id,
             event.medium,
         )
     if isinstance(event, BlockRemoved):
         return _core.pack_block_removed(
-            np.asarray(event.block_hashes, dtype=np.uint64), event.medium
+            ints(event.block_hashes, np.uint64, "block_hashes"), event.medium
         )
     if isinstance(event, AllBlocksCleared):
         return ALL_BLOCKS_CLEARED

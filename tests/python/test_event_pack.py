@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("msgpack")
+msgpack = pytest.importorskip("msgpack")
 
 from radixkv import _core  # noqa: E402
 from radixkv.events import (  # noqa: E402
@@ -109,6 +109,18 @@ def test_bad_input_raises_naming_the_argument():
         _core.pack_block_removed(h, 3)
     with pytest.raises(TypeError, match="event"):
         pack_event(("BlockRemoved", [1], "GPU"))
+    # pack_event writes the numbers it is given or refuses them, never a cast of them.
+    for bad, error, name in [
+        (BlockStored([1], None, [2**31], 1, None, None), ValueError, "token_ids"),
+        (BlockStored([1], None, [1.5], 1, None, None), TypeError, "token_ids"),
+        (BlockStored([-1], None, [1], 1, None, None), ValueError, "block_hashes"),
+        (BlockRemoved([2**64], None), ValueError, "block_hashes"),
+        (BlockRemoved([True], None), TypeError, "block_hashes"),
+    ]:
+        with pytest.raises(error, match=name):
+            pack_event(bad)
+    edge = BlockStored([2**64 - 1, 0], 2**64 - 1, [-(2**31), 2**31 - 1], 2, None, "GPU")
+    assert pack_event(edge) == msgpack.packb(["BlockStored", *edge], use_bin_type=True)
 
 
 class Recorder(EventPublisher):

@@ -125,6 +125,11 @@ def test_match_req_hands_cpu_inputs_to_the_tree_with_the_same_hits_and_errors():
             errors.append((type(e.value), str(e.value)))
         with pytest.raises(TypeError, match="must be a CPU tensor, got a tensor on meta"):
             cm.match_req(torch.zeros(3, dtype=torch.int32, device="meta"), ns)
+        meta = [ids, torch.zeros(3, dtype=torch.int32, device="meta")]
+        with pytest.raises(
+            TypeError, match=r"batch\[1\] must be a CPU tensor, got a tensor on meta"
+        ):
+            cm.match_req_batch(meta, ns)
         results.append((stats, errors))
     assert results[0] == results[1]
     assert results[0][0][0] == 36  # whole pages of the 39 tokens matched
