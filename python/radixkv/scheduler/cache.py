@@ -260,10 +260,15 @@ class CacheManager:
             except (TypeError, IndexError):  # (no len(), a 0-d tensor): checked below
                 tokens = None
             if tokens is not None:
-                # Tensors on another device: copied to the host, or refused,
-                # as match_req does.
-                host = [to_host(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
-                return self._match_batch_natively(host, tokens)
+                try:
+                    return self._match_batch_natively(batch, tokens)
+                except TypeError:  # raised before anything changed
+                    # Tensors on another device: copied to the host, or
+                    # refused, as match_req does; any other error stands.
+                    host = [to_host(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
+                    if all(h is x for h, x in zip(host, batch)):
+                        raise
+                    return self._match_batch_natively(host, tokens)
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
             if x.shape[0] == 0:
