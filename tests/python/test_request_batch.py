@@ -124,6 +124,11 @@ def test_a_bad_request_names_its_place_and_changes_nothing():
         ([items[0], (7, ids1, idx1)], TypeError, "batch[1] old_handle must be a RadixCacheHandle"),
         ([items[0], (h1, [1.5], idx1)], TypeError, "batch[1] input_ids"),
         ([items[0], (h1, ids1, idx1.flip(0))], ValueError, "batch[1] indices"),
+        (
+            [items[0], (h1, ids1.to("meta"), idx1)],
+            TypeError,
+            "batch[1] input_ids must be a CPU tensor, got a tensor on meta",
+        ),
     ]
     for batch, error, says in cases:
         with pytest.raises(error) as e:
