@@ -689,14 +689,9 @@ class CacheManager:
             return
         n = _length(ids)
         full = n - n % self.page_size
-        if in_cache < full:
+        if in_cache < full:  # (the ledger reads the host inputs as they are)
             self._events.device_inserted(
-                int32_tensor(ids, "input_ids", self.device),
-                int32_tensor(indices, "indices", self.device),
-                in_cache,
-                full,
-                handle.cached_len,
-                handle.namespace,
+                ids, indices, in_cache, full, handle.cached_len, handle.namespace
             )
 
     @shielded
