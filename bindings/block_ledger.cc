@@ -79,6 +79,11 @@ void HostInserted(BlockLedger& l, py::handle tokens, int64_t start, py::handle h
   l.HostInserted(t.data(), t.size(), start, h.data(), h.size(), r.data(), r.size(), seed_bytes);
 }
 
+// None, or an int (not a bool) that fits int64.
+void SetLoraId(BlockLedger& l, py::handle id) {
+  l.set_lora_id(id.is_none() ? std::nullopt : std::optional<int64_t>(ToInt64(id, "lora_id")));
+}
+
 py::list TakeEvents(BlockLedger& l) {
   std::vector<std::string> events = l.TakeEvents();
   py::list out(events.size());
@@ -98,7 +103,7 @@ void RegisterBlockLedger(py::module_& m) {
       .def_property_readonly("pending", &BlockLedger::pending)
       .def_property_readonly("device_blocks", &BlockLedger::device_blocks)
       .def_property_readonly("host_blocks", &BlockLedger::host_blocks)
-      .def_property("lora_id", &BlockLedger::lora_id, &BlockLedger::set_lora_id)
+      .def_property("lora_id", &BlockLedger::lora_id, &SetLoraId)
       .def("device_inserted", &DeviceInserted, py::arg("tokens"), py::arg("slots"),
            py::arg("start"), py::arg("end"), py::arg("known"), py::arg("seed") = py::none())
       .def("device_evicted", &DeviceEvicted, py::arg("slots"))

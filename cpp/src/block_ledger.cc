@@ -57,11 +57,11 @@ BlockLedger::BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_
 }
 
 void BlockLedger::PagesOf(const Tier& tier, const int32_t* slots, int64_t n, const char* what,
-                          std::vector<int64_t>* pages) const {
+                          std::vector<int64_t>* pages, int64_t at) const {
   pages->clear();
   for (int64_t i = 0; i < n; i += page_size_) {
     const int64_t page = slots[i] >= 0 ? slots[i] / page_size_ : -1;
-    RADIXKV_CHECK(page >= 0 && page < tier.pages, ErrorCode::kInvalidArgument, what, "[", i,
+    RADIXKV_CHECK(page >= 0 && page < tier.pages, ErrorCode::kInvalidArgument, what, "[", at + i,
                   "] = ", slots[i], " is not a slot of a pool of ", tier.pages, " pages of ",
                   page_size_);
     pages->push_back(page);
@@ -144,10 +144,10 @@ void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, in
   RADIXKV_CHECK(start >= 0 && start % ps == 0 && end % ps == 0, ErrorCode::kInvalidArgument,
                 "start (", start, ") and end (", end, ") must be whole pages of ", ps);
   if (start >= end) return;
-  PagesOf(device_, slots + start, end - start, "slots", &pages_);
+  PagesOf(device_, slots + start, end - start, "slots", &pages_, start);
   const Block* from = nullptr;
   if (start > 0 && start <= known) {
-    PagesOf(device_, slots + start - ps, 1, "slots", &other_pages_);
+    PagesOf(device_, slots + start - ps, 1, "slots", &other_pages_, start - ps);
     const Block& parent = device_.blocks[other_pages_[0]];
     if (parent.present) from = &parent;
   }

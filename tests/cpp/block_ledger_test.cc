@@ -95,7 +95,8 @@ TEST(BlockLedgerTest, AnEvictionRemovesWhatWasStoredOnce) {
   const std::vector<uint64_t> h = Hashes(tokens);
   ledger.DeviceInserted(tokens.data(), slots.data(), 0, 8, 0, nullptr);
   ledger.TakeEvents();
-  const std::vector<int32_t> freed = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15};
+  // Page 1 twice in one eviction: its block is removed once.
+  const std::vector<int32_t> freed = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7};
   ledger.DeviceEvicted(freed.data(), static_cast<int64_t>(freed.size()));
   ledger.DeviceEvicted(freed.data(), static_cast<int64_t>(freed.size()));  // nothing left
   const auto events = ledger.TakeEvents();

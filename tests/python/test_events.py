@@ -17,6 +17,7 @@ import zmq
 
 from radixkv import _core
 from radixkv.events import (
+    ALL_BLOCKS_CLEARED,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -540,6 +541,24 @@ def test_events_past_the_bound_are_published_without_waiting(publisher, subscrib
     assert [len(b.events) for b in batches] == [3, 3]
     assert cm.flush_events() == 1
 
+    # One call past the bound (a reset's two events after two pending): no
+    # batch above it either.
+    class Sent(EventPublisher):
+        def __init__(self):  # no sockets
+            self._closed, self.batches = False, []
+
+        def publish_packed(self, events):
+            self.batches.append(list(events))
+
+    sent = Sent()
+    ledger = block_events.BlockEvents(sent, 2, None, num_pages=4, host_num_pages=4)
+    slots = torch.arange(4, dtype=torch.int32)
+    ledger.device_inserted(torch.arange(4), slots, 0, 4, 0)
+    ledger.host_backed_up(slots, slots, torch.empty(0, dtype=torch.int32))
+    ledger.reset()
+    assert [len(b) for b in sent.batches] == [3, 1]
+    assert sent.batches[1] == [ALL_BLOCKS_CLEARED]
+
 
 def test_map_encoded_events_decode_too():
     """Newer vLLM writes events as maps tagged with "type"; decode_batch reads both."""
@@ -760,6 +779,17 @@ def test_the_native_ledger_refuses_bad_input_naming_it_and_changes_nothing():
         (ValueError, "same length", lambda: ledger.device_loaded(slots, slots[:2])),
         (ValueError, "host_slots\\[2\\] = 4", lambda: ledger.host_backed_up(slots, slots + 2, [])),
         (ValueError, "rejected\\[0\\] = 9", lambda: ledger.host_backed_up(slots, slots, [9])),
+        # Indices name the place in the argument, past the cached part too.
+        (
+            ValueError,
+            "slots\\[2\\] = 99",
+            lambda: ledger.device_inserted(tokens, [0, 1, 99, 3], 2, 4, 0),
+        ),
+        (
+            ValueError,
+            "slots\\[2\\] = 99",  # the page before start: its block goes on
+            lambda: ledger.device_inserted(torch.arange(6), [0, 1, 99, 3, 4, 5], 4, 6, 4),
+        ),
         (ValueError, "name 1 pages", lambda: ledger.host_inserted(tokens, 0, slots[:2], [])),
     ]
     for error, message, call in cases:
@@ -767,6 +797,13 @@ def test_the_native_ledger_refuses_bad_input_naming_it_and_changes_nothing():
             call()
         assert ledger.pending == 0
         assert (ledger.device_blocks, ledger.host_blocks) == (2, 0)
+    for bad, error in ((True, TypeError), (2**63, ValueError), ("5", TypeError)):
+        with pytest.raises(error, match="lora_id"):
+            ledger.lora_id = bad
+        assert ledger.lora_id is None
+    ledger.lora_id = 5
+    assert ledger.lora_id == 5
+    ledger.lora_id = None
     # What they would have done, done right.
     ledger.host_backed_up(slots, slots, [])
     ledger.device_evicted(slots)

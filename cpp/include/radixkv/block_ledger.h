@@ -110,10 +110,11 @@ class BlockLedger {
     int64_t Count() const noexcept;
   };
 
-  // The page of each page_size-th of `slots[0, n)` in `pages_`, each checked
-  // to lie in `tier` (`what` names the argument in the message).
+  // The page of each page_size-th of `slots[0, n)` in `pages`, each checked
+  // to lie in `tier` (the message names `what`[`at` + i]: `slots` may start
+  // inside the argument).
   void PagesOf(const Tier& tier, const int32_t* slots, int64_t n, const char* what,
-               std::vector<int64_t>* pages) const;
+               std::vector<int64_t>* pages, int64_t at = 0) const;
   // The blocks of `tokens`' pages [first, last) into `blocks_`/`tokens_`, the
   // chain from `seed` or, with `from`, on from that block.
   void Chain(const int32_t* tokens, int64_t first, int64_t last, const Block* from,

@@ -159,7 +159,8 @@ class BlockEvents:
             self.flush()
 
     def flush(self) -> int:
-        """Publishes the pending events as one batch; returns how many. Once
+        """Publishes the pending events as one batch (several of at most
+        MAX_PENDING_EVENTS when calls went past it); returns how many. Once
         the publisher is closed (its creator's call: a shutdown in any order)
         the events have nowhere to go and are dropped; the manager goes on."""
         events = self.ledger.take_events()
@@ -167,7 +168,9 @@ class BlockEvents:
             events, self.pending = self.pending + events, []
         if not events or self.publisher.closed:
             return 0
-        self.publisher.publish_packed(events)
+        # A call may add several events past the bound: no batch exceeds it.
+        for i in range(0, len(events), MAX_PENDING_EVENTS):
+            self.publisher.publish_packed(events[i : i + MAX_PENDING_EVENTS])
         return len(events)
 
     # -- the device tier ---------------------------------------------------------------
