@@ -25,7 +25,9 @@ of 64 requests' pages so every request evicts, page 16): match_req,
 lock or load_back, allocate, free_and_cache_finished_req and, with the tier,
 drain (the replay's deterministic mode) -- tier off, then a 2x host tier
 with the bookkeeping-only engine run inline (manual) and on its thread.
-Then the cost of a shielded call (a method that does nothing, plain and
+Then write_through's calls for one 12,288-token path at page 512 (start,
+finish, and the host eviction that makes it need a backup again), and the
+cost of a shielded call (a method that does nothing, plain and
 under `_core.shielded`, which every CacheManager call is).
 Prints a table of medians in microseconds with ratios on/off, then JSON.
 
@@ -243,6 +245,13 @@ def main() -> None:
         }[mode]
         print(f"  {name:<32}{us:>9.2f}{us / req['off']:>8.2f}x")
         rows.append({"case": f"request_cycle/{mode}", "us": round(us, 2)})
+    big = bench_big_page_backup(args.seed)
+    print(
+        f"\na 12,288-token backup at page 512 (24 pages), the host tier's calls "
+        f"(median us): start_backup {big['start_us']:.2f}, finish_backup "
+        f"{big['finish_us']:.2f}, evict_host and free {big['evict_us']:.2f}"
+    )
+    rows.append({"case": "backup@512", **big})
     shield = bench_shield(args.reps)
     print(
         f"\na shielded call (signals held back, every CacheManager call): "
@@ -251,6 +260,35 @@ def main() -> None:
     rows.append({"case": "shielded_call", **shield})
     for r in rows:
         print(json.dumps(r))
+
+
+def bench_big_page_backup(seed: int, n: int = 20_000) -> dict:
+    """write_through's calls for one 12,288-token path at page 512, over and
+    over: start_backup (find, host pages, begin), finish_backup (the host
+    pages' checks, the nodes take them), then evict_host and the free that
+    make the path need a backup again. What each costs per slot shows here,
+    where a path has 12k slots and 24 pages."""
+    ps, pages_n = 512, 64
+    tree = _core.RadixTree(ps, pages_n * ps, "lru")
+    pages, host = _core.PageAllocator(pages_n, ps), _core.PageAllocator(2 * pages_n, ps)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 32000, (24 * ps,), generator=g, dtype=torch.int32)
+    h, _ = tree.match_prefix(ids)
+    tree.lock_handle(h)
+    tree.finish_request(h, ids, pages.allocate(len(ids)), pages)
+    times: dict = {"start_us": [], "finish_us": [], "evict_us": []}
+    for _ in range(n):
+        t0 = now_ns()
+        copy, _, host_slots = tree.start_backup(ids, host)
+        t1 = now_ns()
+        tree.finish_backup(copy, host_slots, True, host)
+        t2 = now_ns()
+        host.free(tree.evict_host(len(ids)), tree, True)
+        t3 = now_ns()
+        times["start_us"].append((t1 - t0) / 1e3)
+        times["finish_us"].append((t2 - t1) / 1e3)
+        times["evict_us"].append((t3 - t2) / 1e3)
+    return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
 def bench_shield(reps: int) -> dict:

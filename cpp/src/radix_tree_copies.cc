@@ -81,7 +81,7 @@ void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
 }
 
 int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool ok,
-                                SlotSink rejected) {
+                                SlotSink rejected, bool host_checked) {
   Node* end = ResolveCopy(copy);
   if (end == nullptr) {  // only Reset frees a node with a backup in flight
     int32_t* out = rejected(copy.length());
@@ -91,9 +91,11 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
   RADIXKV_CHECK(end->backing_up && end->copy_start == copy.start, kInvalid,
                 "copy is not a backup in flight: it was finished already, or its range is "
                 "not the one begun");
-  RADIXKV_CHECK(FindOutOfRange(host, copy.length()) < 0, kInvalid,
-                "host_slots has a negative slot");
-  CheckPages(host, copy.length(), page_size_, "host_slots");
+  if (!host_checked) {
+    RADIXKV_CHECK(FindOutOfRange(host, copy.length()) < 0, kInvalid,
+                  "host_slots has a negative slot");
+    CheckPages(host, copy.length(), page_size_, "host_slots");
+  }
   // Top down: a node takes its host slots only if its parent has a host copy
   // by then, so a failed parent cuts off the nodes below it.
   std::vector<Node*> nodes;

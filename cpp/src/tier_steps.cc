@@ -24,11 +24,12 @@ BackupStart StartBackup(RadixTree* tree, PageAllocator* host_pages, const int32_
 int64_t FinishBackup(RadixTree* tree, PageAllocator* host_pages, const TierCopy& copy,
                      const int32_t* host, bool ok, SlotSink rejected) {
   // Every slot must be able to go back before the tree changes: what the
-  // tree does not take is freed after it changed.
+  // tree does not take is freed after it changed. (So they are whole pages
+  // in range, which the tree need not check again.)
   host_pages->CheckFree(host, copy.length(), "host_slots", &tree->stored_host_slots());
   int32_t* out = nullptr;
-  const int64_t k =
-      tree->FinishBackup(copy, host, ok, [&](int64_t m) { return out = rejected(m); });
+  const int64_t k = tree->FinishBackup(
+      copy, host, ok, [&](int64_t m) { return out = rejected(m); }, /*host_checked=*/true);
   if (k > 0) host_pages->Free(out, k, &tree->stored_host_slots());
   return k;
 }

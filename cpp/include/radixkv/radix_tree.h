@@ -248,8 +248,11 @@ class RadixTree {
   /// has no host copy do not: a parent whose own backup failed cuts its
   /// subtree off); unpins them. Writes to `rejected` the host slots not taken
   /// (all of them when not `ok`, or when the copy's node is gone, which only
-  /// Reset does); returns how many.
-  int64_t FinishBackup(const TierCopy& copy, const int32_t* host, bool ok, SlotSink rejected);
+  /// Reset does); returns how many. `host_checked`: the caller vouches that
+  /// `host` is whole pages of slots in range (a PageAllocator's CheckFree
+  /// says so), which are then not checked again.
+  int64_t FinishBackup(const TierCopy& copy, const int32_t* host, bool ok, SlotSink rejected,
+                       bool host_checked = false);
 
   /// The host-only part of `handle`'s match, as a copy starting at the
   /// deepest node now on the device (empty when none is left: loaded since,
