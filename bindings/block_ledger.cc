@@ -17,15 +17,8 @@ namespace {
 
 using radixkv::BlockLedger;
 
-// A seed: 32 bytes, or None (the unseeded chain).
-const uint8_t* SeedArg(py::handle seed) {
-  if (seed.is_none()) return nullptr;
-  CHECK_TYPE(PyBytes_Check(seed.ptr()), "seed must be bytes or None, got ",
-             Py_TYPE(seed.ptr())->tp_name);
-  CHECK_VALUE(PyBytes_GET_SIZE(seed.ptr()) == 32, "seed must be 32 bytes, got ",
-              static_cast<int64_t>(PyBytes_GET_SIZE(seed.ptr())));
-  return reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(seed.ptr()));
-}
+// A seed: 32 bytes, or None (the unseeded chain: null).
+const uint8_t* SeedArg(const std::string& bytes) { return bytes.empty() ? nullptr : U8(bytes); }
 
 void CheckSameLength(const Int32View& a, const Int32View& b, const char* a_name,
                      const char* b_name) {
@@ -36,12 +29,12 @@ void CheckSameLength(const Int32View& a, const Int32View& b, const char* a_name,
 void DeviceInserted(BlockLedger& l, py::handle tokens, py::handle slots, int64_t start, int64_t end,
                     int64_t known, py::handle seed) {
   Int32View t(tokens, "tokens"), s(slots, "slots");
-  const uint8_t* seed_bytes = SeedArg(seed);
+  const std::string seed_bytes = Bytes32(seed, "seed");
   FinishViews(t, s);
   CHECK_VALUE(end >= 0 && end <= t.size() && end <= s.size(), "end (", end,
               ") must be in [0, min(len(tokens), len(slots))] = [0, ", std::min(t.size(), s.size()),
               "]");
-  l.DeviceInserted(t.data(), s.data(), start, end, known, seed_bytes);
+  l.DeviceInserted(t.data(), s.data(), start, end, known, SeedArg(seed_bytes));
 }
 
 void DeviceEvicted(BlockLedger& l, py::handle slots) {
@@ -74,9 +67,10 @@ void HostEvicted(BlockLedger& l, py::handle slots) {
 void HostInserted(BlockLedger& l, py::handle tokens, int64_t start, py::handle host_slots,
                   py::handle rejected, py::handle seed) {
   Int32View t(tokens, "tokens"), h(host_slots, "host_slots"), r(rejected, "rejected");
-  const uint8_t* seed_bytes = SeedArg(seed);
+  const std::string seed_bytes = Bytes32(seed, "seed");
   FinishViews(t, h, r);
-  l.HostInserted(t.data(), t.size(), start, h.data(), h.size(), r.data(), r.size(), seed_bytes);
+  l.HostInserted(t.data(), t.size(), start, h.data(), h.size(), r.data(), r.size(),
+                 SeedArg(seed_bytes));
 }
 
 // None, or an int (not a bool) that fits int64.

@@ -39,6 +39,7 @@ namespace py = pybind11;
 using radixkv::Handle;
 using radixkv::RadixTree;
 using radixkv::bindings::Boxed;
+using radixkv::bindings::Bytes32;
 using radixkv::bindings::FastMethod;
 using radixkv::bindings::FinishViews;
 using radixkv::bindings::Int32View;
@@ -47,6 +48,7 @@ using radixkv::bindings::NewInt32Tensor;
 using radixkv::bindings::Params;
 using radixkv::bindings::TensorSink;
 using radixkv::bindings::ToInt64;
+using radixkv::bindings::U8;
 using radixkv::bindings::Unbox;
 
 namespace {
@@ -983,19 +985,6 @@ py::list HexKeys(const uint8_t* keys, int64_t n) {
   }
   return out;
 }
-
-// `obj` as 32 bytes (a seed or a key), or empty for None.
-std::string Bytes32(py::handle obj, const std::string& name) {
-  if (obj.is_none()) return {};
-  CHECK_TYPE(PyBytes_Check(obj.ptr()), name, " must be bytes or None");
-  char* data = nullptr;
-  Py_ssize_t size = 0;
-  if (PyBytes_AsStringAndSize(obj.ptr(), &data, &size) != 0) throw py::error_already_set();
-  CHECK_VALUE(size == radixkv::kPageKeyBytes, name, " must be 32 bytes, got ", size);
-  return std::string(data, static_cast<size_t>(size));
-}
-
-const uint8_t* U8(const std::string& s) { return reinterpret_cast<const uint8_t*>(s.data()); }
 
 // The storage tier's page keys, as hex strings (a store's keys) or raw bytes;
 // with `key`, each is then keyed (HMAC-SHA-256 under it).

@@ -10,6 +10,8 @@
 #include <string>
 #include <type_traits>
 
+#include "errors.h"
+#include "radixkv/page_hash.h"
 #include "torch_api.h"
 
 namespace radixkv::bindings {
@@ -333,6 +335,16 @@ py::object NewInt32Tensor(const int32_t* src, int64_t n) {
 }
 
 py::object TensorSink::take() { return block_.ToTensor(); }
+
+std::string Bytes32(py::handle obj, const std::string& name) {
+  if (obj.is_none()) return {};
+  CHECK_TYPE(PyBytes_Check(obj.ptr()), name, " must be bytes or None");
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_AsStringAndSize(obj.ptr(), &data, &size) != 0) throw py::error_already_set();
+  CHECK_VALUE(size == radixkv::kPageKeyBytes, name, " must be 32 bytes, got ", size);
+  return std::string(data, static_cast<size_t>(size));
+}
 
 int64_t ToInt64(py::handle obj, const char* name) {
   PyObject* o = obj.ptr();

@@ -23,6 +23,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace radixkv::bindings {
@@ -125,6 +126,14 @@ class TensorSink {
 /// Reads a Python int (or an object with `__index__`, bools excluded) as
 /// int64; raises TypeError naming `name` otherwise.
 int64_t ToInt64(py::handle obj, const char* name);
+
+/// Reads `obj` as 32 bytes (a seed or a key), or empty for None; raises
+/// TypeError or ValueError naming `name` otherwise.
+std::string Bytes32(py::handle obj, const std::string& name);
+/// Those bytes as the core's key or seed pointer (check `empty()` first).
+inline const uint8_t* U8(const std::string& s) {
+  return reinterpret_cast<const uint8_t*>(s.data());
+}
 
 /// Whether torch reports the tensor `o` as a lazy negation (`is_neg()`).
 /// Runs torch's query, which runs Python code only for tensor subclasses and
