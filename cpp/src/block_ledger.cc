@@ -173,20 +173,27 @@ void BlockLedger::HostEvicted(const int32_t* slots, int64_t n) {
   Remove(&host_, pages_, kMediumCpuPinned);
 }
 
-void BlockLedger::DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n) {
-  PagesOf(host_, host_slots, n, "host_slots", &pages_);
-  PagesOf(device_, device_slots, n, "device_slots", &other_pages_);
+void BlockLedger::CopyBlocks(const Tier& from, Tier* to, const std::vector<int64_t>& skip) {
   const int64_t ps = page_size_;
   blocks_.clear();
   tokens_.clear();
   for (size_t i = 0; i < pages_.size(); ++i) {
-    const int64_t page = pages_[i];
-    if (!host_.blocks[page].present) continue;
-    blocks_.push_back(host_.blocks[page]);
-    const int32_t* t = &host_.tokens[page * ps];
+    const int64_t page = pages_[i], to_page = other_pages_[i];
+    if (!from.blocks[page].present || std::binary_search(skip.begin(), skip.end(), to_page)) {
+      continue;
+    }
+    blocks_.push_back(from.blocks[page]);
+    const int32_t* t = &from.tokens[page * ps];
     tokens_.insert(tokens_.end(), t, t + ps);
-    Put(&device_, other_pages_[i], blocks_.back(), t);
+    Put(to, to_page, blocks_.back(), t);
   }
+}
+
+void BlockLedger::DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n) {
+  PagesOf(host_, host_slots, n, "host_slots", &pages_);
+  PagesOf(device_, device_slots, n, "device_slots", &other_pages_);
+  rejected_.clear();
+  CopyBlocks(host_, &device_, rejected_);
   PackStoredChains(kMediumGpu);
 }
 
@@ -196,19 +203,7 @@ void BlockLedger::HostBackedUp(const int32_t* device_slots, const int32_t* host_
   PagesOf(host_, host_slots, n, "host_slots", &other_pages_);
   PagesOf(host_, rejected, n_rejected, "rejected", &rejected_);
   std::sort(rejected_.begin(), rejected_.end());
-  const int64_t ps = page_size_;
-  blocks_.clear();
-  tokens_.clear();
-  for (size_t i = 0; i < pages_.size(); ++i) {
-    const int64_t host_page = other_pages_[i];
-    if (std::binary_search(rejected_.begin(), rejected_.end(), host_page)) continue;
-    const int64_t page = pages_[i];
-    if (!device_.blocks[page].present) continue;
-    blocks_.push_back(device_.blocks[page]);
-    const int32_t* t = &device_.tokens[page * ps];
-    tokens_.insert(tokens_.end(), t, t + ps);
-    Put(&host_, host_page, blocks_.back(), t);
-  }
+  CopyBlocks(device_, &host_, rejected_);
   PackStoredChains(kMediumCpuPinned);
 }
 

@@ -122,6 +122,10 @@ class BlockLedger {
   void Put(Tier* tier, int64_t page, const Block& b, const int32_t* tokens);
   // A BlockRemoved of the blocks of `pages` that `tier` holds, which it drops.
   void Remove(Tier* tier, const std::vector<int64_t>& pages, const char* medium);
+  // Copies the blocks `from` holds in pages `pages_` to the pages at the same
+  // positions of `other_pages_` in `to`, but those in `skip` (sorted), and
+  // gathers them into `blocks_`/`tokens_`.
+  void CopyBlocks(const Tier& from, Tier* to, const std::vector<int64_t>& skip);
   // A BlockStored per chain of the gathered blocks (`blocks_`, `tokens_`).
   void PackStoredChains(const char* medium);
 
