@@ -42,6 +42,7 @@ using radixkv::bindings::Boxed;
 using radixkv::bindings::Bytes32;
 using radixkv::bindings::FastMethod;
 using radixkv::bindings::FinishViews;
+using radixkv::bindings::Int32Block;
 using radixkv::bindings::Int32View;
 using radixkv::bindings::NewBoxed;
 using radixkv::bindings::NewInt32Tensor;
@@ -62,6 +63,10 @@ struct PyRadixTree {
       : tree(page_size, max_slots, policy) {}
   RadixTree tree;
   std::mutex mu;
+  // Where finish_requests_flat joins a batch's cached parts and own pages,
+  // kept between calls (at most what the largest batch needed), so a large
+  // batch does not fault in fresh memory each step. Guarded by `mu`.
+  std::vector<int32_t> joined;
 };
 
 // Runs `f` holding `mu`. A thread never blocks on the mutex while it holds
@@ -298,14 +303,30 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
     CHECK_VALUE(!skip_last || views[i]->size() > 0, names[i], " must hold at least one token");
     total += views[i]->size();
   }
-  std::vector<TensorSink> indices(n);
+  // flat: every match's slots back to back in one tensor, gathered in a
+  // buffer of the call's own (reserved for all the tokens before any match).
+  const bool flat = Truth(a[3], false);
+  Int32Block joined = flat ? Int32Block(total) : Int32Block();
+  int64_t used = 0;
+  std::vector<TensorSink> indices(flat ? 0 : n);
   std::vector<Handle> matched(n);
   Locked(
       t.mu, total >= kReleaseGilTokens,
       [&] {
         for (size_t i = 0; i < n; ++i) {
-          matched[i] = t.tree.MatchPrefix(views[i]->data(), views[i]->size() - skip_last,
-                                          indices[i], spaces[i]);
+          const int32_t* ids = views[i]->data();
+          const int64_t len = views[i]->size() - skip_last;
+          if (flat) {
+            matched[i] = t.tree.MatchPrefix(
+                ids, len,
+                [&](int64_t m) {
+                  used += m;  // (at most the input's length)
+                  return joined.data() + used - m;
+                },
+                spaces[i]);
+          } else {
+            matched[i] = t.tree.MatchPrefix(ids, len, indices[i], spaces[i]);
+          }
         }
         return 0;
       },
@@ -315,7 +336,12 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
   py::list out(n);
   for (size_t i = 0; i < n; ++i) {
     Unbox<Handle>(handles[i].ptr()) = matched[i];
-    out[i] = py::make_tuple(std::move(handles[i]), indices[i].take());
+    out[i] = flat ? std::move(handles[i])
+                  : py::object(py::make_tuple(std::move(handles[i]), indices[i].take()));
+  }
+  if (flat) {
+    joined.Truncate(used);
+    return py::make_tuple(std::move(out), joined.ToTensor());
   }
   return std::move(out);
 }
@@ -588,28 +614,71 @@ py::object RadixTree_CacheRequest(PyRadixTree& t, PyObject* const* a) {
   return py::make_tuple(std::move(handle), indices.take(), in_cache);
 }
 
-// A batch's requests: each item an (old_handle, input_ids, indices) tuple; the
-// snapshot `items` keeps every object alive while the views borrow them.
-py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
-  CHECK_TYPE(PyList_Check(a[0]) || PyTuple_Check(a[0]),
-             "batch must be a list or tuple of (old_handle, input_ids, indices), got ",
-             Py_TYPE(a[0])->tp_name);
-  const py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[0]));
+// A batch's priorities: one int for all (0 when absent), or a list or tuple
+// with one per request.
+std::vector<int32_t> BatchPriorities(PyObject* arg, size_t n) {
+  if (arg == nullptr || !(PyList_Check(arg) || PyTuple_Check(arg))) {
+    return std::vector<int32_t>(n, AsPriority(arg));
+  }
+  const py::tuple given = py::reinterpret_steal<py::tuple>(PySequence_Tuple(arg));
+  if (!given) throw py::error_already_set();
+  CHECK_VALUE(given.size() == n, "priority has ", given.size(), " entries but batch has ", n);
+  std::vector<int32_t> priorities(n);
+  for (size_t i = 0; i < n; ++i) {
+    priorities[i] = AsPriority(given[i].ptr(), ("priority[" + std::to_string(i) + "]").c_str());
+  }
+  return priorities;
+}
+
+// A list or tuple argument as a snapshot tuple: Python code run while its
+// items are converted cannot change it, and it keeps them alive while views
+// borrow them.
+py::tuple Snapshot(PyObject* arg, const char* what) {
+  CHECK_TYPE(PyList_Check(arg) || PyTuple_Check(arg), what, Py_TYPE(arg)->tp_name);
+  py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(arg));
   if (!items) throw py::error_already_set();
+  return items;
+}
+
+// FinishRequests over finished views (`views` owned before the GIL goes):
+// request i is handles[i] with the tokens of the view ids(i) and the slots
+// slots(i) (a pointer and a count), both read under the tree's lock, once
+// the views are final.
+template <typename Ids, typename Slots, typename Prepare>
+py::object FinishBatch(PyRadixTree& t, radixkv::PageAllocator* pages,
+                       const std::vector<Handle*>& handles, const std::vector<int32_t>& priorities,
+                       std::vector<std::unique_ptr<Int32View>>& views, Ids ids, Slots slots,
+                       const char* what, Prepare prepare) {
+  const size_t n = handles.size();
+  std::vector<int64_t> in_cache(n);
+  LockedWithGil(
+      t,
+      [&] {
+        prepare();
+        std::vector<radixkv::FinishedRequest> batch(n);
+        for (size_t i = 0; i < n; ++i) {
+          const Int32View& tokens = ids(i);
+          const auto [slot_data, m] = slots(i);
+          batch[i] = {handles[i], tokens.data(), tokens.size(), slot_data, m, priorities[i]};
+        }
+        radixkv::FinishRequests(&t.tree, pages, batch.data(), static_cast<int64_t>(n),
+                                in_cache.data(), what);
+      },
+      [&] {
+        for (auto& v : views) v->Own();
+      });
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = py::int_(in_cache[i]);
+  return std::move(out);
+}
+
+// A batch's requests: each item an (old_handle, input_ids, indices) tuple.
+py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
+  const py::tuple items =
+      Snapshot(a[0], "batch must be a list or tuple of (old_handle, input_ids, indices), got ");
   const size_t n = items.size();
   radixkv::PageAllocator* pages = PagesFor(t, a[1], "pages", true);
-  std::vector<int32_t> priorities(n);
-  const bool each = a[2] != nullptr && (PyList_Check(a[2]) || PyTuple_Check(a[2]));
-  if (each) {
-    const py::tuple given = py::reinterpret_steal<py::tuple>(PySequence_Tuple(a[2]));
-    if (!given) throw py::error_already_set();
-    CHECK_VALUE(given.size() == n, "priority has ", given.size(), " entries but batch has ", n);
-    for (size_t i = 0; i < n; ++i) {
-      priorities[i] = AsPriority(given[i].ptr(), ("priority[" + std::to_string(i) + "]").c_str());
-    }
-  } else {
-    std::fill(priorities.begin(), priorities.end(), AsPriority(a[2]));
-  }
+  const std::vector<int32_t> priorities = BatchPriorities(a[2], n);
   std::vector<std::string> names(3 * n);
   std::vector<Handle*> handles(n);
   std::vector<std::unique_ptr<Int32View>> views(2 * n);
@@ -627,26 +696,93 @@ py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
         std::make_unique<Int32View>(PyTuple_GET_ITEM(item, 2), names[3 * i + 2].c_str());
   }
   for (auto& v : views) v->Finish();
-  std::vector<int64_t> in_cache(n);
-  LockedWithGil(
-      t,
-      [&] {
-        std::vector<radixkv::FinishedRequest> batch(n);
-        for (size_t i = 0; i < n; ++i) {
-          const Int32View& ids = *views[2 * i];
-          const Int32View& slots = *views[2 * i + 1];
-          batch[i] = {handles[i],   ids.data(),   ids.size(),
-                      slots.data(), slots.size(), priorities[i]};
-        }
-        radixkv::FinishRequests(&t.tree, pages, batch.data(), static_cast<int64_t>(n),
-                                in_cache.data());
+  return FinishBatch(
+      t, pages, handles, priorities, views,
+      [&](size_t i) -> const Int32View& { return *views[2 * i]; },
+      [&](size_t i) {
+        const Int32View& v = *views[2 * i + 1];
+        return std::make_pair(v.data(), v.size());
       },
-      [&] {
-        for (auto& v : views) v->Own();
-      });
-  py::list out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = py::int_(in_cache[i]);
-  return std::move(out);
+      "batch", [] {});
+}
+
+// The same with every request's slots in one tensor: request i's are the
+// ceil(len(input_ids[i]) / page_size) pages after those of the requests
+// before it. With `own`, `indices` holds each request's cached part
+// (handles[i].cached_len slots) and `own` the rest, joined here into a
+// buffer of the call's own.
+py::object RadixTree_FinishRequestsFlat(PyRadixTree& t, PyObject* const* a) {
+  const py::tuple given =
+      Snapshot(a[0], "handles must be a list or tuple of the requests' handles, got ");
+  const py::tuple tokens =
+      Snapshot(a[1], "input_ids must be a list or tuple of token id sequences, got ");
+  const size_t n = given.size();
+  CHECK_VALUE(tokens.size() == n, "input_ids has ", tokens.size(), " entries but handles has ", n);
+  radixkv::PageAllocator* pages = PagesFor(t, a[3], "pages", true);
+  const std::vector<int32_t> priorities = BatchPriorities(a[4], n);
+  const bool split = a[5] != nullptr && a[5] != Py_None;
+  std::vector<std::string> names(2 * n);
+  std::vector<Handle*> handles(n);
+  std::vector<std::unique_ptr<Int32View>> views(n + 1 + split);
+  for (size_t i = 0; i < n; ++i) {
+    names[2 * i] = "handles[" + std::to_string(i) + "]";
+    names[2 * i + 1] = "input_ids[" + std::to_string(i) + "]";
+    handles[i] = &AsHandle(given[i].ptr(), names[2 * i].c_str());
+    views[i] = std::make_unique<Int32View>(tokens[i], names[2 * i + 1].c_str());
+  }
+  views[n] = std::make_unique<Int32View>(a[2], "indices");
+  if (split) views[n + 1] = std::make_unique<Int32View>(a[5], "own");
+  for (auto& v : views) v->Finish();
+  // No Python code runs from here on: the handles' lengths stay as read.
+  const int64_t ps = t.tree.page_size();
+  std::vector<int64_t> offsets(n + 1, 0), hits(n);
+  int64_t cached = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t whole = (views[i]->size() + ps - 1) / ps * ps;
+    CHECK_VALUE(!split || (handles[i]->cached_len >= 0 && handles[i]->cached_len <= whole),
+                "request[", i, "] old_handle covers ", handles[i]->cached_len,
+                " tokens but request[", i, "] input_ids has only ", views[i]->size());
+    offsets[i + 1] = offsets[i] + whole;
+    hits[i] = handles[i]->cached_len;
+    cached += hits[i];
+  }
+  const Int32View* head = views[n].get();
+  const Int32View* own = split ? views[n + 1].get() : nullptr;
+  if (split) {
+    CHECK_VALUE(head->size() == cached, "indices has length ", head->size(),
+                " but with own it holds the requests' cached parts: ", cached, " slots");
+    CHECK_VALUE(own->size() == offsets[n] - cached, "own has length ", own->size(),
+                " but the requests' input_ids need ", offsets[n] - cached,
+                " more slots than their cached parts (each in whole pages of ", ps, ")");
+  } else {
+    CHECK_VALUE(head->size() == offsets[n], "indices has length ", head->size(),
+                " but the requests' input_ids need ", offsets[n], " slots (each in whole pages of ",
+                ps, ")");
+  }
+  // Joins each request's cached part and own pages in the tree's buffer
+  // (under its lock, after the views are owned if the GIL went).
+  const auto join = [&] {
+    if (!split) return;
+    t.joined.resize(static_cast<size_t>(offsets[n]));
+    const int32_t* from_head = head->data();
+    const int32_t* from_own = own->data();
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t hit = hits[i];
+      const int64_t rest = offsets[i + 1] - offsets[i] - hit;
+      int32_t* to = t.joined.data() + offsets[i];
+      std::copy(from_head, from_head + hit, to);
+      std::copy(from_own, from_own + rest, to + hit);
+      from_head += hit;
+      from_own += rest;
+    }
+  };
+  return FinishBatch(
+      t, pages, handles, priorities, views, [&](size_t i) -> const Int32View& { return *views[i]; },
+      [&](size_t i) {
+        const int32_t* base = split ? t.joined.data() : head->data();
+        return std::make_pair(base + offsets[i], offsets[i + 1] - offsets[i]);
+      },
+      "request", join);
 }
 
 py::object RadixTree_StartLoad(PyRadixTree& t, PyObject* const* a) {
@@ -1200,7 +1336,7 @@ constexpr const char* kEvictDoc =
     "changing nothing, when size exceeds the evictable size.";
 
 constexpr Params kIds{"match_prefix", {"input_ids", "namespace", "skip_last"}, 3, 1};
-constexpr Params kBatch{"match_prefix_batch", {"batch", "namespace", "skip_last"}, 3, 1};
+constexpr Params kBatch{"match_prefix_batch", {"batch", "namespace", "skip_last", "flat"}, 4, 1};
 constexpr Params kInsert{"insert_prefix", {"input_ids", "indices", "priority", "namespace"}, 4, 2};
 constexpr Params kLock{"lock_handle", {"handle", "unlock"}, 2, 1};
 constexpr Params kSize{"evict", {"size"}, 1, 1};
@@ -1223,6 +1359,8 @@ constexpr Params kFinishRequest{
 constexpr Params kCacheRequest{
     "cache_request", {"old_handle", "input_ids", "indices", "pages", "priority"}, 5, 4};
 constexpr Params kFinishRequests{"finish_requests", {"batch", "pages", "priority"}, 3, 2};
+constexpr Params kFinishRequestsFlat{
+    "finish_requests_flat", {"handles", "input_ids", "indices", "pages", "priority", "own"}, 6, 4};
 constexpr Params kStartLoad{"start_load", {"handle", "device_pages"}, 2, 2};
 constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
 constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
@@ -1246,10 +1384,13 @@ constexpr int kFastCall = METH_FASTCALL | METH_KEYWORDS;
 PyMethodDef kTreeMethods[] = {
     {"match_prefix", Fast<RadixTree_MatchPrefix, kIds>(), kFastCall, kMatchDoc},
     {"match_prefix_batch", Fast<RadixTree_MatchPrefixBatch, kBatch>(), kFastCall,
-     "match_prefix_batch(batch, namespace=0, skip_last=False) -> [(handle, indices), ...]:\n"
+     "match_prefix_batch(batch, namespace=0, skip_last=False, flat=False)\n"
+     "    -> [(handle, indices), ...] | ([handle, ...], indices):\n"
      "match_prefix of each input in order, in one call (inputs are all checked before any\n"
      "is matched); namespace is one int for all or a sequence with one per input. With\n"
-     "skip_last each input is matched without its last token (each must have one)."},
+     "skip_last each input is matched without its last token (each must have one). With\n"
+     "flat the handles come in one list and the indices in one tensor, each match's\n"
+     "(handle.cached_len of them) after those of the matches before it."},
     {"insert_prefix", Fast<RadixTree_InsertPrefix, kInsert>(), kFastCall, kInsertDoc},
     {"lock_handle", Fast<RadixTree_LockHandle, kLock>(), kFastCall, kLockDoc},
     {"evict", Fast<RadixTree_Evict, kSize>(), kFastCall, kEvictDoc},
@@ -1307,6 +1448,15 @@ PyMethodDef kTreeMethods[] = {
      "call. priority is one int for all or a sequence with one per request. Every request\n"
      "is checked first, and together (no page in two requests, no handle unlocked more\n"
      "often than it is locked, no load from host in flight): a failed check changes nothing."},
+    {"finish_requests_flat", Fast<RadixTree_FinishRequestsFlat, kFinishRequestsFlat>(), kFastCall,
+     "finish_requests_flat(handles, input_ids, indices, pages, priority=0, own=None)\n"
+     "    -> [int, ...]\n\n"
+     "finish_requests with the requests' slots in one tensor: request i holds handles[i]\n"
+     "and input_ids[i], and its slots are the next ceil(len(input_ids[i]) / page_size)\n"
+     "pages of indices (which must hold exactly all of them). With own, indices holds each\n"
+     "request's cached part only (handles[i].cached_len slots, as match_prefix_batch with\n"
+     "flat returns them) and own the rest (its own whole pages). Errors name request i as\n"
+     "request[i], its slots by their position in its own slots."},
     {"start_load", Fast<RadixTree_StartLoad, kStartLoad>(), kFastCall,
      "start_load(handle, device_pages) -> None | (copy, None, None, None)\n"
      "    | (copy, loaded, host_slots, indices)\n\n"

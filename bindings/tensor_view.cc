@@ -316,6 +316,10 @@ Int32Block& Int32Block::operator=(Int32Block&& other) noexcept {
 
 Int32Block::~Int32Block() { std::free(raw_); }
 
+void Int32Block::Truncate(int64_t n) noexcept {
+  if (raw_ != nullptr) static_cast<Int32Header*>(raw_)->shape[0] = n;
+}
+
 py::object Int32Block::ToTensor() {
   if (raw_ == nullptr) *this = Int32Block(0);
   void* out = nullptr;

@@ -93,6 +93,9 @@ class Int32Block {
   Int32Block& operator=(Int32Block&& other) noexcept;
   ~Int32Block();
   int32_t* data() const noexcept { return data_; }
+  /// Makes the tensor the first `n` values only (`n` at most the room the
+  /// block was made with); the rest of the room goes with it.
+  void Truncate(int64_t n) noexcept;
   /// The tensor; torch takes the block. Needs the GIL (Python code may run).
   py::object ToTensor();
 

@@ -4,7 +4,12 @@ A step is what a scheduler does for a prefill batch of B requests (B = 32 and
 256): match, lock, allocate the rest, and (once computed) finish each one.
 "singles" makes one CacheManager call per request for each of those;
 "batch" makes one call per step for each (match_req_batch, allocate_batch,
-free_and_cache_finished_reqs; the locks stay one native call a handle).
+free_and_cache_finished_reqs; the locks stay one native call a handle), with
+a tensor per request in and out; "flat batch" makes the same calls in their
+flat form: the matches' slots come back in one tensor, the allocation in
+one, and the finish takes both as they are
+(free_and_cache_finished_reqs_flat(..., own=)), so no request has a tensor
+of its own.
 "python finish" is the baseline of the finish alone: the checks, insert,
 frees and unlock the CacheManager made in Python before finish_request (the
 same calls, kept here), against free_and_cache_finished_req now.
@@ -91,10 +96,21 @@ def batched(cm: CacheManager, batch: list) -> None:
     )
 
 
+def flat(cm: CacheManager, batch: list) -> None:
+    """The same step with the flat calls: the matches' slots in one tensor,
+    the allocation in one, and the finish taking both as they are."""
+    handles, cached = cm.match_req_batch(batch, flat=True)
+    for h in handles:
+        cm.lock(h)
+    own = cm.allocate_batch([len(ids) - h.cached_len for ids, h in zip(batch, handles)], flat=True)
+    cm.free_and_cache_finished_reqs_flat(handles, batch, cached, own=own)
+
+
 CASES = {
     "singles, python finish": lambda cm, b: singles(cm, b, python_finish),
     "singles": lambda cm, b: singles(cm, b, native_finish),
     "batch": batched,
+    "flat batch": flat,
 }
 
 

@@ -103,7 +103,7 @@ int64_t CacheRequest(RadixTree* tree, PageAllocator* pages, const FinishedReques
 }
 
 void FinishRequests(RadixTree* tree, PageAllocator* pages, const FinishedRequest* batch, int64_t k,
-                    int64_t* in_cache) {
+                    int64_t* in_cache, const char* what) {
   RADIXKV_CHECK(tree->tier_sizes().loading == 0, kInvalid,
                 "a load from host is in flight: wait for it (loading_check) before finishing "
                 "a batch");
@@ -115,7 +115,7 @@ void FinishRequests(RadixTree* tree, PageAllocator* pages, const FinishedRequest
   std::vector<std::pair<Handle*, int64_t>> unlocks;
   for (int64_t i = 0; i < k; ++i) {
     const FinishedRequest& r = batch[i];
-    const std::string where = "batch[" + std::to_string(i) + "] ";
+    const std::string where = StrCat(what, "[", i, "] ");
     CheckFinish(*tree, nullptr, r, where);
     own[i] = {r.slots + OwnStart(r), r.m - OwnStart(r), where + "indices"};
     unlocks.emplace_back(r.handle, i);
@@ -125,7 +125,7 @@ void FinishRequests(RadixTree* tree, PageAllocator* pages, const FinishedRequest
     size_t e = j;
     while (e < unlocks.size() && unlocks[e].first == unlocks[j].first) ++e;
     const int64_t uses = static_cast<int64_t>(e - j);
-    RADIXKV_CHECK(uses <= unlocks[j].first->lock_count, kInvalid, "batch[", unlocks[j].second,
+    RADIXKV_CHECK(uses <= unlocks[j].first->lock_count, kInvalid, what, "[", unlocks[j].second,
                   "] old_handle appears ", uses, " times in the batch but holds ",
                   unlocks[j].first->lock_count, " locks");
     j = e;

@@ -283,12 +283,22 @@ class RadixTree:
     def match_prefix(
         self, input_ids: _Ids, namespace: int = 0, skip_last: bool = False
     ) -> Tuple[RadixCacheHandle, torch.Tensor]: ...
+    @overload
     def match_prefix_batch(
         self,
         batch: Sequence[_Ids],
         namespace: Union[int, List[int], Tuple[int, ...]] = 0,
         skip_last: bool = False,
+        flat: Literal[False] = False,
     ) -> List[Tuple[RadixCacheHandle, torch.Tensor]]: ...
+    @overload
+    def match_prefix_batch(
+        self,
+        batch: Sequence[_Ids],
+        namespace: Union[int, List[int], Tuple[int, ...]],
+        skip_last: bool,
+        flat: Literal[True],
+    ) -> Tuple[List[RadixCacheHandle], torch.Tensor]: ...
     def insert_prefix(
         self, input_ids: _Ids, indices: _Ids, priority: int = 0, namespace: int = 0
     ) -> int: ...
@@ -364,6 +374,15 @@ class RadixTree:
         batch: Sequence[Tuple[RadixCacheHandle, _Ids, _Ids]],
         pages: PageAllocator,
         priority: Union[int, Sequence[int]] = 0,
+    ) -> List[int]: ...
+    def finish_requests_flat(
+        self,
+        handles: Sequence[RadixCacheHandle],
+        input_ids: Sequence[_Ids],
+        indices: _Ids,
+        pages: PageAllocator,
+        priority: Union[int, Sequence[int]] = 0,
+        own: Optional[_Ids] = None,
     ) -> List[int]: ...
     def start_load(
         self, handle: RadixCacheHandle, device_pages: PageAllocator

@@ -61,7 +61,8 @@ int64_t CacheRequest(RadixTree* tree, PageAllocator* pages, const FinishedReques
 /// load in flight on the tree (any insert could meet one). Throws, changing
 /// nothing, when a check fails; past the checks only a failed allocation
 /// can throw, and the requests before the one it stopped are finished.
+/// Messages name request i as `what[i]` ("batch[3] indices has length ...").
 void FinishRequests(RadixTree* tree, PageAllocator* pages, const FinishedRequest* batch, int64_t k,
-                    int64_t* in_cache);
+                    int64_t* in_cache, const char* what = "batch");
 
 }  // namespace radixkv

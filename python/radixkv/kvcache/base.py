@@ -13,6 +13,7 @@ from typing import (
     Protocol,
     Tuple,
     TypeVar,
+    Union,
 )
 
 import torch
@@ -118,12 +119,14 @@ class BaseCacheManager(ABC, Generic[H]):
         Sequences of different namespaces (ints >= 0) never share a prefix."""
 
     def match_prefix_batch(
-        self, batch, namespace=0, skip_last: bool = False
-    ) -> List[Tuple[H, torch.Tensor]]:
+        self, batch, namespace=0, skip_last: bool = False, flat: bool = False
+    ) -> Union[List[Tuple[H, torch.Tensor]], Tuple[List[H], torch.Tensor]]:
         """`match_prefix` of each input of a prefill batch, in order. Every
         input is checked before any is matched. `namespace`: one for all, or
         one per input. With `skip_last` each input is matched without its
-        last token (each must have one)."""
+        last token (each must have one). Returns [(handle, indices), ...], or
+        with `flat` ([handle, ...], indices): every match's indices in one
+        tensor, back to back."""
         if not isinstance(batch, (list, tuple)):
             raise TypeError(
                 "batch must be a list or tuple of token id sequences, got "
@@ -138,7 +141,12 @@ class BaseCacheManager(ABC, Generic[H]):
         spaces = per_input(namespace, len(batch))
         if spaces is None:
             spaces = [namespace] * len(batch)
-        return [self.match_prefix(ids, ns) for ids, ns in zip(checked, spaces)]
+        out = [self.match_prefix(ids, ns) for ids, ns in zip(checked, spaces)]
+        if not flat:
+            return out
+        if not out:
+            return [], torch.empty(0, dtype=torch.int32, device=self.device)
+        return [h for h, _ in out], torch.cat([idx for _, idx in out])
 
     @abstractmethod
     def lock_handle(self, handle: H, unlock: bool = False) -> None:

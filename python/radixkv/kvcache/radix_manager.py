@@ -78,26 +78,28 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
         )
         return handle, indices.to(self.device, non_blocking=True)
 
-    def match_prefix_batch(
-        self, batch, namespace=0, skip_last: bool = False
-    ) -> List[Tuple[RadixCacheHandle, torch.Tensor]]:
+    def match_prefix_batch(self, batch, namespace=0, skip_last: bool = False, flat: bool = False):
         """`match_prefix` of each input of a prefill batch, in order, in one
         native call (one lock, the GIL released once for a large batch);
         every input is checked before any is matched. `namespace` is one int
         for the whole batch or a sequence of one per input. With `skip_last`
-        each input is matched without its last token (each must have one)."""
+        each input is matched without its last token (each must have one).
+        Returns [(handle, indices), ...], or with `flat` ([handle, ...],
+        indices): every match's indices in one tensor, back to back."""
         if not isinstance(batch, (list, tuple)):
             raise TypeError(
                 "batch must be a list or tuple of token id sequences, got "
                 f"{type(batch).__name__}"
             )
-        if self.device.type == "cpu":  # the tree reads (and checks) CPU inputs itself
-            return self._tree.match_prefix_batch(batch, namespace, skip_last)
-        out = self._tree.match_prefix_batch(
-            [to_host(ids, f"batch[{i}]", self.device) for i, ids in enumerate(batch)],
-            namespace,
-            skip_last,
-        )
+        if self.device.type != "cpu":
+            batch = [to_host(ids, f"batch[{i}]", self.device) for i, ids in enumerate(batch)]
+        # The tree reads (and checks) the host inputs itself.
+        if flat:
+            handles, idx = self._tree.match_prefix_batch(batch, namespace, skip_last, True)
+            return handles, idx.to(self.device, non_blocking=True)
+        out = self._tree.match_prefix_batch(batch, namespace, skip_last)
+        if self.device.type == "cpu":
+            return out
         return [(h, idx.to(self.device, non_blocking=True)) for h, idx in out]
 
     def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:

@@ -241,11 +241,15 @@ class CacheManager:
         self._host_hits += handle.host_hit_len
 
     @shielded
-    def match_req_batch(self, batch, namespace=None) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+    def match_req_batch(self, batch, namespace=None, *, flat: bool = False):
         """`match_req` of each request of a prefill batch, in order, in one
         native call for the radix cache; every input is checked first.
         `namespace` is one for the whole batch, or a list or tuple of one per
-        request."""
+        request. Returns [(handle, indices), ...]; with `flat`, ([handle, ...],
+        indices): every match's indices in one tensor, request i's
+        (`handles[i].cached_len` of them) after those of the requests before
+        it, as a scheduler writes them into its request-to-token table."""
+        flat = bool(flat)
         if not isinstance(batch, (list, tuple)):
             raise TypeError(
                 "batch must be a list or tuple of token id sequences, got "
@@ -261,14 +265,14 @@ class CacheManager:
                 tokens = None
             if tokens is not None:
                 try:
-                    return self._match_batch_natively(batch, tokens)
+                    return self._match_batch_natively(batch, tokens, flat)
                 except TypeError:  # raised before anything changed
                     # Tensors on another device: copied to the host, or
                     # refused, as match_req does; any other error stands.
                     host = [to_host(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
                     if all(h is x for h, x in zip(host, batch)):
                         raise
-                    return self._match_batch_natively(host, tokens)
+                    return self._match_batch_natively(host, tokens, flat)
         ids = [int32_tensor(x, f"batch[{i}]", self.device) for i, x in enumerate(batch)]
         for i, x in enumerate(ids):
             if x.shape[0] == 0:
@@ -279,26 +283,39 @@ class CacheManager:
             spaces = [self._namespaces.id(x) for x in names]
         else:
             spaces = [self._namespaces.id(namespace)] * len(batch)
-        out = self.manager.match_prefix_batch([x[:-1] for x in ids], spaces)
+        out = cast(
+            List[Tuple[BaseCacheHandle, torch.Tensor]],
+            self.manager.match_prefix_batch([x[:-1] for x in ids], spaces),
+        )
         for x, (handle, _) in zip(ids, out):
             self._count_match(x.shape[0] - 1, handle)
         if self._tiers.backs_up_on_match:
             for x, ns in zip(ids, spaces):
                 self._tiers.back_up(x[:-1], ns)
+        if flat:
+            return [h for h, _ in out], self._joined([idx for _, idx in out])
         return out
 
-    def _match_batch_natively(
-        self, batch, tokens: int
-    ) -> List[Tuple[BaseCacheHandle, torch.Tensor]]:
+    def _joined(self, parts: List[torch.Tensor]) -> torch.Tensor:
+        """Slot tensors back to back in one (an empty int32 one for none)."""
+        if not parts:
+            return torch.empty(0, dtype=torch.int32, device=self.device)
+        return torch.cat(parts)
+
+    def _match_batch_natively(self, batch, tokens: int, flat: bool):
         """match_req_batch in the default namespace in one native call that
         reads and checks the inputs, each matched without its last token
         (`tokens` in all, once matched)."""
-        out = self.manager.match_prefix_batch(batch, 0, True)
+        out = self.manager.match_prefix_batch(batch, 0, True, flat)
+        if flat:
+            handles = cast(Tuple[List[BaseCacheHandle], torch.Tensor], out)[0]
+        else:
+            handles = [h for h, _ in cast(List[Tuple[BaseCacheHandle, torch.Tensor]], out)]
         device = host = 0
-        for handle, _ in out:
+        for handle in handles:
             device += handle.cached_len
             host += handle.host_hit_len
-        self._queries += len(out)
+        self._queries += len(batch)
         self._query_tokens += tokens
         self._device_hits += device
         self._host_hits += host
@@ -483,12 +500,14 @@ class CacheManager:
         return slots if self.device.type == "cpu" else slots.to(self.device, non_blocking=True)
 
     @shielded
-    def allocate_batch(self, sizes) -> List[torch.Tensor]:
+    def allocate_batch(self, sizes, *, flat: bool = False):
         """`allocate` of each count of `sizes` (a list or tuple), in order: one
         eviction for the whole batch and one native allocation, split into
-        one tensor of whole pages per count (views of one tensor). All or
-        nothing: raises `radixkv.OutOfCapacityError`, changing nothing, when
-        even evicting every unlocked cached page cannot hold them all."""
+        one tensor of whole pages per count (views of one tensor), or with
+        `flat` that one tensor (count i's pages after those of the counts
+        before it). All or nothing: raises `radixkv.OutOfCapacityError`,
+        changing nothing, when even evicting every unlocked cached page
+        cannot hold them all."""
         if not isinstance(sizes, (list, tuple)):
             raise TypeError(
                 f"sizes must be a list or tuple of token counts, got {type(sizes).__name__}"
@@ -512,6 +531,8 @@ class CacheManager:
         self._held_pages += slots.shape[0] // ps
         if self.device.type != "cpu":
             slots = slots.to(self.device, non_blocking=True)
+        if flat:
+            return slots
         return list(torch.split(slots, [p * ps for p in pages]))
 
     @shielded
@@ -653,6 +674,118 @@ class CacheManager:
         in_cache = self._tree.finish_requests(host, self._pages, priority)
         for (handle, ids, indices), k in zip(host, in_cache):
             self._finished(handle, ids, indices, k)
+
+    @shielded
+    def free_and_cache_finished_reqs_flat(
+        self, handles, input_ids, indices, priority=0, *, own=None
+    ) -> None:
+        """`free_and_cache_finished_reqs` with the requests' slots in one
+        tensor: request i holds `handles[i]` and `input_ids[i]`, and its
+        indices are the next ceil(len(input_ids[i]) / page_size) pages of
+        `indices` (the cache's from its match, then its own), which must hold
+        exactly all of them: what a scheduler gathers from its
+        request-to-token table in one step. With `own`, `indices` holds only
+        each request's cached part (`handles[i].cached_len` slots, as
+        `match_req_batch(flat=True)` returns them) and `own` the rest (its own
+        whole pages, as `allocate_batch(flat=True)` returns them): a prefill
+        step's finish without joining them. Checked as the batch call is
+        (errors name request i as `request[i]`, its slots by their position
+        among its own); raises, changing nothing."""
+        for name, value in (("handles", handles), ("input_ids", input_ids)):
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"{name} must be a list or tuple, got {type(value).__name__}")
+        if len(input_ids) != len(handles):
+            raise ValueError(
+                f"input_ids has {len(input_ids)} entries but handles has {len(handles)}"
+            )
+        if self._tree is None:
+            if own is not None:
+                indices = self._joined_parts(handles, input_ids, indices, own)
+            self._finish_naive_batch(self._split_flat(input_ids, indices, handles), priority)
+            return
+        if self.device.type != "cpu":
+            input_ids = [
+                to_host(x, f"input_ids[{i}]", self.device) for i, x in enumerate(input_ids)
+            ]
+            indices = to_host(indices, "indices", self.device)
+            own = None if own is None else to_host(own, "own", self.device)
+        if self._tiers.loads_in_flight():
+            self._tiers.settle_loads()
+        # One native call reads (and checks) every input.
+        in_cache = self._tree.finish_requests_flat(
+            handles, input_ids, indices, self._pages, priority, own
+        )
+        if self._events is None and not self._backs_up_on_insert:
+            cached = 0
+            for handle in handles:
+                cached += handle.cached_len
+            held = _length(indices) + (0 if own is None else _length(own)) - cached
+            self._held_pages -= held // self.page_size
+            return
+        # The per-request tail (KV events, write_through) reads each one's part.
+        if own is not None:
+            indices = self._joined_parts(handles, input_ids, indices, own)
+        for (handle, ids, part), k in zip(self._split_flat(input_ids, indices, handles), in_cache):
+            self._finished(handle, ids, part, k)
+
+    def _whole_sizes(self, input_ids) -> List[int]:
+        """Each request's slots: its input_ids in whole pages."""
+        ps = self.page_size
+        sizes = []
+        for i, x in enumerate(input_ids):
+            try:
+                sizes.append(-(-_length(x) // ps) * ps)
+            except (TypeError, IndexError):  # (no len(), a 0-d tensor)
+                raise TypeError(
+                    f"input_ids[{i}] must be a 1-D sequence of token ids, got {type(x).__name__}"
+                ) from None
+        return sizes
+
+    def _split_flat(self, input_ids, indices, handles) -> list:
+        """(handle, input_ids, indices) of each request of a flat batch; the
+        length is checked as the native flat finish checks it."""
+        sizes = self._whole_sizes(input_ids)
+        indices = int32_tensor(indices, "indices", self.device)
+        n = _length(indices)
+        if n != sum(sizes):
+            raise ValueError(
+                f"indices has length {n} but the requests' input_ids need {sum(sizes)} slots "
+                f"(each in whole pages of {self.page_size})"
+            )
+        return list(zip(handles, input_ids, torch.split(indices, sizes) if sizes else []))
+
+    def _joined_parts(self, handles, input_ids, cached, own) -> torch.Tensor:
+        """The flat indices of requests whose cached parts are `cached` and
+        whose own pages are `own` (both back to back), checked as the native
+        flat finish checks them."""
+        hits = [
+            as_int(getattr(h, "cached_len", 0), f"handles[{i}].cached_len")
+            for i, h in enumerate(handles)
+        ]
+        sizes = self._whole_sizes(input_ids)
+        for i, (hit, size) in enumerate(zip(hits, sizes)):
+            if not 0 <= hit <= size:
+                raise ValueError(
+                    f"request[{i}] old_handle covers {hit} tokens but request[{i}] input_ids "
+                    f"has only {_length(input_ids[i])}"
+                )
+        rest = [size - hit for hit, size in zip(hits, sizes)]
+        if _length(cached) != sum(hits):
+            raise ValueError(
+                f"indices has length {_length(cached)} but with own it holds the requests' "
+                f"cached parts: {sum(hits)} slots"
+            )
+        if _length(own) != sum(rest):
+            raise ValueError(
+                f"own has length {_length(own)} but the requests' input_ids need {sum(rest)} "
+                f"more slots than their cached parts (each in whole pages of {self.page_size})"
+            )
+        cached = int32_tensor(cached, "indices", self.device)
+        own = int32_tensor(own, "own", self.device)
+        parts: list = [None] * (2 * len(handles))
+        parts[0::2] = torch.split(cached, hits) if hits else []
+        parts[1::2] = torch.split(own, rest) if rest else []
+        return self._joined(parts)
 
     def _finish_naive_batch(self, batch, priority) -> None:
         """The naive cache's batch: every request checked (each alone, and
