@@ -45,6 +45,29 @@ settings.load_profile(os.environ.get("RADIXKV_HYPOTHESIS_PROFILE", "ci"))
 # A tiny alphabet makes shared prefixes, splits and page collisions common.
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=24)
 
+PAGE_SIZES = [1, 2, 4, 16, 512]
+
+
+def widen(ids, p, per_page=1):
+    """The tokens a drawn list stands for at page size `p`. Up to page 4 they
+    are used as drawn. At 16 and 512 every `per_page` drawn tokens stand for
+    one page: the first of them picks one of four page patterns (two
+    unrelated ones, and two that differ from the first only in its middle or
+    last token, so walks stop inside pages), and an odd count of drawn tokens
+    cuts the last page short (a ragged tail)."""
+    ids = list(ids)
+    if p <= 4:
+        return ids
+    base = [(3 * i + 1) % 5 for i in range(p)]
+    middle, last = list(base), list(base)
+    middle[p // 2] = 9
+    last[-1] = 9
+    patterns = (base, [(7 * i) % 5 for i in range(p)], middle, last)
+    out = [t for k in ids[::per_page] for t in patterns[k % 4]]
+    if len(ids) % 2 == 1 and out:
+        out = out[: len(out) - p // 2]
+    return out
+
 
 class RadixManagerMachine(RuleBasedStateMachine):
     """RadixCacheManager against the pure-Python reference, step for step."""
@@ -52,7 +75,7 @@ class RadixManagerMachine(RuleBasedStateMachine):
     handles = Bundle("handles")
 
     @initialize(
-        page_size=st.sampled_from([1, 2, 4]),
+        page_size=st.sampled_from(PAGE_SIZES),
         policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority"]),
     )
     def setup(self, page_size, policy):
@@ -62,6 +85,7 @@ class RadixManagerMachine(RuleBasedStateMachine):
 
     @rule(target=handles, ids=tokens_st)
     def match(self, ids):
+        ids = widen(ids, self.native.page_size)
         h, idx = self.native.match_prefix(torch.tensor(ids, dtype=torch.int64))
         rh, ridx = self.ref.match_prefix(ids)
         assert idx.dtype == torch.int32 and idx.tolist() == ridx
@@ -70,6 +94,7 @@ class RadixManagerMachine(RuleBasedStateMachine):
 
     @rule(ids=tokens_st, priority=st.sampled_from([0, 0, 1, -3, 7]))
     def insert(self, ids, priority):
+        ids = widen(ids, self.native.page_size)
         slots = list(range(self.next_slot, self.next_slot + len(ids)))
         self.next_slot += len(ids)
         assert self.native.insert_prefix(ids, slots, priority=priority) == self.ref.insert_prefix(
@@ -153,7 +178,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
 
     requests = Bundle("requests")
 
-    @initialize(page_size=st.sampled_from([1, 4]), num_pages=st.integers(4, 24))
+    @initialize(page_size=st.sampled_from([1, 4, 16, 512]), num_pages=st.integers(4, 24))
     def setup(self, page_size, num_pages):
         self.cm = CacheManager(num_pages, page_size=page_size)
         self.page = page_size
@@ -165,6 +190,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
 
     @rule(target=requests, ids=st.lists(st.integers(0, 3), min_size=1, max_size=40))
     def start(self, ids):
+        ids = widen(ids, self.page, per_page=5)
         h, cached = self.cm.match_req(ids)
         assert h.cached_len <= len(ids) - 1 and h.cached_len % self.page == 0
         self.cm.lock(h)
@@ -200,6 +226,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
     )
     def chunk(self, req, extra):
         ids, h, indices = req
+        extra = widen(extra, self.page, per_page=4)
         nh, nidx = self.cm.cache_unfinished_req(h, ids, indices)
         # The request goes on with the cache's slots: none of them may be free.
         self.cm.check_integrity()
