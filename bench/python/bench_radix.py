@@ -29,6 +29,7 @@ to install them.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -310,6 +311,14 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def no_huge_pages() -> None:
+    """Transparent huge pages off for this process (Linux prctl
+    PR_SET_THP_DISABLE), before the tree allocates anything."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(41, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE) failed")
+
+
 def bytes_per_token(page_size: int = 1, tokens: int = 1 << 22) -> float:
     """RSS growth per cached token over `tokens` tokens in 1,024-token sequences,
     at `page_size` (the tree keeps a slot per page)."""
@@ -353,9 +362,20 @@ def main(argv=None) -> int:
         help="print bytes per cached token and exit (run in a fresh process)",
     )
     p.add_argument("--memory-page-size", type=int, default=1, help="the page size of --memory-only")
+    p.add_argument(
+        "--memory-tokens", type=int, default=1 << 22, help="tokens cached by --memory-only"
+    )
+    p.add_argument(
+        "--memory-no-huge-pages",
+        action="store_true",
+        help="--memory-only with transparent huge pages off for the process (the node "
+        "arena's 2 MiB slabs then fault in 4 KiB at a time: the structure's own bytes)",
+    )
     args = p.parse_args(argv)
     if args.memory_only:
-        print(f"{bytes_per_token(args.memory_page_size):.3f}")
+        if args.memory_no_huge_pages:
+            no_huge_pages()
+        print(f"{bytes_per_token(args.memory_page_size, args.memory_tokens):.3f}")
         return 0
 
     impls: Dict[str, Callable] = {"radixkv": RadixkvCache}
