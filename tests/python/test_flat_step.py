@@ -9,24 +9,12 @@ import pytest
 import torch
 
 from radixkv.scheduler import CacheManager
-from test_request_batch import _Keep, admitted, prompts, state
+from test_request_batch import _Keep, admitted, one_by_one, prompts, state
 
 
 def manager(kind, page, tiers, events=None):
     kw = dict(host_num_pages=1024, write_policy="write_through") if tiers else {}
     return CacheManager(num_pages=1024, page_size=page, type=kind, kv_events=events, **kw)
-
-
-def one_by_one(cm, batch):
-    held = [cm.match_req(ids) for ids in batch]
-    for h, _ in held:
-        cm.lock(h)
-    held = [
-        (h, ids, torch.cat([idx, cm.allocate(len(ids) - h.cached_len)]))
-        for ids, (h, idx) in zip(batch, held)
-    ]
-    for i, (h, ids, idx) in enumerate(held):
-        cm.free_and_cache_finished_req(h, ids, idx, priority=i % 3)
 
 
 def flat_step(cm, batch, joined):

@@ -56,6 +56,21 @@ def manager(page, tiers, events=None, num_pages=64):
     return CacheManager(num_pages=num_pages, page_size=page, kv_events=events, **kw)
 
 
+def one_by_one(cm, batch):
+    """A step with one call a request, as a scheduler without batch calls
+    makes it: every request matched and locked, then allocated, then finished
+    (priority i % 3 for request i)."""
+    held = [cm.match_req(ids) for ids in batch]
+    for h, _ in held:
+        cm.lock(h)
+    held = [
+        (h, ids, torch.cat([idx, cm.allocate(len(ids) - h.cached_len)]))
+        for ids, (h, idx) in zip(batch, held)
+    ]
+    for i, (h, ids, idx) in enumerate(held):
+        cm.free_and_cache_finished_req(h, ids, idx, priority=i % 3)
+
+
 @pytest.mark.parametrize("page", [1, 4, 16])
 @pytest.mark.parametrize("tiers", [False, True])
 @pytest.mark.parametrize("seed", range(3))
@@ -68,16 +83,7 @@ def test_a_batch_step_is_its_requests_one_by_one(page, tiers, seed):
     many = manager(page, tiers, ev_many, num_pages=1024)
     for step in range(4):
         batch = prompts(seed * 10 + step, 6, page)
-        # One call a request, as a scheduler without batch calls does it.
-        held = [one.match_req(ids) for ids in batch]
-        for h, _ in held:
-            one.lock(h)
-        held = [
-            (h, ids, torch.cat([idx, one.allocate(len(ids) - h.cached_len)]))
-            for ids, (h, idx) in zip(batch, held)
-        ]
-        for i, (h, ids, idx) in enumerate(held):
-            one.free_and_cache_finished_req(h, ids, idx, priority=i % 3)
+        one_by_one(one, batch)
         # The same step with one call each.
         matched = many.match_req_batch(batch)
         for h, _ in matched:
