@@ -359,9 +359,9 @@ void RadixTree::Touch(Node* node) noexcept {
 }
 
 int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, uint64_t ns, Node** node, Node** partial,
-                        int64_t* partial_len) const {
-  Node* cur = root_;
-  int64_t pos = 0;
+                        int64_t* partial_len, Node* start) const {
+  Node* cur = start != nullptr ? start : root_;
+  int64_t pos = cur == root_ ? 0 : cur->depth;
   *partial = nullptr;
   *partial_len = 0;
   while (pos < n) {
@@ -422,7 +422,7 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, ui
 }
 
 int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n,
-                                int32_t priority, uint64_t ns) {
+                                int32_t priority, uint64_t ns, const Handle* prefix) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   // All of `slots` is checked, the cached part and a partial last page too:
   // the caller frees its own copies of those, so a bad one is a bug either way.
@@ -435,10 +435,13 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   n -= n % page_size_;
   // The tree keeps a slot per page: each whole page's slots must be one run.
   CheckPages(runs_, slots, n, page_size_, "indices");
+  // A checked prefix is walked from its node (its path is tokens[0, depth)).
+  Node* start = prefix != nullptr ? Resolve(*prefix, "prefix") : nullptr;
+  if (start != nullptr && (start->depth != prefix->cached_len || start->depth > n)) start = nullptr;
   Node* node;
   Node* partial;
   int64_t partial_len;
-  const int64_t pos = Walk(tokens, n, ns, &node, &partial, &partial_len);
+  const int64_t pos = Walk(tokens, n, ns, &node, &partial, &partial_len, start);
   // Host-only nodes on the path take the caller's slots: from the device end
   // on, every slot goes to the tree.
   const int64_t device_len =

@@ -17,7 +17,9 @@ int64_t OwnStart(const FinishedRequest& r) noexcept { return r.handle->cached_le
 // The insert, the frees and the unlock of a request CheckFinish passed.
 int64_t Apply(RadixTree* tree, PageAllocator* pages, const FinishedRequest& r) {
   const int64_t cached = OwnStart(r);
-  const int64_t in_cache = tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns);
+  // CheckFinish compared the handle's path with the tokens: the insert walks on from it.
+  const int64_t in_cache =
+      tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns, r.handle);
   // Its copies of tokens another request cached meanwhile.
   if (in_cache > cached) pages->Free(r.slots + cached, in_cache - cached, &tree->stored_slots());
   // Its partial last page, never cached.
@@ -84,7 +86,8 @@ int64_t CacheRequest(RadixTree* tree, PageAllocator* pages, const FinishedReques
                      Handle* new_handle, SlotSink out) {
   CheckFinish(*tree, pages, r);
   const int64_t cached = OwnStart(r);
-  const int64_t in_cache = tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns);
+  const int64_t in_cache =
+      tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns, r.handle);
   // Past the insert only `out` can throw (a failed allocation): the request
   // is cached then, and still holds its old handle.
   int32_t* slots = nullptr;

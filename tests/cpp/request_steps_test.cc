@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -235,6 +238,83 @@ TEST(FinishRequests, ABatchEqualsItsRequestsOneByOne) {
   EXPECT_EQ(many.protected_size(), 0);
   many.CheckIntegrity();
   many_pages.CheckDisjoint(many.stored_slots());
+}
+
+// The end of a request as it was before the insert walked on from the
+// handle: the same checks, an insert walked from the root, the same frees.
+int64_t FinishFromTheRoot(RadixTree* tree, PageAllocator* pages, const FinishedRequest& r) {
+  CheckFinish(*tree, pages, r);
+  const int64_t cached = r.handle->cached_len;
+  const int64_t in_cache = tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns);
+  if (in_cache > cached) pages->Free(r.slots + cached, in_cache - cached, &tree->stored_slots());
+  const int64_t full = r.n - r.n % tree->page_size();
+  if (r.m > full) pages->Free(r.slots + full, r.m - full, &tree->stored_slots());
+  tree->Unlock(r.handle);
+  return in_cache;
+}
+
+void ExpectSameTrees(const RadixTree& a, const RadixTree& b) {
+  const std::vector<NodeInfo> x = a.Dump(), y = b.Dump();
+  ASSERT_EQ(x.size(), y.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_EQ(x[i].parent, y[i].parent) << i;
+    EXPECT_EQ(x[i].key, y[i].key) << i;
+    EXPECT_EQ(x[i].value, y[i].value) << i;
+    EXPECT_EQ(x[i].ref_count, y[i].ref_count) << i;
+    EXPECT_EQ(x[i].timestamp, y[i].timestamp) << i;
+  }
+}
+
+TEST(FinishRequest, WalkingOnFromTheHandleEqualsWalkingFromTheRoot) {
+  // Requests share prefixes, finish in random order (so earlier finishes
+  // split and extend the paths of later ones), and evictions come between
+  // rounds: every finish leaves the tree, the counts and the free pages of
+  // an insert walked from the root.
+  for (const int64_t ps : {1, 2, 4, 16}) {
+    std::mt19937 rng(static_cast<uint32_t>(ps));
+    RadixTree a(ps), b(ps);
+    PageAllocator a_pages(4096 / ps, ps), b_pages(4096 / ps, ps);
+    int64_t most_nodes = 0;
+    std::vector<Ints> bases;
+    for (int k = 0; k < 4; ++k) {
+      Ints base;
+      for (int64_t i = 0; i < 3 * ps + k; ++i) base.push_back(static_cast<int32_t>(rng() % 3));
+      bases.push_back(base);
+    }
+    for (int round = 0; round < 60; ++round) {
+      std::vector<Request> ra, rb;
+      const int count = 1 + static_cast<int>(rng() % 6);
+      for (int j = 0; j < count; ++j) {
+        Ints tokens = bases[rng() % bases.size()];
+        const int64_t extra = static_cast<int64_t>(rng() % (3 * ps + 2));
+        for (int64_t i = 0; i < extra; ++i) tokens.push_back(static_cast<int32_t>(rng() % 3));
+        ra.push_back(Admit(&a, &a_pages, tokens));
+        rb.push_back(Admit(&b, &b_pages, tokens));
+        ASSERT_EQ(ra.back().slots, rb.back().slots);
+      }
+      std::vector<size_t> order(static_cast<size_t>(count));
+      std::iota(order.begin(), order.end(), size_t{0});
+      std::shuffle(order.begin(), order.end(), rng);
+      for (size_t j : order) {
+        EXPECT_EQ(FinishRequest(&a, &a_pages, Finished(&ra[j])),
+                  FinishFromTheRoot(&b, &b_pages, Finished(&rb[j])));
+        ExpectSameTrees(a, b);
+        ASSERT_EQ(a_pages.num_free_pages(), b_pages.num_free_pages());
+        most_nodes = std::max(most_nodes, a.num_nodes());
+      }
+      if (round % 5 == 4 && a.evictable_size() > 0) {
+        const int64_t size = 1 + static_cast<int64_t>(rng() % a.evictable_size());
+        Ints fa, fb;
+        a.Evict(size, &fa);
+        b.Evict(size, &fb);
+        ASSERT_EQ(fa, fb);
+        a_pages.Free(fa.data(), static_cast<int64_t>(fa.size()));
+        b_pages.Free(fb.data(), static_cast<int64_t>(fb.size()));
+      }
+    }
+    a.CheckIntegrity();
+    EXPECT_GT(most_nodes, 8) << "page_size " << ps;
+  }
 }
 
 TEST(FinishRequests, RefusesPagesOrUnlocksTwoRequestsShareChangingNothing) {

@@ -157,9 +157,12 @@ class RadixTree {
   /// consecutive, or a slot to be stored is in the tree already, or the path
   /// has a load in flight (match and load it first).
   /// `priority` raises the priority of every node on the path to at least
-  /// it (what the priority policy orders by).
+  /// it (what the priority policy orders by). With `prefix`, a live handle of
+  /// this tree whose path the caller has checked is `tokens[0,
+  /// prefix->cached_len)` (HandleMatches), the walk starts at the handle's
+  /// node instead of comparing that part again.
   int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n, int32_t priority = 0,
-                       uint64_t ns = 0);
+                       uint64_t ns = 0, const Handle* prefix = nullptr);
 
   /// Adds one lock on every node from the handle's node to the root.
   /// Throws kInvalidArgument for a handle of another tree or a freed node.
@@ -393,12 +396,13 @@ class RadixTree {
   template <typename Fn>
   void ForEachInCopy(Node* end, const TierCopy& copy, Fn fn) const;
 
-  // Walks from the root over whole pages of `tokens[0, n)`. Stops at the
-  // deepest fully matched node `*node`, and reports in `*partial` the child
-  // matched for `*partial_len` tokens but not to its end (or null). Returns
-  // the matched length. Changes nothing.
+  // Walks from the root (or from `start`, whose path is known to be
+  // `tokens[0, start->depth)`) over whole pages of `tokens[0, n)`. Stops at
+  // the deepest fully matched node `*node`, and reports in `*partial` the
+  // child matched for `*partial_len` tokens but not to its end (or null).
+  // Returns the matched length. Changes nothing.
   int64_t Walk(const int32_t* tokens, int64_t n, uint64_t ns, Node** node, Node** partial,
-               int64_t* partial_len) const;
+               int64_t* partial_len, Node* start = nullptr) const;
   // The node where a match of tokens[0, n) (whole pages) ends, on its end or
   // inside it, and the matched length. For the storage tier's queries.
   Node* MatchEnd(const int32_t* tokens, int64_t n, uint64_t ns, int64_t* pos) const;
