@@ -41,6 +41,7 @@ using radixkv::RadixTree;
 using radixkv::bindings::Boxed;
 using radixkv::bindings::Bytes32;
 using radixkv::bindings::FastMethod;
+using radixkv::bindings::FinishAll;
 using radixkv::bindings::FinishViews;
 using radixkv::bindings::Int32Block;
 using radixkv::bindings::Int32View;
@@ -297,15 +298,18 @@ py::object RadixTree_MatchPrefixBatch(PyRadixTree& t, PyObject* const* a) {
   // skip_last: each input without its last token, which a scheduler always
   // computes (so each must have one).
   const bool skip_last = Truth(a[2], false);
+  // flat: every match's slots back to back in one tensor, written straight
+  // into the block that becomes it (room for all the input tokens, made
+  // before any match; the room past the result is never written, so it
+  // costs address space, not memory: copying a short result out instead
+  // left the freed blocks resident).
+  const bool flat = Truth(a[3], false);
   int64_t total = 0;
+  FinishAll(views);
   for (size_t i = 0; i < n; ++i) {
-    views[i]->Finish();
     CHECK_VALUE(!skip_last || views[i]->size() > 0, names[i], " must hold at least one token");
     total += views[i]->size();
   }
-  // flat: every match's slots back to back in one tensor, gathered in a
-  // buffer of the call's own (reserved for all the tokens before any match).
-  const bool flat = Truth(a[3], false);
   Int32Block joined = flat ? Int32Block(total) : Int32Block();
   int64_t used = 0;
   std::vector<TensorSink> indices(flat ? 0 : n);
@@ -695,7 +699,7 @@ py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
     views[2 * i + 1] =
         std::make_unique<Int32View>(PyTuple_GET_ITEM(item, 2), names[3 * i + 2].c_str());
   }
-  for (auto& v : views) v->Finish();
+  FinishAll(views);
   return FinishBatch(
       t, pages, handles, priorities, views,
       [&](size_t i) -> const Int32View& { return *views[2 * i]; },
@@ -732,7 +736,7 @@ py::object RadixTree_FinishRequestsFlat(PyRadixTree& t, PyObject* const* a) {
   }
   views[n] = std::make_unique<Int32View>(a[2], "indices");
   if (split) views[n + 1] = std::make_unique<Int32View>(a[5], "own");
-  for (auto& v : views) v->Finish();
+  FinishAll(views);
   // No Python code runs from here on: the handles' lengths stay as read.
   const int64_t ps = t.tree.page_size();
   std::vector<int64_t> offsets(n + 1, 0), hits(n);

@@ -141,12 +141,23 @@ Int32View::Int32View(py::handle obj, const char* name) : name_(name) {
   }
 }
 
-void Int32View::Finish() {
+void Int32View::Query() {
+  if (finished_ || queried_) return;
+  negated_ = IsNegView(tensor_);
+  queried_ = true;
+}
+
+void Int32View::Borrow() {
   if (finished_) return;
+  if (!queried_) Query();  // (a caller with one view)
   finished_ = true;
-  const bool negated = IsNegView(tensor_);
   TorchTensorView t(tensor_, name_);
-  FromDLTensor(t.get(), negated);
+  FromDLTensor(t.get(), negated_);
+}
+
+void FinishAll(const std::vector<std::unique_ptr<Int32View>>& views) {
+  for (const auto& v : views) v->Query();
+  for (const auto& v : views) v->Borrow();
 }
 
 void Int32View::Own() {

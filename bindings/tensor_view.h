@@ -7,15 +7,18 @@
 // exchange API, so the extension never links libtorch.
 //
 // Borrowed memory is only safe while no Python code runs: any Python code
-// (a list item's __index__, say) may free or replace a tensor's storage. So a
-// view is made in two steps. The constructor does everything that can run
-// Python code: it converts lists and tuples, exports buffers (an export pins
-// the memory until it is released), and asks torch whether a tensor has its
-// `Finish` then asks torch about a tensor's lazy negation bit and borrows its
-// memory through DLPack, which runs no Python code for a plain tensor. An adapter constructs every
-// view of a call first, then finishes them all (`FinishViews`), and from then on runs no Python
-// code until it has used them, or calls `Own` before it lets the GIL go. Results are built the same
-// way: into an Int32Block (no Python code), made a tensor only once the core call is over.
+// (a list item's __index__, a tensor subclass's method) may free or replace a
+// tensor's storage. So a view is made in three steps, each taken for every
+// view of a call before the next. The constructor converts lists and tuples
+// and exports buffers (an export pins the memory until it is released).
+// `Query` asks torch about a tensor's lazy negation bit, which runs Python code
+// for a tensor subclass. `Borrow` then takes the tensor's memory through
+// DLPack, which runs none. An adapter constructs every view of a call first,
+// then finishes them all (`FinishViews`, `FinishAll`: every Query, then every
+// Borrow), and from then on runs no Python code until it has used them, or
+// calls `Own` before it lets the GIL go. Results are built the same way: into
+// an Int32Block (no Python code), made a tensor only once the core call is
+// over.
 #pragma once
 
 #include <Python.h>
@@ -23,6 +26,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,12 +44,19 @@ class Int32View {
   Int32View(const Int32View&) = delete;
   Int32View& operator=(const Int32View&) = delete;
 
-  /// Step two: asks torch whether a tensor is a lazy negation, then borrows
-  /// (or, when it is not contiguous int32 or is a lazy negation, converts) its
-  /// memory. For a plain torch.Tensor no Python code runs here (a subclass's
-  /// __torch_function__ or a torch function mode would, and is the caller's
-  /// own). Raises as the constructor.
-  void Finish();
+  /// Step two: asks torch whether a tensor is a lazy negation. Runs Python
+  /// code for a tensor subclass (its `is_neg`), so a call queries every view
+  /// before it borrows any. Raises what that code raises.
+  void Query();
+  /// Step three: borrows (or, when it is not contiguous int32 or is a lazy
+  /// negation, converts) a tensor's memory through DLPack, running no Python
+  /// code. Raises as the constructor.
+  void Borrow();
+  /// Both steps, for a call that reads this one view only.
+  void Finish() {
+    Query();
+    Borrow();
+  }
 
   const int32_t* data() const noexcept { return data_; }
   int64_t size() const noexcept { return size_; }
@@ -59,8 +70,8 @@ class Int32View {
   void FromSequence(py::handle obj);
 
   const char* name_;
-  PyObject* tensor_ = nullptr;  // a torch tensor to borrow in Finish (the call's argument)
-  bool finished_ = false;
+  PyObject* tensor_ = nullptr;  // a torch tensor to borrow (the call's argument)
+  bool queried_ = false, negated_ = false, finished_ = false;
   const int32_t* data_ = nullptr;
   int64_t size_ = 0;
   std::vector<int32_t> owned_;
@@ -74,11 +85,16 @@ class Int32View {
   } buffer_;
 };
 
-/// Finishes every view of a call, after all of them are constructed.
+/// Finishes every view of a call, after all of them are constructed: every
+/// Query, then every Borrow.
 template <typename... Views>
 void FinishViews(Views&... views) {
-  (views.Finish(), ...);
+  (views.Query(), ...);
+  (views.Borrow(), ...);
 }
+
+/// The same for a call's views held in a vector.
+void FinishAll(const std::vector<std::unique_ptr<Int32View>>& views);
 
 /// An int32 buffer allocated without running Python code (so it can be
 /// filled while a tree's mutex is held, or from memory borrowed from an

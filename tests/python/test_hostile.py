@@ -1353,6 +1353,65 @@ def test_list_changed_by_index_during_conversion_is_read_from_a_snapshot():
     assert handle.cached_len == 0 and indices.numel() == 0
 
 
+SUBCLASS_QUERY_FREES = """
+import sys, torch
+from radixkv.scheduler import CacheManager
+call, n = sys.argv[1], 1 << 20  # 4 MiB: a freed block goes back to the system
+cm = CacheManager(num_pages=4 * n, page_size=1)
+victim = torch.arange(n, dtype=torch.int32)
+
+class Evil(torch.Tensor):
+    def is_neg(self):
+        victim.set_(torch.arange(n, dtype=torch.int32))  # the old storage is freed
+        return False
+
+def evil(t):
+    return torch.Tensor._make_subclass(Evil, t)
+
+if call == "match_batch":
+    h, cached = cm.match_req(torch.arange(n + 1))
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, torch.arange(n + 1), cm.allocate(n + 1))
+    (h, _), (h2, _) = cm.match_req_batch([victim, evil(torch.arange(n))])
+    print(h.cached_len == h2.cached_len == n - 1)
+    sys.exit()
+h, cached = cm.match_req(victim)
+cm.lock(h)
+own = cm.allocate(n)
+if call == "finish_batch":
+    cm.free_and_cache_finished_reqs([(h, victim, evil(own))])
+elif call == "finish_flat":
+    cm.free_and_cache_finished_reqs_flat([h], [victim], evil(own))
+else:
+    cm.free_and_cache_finished_reqs_flat([h], [victim], cached, own=evil(own))
+cm.check_integrity()
+print([t for row in cm.manager.tree.dump() for t in row.tokens] == list(range(n)))
+"""
+
+
+@pytest.mark.parametrize("call", ["match_batch", "finish_batch", "finish_flat", "finish_flat_own"])
+def test_a_subclass_query_that_frees_an_earlier_argument_is_run_before_any_is_read(call):
+    """A tensor subclass's `is_neg` (asked while a call's arguments are read)
+    replaces the storage of an argument read before it, and the old storage
+    goes back to the system: every such query runs before any argument's
+    memory is borrowed, so the call reads the replacement (reading the freed
+    memory would crash, or cache what the memory holds then). In a process of
+    its own, so a crash fails this test alone."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", SUBCLASS_QUERY_FREES, call],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "True", (
+        run.returncode,
+        run.stderr[-2000:],
+    )
+
+
 def test_cached_part_of_indices_must_be_the_caches_own_slots():
     from radixkv.scheduler import CacheManager
 
