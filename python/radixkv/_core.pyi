@@ -299,6 +299,15 @@ class RadixTree:
         skip_last: bool,
         flat: Literal[True],
     ) -> Tuple[List[RadixCacheHandle], torch.Tensor]: ...
+    @overload
+    def match_prefix_batch(
+        self,
+        batch: Sequence[_Ids],
+        namespace: Union[int, List[int], Tuple[int, ...]] = 0,
+        skip_last: bool = False,
+        *,
+        flat: Literal[True],
+    ) -> Tuple[List[RadixCacheHandle], torch.Tensor]: ...
     def insert_prefix(
         self, input_ids: _Ids, indices: _Ids, priority: int = 0, namespace: int = 0
     ) -> int: ...

@@ -158,3 +158,33 @@ def test_the_flat_finish_waits_for_loads_as_the_batch_finish_does():
     cm.free_and_cache_finished_reqs_flat([loaded], [torch.arange(41)], torch.cat([idx, own]))
     assert cm.held_pages == 0 and cm.metrics.loaded_back_tokens == 40
     cm.check_integrity()
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_naive_batch_is_checked_together_before_any_request_finishes(flat):
+    cm = CacheManager(num_pages=64, page_size=4, type="naive")
+    batch = [torch.arange(8), torch.arange(20, 26)]
+    held = admitted(cm, batch)
+    (h0, _, idx0), (h1, _, idx1) = held
+    stolen = idx1.clone()
+    stolen[:4] = idx0[:4]  # request 1 claims request 0's first page
+    what = "request" if flat else "batch"
+    before = (cm.free_pages, cm.held_pages, h0.lock_count, h1.lock_count)
+
+    def finish(indices, priority=0):
+        if flat:
+            cm.free_and_cache_finished_reqs_flat([h0, h1], batch, torch.cat(indices), priority)
+        else:
+            items = [(h, ids, i) for h, ids, i in zip((h0, h1), batch, indices)]
+            cm.free_and_cache_finished_reqs(items, priority)
+
+    with pytest.raises(ValueError) as e:
+        finish([idx0, stolen])
+    assert f"{what}[0] indices and {what}[1] indices both hold page" in str(e.value), str(e.value)
+    assert (cm.free_pages, cm.held_pages, h0.lock_count, h1.lock_count) == before
+    with pytest.raises(ValueError, match=rf"{what}\[1\] priority must fit int32"):
+        finish([idx0, idx1], priority=[0, 2**33])
+    assert (cm.free_pages, cm.held_pages, h0.lock_count, h1.lock_count) == before
+    finish([idx0, idx1])
+    assert cm.held_pages == 0 and cm.free_pages == 64
+    cm.check_integrity()

@@ -701,7 +701,8 @@ class CacheManager:
         if self._tree is None:
             if own is not None:
                 indices = self._joined_parts(handles, input_ids, indices, own)
-            self._finish_naive_batch(self._split_flat(input_ids, indices, handles), priority)
+            batch = self._split_flat(input_ids, indices, handles)
+            self._finish_naive_batch(batch, priority, "request")
             return
         if self.device.type != "cpu":
             input_ids = [
@@ -733,12 +734,8 @@ class CacheManager:
         ps = self.page_size
         sizes = []
         for i, x in enumerate(input_ids):
-            try:
-                sizes.append(-(-_length(x) // ps) * ps)
-            except (TypeError, IndexError):  # (no len(), a 0-d tensor)
-                raise TypeError(
-                    f"input_ids[{i}] must be a 1-D sequence of token ids, got {type(x).__name__}"
-                ) from None
+            n = int32_tensor(x, f"input_ids[{i}]", self.device).shape[0]
+            sizes.append(-(-n // ps) * ps)
         return sizes
 
     def _split_flat(self, input_ids, indices, handles) -> list:
@@ -758,6 +755,8 @@ class CacheManager:
         """The flat indices of requests whose cached parts are `cached` and
         whose own pages are `own` (both back to back), checked as the native
         flat finish checks them."""
+        cached = int32_tensor(cached, "indices", self.device)
+        own = int32_tensor(own, "own", self.device)
         hits = [
             as_int(getattr(h, "cached_len", 0), f"handles[{i}].cached_len")
             for i, h in enumerate(handles)
@@ -780,30 +779,39 @@ class CacheManager:
                 f"own has length {_length(own)} but the requests' input_ids need {sum(rest)} "
                 f"more slots than their cached parts (each in whole pages of {self.page_size})"
             )
-        cached = int32_tensor(cached, "indices", self.device)
-        own = int32_tensor(own, "own", self.device)
         parts: list = [None] * (2 * len(handles))
         parts[0::2] = torch.split(cached, hits) if hits else []
         parts[1::2] = torch.split(own, rest) if rest else []
         return self._joined(parts)
 
-    def _finish_naive_batch(self, batch, priority) -> None:
-        """The naive cache's batch: every request checked (each alone, and
-        no handle more often than it is locked) before any finishes."""
+    def _finish_naive_batch(self, batch, priority, what: str = "batch") -> None:
+        """The naive cache's batch: every request checked (each alone, then
+        together: no page held by two, no handle more often than it is
+        locked) before any finishes. Errors name request i as `what[i]`."""
         priorities = per_input(priority, len(batch), "priority") or [priority] * len(batch)
         uses: dict = {}
+        held: dict = {}  # page -> the request holding it
+        ps = self.page_size
         for i, (handle, ids, indices) in enumerate(batch):
             try:
-                self._check_request(handle, ids, indices)
-                as_int(priorities[i], "priority")
+                _, idx, _, cached = self._check_request(handle, ids, indices)
+                p = as_int(priorities[i], "priority")
+                if not -(2**31) <= p < 2**31:
+                    raise ValueError(f"priority must fit int32, got {p}")
             except (TypeError, ValueError) as e:
-                raise type(e)(f"batch[{i}] {e}") from None
+                raise type(e)(f"{what}[{i}] {e}") from None
             uses[id(handle)] = uses.get(id(handle), 0) + 1
             if uses[id(handle)] > handle.lock_count:
                 raise ValueError(
-                    f"batch[{i}] old_handle appears {uses[id(handle)]} times in the batch but "
+                    f"{what}[{i}] old_handle appears {uses[id(handle)]} times in the batch but "
                     f"holds {handle.lock_count} locks"
                 )
+            for page in (idx[cached::ps] // ps).tolist():
+                j = held.setdefault(page, i)
+                if j != i:
+                    raise ValueError(
+                        f"{what}[{j}] indices and {what}[{i}] indices both hold page {page}"
+                    )
         for item, p in zip(batch, priorities):
             self.free_and_cache_finished_req(*item, priority=p)
 
