@@ -1368,6 +1368,11 @@ class Evil(torch.Tensor):
 def evil(t):
     return torch.Tensor._make_subclass(Evil, t)
 
+if call == "insert":  # two views of one call (FinishViews)
+    m = cm.manager
+    m.insert_prefix(victim, evil(torch.arange(n, dtype=torch.int32)))
+    print([t for row in m.tree.dump() for t in row.tokens] == list(range(n)))
+    sys.exit()
 if call == "match_batch":
     h, cached = cm.match_req(torch.arange(n + 1))
     cm.lock(h)
@@ -1389,7 +1394,9 @@ print([t for row in cm.manager.tree.dump() for t in row.tokens] == list(range(n)
 """
 
 
-@pytest.mark.parametrize("call", ["match_batch", "finish_batch", "finish_flat", "finish_flat_own"])
+@pytest.mark.parametrize(
+    "call", ["insert", "match_batch", "finish_batch", "finish_flat", "finish_flat_own"]
+)
 def test_a_subclass_query_that_frees_an_earlier_argument_is_run_before_any_is_read(call):
     """A tensor subclass's `is_neg` (asked while a call's arguments are read)
     replaces the storage of an argument read before it, and the old storage
