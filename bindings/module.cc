@@ -713,8 +713,8 @@ py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
 // The same with every request's slots in one tensor: request i's are the
 // ceil(len(input_ids[i]) / page_size) pages after those of the requests
 // before it. With `own`, `indices` holds each request's cached part
-// (handles[i].cached_len slots) and `own` the rest, joined here into a
-// buffer of the call's own.
+// (handles[i].cached_len slots) and `own` the rest, joined in the tree's
+// kept buffer (PyRadixTree::joined).
 py::object RadixTree_FinishRequestsFlat(PyRadixTree& t, PyObject* const* a) {
   const py::tuple given =
       Snapshot(a[0], "handles must be a list or tuple of the requests' handles, got ");
@@ -743,11 +743,10 @@ py::object RadixTree_FinishRequestsFlat(PyRadixTree& t, PyObject* const* a) {
   int64_t cached = 0;
   for (size_t i = 0; i < n; ++i) {
     const int64_t whole = (views[i]->size() + ps - 1) / ps * ps;
-    CHECK_VALUE(!split || (handles[i]->cached_len >= 0 && handles[i]->cached_len <= whole),
-                "request[", i, "] old_handle covers ", handles[i]->cached_len,
-                " tokens but request[", i, "] input_ids has only ", views[i]->size());
-    offsets[i + 1] = offsets[i] + whole;
     hits[i] = handles[i]->cached_len;
+    CHECK_VALUE(!split || (hits[i] >= 0 && hits[i] <= whole), "request[", i, "] old_handle covers ",
+                hits[i], " tokens but request[", i, "] input_ids has only ", views[i]->size());
+    offsets[i + 1] = offsets[i] + whole;
     cached += hits[i];
   }
   const Int32View* head = views[n].get();

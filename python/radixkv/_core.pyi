@@ -295,14 +295,6 @@ class RadixTree:
     def match_prefix_batch(
         self,
         batch: Sequence[_Ids],
-        namespace: Union[int, List[int], Tuple[int, ...]],
-        skip_last: bool,
-        flat: Literal[True],
-    ) -> Tuple[List[RadixCacheHandle], torch.Tensor]: ...
-    @overload
-    def match_prefix_batch(
-        self,
-        batch: Sequence[_Ids],
         namespace: Union[int, List[int], Tuple[int, ...]] = 0,
         skip_last: bool = False,
         *,

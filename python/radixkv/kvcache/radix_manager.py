@@ -95,7 +95,7 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
             batch = [to_host(ids, f"batch[{i}]", self.device) for i, ids in enumerate(batch)]
         # The tree reads (and checks) the host inputs itself.
         if flat:
-            handles, idx = self._tree.match_prefix_batch(batch, namespace, skip_last, True)
+            handles, idx = self._tree.match_prefix_batch(batch, namespace, skip_last, flat=True)
             return handles, idx.to(self.device, non_blocking=True)
         out = self._tree.match_prefix_batch(batch, namespace, skip_last)
         if self.device.type == "cpu":

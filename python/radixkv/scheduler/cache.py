@@ -699,6 +699,10 @@ class CacheManager:
                 f"input_ids has {len(input_ids)} entries but handles has {len(handles)}"
             )
         if self._tree is None:
+            # Checked here: the native call checks them for the radix cache.
+            input_ids = [
+                int32_tensor(x, f"input_ids[{i}]", self.device) for i, x in enumerate(input_ids)
+            ]
             if own is not None:
                 indices = self._joined_parts(handles, input_ids, indices, own)
             batch = self._split_flat(input_ids, indices, handles)
@@ -730,13 +734,9 @@ class CacheManager:
             self._finished(handle, ids, part, k)
 
     def _whole_sizes(self, input_ids) -> List[int]:
-        """Each request's slots: its input_ids in whole pages."""
+        """Each request's slots: its input_ids (checked 1-D inputs) in whole pages."""
         ps = self.page_size
-        sizes = []
-        for i, x in enumerate(input_ids):
-            n = int32_tensor(x, f"input_ids[{i}]", self.device).shape[0]
-            sizes.append(-(-n // ps) * ps)
-        return sizes
+        return [-(-_length(x) // ps) * ps for x in input_ids]
 
     def _split_flat(self, input_ids, indices, handles) -> list:
         """(handle, input_ids, indices) of each request of a flat batch; the
