@@ -887,6 +887,40 @@ py::object RadixTree_UnpinHost(PyRadixTree& t, PyObject* const* a) {
   return py::none();
 }
 
+py::object RadixTree_Claim(PyRadixTree& t, PyObject* const* a) {
+  const Handle& h = AsHandle(a[0]);
+  const bool host = Truth(a[1], false);
+  const int32_t priority = AsPriority(a[2]);
+  int64_t added = 0;
+  const radixkv::TierCopy c =
+      Locked(t, false, [&] { return t.tree.AddClaim(h, host, priority, &added); });
+  return py::make_tuple(CopyTuple(c), added);
+}
+
+py::object RadixTree_ClaimCost(PyRadixTree& t, PyObject* const* a) {
+  const Handle& h = AsHandle(a[0]);
+  const bool host = Truth(a[1], false);
+  return py::int_(Locked(t, false, [&] { return t.tree.ClaimCost(h, host); }));
+}
+
+py::object RadixTree_ReleaseClaim(PyRadixTree& t, PyObject* const* a) {
+  const radixkv::TierCopy c = AsCopy(a[0]);
+  const bool host = Truth(a[1], false);
+  return py::int_(Locked(t, false, [&] { return t.tree.ReleaseClaim(c, host); }));
+}
+
+py::object RadixTree_LockedBeyondClaims(PyRadixTree& t, PyObject* const*) {
+  return py::int_(Locked(t, false, [&] { return t.tree.LockedBeyondClaims(); }));
+}
+
+py::object RadixTree_ClaimedPath(PyRadixTree& t, PyObject* const* a) {
+  const Handle& h = AsHandle(a[0]);
+  const std::vector<uint32_t> ids = Locked(t, false, [&] { return t.tree.ClaimedPath(h); });
+  py::list out(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) out[i] = py::int_(ids[i]);
+  return out;
+}
+
 py::object RadixTree_FinishStorageWrite(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
   Locked(t, false, [&] { t.tree.FinishStorageWrite(c); });
@@ -979,6 +1013,11 @@ PyObject* RadixTree_Policy(PyObject* self, void*) {
 PyObject* RadixTree_HostPins(PyObject* self, void*) {
   return Getter(self, [](PyRadixTree& t) {
     return py::int_(Locked(t, false, [&] { return t.tree.host_pins(); }));
+  });
+}
+PyObject* RadixTree_ClaimedSize(PyObject* self, void*) {
+  return Getter(self, [](PyRadixTree& t) {
+    return py::int_(Locked(t, false, [&] { return t.tree.claimed_size(); }));
   });
 }
 PyObject* RadixTree_NumNodes(PyObject* self, void*) {
@@ -1373,6 +1412,11 @@ constexpr Params kBeginStorageWrite{"begin_storage_write", {"copy"}, 1, 1};
 constexpr Params kFinishStorageWrite{"finish_storage_write", {"copy"}, 1, 1};
 constexpr Params kPinHost{"pin_host", {"input_ids", "namespace"}, 2, 1};
 constexpr Params kUnpinHost{"unpin_host", {"pin"}, 1, 1};
+constexpr Params kClaim{"claim", {"handle", "host", "priority"}, 3, 1};
+constexpr Params kClaimCost{"claim_cost", {"handle", "host"}, 2, 1};
+constexpr Params kReleaseClaim{"release_claim", {"claim", "host"}, 2, 1};
+constexpr Params kClaimedPath{"claimed_path", {"handle"}, 1, 1};
+constexpr Params kLockedBeyondClaims{"locked_beyond_claims", {}, 0, 0};
 constexpr Params kStoragePrefixEnd{"storage_prefix_end", {"input_ids", "namespace"}, 2, 1};
 constexpr Params kInsertHost{
     "insert_host", {"input_ids", "start", "host_slots", "namespace"}, 4, 3};
@@ -1494,6 +1538,18 @@ PyMethodDef kTreeMethods[] = {
      "the root or without a host copy."},
     {"unpin_host", Fast<RadixTree_UnpinHost, kUnpinHost>(), kFastCall,
      "unpin_host(pin): releases a pin of pin_host."},
+    {"claim", Fast<RadixTree_Claim, kClaim>(), kFastCall,
+     "claim(handle, host=False, priority=0) -> (claim (a TierCopy), tokens newly claimed):\n"
+     "keeps the path of handle's match on the device (its device part, locked) or, with\n"
+     "host, at least in host memory (the whole match), until release_claim(claim, host)."},
+    {"claim_cost", Fast<RadixTree_ClaimCost, kClaimCost>(), kFastCall,
+     "claim_cost(handle, host=False) -> the tokens claim would add to claimed_size."},
+    {"release_claim", Fast<RadixTree_ReleaseClaim, kReleaseClaim>(), kFastCall,
+     "release_claim(claim, host=False) -> the tokens no claim holds any more."},
+    {"locked_beyond_claims", Fast<RadixTree_LockedBeyondClaims, kLockedBeyondClaims>(), kFastCall,
+     "locked_beyond_claims() -> device tokens a lock other than a claim's holds (O(nodes))."},
+    {"claimed_path", Fast<RadixTree_ClaimedPath, kClaimedPath>(), kFastCall,
+     "claimed_path(handle) -> ids of the claimed nodes on the match's path, deepest first."},
     {"finish_storage_write", Fast<RadixTree_FinishStorageWrite, kFinishStorageWrite>(), kFastCall,
      "finish_storage_write(copy): the write to storage is over; unpins."},
     {"insert_host", Fast<RadixTree_InsertHost, kInsertHost>(), kFastCall,
@@ -1512,6 +1568,8 @@ PyGetSetDef kTreeProperties[] = {
     {"max_slots", RadixTree_MaxSlots, nullptr, "Slots must be below this (-1: any).", nullptr},
     {"num_nodes", RadixTree_NumNodes, nullptr, "Nodes, the root excluded.", nullptr},
     {"host_pins", RadixTree_HostPins, nullptr, "Pins of pin_host not yet released.", nullptr},
+    {"claimed_size", RadixTree_ClaimedSize, nullptr, "Tokens that at least one claim holds.",
+     nullptr},
     {"eviction_policy", RadixTree_Policy, nullptr, "Which leaf goes first.", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };

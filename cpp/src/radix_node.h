@@ -75,6 +75,12 @@ struct Node {
   /// Reads from storage in flight that will join the tree below this node:
   /// while any, its host copy stays (not evictable from host).
   int32_t host_pins = 0;
+  /// Retention claims held on this node (claims of its descendants count
+  /// too), and those of them that keep it at least in host memory only: a
+  /// node with one leaves the device only once it has a host copy and is
+  /// never evicted from host. The others hold a lock (ref_count) each.
+  int32_t claims = 0;
+  int32_t host_claims = 0;
   /// Where the copy in flight that ends at this node starts (a backup or a
   /// load; -1 when none): finishing a copy checks its range against it.
   int64_t copy_start = -1;
@@ -154,12 +160,17 @@ inline uint64_t RadixTree::Key(const Node* x) const noexcept {
 }
 
 inline bool RadixTree::DeviceEvictable(const Node* x) noexcept {
-  return x->on_device && x->ref_count == 0 && x->device_children == 0;
+  return x->on_device && x->ref_count == 0 && x->device_children == 0 &&
+         (x->host_claims == 0 || x->has_host());
+}
+
+inline bool RadixTree::Protected(const Node* x) noexcept {
+  return x->ref_count > 0 || (x->host_claims > 0 && !x->has_host());
 }
 
 inline bool RadixTree::HostEvictable(const Node* x) noexcept {
   return x->has_host() && x->host_children == 0 && !x->loading && !x->storage_writing &&
-         x->host_pins == 0 && (x->on_device || x->ref_count == 0);
+         x->host_pins == 0 && x->host_claims == 0 && (x->on_device || x->ref_count == 0);
 }
 
 inline int64_t RadixTree::Pages(const Node* x) const noexcept { return x->length / page_size_; }

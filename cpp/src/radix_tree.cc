@@ -211,7 +211,7 @@ Node* RadixTree::TakeNode(Node* parent, NodeBlock data, int64_t length, uint64_t
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
   node->backing_up = node->loading = node->storage_writing = false;
-  node->host_pins = 0;
+  node->host_pins = node->claims = node->host_claims = 0;
   node->copy_start = node->storage_write_start = -1;
   ++num_nodes_;
   return node;
@@ -236,7 +236,7 @@ void RadixTree::SetOnDevice(Node* x, bool on) noexcept {
   x->on_device = on;
   const int64_t d = on ? 1 : -1;
   x->parent->device_children += static_cast<uint32_t>(d);
-  (x->ref_count > 0 ? protected_size_ : evictable_size_) += d * x->length;
+  (Protected(x) ? protected_size_ : evictable_size_) += d * x->length;
   if (x->has_host()) host_only_size_ -= d * x->length;
 }
 
@@ -263,16 +263,20 @@ void RadixTree::Refresh(Node* x) noexcept {
 void RadixTree::LockPath(Node* node, int64_t delta) noexcept {
   for (Node* x = node; x != root_; x = x->parent) {
     const bool was = x->ref_count > 0;
+    const bool was_protected = Protected(x);
     x->ref_count += delta;
-    const bool is = x->ref_count > 0;
-    if (was == is) continue;
-    if (x->on_device) {
-      const int64_t moved = is ? x->length : -x->length;
-      evictable_size_ -= moved;
-      protected_size_ += moved;
-    }
+    if (was == (x->ref_count > 0)) continue;
+    Reprotect(x, was_protected);
     Refresh(x);
   }
+}
+
+void RadixTree::Reprotect(Node* x, bool was) noexcept {
+  const bool is = Protected(x);
+  if (was == is || !x->on_device) return;
+  const int64_t moved = is ? x->length : -x->length;
+  evictable_size_ -= moved;
+  protected_size_ += moved;
 }
 
 Node* RadixTree::DeviceEnd(Node* x) const noexcept {
@@ -326,6 +330,8 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   }
   // The prefix holds what the node held, tier state included.
   prefix->ref_count = node->ref_count;
+  prefix->claims = node->claims;
+  prefix->host_claims = node->host_claims;
   prefix->timestamp = node->timestamp;
   prefix->created = node->created;
   prefix->priority = node->priority;
@@ -576,7 +582,7 @@ void RadixTree::Reset() {
   stored_host_.Clear();
   evictable_size_ = protected_size_ = 0;
   host_size_ = host_only_size_ = backing_up_size_ = loading_size_ = storage_writing_size_ = 0;
-  host_pins_ = 0;
+  host_pins_ = claimed_size_ = 0;
   ++clock_;
 }
 

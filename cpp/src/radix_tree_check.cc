@@ -16,7 +16,7 @@ using tree_errors::kInvalid;
 void RadixTree::CheckIntegrity() const {
   int64_t evictable = 0, protected_tokens = 0, nodes = 0, heap_members = 0, host_members = 0;
   int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0,
-          storage_writing = 0, pins = 0;
+          storage_writing = 0, pins = 0, claimed = 0;
   SlotSet seen, seen_host;
   // A node's slots, token by token (it keeps the first of each page).
   auto slots_of = [&](const int32_t* pages, int64_t length) {
@@ -30,7 +30,7 @@ void RadixTree::CheckIntegrity() const {
   while (!stack.empty()) {
     const Node* x = stack.back();
     stack.pop_back();
-    int64_t child_refs = 0;
+    int64_t child_refs = 0, child_claims = 0, child_host_claims = 0;
     uint32_t device_children = 0, host_children = 0;
     x->children.ForEach([&](uint64_t key, const Node* child) {
       RADIXKV_CHECK(child->parent == x, kBroken, "node ", child->id, " has a wrong parent link");
@@ -41,6 +41,8 @@ void RadixTree::CheckIntegrity() const {
       RADIXKV_CHECK(ChildKey(x, child->key(), child->ns) == key && child->child_key == key, kBroken,
                     "node ", child->id, " is filed under a key that is not its first page");
       child_refs += child->ref_count;
+      child_claims += child->claims;
+      child_host_claims += child->host_claims;
       device_children += child->on_device;
       host_children += child->has_host() || child->backing_up;
       stack.push_back(child);
@@ -61,6 +63,13 @@ void RadixTree::CheckIntegrity() const {
                   " has a wrong depth");
     RADIXKV_CHECK(x->ref_count >= child_refs, kBroken, "node ", x->id, " has ref_count ",
                   x->ref_count, " below its children's total ", child_refs);
+    RADIXKV_CHECK(x->claims >= child_claims && x->host_claims >= child_host_claims, kBroken,
+                  "node ", x->id, " holds fewer claims than its children");
+    RADIXKV_CHECK(0 <= x->host_claims && x->host_claims <= x->claims &&
+                      x->ref_count >= x->claims - x->host_claims,
+                  kBroken, "node ", x->id, " has ", x->claims, " claims, ", x->host_claims,
+                  " of them for host, and ", x->ref_count, " locks");
+    claimed += x->claims > 0 ? x->length : 0;
     RADIXKV_CHECK(x->parent == root_ || x->timestamp <= x->parent->timestamp, kBroken, "node ",
                   x->id, " was used later than its parent");
     // The tiers: every node is somewhere, and each tier is closed toward the root.
@@ -97,7 +106,7 @@ void RadixTree::CheckIntegrity() const {
       ++host_members;
     }
     if (x->on_device) {
-      (x->ref_count == 0 ? evictable : protected_tokens) += x->length;
+      (Protected(x) ? protected_tokens : evictable) += x->length;
       device_tokens += x->length;
       const std::vector<int32_t> slots = slots_of(x->value(), x->length);
       const int64_t bad = FindOutOfRange(slots.data(), x->length, max_slots_);
@@ -150,6 +159,8 @@ void RadixTree::CheckIntegrity() const {
   RADIXKV_CHECK(storage_writing == storage_writing_size_, kBroken,
                 "writes to storage are counted as ", storage_writing_size_,
                 " tokens, but nodes hold ", storage_writing);
+  RADIXKV_CHECK(claimed == claimed_size_, kBroken, "claims are counted as holding ", claimed_size_,
+                " tokens, but nodes hold ", claimed);
   RADIXKV_CHECK(pins == host_pins_, kBroken, "host pins are counted as ", host_pins_,
                 " but nodes hold ", pins);
   RADIXKV_CHECK(backing_up == backing_up_size_ && loading == loading_size_, kBroken,

@@ -410,3 +410,37 @@ def test_cli_sweep_compares_eviction_policies(tmp_path):
 )
 def test_cli_eviction_policy_mistakes(args, words):
     one_error_line(run_cli("replay", "--sessions", "5", "--no-store", *args), *words)
+
+
+def test_cli_retain_keeps_sessions_and_says_what_it_claimed():
+    base = ["replay", "--sessions", "120", "--no-store", "--storage", "none"]
+    base += ["--host-capacity-tokens", "0", "--capacity-tokens", "8192", "--json"]
+    plain = json.loads(run_cli(*base).stdout)
+    kept = json.loads(run_cli(*base, "--retain", "60").stdout)
+    assert plain["retain_ttl_s"] is None and plain["retain_claims"] == 0
+    assert kept["retain_ttl_s"] == 60.0 and kept["retain_budget_tokens"] > 0
+    assert kept["retain_claims"] > 0 and kept["retain_expired"] > 0
+    assert kept["requests"] == plain["requests"]  # the budget admits every request
+    assert kept["input_tokens"] == plain["input_tokens"]
+    assert kept["hit_tokens"] != plain["hit_tokens"]
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--retain", "0"], ["--retain", "> 0"]),
+        (["--retain", "x"], ["--retain", "seconds"]),
+        (
+            ["--retain", "5", "--policy", "naive", "--host-capacity-tokens", "0"],
+            ["--retain", "radix"],
+        ),
+    ],
+)
+def test_cli_retain_mistakes(args, words):
+    one_error_line(run_cli("replay", "--sessions", "5", "--no-store", *args), *words)
+
+
+def test_cli_retain_needs_sessions(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 4, "hash_ids": [1]}\n')
+    one_error_line(run_cli("replay", str(trace), "--no-store", "--retain", "5"), "sessions")

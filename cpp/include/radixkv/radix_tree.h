@@ -58,7 +58,7 @@ struct TierCopy {
 /// Token counts of the two tiers.
 struct TierSizes {
   int64_t device_evictable = 0;  ///< on the device, unlocked
-  int64_t device_protected = 0;  ///< on the device, locked (by requests or copies)
+  int64_t device_protected = 0;  ///< on the device, locked (by requests, copies or claims)
   int64_t host = 0;              ///< with a host copy
   int64_t host_only = 0;         ///< with a host copy and not on the device
   int64_t backing_up = 0;        ///< on the device, a backup in flight
@@ -199,7 +199,8 @@ class RadixTree {
 
   /// Tokens in unlocked device nodes (may be evicted).
   int64_t evictable_size() const noexcept { return evictable_size_; }
-  /// Tokens in locked device nodes.
+  /// Tokens in locked device nodes, and in device nodes a host claim keeps
+  /// until they have a host copy (AddClaim).
   int64_t protected_size() const noexcept { return protected_size_; }
   /// Both tiers' token counts. O(1).
   TierSizes tier_sizes() const noexcept;
@@ -325,6 +326,40 @@ class RadixTree {
   int64_t InsertHost(const int32_t* tokens, int64_t n, int64_t start, const int32_t* host,
                      SlotSink rejected, uint64_t ns = 0);
 
+  // --- retention claims ------------------------------------------------------------
+
+  /// Retention claims keep a prefix cached while its owner expects it back
+  /// (an agent between turns). A claim holds the path from the root to the
+  /// deepest node of `handle`'s match: without `host`, the device part, which
+  /// it locks as Lock does; with `host`, the whole match (host part included),
+  /// whose nodes are then never evicted from host and leave the device only
+  /// once they have a host copy (so the prefix stays at least in host
+  /// memory). Claims count per node, like locks; the path's nodes that no
+  /// claim held before add their tokens to `claimed_size()`, which AddClaim
+  /// returns in `*added`. Raises the priority of every node on the path to
+  /// at least `priority` (the priority policy's order, once the claim ends).
+  /// Returns the claim as a copy of the whole path (`start` 0, `end` its
+  /// length), which names its node by incarnation. Throws kInvalidArgument
+  /// for a foreign or stale handle, or a path with a load in flight.
+  TierCopy AddClaim(const Handle& handle, bool host, int32_t priority, int64_t* added);
+  /// The tokens AddClaim would add to `claimed_size()`. Changes nothing.
+  int64_t ClaimCost(const Handle& handle, bool host) const;
+  /// Ends a claim of AddClaim (`host` as it was made); returns the tokens no
+  /// claim holds any more. A claim whose node is gone (Reset) is ignored and
+  /// returns 0. Throws kInvalidArgument, changing nothing, for a claim not
+  /// held.
+  int64_t ReleaseClaim(const TierCopy& claim, bool host);
+  /// The ids of the nodes on the path of `handle`'s whole match (host part
+  /// included) that a claim holds, deepest first: a claim whose node is among
+  /// them was matched to its end.
+  std::vector<uint32_t> ClaimedPath(const Handle& handle) const;
+  /// Tokens that at least one claim holds.
+  int64_t claimed_size() const noexcept { return claimed_size_; }
+  /// Tokens on the device that a lock other than a claim's holds (a request's,
+  /// a copy's): what `protected_size()` would be with every claim released.
+  /// O(nodes).
+  int64_t LockedBeyondClaims() const noexcept;
+
   /// Device leaves that the next `Evict(size)` would take and that have no
   /// host copy (their end nodes as copies, oldest first): under write_back
   /// they are backed up before eviction. Changes nothing visible.
@@ -374,6 +409,12 @@ class RadixTree {
   // Puts `x` into, or takes it out of, each tier's heap to match its state.
   void Refresh(Node* x) noexcept;
   static bool DeviceEvictable(const Node* x) noexcept;
+  // Whether `x`'s device tokens count as protected, not evictable: it is
+  // locked, or a host claim holds it and it has no host copy yet.
+  static bool Protected(const Node* x) noexcept;
+  // Moves `x`'s device tokens between evictable and protected when
+  // Protected(x) is no longer `was`.
+  void Reprotect(Node* x, bool was) noexcept;
   static bool HostEvictable(const Node* x) noexcept;
   // The oldest member of `heap` under the policy, popped (re-keying the
   // lagging keys it meets on top; see Evict); null when it is empty.
@@ -384,6 +425,9 @@ class RadixTree {
   void CountHost(Node* x, int64_t sign) noexcept;
   Node* Resolve(const Handle& handle, const char* what) const;
   Node* ResolveCopy(const TierCopy& copy) const noexcept;
+  // The deepest node of `handle`'s match: its host part's end when `host`
+  // and the host part is still there, else its device part's.
+  Node* MatchedEnd(const Handle& handle, bool host) const;
   // The deepest node on the device from `x` up (the root at worst).
   Node* DeviceEnd(Node* x) const noexcept;
   void CopyPathSlots(const Node* node, int32_t* out) const noexcept;
@@ -430,6 +474,7 @@ class RadixTree {
   EvictionPolicy policy_ = EvictionPolicy::kLru;
   int64_t storage_writing_size_ = 0;
   int64_t host_pins_ = 0;
+  int64_t claimed_size_ = 0;
   int64_t num_nodes_ = 0;
 };
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import contextlib
 import dataclasses
 import json
@@ -56,6 +57,16 @@ def _int_at_least(minimum: int):
         return value
 
     return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
 
 
 def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
@@ -161,6 +172,14 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
         help="model shape of the KV pool: layers, kv heads, head dim, dtype "
         "(default 1,1,8,float16)",
     )
+    p.add_argument(
+        "--retain",
+        type=_positive_seconds,
+        metavar="TTL",
+        help="an agent workload: claim each session's conversation after every turn for TTL "
+        "seconds of trace time (retain), within half the pool (needs sessions: the built-in "
+        "workload)",
+    )
     p.add_argument("--no-store", action="store_true", help="skip storing K/V into the pool")
     p.add_argument("--limit", type=positive, help="replay only the first N requests")
     p.add_argument("--sessions", type=positive, default=400, help="built-in workload: sessions")
@@ -229,6 +248,13 @@ def _table(r: ReplayResult, kv: KVShape) -> str:
             + (f", {len(r.instances)} instances" if r.instances else ""),
             f"    written       {r.storage_written_pages:>14,} pages",
             f"    prefetched    {r.prefetched_tokens:>14,} tokens   errors {r.storage_errors}",
+        ]
+    if r.retain_ttl_s is not None:
+        lines += [
+            f"  retention       {r.retain_ttl_s:g} s a turn, budget {r.retain_budget_tokens:,} "
+            "tokens",
+            f"    claims        {r.retain_claims:>14,}   refused {r.retain_refused:,}, expired "
+            f"{r.retain_expired:,}",
         ]
     lines += [
         f"  computed tokens {r.computed_tokens:>14,}",
@@ -363,6 +389,10 @@ def _run(args) -> int:
         name = f"built-in chat ({args.sessions} sessions)"
     if args.limit is not None:
         requests = requests[: args.limit]
+    if args.retain is not None and args.policy != "radix":
+        raise UsageError("--retain needs --policy radix")
+    if args.retain is not None and not any(r.session for r in requests):
+        raise UsageError(f"--retain claims sessions' prefixes, and {name} names no sessions")
     if not requests:
         raise UsageError(f"{name} has no requests")
     page = args.page_size or block
@@ -521,6 +551,7 @@ def _replays(
         write_policy=args.write_policy,
         instances=args.instances,
         overlap=args.overlap,
+        retain_ttl_s=args.retain,
     )
 
     def host_pages_for(device_pages: int) -> int:

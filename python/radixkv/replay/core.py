@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 import torch
 
 from radixkv.replay.traces import Request, TokenMaker
-from radixkv.scheduler import CacheManager
+from radixkv.scheduler import CacheManager, RetainBudgetError, RetentionClaim
 
 if TYPE_CHECKING:
     from radixkv.scheduler.storage_tier import StorageFaultPolicy
@@ -119,6 +119,13 @@ class ReplayResult:
     prefetched_tokens: int = 0
     storage_written_pages: int = 0
     storage_errors: int = 0
+    # Retention claims (--retain): each session's finished turn is claimed
+    # for retain_ttl_s seconds of trace time, within retain_budget_tokens.
+    retain_ttl_s: Optional[float] = None
+    retain_budget_tokens: int = 0
+    retain_claims: int = 0
+    retain_refused: int = 0
+    retain_expired: int = 0
     # Per instance when there are several (their JSON objects).
     instances: List[dict] = field(default_factory=list)
 
@@ -167,6 +174,11 @@ class ReplayResult:
             "prefetched_tokens": self.prefetched_tokens,
             "storage_written_pages": self.storage_written_pages,
             "storage_errors": self.storage_errors,
+            "retain_ttl_s": self.retain_ttl_s,
+            "retain_budget_tokens": self.retain_budget_tokens,
+            "retain_claims": self.retain_claims,
+            "retain_refused": self.retain_refused,
+            "retain_expired": self.retain_expired,
             "instances": self.instances,
         }
 
@@ -263,6 +275,11 @@ class Instance:
     prompt and output and release the request's pages and lock. Unless
     `overlap`, the request's copies (backups, writes to storage) finish
     before the next request matches.
+
+    With `retain_ttl_s` the instance models an agent that comes back: when a
+    request of a session finishes, its whole sequence is claimed (retain)
+    for that many seconds of trace time, and the session's previous claim is
+    released. Claims hold at most `retain_budget_tokens`.
     """
 
     def __init__(
@@ -280,6 +297,8 @@ class Instance:
         max_hash: int,
         overlap: bool = False,
         eviction_policy: str = "lru",
+        retain_ttl_s: Optional[float] = None,
+        retain_budget_tokens: int = 0,
     ):
         self.page_size, self.capacity_pages, self.kv, self.store = (
             page_size,
@@ -303,6 +322,10 @@ class Instance:
                 tp_size=1,
             )
         backend = storage.backend(kv, page_size) if storage is not None else None
+        # The manager's clock is the trace's: claims expire in trace time.
+        self.now = 0.0
+        self.retain_ttl_s = retain_ttl_s
+        self.claims: Dict[str, RetentionClaim] = {}
         # Without a pool the tier keeps its bookkeeping only, its copies run
         # inline (manual) when drained.
         self.cm = CacheManager(
@@ -318,9 +341,13 @@ class Instance:
             prefetch_policy=storage.prefetch_policy if storage is not None else "best_effort",
             storage_faults=storage.faults if storage is not None else None,
             eviction_policy=eviction_policy,
+            retain_budget_tokens=retain_budget_tokens,
+            clock=lambda: self.now,
         )
         r = self.result = ReplayResult(policy, page_size, capacity_pages * page_size)
         r.eviction_policy = eviction_policy
+        if retain_ttl_s is not None:
+            r.retain_ttl_s, r.retain_budget_tokens = retain_ttl_s, retain_budget_tokens
         r.pool_bytes = self.pool.nbytes if self.pool is not None else 0
         r.host_capacity_tokens = host_pages * page_size
         if host_pages:
@@ -367,6 +394,7 @@ class Instance:
         if self.skips(req):
             result.skipped_requests += 1
             return
+        self.now = req.timestamp
         if fresh_at is not None:
             self.tokens.seek(fresh_at)
         full_ids = self.tokens.request_tokens(req)
@@ -436,6 +464,8 @@ class Instance:
         t0 = clock()
         cm.free_and_cache_finished_req(handle, full_ids, indices)
         lat["insert"].append(clock() - t0)
+        if self.retain_ttl_s is not None and req.session is not None:
+            self._retain(req.session, full_ids)
         if self.host_pages:
             if self.overlap:
                 cm.writing_check()
@@ -456,8 +486,25 @@ class Instance:
         result.computed_tokens += req.input_length - hit
         result.output_tokens += out
 
+    def _retain(self, session: str, full_ids: torch.Tensor) -> None:
+        """The session's turn is over: its conversation so far is claimed
+        until its next turn (or the claim's time runs out)."""
+        cm = self.cm
+        previous = self.claims.pop(session, None)
+        if previous is not None:
+            cm.release(previous)
+        try:
+            self.claims[session] = cm.retain(full_ids, ttl_s=self.retain_ttl_s)
+        except RetainBudgetError:
+            pass
+
     def finish(self, interrupted: bool = False) -> ReplayResult:
         cm, result = self.cm, self.result
+        if self.retain_ttl_s is not None:
+            m = cm.metrics
+            result.retain_claims = m.retain_claims_made
+            result.retain_refused = m.retain_claims_refused
+            result.retain_expired = m.retain_claims_expired
         result.interrupted = interrupted
         if self.host_pages:
             result.failed_loads += len(cm.drain())

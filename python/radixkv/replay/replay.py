@@ -40,6 +40,7 @@ def replay(
     instances: int = 1,
     overlap: bool = False,
     eviction_policy: str = "lru",
+    retain_ttl_s: Optional[float] = None,
 ) -> ReplayResult:
     """Drives `requests` through `instances` serving instances (see radixkv.replay.core.Instance).
 
@@ -60,6 +61,11 @@ def replay(
     its copies included, before the next starts, so the run is
     deterministic. `overlap` lets instances run concurrently and copies
     overlap the next requests (throughput, at some cost in hits).
+
+    `retain_ttl_s` claims each session's conversation after every turn for
+    that many seconds of trace time (an agent workload: see Instance). The
+    claims' budget is half the pool, less if the largest request would not
+    fit beside it, so every request is still admitted.
     """
     # The replay is one thread driving the cache, like a scheduler. torch's
     # intra-op threads would only spin between the small tensor ops here
@@ -85,6 +91,8 @@ def replay(
             max_hash=max_hash_id(requests),
             overlap=overlap,
             eviction_policy=eviction_policy,
+            retain_ttl_s=retain_ttl_s,
+            retain_budget_tokens=retain_budget(requests, page_size, capacity_pages),
         )
         if instances > 1:
             result = replay_instances(requests, config, instances, progress)
@@ -98,6 +106,14 @@ def replay(
         return result
     finally:
         torch.set_num_threads(threads)
+
+
+def retain_budget(requests: Sequence[Request], page_size: int, capacity_pages: int) -> int:
+    """Tokens the claims may hold: half the pool, or less, so that the
+    largest request that fits the pool fits beside them."""
+    fits = [r for r in requests if not too_large(r, page_size, capacity_pages)]
+    largest = max((-(-(r.input_length + r.output_length) // page_size) for r in fits), default=0)
+    return max(0, min(capacity_pages // 2, capacity_pages - largest)) * page_size
 
 
 def _replay_here(requests, config, progress) -> ReplayResult:

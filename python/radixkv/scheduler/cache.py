@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Tuple, Union, cast
+import time
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -17,6 +18,7 @@ from radixkv.kvcache.pool_args import resolve_tp_rank
 from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
+from radixkv.scheduler.retention import TIERS, Retention, RetentionClaim, check_ttl
 from radixkv.scheduler.storage_tier import (
     Prefetch,
     StorageCounters,
@@ -90,6 +92,16 @@ class CacheManager:
     `flush_events()`, which `writing_check()`, `loading_check()`,
     `storage_check()`, `drain()`, `reset()` and `close()` also call. Without
     it (the default) nothing of this exists.
+
+    Retention claims. `retain(input_ids, ttl_s=...)` keeps a cached prefix
+    on the device (or, with `tier="host"`, at least in host memory) until
+    `release(claim)` or until `ttl_s` seconds of `clock` have passed
+    (`refresh_on_hit` starts the time again at each match that covers the
+    prefix). Claims together hold at most `retain_budget_tokens` distinct
+    tokens (None: half the device pool), and each namespace at most what
+    `set_retain_budget` gives it, so they never starve admission: a claim
+    past a budget raises `RetainBudgetError`. Expiry is lazy and exact: any
+    call that may evict ends the claims whose time is up first.
     """
 
     def __init__(
@@ -113,6 +125,8 @@ class CacheManager:
         max_namespaces: int = 1 << 16,
         tp_rank: Optional[int] = None,
         kv_events: Optional[EventPublisher] = None,
+        retain_budget_tokens: Optional[int] = None,
+        clock: Optional[Callable[[], float]] = None,
     ):
         if kv_events is not None and not isinstance(kv_events, EventPublisher):
             raise TypeError(
@@ -129,6 +143,10 @@ class CacheManager:
                 f"{_type_name(storage_faults)}"
             )
         tp_rank = resolve_tp_rank(tp_rank)
+        if retain_budget_tokens is not None:
+            retain_budget_tokens = as_count(retain_budget_tokens, "retain_budget_tokens", minimum=0)
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be callable (or None), got {_type_name(clock)}")
         if host_layout not in HOST_LAYOUTS:
             raise ValueError(
                 f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, got {host_layout!r}"
@@ -182,6 +200,14 @@ class CacheManager:
             kv_events=kv_events,
         )
         self._events = self._tiers.events  # the device's events are the manager's to tell
+        self._retention: Optional[Retention] = None
+        if self._tree is not None:
+            budget = retain_budget_tokens
+            if budget is None:
+                budget = num_pages // 2 * page_size
+            self._retention = Retention(self._tree, budget, clock or time.monotonic)
+            if self._tiers.host is not None:
+                self._tiers.host.before_evict = self._retention.expire
         # What the write policy does on the request path, decided once.
         self._backs_up_on_insert = self._tiers.write_policy == "write_through"
         self._backs_up_on_evict = self._tiers.write_policy == "write_back"
@@ -212,6 +238,8 @@ class CacheManager:
                 ids = to_host(input_ids, "input_ids", self.device)  # (refuses other devices)
                 handle, indices = tree.match_prefix(ids, 0, True)
                 self._count_match(n - 1, handle)
+                if self._retention is not None and self._retention.refreshing:
+                    self._retention.hit(handle)
                 return handle, indices
         ids = int32_tensor(input_ids, "input_ids", self.device)
         n = ids.shape[0]  # (a tensor's len() is a Python call)
@@ -220,6 +248,8 @@ class CacheManager:
         ns = self._namespaces.id(namespace)
         handle, indices = self.manager.match_prefix(ids[:-1], ns)
         self._count_match(n - 1, handle)
+        if self._retention is not None and self._retention.refreshing:
+            self._retention.hit(handle)
         if self._tiers.backs_up_on_match:
             self._tiers.back_up(ids[:-1], ns)
         return handle, indices
@@ -289,6 +319,8 @@ class CacheManager:
         )
         for x, (handle, _) in zip(ids, out):
             self._count_match(x.shape[0] - 1, handle)
+            if self._retention is not None and self._retention.refreshing:
+                self._retention.hit(handle)
         if self._tiers.backs_up_on_match:
             for x, ns in zip(ids, spaces):
                 self._tiers.back_up(x[:-1], ns)
@@ -315,6 +347,9 @@ class CacheManager:
         for handle in handles:
             device += handle.cached_len
             host += handle.host_hit_len
+        if self._retention is not None and self._retention.refreshing:
+            for handle in handles:
+                self._retention.hit(handle)
         self._queries += len(batch)
         self._query_tokens += tokens
         self._device_hits += device
@@ -434,6 +469,93 @@ class CacheManager:
     def unlock(self, handle: BaseCacheHandle) -> None:
         self.manager.lock_handle(handle, unlock=True)
 
+    # -- retention claims -------------------------------------------------------
+
+    @shielded
+    def retain(
+        self,
+        input_ids,
+        namespace=None,
+        *,
+        ttl_s: Optional[float] = None,
+        priority: int = 0,
+        tier: str = "device",
+        refresh_on_hit: bool = False,
+    ) -> RetentionClaim:
+        """Keeps the cached prefix of `input_ids` (all of them, in whole
+        pages) until `release(claim)` or, with `ttl_s`, until that many
+        seconds of the manager's clock have passed; `refresh_on_hit` starts
+        them again whenever a match covers the whole prefix.
+
+        `tier="device"` keeps the prefix's device part on the device (its
+        pages are locked, as a request's are); `tier="host"` keeps the whole
+        match, host part included, at least in host memory: its pages may
+        leave the device once they have a host copy, and that copy stays.
+        `priority` raises the prefix's eviction priority (the "priority"
+        policy's order) for after the claim. Returns a `RetentionClaim`
+        whose `tokens` say how much is held (0 when nothing is cached: such a
+        claim holds nothing, and no match refreshes it).
+
+        Raises `RetainBudgetError`, claiming nothing, when the claims would
+        together hold more than `retain_budget_tokens` distinct tokens, or
+        more than the namespace's budget (`set_retain_budget`).
+        """
+        retention = self._claims_of("retain")
+        ttl = check_ttl(ttl_s)
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+        if tier == "host" and self._tier is None:
+            raise ValueError('tier="host" needs a host tier (host_num_pages > 0)')
+        priority = as_int(priority, "priority")
+        if not -(2**31) <= priority < 2**31:
+            raise ValueError(f"priority must fit int32, got {priority}")
+        refresh = bool(refresh_on_hit)
+        ids = int32_tensor(input_ids, "input_ids", self.device)
+        ns = self._namespaces.id(namespace)
+        handle, _ = self._tree.match_prefix(ids, ns)  # type: ignore[union-attr]
+        return retention.claim(handle, ns, namespace, tier, ttl, priority, refresh)
+
+    @shielded
+    def release(self, claim: RetentionClaim) -> bool:
+        """Ends a claim of `retain`: its pages may be evicted again. Returns
+        False when it had ended already (released, expired, or a reset)."""
+        retention = self._claims_of("release")
+        if not isinstance(claim, RetentionClaim):
+            raise TypeError(f"claim must be a RetentionClaim from retain, got {_type_name(claim)}")
+        if claim._owner is not retention:
+            raise ValueError("claim was made by another cache manager")
+        return retention.release(claim)
+
+    def set_retain_budget(self, tokens: Optional[int], namespace=None, *, whole: bool = False):
+        """Sets the most tokens the claims of `namespace` may hold together
+        (None: no budget of its own), or with `whole` the manager's budget
+        for all claims. A lower budget refuses new claims; the ones held stay."""
+        retention = self._claims_of("set_retain_budget")
+        if whole:
+            if tokens is None:
+                raise ValueError("tokens must be a count for the whole manager's budget")
+            retention.budget = as_count(tokens, "tokens", minimum=0)
+            return
+        ns = self._namespaces.id(namespace)
+        if tokens is None:
+            retention.ns_budgets.pop(ns, None)
+        else:
+            retention.ns_budgets[ns] = as_count(tokens, "tokens", minimum=0)
+
+    @property
+    def retained_tokens(self) -> int:
+        """Tokens that at least one retention claim holds (after ending the
+        claims whose time is up)."""
+        if self._retention is None:
+            return 0
+        self._retention.expire()
+        return self._retention.tree.claimed_size
+
+    def _claims_of(self, what: str) -> Retention:
+        if self._retention is None:
+            raise TypeError(f"{what} needs the radix cache (type='radix'), not {self.manager!r}")
+        return self._retention
+
     # -- pages ------------------------------------------------------------------
 
     @property
@@ -444,6 +566,8 @@ class CacheManager:
     @property
     def available_size(self) -> int:
         """Tokens that `allocate` can serve: free plus evictable."""
+        if self._retention is not None:
+            self._retention.expire()
         return self._pages.num_free_pages * self.page_size + self.manager.size_info.evictable_size
 
     @shielded
@@ -479,7 +603,10 @@ class CacheManager:
     def _device_room(self, n: int) -> Tuple[int, int]:
         """(missing, evictable): the slots `n` tokens need beyond the free
         pages (whole pages), and the cached slots eviction could free, once
-        the backups in flight finished if they pin what is missing."""
+        the backups in flight finished if they pin what is missing (and the
+        retention claims whose time is up ended)."""
+        if self._retention is not None:
+            self._retention.expire()
         missing = (-(-n // self.page_size) - self._pages.num_free_pages) * self.page_size
         evictable = self.manager.size_info.evictable_size
         if 0 < missing and evictable < missing and self._tiers.backups_in_flight():
@@ -1016,7 +1143,11 @@ class CacheManager:
 
     @shielded
     def _reset_now(self) -> None:
-        locked = self.manager.size_info.protected_size
+        retention = self._retention
+        if retention is not None and retention.claims:
+            locked = self._tree.locked_beyond_claims()  # type: ignore[union-attr]
+        else:
+            locked = self.manager.size_info.protected_size
         if locked:
             raise RuntimeError(
                 f"cannot reset: requests hold locks on {locked} cached tokens "
@@ -1029,6 +1160,8 @@ class CacheManager:
                 "are still in flight (the store is not answering); their host "
                 "pages stay theirs until they end"
             )
+        if retention is not None:
+            retention.release_all()
         evictable = self.manager.size_info.evictable_size
         if evictable:
             evicted = self.manager.evict(evictable).cpu()
@@ -1073,6 +1206,9 @@ class CacheManager:
         them as Prometheus text."""
         tier, storage = self.tier_counters, self.storage_counters
         host = self.host_size_info
+        claims = self._retention
+        if claims is not None:
+            claims.expire()
         return CacheMetrics(
             queries=self._queries,
             query_tokens=self._query_tokens,
@@ -1093,6 +1229,11 @@ class CacheManager:
             device_cached_tokens=self.manager.size_info.total_size,
             host_free_tokens=host.free if host else 0,
             host_cached_tokens=host.cached if host else 0,
+            retain_claims_made=claims.made if claims else 0,
+            retain_claims_refused=claims.refused if claims else 0,
+            retain_claims_expired=claims.expired if claims else 0,
+            retain_claims=claims.claims if claims else 0,
+            retained_tokens=claims.tree.claimed_size if claims else 0,
         )
 
     # -- checks -----------------------------------------------------------------
@@ -1118,6 +1259,8 @@ class CacheManager:
             )
         self._pages.check_disjoint(self._tree)
         self._tiers.check_integrity()
+        if self._retention is not None:
+            self._retention.check()
 
     @property
     def held_pages(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Deque, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -175,6 +175,9 @@ class HostTier:
         # The manager's BlockEvents when KV events are on: told of every page
         # that lands on or leaves either tier through this class.
         self.events = events
+        # Called before host copies are evicted (the manager's expiry of
+        # retention claims, which may keep host copies).
+        self.before_evict: Optional[Callable[[], object]] = None
         self.backed_up = self.loaded_back = self.host_evicted = 0
         self.backups_skipped = self.failed_copies = 0
 
@@ -252,6 +255,8 @@ class HostTier:
     def _evict(self, size: int) -> bool:
         """Drops host copies of at least `size` tokens (least recently used
         first) and frees their pages; False, dropping none, if it cannot."""
+        if self.before_evict is not None:
+            self.before_evict()
         try:
             freed = self.tree.evict_host(size)
         except _core.OutOfCapacityError:

@@ -41,10 +41,15 @@ _DOC = {
         "counter",
         "Existence queries to storage that did not answer " "within the bound.",
     ),
+    "retain_claims_made": ("counter", "Retention claims made (retain)."),
+    "retain_claims_refused": ("counter", "Retention claims refused by a retain budget."),
+    "retain_claims_expired": ("counter", "Retention claims ended by their deadline."),
     "device_free_tokens": ("gauge", "Free slots of the device pool."),
     "device_cached_tokens": ("gauge", "Device slots the cache holds."),
     "host_free_tokens": ("gauge", "Free slots of the host pool."),
     "host_cached_tokens": ("gauge", "Host slots the cache holds."),
+    "retain_claims": ("gauge", "Retention claims held now."),
+    "retained_tokens": ("gauge", "Cached tokens at least one retention claim holds."),
 }
 
 
@@ -68,10 +73,15 @@ class CacheMetrics:
     storage_skipped_reads: int = 0
     storage_skipped_writes: int = 0
     storage_query_timeouts: int = 0
+    retain_claims_made: int = 0
+    retain_claims_refused: int = 0
+    retain_claims_expired: int = 0
     device_free_tokens: int = 0
     device_cached_tokens: int = 0
     host_free_tokens: int = 0
     host_cached_tokens: int = 0
+    retain_claims: int = 0
+    retained_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -1,0 +1,228 @@
+"""Retention claims: a prefix kept cached for a while, within a budget.
+
+An agent pauses between turns (a tool call, a user thinking); its next turn
+wants the conversation so far back. A claim keeps a prefix's pages on the
+device (or at least in host memory) until it is released or its time runs
+out. The tree counts claims per node and keeps claimed pages from eviction
+(RadixTree.claim); this class keeps the deadlines, the budgets and the
+refreshing, for one CacheManager.
+
+Expiry is lazy and exact: deadlines sit in a min-heap, and every manager call
+that may evict (or that reports what is claimed) first ends the claims whose
+deadline has passed, in O(log n) each. No thread, no scan: a claim past its
+deadline is never honoured, and one before it always is.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable, Dict, List, Optional, Tuple, cast
+
+from radixkv import _core
+
+TIERS = ("device", "host")
+
+
+class RetainBudgetError(_core.OutOfCapacityError):
+    """A claim would hold more tokens than the manager's (or its namespace's)
+    retention budget allows. Nothing was claimed."""
+
+
+class RetentionClaim:
+    """What `CacheManager.retain` returns: a claim on a cached prefix.
+
+    `tokens` is the prefix's length (whole pages), `tier` where it is kept
+    ("device", or "host": at least in host memory), `expires_at` the clock
+    time it ends at (None: only `release` ends it), moved forward on each
+    hit when `refresh_on_hit`. `active` is False once it was released,
+    expired (as the manager saw at its last call) or dropped by a reset.
+    """
+
+    __slots__ = (
+        "namespace",
+        "tokens",
+        "tier",
+        "ttl_s",
+        "priority",
+        "refresh_on_hit",
+        "expires_at",
+        "_copy",
+        "_ns",
+        "_active",
+        "_owner",
+    )
+
+    def __init__(self, owner, copy, ns: int, namespace, tier: str, ttl_s, priority, refresh):
+        self._owner = owner
+        self._copy = copy
+        self._ns = ns
+        self._active = True
+        self.namespace = namespace
+        self.tokens: int = copy.end
+        self.tier: str = tier
+        self.ttl_s: Optional[float] = ttl_s
+        self.priority: int = priority
+        self.refresh_on_hit: bool = refresh
+        self.expires_at: Optional[float] = None
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "ended"
+        return (
+            f"RetentionClaim(tokens={self.tokens}, tier={self.tier!r}, "
+            f"expires_at={self.expires_at}, {state})"
+        )
+
+
+class Retention:
+    """The claims of one CacheManager: their deadlines, budgets and refreshing."""
+
+    def __init__(self, tree: _core.RadixTree, budget: int, clock: Callable[[], float]) -> None:
+        self.tree = tree
+        self.clock = clock
+        self.budget = budget
+        self.ns_budgets: Dict[int, int] = {}
+        self.claimed_by_ns: Dict[int, int] = {}
+        self._live: Dict[int, RetentionClaim] = {}  # id(claim) -> claim
+        # (deadline, seq, claim): a claim whose deadline moved (a refresh)
+        # leaves its old entry behind, skipped when it comes up.
+        self._deadlines: List[Tuple[float, int, RetentionClaim]] = []
+        self._seq = 0
+        # node id -> the live refresh_on_hit claims that end at it
+        self._refreshing: Dict[int, List[RetentionClaim]] = {}
+        self.made = self.refused = self.expired = self.released = self.refreshed = 0
+
+    # -- claims -----------------------------------------------------------------
+
+    def claim(
+        self, handle, ns: int, namespace, tier: str, ttl_s, priority: int, refresh: bool
+    ) -> RetentionClaim:
+        """Claims `handle`'s match (its device part, or the whole match for
+        tier "host") if the budgets allow; RetainBudgetError, claiming
+        nothing, if not. The arguments are checked by the manager."""
+        self.expire()
+        host = tier == "host"
+        cost = self.tree.claim_cost(handle, host)
+        total = self.tree.claimed_size + cost
+        if total > self.budget:
+            self.refused += 1
+            raise RetainBudgetError(
+                f"cannot retain {cost} more tokens: claims hold {self.tree.claimed_size} of "
+                f"the manager's retain budget of {self.budget} tokens"
+            )
+        ns_budget = self.ns_budgets.get(ns)
+        held = self.claimed_by_ns.get(ns, 0)
+        if ns_budget is not None and held + cost > ns_budget:
+            self.refused += 1
+            raise RetainBudgetError(
+                f"cannot retain {cost} more tokens in namespace {namespace!r}: its claims hold "
+                f"{held} of its retain budget of {ns_budget} tokens"
+            )
+        copy, added = self.tree.claim(handle, host, priority)
+        self.claimed_by_ns[ns] = held + added
+        claim = RetentionClaim(self, copy, ns, namespace, tier, ttl_s, priority, refresh)
+        self._live[id(claim)] = claim
+        if ttl_s is not None:
+            self._arm(claim, self.clock() + ttl_s)
+            if refresh:
+                self._refreshing.setdefault(copy.node_id, []).append(claim)
+        self.made += 1
+        return claim
+
+    def release(self, claim: RetentionClaim) -> bool:
+        """Ends `claim`; False if it had ended already (released, expired or reset)."""
+        self.expire()
+        if not claim._active:
+            return False
+        self._end(claim)
+        self.released += 1
+        return True
+
+    def _end(self, claim: RetentionClaim) -> None:
+        freed = self.tree.release_claim(claim._copy, claim.tier == "host")
+        claim._active = False
+        del self._live[id(claim)]
+        held = self.claimed_by_ns.get(claim._ns, 0) - freed
+        if held:
+            self.claimed_by_ns[claim._ns] = held
+        else:
+            self.claimed_by_ns.pop(claim._ns, None)
+        if claim.refresh_on_hit and claim.ttl_s is not None:
+            ending = self._refreshing[claim._copy.node_id]
+            ending.remove(claim)
+            if not ending:
+                del self._refreshing[claim._copy.node_id]
+
+    def _arm(self, claim: RetentionClaim, deadline: float) -> None:
+        claim.expires_at = deadline
+        self._seq += 1
+        heapq.heappush(self._deadlines, (deadline, self._seq, claim))
+
+    # -- time -------------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Ends every claim whose deadline has passed; returns how many."""
+        heap = self._deadlines
+        if not heap:
+            return 0
+        now = self.clock()
+        ended = 0
+        while heap and heap[0][0] <= now:
+            deadline, _, claim = heapq.heappop(heap)
+            if claim._active and claim.expires_at == deadline:
+                self._end(claim)
+                ended += 1
+        self.expired += ended
+        return ended
+
+    def hit(self, handle) -> None:
+        """A match ended at `handle`: the refresh_on_hit claims it covered to
+        their end run for their ttl again from now (those whose time is up
+        end first, unrefreshed)."""
+        self.expire()
+        now = self.clock()
+        for node in self.tree.claimed_path(handle):
+            for claim in self._refreshing.get(node, ()):
+                self._arm(claim, now + cast(float, claim.ttl_s))
+                self.refreshed += 1
+
+    @property
+    def refreshing(self) -> bool:
+        return bool(self._refreshing)
+
+    # -- whole-manager ----------------------------------------------------------
+
+    def release_all(self) -> None:
+        """Ends every claim (a reset drops what they hold)."""
+        for claim in list(self._live.values()):
+            self._end(claim)
+        self._deadlines.clear()
+
+    @property
+    def claims(self) -> int:
+        return len(self._live)
+
+    def check(self) -> None:
+        """The per-namespace sums against the tree's total."""
+        total = sum(self.claimed_by_ns.values())
+        if total != self.tree.claimed_size:
+            raise _core.IntegrityError(
+                f"retention claims count {total} tokens by namespace but the tree "
+                f"{self.tree.claimed_size}"
+            )
+
+
+def check_ttl(ttl_s) -> Optional[float]:
+    """None, or a positive finite number of seconds."""
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)):
+        raise TypeError(f"ttl_s must be a number of seconds or None, got {type(ttl_s).__name__}")
+    ttl = float(ttl_s)
+    if not (ttl > 0 and math.isfinite(ttl)):
+        raise ValueError(f"ttl_s must be > 0 and finite, got {ttl_s!r}")
+    return ttl

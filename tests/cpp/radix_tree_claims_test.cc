@@ -1,0 +1,169 @@
+// Retention claims in the tree: what they keep on which tier, the tokens they
+// hold (shared paths counted once), splits of claimed nodes, and release.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "radixkv/radix_tree.h"
+#include "radixkv/status.h"
+#include "tree_test_util.h"
+
+namespace radixkv {
+namespace {
+
+using testing_util::Insert;
+using testing_util::Ints;
+using testing_util::Iota;
+
+Handle Match(RadixTree* t, const Ints& tokens) {
+  Ints out;
+  return t->MatchPrefix(tokens.data(), static_cast<int64_t>(tokens.size()), &out);
+}
+
+int64_t Evictable(RadixTree* t) { return t->evictable_size(); }
+
+TEST(RadixTreeClaimsTest, DeviceClaimKeepsThePathAndCountsSharedTokensOnce) {
+  RadixTree t;
+  Insert(&t, {1, 2, 3, 4, 5, 6}, Iota(0, 6));
+  Insert(&t, {1, 2, 3, 7, 8}, Iota(10, 5));
+  int64_t added = 0;
+  Handle a = Match(&t, {1, 2, 3, 4, 5, 6});
+  EXPECT_EQ(t.ClaimCost(a, false), 6);
+  TierCopy ca = t.AddClaim(a, false, 0, &added);
+  EXPECT_EQ(added, 6);
+  EXPECT_EQ(ca.end, 6);
+  Handle b = Match(&t, {1, 2, 3, 7, 8});
+  EXPECT_EQ(t.ClaimCost(b, false), 2);  // {1, 2, 3} is claimed already
+  TierCopy cb = t.AddClaim(b, false, 0, &added);
+  EXPECT_EQ(added, 2);
+  EXPECT_EQ(t.claimed_size(), 8);
+  EXPECT_EQ(Evictable(&t), 0);
+  t.CheckIntegrity();
+  Ints freed;
+  EXPECT_THROW(t.Evict(1, &freed), Error);
+
+  EXPECT_EQ(t.ReleaseClaim(ca, false), 3);  // {4, 5, 6}; {1, 2, 3} stays claimed
+  EXPECT_EQ(t.claimed_size(), 5);
+  EXPECT_EQ(Evictable(&t), 3);
+  t.Evict(3, &freed);
+  EXPECT_EQ(freed, Iota(3, 3));
+  EXPECT_EQ(t.ReleaseClaim(cb, false), 5);
+  EXPECT_EQ(t.claimed_size(), 0);
+  t.CheckIntegrity();
+  // Released twice: refused, nothing changes.
+  EXPECT_THROW(t.ReleaseClaim(cb, false), Error);
+  t.CheckIntegrity();
+}
+
+TEST(RadixTreeClaimsTest, SplittingAClaimedNodeKeepsTheClaimWhole) {
+  RadixTree t;
+  Insert(&t, Iota(0, 8), Iota(100, 8));
+  int64_t added = 0;
+  TierCopy c = t.AddClaim(Match(&t, Iota(0, 8)), false, 0, &added);
+  // A match that ends inside the claimed node splits it.
+  Handle half = Match(&t, Iota(0, 3));
+  EXPECT_EQ(half.cached_len, 3);
+  t.CheckIntegrity();
+  EXPECT_EQ(t.claimed_size(), 8);
+  EXPECT_EQ(t.ClaimCost(half, false), 0);
+  EXPECT_EQ(t.ReleaseClaim(c, false), 8);
+  t.CheckIntegrity();
+  EXPECT_EQ(Evictable(&t), 8);
+}
+
+TEST(RadixTreeClaimsTest, HostClaimLetsThePathLeaveTheDeviceOnlyWithAHostCopy) {
+  RadixTree t;
+  Insert(&t, {1, 2, 3, 4}, {10, 11, 12, 13});
+  int64_t added = 0;
+  TierCopy c = t.AddClaim(Match(&t, {1, 2, 3, 4}), true, 0, &added);
+  EXPECT_EQ(added, 4);
+  // No host copy yet: the path may not leave the device.
+  EXPECT_EQ(Evictable(&t), 0);
+  EXPECT_EQ(t.protected_size(), 4);
+  Ints freed;
+  EXPECT_THROW(t.Evict(4, &freed), Error);
+  t.CheckIntegrity();
+  // Backed up: it may leave the device, and its host copy then stays.
+  TierCopy backup;
+  ASSERT_TRUE(t.FindBackup(Ints{1, 2, 3, 4}.data(), 4, 0, &backup));
+  Ints device;
+  t.BeginBackup(backup, &device);
+  const Ints host = Iota(50, 4);
+  Ints rejected;
+  EXPECT_EQ(t.FinishBackup(backup, host.data(), true, SlotSink::Into(&rejected)), 0);
+  EXPECT_EQ(Evictable(&t), 4);
+  t.Evict(4, &freed);
+  EXPECT_EQ(freed.size(), 4u);
+  EXPECT_EQ(t.tier_sizes().host_only, 4);
+  EXPECT_THROW(t.EvictHost(4, &freed), Error);
+  t.CheckIntegrity();
+  // Released: the host copy may go, and with it the node.
+  EXPECT_EQ(t.ReleaseClaim(c, true), 4);
+  t.EvictHost(4, &freed);
+  EXPECT_EQ(t.num_nodes(), 0);
+  t.CheckIntegrity();
+}
+
+TEST(RadixTreeClaimsTest, HostClaimCoversTheHostPartOfAMatch) {
+  RadixTree t;
+  Insert(&t, {1, 2, 3, 4}, {10, 11, 12, 13});
+  TierCopy backup;
+  ASSERT_TRUE(t.FindBackup(Ints{1, 2, 3, 4}.data(), 4, 0, &backup));
+  Ints device, freed, rejected;
+  t.BeginBackup(backup, &device);
+  const Ints host = Iota(50, 4);
+  t.FinishBackup(backup, host.data(), true, SlotSink::Into(&rejected));
+  t.Evict(4, &freed);
+  Handle h = Match(&t, {1, 2, 3, 4});
+  EXPECT_EQ(h.cached_len, 0);
+  EXPECT_EQ(h.host_hit_len, 4);
+  EXPECT_EQ(t.ClaimCost(h, false), 0);  // the device part is empty
+  EXPECT_EQ(t.ClaimCost(h, true), 4);
+  int64_t added = 0;
+  TierCopy c = t.AddClaim(h, true, 0, &added);
+  EXPECT_EQ(c.end, 4);
+  EXPECT_EQ(t.ClaimedPath(h).size(), 1u);
+  EXPECT_THROW(t.EvictHost(4, &freed), Error);
+  // The wrong tier is refused, changing nothing.
+  EXPECT_THROW(t.ReleaseClaim(c, false), Error);
+  t.CheckIntegrity();
+  EXPECT_EQ(t.ReleaseClaim(c, true), 4);
+  t.CheckIntegrity();
+}
+
+TEST(RadixTreeClaimsTest, ClaimRaisesPriorityAndResetDropsClaims) {
+  RadixTree t(1, RadixTree::kAnySlot, EvictionPolicy::kPriority);
+  Insert(&t, {1, 2}, {0, 1});
+  Insert(&t, {5, 6}, {2, 3});
+  int64_t added = 0;
+  TierCopy c = t.AddClaim(Match(&t, {1, 2}), false, 7, &added);
+  EXPECT_EQ(t.ReleaseClaim(c, false), 2);
+  Match(&t, {1, 2});  // {1, 2} is now the most recently used...
+  Ints freed;
+  t.Evict(2, &freed);  // ...but its priority keeps it: {5, 6} goes
+  EXPECT_EQ(freed, (Ints{2, 3}));
+  c = t.AddClaim(Match(&t, {1, 2}), false, 0, &added);
+  t.Reset();
+  EXPECT_EQ(t.claimed_size(), 0);
+  EXPECT_EQ(t.ReleaseClaim(c, false), 0);  // its node is gone: ignored
+  t.CheckIntegrity();
+}
+
+TEST(RadixTreeClaimsTest, LockedBeyondClaimsCountsOnlyOtherLocks) {
+  RadixTree t;
+  Insert(&t, {1, 2, 3, 4}, Iota(0, 4));
+  int64_t added = 0;
+  Handle h = Match(&t, {1, 2, 3, 4});
+  t.AddClaim(h, false, 0, &added);
+  EXPECT_EQ(t.protected_size(), 4);
+  EXPECT_EQ(t.LockedBeyondClaims(), 0);
+  Handle r = Match(&t, {1, 2});
+  t.Lock(&r);
+  EXPECT_EQ(t.LockedBeyondClaims(), 2);
+  t.Unlock(&r);
+  EXPECT_EQ(t.LockedBeyondClaims(), 0);
+}
+
+}  // namespace
+}  // namespace radixkv
