@@ -909,6 +909,11 @@ py::object RadixTree_ReleaseClaim(PyRadixTree& t, PyObject* const* a) {
   return py::int_(Locked(t, false, [&] { return t.tree.ReleaseClaim(c, host); }));
 }
 
+py::object RadixTree_StorageHitLen(PyRadixTree& t, PyObject* const* a) {
+  const Handle& h = AsHandle(a[0]);
+  return py::int_(Locked(t, false, [&] { return t.tree.StorageHitLen(h); }));
+}
+
 py::object RadixTree_LockedBeyondClaims(PyRadixTree& t, PyObject* const*) {
   return py::int_(Locked(t, false, [&] { return t.tree.LockedBeyondClaims(); }));
 }
@@ -1417,6 +1422,7 @@ constexpr Params kClaimCost{"claim_cost", {"handle", "host"}, 2, 1};
 constexpr Params kReleaseClaim{"release_claim", {"claim", "host"}, 2, 1};
 constexpr Params kClaimedPath{"claimed_path", {"handle"}, 1, 1};
 constexpr Params kLockedBeyondClaims{"locked_beyond_claims", {}, 0, 0};
+constexpr Params kStorageHitLen{"storage_hit_len", {"handle"}, 1, 1};
 constexpr Params kStoragePrefixEnd{"storage_prefix_end", {"input_ids", "namespace"}, 2, 1};
 constexpr Params kInsertHost{
     "insert_host", {"input_ids", "start", "host_slots", "namespace"}, 4, 3};
@@ -1546,6 +1552,9 @@ PyMethodDef kTreeMethods[] = {
      "claim_cost(handle, host=False) -> the tokens claim would add to claimed_size."},
     {"release_claim", Fast<RadixTree_ReleaseClaim, kReleaseClaim>(), kFastCall,
      "release_claim(claim, host=False) -> the tokens no claim holds any more."},
+    {"storage_hit_len", Fast<RadixTree_StorageHitLen, kStorageHitLen>(), kFastCall,
+     "storage_hit_len(handle) -> of the match's host part, the tokens read from storage and\n"
+     "not on the device since (the storage tier's hits)."},
     {"locked_beyond_claims", Fast<RadixTree_LockedBeyondClaims, kLockedBeyondClaims>(), kFastCall,
      "locked_beyond_claims() -> device tokens a lock other than a claim's holds (O(nodes))."},
     {"claimed_path", Fast<RadixTree_ClaimedPath, kClaimedPath>(), kFastCall,

@@ -72,6 +72,9 @@ struct Node {
   bool loading = false;
   /// Its host pages are being written to storage (not evictable from host).
   bool storage_writing = false;
+  /// Host only, its pages read from storage and not on the device since: a
+  /// match of it is served by the storage tier.
+  bool from_storage = false;
   /// Reads from storage in flight that will join the tree below this node:
   /// while any, its host copy stays (not evictable from host).
   int32_t host_pins = 0;

@@ -210,7 +210,7 @@ Node* RadixTree::TakeNode(Node* parent, NodeBlock data, int64_t length, uint64_t
   node->priority = 0;
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
-  node->backing_up = node->loading = node->storage_writing = false;
+  node->backing_up = node->loading = node->storage_writing = node->from_storage = false;
   node->host_pins = node->claims = node->host_claims = 0;
   node->copy_start = node->storage_write_start = -1;
   ++num_nodes_;
@@ -234,6 +234,7 @@ void RadixTree::FreeNode(Node* node) noexcept {
 void RadixTree::SetOnDevice(Node* x, bool on) noexcept {
   if (x->on_device == on) return;
   x->on_device = on;
+  if (on) x->from_storage = false;
   const int64_t d = on ? 1 : -1;
   x->parent->device_children += static_cast<uint32_t>(d);
   (Protected(x) ? protected_size_ : evictable_size_) += d * x->length;
@@ -340,6 +341,7 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   prefix->backing_up = node->backing_up;
   prefix->loading = node->loading;
   prefix->storage_writing = node->storage_writing;
+  prefix->from_storage = node->from_storage;
   prefix->device_children = node->on_device;
   prefix->host_children = node->has_host() || node->backing_up;
   prefix->children = std::move(plan->prefix_children);

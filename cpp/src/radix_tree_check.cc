@@ -138,6 +138,8 @@ void RadixTree::CheckIntegrity() const {
     pins += x->host_pins;
     RADIXKV_CHECK(x->host_pins >= 0 && (x->host_pins == 0 || x->has_host()), kBroken, "node ",
                   x->id, " is pinned for a read from storage but has no host copy");
+    RADIXKV_CHECK(!x->from_storage || (!x->on_device && x->has_host()), kBroken, "node ", x->id,
+                  " is marked read from storage but is on the device or has no host copy");
     RADIXKV_CHECK(!x->storage_writing || x->has_host(), kBroken, "node ", x->id,
                   " is being written to storage without a host copy");
   }

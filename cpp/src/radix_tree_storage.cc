@@ -163,12 +163,22 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start, c
   Node* leaf = TakeNode(node, std::move(data), take, ns);
   node->children.Insert(leaf->child_key, leaf);
   block.MoveToHost(leaf);
+  leaf->from_storage = true;
   CountHost(leaf, +1);
   ++node->host_children;
   Touch(leaf);
   Refresh(leaf);
   Refresh(node);
   return take;
+}
+
+int64_t RadixTree::StorageHitLen(const Handle& handle) const {
+  const Node* device_end = Resolve(handle, "handle");
+  int64_t tokens = 0;
+  for (const Node* x = MatchedEnd(handle, true); x != device_end && x != root_; x = x->parent) {
+    tokens += x->from_storage ? x->length : 0;
+  }
+  return tokens;
 }
 
 }  // namespace radixkv

@@ -360,6 +360,12 @@ class RadixTree {
   /// O(nodes).
   int64_t LockedBeyondClaims() const noexcept;
 
+  /// Of the host part of `handle`'s match (`host_hit_len`), the tokens whose
+  /// pages were read from storage and have not been on the device since:
+  /// the hits the storage tier serves. Throws kInvalidArgument for a foreign
+  /// or stale handle.
+  int64_t StorageHitLen(const Handle& handle) const;
+
   /// Device leaves that the next `Evict(size)` would take and that have no
   /// host copy (their end nodes as copies, oldest first): under write_back
   /// they are backed up before eviction. Changes nothing visible.

@@ -4,6 +4,7 @@ the one over several processes (instances.py) both build on it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
@@ -126,6 +127,9 @@ class ReplayResult:
     retain_claims: int = 0
     retain_refused: int = 0
     retain_expired: int = 0
+    # The manager's own figures at the end (CacheMetrics as a dict): hits
+    # per tier as it attributes them at match time, residency, claims.
+    cache_metrics: Dict[str, int] = field(default_factory=dict)
     # Per instance when there are several (their JSON objects).
     instances: List[dict] = field(default_factory=list)
 
@@ -179,6 +183,7 @@ class ReplayResult:
             "retain_claims": self.retain_claims,
             "retain_refused": self.retain_refused,
             "retain_expired": self.retain_expired,
+            "cache_metrics": self.cache_metrics,
             "instances": self.instances,
         }
 
@@ -521,6 +526,7 @@ class Instance:
             result.storage_errors = storage.errors
         # A stop (Ctrl-C) comes between requests: the pool is whole either way.
         cm.check_integrity()
+        result.cache_metrics = dataclasses.asdict(cm.metrics)
         if cm.held_pages != 0:
             raise RuntimeError(f"replay leaked {cm.held_pages} pages")
         cm.close()

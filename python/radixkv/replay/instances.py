@@ -42,6 +42,9 @@ _SUMMED = (
     "storage_errors",
     "pool_bytes",
     "host_pool_bytes",
+    "retain_claims",
+    "retain_refused",
+    "retain_expired",
 )
 
 
@@ -200,8 +203,15 @@ def _combine(
         "storage",
         "prefetch_policy",
         "eviction_policy",
+        "retain_ttl_s",
+        "retain_budget_tokens",
     ):
         setattr(out, name, getattr(first, name))
+    # Every figure of a manager is a count of tokens, pages or events: the
+    # instances' add up.
+    for r in results:
+        for key, value in r.cache_metrics.items():
+            out.cache_metrics[key] = out.cache_metrics.get(key, 0) + value
     for name in _SUMMED:
         setattr(out, name, sum(getattr(r, name) for r in results))
     out.peak_pages = max(r.peak_pages for r in results)

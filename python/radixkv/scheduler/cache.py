@@ -178,6 +178,7 @@ class CacheManager:
         self._held_pages = 0
         self._tree = self.manager.tree
         self._queries = self._query_tokens = self._device_hits = self._host_hits = 0
+        self._storage_hits = self._hits = 0
         self._evicted = 0
         self._namespaces = Namespaces(as_count(max_namespaces, "max_namespaces"))
         self._tiers = build_tiers(
@@ -268,7 +269,18 @@ class CacheManager:
         self._queries += 1
         self._query_tokens += tokens
         self._device_hits += handle.cached_len
-        self._host_hits += handle.host_hit_len
+        self._hits += handle.cached_len + handle.host_hit_len
+        if handle.host_hit_len:
+            self._count_host_part(handle, handle.host_hit_len)
+
+    def _count_host_part(self, handle: BaseCacheHandle, tokens: int) -> None:
+        """Attributes a match's host part to the tier serving it: pages read
+        from storage and not on the device since are the storage tier's."""
+        storage = 0
+        if self._storage is not None:
+            storage = self._tree.storage_hit_len(handle)  # type: ignore[union-attr,arg-type]
+        self._storage_hits += storage
+        self._host_hits += tokens - storage
 
     @shielded
     def match_req_batch(self, batch, namespace=None, *, flat: bool = False):
@@ -353,7 +365,11 @@ class CacheManager:
         self._queries += len(batch)
         self._query_tokens += tokens
         self._device_hits += device
-        self._host_hits += host
+        self._hits += device + host
+        if host:
+            for handle in handles:
+                if handle.host_hit_len:
+                    self._count_host_part(handle, handle.host_hit_len)
         return out
 
     @shielded
@@ -1206,14 +1222,18 @@ class CacheManager:
         them as Prometheus text."""
         tier, storage = self.tier_counters, self.storage_counters
         host = self.host_size_info
+        sizes = self.manager.size_info
+        host_tier, storage_tier = self._tier, self._storage
         claims = self._retention
         if claims is not None:
             claims.expire()
         return CacheMetrics(
             queries=self._queries,
             query_tokens=self._query_tokens,
+            hit_tokens=self._hits,
             device_hit_tokens=self._device_hits,
             host_hit_tokens=self._host_hits,
+            storage_hit_tokens=self._storage_hits,
             evicted_tokens=self._evicted,
             backed_up_tokens=tier.backed_up if tier else 0,
             loaded_back_tokens=tier.loaded_back if tier else 0,
@@ -1225,10 +1245,21 @@ class CacheManager:
             storage_skipped_reads=storage.skipped_reads if storage else 0,
             storage_skipped_writes=storage.skipped_writes if storage else 0,
             storage_query_timeouts=storage.query_timeouts if storage else 0,
+            device_capacity_tokens=self.num_pages * self.page_size,
             device_free_tokens=self._pages.num_free_pages * self.page_size,
-            device_cached_tokens=self.manager.size_info.total_size,
+            device_cached_tokens=sizes.total_size,
+            device_locked_tokens=sizes.protected_size,
+            device_held_tokens=self._held_pages * self.page_size,
+            device_loading_tokens=self._tiers.loading_tokens(),
+            host_capacity_tokens=host.capacity if host else 0,
             host_free_tokens=host.free if host else 0,
             host_cached_tokens=host.cached if host else 0,
+            host_only_tokens=host.host_only if host else 0,
+            host_backing_up_tokens=host_tier.backup_tokens if host_tier else 0,
+            host_reading_tokens=storage_tier.reading_tokens if storage_tier else 0,
+            host_storage_writing_tokens=(
+                self._tree.tier_sizes().storage_writing if host_tier and self._tree else 0
+            ),
             retain_claims_made=claims.made if claims else 0,
             retain_claims_refused=claims.refused if claims else 0,
             retain_claims_expired=claims.expired if claims else 0,

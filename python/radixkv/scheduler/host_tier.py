@@ -392,6 +392,11 @@ class HostTier:
         return len(self._loads)
 
     @property
+    def backup_tokens(self) -> int:
+        """Host slots owned by backups in flight."""
+        return self._backup_tokens
+
+    @property
     def loading_tokens(self) -> int:
         """Device slots owned by loads in flight."""
         return self._load_tokens

@@ -15,8 +15,17 @@ _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _DOC = {
     "queries": ("counter", "Requests matched against the cache (match_req)."),
     "query_tokens": ("counter", "Tokens those requests asked about (all but each last one)."),
+    "hit_tokens": ("counter", "Tokens matched on any tier (device + host + storage hits)."),
     "device_hit_tokens": ("counter", "Tokens matched on the device."),
-    "host_hit_tokens": ("counter", "Tokens matched in host memory (to be loaded back)."),
+    "host_hit_tokens": (
+        "counter",
+        "Tokens matched in host memory from host copies of device pages (to be loaded back).",
+    ),
+    "storage_hit_tokens": (
+        "counter",
+        "Tokens matched in host memory whose pages were read from storage and not on the "
+        "device since (to be loaded back).",
+    ),
     "evicted_tokens": ("counter", "Tokens evicted from the device pool."),
     "backed_up_tokens": ("counter", "Tokens copied from the device to host memory."),
     "loaded_back_tokens": ("counter", "Tokens copied from host memory back to the device."),
@@ -44,10 +53,26 @@ _DOC = {
     "retain_claims_made": ("counter", "Retention claims made (retain)."),
     "retain_claims_refused": ("counter", "Retention claims refused by a retain budget."),
     "retain_claims_expired": ("counter", "Retention claims ended by their deadline."),
+    "device_capacity_tokens": ("gauge", "Slots of the device pool."),
     "device_free_tokens": ("gauge", "Free slots of the device pool."),
-    "device_cached_tokens": ("gauge", "Device slots the cache holds."),
+    "device_cached_tokens": ("gauge", "Device slots the cache holds (resident)."),
+    "device_locked_tokens": (
+        "gauge",
+        "Of the cached device slots, those locked (by requests, retention claims or copies in "
+        "flight) or kept until they have a host copy: not evictable.",
+    ),
+    "device_held_tokens": ("gauge", "Device slots requests hold (allocated, not yet cached)."),
+    "device_loading_tokens": ("gauge", "Device slots loads from host in flight own."),
+    "host_capacity_tokens": ("gauge", "Slots of the host pool."),
     "host_free_tokens": ("gauge", "Free slots of the host pool."),
-    "host_cached_tokens": ("gauge", "Host slots the cache holds."),
+    "host_cached_tokens": ("gauge", "Host slots the cache holds (resident)."),
+    "host_only_tokens": ("gauge", "Of the cached host slots, those not on the device."),
+    "host_backing_up_tokens": ("gauge", "Host slots backups from the device in flight own."),
+    "host_reading_tokens": ("gauge", "Host slots reads from storage in flight own."),
+    "host_storage_writing_tokens": (
+        "gauge",
+        "Of the cached host slots, those being written to storage.",
+    ),
     "retain_claims": ("gauge", "Retention claims held now."),
     "retained_tokens": ("gauge", "Cached tokens at least one retention claim holds."),
 }
@@ -60,8 +85,10 @@ class CacheMetrics:
 
     queries: int = 0
     query_tokens: int = 0
+    hit_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
     evicted_tokens: int = 0
     backed_up_tokens: int = 0
     loaded_back_tokens: int = 0
@@ -76,17 +103,26 @@ class CacheMetrics:
     retain_claims_made: int = 0
     retain_claims_refused: int = 0
     retain_claims_expired: int = 0
+    device_capacity_tokens: int = 0
     device_free_tokens: int = 0
     device_cached_tokens: int = 0
+    device_locked_tokens: int = 0
+    device_held_tokens: int = 0
+    device_loading_tokens: int = 0
+    host_capacity_tokens: int = 0
     host_free_tokens: int = 0
     host_cached_tokens: int = 0
+    host_only_tokens: int = 0
+    host_backing_up_tokens: int = 0
+    host_reading_tokens: int = 0
+    host_storage_writing_tokens: int = 0
     retain_claims: int = 0
     retained_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
-        """Tokens matched (device and host) over the tokens asked about."""
-        return (self.device_hit_tokens + self.host_hit_tokens) / max(1, self.query_tokens)
+        """Tokens matched (on any tier) over the tokens asked about."""
+        return self.hit_tokens / max(1, self.query_tokens)
 
     def families(self, prefix: str = "radixkv") -> List[Tuple[str, str, str, int]]:
         """(name, kind, help, value) of each figure as Prometheus names it:
