@@ -78,12 +78,14 @@ void SetLoraId(BlockLedger& l, py::handle id) {
   l.set_lora_id(id.is_none() ? std::nullopt : std::optional<int64_t>(ToInt64(id, "lora_id")));
 }
 
-py::list TakeEvents(BlockLedger& l) {
-  std::vector<std::string> events = l.TakeEvents();
+py::list AsList(const std::vector<std::string>& events) {
   py::list out(events.size());
   for (size_t i = 0; i < events.size(); ++i) out[i] = py::bytes(events[i]);
   return out;
 }
+
+py::list TakeEvents(BlockLedger& l) { return AsList(l.TakeEvents()); }
+py::list Snapshot(BlockLedger& l) { return AsList(l.Snapshot()); }
 
 }  // namespace
 
@@ -108,7 +110,8 @@ void RegisterBlockLedger(py::module_& m) {
       .def("host_inserted", &HostInserted, py::arg("tokens"), py::arg("start"),
            py::arg("host_slots"), py::arg("rejected"), py::arg("seed") = py::none())
       .def("reset", &BlockLedger::Reset)
-      .def("take_events", &TakeEvents);
+      .def("take_events", &TakeEvents)
+      .def("snapshot", &Snapshot);
 }
 
 }  // namespace radixkv::bindings

@@ -16,6 +16,9 @@ that publishes the round's batch). Cases:
 thread, sent by ZeroMQ's) with a subscriber reading it in another process;
 "ledger" is the same with a publisher that sends nothing, which separates
 the manager's bookkeeping from the encoding and sending.
+"snapshot": cm.kv_snapshot() of the host case's manager once the pools are
+full (every block of both tiers as one batch, what a router that lost track
+asks for), its median over 20 calls against a request cycle's.
 Off and on alternate, each over the same requests on a fresh manager, warmed
 up first; medians of 25-request batches, microseconds per request.
 
@@ -108,6 +111,26 @@ def run(case: str, publisher, requests, batch: int = 25):
     return wall, cpu
 
 
+def snapshot_cost(requests):
+    """(median ms of kv_snapshot, blocks in it, payload KiB, us a request cycle)."""
+    from radixkv.event_index import snapshot_view
+
+    cm = manager("host", Ledger())
+    for ids in requests:
+        cycle(cm, ids)
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter_ns()
+        snap = cm.kv_snapshot()
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+    blocks = sum(len(h) for h in snapshot_view(snap.payload).values())
+    t0 = time.perf_counter_ns()
+    for ids in requests[:200]:
+        cycle(cm, ids)
+    per_request = (time.perf_counter_ns() - t0) / 200 / 1e3
+    return statistics.median(times), blocks, len(snap.payload) / 1024, per_request
+
+
 READER = """
 import sys, zmq
 ctx = zmq.Context(); sock = ctx.socket(zmq.SUB)
@@ -170,6 +193,11 @@ def main() -> None:
     print(
         f"batches published {published}, received {received}, "
         f"{nbytes / max(received, 1) / 1024:.1f} KiB a batch"
+    )
+    ms, blocks, kib, cycle_us = snapshot_cost(requests)
+    print(
+        f"snapshot of {blocks:,} blocks (both tiers full): {ms:.2f} ms, {kib:,.0f} KiB, "
+        f"{ms * 1e3 / cycle_us:.0f} request cycles"
     )
     for r in results:
         print(json.dumps({"bench": "events", "requests": args.requests, **r}))

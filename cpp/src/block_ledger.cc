@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <unordered_map>
 
 #include "radixkv/event_pack.h"
 #include "radixkv/page_hash.h"
@@ -54,6 +55,52 @@ BlockLedger::BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_
     tier->blocks.reset(Zeroed<Block>(pages));
     tier->tokens.reset(Zeroed<int32_t>(pages * page_size));
   }
+  host_index_.Init(host_pages);
+}
+
+// --- the host index ------------------------------------------------------------------
+
+void BlockLedger::HostIndex::Init(int64_t pages) {
+  if (pages == 0) return;
+  uint64_t size = 2;
+  while (size < 2 * static_cast<uint64_t>(pages)) size <<= 1;
+  slots.reset(Zeroed<Slot>(static_cast<int64_t>(size)));
+  mask = size - 1;
+}
+
+int64_t BlockLedger::HostIndex::Find(uint64_t hash) const noexcept {
+  if (!slots) return -1;
+  for (uint64_t i = hash & mask;; i = (i + 1) & mask) {
+    if (slots[i].page1 == 0) return -1;
+    if (slots[i].hash == hash) return slots[i].page1 - 1;
+  }
+}
+
+void BlockLedger::HostIndex::Insert(uint64_t hash, int64_t page) noexcept {
+  uint64_t i = hash & mask;  // never full: it has twice the room of the host pages
+  while (slots[i].page1 != 0 && slots[i].hash != hash) i = (i + 1) & mask;
+  slots[i] = Slot{hash, page + 1};
+}
+
+void BlockLedger::HostIndex::Erase(uint64_t hash) noexcept {
+  if (!slots) return;
+  uint64_t i = hash & mask;
+  while (slots[i].page1 != 0 && slots[i].hash != hash) i = (i + 1) & mask;
+  if (slots[i].page1 == 0) return;
+  // Backward shift: each later slot of the run moves into the hole unless
+  // its home lies cyclically in (hole, slot].
+  for (uint64_t j = (i + 1) & mask; slots[j].page1 != 0; j = (j + 1) & mask) {
+    const uint64_t home = slots[j].hash & mask;
+    const bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+    if (stays) continue;
+    slots[i] = slots[j];
+    i = j;
+  }
+  slots[i] = Slot{0, 0};
+}
+
+void BlockLedger::HostIndex::Clear() noexcept {
+  for (uint64_t i = 0; slots && i <= mask; ++i) slots[i] = Slot{0, 0};
 }
 
 void BlockLedger::PagesOf(const Tier& tier, const int32_t* slots, int64_t n, const char* what,
@@ -100,6 +147,10 @@ void BlockLedger::Chain(const int32_t* tokens, int64_t first, int64_t last, cons
 }
 
 void BlockLedger::Put(Tier* tier, int64_t page, const Block& b, const int32_t* tokens) {
+  if (tier == &host_) {
+    if (host_.blocks[page].present) host_index_.Erase(host_.blocks[page].hash);
+    host_index_.Insert(b.hash, page);
+  }
   tier->blocks[page] = b;
   tier->blocks[page].present = true;
   std::memcpy(&tier->tokens[page * page_size_], tokens,
@@ -113,6 +164,7 @@ void BlockLedger::Remove(Tier* tier, const std::vector<int64_t>& pages, const ch
     if (!b.present) continue;
     b.present = false;
     hashes_.push_back(b.hash);
+    if (tier == &host_) host_index_.Erase(b.hash);
   }
   if (hashes_.empty()) return;
   std::string event;
@@ -120,7 +172,8 @@ void BlockLedger::Remove(Tier* tier, const std::vector<int64_t>& pages, const ch
   pending_.push_back(std::move(event));
 }
 
-void BlockLedger::PackStoredChains(const char* medium) {
+void BlockLedger::PackStoredChains(const char* medium, std::vector<std::string>* out) {
+  if (out == nullptr) out = &pending_;
   const int64_t n = static_cast<int64_t>(blocks_.size()), ps = page_size_;
   hashes_.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) hashes_[static_cast<size_t>(i)] = blocks_[i].hash;
@@ -133,7 +186,7 @@ void BlockLedger::PackStoredChains(const char* medium) {
     std::string event;
     PackBlockStored(&event, Run(hashes_.data() + a, b - a), parent,
                     Run(tokens_.data() + a * ps, (b - a) * ps), ps, lora_id_, medium);
-    pending_.push_back(std::move(event));
+    out->push_back(std::move(event));
     a = b;
   }
 }
@@ -165,7 +218,20 @@ void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, in
 
 void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n) {
   PagesOf(device_, slots, n, "slots", &pages_);
+  // The blocks the host still holds move there: gathered before they go.
+  const int64_t ps = page_size_;
+  blocks_.clear();
+  tokens_.clear();
+  for (int64_t page : pages_) {
+    const Block& b = device_.blocks[page];
+    const int64_t host = b.present ? host_index_.Find(b.hash) : -1;
+    if (host < 0) continue;
+    blocks_.push_back(host_.blocks[host]);
+    const int32_t* t = &host_.tokens[host * ps];
+    tokens_.insert(tokens_.end(), t, t + ps);
+  }
   Remove(&device_, pages_, kMediumGpu);
+  if (!blocks_.empty()) PackStoredChains(kMediumCpuPinned);
 }
 
 void BlockLedger::HostEvicted(const int32_t* slots, int64_t n) {
@@ -255,6 +321,45 @@ void BlockLedger::Reset() {
   for (Tier* tier : {&device_, &host_}) {
     for (int64_t p = 0; p < tier->pages; ++p) tier->blocks[p].present = false;
   }
+  host_index_.Clear();
+}
+
+void BlockLedger::GatherParentsFirst(const Tier& tier) {
+  const int64_t ps = page_size_;
+  std::unordered_map<uint64_t, int64_t> page_of;
+  for (int64_t p = 0; p < tier.pages; ++p) {
+    if (tier.blocks[p].present) page_of.emplace(tier.blocks[p].hash, p);
+  }
+  std::vector<bool> done(static_cast<size_t>(tier.pages), false);
+  std::vector<int64_t> path;
+  blocks_.clear();
+  tokens_.clear();
+  for (int64_t p = 0; p < tier.pages; ++p) {
+    // Up the chain to the first block given already (or held nowhere here),
+    // then down again: each block after its parent.
+    path.clear();
+    for (int64_t q = p; q >= 0 && tier.blocks[q].present && !done[static_cast<size_t>(q)];) {
+      done[static_cast<size_t>(q)] = true;
+      path.push_back(q);
+      const Block& b = tier.blocks[q];
+      const auto up = b.has_parent ? page_of.find(b.parent) : page_of.end();
+      q = up != page_of.end() ? up->second : -1;
+    }
+    for (auto it = path.rbegin(); it != path.rend(); ++it) {
+      blocks_.push_back(tier.blocks[*it]);
+      const int32_t* t = &tier.tokens[*it * ps];
+      tokens_.insert(tokens_.end(), t, t + ps);
+    }
+  }
+}
+
+std::vector<std::string> BlockLedger::Snapshot() {
+  std::vector<std::string> out;
+  GatherParentsFirst(device_);
+  PackStoredChains(kMediumGpu, &out);
+  GatherParentsFirst(host_);
+  PackStoredChains(kMediumCpuPinned, &out);
+  return out;
 }
 
 std::vector<std::string> BlockLedger::TakeEvents() {

@@ -4,7 +4,10 @@ The wire format is vLLM's, so a router that consumes vLLM's events (NVIDIA
 Dynamo's, for one) consumes radixkv's unchanged:
 
 - a batch is the msgpack array `[ts, events, data_parallel_rank]` (a float,
-  a list, an int), one per scheduling round;
+  a list, an int), one per scheduling round, and from a publisher with an
+  epoch `[ts, events, data_parallel_rank, epoch]`: the publisher's
+  incarnation, an int a restarted publisher draws anew (vLLM's decoder, a
+  msgspec array-like struct, ignores a trailing element);
 - an event is a msgpack array whose first element is its tag, the fields
   following in this order (what msgspec writes for vLLM's `array_like`,
   `tag=True` structs; no field is omitted):
@@ -16,7 +19,12 @@ Dynamo's, for one) consumes radixkv's unchanged:
   and the msgpack payload. A gap in the numbers is a batch lost (a
   subscriber too slow for the socket's high-water mark); the replay socket
   (ROUTER, optional) sends the last `buffer_steps` batches again from a
-  number a client asks for, as vLLM's does.
+  number a client asks for, as vLLM's does. Asked for number 2^64 - 1
+  (eight 0xff bytes), it sends a snapshot instead: one batch of BlockStored
+  events for every block the cache's tiers hold, framed with the number of
+  the first batch it does not cover (see `radixkv.event_index`, a
+  subscriber that keeps exact per-medium state across lost batches and
+  publisher restarts).
 
 The newest vLLM releases write each event as a map tagged `"type"` instead
 of an array; consumers (Dynamo's among them) read both, and so does
@@ -44,6 +52,7 @@ publisher is made or a batch is encoded: `import radixkv` never needs them.
 
 from __future__ import annotations
 
+import secrets
 import struct
 import threading
 import time
@@ -94,11 +103,27 @@ KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class KVEventBatch(NamedTuple):
-    """The events of one scheduling round, in the order they happened."""
+    """The events of one scheduling round, in the order they happened, and
+    the epoch of the publisher that sent them (None: it has none)."""
 
     ts: float
     events: List[KVEvent]
     data_parallel_rank: Optional[int] = 0
+    epoch: Optional[int] = None
+
+
+class KVSnapshot(NamedTuple):
+    """Every block a cache's tiers hold, as one batch (`payload`, in the wire
+    format, BlockStored events only) of publisher `epoch`, covering every
+    batch numbered below `seq`."""
+
+    epoch: Optional[int]
+    seq: int
+    payload: bytes
+
+
+SNAPSHOT_REQUEST = b"\xff" * 8
+"""What a replay client sends for a snapshot instead of a start number."""
 
 
 def _wire(event: KVEvent) -> list:
@@ -129,10 +154,10 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
     if not isinstance(batch, KVEventBatch):
         raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
-    return msgpack.packb(
-        [float(batch.ts), [_wire(e) for e in batch.events], batch.data_parallel_rank],
-        use_bin_type=True,
-    )
+    fields = [float(batch.ts), [_wire(e) for e in batch.events], batch.data_parallel_rank]
+    if batch.epoch is not None:
+        fields.append(batch.epoch)
+    return msgpack.packb(fields, use_bin_type=True)
 
 
 def pack_event(event: KVEvent) -> bytes:
@@ -180,7 +205,12 @@ ALL_BLOCKS_CLEARED = b"\x91\xb0AllBlocksCleared"
 """The msgpack of `["AllBlocksCleared"]`."""
 
 
-def packed_batch(ts: float, events: Sequence[bytes], data_parallel_rank: Optional[int]) -> bytes:
+def packed_batch(
+    ts: float,
+    events: Sequence[bytes],
+    data_parallel_rank: Optional[int],
+    epoch: Optional[int] = None,
+) -> bytes:
     """The payload of a batch whose events are already msgpack (`pack_event`,
     or the cache's own): byte for byte `encode_batch` of the same events."""
     import msgpack
@@ -194,11 +224,12 @@ def packed_batch(ts: float, events: Sequence[bytes], data_parallel_rank: Optiona
         head = b"\xdd" + n.to_bytes(4, "big")
     return b"".join(
         (
-            b"\x93\xcb",
+            b"\x93\xcb" if epoch is None else b"\x94\xcb",
             struct.pack(">d", float(ts)),
             head,
             *events,
             msgpack.packb(data_parallel_rank),
+            b"" if epoch is None else msgpack.packb(epoch),
         )
     )
 
@@ -216,7 +247,10 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise ValueError("payload must be a msgpack array [ts, events, data_parallel_rank]")
     events = [_event_from_wire(e) for e in raw[1]]
-    return KVEventBatch(raw[0], events, raw[2] if len(raw) > 2 else None)
+    epoch = raw[3] if len(raw) > 3 else None
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
+        raise ValueError(f"a batch's epoch must be an int, got {epoch!r}")
+    return KVEventBatch(raw[0], events, raw[2] if len(raw) > 2 else None, epoch)
 
 
 _FIELDS = {
@@ -291,7 +325,11 @@ class EventPublisher:
 
     `publish()` encodes the batch and hands it to ZeroMQ on the caller's
     thread (tens of microseconds): a PUB socket never blocks, ZeroMQ's own
-    thread does the network. A subscriber that falls `hwm` batches behind
+    thread does the network. `epoch` names this publisher's incarnation in
+    every batch: True (the default) draws a random 63-bit int, so a restarted
+    engine's batches are told from the old one's; an int is that epoch;
+    False sends none (three-element batches, exactly vLLM's). A subscriber
+    that falls `hwm` batches behind
     loses the oldest, which it sees as a gap in the sequence numbers (and
     may fill from the replay socket). Only the replay socket has a thread of
     its own, which waits for requests. Several threads may publish through
@@ -306,6 +344,10 @@ class EventPublisher:
     """
 
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
+    # What a subclass that makes no sockets (a recorder in a test) starts with.
+    epoch: Optional[int] = None
+    _next_seq = 0
+    _snapshot_clients: List[bytes] = []  # (never appended to: each publisher makes its own)
 
     def __init__(
         self,
@@ -318,6 +360,7 @@ class EventPublisher:
         hwm: int = 100_000,
         context=None,
         bind: Optional[bool] = None,
+        epoch: Union[bool, int] = True,
     ):
         if endpoint is None:
             if bind is False:
@@ -334,6 +377,12 @@ class EventPublisher:
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
         self.data_parallel_rank = _check_count(data_parallel_rank, "data_parallel_rank", 0)
+        if epoch is True:
+            self.epoch: Optional[int] = secrets.randbits(63)
+        elif epoch is False:
+            self.epoch = None
+        else:
+            self.epoch = _check_count(epoch, "epoch", 0, 2**63 - 1)
         buffer_steps = _check_count(buffer_steps, "buffer_steps", 0, 2**29)
         hwm = _check_count(hwm, "hwm", 0)
         try:
@@ -374,6 +423,10 @@ class EventPublisher:
         # subscriber's high-water mark, which only the subscriber sees (a gap).
         self.dropped = 0
         self._closed = False
+        # Replay clients waiting for a snapshot (the cache's thread builds it
+        # at its next flush), and snapshots built for the replay thread to send.
+        self._snapshot_clients: List[bytes] = []
+        self._snapshots_out: deque = deque()
         self._thread = None
         if self._replay is not None:
             self._thread = threading.Thread(
@@ -420,7 +473,12 @@ class EventPublisher:
         if sock is None:
             raise RuntimeError("the replay thread needs the replay socket (replay_endpoint)")
         while not self._closed:
-            if not sock.poll(100):
+            while self._snapshots_out:
+                clients, seq_bytes, payload = self._snapshots_out.popleft()
+                for client in clients:
+                    sock.send_multipart((client, b"", self._topic, seq_bytes, payload))
+                    sock.send_multipart((client, b"", b"", self.END_SEQ, b""))
+            if not sock.poll(20):
                 continue
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -429,6 +487,10 @@ class EventPublisher:
             if len(frames) != 3 or len(frames[2]) != 8:
                 continue  # not a replay request: [client, b"", start seq]
             client, _, start = frames
+            if start == SNAPSHOT_REQUEST:
+                with self._lock:
+                    self._snapshot_clients.append(client)
+                continue
             first = int.from_bytes(start, "big")
             with self._lock:
                 kept = list(self._buffer)
@@ -448,7 +510,9 @@ class EventPublisher:
             raise TypeError(f"events must be a list of KV events, got {type(events).__name__}")
         if self._closed:
             raise RuntimeError("the EventPublisher is closed")
-        payload = encode_batch(KVEventBatch(time.time(), events, self.data_parallel_rank))
+        payload = encode_batch(
+            KVEventBatch(time.time(), events, self.data_parallel_rank, self.epoch)
+        )
         return self._send(payload)
 
     def publish_packed(self, events: Sequence[bytes]) -> Optional[int]:
@@ -459,7 +523,30 @@ class EventPublisher:
             raise TypeError(f"events must be a list of bytes, got {type(events).__name__}")
         if self._closed:
             raise RuntimeError("the EventPublisher is closed")
-        return self._send(packed_batch(time.time(), events, self.data_parallel_rank))
+        return self._send(packed_batch(time.time(), events, self.data_parallel_rank, self.epoch))
+
+    def snapshot_payload(self, events: Sequence[bytes]) -> KVSnapshot:
+        """A snapshot of packed BlockStored `events` (every block the cache
+        holds, after its last batch went out) as this publisher's batch,
+        covering every batch numbered below `next_seq`."""
+        seq = self._next_seq  # (read once: an int, whole under the GIL)
+        payload = packed_batch(time.time(), events, self.data_parallel_rank, self.epoch)
+        return KVSnapshot(self.epoch, seq, payload)
+
+    @property
+    def snapshot_wanted(self) -> bool:
+        """Whether replay clients wait for a snapshot (the next
+        `send_snapshot` answers them)."""
+        return bool(self._snapshot_clients)
+
+    def send_snapshot(self, snapshot: KVSnapshot) -> int:
+        """Answers the replay clients waiting for a snapshot with `snapshot`
+        (sent by the replay thread); returns how many were waiting."""
+        with self._lock:
+            clients, self._snapshot_clients = self._snapshot_clients, []
+        if clients:
+            self._snapshots_out.append((clients, snapshot.seq.to_bytes(8, "big"), snapshot.payload))
+        return len(clients)
 
     def _send(self, payload: bytes) -> Optional[int]:
         with self._lock:

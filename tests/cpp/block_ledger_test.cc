@@ -18,10 +18,11 @@ namespace {
 constexpr int64_t kPage = 4;
 
 // The block hashes of the whole pages of `tokens`, chained from `seed`.
-std::vector<uint64_t> Hashes(const std::vector<int32_t>& tokens, const uint8_t* seed = nullptr) {
-  const int64_t n = static_cast<int64_t>(tokens.size()) / kPage;
+std::vector<uint64_t> Hashes(const std::vector<int32_t>& tokens, const uint8_t* seed = nullptr,
+                             int64_t page = kPage) {
+  const int64_t n = static_cast<int64_t>(tokens.size()) / page;
   std::vector<uint8_t> keys(static_cast<size_t>(n * kPageKeyBytes));
-  PageKeys(tokens.data(), n * kPage, kPage, seed, keys.data());
+  PageKeys(tokens.data(), n * page, page, seed, keys.data());
   std::vector<uint64_t> out;
   for (int64_t i = 0; i < n; ++i) {
     uint64_t h = 0;
@@ -40,10 +41,10 @@ Strided<T> Run(const std::vector<T>& v, size_t from = 0, size_t count = SIZE_MAX
 
 std::string Stored(const std::vector<uint64_t>& hashes, size_t from, size_t count,
                    std::optional<uint64_t> parent, const std::vector<int32_t>& tokens,
-                   const char* medium) {
+                   const char* medium, int64_t page = kPage) {
   std::string out;
-  PackBlockStored(&out, Run(hashes, from, count), parent, Run(tokens, from * kPage, count * kPage),
-                  kPage, std::nullopt, medium);
+  PackBlockStored(&out, Run(hashes, from, count), parent, Run(tokens, from * page, count * page),
+                  page, std::nullopt, medium);
   return out;
 }
 
@@ -129,9 +130,18 @@ TEST(BlockLedgerTest, CopiesMoveBlocksBetweenTiersAndSplitIntoChains) {
   const std::vector<int32_t> from = {20, 21, 22, 23}, to = {16, 17, 18, 19};
   ledger.DeviceLoaded(from.data(), to.data(), 4);
   events = ledger.TakeEvents();
-  ASSERT_EQ(events.size(), 2u);
+  ASSERT_EQ(events.size(), 3u);
+  // Still on the host: the eviction is a medium change.
   EXPECT_EQ(events[0], Removed({h[0]}, kMediumGpu));
-  EXPECT_EQ(events[1], Stored(h, 0, 1, std::nullopt, tokens, kMediumGpu));
+  EXPECT_EQ(events[1], Stored(h, 0, 1, std::nullopt, tokens, kMediumCpuPinned));
+  EXPECT_EQ(events[2], Stored(h, 0, 1, std::nullopt, tokens, kMediumGpu));
+
+  // Device page 1 has no host copy: its eviction is a removal only.
+  const std::vector<int32_t> page1 = {4, 5, 6, 7};
+  ledger.DeviceEvicted(page1.data(), 4);
+  events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0], Removed({h[1]}, kMediumGpu));
 
   // A reset: the host's blocks one by one (in page order), the device's at once.
   ledger.Reset();
@@ -142,6 +152,49 @@ TEST(BlockLedgerTest, CopiesMoveBlocksBetweenTiersAndSplitIntoChains) {
   PackAllBlocksCleared(&cleared);
   EXPECT_EQ(events[1], cleared);
   EXPECT_EQ(ledger.device_blocks() + ledger.host_blocks(), 0);
+}
+
+TEST(BlockLedgerTest, SnapshotStoresEveryBlockParentsFirstAndRecordsNothing) {
+  BlockLedger ledger(8, 8, kPage);
+  const std::vector<int32_t> tokens = Iota(16, 40);
+  const std::vector<uint64_t> h = Hashes(tokens);
+  // Device pages out of order: page 5 holds the first block, page 1 the second, ...
+  const std::vector<int32_t> slots = {20, 21, 22, 23, 4, 5, 6, 7, 28, 29, 30, 31, 0, 1, 2, 3};
+  ledger.DeviceInserted(tokens.data(), slots.data(), 0, 16, 0, nullptr);
+  const std::vector<int32_t> device = {20, 21, 22, 23, 4, 5, 6, 7};
+  const std::vector<int32_t> host = {12, 13, 14, 15, 0, 1, 2, 3};  // host pages 3, 0
+  ledger.HostBackedUp(device.data(), host.data(), 8, nullptr, 0);
+  ledger.TakeEvents();
+  const auto snap = ledger.Snapshot();
+  EXPECT_EQ(ledger.pending(), 0);
+  ASSERT_EQ(snap.size(), 2u);
+  EXPECT_EQ(snap[0], Stored(h, 0, 4, std::nullopt, tokens, kMediumGpu));
+  EXPECT_EQ(snap[1], Stored(h, 0, 2, std::nullopt, tokens, kMediumCpuPinned));
+  EXPECT_EQ(ledger.device_blocks(), 4);
+}
+
+TEST(BlockLedgerTest, TheHostIndexFollowsEveryHostChange) {
+  // Many host blocks in a small table: collisions, erasures and reuse.
+  BlockLedger ledger(64, 64, 1);
+  const std::vector<int32_t> tokens = Iota(64, 7);
+  const std::vector<uint64_t> h = Hashes(tokens, nullptr, 1);
+  const std::vector<int32_t> slots = Iota(64, 0);
+  ledger.DeviceInserted(tokens.data(), slots.data(), 0, 64, 0, nullptr);
+  ledger.HostBackedUp(slots.data(), slots.data(), 64, nullptr, 0);
+  // Drop every third host block, then evict every device block: exactly
+  // those the host still holds move there.
+  std::vector<int32_t> dropped;
+  for (int32_t p = 0; p < 64; p += 3) dropped.push_back(p);
+  ledger.HostEvicted(dropped.data(), static_cast<int64_t>(dropped.size()));
+  ledger.TakeEvents();
+  for (int32_t p = 0; p < 64; ++p) {
+    ledger.DeviceEvicted(&slots[p], 1);
+    const auto events = ledger.TakeEvents();
+    ASSERT_EQ(events.size(), p % 3 == 0 ? 1u : 2u) << p;
+    if (p % 3 == 0) continue;
+    const std::optional<uint64_t> parent = h[p - 1];
+    EXPECT_EQ(events[1], Stored(h, p, 1, parent, tokens, kMediumCpuPinned, 1)) << p;
+  }
 }
 
 TEST(BlockLedgerTest, PagesFromStorageAreStoredOnTheHostButTheRejected) {

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import msgspec
 import pytest
 import torch
@@ -167,7 +168,18 @@ class Model:
         self.media = {"GPU": set(), "CPU_PINNED": set(), "DISK": set()}
         self.tokens = {}  # block hash -> its tokens, as announced
 
+    # The blocks the event before removed from GPU: a BlockStored on
+    # CPU_PINNED of blocks there already, right after, is a medium change.
+    moved: frozenset = frozenset()
+
     def apply(self, event, page_size):
+        moved = self.moved
+        if not (
+            isinstance(event, BlockStored)
+            and event.medium == "CPU_PINNED"
+            and set(event.block_hashes) <= moved
+        ):
+            self.moved = frozenset()  # a medium change's chains follow its removal at once
         if isinstance(event, BlockStored):
             blocks = self.media[event.medium]
             assert event.block_size == page_size and event.lora_id is None
@@ -177,6 +189,10 @@ class Model:
                 # Both tiers are root-closed: a page's parent is on its tier.
                 assert event.parent_block_hash is None or event.parent_block_hash in blocks
             parent = event.parent_block_hash
+            if event.medium == "CPU_PINNED" and set(event.block_hashes) <= moved:
+                # The device evicted them; the host still holds them.
+                assert set(event.block_hashes) <= blocks, "a medium change to where they are not"
+                return
             for i, h in enumerate(event.block_hashes):
                 assert h not in blocks, f"{h} stored twice on {event.medium}"
                 assert 0 <= h < 2**64
@@ -188,6 +204,8 @@ class Model:
             for h in event.block_hashes:
                 assert h in self.media[event.medium], f"{h} removed from {event.medium} unseen"
                 self.media[event.medium].remove(h)
+            if event.medium == "GPU":
+                self.moved = frozenset(event.block_hashes) & self.media["CPU_PINNED"]
         else:
             assert isinstance(event, AllBlocksCleared)
             self.media["GPU"].clear()
@@ -240,8 +258,12 @@ def test_a_request_is_one_block_stored_encoded_as_vllm_does(publisher, subscribe
     # Byte for byte what msgspec writes for vLLM's structs.
     payload = frames[0][2]
     again = msgspec.msgpack.encode(VBatch(batch.ts, [VStored(*event)], 3))
-    assert payload == again
+    # ... with the publisher's epoch after vLLM's three fields (which
+    # msgspec's decoder of vLLM's struct ignores: decode_frames reads it so).
+    assert batch.epoch == publisher.epoch is not None
+    assert payload == b"\x94" + again[1:] + msgpack.packb(publisher.epoch)
     assert encode_batch(batch) == payload
+    assert encode_batch(batch._replace(epoch=None)) == again
 
     # A request sharing two pages adds only its own, chained to the shared ones.
     ids2 = torch.cat([ids[:8], torch.arange(500, 509)])
@@ -806,5 +828,5 @@ def test_the_native_ledger_refuses_bad_input_naming_it_and_changes_nothing():
     ledger.lora_id = None
     # What they would have done, done right.
     ledger.host_backed_up(slots, slots, [])
-    ledger.device_evicted(slots)
-    assert (ledger.device_blocks, ledger.host_blocks) == (0, 2) and ledger.pending == 2
+    ledger.device_evicted(slots)  # still on the host: stored there, a medium change
+    assert (ledger.device_blocks, ledger.host_blocks) == (0, 2) and ledger.pending == 3

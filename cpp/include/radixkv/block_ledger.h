@@ -7,7 +7,10 @@
 // BlockStored / BlockRemoved events, packed as msgpack as they happen
 // (radixkv/event_pack.h), so a consumer replaying them holds exactly each
 // tier's blocks: a block is announced stored on a medium once while it is
-// there, and removed only after it was announced stored.
+// there, and removed only after it was announced stored. One exception, a
+// medium change: a device page evicted while its block is still in host
+// memory is announced removed from "GPU" and, right after, stored on
+// "CPU_PINNED" again, so a consumer that ignores media sees the block stay.
 //
 // A block's key is the storage tier's page key (radixkv/page_hash.h): the
 // SHA-256 chain over the pages, so a page keeps its hash on every medium; its
@@ -52,7 +55,9 @@ class BlockLedger {
   void DeviceInserted(const int32_t* tokens, const int32_t* slots, int64_t start, int64_t end,
                       int64_t known, const uint8_t* seed);
   /// The pages of `slots[0, n)` (every page_size-th slot names one) left
-  /// the device: one BlockRemoved of those that held a block.
+  /// the device: one BlockRemoved of those that held a block; then, for
+  /// those of them the host still holds, a BlockStored ("CPU_PINNED") per
+  /// chain (the medium change).
   void DeviceEvicted(const int32_t* slots, int64_t n);
   /// The host pages of `host_slots[0, n)` were loaded into the device pages
   /// of `device_slots[0, n)` at the same positions: their blocks are on the
@@ -78,6 +83,12 @@ class BlockLedger {
   /// Both tiers were emptied: a BlockRemoved of the host's blocks, then
   /// AllBlocksCleared for the device's.
   void Reset();
+
+  /// Every block the tiers hold, as the events that store them: a
+  /// BlockStored per chain, the device's ("GPU") first, then the host's
+  /// ("CPU_PINNED"), each tier's parents before their children. What a
+  /// consumer that lost track replays on an empty state. Records nothing.
+  std::vector<std::string> Snapshot();
 
   /// The events packed since the last take, oldest first.
   std::vector<std::string> TakeEvents();
@@ -126,11 +137,33 @@ class BlockLedger {
   // positions of `other_pages_` in `to`, but those in `skip` (sorted), and
   // gathers them into `blocks_`/`tokens_`.
   void CopyBlocks(const Tier& from, Tier* to, const std::vector<int64_t>& skip);
-  // A BlockStored per chain of the gathered blocks (`blocks_`, `tokens_`).
-  void PackStoredChains(const char* medium);
+  // A BlockStored per chain of the gathered blocks (`blocks_`, `tokens_`),
+  // into `out` (the pending events unless given).
+  void PackStoredChains(const char* medium, std::vector<std::string>* out = nullptr);
+  // Gathers `tier`'s blocks into `blocks_`/`tokens_`, parents first.
+  void GatherParentsFirst(const Tier& tier);
+
+  // The host page of each block the host holds, by hash: open addressing
+  // with linear probing over a table made once (at least twice the host
+  // pages, a power of two), so recording a block never allocates. Slots
+  // hold page + 1 (0: empty, so the table starts zeroed).
+  struct HostIndex {
+    struct Slot {
+      uint64_t hash;
+      int64_t page1;
+    };
+    std::unique_ptr<Slot[], FreeDeleter> slots;
+    uint64_t mask = 0;
+    void Init(int64_t pages);
+    int64_t Find(uint64_t hash) const noexcept;
+    void Insert(uint64_t hash, int64_t page) noexcept;
+    void Erase(uint64_t hash) noexcept;
+    void Clear() noexcept;
+  };
 
   int64_t page_size_;
   Tier device_, host_;
+  HostIndex host_index_;
   std::optional<int64_t> lora_id_;
   std::vector<std::string> pending_;
   // Scratch reused across calls (no allocation once warm).

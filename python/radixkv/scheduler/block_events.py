@@ -5,7 +5,9 @@ copy between tiers names its slots. This ledger keeps, per tier, the block
 in each cached page and turns every change the manager applies into
 BlockStored / BlockRemoved events, so a consumer replaying them holds exactly
 the blocks of each tier: a block is announced stored on a medium once while
-it is there, and removed from it only after it was announced stored. It
+it is there (but for a medium change: a device eviction of a block the host
+still holds is followed by its BlockStored on CPU_PINNED again), and removed
+from it only after it was announced stored. It
 exists only when the manager was given a publisher
 (`CacheManager(kv_events=...)`).
 
@@ -37,7 +39,7 @@ import torch
 
 from radixkv import _core
 from radixkv.scheduler.namespaces import Namespaces
-from radixkv.events import MEDIUM_DISK, EventPublisher
+from radixkv.events import MEDIUM_DISK, EventPublisher, KVSnapshot
 
 # Events queued beyond this are published without waiting for the round's end,
 # so an engine that never calls a per-round method does not grow the queue.
@@ -162,7 +164,21 @@ class BlockEvents:
         """Publishes the pending events as one batch (several of at most
         MAX_PENDING_EVENTS when calls went past it); returns how many. Once
         the publisher is closed (its creator's call: a shutdown in any order)
-        the events have nowhere to go and are dropped; the manager goes on."""
+        the events have nowhere to go and are dropped; the manager goes on.
+        Then answers the replay clients that asked for a snapshot."""
+        n = self._publish()
+        if self.publisher.snapshot_wanted and not self.publisher.closed:
+            self.publisher.send_snapshot(self.publisher.snapshot_payload(self.ledger.snapshot()))
+        return n
+
+    def snapshot(self) -> KVSnapshot:
+        """Every block of the device and host tiers as BlockStored events in
+        one batch, after the pending events went out (DISK blocks are not
+        the tree's: the store keeps no account of its own removals)."""
+        self._publish()
+        return self.publisher.snapshot_payload(self.ledger.snapshot())
+
+    def _publish(self) -> int:
         events = self.ledger.take_events()
         if self.pending:
             events, self.pending = self.pending + events, []

@@ -10,7 +10,7 @@ import torch
 from radixkv import _core
 from radixkv._core import RadixCacheHandle, shielded
 from radixkv._checks import as_count, as_device, as_int, int32_tensor, per_input, to_host
-from radixkv.events import EventPublisher
+from radixkv.events import EventPublisher, KVSnapshot
 from radixkv.kvcache import BaseCacheHandle, MHAKVCache, MLAKVCache, create_cache_manager
 from radixkv.kvcache.base import released_slots
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
@@ -1141,6 +1141,19 @@ class CacheManager:
         per scheduling round if the engine calls none of `writing_check()`,
         `loading_check()` and `storage_check()`, which do."""
         return self._events.flush() if self._events is not None else 0
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every block the device and host tiers hold, as one batch of
+        BlockStored events in the KV events' wire format (device blocks
+        first, each tier's parents before their children), after the
+        pending events were published: `seq` is the number of the first
+        batch it does not cover, `epoch` the publisher's. A router that lost
+        track (a gap, a restart) replaces its state with it and applies the
+        batches from `seq` on. Replay clients get the same over the socket
+        (`radixkv.event_index`). Raises RuntimeError without kv_events."""
+        if self._events is None:
+            raise RuntimeError("kv_snapshot needs KV events (CacheManager(kv_events=...))")
+        return self._events.snapshot()
 
     def reset(self) -> None:
         """Drops every cached page of the device and host tiers (what an
