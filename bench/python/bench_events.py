@@ -82,6 +82,7 @@ class Ledger(EventPublisher):
 
     def __init__(self):  # no sockets
         self.batches = 0
+        self.data_parallel_rank = 0
         self._closed = False
 
     def publish(self, events):
