@@ -124,7 +124,7 @@ RadixTree::RadixTree(int64_t page_size, int64_t max_slots, EvictionPolicy policy
   RADIXKV_CHECK(page_size >= 1, kInvalid, "page_size must be >= 1, got ", page_size);
   RADIXKV_CHECK(max_slots == kAnySlot || (max_slots >= 0 && max_slots <= (int64_t{1} << 31)),
                 kInvalid, "max_slots must be in [0, 2**31], got ", max_slots);
-  RADIXKV_CHECK(policy <= EvictionPolicy::kPriority, kInvalid, "unknown eviction policy ",
+  RADIXKV_CHECK(policy <= EvictionPolicy::kSlru, kInvalid, "unknown eviction policy ",
                 static_cast<int>(policy));
   policy_ = policy;
   nodes_.push_back(std::make_unique<Node>());

@@ -82,6 +82,7 @@ POLICY_KEYS = {
     "fifo": lambda x: x.created,
     "mru": lambda x: -x.timestamp,
     "priority": lambda x: (min(max(x.priority, -(2**15)), 2**15 - 1), x.timestamp),
+    "slru": lambda x: (x.hits >= 2, x.timestamp),
 }
 
 

@@ -376,7 +376,7 @@ def test_dump_order_matches_reference(page_size):
             raise AssertionError(f"step {i} (page_size={page_size}): {e}") from e
 
 
-@pytest.mark.parametrize("policy", ["lfu", "fifo", "mru", "priority"])
+@pytest.mark.parametrize("policy", ["lfu", "fifo", "mru", "priority", "slru"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_eviction_policy_evicts_exactly_as_the_model(policy, page_size, seed):
@@ -409,6 +409,16 @@ def test_eviction_policies_order_leaves_as_documented():
         "mru": [3, 4],
         "priority": [5, 6],
     }
+    # slru: a leaf matched twice is protected, however long ago.
+    def two_leaves(policy):
+        m = RadixCacheManager("cpu", 1, eviction_policy=policy)
+        m.insert_prefix([1, 2], [0, 1])
+        m.insert_prefix([4, 5], [3, 4])
+        m.match_prefix([1, 2]), m.match_prefix([1, 2]), m.match_prefix([4, 5])
+        return m
+
+    assert two_leaves("lru").evict(1).tolist() == [0, 1]
+    assert two_leaves("slru").evict(1).tolist() == [3, 4]
     with pytest.raises(ValueError, match="eviction_policy must be one of"):
         RadixCacheManager("cpu", 1, eviction_policy="random")
     with pytest.raises(ValueError, match="priority must fit int32"):

@@ -76,7 +76,7 @@ class RadixManagerMachine(RuleBasedStateMachine):
 
     @initialize(
         page_size=st.sampled_from(PAGE_SIZES),
-        policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority"]),
+        policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority", "slru"]),
     )
     def setup(self, page_size, policy):
         self.native = RadixCacheManager("cpu", page_size, eviction_policy=policy)

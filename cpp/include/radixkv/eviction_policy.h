@@ -18,11 +18,13 @@ enum class EvictionPolicy : uint8_t {
   kFifo,      ///< cached earliest
   kMru,       ///< most recently used
   kPriority,  ///< lowest priority (InsertPrefix's, clamped to int16), then least recently used
+  kSlru,      ///< segmented: leaves matched fewer than twice (probation) before the others
+              ///< (protected), least recently used within each segment
 };
 
 /// The policies' names, in the enum's order.
-inline constexpr std::array<std::string_view, 5> kEvictionPolicyNames = {"lru", "lfu", "fifo",
-                                                                         "mru", "priority"};
+inline constexpr std::array<std::string_view, 6> kEvictionPolicyNames = {
+    "lru", "lfu", "fifo", "mru", "priority", "slru"};
 
 inline std::string_view EvictionPolicyName(EvictionPolicy policy) noexcept {
   return kEvictionPolicyNames[static_cast<size_t>(policy)];
@@ -58,6 +60,8 @@ inline uint64_t EvictionKey(EvictionPolicy policy, uint64_t timestamp, uint32_t 
       // Priorities past int16 order as its ends.
       return (uint64_t(std::clamp<int32_t>(priority, -32768, 32767) + 32768) << 48) |
              (timestamp & kTime48);
+    case EvictionPolicy::kSlru:
+      return (uint64_t{hits >= 2} << 63) | (timestamp & ((uint64_t{1} << 63) - 1));
     default:
       return timestamp;
   }
