@@ -449,7 +449,8 @@ py::object CopyTuple(const radixkv::TierCopy& c) {
   return py::reinterpret_steal<py::object>(copy.Take());
 }
 
-radixkv::TierCopy AsCopy(PyObject* o) {
+// `claim`: a claim of RadixTree.claim, whose start may be kHostClaim.
+radixkv::TierCopy AsCopy(PyObject* o, bool claim = false) {
   // A TierCopy is a tuple of four; so is a plain (node_id, incarnation, start, end).
   CHECK_TYPE(PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 4,
              "copy must be a TierCopy (node_id, incarnation, start, end) "
@@ -463,7 +464,8 @@ radixkv::TierCopy AsCopy(PyObject* o) {
   c.incarnation = static_cast<uint64_t>(ToInt64(PyTuple_GET_ITEM(o, 1), "copy.incarnation"));
   c.start = ToInt64(PyTuple_GET_ITEM(o, 2), "copy.start");
   c.end = ToInt64(PyTuple_GET_ITEM(o, 3), "copy.end");
-  CHECK_VALUE(c.start >= 0 && c.end >= c.start, "copy has a bad range");
+  const bool host_claim = claim && c.start == RadixTree::kHostClaim;
+  CHECK_VALUE(host_claim || (c.start >= 0 && c.end >= c.start), "copy has a bad range");
   return c;
 }
 
@@ -904,9 +906,8 @@ py::object RadixTree_ClaimCost(PyRadixTree& t, PyObject* const* a) {
 }
 
 py::object RadixTree_ReleaseClaim(PyRadixTree& t, PyObject* const* a) {
-  const radixkv::TierCopy c = AsCopy(a[0]);
-  const bool host = Truth(a[1], false);
-  return py::int_(Locked(t, false, [&] { return t.tree.ReleaseClaim(c, host); }));
+  const radixkv::TierCopy c = AsCopy(a[0], true);
+  return py::int_(Locked(t, false, [&] { return t.tree.ReleaseClaim(c); }));
 }
 
 py::object RadixTree_StorageHitLen(PyRadixTree& t, PyObject* const* a) {
@@ -1419,7 +1420,7 @@ constexpr Params kPinHost{"pin_host", {"input_ids", "namespace"}, 2, 1};
 constexpr Params kUnpinHost{"unpin_host", {"pin"}, 1, 1};
 constexpr Params kClaim{"claim", {"handle", "host", "priority"}, 3, 1};
 constexpr Params kClaimCost{"claim_cost", {"handle", "host"}, 2, 1};
-constexpr Params kReleaseClaim{"release_claim", {"claim", "host"}, 2, 1};
+constexpr Params kReleaseClaim{"release_claim", {"claim"}, 1, 1};
 constexpr Params kClaimedPath{"claimed_path", {"handle"}, 1, 1};
 constexpr Params kLockedBeyondClaims{"locked_beyond_claims", {}, 0, 0};
 constexpr Params kStorageHitLen{"storage_hit_len", {"handle"}, 1, 1};
@@ -1547,11 +1548,12 @@ PyMethodDef kTreeMethods[] = {
     {"claim", Fast<RadixTree_Claim, kClaim>(), kFastCall,
      "claim(handle, host=False, priority=0) -> (claim (a TierCopy), tokens newly claimed):\n"
      "keeps the path of handle's match on the device (its device part, locked) or, with\n"
-     "host, at least in host memory (the whole match), until release_claim(claim, host)."},
+     "host, at least in host memory (the whole match; claim.start is -1), until\n"
+     "release_claim(claim)."},
     {"claim_cost", Fast<RadixTree_ClaimCost, kClaimCost>(), kFastCall,
      "claim_cost(handle, host=False) -> the tokens claim would add to claimed_size."},
     {"release_claim", Fast<RadixTree_ReleaseClaim, kReleaseClaim>(), kFastCall,
-     "release_claim(claim, host=False) -> the tokens no claim holds any more."},
+     "release_claim(claim) -> the tokens no claim holds any more."},
     {"storage_hit_len", Fast<RadixTree_StorageHitLen, kStorageHitLen>(), kFastCall,
      "storage_hit_len(handle) -> of the match's host part, the tokens read from storage and\n"
      "not on the device since (the storage tier's hits)."},

@@ -80,10 +80,14 @@ struct Node {
   int32_t host_pins = 0;
   /// Retention claims held on this node (claims of its descendants count
   /// too), and those of them that keep it at least in host memory only: a
-  /// node with one leaves the device only once it has a host copy and is
-  /// never evicted from host. The others hold a lock (ref_count) each.
+  /// node with one is never evicted from host. The others hold a lock
+  /// (ref_count) each.
   int32_t claims = 0;
   int32_t host_claims = 0;
+  /// Host claims that end at this node while it has no host copy: each
+  /// holds a lock on the path (so the path stays on the device, ancestors
+  /// included), given back when a backup gives the node its host copy.
+  int32_t host_claim_locks = 0;
   /// Where the copy in flight that ends at this node starts (a backup or a
   /// load; -1 when none): finishing a copy checks its range against it.
   int64_t copy_start = -1;
@@ -167,9 +171,7 @@ inline bool RadixTree::DeviceEvictable(const Node* x) noexcept {
          (x->host_claims == 0 || x->has_host());
 }
 
-inline bool RadixTree::Protected(const Node* x) noexcept {
-  return x->ref_count > 0 || (x->host_claims > 0 && !x->has_host());
-}
+inline bool RadixTree::Protected(const Node* x) noexcept { return x->ref_count > 0; }
 
 inline bool RadixTree::HostEvictable(const Node* x) noexcept {
   return x->has_host() && x->host_children == 0 && !x->loading && !x->storage_writing &&

@@ -211,7 +211,7 @@ Node* RadixTree::TakeNode(Node* parent, NodeBlock data, int64_t length, uint64_t
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
   node->backing_up = node->loading = node->storage_writing = node->from_storage = false;
-  node->host_pins = node->claims = node->host_claims = 0;
+  node->host_pins = node->claims = node->host_claims = node->host_claim_locks = 0;
   node->copy_start = node->storage_write_start = -1;
   ++num_nodes_;
   return node;

@@ -69,6 +69,12 @@ void RadixTree::CheckIntegrity() const {
                       x->ref_count >= x->claims - x->host_claims,
                   kBroken, "node ", x->id, " has ", x->claims, " claims, ", x->host_claims,
                   " of them for host, and ", x->ref_count, " locks");
+    RADIXKV_CHECK(0 <= x->host_claim_locks && x->host_claim_locks <= x->host_claims &&
+                      (x->host_claim_locks == 0 || !x->has_host()),
+                  kBroken, "node ", x->id, " has ", x->host_claim_locks, " host claim locks with ",
+                  x->host_claims, " host claims");
+    RADIXKV_CHECK(x->host_claims == 0 || x->has_host() || x->ref_count > 0, kBroken, "node ", x->id,
+                  " is held by a host claim without a host copy but is not locked");
     claimed += x->claims > 0 ? x->length : 0;
     RADIXKV_CHECK(x->parent == root_ || x->timestamp <= x->parent->timestamp, kBroken, "node ",
                   x->id, " was used later than its parent");

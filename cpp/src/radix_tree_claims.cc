@@ -42,39 +42,40 @@ TierCopy RadixTree::AddClaim(const Handle& handle, bool host, int32_t priority, 
   for (Node* x = end; x != root_; x = x->parent) {
     if (x->claims++ == 0) claimed += x->length;
     x->priority = std::max(x->priority, priority);  // a key only rises: a heap may lag
-    if (host && x->host_claims++ == 0) {
-      Reprotect(x, x->ref_count > 0);  // it was protected only if locked
-      Refresh(x);
-    }
+    if (host && x->host_claims++ == 0) Refresh(x);
   }
-  if (!host) LockPath(end, +1);
+  // A device claim locks its path; a host claim too while its end has no
+  // host copy (FinishBackup gives that lock back), since until then the path
+  // may not leave the device.
+  if (end != root_ && (!host || !end->has_host())) {
+    LockPath(end, +1);
+    if (host) ++end->host_claim_locks;
+  }
   claimed_size_ += claimed;
   if (added != nullptr) *added = claimed;
-  return TierCopy{end->id, end->incarnation, 0, end->depth};
+  return TierCopy{end->id, end->incarnation, host ? kHostClaim : 0, end->depth};
 }
 
-int64_t RadixTree::ReleaseClaim(const TierCopy& claim, bool host) {
+int64_t RadixTree::ReleaseClaim(const TierCopy& claim) {
+  RADIXKV_CHECK(claim.start == 0 || claim.start == kHostClaim, kInvalid,
+                "claim is a copy between the tiers, not a claim");
+  const bool host = claim.start == kHostClaim;
   Node* end = ResolveCopy(claim);
   if (end == nullptr) return 0;  // the root's claim, or its node is gone (Reset)
-  RADIXKV_CHECK(claim.start == 0, kInvalid, "claim is a copy between the tiers, not a claim");
+  const bool locked = !host || end->host_claim_locks > 0;
   for (const Node* x = end; x != root_; x = x->parent) {
-    RADIXKV_CHECK(x->claims > 0 && (host ? x->host_claims > 0 : x->ref_count > 0), kInvalid,
-                  "claim is not held: it was released already, or was made ",
-                  host ? "without" : "with", " host=True");
+    RADIXKV_CHECK(x->claims > 0 && (!host || x->host_claims > 0) && (!locked || x->ref_count > 0),
+                  kInvalid, "claim is not held: it was released already, or was never made");
   }
   ++clock_;
-  if (!host) LockPath(end, -1);
+  if (locked) {
+    if (host) --end->host_claim_locks;
+    LockPath(end, -1);
+  }
   int64_t freed = 0;
   for (Node* x = end; x != root_; x = x->parent) {
     if (--x->claims == 0) freed += x->length;
-    if (host && x->host_claims == 1) {
-      const bool was = Protected(x);
-      x->host_claims = 0;
-      Reprotect(x, was);
-      Refresh(x);
-    } else if (host) {
-      --x->host_claims;
-    }
+    if (host && --x->host_claims == 0) Refresh(x);
   }
   claimed_size_ -= freed;
   return freed;
@@ -88,13 +89,26 @@ std::vector<uint32_t> RadixTree::ClaimedPath(const Handle& handle) const {
   return ids;
 }
 
-int64_t RadixTree::LockedBeyondClaims() const noexcept {
+int64_t RadixTree::LockedBeyondClaims() const {
+  // A node's claim locks: its device claims, and the host claims' locks of
+  // its subtree (each held from the claim's end up), summed children first.
+  std::vector<const Node*> order;
+  std::vector<const Node*> stack{root_};
+  while (!stack.empty()) {
+    const Node* x = stack.back();
+    stack.pop_back();
+    order.push_back(x);
+    x->children.ForEach([&](uint64_t, const Node* child) { stack.push_back(child); });
+  }
+  std::vector<int64_t> host_locks(nodes_.size(), 0);
   int64_t locked = 0;
-  for (size_t i = 1; i < nodes_.size(); ++i) {
-    const Node* x = nodes_[i].get();
-    if (x->parent != nullptr && x->on_device && x->ref_count > x->claims - x->host_claims) {
-      locked += x->length;
-    }
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    const Node* x = *it;
+    if (x == root_) continue;
+    host_locks[x->id] += x->host_claim_locks;
+    host_locks[x->parent->id] += host_locks[x->id];
+    const int64_t by_claims = x->claims - x->host_claims + host_locks[x->id];
+    if (x->on_device && x->ref_count > by_claims) locked += x->length;
   }
   return locked;
 }

@@ -158,6 +158,10 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
     if (take[k]) {
       blocks[k].MoveToHost(x);  // the parent already counts it (backing up)
       CountHost(x, +1);
+      if (x->host_claim_locks > 0) {  // its host claims need the device no more
+        LockPath(x, -x->host_claim_locks);
+        x->host_claim_locks = 0;
+      }
     } else {
       --x->parent->host_children;
       std::memcpy(out + written, host + (x->depth - x->length - copy.start),

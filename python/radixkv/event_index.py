@@ -13,8 +13,11 @@ batches the snapshot covers. The snapshot is made on the engine's thread at
 its next flush of events (once per scheduling round).
 
 A publisher without an epoch (`EventPublisher(epoch=False)`) restarts
-unseen but for its numbers going back, which batches a snapshot covers do
-too: the index then resyncs once more rather than miss a restart.
+unseen but for its numbers going back. Right after a snapshot, batches
+numbered below it are taken as the ones it covers; once a batch after it
+was applied, a number going back is a restart. (A restart within that
+window is seen at the next gap.) An epoch given as an int must differ for
+each incarnation: two with one epoch are one publisher to the index.
 
 DISK blocks are not in a snapshot (the store keeps no account of its own
 removals); an index keeps the DISK blocks it was told of across a resync.
@@ -22,6 +25,7 @@ removals); an index keeps the DISK blocks it was told of across a resync.
 
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Optional, Set
 
 from radixkv.events import (
@@ -60,6 +64,18 @@ class EventIndex:
     ) -> None:
         import zmq
 
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        if isinstance(resync_timeout_s, bool) or not isinstance(
+            resync_timeout_s, (int, float, numbers.Real)
+        ):
+            raise TypeError(
+                f"resync_timeout_s must be a number of seconds, got {type(resync_timeout_s).__name__}"
+            )
+        if not (0 < resync_timeout_s < 2**31 / 1000):
+            raise ValueError(
+                f"resync_timeout_s must be > 0 and below 2**31 ms, got {resync_timeout_s!r}"
+            )
         self._zmq = zmq
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
@@ -72,6 +88,9 @@ class EventIndex:
         self.epoch: Optional[int] = None
         self.next_seq: Optional[int] = None  # None: nothing applied yet
         self.gaps = self.restarts = self.resyncs = self.applied = 0
+        # No batch applied since the last snapshot: batches numbered below it
+        # are the ones it covers, even from a publisher without an epoch.
+        self._just_synced = False
 
     # -- following --------------------------------------------------------------
 
@@ -95,7 +114,7 @@ class EventIndex:
         if self.next_seq is not None and batch.epoch == self.epoch:
             if seq == self.next_seq:
                 return self._apply(seq, batch)
-            if seq < self.next_seq and batch.epoch is not None:
+            if seq < self.next_seq and (batch.epoch is not None or self._just_synced):
                 return 0  # covered by the snapshot in place
             # Later: batches were lost. Earlier without an epoch: the
             # publisher may have restarted (or the snapshot covers it).
@@ -147,11 +166,13 @@ class EventIndex:
         self.blocks = {MEDIUM_DISK: disk} if disk else {}
         self._events(snapshot)
         self.epoch, self.next_seq = snapshot.epoch, seq
+        self._just_synced = True
         self.resyncs += 1
 
     def _apply(self, seq: int, batch: KVEventBatch) -> int:
         self._events(batch)
         self.next_seq = seq + 1
+        self._just_synced = False
         self.applied += 1
         return 1
 

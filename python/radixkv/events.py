@@ -327,7 +327,9 @@ class EventPublisher:
     thread (tens of microseconds): a PUB socket never blocks, ZeroMQ's own
     thread does the network. `epoch` names this publisher's incarnation in
     every batch: True (the default) draws a random 63-bit int, so a restarted
-    engine's batches are told from the old one's; an int is that epoch;
+    engine's batches are told from the old one's; an int is that epoch (it
+    must differ for each incarnation: a subscriber takes two publishers with
+    one epoch for one);
     False sends none (three-element batches, exactly vLLM's). A subscriber
     that falls `hwm` batches behind
     loses the oldest, which it sees as a gap in the sequence numbers (and

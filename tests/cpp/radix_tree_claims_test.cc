@@ -43,16 +43,16 @@ TEST(RadixTreeClaimsTest, DeviceClaimKeepsThePathAndCountsSharedTokensOnce) {
   Ints freed;
   EXPECT_THROW(t.Evict(1, &freed), Error);
 
-  EXPECT_EQ(t.ReleaseClaim(ca, false), 3);  // {4, 5, 6}; {1, 2, 3} stays claimed
+  EXPECT_EQ(t.ReleaseClaim(ca), 3);  // {4, 5, 6}; {1, 2, 3} stays claimed
   EXPECT_EQ(t.claimed_size(), 5);
   EXPECT_EQ(Evictable(&t), 3);
   t.Evict(3, &freed);
   EXPECT_EQ(freed, Iota(3, 3));
-  EXPECT_EQ(t.ReleaseClaim(cb, false), 5);
+  EXPECT_EQ(t.ReleaseClaim(cb), 5);
   EXPECT_EQ(t.claimed_size(), 0);
   t.CheckIntegrity();
   // Released twice: refused, nothing changes.
-  EXPECT_THROW(t.ReleaseClaim(cb, false), Error);
+  EXPECT_THROW(t.ReleaseClaim(cb), Error);
   t.CheckIntegrity();
 }
 
@@ -67,7 +67,7 @@ TEST(RadixTreeClaimsTest, SplittingAClaimedNodeKeepsTheClaimWhole) {
   t.CheckIntegrity();
   EXPECT_EQ(t.claimed_size(), 8);
   EXPECT_EQ(t.ClaimCost(half, false), 0);
-  EXPECT_EQ(t.ReleaseClaim(c, false), 8);
+  EXPECT_EQ(t.ReleaseClaim(c), 8);
   t.CheckIntegrity();
   EXPECT_EQ(Evictable(&t), 8);
 }
@@ -99,9 +99,44 @@ TEST(RadixTreeClaimsTest, HostClaimLetsThePathLeaveTheDeviceOnlyWithAHostCopy) {
   EXPECT_THROW(t.EvictHost(4, &freed), Error);
   t.CheckIntegrity();
   // Released: the host copy may go, and with it the node.
-  EXPECT_EQ(t.ReleaseClaim(c, true), 4);
+  EXPECT_EQ(t.ReleaseClaim(c), 4);
   t.EvictHost(4, &freed);
   EXPECT_EQ(t.num_nodes(), 0);
+  t.CheckIntegrity();
+}
+
+TEST(RadixTreeClaimsTest, HostClaimWithoutAHostCopyKeepsItsWholePathOnTheDevice) {
+  RadixTree t;
+  Insert(&t, {1, 2, 3, 4}, {10, 11, 12, 13});
+  TierCopy backup;  // the parent {1, 2, 3, 4} gets a host copy...
+  ASSERT_TRUE(t.FindBackup(Ints{1, 2, 3, 4}.data(), 4, 0, &backup));
+  Ints device, rejected, freed;
+  t.BeginBackup(backup, &device);
+  const Ints host = Iota(50, 4);
+  t.FinishBackup(backup, host.data(), true, SlotSink::Into(&rejected));
+  Insert(&t, {1, 2, 3, 4, 5, 6}, {10, 11, 12, 13, 20, 21});  // ...the child {5, 6} none
+  int64_t added = 0;
+  TierCopy c = t.AddClaim(Match(&t, {1, 2, 3, 4, 5, 6}), true, 0, &added);
+  // The child may not leave without a copy, so neither may its parent.
+  EXPECT_EQ(t.evictable_size(), 0);
+  EXPECT_EQ(t.protected_size(), 6);
+  try {
+    t.Evict(1, &freed);
+    FAIL() << "evicted what the claim keeps";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kOutOfCapacity);
+  }
+  t.CheckIntegrity();
+  // The child's backup lands: the claim's lock goes, both may leave the device.
+  ASSERT_TRUE(t.FindBackup(Ints{1, 2, 3, 4, 5, 6}.data(), 6, 0, &backup));
+  t.BeginBackup(backup, &device);
+  const Ints host2 = Iota(60, 2);
+  t.FinishBackup(backup, host2.data(), true, SlotSink::Into(&rejected));
+  EXPECT_EQ(t.evictable_size(), 6);
+  t.Evict(6, &freed);
+  EXPECT_EQ(t.tier_sizes().host_only, 6);
+  t.CheckIntegrity();
+  EXPECT_EQ(t.ReleaseClaim(c), 6);
   t.CheckIntegrity();
 }
 
@@ -125,10 +160,12 @@ TEST(RadixTreeClaimsTest, HostClaimCoversTheHostPartOfAMatch) {
   EXPECT_EQ(c.end, 4);
   EXPECT_EQ(t.ClaimedPath(h).size(), 1u);
   EXPECT_THROW(t.EvictHost(4, &freed), Error);
-  // The wrong tier is refused, changing nothing.
-  EXPECT_THROW(t.ReleaseClaim(c, false), Error);
+  // A forged device claim for it is refused, changing nothing.
+  TierCopy forged = c;
+  forged.start = 0;
+  EXPECT_THROW(t.ReleaseClaim(forged), Error);
   t.CheckIntegrity();
-  EXPECT_EQ(t.ReleaseClaim(c, true), 4);
+  EXPECT_EQ(t.ReleaseClaim(c), 4);
   t.CheckIntegrity();
 }
 
@@ -138,7 +175,7 @@ TEST(RadixTreeClaimsTest, ClaimRaisesPriorityAndResetDropsClaims) {
   Insert(&t, {5, 6}, {2, 3});
   int64_t added = 0;
   TierCopy c = t.AddClaim(Match(&t, {1, 2}), false, 7, &added);
-  EXPECT_EQ(t.ReleaseClaim(c, false), 2);
+  EXPECT_EQ(t.ReleaseClaim(c), 2);
   Match(&t, {1, 2});  // {1, 2} is now the most recently used...
   Ints freed;
   t.Evict(2, &freed);  // ...but its priority keeps it: {5, 6} goes
@@ -146,7 +183,7 @@ TEST(RadixTreeClaimsTest, ClaimRaisesPriorityAndResetDropsClaims) {
   c = t.AddClaim(Match(&t, {1, 2}), false, 0, &added);
   t.Reset();
   EXPECT_EQ(t.claimed_size(), 0);
-  EXPECT_EQ(t.ReleaseClaim(c, false), 0);  // its node is gone: ignored
+  EXPECT_EQ(t.ReleaseClaim(c), 0);  // its node is gone: ignored
   t.CheckIntegrity();
 }
 
@@ -162,6 +199,11 @@ TEST(RadixTreeClaimsTest, LockedBeyondClaimsCountsOnlyOtherLocks) {
   t.Lock(&r);
   EXPECT_EQ(t.LockedBeyondClaims(), 2);
   t.Unlock(&r);
+  EXPECT_EQ(t.LockedBeyondClaims(), 0);
+  // A host claim without a host copy locks its path: a claim's lock too.
+  Insert(&t, {1, 2, 3, 4, 5, 6}, Iota(0, 6));
+  t.AddClaim(Match(&t, {1, 2, 3, 4, 5, 6}), true, 0, &added);
+  EXPECT_EQ(t.protected_size(), 6);
   EXPECT_EQ(t.LockedBeyondClaims(), 0);
 }
 

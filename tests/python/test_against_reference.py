@@ -409,6 +409,7 @@ def test_eviction_policies_order_leaves_as_documented():
         "mru": [3, 4],
         "priority": [5, 6],
     }
+
     # slru: a leaf matched twice is protected, however long ago.
     def two_leaves(policy):
         m = RadixCacheManager("cpu", 1, eviction_policy=policy)

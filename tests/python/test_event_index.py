@@ -251,3 +251,44 @@ def test_a_subscriber_recovers_exactly_when_the_publisher_is_killed_and_restarte
             if p.poll() is None:
                 p.kill()
         index.close()
+
+
+def test_an_index_catches_up_with_a_publisher_without_an_epoch():
+    endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    pub = EventPublisher(endpoint, replay_endpoint=replay, bind=True, epoch=False)
+    cm = CacheManager(24, PAGE, host_num_pages=48, kv_events=pub)
+    index = EventIndex(endpoint, replay, resync_timeout_s=5)
+    stop = threading.Event()
+
+    def engine():
+        for ids in requests(30):
+            serve(cm, ids)
+            time.sleep(0.01)
+        while not stop.is_set():
+            cm.flush_events()
+            time.sleep(0.005)
+
+    t = threading.Thread(target=engine)
+    try:
+        time.sleep(0.3)  # the index joins late: it syncs from a snapshot
+        t.start()
+        deadline = time.time() + 20
+        while time.time() < deadline and index.next_seq != pub.next_seq:
+            index.poll(100)
+        assert index.epoch is None and index.next_seq == pub.next_seq
+        assert index.resyncs <= 2  # batches the snapshot covers do not resync again
+        assert index.view() == snapshot_view(cm.kv_snapshot().payload)
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join()
+        index.close(), cm.close(), pub.close()
+
+
+def test_index_arguments_name_themselves():
+    with pytest.raises(ValueError, match="resync_timeout_s"):
+        EventIndex("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", resync_timeout_s=-1)
+    with pytest.raises(TypeError, match="resync_timeout_s"):
+        EventIndex("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", resync_timeout_s="10")
+    with pytest.raises(TypeError, match="topic"):
+        EventIndex("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", topic=b"x")

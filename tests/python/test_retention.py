@@ -348,3 +348,58 @@ def model_tokens(prefixes):
         for k in range(1, len(p) + 1):
             seen.add(p[:k])
     return len(seen)
+
+
+def test_a_host_claim_without_a_copy_keeps_its_whole_path_and_available_size_exact():
+    # The parent has a host copy, the child none (the host pool is full): the
+    # child may not leave the device, so neither may the parent.
+    cm = CacheManager(8, 4, host_num_pages=2, write_policy="write_through")
+    parent = list(range(100, 108))
+    serve(cm, parent)
+    cm.drain()
+    cm.retain(parent, tier="host")
+    serve(cm, parent + [200, 201, 202, 203])
+    cm.drain()
+    cm.retain(parent + [200, 201, 202, 203], tier="host")
+    serve(cm, list(range(300, 308)))  # an unrelated leaf that may go
+    m = cm.metrics
+    assert m.device_locked_tokens == 12
+    assert cm.available_size == 32 - 12
+    slots = cm.allocate(cm.available_size)  # all it promises
+    with pytest.raises(radixkv.OutOfCapacityError):
+        cm.allocate(4)
+    cm.free(slots)
+    cm.check_integrity()
+
+
+def test_a_refreshed_claim_keeps_one_deadline_entry():
+    clock = Clock()
+    cm = CacheManager(16, 4, clock=clock)
+    serve(cm, list(range(16)))
+    claim = cm.retain(list(range(16)), ttl_s=5.0, refresh_on_hit=True)
+    for i in range(1000):
+        clock.now = i * 0.01
+        cm.match_req(ids(*range(16), 99))
+    assert claim.expires_at == pytest.approx(9.99 + 5.0)
+    assert len(cm._retention._deadlines) == 1
+    clock.now = 14.98
+    assert claim.active and cm.retained_tokens == 16
+    clock.now = 15.0
+    assert cm.retained_tokens == 0 and not claim.active
+
+
+def test_a_failing_clock_claims_nothing():
+    def clock():
+        raise RuntimeError("no time")
+
+    cm = CacheManager(16, 4, clock=clock)
+    serve(cm, list(range(16)))
+    with pytest.raises(RuntimeError, match="no time"):
+        cm.retain(list(range(16)), ttl_s=5.0)
+    assert cm._tree.claimed_size == 0 and cm.manager.size_info.protected_size == 0
+    cm.retain(list(range(16)))  # no ttl: no clock needed
+    with pytest.raises(TypeError, match="refresh_on_hit"):
+        cm.retain(list(range(16)), ttl_s=1.0, refresh_on_hit="no")
+    with pytest.raises(TypeError, match="whole"):
+        cm.set_retain_budget(8, whole="no")
+    cm.check_integrity()

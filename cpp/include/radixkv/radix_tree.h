@@ -199,8 +199,8 @@ class RadixTree {
 
   /// Tokens in unlocked device nodes (may be evicted).
   int64_t evictable_size() const noexcept { return evictable_size_; }
-  /// Tokens in locked device nodes, and in device nodes a host claim keeps
-  /// until they have a host copy (AddClaim).
+  /// Tokens in locked device nodes (by requests, copies or claims; a host
+  /// claim locks its path until its end has a host copy: AddClaim).
   int64_t protected_size() const noexcept { return protected_size_; }
   /// Both tiers' token counts. O(1).
   TierSizes tier_sizes() const noexcept;
@@ -334,21 +334,24 @@ class RadixTree {
   /// it locks as Lock does; with `host`, the whole match (host part included),
   /// whose nodes are then never evicted from host and leave the device only
   /// once they have a host copy (so the prefix stays at least in host
-  /// memory). Claims count per node, like locks; the path's nodes that no
-  /// claim held before add their tokens to `claimed_size()`, which AddClaim
-  /// returns in `*added`. Raises the priority of every node on the path to
-  /// at least `priority` (the priority policy's order, once the claim ends).
-  /// Returns the claim as a copy of the whole path (`start` 0, `end` its
-  /// length), which names its node by incarnation. Throws kInvalidArgument
-  /// for a foreign or stale handle, or a path with a load in flight.
+  /// memory; until the path's end has a host copy, the claim locks the path).
+  /// Claims count per node, like locks; the path's nodes that no claim held
+  /// before add their tokens to `claimed_size()`, which AddClaim returns in
+  /// `*added`. Raises the priority of every node on the path to at least
+  /// `priority` (the priority policy's order, once the claim ends). Returns
+  /// the claim as a copy of the whole path (`end` its length) that names its
+  /// node by incarnation and its tier by `start`: 0 on the device,
+  /// kHostClaim for host. Throws kInvalidArgument for a foreign or stale
+  /// handle.
+  static constexpr int64_t kHostClaim = -1;
   TierCopy AddClaim(const Handle& handle, bool host, int32_t priority, int64_t* added);
   /// The tokens AddClaim would add to `claimed_size()`. Changes nothing.
   int64_t ClaimCost(const Handle& handle, bool host) const;
-  /// Ends a claim of AddClaim (`host` as it was made); returns the tokens no
-  /// claim holds any more. A claim whose node is gone (Reset) is ignored and
-  /// returns 0. Throws kInvalidArgument, changing nothing, for a claim not
-  /// held.
-  int64_t ReleaseClaim(const TierCopy& claim, bool host);
+  /// Ends a claim of AddClaim; returns the tokens no claim holds any more. A
+  /// claim whose node is gone (Reset) is ignored and returns 0. Throws
+  /// kInvalidArgument, changing nothing, for a claim not held (or not a
+  /// claim).
+  int64_t ReleaseClaim(const TierCopy& claim);
   /// The ids of the nodes on the path of `handle`'s whole match (host part
   /// included) that a claim holds, deepest first: a claim whose node is among
   /// them was matched to its end.
@@ -358,7 +361,7 @@ class RadixTree {
   /// Tokens on the device that a lock other than a claim's holds (a request's,
   /// a copy's): what `protected_size()` would be with every claim released.
   /// O(nodes).
-  int64_t LockedBeyondClaims() const noexcept;
+  int64_t LockedBeyondClaims() const;
 
   /// Of the host part of `handle`'s match (`host_hit_len`), the tokens whose
   /// pages were read from storage and have not been on the device since:
@@ -416,7 +419,8 @@ class RadixTree {
   void Refresh(Node* x) noexcept;
   static bool DeviceEvictable(const Node* x) noexcept;
   // Whether `x`'s device tokens count as protected, not evictable: it is
-  // locked, or a host claim holds it and it has no host copy yet.
+  // locked (by a request, a copy, or a claim; a host claim on a path without
+  // a host copy locks it until it has one).
   static bool Protected(const Node* x) noexcept;
   // Moves `x`'s device tokens between evictable and protected when
   // Protected(x) is no longer `was`.

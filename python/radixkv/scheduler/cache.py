@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union, cast
 
+import numpy as np
 import torch
 
 from radixkv import _core
@@ -525,7 +526,7 @@ class CacheManager:
         priority = as_int(priority, "priority")
         if not -(2**31) <= priority < 2**31:
             raise ValueError(f"priority must fit int32, got {priority}")
-        refresh = bool(refresh_on_hit)
+        refresh = _flag(refresh_on_hit, "refresh_on_hit")
         ids = int32_tensor(input_ids, "input_ids", self.device)
         ns = self._namespaces.id(namespace)
         handle, _ = self._tree.match_prefix(ids, ns)  # type: ignore[union-attr]
@@ -547,7 +548,7 @@ class CacheManager:
         (None: no budget of its own), or with `whole` the manager's budget
         for all claims. A lower budget refuses new claims; the ones held stay."""
         retention = self._claims_of("set_retain_budget")
-        if whole:
+        if _flag(whole, "whole"):
             if tokens is None:
                 raise ValueError("tokens must be a count for the whole manager's budget")
             retention.budget = as_count(tokens, "tokens", minimum=0)
@@ -1310,6 +1311,13 @@ class CacheManager:
     def held_pages(self) -> int:
         """Pages handed to requests and not yet returned or cached."""
         return self._held_pages
+
+
+def _flag(value, name: str) -> bool:
+    """A bool argument: True or False (numpy's too), nothing else."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {_type_name(value)}")
+    return bool(value)
 
 
 def _type_name(obj) -> str:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from typing import Callable, Dict, List, Optional, Tuple, cast
+
+import numpy as np
 
 from radixkv import _core
 
@@ -106,6 +109,8 @@ class Retention:
         nothing, if not. The arguments are checked by the manager."""
         self.expire()
         host = tier == "host"
+        # The deadline first: a clock that fails leaves nothing claimed.
+        deadline = None if ttl_s is None else float(self.clock()) + ttl_s
         cost = self.tree.claim_cost(handle, host)
         total = self.tree.claimed_size + cost
         if total > self.budget:
@@ -126,8 +131,8 @@ class Retention:
         self.claimed_by_ns[ns] = held + added
         claim = RetentionClaim(self, copy, ns, namespace, tier, ttl_s, priority, refresh)
         self._live[id(claim)] = claim
-        if ttl_s is not None:
-            self._arm(claim, self.clock() + ttl_s)
+        if deadline is not None:
+            self._arm(claim, deadline)
             if refresh:
                 self._refreshing.setdefault(copy.node_id, []).append(claim)
         self.made += 1
@@ -143,7 +148,7 @@ class Retention:
         return True
 
     def _end(self, claim: RetentionClaim) -> None:
-        freed = self.tree.release_claim(claim._copy, claim.tier == "host")
+        freed = self.tree.release_claim(claim._copy)
         claim._active = False
         del self._live[id(claim)]
         held = self.claimed_by_ns.get(claim._ns, 0) - freed
@@ -165,7 +170,9 @@ class Retention:
     # -- time -------------------------------------------------------------------
 
     def expire(self) -> int:
-        """Ends every claim whose deadline has passed; returns how many."""
+        """Ends every claim whose deadline has passed; returns how many. A
+        claim has one entry in the heap: one whose deadline a refresh moved
+        goes back in at its new deadline when the old one comes up."""
         heap = self._deadlines
         if not heap:
             return 0
@@ -173,9 +180,13 @@ class Retention:
         ended = 0
         while heap and heap[0][0] <= now:
             deadline, _, claim = heapq.heappop(heap)
-            if claim._active and claim.expires_at == deadline:
-                self._end(claim)
-                ended += 1
+            if not claim._active:
+                continue
+            if claim.expires_at is not None and claim.expires_at > deadline:
+                self._arm(claim, claim.expires_at)  # refreshed since
+                continue
+            self._end(claim)
+            ended += 1
         self.expired += ended
         return ended
 
@@ -187,7 +198,7 @@ class Retention:
         now = self.clock()
         for node in self.tree.claimed_path(handle):
             for claim in self._refreshing.get(node, ()):
-                self._arm(claim, now + cast(float, claim.ttl_s))
+                claim.expires_at = now + cast(float, claim.ttl_s)  # its entry follows lazily
                 self.refreshed += 1
 
     @property
@@ -220,7 +231,7 @@ def check_ttl(ttl_s) -> Optional[float]:
     """None, or a positive finite number of seconds."""
     if ttl_s is None:
         return None
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)):
+    if isinstance(ttl_s, (bool, np.bool_)) or not isinstance(ttl_s, numbers.Real):
         raise TypeError(f"ttl_s must be a number of seconds or None, got {type(ttl_s).__name__}")
     ttl = float(ttl_s)
     if not (ttl > 0 and math.isfinite(ttl)):
