@@ -60,8 +60,9 @@ constexpr int64_t kReleaseGilTokens = 1 << 16;
 
 // A tree and the mutex that keeps one thread at a time inside it.
 struct PyRadixTree {
-  PyRadixTree(int64_t page_size, int64_t max_slots, radixkv::EvictionPolicy policy)
-      : tree(page_size, max_slots, policy) {}
+  PyRadixTree(int64_t page_size, int64_t max_slots, radixkv::EvictionPolicy policy,
+              int64_t tel_safe_tokens)
+      : tree(page_size, max_slots, policy, tel_safe_tokens) {}
   RadixTree tree;
   std::mutex mu;
   // Where finish_requests_flat joins a batch's cached parts and own pages,
@@ -977,18 +978,21 @@ py::tuple EvictionPolicies() {
 }
 
 PyObject* RadixTree_New(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"page_size", "max_slots", "eviction_policy", nullptr};
+  static const char* names[] = {"page_size", "max_slots", "eviction_policy", "tel_safe_tokens",
+                                nullptr};
   PyObject* page_size = nullptr;
   PyObject* max_slots = nullptr;
   const char* policy = "lru";
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOs:RadixTree", const_cast<char**>(names),
-                                   &page_size, &max_slots, &policy)) {
+  PyObject* tel_safe = nullptr;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOsO:RadixTree", const_cast<char**>(names),
+                                   &page_size, &max_slots, &policy, &tel_safe)) {
     return nullptr;
   }
   try {
     const int64_t p = page_size != nullptr ? ToInt64(page_size, "page_size") : 1;
     const int64_t m = max_slots != nullptr ? ToInt64(max_slots, "max_slots") : RadixTree::kAnySlot;
-    return NewBoxed<PyRadixTree>(type, p, m, ParsePolicy(policy)).release().ptr();
+    const int64_t s = tel_safe != nullptr ? ToInt64(tel_safe, "tel_safe_tokens") : 0;
+    return NewBoxed<PyRadixTree>(type, p, m, ParsePolicy(policy), s).release().ptr();
   } catch (...) {
     radixkv::bindings::SetErrorFromException();
     return nullptr;
@@ -1590,7 +1594,8 @@ PyType_Slot kTreeSlots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(radixkv::bindings::DeallocBoxed<PyRadixTree>)},
     {Py_tp_methods, kTreeMethods},
     {Py_tp_getset, kTreeProperties},
-    {Py_tp_doc, const_cast<char*>("RadixTree(page_size=1, max_slots=-1, eviction_policy='lru'): "
+    {Py_tp_doc, const_cast<char*>("RadixTree(page_size=1, max_slots=-1, eviction_policy='lru', "
+                                  "tel_safe_tokens=0): "
                                   "the native radix tree "
                                   "and the mutex that keeps one thread at a time in it.")},
     {0, nullptr},

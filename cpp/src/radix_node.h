@@ -163,7 +163,8 @@ struct RadixTree::SplitPlan {
 };
 
 inline uint64_t RadixTree::Key(const Node* x) const noexcept {
-  return EvictionKey(policy_, x->timestamp, x->hits, x->created, x->priority);
+  return EvictionKey(policy_, x->timestamp, x->hits, x->created, x->priority, x->length,
+                     tel_safe_tokens_);
 }
 
 inline bool RadixTree::DeviceEvictable(const Node* x) noexcept {

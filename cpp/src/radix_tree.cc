@@ -117,16 +117,18 @@ void RadixTree::NodeBlock::Free() noexcept {
 
 // --- nodes -----------------------------------------------------------------------
 
-RadixTree::RadixTree(int64_t page_size, int64_t max_slots, EvictionPolicy policy)
+RadixTree::RadixTree(int64_t page_size, int64_t max_slots, EvictionPolicy policy,
+                     int64_t tel_safe_tokens)
     : page_size_(page_size),
       max_slots_(max_slots),
       id_(next_tree_id.fetch_add(1, std::memory_order_relaxed)) {
   RADIXKV_CHECK(page_size >= 1, kInvalid, "page_size must be >= 1, got ", page_size);
   RADIXKV_CHECK(max_slots == kAnySlot || (max_slots >= 0 && max_slots <= (int64_t{1} << 31)),
                 kInvalid, "max_slots must be in [0, 2**31], got ", max_slots);
-  RADIXKV_CHECK(policy <= EvictionPolicy::kSlru, kInvalid, "unknown eviction policy ",
+  RADIXKV_CHECK(policy <= EvictionPolicy::kTlru, kInvalid, "unknown eviction policy ",
                 static_cast<int>(policy));
   policy_ = policy;
+  tel_safe_tokens_ = tel_safe_tokens;
   nodes_.push_back(std::make_unique<Node>());
   root_ = nodes_[0].get();
   ReserveNodes(0);
@@ -352,6 +354,10 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   node->parent = prefix;
   prefix->children.Insert(node->child_key, node);  // room reserved
   Refresh(prefix);
+  if (policy_ == EvictionPolicy::kTlru) {  // shorter now: its key may have fallen
+    if (heap_.Contains(node->id)) heap_.Update(node->id, Key(node));
+    if (host_heap_.Contains(node->id)) host_heap_.Update(node->id, Key(node));
+  }
   return prefix;
 }
 

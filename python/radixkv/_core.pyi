@@ -268,7 +268,11 @@ _Copy = Union[TierCopy, Tuple[int, int, int, int]]
 @final
 class RadixTree:
     def __new__(
-        cls, page_size: int = 1, max_slots: int = -1, eviction_policy: str = "lru"
+        cls,
+        page_size: int = 1,
+        max_slots: int = -1,
+        eviction_policy: str = "lru",
+        tel_safe_tokens: int = 0,
     ) -> RadixTree: ...
     @property
     def page_size(self) -> int: ...

@@ -84,13 +84,17 @@ POLICY_KEYS = {
     "priority": lambda x: (min(max(x.priority, -(2**15)), 2**15 - 1), x.timestamp),
     "slru": lambda x: (x.hits >= 2, x.timestamp),
 }
+# tlru's key needs the tree's TEL-safe length: ReferenceRadixCache makes it.
 
 
 class ReferenceRadixCache:
-    def __init__(self, page_size: int = 1, policy: str = "lru"):
+    def __init__(self, page_size: int = 1, policy: str = "lru", tel_safe: int = 0):
         assert page_size >= 1
         self.page_size = page_size
-        self.key = POLICY_KEYS[policy]
+        if policy == "tlru":  # leaves of at most tel_safe tokens first
+            self.key = lambda x: (len(x.key) > tel_safe, x.timestamp)
+        else:
+            self.key = POLICY_KEYS[policy]
         self.clock = 0
         self.root = RefNode([], [], None, 0)
 

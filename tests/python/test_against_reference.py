@@ -56,8 +56,16 @@ class Driver:
     def __init__(self, page_size: int, seed: int, strict_dump: bool = False, policy: str = "lru"):
         self.p = page_size
         self.rng = random.Random(seed)
-        self.native = RadixCacheManager("cpu", page_size, eviction_policy=policy)
-        self.ref = ReferenceRadixCache(page_size, policy)
+        # tlru: leaves of at most two pages are safe to evict first.
+        config = {"threshold": 3 * page_size, "next_prompt_estimate": page_size}
+        tlru = policy == "tlru"
+        self.native = RadixCacheManager(
+            "cpu",
+            page_size,
+            eviction_policy=policy,
+            eviction_policy_config=config if tlru else None,
+        )
+        self.ref = ReferenceRadixCache(page_size, policy, 2 * page_size if tlru else 0)
         self.priorities = policy == "priority"
         self.strict_dump = strict_dump
         self.held = []  # (native handle, model handle)
@@ -376,7 +384,7 @@ def test_dump_order_matches_reference(page_size):
             raise AssertionError(f"step {i} (page_size={page_size}): {e}") from e
 
 
-@pytest.mark.parametrize("policy", ["lfu", "fifo", "mru", "priority", "slru"])
+@pytest.mark.parametrize("policy", ["lfu", "fifo", "mru", "priority", "slru", "tlru"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_eviction_policy_evicts_exactly_as_the_model(policy, page_size, seed):
@@ -420,6 +428,20 @@ def test_eviction_policies_order_leaves_as_documented():
 
     assert two_leaves("lru").evict(1).tolist() == [0, 1]
     assert two_leaves("slru").evict(1).tolist() == [3, 4]
+    # tlru: a leaf short enough to recompute within the budget goes first.
+    m = RadixCacheManager("cpu", 1, eviction_policy="tlru", eviction_policy_config={"threshold": 3})
+    m.insert_prefix([1, 2], [0, 1])  # 2 tokens: safe
+    m.insert_prefix([4, 5, 6, 7], [3, 4, 5, 6])  # 4 tokens: not safe, and older use
+    m.match_prefix([1, 2])
+    assert m.evict(1).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="eviction_policy_config is tlru's"):
+        RadixCacheManager("cpu", 1, eviction_policy="lru", eviction_policy_config={})
+    with pytest.raises(ValueError, match="takes threshold and next_prompt_estimate"):
+        RadixCacheManager("cpu", 1, eviction_policy="tlru", eviction_policy_config={"xi": 1})
+    with pytest.raises(ValueError, match="threshold"):
+        RadixCacheManager(
+            "cpu", 1, eviction_policy="tlru", eviction_policy_config={"threshold": -1}
+        )
     with pytest.raises(ValueError, match="eviction_policy must be one of"):
         RadixCacheManager("cpu", 1, eviction_policy="random")
     with pytest.raises(ValueError, match="priority must fit int32"):

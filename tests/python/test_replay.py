@@ -406,6 +406,12 @@ def test_cli_sweep_compares_eviction_policies(tmp_path):
             ["--eviction-policy", "lfu", "--policy", "naive", "--host-capacity-tokens", "0"],
             ["--eviction-policy", "radix"],
         ),
+        (["--eviction-policy-config", '{"threshold": 5}'], ["--eviction-policy-config", "tlru"]),
+        (["--eviction-policy", "tlru", "--eviction-policy-config", "[1]"], ["JSON object"]),
+        (
+            ["--eviction-policy", "tlru", "--eviction-policy-config", '{"xi": 1}'],
+            ["--eviction-policy-config", "threshold"],
+        ),
     ],
 )
 def test_cli_eviction_policy_mistakes(args, words):
@@ -444,3 +450,21 @@ def test_cli_retain_needs_sessions(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 4, "hash_ids": [1]}\n')
     one_error_line(run_cli("replay", str(trace), "--no-store", "--retain", "5"), "sessions")
+
+
+def test_cli_tlru_takes_its_config():
+    base = ["replay", "--sessions", "60", "--no-store", "--storage", "none"]
+    base += ["--host-capacity-tokens", "0", "--capacity-tokens", "4096", "--json"]
+    lru = json.loads(run_cli(*base).stdout)
+    plain = json.loads(run_cli(*base, "--eviction-policy", "tlru").stdout)
+    tuned = json.loads(
+        run_cli(
+            *base,
+            "--eviction-policy",
+            "tlru",
+            "--eviction-policy-config",
+            '{"threshold": 64, "next_prompt_estimate": 16}',
+        ).stdout
+    )
+    assert plain["hit_tokens"] == lru["hit_tokens"]  # no leaf is safe: lru's order
+    assert tuned["eviction_policy"] == "tlru" and tuned["hit_tokens"] != lru["hit_tokens"]

@@ -76,11 +76,15 @@ class RadixManagerMachine(RuleBasedStateMachine):
 
     @initialize(
         page_size=st.sampled_from(PAGE_SIZES),
-        policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority", "slru"]),
+        policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority", "slru", "tlru"]),
     )
     def setup(self, page_size, policy):
-        self.native = RadixCacheManager("cpu", page_size, eviction_policy=policy)
-        self.ref = ReferenceRadixCache(page_size, policy)
+        # tlru: leaves of at most two pages (or tokens) go first.
+        config = {"threshold": 2 * page_size} if policy == "tlru" else None
+        self.native = RadixCacheManager(
+            "cpu", page_size, eviction_policy=policy, eviction_policy_config=config
+        )
+        self.ref = ReferenceRadixCache(page_size, policy, 2 * page_size if config else 0)
         self.next_slot = 0
 
     @rule(target=handles, ids=tokens_st)

@@ -126,7 +126,13 @@ def test_a_second_instance_reads_the_first_ones_pages(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "change", [dict(dtype=torch.bfloat16), dict(model="other"), dict(namespace="tenant-b")]
+    "change",
+    [
+        dict(dtype=torch.bfloat16),
+        dict(model="other"),
+        dict(namespace="tenant-b"),
+        dict(revision="weights-v2"),
+    ],
 )
 def test_configurations_sharing_a_store_never_read_each_others_pages(tmp_path, change):
     """SGLang #33268 (dtype missing from the key), #26747 (namespaces)."""

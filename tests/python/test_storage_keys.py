@@ -91,6 +91,7 @@ BASE = dict(
         dict(page_size=32),
         dict(num_layers=5),
         dict(kv_heads=4),
+        dict(revision="3f2a9c1"),
     ],
 )
 def test_configurations_never_share_a_key(change):
@@ -101,6 +102,15 @@ def test_configurations_never_share_a_key(change):
     ka, kb = page_keys(tokens, 16, a), page_keys(tokens, 16, b)
     assert not set(ka) & set(kb)
     assert a == config_fingerprint(**BASE)  # deterministic
+
+
+def test_a_revision_is_named_only_when_given():
+    # Without one the keys are those of earlier versions (stores keep their pages).
+    assert config_fingerprint(**BASE, revision=None) == config_fingerprint(**BASE)
+    assert config_fingerprint(**BASE, revision="a") != config_fingerprint(**BASE, revision="b")
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match="revision"):
+            config_fingerprint(**BASE, revision=bad)
 
 
 def test_bad_arguments():

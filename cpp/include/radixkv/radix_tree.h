@@ -117,15 +117,18 @@ class RadixTree {
   /// Slots must be below `max_slots` (the pool's size); kAnySlot allows
   /// every int32 slot >= 0. Throws kInvalidArgument if `page_size < 1` or
   /// `max_slots` is neither kAnySlot nor in [0, 2^31].
+  /// `tel_safe_tokens` (tlru only): a leaf at most this long is safe to evict
+  /// first (SGLang's threshold less its next-prompt estimate, in tokens).
   static constexpr int64_t kAnySlot = -1;
   explicit RadixTree(int64_t page_size = 1, int64_t max_slots = kAnySlot,
-                     EvictionPolicy policy = EvictionPolicy::kLru);
+                     EvictionPolicy policy = EvictionPolicy::kLru, int64_t tel_safe_tokens = 0);
   ~RadixTree();
   RadixTree(const RadixTree&) = delete;
   RadixTree& operator=(const RadixTree&) = delete;
 
   int64_t page_size() const noexcept { return page_size_; }
   EvictionPolicy policy() const noexcept { return policy_; }
+  int64_t tel_safe_tokens() const noexcept { return tel_safe_tokens_; }
   int64_t max_slots() const noexcept { return max_slots_; }
   uint64_t id() const noexcept { return id_; }
 
@@ -482,6 +485,7 @@ class RadixTree {
   int64_t backing_up_size_ = 0;
   int64_t loading_size_ = 0;
   EvictionPolicy policy_ = EvictionPolicy::kLru;
+  int64_t tel_safe_tokens_ = 0;
   int64_t storage_writing_size_ = 0;
   int64_t host_pins_ = 0;
   int64_t claimed_size_ = 0;

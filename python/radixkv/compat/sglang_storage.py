@@ -93,6 +93,7 @@ class RadixkvHiCacheStorage(HiCacheStorage):
             tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
             namespace=shard if namespace is None else f"{shard} {namespace}",
+            revision=o.get("revision"),
         )
         # A page's bytes are SGLang's flat page, in its host layout's order
         # (which the fingerprint names).

@@ -24,6 +24,7 @@ from radixkv.kvcache.radix_manager import (
     RadixCacheHandle,
     RadixCacheManager,
     check_eviction_policy,
+    tel_safe_tokens,
 )
 
 _MANAGERS = {"naive": NaiveCacheManager, "radix": RadixCacheManager}
@@ -35,6 +36,7 @@ def create_cache_manager(
     page_size: int = 1,
     max_slots: Optional[int] = None,
     eviction_policy: str = "lru",
+    eviction_policy_config: Optional[dict] = None,
 ) -> BaseCacheManager:
     """A cache manager of `type` ("naive" or "radix") on `device`; `max_slots`
     bounds the slots it accepts (the pool's size; None: any); the radix cache
@@ -45,9 +47,14 @@ def create_cache_manager(
         raise ValueError(f"type must be one of {sorted(_MANAGERS)}, got {type!r}") from None
     if cls is RadixCacheManager:
         return cls(
-            device=device, page_size=page_size, max_slots=max_slots, eviction_policy=eviction_policy
+            device=device,
+            page_size=page_size,
+            max_slots=max_slots,
+            eviction_policy=eviction_policy,
+            eviction_policy_config=eviction_policy_config,
         )
     check_eviction_policy(eviction_policy)
+    tel_safe_tokens(eviction_policy, eviction_policy_config)  # checked, unused
     return cls(device=device, page_size=page_size, max_slots=max_slots)
 
 

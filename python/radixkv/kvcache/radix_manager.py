@@ -27,6 +27,37 @@ def check_eviction_policy(policy, given=None) -> str:
     return policy
 
 
+TLRU_CONFIG_KEYS = ("threshold", "next_prompt_estimate")
+
+
+def tel_safe_tokens(policy: str, config) -> int:
+    """tlru's TEL-safe length from `config` (SGLang's eviction policy config:
+    `threshold`, the next turn's TTFT budget in tokens, and
+    `next_prompt_estimate`, its expected prompt in tokens; both 0 by
+    default): a leaf at most threshold - next_prompt_estimate tokens long may
+    be recomputed within the budget, so it goes first. 0 without a config;
+    ValueError for a config with another policy, or keys or values it does
+    not know."""
+    if config is None:
+        return 0
+    if policy != "tlru":
+        raise ValueError(f"eviction_policy_config is tlru's; eviction_policy is {policy!r}")
+    if not isinstance(config, dict):
+        raise TypeError(f"eviction_policy_config must be a dict, got {type(config).__name__}")
+    unknown = sorted(str(k) for k in config if k not in TLRU_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(
+            f"eviction_policy_config takes {' and '.join(TLRU_CONFIG_KEYS)}, got {', '.join(unknown)}"
+        )
+    threshold, estimate = (
+        as_count(config.get(k, 0), f"eviction_policy_config[{k!r}]", minimum=0)
+        for k in TLRU_CONFIG_KEYS
+    )
+    if threshold >= 2**62 or estimate >= 2**62:
+        raise ValueError("eviction_policy_config's token counts must be below 2**62")
+    return threshold - estimate
+
+
 class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
     """Shares the KV slots of common prefixes between requests.
 
@@ -42,8 +73,11 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
     `eviction_policy` says which unlocked leaf goes first (EVICTION_POLICIES):
     least recently used (the default), fewest matches, cached earliest, most
     recently used, or lowest priority (`insert_prefix(..., priority=p)` raises
-    the priority of the path it inserts to at least p); ties and everything
-    within a class go least recently used first. Exact, O(log n) a node.
+    the priority of the path it inserts to at least p), slru (matched fewer
+    than twice first), tlru (leaves short enough to recompute within the next
+    turn's budget first: `eviction_policy_config`, see `tel_safe_tokens`);
+    ties and everything within a class go least recently used first. Exact,
+    O(log n) a node.
 
     Cache namespaces: `match_prefix`, `match_prefix_batch` and
     `insert_prefix` take `namespace`, an int >= 0 (0 is the default).
@@ -58,13 +92,15 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
         page_size: int = 1,
         max_slots: Optional[int] = None,
         eviction_policy: str = "lru",
+        eviction_policy_config: Optional[dict] = None,
     ):
         page_size = as_count(page_size, "page_size")
         check_eviction_policy(eviction_policy)
+        safe = tel_safe_tokens(eviction_policy, eviction_policy_config)
         self.device = as_device(device)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
-        self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), eviction_policy)
+        self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), eviction_policy, safe)
         self.tree = self._tree
         if self.device.type == "cpu":
             # The tree's own methods (same signatures) bound over these: a call

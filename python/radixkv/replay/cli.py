@@ -59,6 +59,16 @@ def _int_at_least(minimum: int):
     return parse
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -164,6 +174,13 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
         + ", ".join(EVICTION_POLICIES)
         + " (default lru); with --sweep a list, or 'all', compares them in one plot "
         "(the traces carry no request priorities: priority orders as lru)",
+    )
+    p.add_argument(
+        "--eviction-policy-config",
+        type=_json_object,
+        metavar="JSON",
+        help='tlru\'s config, SGLang\'s: {"threshold": T, "next_prompt_estimate": Q} in tokens '
+        "(a leaf of at most T - Q tokens goes first)",
     )
     p.add_argument(
         "--kv",
@@ -534,6 +551,15 @@ def _eviction_policies(args) -> List[str]:
         raise UsageError("--eviction-policy: several policies are compared by --sweep")
     if names != ["lru"] and args.policy != "radix":
         raise UsageError("--eviction-policy needs --policy radix")
+    if args.eviction_policy_config is not None:
+        if "tlru" not in names:
+            raise UsageError("--eviction-policy-config is tlru's: give --eviction-policy tlru")
+        from radixkv.kvcache import tel_safe_tokens
+
+        try:
+            tel_safe_tokens("tlru", args.eviction_policy_config)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"--eviction-policy-config: {e}") from None
     return names
 
 
@@ -551,6 +577,7 @@ def _replays(
         write_policy=args.write_policy,
         instances=args.instances,
         overlap=args.overlap,
+        eviction_policy_config=args.eviction_policy_config,
         retain_ttl_s=args.retain,
     )
 

@@ -302,6 +302,7 @@ class Instance:
         max_hash: int,
         overlap: bool = False,
         eviction_policy: str = "lru",
+        eviction_policy_config: Optional[dict] = None,
         retain_ttl_s: Optional[float] = None,
         retain_budget_tokens: int = 0,
     ):
@@ -346,6 +347,7 @@ class Instance:
             prefetch_policy=storage.prefetch_policy if storage is not None else "best_effort",
             storage_faults=storage.faults if storage is not None else None,
             eviction_policy=eviction_policy,
+            eviction_policy_config=eviction_policy_config if eviction_policy == "tlru" else None,
             retain_budget_tokens=retain_budget_tokens,
             clock=lambda: self.now,
         )

@@ -40,6 +40,7 @@ def replay(
     instances: int = 1,
     overlap: bool = False,
     eviction_policy: str = "lru",
+    eviction_policy_config: Optional[dict] = None,
     retain_ttl_s: Optional[float] = None,
 ) -> ReplayResult:
     """Drives `requests` through `instances` serving instances (see radixkv.replay.core.Instance).
@@ -91,6 +92,7 @@ def replay(
             max_hash=max_hash_id(requests),
             overlap=overlap,
             eviction_policy=eviction_policy,
+            eviction_policy_config=eviction_policy_config,
             retain_ttl_s=retain_ttl_s,
             retain_budget_tokens=retain_budget(requests, page_size, capacity_pages),
         )

@@ -123,6 +123,7 @@ class CacheManager:
         min_prefetch_tokens: int = 0,
         storage_faults: Optional[StorageFaultPolicy] = None,
         eviction_policy: str = "lru",
+        eviction_policy_config: Optional[dict] = None,
         max_namespaces: int = 1 << 16,
         tp_rank: Optional[int] = None,
         kv_events: Optional[EventPublisher] = None,
@@ -171,6 +172,7 @@ class CacheManager:
             page_size,
             max_slots=num_pages * page_size,
             eviction_policy=eviction_policy,
+            eviction_policy_config=eviction_policy_config,
         )
         self.device = as_device(device)
         self.page_size = page_size

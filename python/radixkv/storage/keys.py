@@ -32,6 +32,7 @@ def config_fingerprint(
     attention: str = "mha",
     side_buffers: Sequence[Tuple[str, Tuple[int, ...], object]] = (),
     kv_lora_rank: Optional[int] = None,
+    revision: Optional[str] = None,
 ) -> bytes:
     """32 bytes naming a configuration's page bytes: the model, the K/V dtype,
     the host layout, the page size, the shape of a page (layers, K/V heads on
@@ -44,7 +45,9 @@ def config_fingerprint(
     page is the same on every tensor-parallel rank: give `tp_rank=0,
     tp_size=1` on all of them (`pool_fingerprint` does) so they share keys.
     `side_buffers` lists a pool's per-token side buffers as `(name, row_shape,
-    dtype)`: their rows are part of each page."""
+    dtype)`: their rows are part of each page. `revision` names the weights
+    (a hub commit, a checkpoint's hash): pages of another revision of the
+    same model are never read (None leaves the keys of earlier versions)."""
     if attention not in ("mha", "mla"):
         raise ValueError(f"attention must be 'mha' or 'mla', got {attention!r}")
     parts = [
@@ -66,6 +69,10 @@ def config_fingerprint(
         parts.append(_field(f"mla:{as_count(kv_lora_rank, 'kv_lora_rank')}"))
     for name, shape, side_dtype in side_buffers:
         parts.append(_field(f"side:{name}:{tuple(shape)}:{str(side_dtype).removeprefix('torch.')}"))
+    if revision is not None:
+        if not isinstance(revision, str) or not revision:
+            raise ValueError(f"revision must be a non-empty str (or None), got {revision!r}")
+        parts.append(_field(f"rev:{revision}"))
     return hashlib.sha256(b"".join(parts)).digest()
 
 
@@ -76,6 +83,7 @@ def pool_fingerprint(
     layout: str = "page_first",
     tp_rank: int = 0,
     namespace: Optional[str] = None,
+    revision: Optional[str] = None,
 ) -> bytes:
     """`config_fingerprint` of a device pool (an MHAKVCache or MLAKVCache) and
     its host layout: an MHA pool's shard is (`tp_rank`, `pool.tp_size`); an
@@ -95,6 +103,7 @@ def pool_fingerprint(
             attention="mla",
             side_buffers=sides,
             kv_lora_rank=pool.kv_lora_rank,
+            revision=revision,
         )
     return config_fingerprint(
         model=model,
@@ -108,6 +117,7 @@ def pool_fingerprint(
         tp_size=pool.tp_size,
         namespace=namespace,
         side_buffers=sides,
+        revision=revision,
     )
 
 
