@@ -91,8 +91,8 @@ class Retention:
         self.ns_budgets: Dict[int, int] = {}
         self.claimed_by_ns: Dict[int, int] = {}
         self._live: Dict[int, RetentionClaim] = {}  # id(claim) -> claim
-        # (deadline, seq, claim): a claim whose deadline moved (a refresh)
-        # leaves its old entry behind, skipped when it comes up.
+        # (deadline, seq, claim), one entry a claim: a refresh moves only the
+        # claim's expires_at, and expire() puts the entry right when it comes up.
         self._deadlines: List[Tuple[float, int, RetentionClaim]] = []
         self._seq = 0
         # node id -> the live refresh_on_hit claims that end at it
