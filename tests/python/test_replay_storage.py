@@ -108,6 +108,49 @@ def test_a_bounded_store_keeps_serving(tmp_path):
     assert 0 < sum(os.path.getsize(p) for p in pages) <= 64 << 10
 
 
+def test_a_restarted_replay_gets_its_hits_back_from_a_bounded_store(tmp_path):
+    """The same sessions replayed twice on one directory: the second run's
+    device and host start empty, so what they miss the store serves, and the
+    store stays within its bound both times."""
+    requests = chat_sessions(40, BLOCK, seed=12)
+    bound = 256 << 10
+    first = run(requests, StorageConfig("file", directory=str(tmp_path), max_bytes=bound))
+    again = run(requests, StorageConfig("file", directory=str(tmp_path), max_bytes=bound))
+    pages = [
+        os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".page")
+    ]
+    assert 0 < sum(os.path.getsize(p) for p in pages) <= bound
+    assert again.kv_mismatches == 0 and again.storage_errors == 0
+    assert again.storage_hit_tokens > first.storage_hit_tokens
+    assert again.hit_tokens > first.hit_tokens
+
+
+def test_the_cli_bounds_a_store_it_is_given(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "replay",
+            "--sessions",
+            "20",
+            "--json",
+            "--storage-dir",
+            str(tmp_path),
+            "--storage-max-mib",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert json.loads(out)["kv_mismatches"] == 0
+    pages = [
+        os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".page")
+    ]
+    assert 0 < sum(os.path.getsize(p) for p in pages) <= 1 << 20
+
+
 @needs_mooncake
 def test_two_instances_sharing_mooncake_reach_the_optimum():
     requests = chat_sessions(40, BLOCK, seed=11)

@@ -24,6 +24,7 @@ from radixkv.storage import (
     MooncakeStorage,
     StorageBackend,
 )
+from radixkv.storage.file import HEADER
 from storage_env import KV, PAGE, Instance, fingerprint, host_pool, keys, needs_mooncake, prompt
 
 # -- the file backend ---------------------------------------------------------------
@@ -92,9 +93,10 @@ def test_a_damaged_or_foreign_page_is_a_miss_never_wrong_kv(tmp_path, damage):
 
 def test_file_store_bounded_by_least_recent_use(tmp_path):
     pool = host_pool()
-    page_file = 84 + pool.kv_buffer.numel() * 2 // 8
+    page_file = HEADER.size + pool.kv_buffer.numel() * 2 // 8
     fs = FileStorage(str(tmp_path), fingerprint(), max_bytes=3 * page_file)
     fs.attach(pool)
+    assert fs.wait_indexed(10)
     k = keys(5)
     fs.batch_set(k[:3], [0, 1, 2])
     assert fs.batch_get([k[0]], [7]) == [True]  # k0 is now the most recent
@@ -103,6 +105,7 @@ def test_file_store_bounded_by_least_recent_use(tmp_path):
     assert fs.removed_pages == 2
     again = FileStorage(str(tmp_path), fingerprint(), max_bytes=3 * page_file)  # rescans
     again.attach(pool)
+    assert again.wait_indexed(10) and again.stored_bytes == 3 * page_file
     assert again.batch_exists([k[0]]) == 1
 
 
@@ -448,18 +451,19 @@ def test_a_prefetch_waited_for_is_applied_when_its_thread_finishes(tmp_path):
 
 def test_file_bound_follows_pages_removed_by_another_process(tmp_path):
     pool = host_pool()
-    page_file = 84 + pool.kv_buffer.numel() * 2 // 8
+    page_file = HEADER.size + pool.kv_buffer.numel() * 2 // 8
     a = FileStorage(str(tmp_path), fingerprint(), max_bytes=4 * page_file)
     b = FileStorage(str(tmp_path), fingerprint())
     a.attach(pool), b.attach(pool)
+    assert a.wait_indexed(10)
     k = keys(4)
     a.batch_set(k, [0, 1, 2, 3])
     os.unlink(b.path(k[0]))  # another process removes one
     assert a.batch_get([k[0]], [5]) == [False]  # a miss, and no longer counted
-    assert a._total == 3 * page_file
-    # A restart with a smaller bound trims at once.
+    assert a.stored_bytes == 3 * page_file
+    # A restart with a smaller bound trims once its scan is done.
     c = FileStorage(str(tmp_path), fingerprint(), max_bytes=2 * page_file)
-    assert c._total <= 2 * page_file
+    assert c.wait_indexed(10) and c.stored_bytes <= 2 * page_file
     assert sum(os.path.exists(c.path(x)) for x in k) == 2
 
 

@@ -16,7 +16,7 @@ from radixkv.events import DEFAULT_ENDPOINT, EventPublisher, decode_batch
 from radixkv.kvcache import MHAKVCache
 from radixkv.scheduler import CacheManager
 from radixkv.storage import FileStorage, MooncakeMaster, MooncakeStorage, page_keys
-from radixkv.storage.file import HEADER, MAGIC, file_system_type
+from radixkv.storage.file import HEADER, MAGIC, NO_PARENT, file_system_type
 from storage_env import KV, PAGE, Instance, fingerprint, host_pool, needs_mooncake, prompt
 
 SECRET = b"a deployment secret shared by the instances"
@@ -89,7 +89,8 @@ def _forge(path, key, fp, page_bytes):
     """A page file under `key` with a valid header and checksum (the file
     format without a secret) but K/V of the forger's choosing."""
     forged = bytes([0x5A]) * page_bytes
-    header = HEADER.pack(MAGIC, bytes.fromhex(key), fp, page_bytes, radixkv._core.crc32c(forged))
+    raw = bytes.fromhex(key)
+    header = HEADER.pack(MAGIC, raw, NO_PARENT, fp, page_bytes, radixkv._core.crc32c(forged))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         f.write(header + forged)

@@ -1056,7 +1056,7 @@ def test_temporary_files_of_dead_writers_are_removed_at_start(tmp_path):
     ours = f"{page}.{os.getpid()}.7.tmp"
     for p in (left, ours):
         open(p, "wb").close()
-    FileStorage(str(tmp_path), fingerprint(), max_bytes=1 << 20)
+    assert FileStorage(str(tmp_path), fingerprint(), max_bytes=1 << 20).wait_indexed(10)
     assert not os.path.exists(left) and os.path.exists(ours)
 
 

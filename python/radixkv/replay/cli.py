@@ -124,6 +124,13 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
         "one, removed at the end); pages already there are read",
     )
     p.add_argument(
+        "--storage-max-mib",
+        type=positive,
+        metavar="MIB",
+        help="--storage file: bound the store's page files to MIB MiB, removing "
+        "the least recently used page no stored page extends (default: unbounded)",
+    )
+    p.add_argument(
         "--mooncake-master",
         metavar="HOST:PORT",
         help="--storage mooncake: the "
@@ -470,6 +477,7 @@ def _check_storage_flags(args, kind: str) -> None:
     """A storage flag that the chosen storage would ignore is a mistake."""
     only = {
         "--storage-dir": ("file", args.storage_dir),
+        "--storage-max-mib": ("file", args.storage_max_mib),
         "--mooncake-master": ("mooncake", args.mooncake_master),
         "--mooncake-metadata": ("mooncake", args.mooncake_metadata),
         "--mooncake-segment-mib": ("mooncake", args.mooncake_segment_mib),
@@ -498,6 +506,7 @@ def _storage(args, kind: str):
     policy = args.prefetch_policy or "wait_complete"  # deterministic
     segment = (args.mooncake_segment_mib or 256) << 20
     if kind == "file":
+        bound = None if args.storage_max_mib is None else args.storage_max_mib << 20
         if args.storage_dir:
             if os.path.exists(args.storage_dir) and not os.path.isdir(args.storage_dir):
                 raise UsageError(f"--storage-dir {args.storage_dir} is not a directory")
@@ -505,12 +514,17 @@ def _storage(args, kind: str):
                 os.makedirs(args.storage_dir, exist_ok=True)
             except OSError as e:
                 raise UsageError(f"--storage-dir {args.storage_dir}: {e.strerror or e}") from None
-            yield StorageConfig("file", directory=args.storage_dir, prefetch_policy=policy)
+            yield StorageConfig(
+                "file",
+                directory=args.storage_dir,
+                max_bytes=bound,
+                prefetch_policy=policy,
+            )
         else:
             with tempfile.TemporaryDirectory(
                 prefix="radixkv-store.", ignore_cleanup_errors=True
             ) as d:
-                yield StorageConfig("file", directory=d, prefetch_policy=policy)
+                yield StorageConfig("file", directory=d, max_bytes=bound, prefetch_policy=policy)
         return
     if args.mooncake_master:
         host = args.mooncake_master.rsplit(":", 1)[0]

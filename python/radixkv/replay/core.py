@@ -236,9 +236,13 @@ class StorageConfig:
             if self.kind == "file":
                 if self.directory is None:
                     raise TypeError("storage 'file' needs a directory")
-                backend = FileStorage(
-                    self.directory, self.fingerprint(kv, page_size), self.max_bytes
+                files = FileStorage(
+                    self.directory,
+                    self.fingerprint(kv, page_size),
+                    self.max_bytes,
                 )
+                files.wait_indexed()  # a replay starts from the whole index
+                backend = files
             else:
                 if self.master_address is None or self.metadata_server is None:
                     raise TypeError("storage 'mooncake' needs master_address and metadata_server")

@@ -19,7 +19,7 @@ from radixkv._checks import as_count, as_seconds
 from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.host_tier import HostTier
 from radixkv.scheduler.namespaces import Namespaces
-from radixkv.storage.base import MAX_BATCH, StorageBackend
+from radixkv.storage.base import MAX_BATCH, StorageBackend, takes_parents
 from radixkv.storage.health import Health
 from radixkv.storage.keys import page_keys
 from radixkv.storage.threads import BoundedQuery, drop_queued, serving
@@ -101,6 +101,7 @@ class _Write:
     skipped: bool = False  # writes were left alone before every page was tried
     present: int = 0  # pages from the first that the store had already
     blocks: Optional[np.ndarray] = None  # the pages' blocks, when KV events are on
+    parent: Optional[str] = None  # the key of the page the first extends
     done: threading.Event = field(default_factory=threading.Event)
     started: Optional[float] = None  # when its thread took it (None: still queued)
     stalled: bool = False  # counted as a failed call for running too long
@@ -159,6 +160,7 @@ class _BackendIO:
         self.writes = Health(policy)
         # Reads and writes one at a time where the backend needs it.
         self._one_at_a_time = backend.call_lock()
+        self._parents = takes_parents(backend)
         self.read_jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.write_jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.finished: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -245,15 +247,17 @@ class _BackendIO:
         # host copy made again) are not written twice.
         present = job.present = self.exists(job.keys) or 0
         job.ok = [True] * present
-        for i in range(present, len(job.keys), MAX_BATCH):
+        keys = job.keys
+        for i in range(present, len(keys), MAX_BATCH):
             if self.writes.down():
                 job.skipped = True
                 return
+            batch = keys[i : i + MAX_BATCH]
+            extra: tuple = ()
+            if self._parents:
+                extra = ([keys[i - 1] if i else job.parent, *batch[:-1]],)
             job.ok += self.call(
-                self.writes,
-                self.backend.batch_set,
-                job.keys[i : i + MAX_BATCH],
-                job.pages[i : i + MAX_BATCH],
+                self.writes, self.backend.batch_set, batch, job.pages[i : i + MAX_BATCH], *extra
             )
 
     def _read(self, job: Prefetch) -> None:
@@ -447,18 +451,24 @@ class StorageTier:
             self.tree.finish_storage_write(copy)
             return
         ps = self.page_size
+        # The keys from the page before the first written: that page's key is
+        # the parent of the first (a bounded store removes suffixes first).
+        first = copy.start // ps
+        before = 1 if first else 0
         blocks = None
         if self.events is not None:
             # The blocks hold the pages' chain keys: the chain is hashed once.
-            blocks = self.events.blocks(tokens.to(torch.int32).numpy(), copy.start // ps, ns)
+            blocks = self.events.blocks(tokens.to(torch.int32).numpy(), first - before, ns)
             if self.name_key is not None:
                 keys = _core.keyed_page_keys(np.ascontiguousarray(blocks["key"]), self.name_key)
             else:
                 keys = [bytes(k).hex() for k in blocks["key"]]
+            blocks = blocks[before:]
         else:
-            keys = self.keys_of(tokens, ns)[copy.start // ps :]
+            keys = self.keys_of(tokens, ns)[first - before :]
+        parent = keys[0] if before else None
         pages = host_slots[::ps].div(ps, rounding_mode="floor").tolist()
-        job = _Write(copy, keys, pages, blocks=blocks)
+        job = _Write(copy, keys[before:], pages, blocks=blocks, parent=parent)
         self._writes[job] = None
         self._io.write_jobs.put(job)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from abc import ABC, abstractmethod
 from typing import List, Optional, Sequence
@@ -28,6 +29,15 @@ def _secret(secret) -> Optional[bytes]:
     if len(secret) < 16:
         raise ValueError(f"secret must be at least 16 bytes, got {len(secret)}")
     return bytes(secret)
+
+
+def takes_parents(backend: "StorageBackend") -> bool:
+    """Whether `backend.batch_set` takes `parents=` (a subclass that
+    overrides it without the argument does not)."""
+    try:
+        return "parents" in inspect.signature(backend.batch_set).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 _CALL_LOCKS: dict = {}
@@ -66,7 +76,10 @@ class StorageBackend(ABC):
     scheduler's thread on a thread of its own, waiting a bounded time.
     `concurrent_calls`: whether reads and writes may run at once (the
     tier reads and writes on a thread each); otherwise `call_lock()` makes
-    them take turns.
+    them take turns. A backend whose `batch_set` takes `parents=` (the key
+    of the page each page extends, None for the first of a chain or one not
+    known) gets it from the storage tier (see `takes_parents`): a bounded
+    store uses it to give up suffixes before their prefixes.
     """
 
     blocking_queries = False

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import List, Optional, Sequence
 
-from radixkv.storage.base import StorageBackend
+from radixkv.storage.base import StorageBackend, takes_parents
 
 
 class FaultyStorage(StorageBackend):
@@ -39,6 +39,7 @@ class FaultyStorage(StorageBackend):
         self.name_key, self.tag_key = backend.name_key, backend.tag_key
         self.blocking_queries = backend.blocking_queries
         self.concurrent_calls = backend.concurrent_calls
+        self._parents = takes_parents(backend)
         self._rng_lock = threading.Lock()  # batch_exists may come from another thread
 
     def call_lock(self) -> Optional[threading.Lock]:
@@ -87,12 +88,20 @@ class FaultyStorage(StorageBackend):
                     self.page_view(page).fill_(0xAB)
         return ok
 
-    def batch_set(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
+    def batch_set(
+        self,
+        keys: Sequence[str],
+        host_pages: Sequence[int],
+        parents: Optional[Sequence[Optional[str]]] = None,
+    ) -> List[bool]:
         if self._call_fails():
             return [False] * len(keys)
         fail = [self._random() < self.fail_page for _ in keys]
         todo = [i for i, f in enumerate(fail) if not f]
-        done = self.backend.batch_set([keys[i] for i in todo], [host_pages[i] for i in todo])
+        some: tuple = ([keys[i] for i in todo], [host_pages[i] for i in todo])
+        if parents is not None and self._parents:
+            some += ([parents[i] for i in todo],)
+        done = self.backend.batch_set(*some)
         ok = [False] * len(keys)
         for i, d in zip(todo, done):
             ok[i] = d

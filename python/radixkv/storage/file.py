@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import errno
 import hmac
 import itertools
@@ -11,20 +10,28 @@ import shutil
 import stat
 import struct
 import threading
+import time
 import weakref
 from typing import List, Optional, Sequence
 
 from radixkv._checks import as_count
 from radixkv._core import crc32c
 from radixkv.storage.base import TAG_BYTES, StorageBackend
+from radixkv.storage.page_index import PageIndex
 
-MAGIC = b"RKVPAGE2"
-# magic, key (32 raw bytes), configuration fingerprint (32), payload length, CRC-32C
-HEADER = struct.Struct("<8s32s32sQI")
-# A page of a store with a secret: magic, key, fingerprint, length, and the
-# page's authentication tag (HMAC-SHA-256 over its key and bytes).
-MAGIC_KEYED = b"RKVPAGE3"
-HEADER_KEYED = struct.Struct(f"<8s32s32sQ{TAG_BYTES}s")
+MAGIC = b"RKVPAGE4"
+# magic, key (32 raw bytes), the key of the page it extends (32; zeros: none
+# known), configuration fingerprint (32), payload length, CRC-32C
+HEADER = struct.Struct("<8s32s32s32sQI")
+# A page of a store with a secret: magic, key, parent key, fingerprint,
+# length, and the page's authentication tag (HMAC-SHA-256 over its key and
+# bytes).
+MAGIC_KEYED = b"RKVPAGE5"
+HEADER_KEYED = struct.Struct(f"<8s32s32s32sQ{TAG_BYTES}s")
+# Pages of earlier versions (without the parent key): a start-up scan
+# removes them as pages of another format, not as damaged ones.
+OLD_MAGICS = (b"RKVPAGE2", b"RKVPAGE3")
+NO_PARENT = bytes(32)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Errors that say the entry at a page's path is not a page of ours (a link,
@@ -127,11 +134,20 @@ class FileStorage(StorageBackend):
     plant pages in it; with a `secret` (see StorageBackend) they cannot: a
     page that fails its tag is a miss, counted and removed.
 
-    `max_bytes` bounds what this process knows of (the pages it wrote, and
-    those found when it started): past it, the least recently used of them
-    (written or read) are removed, at start too. Several processes may share
-    the directory; each keeps its own order and bound (so two together may
-    hold twice `max_bytes`), and a page removed under a reader is a miss.
+    `max_bytes` bounds the bytes of the page files this process knows of
+    (the pages it wrote, and those on disk when it started): past it, pages
+    are removed least recently used (written or read) first, but never a
+    page before the pages that extend it (a page's header names the page it
+    extends; a suffix is of no use without its prefix). See PageIndex. At
+    start a thread scans the directory and checks every page's header (its
+    magic, its key against its name, the fingerprint, its length against
+    its size); what fails is removed, and the rest is indexed by the time it
+    was last used (its modification time, which a read renews). The store
+    serves at once: a read checks every page whole anyway. The bound holds
+    from the end of the scan (`wait_indexed`), which removes what exceeds
+    it. Several processes may share the directory; each keeps its own order
+    and bound (so two together may hold twice `max_bytes`), and a page
+    removed under a reader is a miss.
 
     `bounded_queries` (None: when the directory is on a network file system)
     makes the storage tier ask existence queries from the scheduler's thread
@@ -174,16 +190,18 @@ class FileStorage(StorageBackend):
         self._open_top()
         self._tmp_names = itertools.count()
         self.max_bytes = max_bytes
-        self._lru: "collections.OrderedDict[str, int]" = collections.OrderedDict()
-        self._lru_lock = threading.Lock()  # reads and writes come from two threads
-        self._total = 0
-        self.removed_pages = 0
+        self._index = None if max_bytes is None else PageIndex(max_bytes)
+        self.removed_pages = 0  # pages removed to keep the bound (or of an old format)
+        self.index_seconds: Optional[float] = None  # how long the start-up scan took
+        self._indexed = threading.Event()
         if bounded_queries is None:
             bounded_queries = file_system_type(root).split(".")[0] in NETWORK_FILE_SYSTEMS
         self.blocking_queries = bool(bounded_queries)
         self.concurrent_calls = True  # a file per page, written aside and renamed
-        if max_bytes is not None:
-            self._scan()
+        if max_bytes is None:
+            self._indexed.set()
+        else:
+            threading.Thread(target=self._scan, name="radixkv-file-scan", daemon=True).start()
 
     # -- the directories --------------------------------------------------------------
 
@@ -233,28 +251,115 @@ class FileStorage(StorageBackend):
             )
 
     def _scan(self) -> None:
-        """The pages already there, for the bound; and the temporary files of
-        writers that died before they renamed theirs, removed."""
-        found = []
-        for sub in os.scandir(self.directory):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                if entry.name.endswith(".page") and entry.is_file(follow_symlinks=False):
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:  # removed by another process meanwhile
-                        continue
-                    found.append((st.st_mtime_ns, entry.path, st.st_size))
-                elif entry.name.endswith(".tmp") and not _writer_alive(entry.name):
-                    try:
-                        os.unlink(entry.path)
-                    except OSError:
-                        pass
-        for _, path, size in sorted(found):
-            self._lru[path] = size
-            self._total += size
-        self._trim()
+        """Indexes the pages already there (their headers checked), removes
+        what is not a page of ours and the temporary files of writers that
+        died before they renamed theirs; then the bound holds."""
+        started = time.monotonic()
+        try:
+            for sub in os.scandir(self.directory):
+                if self._top < 0:  # closed
+                    return
+                if sub.is_dir(follow_symlinks=False):
+                    for entry in os.scandir(sub.path):
+                        self._scan_entry(entry)
+        except OSError:
+            self.count_error()
+        finally:
+            index = self._index
+            if index is not None and self._top >= 0:
+                self._remove_all(index.complete())
+            self.index_seconds = time.monotonic() - started
+            self._indexed.set()
+
+    def _scan_entry(self, entry: os.DirEntry) -> None:
+        name = entry.name
+        if name.endswith(".tmp"):
+            if not _writer_alive(name):
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+            return
+        key = name[:-5] if name.endswith(".page") else ""
+        try:
+            raw_key = bytes.fromhex(key)
+        except ValueError:
+            raw_key = b""
+        if len(raw_key) != 32:
+            return  # not a page's name: another program's file, left alone
+        header = self._header
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:  # removed by another process meanwhile
+            return
+        except OSError as e:
+            if e.errno in _BAD_ENTRY:
+                self._drop_entry(entry.path)
+            else:
+                self.count_error()
+            return
+        st, head = None, b""
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                head = os.read(fd, header.size)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        if st is None:
+            self.count_error()
+            return
+        if head[:8] in OLD_MAGICS and (self.shared or st.st_uid == self._uid):
+            self._remove_all([raw_key])  # a page of an earlier version
+            return
+        fields = header.unpack(head) if len(head) == header.size else None
+        if fields is None or not self._ours(st):
+            self._drop_entry(entry.path)
+            return
+        magic, in_key, parent, fingerprint, length, _ = fields
+        if (
+            magic != (MAGIC_KEYED if self.keyed else MAGIC)
+            or in_key != raw_key
+            or fingerprint != self.fingerprint
+            or st.st_size != header.size + length
+            or (self.page_bytes and length != self.page_bytes)
+        ):
+            self._drop_entry(entry.path)
+            return
+        index = self._index
+        if index is not None:
+            parent = None if parent == NO_PARENT else parent
+            index.add(raw_key, st.st_size, parent, st.st_mtime_ns, if_absent=True)
+
+    def _drop_entry(self, path: str) -> None:
+        """An entry the scan found that is not a page of ours: removed."""
+        self.count_corrupt()
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+
+    def _remove_all(self, raw_keys: List[bytes]) -> None:
+        """Removes the page files of `raw_keys` (given up by the index)."""
+        for raw in raw_keys:
+            try:
+                os.unlink(self.path(raw.hex()))
+                self.removed_pages += 1
+            except OSError:
+                pass
+
+    def wait_indexed(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the start-up scan: whether it is done (the bound holds)."""
+        return self._indexed.wait(timeout)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the page files in the index (0 without `max_bytes`)."""
+        return 0 if self._index is None else self._index.total
 
     def path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], key + ".page")
@@ -366,7 +471,7 @@ class FileStorage(StorageBackend):
                         os.unlink(path)
                     except OSError:
                         pass
-                    self._forget(path)
+                    self._forget(key)
                 return i
         return len(keys)
 
@@ -381,7 +486,7 @@ class FileStorage(StorageBackend):
                 at[1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=at[0]
             )
         except (FileNotFoundError, NotADirectoryError):
-            self._forget(self.path(key))
+            self._forget(key)
             return None
         except OSError as e:  # a symlink (ELOOP), EACCES, EIO, ...: this entry only
             if e.errno in _BAD_ENTRY:
@@ -412,7 +517,7 @@ class FileStorage(StorageBackend):
             if at is None:
                 if not again and self._reopened():
                     continue
-                self._forget(self.path(key))
+                self._forget(key)
                 return False
             try:
                 return self._read(key, page, at)
@@ -447,7 +552,7 @@ class FileStorage(StorageBackend):
                 head = f.read(header.size)
                 if len(head) != header.size:
                     return self._bad_entry(key, at)
-                magic, raw_key, fingerprint, length, check = header.unpack(head)
+                magic, raw_key, _, fingerprint, length, check = header.unpack(head)
                 if (
                     magic != (MAGIC_KEYED if self.keyed else MAGIC)
                     or raw_key != bytes.fromhex(key)
@@ -457,6 +562,12 @@ class FileStorage(StorageBackend):
                     return self._bad_entry(key, at)
                 if f.readinto(view) != length or f.read(1):
                     return self._bad_entry(key, at)
+                if self._index is not None:
+                    tick = self._index.tick()
+                    try:  # the time of its last use, for the order after a restart
+                        os.utime(f.fileno(), ns=(tick, tick))
+                    except OSError:
+                        pass
         except OSError as e:  # EIO on this file
             if e.errno in _BAD_ENTRY:
                 return self._bad_entry(key, at)
@@ -467,10 +578,8 @@ class FileStorage(StorageBackend):
                 return self._bad_entry(key, at)
         elif crc32c(view) != check:
             return self._bad_entry(key, at)
-        path = self.path(key)
-        with self._lru_lock:
-            if path in self._lru:
-                self._lru.move_to_end(path)
+        if self._index is not None:
+            self._index.touch(bytes.fromhex(key), tick)
         return True
 
     def _bad_entry(self, key: str, at) -> bool:
@@ -480,7 +589,7 @@ class FileStorage(StorageBackend):
         self.count_corrupt()
         if not self._remove(key, at):
             self.count_error()
-        self._forget(self.path(key))
+        self._forget(key)
         return False
 
     def _remove(self, key: str, at) -> bool:
@@ -495,36 +604,56 @@ class FileStorage(StorageBackend):
             return False
         return True
 
-    def _forget(self, path: str) -> None:
-        with self._lru_lock:
-            if path in self._lru:  # removed, by us or another process
-                self._total -= self._lru.pop(path)
+    def _forget(self, key: str) -> None:
+        """Page `key` is gone (removed by another process, or bad)."""
+        if self._index is not None:
+            self._index.discard(bytes.fromhex(key))
 
     # -- writes ------------------------------------------------------------------------
 
-    def batch_set(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
-        return [self._set(k, p) for k, p in zip(keys, host_pages)]
+    def batch_set(
+        self,
+        keys: Sequence[str],
+        host_pages: Sequence[int],
+        parents: Optional[Sequence[Optional[str]]] = None,
+    ) -> List[bool]:
+        """(`parents[i]`: the key of the page `keys[i]` extends, None for
+        none known; it goes into the page's header, for the bound's order.)"""
+        if parents is None:
+            parents = [None] * len(keys)
+        elif len(parents) != len(keys):
+            raise ValueError(f"parents has {len(parents)} keys but keys has {len(keys)}")
+        return [self._set(k, p, up) for k, p, up in zip(keys, host_pages, parents)]
 
-    def _set(self, key: str, page: int) -> bool:
+    def _set(self, key: str, page: int, parent: Optional[str] = None) -> bool:
         view = self.page_view(page).numpy().data  # (a memoryview of the page)
+        raw_parent = NO_PARENT if parent is None else bytes.fromhex(parent)
         if self.keyed:
             header = HEADER_KEYED.pack(
                 MAGIC_KEYED,
                 bytes.fromhex(key),
+                raw_parent,
                 self.fingerprint,
                 self.page_bytes,
                 self.tag(key, view),
             )
         else:
             header = HEADER.pack(
-                MAGIC, bytes.fromhex(key), self.fingerprint, self.page_bytes, crc32c(view)
+                MAGIC,
+                bytes.fromhex(key),
+                raw_parent,
+                self.fingerprint,
+                self.page_bytes,
+                crc32c(view),
             )
         if self._top < 0:  # closed
             self.count_error()
             return False
+        index = self._index
+        tick = None if index is None else index.tick()
         for again in (False, True):
             try:
-                self._write(key, header, view)
+                self._write(key, header, view, tick)
                 break
             except (FileNotFoundError, NotADirectoryError):
                 # Its directory (or the store's) was deleted under us: made
@@ -542,12 +671,14 @@ class FileStorage(StorageBackend):
             except OSError:
                 self.count_error()
                 return False
-        if self.max_bytes is not None:
-            self._account(self.path(key), self.file_bytes)
+        if index is not None:
+            up = None if parent is None else raw_parent
+            self._remove_all(index.add(bytes.fromhex(key), self.file_bytes, up, tick))
         return True
 
-    def _write(self, key: str, header: bytes, view) -> None:
-        """The page file of `key`: written under a temporary name, renamed."""
+    def _write(self, key: str, header: bytes, view, tick: Optional[int]) -> None:
+        """The page file of `key`: written under a temporary name (modified
+        at `tick`, when given), renamed."""
         at = self._where(key, create=True)
         dir_fd, name, close = at
         tmp = f"{name}.{os.getpid()}.{next(self._tmp_names)}.tmp"
@@ -564,6 +695,9 @@ class FileStorage(StorageBackend):
                 with open(fd, "wb") as f:
                     f.write(header)
                     f.write(view)
+                    if tick is not None:
+                        f.flush()
+                        os.utime(fd, ns=(tick, tick))
                 self._replace(key, tmp, at)
             except BaseException:
                 try:
@@ -594,24 +728,3 @@ class FileStorage(StorageBackend):
         self._top = -1
         for closer in self._top_closers:
             closer()
-
-    def _account(self, path: str, size: int) -> None:
-        with self._lru_lock:
-            if path in self._lru:
-                self._total -= self._lru.pop(path)
-            self._lru[path] = size
-            self._total += size
-            self._trim(keep=1)
-
-    def _trim(self, keep: int = 0) -> None:
-        limit = self.max_bytes
-        if limit is None:  # called only for a bounded store
-            raise RuntimeError("_trim() needs max_bytes")
-        while self._total > limit and len(self._lru) > keep:
-            old, old_size = self._lru.popitem(last=False)
-            self._total -= old_size
-            try:
-                os.unlink(old)
-                self.removed_pages += 1
-            except OSError:
-                pass

@@ -1,0 +1,197 @@
+"""What a bounded page store knows of its pages: their bytes, when each was
+last used, and which page each extends, so that it can give pages up least
+recently used first and never a page before the pages that extend it."""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+
+class PageIndex:
+    """The pages of a store bounded to `max_bytes`, by raw key (32 bytes).
+
+    A page's key covers its whole prefix (the key chain), so a page is of use
+    only while the page it extends (its parent) is in the store too. The
+    index therefore gives up only *leaves*, pages that no page in the store
+    extends: the least recently used leaf first. Giving one up may make its
+    parent a leaf. A page whose parent is unknown (not given, or not in the
+    store) is a root.
+
+    Each page has a tick (nanoseconds of wall time, increasing): a page found
+    on disk at start-up gets its modification time, a page written or read
+    gets the current time. Leaves wait in a min-heap of (tick, key); an
+    entry is stale once the page was used again, extended or given up, and is
+    dropped when it comes up (the heap is rebuilt when it holds more than
+    twice the pages). Adding, using and giving up a page cost O(log n).
+
+    Thread-safe: a store's reader and writer threads and its start-up scan
+    share one index.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.total = 0  # bytes of the pages in the index
+        self._lock = threading.Lock()
+        # key -> (tick, size, parent key or None)
+        self._pages: Dict[bytes, Tuple[int, int, Optional[bytes]]] = {}
+        # key -> how many pages in the index extend it (kept while the key
+        # itself is absent: its children are still there when it comes back)
+        self._children: Dict[bytes, int] = {}
+        self._leaves: List[Tuple[int, bytes]] = []
+        self._last_tick = 0
+        # Until the store's start-up scan has found every page, a page may
+        # look like a leaf only because the pages extending it are not found
+        # yet: nothing is given up before `complete()`.
+        self._complete = False
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._pages
+
+    def tick(self) -> int:
+        """A tick after every tick so far: now, in nanoseconds of wall time
+        (a store writes it as the page file's modification time, so the
+        order of use is the same after a restart)."""
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> int:
+        tick = self._last_tick = max(self._last_tick + 1, time.time_ns())
+        return tick
+
+    def _push(self, key: bytes, tick: int) -> None:
+        heapq.heappush(self._leaves, (tick, key))
+        if len(self._leaves) > 2 * len(self._pages) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The heap of leaves without its stale entries."""
+        children = self._children
+        self._leaves = [(entry[0], k) for k, entry in self._pages.items() if not children.get(k)]
+        heapq.heapify(self._leaves)
+
+    def add(
+        self,
+        key: bytes,
+        size: int,
+        parent: Optional[bytes] = None,
+        tick: Optional[int] = None,
+        *,
+        if_absent: bool = False,
+    ) -> List[bytes]:
+        """Records page `key` of `size` bytes extending `parent`, used at
+        `tick` (None: now), then gives up pages until the index fits its
+        bound. With `if_absent`, a page already known is left as it is (what
+        a start-up scan finds after a write came first). The keys given up,
+        for the caller to remove: they may include `key` itself, when the
+        bound cannot hold it with its prefix."""
+        with self._lock:
+            entry = self._pages.get(key)
+            if entry is not None:
+                if if_absent:
+                    return []
+                self.total += size - entry[1]
+                if tick is None:
+                    tick = self._tick()
+                else:
+                    self._last_tick = max(self._last_tick, tick)
+                self._pages[key] = (tick, size, entry[2])
+            else:
+                if tick is None:
+                    tick = self._tick()
+                else:
+                    self._last_tick = max(self._last_tick, tick)
+                if parent == key:
+                    parent = None
+                self._pages[key] = (tick, size, parent)
+                self.total += size
+                if parent is not None:
+                    self._children[parent] = self._children.get(parent, 0) + 1
+            if not self._children.get(key):
+                self._push(key, tick)
+            return self._trim()
+
+    def touch(self, key: bytes, tick: Optional[int] = None) -> None:
+        """Page `key` was read (at `tick`, None: now): it is now the most
+        recently used."""
+        with self._lock:
+            entry = self._pages.get(key)
+            if entry is not None:
+                if tick is None:
+                    tick = self._tick()
+                else:
+                    self._last_tick = max(self._last_tick, tick)
+                self._pages[key] = (tick, entry[1], entry[2])
+                if not self._children.get(key):
+                    self._push(key, tick)
+
+    def discard(self, key: bytes) -> None:
+        """Page `key` is gone from the store (removed by another process,
+        found damaged): it leaves the index."""
+        with self._lock:
+            self._drop(key)
+
+    def trim(self) -> List[bytes]:
+        """Gives up pages until the index fits its bound: their keys."""
+        with self._lock:
+            return self._trim()
+
+    def _drop(self, key: bytes) -> bool:
+        entry = self._pages.pop(key, None)
+        if entry is None:
+            return False
+        self.total -= entry[1]
+        parent = entry[2]
+        if parent is not None:
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
+            else:
+                del self._children[parent]
+                up = self._pages.get(parent)
+                if up is not None:  # the parent is a leaf now
+                    self._push(parent, up[0])
+        return True
+
+    def complete(self) -> List[bytes]:
+        """Every page of the store is in the index now: it gives up what
+        exceeds the bound (the keys, for the caller to remove)."""
+        with self._lock:
+            self._complete = True
+            self._compact()  # the scan pushed every page it found
+            return self._trim()
+
+    def _trim(self) -> List[bytes]:
+        gone: List[bytes] = []
+        if not self._complete:
+            return gone
+        while self.total > self.max_bytes and self._pages:
+            if self._leaves:
+                tick, key = heapq.heappop(self._leaves)
+                entry = self._pages.get(key)
+                if entry is None or entry[0] != tick or self._children.get(key):
+                    continue  # stale: used again, extended or given up since
+            else:
+                # Pages but no leaf: parents read from damaged or planted
+                # headers made a cycle. The least recently used page goes.
+                key = min(self._pages, key=lambda k: self._pages[k][0])
+            self._drop(key)
+            gone.append(key)
+        return gone
+
+    def leaves_first(self) -> List[bytes]:
+        """Every key, in the order the index would give them up (for tests:
+        it empties a copy)."""
+        with self._lock:
+            copy = PageIndex(-1)
+            copy._complete = True
+            copy._pages = dict(self._pages)
+            copy._children = dict(self._children)
+            copy._leaves = list(self._leaves)
+            copy.total = self.total
+            return copy._trim()

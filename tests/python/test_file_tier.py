@@ -1,0 +1,219 @@
+"""The file store as a restart-safe, bounded disk tier: its index gives up the
+least recently used page that no stored page extends (checked against a
+model), the start-up scan indexes only pages whose headers check out, the
+order of use survives a restart, and a restarted engine gets its hits back
+within a smaller bound with no suffix left without its prefix."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from storage_env import PAGE, Instance, fingerprint, host_pool, keys, prompt
+
+from radixkv.storage import FileStorage
+from radixkv.storage.file import HEADER, OLD_MAGICS
+from radixkv.storage.page_index import PageIndex
+
+# -- the index against a model ------------------------------------------------------
+
+
+class Model:
+    """The index's rule written plainly: pages with a use order and a
+    parent; past the bound, the least recently used page no page extends
+    goes (with no such page, the least recently used of all)."""
+
+    def __init__(self, limit):
+        self.limit, self.pages, self.clock = limit, {}, 0
+
+    def _now(self):
+        self.clock += 1
+        return self.clock
+
+    def add(self, key, size, parent):
+        if key in self.pages:
+            self.pages[key][0], self.pages[key][1] = self._now(), size
+        else:
+            self.pages[key] = [self._now(), size, None if parent == key else parent]
+        return self.trim()
+
+    def touch(self, key):
+        if key in self.pages:
+            self.pages[key][0] = self._now()
+
+    def trim(self):
+        gone = []
+        while sum(p[1] for p in self.pages.values()) > self.limit and self.pages:
+            extended = {p[2] for p in self.pages.values()}
+            leaves = [k for k in self.pages if k not in extended] or list(self.pages)
+            victim = min(leaves, key=lambda k: self.pages[k][0])
+            del self.pages[victim]
+            gone.append(victim)
+        return gone
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add", "add", "touch", "discard"]),
+        st.integers(0, 11),  # the key
+        st.integers(0, 12),  # the parent (12: none)
+        st.integers(1, 3),  # the size
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limit=st.integers(0, 12), ops=OPS)
+def test_the_index_gives_up_what_the_model_does(limit, ops):
+    index, model = PageIndex(limit), Model(limit)
+    assert index.complete() == []
+    names = [bytes([i]) * 32 for i in range(13)]
+    for op, k, p, size in ops:
+        key = names[k]
+        parent = names[p] if p < 12 and names[p] in model.pages else None
+        if op == "add":
+            gone = index.add(key, size, parent)
+            assert gone == model.add(key, size, parent)
+        elif op == "touch":
+            index.touch(key)
+            model.touch(key)
+        else:
+            index.discard(key)
+            model.pages.pop(key, None)
+        assert set(model.pages) == {n for n in names if n in index}
+        assert index.total == sum(p[1] for p in model.pages.values()) <= max(limit, 0)
+
+
+def test_a_prefix_outlives_its_suffixes_however_recently_it_was_used():
+    index = PageIndex(4)
+    index.complete()
+    a, b, c, d = (bytes([i]) * 32 for i in range(4))
+    assert index.add(a, 1) == [] and index.add(b, 1, a) == [] and index.add(c, 1, b) == []
+    assert index.add(d, 1) == []
+    index.touch(d)  # a is the least recently used page, c the least recent leaf
+    assert index.add(bytes([9]) * 32, 1) == [c]
+    assert index.leaves_first() == [b, a, d, bytes([9]) * 32]
+
+
+def test_nothing_is_given_up_before_the_scan_has_found_every_page():
+    index = PageIndex(1)
+    a, b = bytes([1]) * 32, bytes([2]) * 32
+    assert index.add(b, 1, a, tick=20, if_absent=True) == []  # the suffix is found first
+    assert index.add(a, 1, None, tick=10, if_absent=True) == []  # over the bound, kept
+    assert index.add(a, 5, None, tick=30, if_absent=True) == []  # known: left as it is
+    assert index.total == 2
+    assert index.complete() == [b]  # the older prefix stays, its suffix goes
+
+
+# -- the file store -----------------------------------------------------------------
+
+PAGE_FILE = HEADER.size + host_pool().kv_buffer.numel() * 2 // 8
+
+
+def bounded(path, pages):
+    fs = FileStorage(str(path), fingerprint(), max_bytes=pages * PAGE_FILE)
+    fs.attach(host_pool())
+    assert fs.wait_indexed(30)
+    return fs
+
+
+def on_disk(fs, ks):
+    return [os.path.exists(fs.path(k)) for k in ks]
+
+
+def test_suffixes_go_before_their_prefixes_and_the_order_survives_a_restart(tmp_path):
+    fs = bounded(tmp_path, 4)
+    chain, other = keys(3, "chain"), keys(2, "other")
+    assert fs.batch_set(chain, [0, 1, 2], parents=[None, chain[0], chain[1]]) == [True] * 3
+    assert fs.batch_set(other[:1], [3]) == [True]
+    assert fs.batch_get(chain[:1], [7]) == [True]  # the prefix is the most recently used
+    assert fs.batch_set(other[1:], [4]) == [True]  # one over: the chain's last page goes
+    assert on_disk(fs, chain + other) == [True, True, False, True, True]
+    assert fs.removed_pages == 1 and fs.stored_bytes == 4 * PAGE_FILE
+    fs.close()
+    # Restarted with room for two: the scan finds the headers' parents, and the
+    # modification times the reads renewed.
+    again = bounded(tmp_path, 2)
+    assert on_disk(again, chain + other) == [True, False, False, False, True]
+    assert again.stored_bytes == 2 * PAGE_FILE and again.index_seconds is not None
+
+
+def test_the_scan_indexes_only_pages_whose_headers_check_out(tmp_path):
+    fs = bounded(tmp_path, 100)
+    good = keys(6, "good")
+    assert fs.batch_set(good, list(range(6)), parents=[None, *good[:-1]]) == [True] * 6
+    fs.close()
+    with open(fs.path(good[1]), "r+b") as f:  # another configuration's fingerprint
+        f.seek(8 + 32 + 32)
+        f.write(bytes(32))
+    with open(fs.path(good[2]), "r+b") as f:  # truncated
+        f.truncate(HEADER.size + 3)
+    with open(fs.path(good[3]), "r+b") as f:  # a page of an earlier version
+        f.write(OLD_MAGICS[0])
+    os.replace(fs.path(good[4]), fs.path(good[0])[:-7] + "00.page")  # under another name
+    stray = os.path.join(os.path.dirname(fs.path(good[0])), "notes.txt")
+    open(stray, "w").close()
+    again = bounded(tmp_path, 100)
+    assert again.stored_bytes == 2 * PAGE_FILE  # good[0] and good[5]
+    assert on_disk(again, good) == [True, False, False, False, False, True]
+    assert again.corrupt_pages == 3 and again.removed_pages == 1  # the old page is no fault
+    assert os.path.exists(stray)  # not a page's name: not ours to remove
+    assert again.batch_get(good[5:], [0]) == [True]
+
+
+def test_a_store_serves_while_its_scan_runs(tmp_path):
+    fs = bounded(tmp_path, 1000)
+    ks = keys(40)
+    for i in range(0, 40, 8):
+        fs.batch_set(ks[i : i + 8], list(range(8)))
+    fs.close()
+    again = FileStorage(str(tmp_path), fingerprint(), max_bytes=10 * PAGE_FILE)
+    again.attach(host_pool())
+    assert again.batch_get(ks[:1], [0]) == [True]  # at once, scan or not
+    assert again.wait_indexed(30)
+    assert again.stored_bytes == 10 * PAGE_FILE and sum(on_disk(again, ks)) == 10
+
+
+def test_parents_must_match_the_keys(tmp_path):
+    fs = bounded(tmp_path, 4)
+    with pytest.raises(ValueError, match="parents"):
+        fs.batch_set(keys(2), [0, 1], parents=[None])
+    assert fs.stored_bytes == 0
+
+
+# -- an engine restarted on its disk tier ---------------------------------------------
+
+
+def test_a_restarted_engine_gets_its_hits_back_within_a_smaller_bound(tmp_path):
+    prompts = [prompt(700 + i, 5) for i in range(6)]
+    a = Instance(FileStorage(str(tmp_path), fingerprint(), max_bytes=64 * PAGE_FILE))
+    assert a.cm._storage.backend.wait_indexed(30)
+    for ids in prompts:
+        a.serve(ids)
+    a.evict_everything()
+    for ids in prompts[:2]:  # the first two are read back from the store, last
+        assert a.serve(ids)[2] == 5 * PAGE
+    a.close()
+    b_store = FileStorage(str(tmp_path), fingerprint(), max_bytes=12 * PAGE_FILE)
+    b = Instance(b_store)
+    assert b_store.wait_indexed(30) and b_store.stored_bytes <= 12 * PAGE_FILE
+    tier = b.cm._storage
+    for ids in prompts:
+        present = on_disk(b_store, tier.keys_of(ids))
+        # What is left of each prompt is a prefix: no suffix lost its prefix.
+        assert present == sorted(present, reverse=True), present
+    for ids in prompts[:2]:  # the pages used last came back whole
+        assert all(on_disk(b_store, tier.keys_of(ids)))
+        device, host, fetched = b.serve(ids)
+        assert device == 0 and fetched == 5 * PAGE  # every row checked by serve()
+    b.close()
+
+
+def test_an_unbounded_store_is_not_scanned(tmp_path):
+    fs = FileStorage(str(tmp_path), fingerprint())
+    assert fs.wait_indexed(0) and fs.index_seconds is None and fs.stored_bytes == 0
+    fs.attach(host_pool())
+    assert fs.batch_set(keys(1), [0], parents=[None]) == [True]
+    assert torch.equal(torch.tensor(on_disk(fs, keys(1))), torch.tensor([True]))
