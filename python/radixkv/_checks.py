@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Optional
 
+import numpy as np
 import torch
 
 from radixkv import _core
@@ -86,8 +88,9 @@ def int32_tensor(values, name: str, device: torch.device) -> torch.Tensor:
 
 def as_seconds(value, name: str, *, positive: bool = False) -> float:
     """`value` as a finite number of seconds >= 0 (> 0 when `positive`):
-    ints and floats, not bools; TypeError or ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    real numbers (NumPy's too), not bools; TypeError or ValueError naming
+    `name`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value) or value < 0 or (positive and value == 0):

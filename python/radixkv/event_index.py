@@ -25,9 +25,9 @@ removals); an index keeps the DISK blocks it was told of across a resync.
 
 from __future__ import annotations
 
-import numbers
 from typing import Dict, Optional, Set
 
+from radixkv._checks import as_seconds
 from radixkv.events import (
     SNAPSHOT_REQUEST,
     AllBlocksCleared,
@@ -66,13 +66,8 @@ class EventIndex:
 
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
-        if isinstance(resync_timeout_s, bool) or not isinstance(
-            resync_timeout_s, (int, float, numbers.Real)
-        ):
-            raise TypeError(
-                f"resync_timeout_s must be a number of seconds, got {type(resync_timeout_s).__name__}"
-            )
-        if not (0 < resync_timeout_s < 2**31 / 1000):
+        resync_timeout_s = as_seconds(resync_timeout_s, "resync_timeout_s", positive=True)
+        if resync_timeout_s >= 2**31 / 1000:
             raise ValueError(
                 f"resync_timeout_s must be > 0 and below 2**31 ms, got {resync_timeout_s!r}"
             )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union, cast
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple, Union, cast
 
 import numpy as np
 import torch
@@ -242,8 +242,7 @@ class CacheManager:
                 ids = to_host(input_ids, "input_ids", self.device)  # (refuses other devices)
                 handle, indices = tree.match_prefix(ids, 0, True)
                 self._count_match(n - 1, handle)
-                if self._retention is not None and self._retention.refreshing:
-                    self._retention.hit(handle)
+                self._refresh_claims((handle,))
                 return handle, indices
         ids = int32_tensor(input_ids, "input_ids", self.device)
         n = ids.shape[0]  # (a tensor's len() is a Python call)
@@ -252,8 +251,7 @@ class CacheManager:
         ns = self._namespaces.id(namespace)
         handle, indices = self.manager.match_prefix(ids[:-1], ns)
         self._count_match(n - 1, handle)
-        if self._retention is not None and self._retention.refreshing:
-            self._retention.hit(handle)
+        self._refresh_claims((handle,))
         if self._tiers.backs_up_on_match:
             self._tiers.back_up(ids[:-1], ns)
         return handle, indices
@@ -267,6 +265,13 @@ class CacheManager:
             and (namespace is None or (type(namespace) is int and namespace == 0))
             and not self._tiers.backs_up_on_match
         )
+
+    def _refresh_claims(self, handles: Iterable[BaseCacheHandle]) -> None:
+        """Claims that refresh on a hit see the paths of `handles` matched."""
+        retention = self._retention
+        if retention is not None and retention.refreshing:
+            for handle in handles:
+                retention.hit(handle)
 
     def _count_match(self, tokens: int, handle: BaseCacheHandle) -> None:
         self._queries += 1
@@ -334,8 +339,7 @@ class CacheManager:
         )
         for x, (handle, _) in zip(ids, out):
             self._count_match(x.shape[0] - 1, handle)
-            if self._retention is not None and self._retention.refreshing:
-                self._retention.hit(handle)
+        self._refresh_claims(handle for handle, _ in out)
         if self._tiers.backs_up_on_match:
             for x, ns in zip(ids, spaces):
                 self._tiers.back_up(x[:-1], ns)
@@ -362,9 +366,7 @@ class CacheManager:
         for handle in handles:
             device += handle.cached_len
             host += handle.host_hit_len
-        if self._retention is not None and self._retention.refreshing:
-            for handle in handles:
-                self._retention.hit(handle)
+        self._refresh_claims(handles)
         self._queries += len(batch)
         self._query_tokens += tokens
         self._device_hits += device

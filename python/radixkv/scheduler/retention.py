@@ -16,12 +16,10 @@ deadline is never honoured, and one before it always is.
 from __future__ import annotations
 
 import heapq
-import math
-import numbers
 from typing import Callable, Dict, List, Optional, Tuple, cast
 
-import numpy as np
 
+from radixkv._checks import as_seconds
 from radixkv import _core
 
 TIERS = ("device", "host")
@@ -229,11 +227,4 @@ class Retention:
 
 def check_ttl(ttl_s) -> Optional[float]:
     """None, or a positive finite number of seconds."""
-    if ttl_s is None:
-        return None
-    if isinstance(ttl_s, (bool, np.bool_)) or not isinstance(ttl_s, numbers.Real):
-        raise TypeError(f"ttl_s must be a number of seconds or None, got {type(ttl_s).__name__}")
-    ttl = float(ttl_s)
-    if not (ttl > 0 and math.isfinite(ttl)):
-        raise ValueError(f"ttl_s must be > 0 and finite, got {ttl_s!r}")
-    return ttl
+    return None if ttl_s is None else as_seconds(ttl_s, "ttl_s", positive=True)
