@@ -172,14 +172,7 @@ class EventIndex:
         return 1
 
     def _events(self, batch: KVEventBatch) -> None:
-        blocks = self.blocks
-        for e in batch.events:
-            if isinstance(e, BlockStored):
-                blocks.setdefault(e.medium or MEDIUM_GPU, set()).update(e.block_hashes)
-            elif isinstance(e, BlockRemoved):
-                blocks.get(e.medium or MEDIUM_GPU, set()).difference_update(e.block_hashes)
-            elif isinstance(e, AllBlocksCleared):
-                blocks.pop(MEDIUM_GPU, None)
+        apply_events(self.blocks, batch.events)
 
     def view(self) -> Dict[str, Set[int]]:
         """The blocks per medium, empty media left out."""
@@ -199,10 +192,19 @@ class EventIndex:
         self.close()
 
 
+def apply_events(blocks: Dict[str, Set[int]], events) -> None:
+    """Applies `events` to `blocks` (the block hashes per medium)."""
+    for e in events:
+        if isinstance(e, BlockStored):
+            blocks.setdefault(e.medium or MEDIUM_GPU, set()).update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            blocks.get(e.medium or MEDIUM_GPU, set()).difference_update(e.block_hashes)
+        elif isinstance(e, AllBlocksCleared):
+            blocks.pop(MEDIUM_GPU, None)
+
+
 def snapshot_view(payload: bytes) -> Dict[str, Set[int]]:
     """The blocks per medium of a snapshot's payload (`CacheManager.kv_snapshot`)."""
     blocks: Dict[str, Set[int]] = {}
-    for e in decode_batch(payload).events:
-        if isinstance(e, BlockStored):
-            blocks.setdefault(e.medium or MEDIUM_GPU, set()).update(e.block_hashes)
+    apply_events(blocks, decode_batch(payload).events)
     return blocks
