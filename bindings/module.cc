@@ -26,6 +26,7 @@
 #include "radixkv/compare.h"
 #include "radixkv/event_pack.h"
 #include "radixkv/page_allocator.h"
+#include "radixkv/page_codec.h"
 #include "radixkv/page_hash.h"
 #include "radixkv/radix_tree.h"
 #include "radixkv/request_steps.h"
@@ -1156,6 +1157,79 @@ uint32_t Crc32c(py::handle data, uint32_t value) {
   return radixkv::Crc32c(view.buf, n, value);
 }
 
+// A contiguous buffer exported for the length of a call (held while the GIL is
+// released); `writable` asks for one the call may write.
+class Buffer {
+ public:
+  Buffer(py::handle obj, const char* name, bool writable) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0) {
+      PyErr_Clear();
+      CHECK_TYPE(false, name, " must be a contiguous", writable ? " writable" : "",
+                 " buffer (bytes, memoryview, numpy array)");
+    }
+  }
+  ~Buffer() { PyBuffer_Release(&view_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  char* data() const { return static_cast<char*>(view_.buf); }
+  int64_t size() const { return view_.len; }
+
+ private:
+  Py_buffer view_;
+};
+
+radixkv::PageCodecShape CodecShape(int64_t planes, int64_t rows, int64_t heads, int64_t head_dim,
+                                   const std::string& dtype, int64_t rest_bytes) {
+  CHECK_VALUE(planes >= 1 && rows >= 1 && heads >= 1 && head_dim >= 1 && rest_bytes >= 0,
+              "shape: planes, rows, heads and head_dim must be >= 1 and rest_bytes >= 0");
+  radixkv::SourceFloat type = dtype == "float32"    ? radixkv::SourceFloat::kFloat32
+                              : dtype == "float16"  ? radixkv::SourceFloat::kFloat16
+                              : dtype == "bfloat16" ? radixkv::SourceFloat::kBFloat16
+                                                    : radixkv::SourceFloat::kNone;
+  CHECK_VALUE(type != radixkv::SourceFloat::kNone,
+              "dtype must be float32, float16 or bfloat16, got '", dtype, "'");
+  const int64_t limit = int64_t{1} << 40;
+  CHECK_VALUE(planes <= limit / rows && planes * rows <= limit / heads &&
+                  planes * rows * heads <= limit / head_dim && rest_bytes <= limit,
+              "shape: a page of more than 2^40 elements");
+  return {planes, rows, heads, head_dim, type, rest_bytes};
+}
+
+// The float8 page codec (page_codec.h) between two buffers of the sizes the
+// shape gives; the GIL is released while it runs.
+void CodecPage(py::handle src, py::handle dst, const radixkv::PageCodecShape& shape, bool encode) {
+  Buffer in(src, encode ? "page" : "data", false);
+  Buffer out(dst, encode ? "out" : "page", true);
+  const int64_t raw = radixkv::RawPageBytes(shape), packed = radixkv::Float8PageBytes(shape);
+  CHECK_VALUE(in.size() == (encode ? raw : packed), encode ? "page" : "data", " has ", in.size(),
+              " bytes, the shape needs ", encode ? raw : packed);
+  CHECK_VALUE(out.size() == (encode ? packed : raw), encode ? "out" : "page", " has ", out.size(),
+              " bytes, the shape needs ", encode ? packed : raw);
+  CHECK_VALUE(out.data() + out.size() <= in.data() || in.data() + in.size() <= out.data(),
+              encode ? "out" : "page", " overlaps ", encode ? "page" : "data");
+  py::gil_scoped_release nogil;
+  if (encode) {
+    radixkv::EncodeFloat8Page(in.data(), shape, out.data());
+  } else {
+    radixkv::DecodeFloat8Page(in.data(), shape, out.data());
+  }
+}
+
+void EncodeFloat8Page(py::handle page, py::handle out, int64_t planes, int64_t rows, int64_t heads,
+                      int64_t head_dim, const std::string& dtype, int64_t rest_bytes) {
+  CodecPage(page, out, CodecShape(planes, rows, heads, head_dim, dtype, rest_bytes), true);
+}
+
+void DecodeFloat8Page(py::handle data, py::handle page, int64_t planes, int64_t rows, int64_t heads,
+                      int64_t head_dim, const std::string& dtype, int64_t rest_bytes) {
+  CodecPage(data, page, CodecShape(planes, rows, heads, head_dim, dtype, rest_bytes), false);
+}
+
+int64_t Float8PageBytes(int64_t planes, int64_t rows, int64_t heads, int64_t head_dim,
+                        const std::string& dtype, int64_t rest_bytes) {
+  return radixkv::Float8PageBytes(CodecShape(planes, rows, heads, head_dim, dtype, rest_bytes));
+}
+
 // 32-byte keys back to back as a list of hex strings (a store's keys).
 py::list HexKeys(const uint8_t* keys, int64_t n) {
   static const char kHex[] = "0123456789abcdef";
@@ -1637,6 +1711,19 @@ PYBIND11_MODULE(_core, m) {
   m.attr("EVICTION_POLICIES") = EvictionPolicies();
   m.def("first_mismatch", &Kernel_FirstMismatch, py::arg("a"), py::arg("b"));
   m.def("int32_tensor", &Int32Tensor, py::arg("values"), py::arg("name") = "values");
+  m.def("encode_float8_page", &EncodeFloat8Page, py::arg("page"), py::arg("out"), py::arg("planes"),
+        py::arg("rows"), py::arg("heads"), py::arg("head_dim"), py::arg("dtype"),
+        py::arg("rest_bytes") = 0,
+        "encode_float8_page(page, out, planes, rows, heads, head_dim, dtype, rest_bytes=0) -> "
+        "None. A host page as float8 e4m3fn with a float32 scale per (plane, head).");
+  m.def("decode_float8_page", &DecodeFloat8Page, py::arg("data"), py::arg("page"),
+        py::arg("planes"), py::arg("rows"), py::arg("heads"), py::arg("head_dim"), py::arg("dtype"),
+        py::arg("rest_bytes") = 0,
+        "decode_float8_page(data, page, planes, rows, heads, head_dim, dtype, rest_bytes=0) -> "
+        "None. An encoded page back into a host page of `dtype`.");
+  m.def("float8_page_bytes", &Float8PageBytes, py::arg("planes"), py::arg("rows"), py::arg("heads"),
+        py::arg("head_dim"), py::arg("dtype"), py::arg("rest_bytes") = 0,
+        "float8_page_bytes(planes, rows, heads, head_dim, dtype, rest_bytes=0) -> int");
   m.def("crc32c", &Crc32c, py::arg("data"), py::arg("value") = 0,
         "crc32c(data, value=0) -> CRC-32C of a contiguous buffer, continuing from value.");
   m.def("page_keys", &PageKeys, py::arg("input_ids"), py::arg("page_size"),

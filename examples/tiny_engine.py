@@ -13,7 +13,7 @@ that a second engine reads. Attention reads K/V through the pool's slots.
 any cache and compares the logits of each prefill and decode step: the
 engine is right only if reusing cached K/V changes nothing.
 
-    python examples/tiny_engine.py [--conversations 6] [--storage DIR]
+    python examples/tiny_engine.py [--conversations 6] [--storage DIR [--storage-codec float8]]
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class Engine:
         page_size: int = 4,
         host_pages: int = 96,
         storage_dir: Optional[str] = None,
+        storage_codec: Optional[str] = None,
     ):
         self.model, self.page_size = model, page_size
         self.pool = MHAKVCache(
@@ -140,7 +141,7 @@ class Engine:
                 kv_heads=KV_HEADS,
                 head_dim=HEAD_DIM,
             )
-            storage = FileStorage(storage_dir, seed)
+            storage = FileStorage(storage_dir, seed, codec=storage_codec)
         self.cm = CacheManager(
             num_pages,
             page_size=page_size,
@@ -296,6 +297,40 @@ def check(model: TinyModel, requests: List[Request], atol: float = 1e-4) -> floa
     return worst
 
 
+def logit_errors(model: TinyModel, requests: List[Request]) -> tuple:
+    """What a lossy codec costs, over every logit the engine produced
+    against a recompute without cache: the largest and the mean absolute
+    difference, the mean absolute logit (for scale), and the share of
+    positions whose most likely token is the same."""
+    worst, total, size, count, same, positions = 0.0, 0.0, 0.0, 0, 0, 0
+    for req in requests:
+        reference = model.logits_without_cache(req.tokens)
+        for start, logits in zip(req.starts, req.logits):
+            want = reference[start : start + len(logits)]
+            diff = (logits - want).abs()
+            worst = max(worst, float(diff.max()))
+            total += float(diff.sum())
+            size += float(want.abs().sum())
+            count += diff.numel()
+            same += int((logits.argmax(-1) == want.argmax(-1)).sum())
+            positions += len(logits)
+    count = max(count, 1)
+    return worst, total / count, size / count, same / max(positions, 1)
+
+
+def report(model: TinyModel, requests: List[Request], codec: Optional[str]) -> str:
+    """The engine's logits against a recompute without cache: checked
+    (within 1e-4) without a codec; with one, what it costs."""
+    if codec is None:
+        return f"logits within {check(model, requests):.1e} of a recompute without cache"
+    worst, mean, size, same = logit_errors(model, requests)
+    return (
+        f"logits off by {worst:.1e} at most and {mean:.1e} on average (mean |logit| "
+        f"{size:.2f}) through the {codec} codec, the same most likely token at {same:.1%} "
+        "of positions"
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--conversations", type=int, default=6)
@@ -306,25 +341,31 @@ def main(argv=None) -> int:
         help="also a file storage tier in DIR, and a "
         "second engine that serves the same conversations from it",
     )
+    ap.add_argument(
+        "--storage-codec",
+        choices=["float8"],
+        help="with --storage: pages written as float8 (half the bytes); the "
+        "second engine reports the logit error the codec costs instead of checking",
+    )
     args = ap.parse_args(argv)
+    if args.storage_codec and not args.storage:
+        ap.error("--storage-codec needs --storage")
     model = TinyModel()
-    engine = Engine(model, storage_dir=args.storage)
+    engine = Engine(model, storage_dir=args.storage, storage_codec=args.storage_codec)
     served = serve_conversations(engine, args.conversations, args.turns)
-    worst = check(model, served)
     reused = sum(r.from_cache for r in served)
     host = sum(r.from_host for r in served)
     print(
         f"{len(served)} requests, {reused} prompt tokens from the cache ({host} from host), "
-        f"logits within {worst:.1e} of a recompute without cache"
+        + report(model, served, args.storage_codec)
     )
     if args.storage:
         engine.cm.close()
-        second = Engine(model, storage_dir=args.storage)
+        second = Engine(model, storage_dir=args.storage, storage_codec=args.storage_codec)
         again = serve_conversations(second, args.conversations, args.turns)
-        worst = check(model, again)
         print(
             f"second engine: {sum(r.from_host for r in again)} prompt tokens came back "
-            f"through storage and host, logits within {worst:.1e}"
+            "through storage and host, " + report(model, again, args.storage_codec)
         )
         second.cm.close()
     return 0

@@ -18,6 +18,29 @@ EVICTION_POLICIES: Tuple[str, ...]
 def first_mismatch(a: _Ids, b: _Ids) -> int: ...
 def int32_tensor(values: _Ids, name: str = "values") -> torch.Tensor: ...
 def crc32c(data: object, value: int = 0) -> int: ...
+def encode_float8_page(
+    page: object,
+    out: object,
+    planes: int,
+    rows: int,
+    heads: int,
+    head_dim: int,
+    dtype: str,
+    rest_bytes: int = 0,
+) -> None: ...
+def decode_float8_page(
+    data: object,
+    page: object,
+    planes: int,
+    rows: int,
+    heads: int,
+    head_dim: int,
+    dtype: str,
+    rest_bytes: int = 0,
+) -> None: ...
+def float8_page_bytes(
+    planes: int, rows: int, heads: int, head_dim: int, dtype: str, rest_bytes: int = 0
+) -> int: ...
 
 # Hex keys (a list of str), or with `raw` the 32-byte keys back to back (bytes).
 @overload

@@ -22,10 +22,11 @@ from radixkv.storage.page_index import PageIndex
 class Model:
     """The index's rule written plainly: pages with a use order and a
     parent; past the bound, the least recently used page no page extends
-    goes (with no such page, the least recently used of all)."""
+    goes (with no such page, a cycle: parents are forgotten, every page is
+    one); a new page extending a page given up is refused."""
 
     def __init__(self, limit):
-        self.limit, self.pages, self.clock = limit, {}, 0
+        self.limit, self.pages, self.clock, self.gone = limit, {}, 0, set()
 
     def _now(self):
         self.clock += 1
@@ -34,8 +35,12 @@ class Model:
     def add(self, key, size, parent):
         if key in self.pages:
             self.pages[key][0], self.pages[key][1] = self._now(), size
+        elif parent not in (None, key) and parent not in self.pages and parent in self.gone:
+            self.gone.add(key)
+            return [key]
         else:
             self.pages[key] = [self._now(), size, None if parent == key else parent]
+        self.gone.discard(key)
         return self.trim()
 
     def touch(self, key):
@@ -46,10 +51,15 @@ class Model:
         gone = []
         while sum(p[1] for p in self.pages.values()) > self.limit and self.pages:
             extended = {p[2] for p in self.pages.values()}
-            leaves = [k for k in self.pages if k not in extended] or list(self.pages)
+            leaves = [k for k in self.pages if k not in extended]
+            if not leaves:
+                for p in self.pages.values():
+                    p[2] = None
+                continue
             victim = min(leaves, key=lambda k: self.pages[k][0])
             del self.pages[victim]
             gone.append(victim)
+            self.gone.add(victim)
         return gone
 
 
@@ -72,7 +82,7 @@ def test_the_index_gives_up_what_the_model_does(limit, ops):
     names = [bytes([i]) * 32 for i in range(13)]
     for op, k, p, size in ops:
         key = names[k]
-        parent = names[p] if p < 12 and names[p] in model.pages else None
+        parent = names[p] if p < 12 else None  # present, given up, or never seen
         if op == "add":
             gone = index.add(key, size, parent)
             assert gone == model.add(key, size, parent)
@@ -171,9 +181,47 @@ def test_a_store_serves_while_its_scan_runs(tmp_path):
     fs.close()
     again = FileStorage(str(tmp_path), fingerprint(), max_bytes=10 * PAGE_FILE)
     again.attach(host_pool())
-    assert again.batch_get(ks[:1], [0]) == [True]  # at once, scan or not
+    assert again.batch_get(ks[-1:], [0]) == [True]  # at once, scan or not (the newest stays)
     assert again.wait_indexed(30)
     assert again.stored_bytes == 10 * PAGE_FILE and sum(on_disk(again, ks)) == 10
+
+
+def test_a_chain_longer_than_the_bound_keeps_its_first_pages(tmp_path):
+    fs = bounded(tmp_path, 4)
+    chain = keys(8, "long")
+    got = fs.batch_set(chain, [0] * 8, parents=[None, *chain[:-1]])
+    # The fifth page does not fit with its prefix, and the rest extend it.
+    assert got == [True] * 4 + [False] * 4 and fs.errors == 0
+    assert on_disk(fs, chain) == [True] * 4 + [False] * 4
+    assert fs.batch_exists(chain) == 4
+    again = fs.batch_set(chain[4:5], [0], parents=chain[3:4])  # still too long
+    assert again == [False] and fs.stored_bytes == 4 * PAGE_FILE
+
+
+def test_the_scan_leaves_pages_of_a_store_with_another_secret(tmp_path):
+    plain = bounded(tmp_path, 100)
+    ks = keys(3, "plain")
+    assert plain.batch_set(ks, [0, 1, 2]) == [True] * 3
+    keyed = FileStorage(str(tmp_path), fingerprint(), max_bytes=10**6, secret=b"s" * 16)
+    assert keyed.wait_indexed(30)
+    assert keyed.corrupt_pages == 0 and keyed.stored_bytes == 0
+    assert on_disk(plain, ks) == [True] * 3
+
+
+def test_a_page_file_out_of_its_place_is_removed_by_the_scan(tmp_path):
+    fs = bounded(tmp_path, 100)
+    k = keys(2, "placed")
+    assert fs.batch_set(k, [0, 1]) == [True, True]
+    fs.close()
+    wrong_dir = os.path.join(fs.directory, "zz")
+    os.mkdir(wrong_dir)
+    misplaced = os.path.join(wrong_dir, os.path.basename(fs.path(k[0])))
+    os.replace(fs.path(k[0]), misplaced)
+    upper = os.path.join(os.path.dirname(fs.path(k[1])), k[1].upper() + ".page")
+    os.replace(fs.path(k[1]), upper)
+    again = bounded(tmp_path, 100)
+    assert not os.path.exists(misplaced) and not os.path.exists(upper)
+    assert again.stored_bytes == 0 and again.corrupt_pages == 2
 
 
 def test_parents_must_match_the_keys(tmp_path):

@@ -27,6 +27,16 @@ def small_tiers(requests):
     return dict(capacity_pages=biggest, host_pages=2 * biggest)
 
 
+def page_bytes(directory) -> int:
+    """Bytes of the page files under `directory`."""
+    return sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, names in os.walk(directory)
+        for f in names
+        if f.endswith(".page")
+    )
+
+
 def run(requests, storage, **kw):
     return replay(
         requests,
@@ -101,11 +111,8 @@ def test_faults_in_the_store_cost_hits_never_correctness(tmp_path):
 def test_a_bounded_store_keeps_serving(tmp_path):
     requests = chat_sessions(40, BLOCK, seed=10)
     r = run(requests, StorageConfig("file", directory=str(tmp_path), max_bytes=64 << 10))
-    pages = [
-        os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".page")
-    ]
     assert r.kv_mismatches == 0 and r.hit_tokens < r.optimal_hit_tokens
-    assert 0 < sum(os.path.getsize(p) for p in pages) <= 64 << 10
+    assert 0 < page_bytes(tmp_path) <= 64 << 10
 
 
 def test_a_restarted_replay_gets_its_hits_back_from_a_bounded_store(tmp_path):
@@ -116,10 +123,7 @@ def test_a_restarted_replay_gets_its_hits_back_from_a_bounded_store(tmp_path):
     bound = 256 << 10
     first = run(requests, StorageConfig("file", directory=str(tmp_path), max_bytes=bound))
     again = run(requests, StorageConfig("file", directory=str(tmp_path), max_bytes=bound))
-    pages = [
-        os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".page")
-    ]
-    assert 0 < sum(os.path.getsize(p) for p in pages) <= bound
+    assert 0 < page_bytes(tmp_path) <= bound
     assert again.kv_mismatches == 0 and again.storage_errors == 0
     assert again.storage_hit_tokens > first.storage_hit_tokens
     assert again.hit_tokens > first.hit_tokens
@@ -145,10 +149,7 @@ def test_the_cli_bounds_a_store_it_is_given(tmp_path):
         check=True,
     ).stdout
     assert json.loads(out)["kv_mismatches"] == 0
-    pages = [
-        os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".page")
-    ]
-    assert 0 < sum(os.path.getsize(p) for p in pages) <= 1 << 20
+    assert 0 < page_bytes(tmp_path) <= 1 << 20
 
 
 @needs_mooncake

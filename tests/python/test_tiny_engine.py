@@ -57,3 +57,24 @@ def test_the_example_runs_as_documented(tmp_path):
         text=True,
     ).stdout
     assert "logits within" in out and "second engine" in out
+
+
+def test_the_float8_storage_codec_costs_a_small_logit_error(te, tmp_path):
+    model = te.TinyModel()
+    engine = te.Engine(
+        model, num_pages=40, host_pages=80, storage_dir=str(tmp_path), storage_codec="float8"
+    )
+    served = te.serve_conversations(engine, 6, turns=3)
+    engine.cm.close()
+    second = te.Engine(
+        model, num_pages=40, host_pages=80, storage_dir=str(tmp_path), storage_codec="float8"
+    )
+    again = te.serve_conversations(second, 6, turns=3)
+    assert second.cm.storage_counters.prefetched_tokens > 0  # read from storage, encoded
+    worst, mean, size, same = te.logit_errors(model, again)
+    assert 1e-4 < worst < 0.25 * size  # it did go through the codec, and not far
+    assert mean < 0.05 * size and same > 0.9
+    with pytest.raises(AssertionError, match="differ"):  # the lossless check would fail
+        te.check(model, again)
+    second.cm.close()
+    assert te.logit_errors(model, served)[1] < mean  # the first engine read little back

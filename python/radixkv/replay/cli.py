@@ -131,6 +131,13 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
         "the least recently used page no stored page extends (default: unbounded)",
     )
     p.add_argument(
+        "--storage-codec",
+        choices=["float8"],
+        help="--storage file: write pages as float8 e4m3 with a scale per page, "
+        "layer and head (half the bytes of 16-bit K/V; lossy, so rows read back "
+        "are compared within the codec's error)",
+    )
+    p.add_argument(
         "--mooncake-master",
         metavar="HOST:PORT",
         help="--storage mooncake: the "
@@ -478,6 +485,7 @@ def _check_storage_flags(args, kind: str) -> None:
     only = {
         "--storage-dir": ("file", args.storage_dir),
         "--storage-max-mib": ("file", args.storage_max_mib),
+        "--storage-codec": ("file", args.storage_codec),
         "--mooncake-master": ("mooncake", args.mooncake_master),
         "--mooncake-metadata": ("mooncake", args.mooncake_metadata),
         "--mooncake-segment-mib": ("mooncake", args.mooncake_segment_mib),
@@ -507,6 +515,7 @@ def _storage(args, kind: str):
     segment = (args.mooncake_segment_mib or 256) << 20
     if kind == "file":
         bound = None if args.storage_max_mib is None else args.storage_max_mib << 20
+        codec = args.storage_codec
         if args.storage_dir:
             if os.path.exists(args.storage_dir) and not os.path.isdir(args.storage_dir):
                 raise UsageError(f"--storage-dir {args.storage_dir} is not a directory")
@@ -518,13 +527,16 @@ def _storage(args, kind: str):
                 "file",
                 directory=args.storage_dir,
                 max_bytes=bound,
+                codec=codec,
                 prefetch_policy=policy,
             )
         else:
             with tempfile.TemporaryDirectory(
                 prefix="radixkv-store.", ignore_cleanup_errors=True
             ) as d:
-                yield StorageConfig("file", directory=d, max_bytes=bound, prefetch_policy=policy)
+                yield StorageConfig(
+                    "file", directory=d, max_bytes=bound, codec=codec, prefetch_policy=policy
+                )
         return
     if args.mooncake_master:
         host = args.mooncake_master.rsplit(":", 1)[0]

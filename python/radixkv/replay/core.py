@@ -115,6 +115,7 @@ class ReplayResult:
     # The storage tier (None: none). hit_tokens also counts storage hits:
     # tokens a request's prefetch read from storage and the request then used.
     storage: Optional[str] = None
+    storage_codec: Optional[str] = None  # what the store writes pages as (None: as they are)
     prefetch_policy: Optional[str] = None
     storage_hit_tokens: int = 0
     prefetched_tokens: int = 0
@@ -172,6 +173,7 @@ class ReplayResult:
             "host_pool_bytes": self.host_pool_bytes,
             "kv_mismatches": self.kv_mismatches,
             "storage": self.storage,
+            "storage_codec": self.storage_codec,
             "prefetch_policy": self.prefetch_policy,
             "storage_hit_tokens": self.storage_hit_tokens,
             "storage_hit_rate": self._rate(self.storage_hit_tokens),
@@ -216,6 +218,7 @@ class StorageConfig:
     kind: str  # "file" or "mooncake"
     directory: Optional[str] = None  # file
     max_bytes: Optional[int] = None  # file: bound on the directory
+    codec: Optional[str] = None  # file: pages written encoded ("float8")
     master_address: Optional[str] = None  # mooncake
     metadata_server: Optional[str] = None  # mooncake
     segment_bytes: int = 256 << 20  # mooncake: memory each instance lends
@@ -240,6 +243,7 @@ class StorageConfig:
                     self.directory,
                     self.fingerprint(kv, page_size),
                     self.max_bytes,
+                    codec=self.codec,
                 )
                 files.wait_indexed()  # a replay starts from the whole index
                 backend = files
@@ -364,9 +368,12 @@ class Instance:
         if host_pages:
             r.write_policy = write_policy
             r.host_pool_bytes = self.cm.host_pool.nbytes if self.cm.host_pool is not None else 0
+        # Rows that went through a lossy codec come back within its error.
+        self.lossy = storage is not None and storage.codec is not None
         if storage is not None:
             r.storage = storage.kind
             r.prefetch_policy = storage.prefetch_policy
+            r.storage_codec = storage.codec
         self.lat: Dict[str, List[int]] = {"match": [], "allocate": [], "insert": [], "evict": []}
         if host_pages:
             self.lat["load_back"] = []
@@ -385,7 +392,11 @@ class Instance:
         self.result.stored_tokens += len(slots)
 
     def _check_loaded(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> int:
-        """Tokens among `slots` whose rows differ from what was stored for them."""
+        """Tokens among `slots` whose rows differ from what was stored for
+        them: bit for bit, or with a lossy storage codec by more than its
+        error (float8 e4m3 keeps 4 significant bits, and a page may go
+        through it twice: an eighth of the value, and 2^-8 of the largest,
+        200, for values that round to its subnormals)."""
         kv, pool = self.kv, self.pool
         if pool is None:
             raise RuntimeError(_NO_POOL)
@@ -394,7 +405,11 @@ class Instance:
             for side, cache in ((0, pool.k_cache(layer)), (1, pool.v_cache(layer))):
                 rows = cache.reshape(-1, kv.num_kv_heads, kv.head_dim)[slots.long()]
                 want = kv.rows(ids, start, layer, side)
-                bad |= (rows.view(torch.uint8) != want.view(torch.uint8)).flatten(1).any(1)
+                if self.lossy:
+                    off = (rows.float() - want.float()).abs() > want.float().abs() / 8 + 200 / 256
+                else:
+                    off = rows.view(torch.uint8) != want.view(torch.uint8)
+                bad |= off.flatten(1).any(1)
         return int(bad.sum())
 
     def skips(self, req: Request) -> bool:

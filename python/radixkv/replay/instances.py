@@ -201,6 +201,7 @@ def _combine(
         "host_capacity_tokens",
         "write_policy",
         "storage",
+        "storage_codec",
         "prefetch_policy",
         "eviction_policy",
         "retain_ttl_s",

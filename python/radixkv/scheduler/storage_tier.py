@@ -20,6 +20,7 @@ from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.host_tier import HostTier
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.storage.base import MAX_BATCH, StorageBackend, takes_parents
+from radixkv.storage.codec import codec_seed
 from radixkv.storage.health import Health
 from radixkv.storage.keys import page_keys
 from radixkv.storage.threads import BoundedQuery, drop_queued, serving
@@ -301,7 +302,9 @@ def check_prefetch_policy(policy: str) -> None:
 
 def storage_seed_of(backend: StorageBackend, seed: Optional[bytes]) -> bytes:
     """The seed of a store's page keys: `seed`, else the backend's
-    fingerprint; b'' keys pages without one (SGLang's page hash)."""
+    fingerprint; b'' keys pages without one (SGLang's page hash). A backend
+    with a codec gets keys of its own: `seed` is mixed with the codec's name."""
+    given = seed
     if seed is None:
         seed = backend.fingerprint
     if seed is None:
@@ -313,6 +316,8 @@ def storage_seed_of(backend: StorageBackend, seed: Optional[bytes]) -> bytes:
         )
     if not isinstance(seed, bytes) or len(seed) not in (0, 32):
         raise ValueError("storage_seed must be 32 bytes (config_fingerprint) or b''")
+    if given is not None:  # (a backend's fingerprint names its codec already)
+        seed = codec_seed(seed, backend.codec)
     return seed
 
 

@@ -317,7 +317,7 @@ def build_tiers(
         tiers.storage = StorageTier(
             tiers.host,
             storage,
-            seed,
+            storage_seed,  # (it derives `seed` from it again: a codec is mixed in once)
             namespaces,
             prefetch_policy,
             writer=writer,

@@ -11,6 +11,7 @@ import torch
 
 from radixkv import _core
 from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.storage.codec import Float8PageCodec, check_codec
 
 MAX_BATCH = 128
 """Pages per backend call: the storage tier splits longer runs."""
@@ -71,6 +72,11 @@ class StorageBackend(ABC):
     page written without the secret is a miss, counted and removed.
     KV events keep the unkeyed chain, which says nothing of the secret.
 
+    `codec` (None, or one of `codec.CODECS`) is what the backend writes in
+    place of a page (`page_data`) and decodes on read (`page_target`,
+    `page_landed`); `page_bytes` is then the encoded page's size. Pages
+    written with a codec have keys of their own (`codec.codec_seed`).
+
     `blocking_queries`: whether `batch_exists` may block for long (a remote
     store, a network file system). The storage tier then asks it from the
     scheduler's thread on a thread of its own, waiting a bounded time.
@@ -87,10 +93,13 @@ class StorageBackend(ABC):
     # writes on two threads); a backend that says no gets them one at a time.
     concurrent_calls = False
 
-    def __init__(self, secret: Optional[bytes] = None) -> None:
+    def __init__(self, secret: Optional[bytes] = None, codec: Optional[str] = None) -> None:
         self.fingerprint: Optional[bytes] = None
         self.pool: Optional[HostKVCache] = None
         self.page_bytes = 0
+        self.codec = check_codec(codec)
+        self._codec: Optional[Float8PageCodec] = None
+        self._staging = threading.local()  # a thread's buffer for encoded pages
         self._bytes: Optional[torch.Tensor] = None
         self._lock = threading.Lock()
         self.errors = 0  # failed calls or pages
@@ -128,9 +137,12 @@ class StorageBackend(ABC):
                 "a storage backend moves whole pages: the host pool must be "
                 f"page_first, got {pool.layout}"
             )
+        codec = None if self.codec is None else Float8PageCodec(pool)
         self.pool = pool
         self._bytes = pool.kv_buffer.view(torch.uint8).reshape(pool.num_pages, -1)
-        self.page_bytes = self._bytes.shape[1]
+        self._codec = codec
+        self._staging = threading.local()
+        self.page_bytes = self._bytes.shape[1] if codec is None else codec.encoded_bytes
         self._attached()
 
     def _attached(self) -> None:
@@ -142,6 +154,40 @@ class StorageBackend(ABC):
         if pages is None:
             raise RuntimeError(_NOT_ATTACHED)
         return pages[page]
+
+    def _staged(self) -> memoryview:
+        """This thread's buffer of one encoded page."""
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or len(buf) != self.page_bytes:
+            buf = self._staging.buf = memoryview(bytearray(self.page_bytes))
+        return buf
+
+    def page_data(self, page: int) -> memoryview:
+        """What is written for host page `page` (`page_bytes`): its bytes, or
+        with a codec their encoding (in this thread's buffer, valid until
+        the thread's next call)."""
+        view = self.page_view(page).numpy().data
+        codec = self._codec
+        if codec is None:
+            return view
+        out = self._staged()
+        codec.encode(view, out)
+        return out
+
+    def page_target(self, page: int) -> memoryview:
+        """Where a read of host page `page` puts the stored bytes
+        (`page_bytes`): the page itself, or with a codec this thread's
+        buffer, decoded into the page by `page_landed` once checked."""
+        if self._codec is None:
+            return self.page_view(page).numpy().data
+        return self._staged()
+
+    def page_landed(self, page: int, target: memoryview) -> None:
+        """The bytes read into `target` (`page_target`) checked out: with a
+        codec they are decoded into host page `page`."""
+        codec = self._codec
+        if codec is not None:
+            codec.decode(target, self.page_view(page).numpy().data)
 
     def page_address(self, page: int) -> int:
         pages = self._bytes

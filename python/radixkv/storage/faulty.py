@@ -35,6 +35,7 @@ class FaultyStorage(StorageBackend):
         self.max_delay_s, self.scribble = max_delay_s, scribble
         self.injected = 0
         self.fingerprint = backend.fingerprint
+        self.codec = backend.codec  # (the wrapped backend encodes: its keys)
         # The wrapped store's keys and latency: the tier names pages as it does.
         self.name_key, self.tag_key = backend.name_key, backend.tag_key
         self.blocking_queries = backend.blocking_queries

@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 from radixkv._checks import as_count
 from radixkv._core import crc32c
 from radixkv.storage.base import TAG_BYTES, StorageBackend
+from radixkv.storage.codec import codec_seed
 from radixkv.storage.page_index import PageIndex
 
 MAGIC = b"RKVPAGE4"
@@ -163,8 +164,9 @@ class FileStorage(StorageBackend):
         shared: bool = False,
         secret: Optional[bytes] = None,
         bounded_queries: Optional[bool] = None,
+        codec: Optional[str] = None,
     ):
-        super().__init__(secret)
+        super().__init__(secret, codec)
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
         directory = os.fspath(directory)
@@ -174,6 +176,9 @@ class FileStorage(StorageBackend):
             raise ValueError("fingerprint must be 32 bytes (radixkv.storage.config_fingerprint)")
         if max_bytes is not None:
             max_bytes = as_count(max_bytes, "max_bytes")
+        # Encoded pages are another configuration's: a directory and keys
+        # of their own.
+        fingerprint = codec_seed(fingerprint, self.codec)
         self.shared = bool(shared)
         self._uid = os.geteuid()
         self._dir_mode, self._page_mode = (0o770, 0o640) if self.shared else (0o700, 0o600)
@@ -194,6 +199,7 @@ class FileStorage(StorageBackend):
         self.removed_pages = 0  # pages removed to keep the bound (or of an old format)
         self.index_seconds: Optional[float] = None  # how long the start-up scan took
         self._indexed = threading.Event()
+        self._removing = threading.Lock()  # removals for the bound and writes take turns
         if bounded_queries is None:
             bounded_queries = file_system_type(root).split(".")[0] in NETWORK_FILE_SYSTEMS
         self.blocking_queries = bool(bounded_queries)
@@ -261,17 +267,18 @@ class FileStorage(StorageBackend):
                     return
                 if sub.is_dir(follow_symlinks=False):
                     for entry in os.scandir(sub.path):
-                        self._scan_entry(entry)
+                        self._scan_entry(sub.name, entry)
         except OSError:
             self.count_error()
         finally:
             index = self._index
             if index is not None and self._top >= 0:
-                self._remove_all(index.complete())
+                with self._removing:
+                    self._remove_all(index.complete())
             self.index_seconds = time.monotonic() - started
             self._indexed.set()
 
-    def _scan_entry(self, entry: os.DirEntry) -> None:
+    def _scan_entry(self, sub: str, entry: os.DirEntry) -> None:
         name = entry.name
         if name.endswith(".tmp"):
             if not _writer_alive(name):
@@ -287,6 +294,11 @@ class FileStorage(StorageBackend):
             raw_key = b""
         if len(raw_key) != 32:
             return  # not a page's name: another program's file, left alone
+        if key != raw_key.hex() or sub != key[:2]:
+            # Named like a page but not where (or as) the store puts one:
+            # never read, so never counted; removed.
+            self._drop_entry(entry.path)
+            return
         header = self._header
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -313,6 +325,8 @@ class FileStorage(StorageBackend):
         if head[:8] in OLD_MAGICS and (self.shared or st.st_uid == self._uid):
             self._remove_all([raw_key])  # a page of an earlier version
             return
+        if head[:8] == (MAGIC if self.keyed else MAGIC_KEYED):
+            return  # a page of a store with another secret (or none): not ours to count
         fields = header.unpack(head) if len(head) == header.size else None
         if fields is None or not self._ours(st):
             self._drop_entry(entry.path)
@@ -545,7 +559,7 @@ class FileStorage(StorageBackend):
             if not at[2] and self._reopened():  # the store was deleted, and made again
                 return self._get(key, page)
             return False
-        view = self.page_view(page).numpy().data  # (a memoryview of the page)
+        view = self.page_target(page)
         header = self._header
         try:
             with open(fd, "rb", buffering=0) as f:
@@ -578,6 +592,7 @@ class FileStorage(StorageBackend):
                 return self._bad_entry(key, at)
         elif crc32c(view) != check:
             return self._bad_entry(key, at)
+        self.page_landed(page, view)
         if self._index is not None:
             self._index.touch(bytes.fromhex(key), tick)
         return True
@@ -626,8 +641,31 @@ class FileStorage(StorageBackend):
         return [self._set(k, p, up) for k, p, up in zip(keys, host_pages, parents)]
 
     def _set(self, key: str, page: int, parent: Optional[str] = None) -> bool:
-        view = self.page_view(page).numpy().data  # (a memoryview of the page)
-        raw_parent = NO_PARENT if parent is None else bytes.fromhex(parent)
+        if self._top < 0:  # closed
+            self.count_error()
+            return False
+        raw_key = bytes.fromhex(key)
+        raw_parent = None if parent is None else bytes.fromhex(parent)
+        index = self._index
+        if index is None:
+            return self._put(key, page, raw_parent, None)
+        if index.refuses(raw_key, raw_parent):
+            return False  # the page it extends was given up: it could never be read
+        # Removals for the bound and writes take turns: a page is never
+        # removed under its own rewrite.
+        with self._removing:
+            tick = index.tick()
+            if not self._put(key, page, raw_parent, tick):
+                return False
+            gone = index.add(raw_key, self.file_bytes, raw_parent, tick)
+            self._remove_all(gone)
+        return raw_key not in gone  # (the bound could not hold it with its prefix)
+
+    def _put(self, key: str, page: int, parent: Optional[bytes], tick: Optional[int]) -> bool:
+        """Writes page `key` (its header naming `parent`), its file's time
+        `tick` when given; errors are counted."""
+        view = self.page_data(page)
+        raw_parent = NO_PARENT if parent is None else parent
         if self.keyed:
             header = HEADER_KEYED.pack(
                 MAGIC_KEYED,
@@ -646,35 +684,25 @@ class FileStorage(StorageBackend):
                 self.page_bytes,
                 crc32c(view),
             )
-        if self._top < 0:  # closed
-            self.count_error()
-            return False
-        index = self._index
-        tick = None if index is None else index.tick()
         for again in (False, True):
             try:
                 self._write(key, header, view, tick)
-                break
+                return True
             except (FileNotFoundError, NotADirectoryError):
                 # Its directory (or the store's) was deleted under us: made
                 # again, once.
                 self._made.discard(key[:2])
                 if again:
-                    self.count_error()
-                    return False
+                    break
                 try:
                     if os.fstat(self._top).st_nlink == 0:
                         self._remake()
                 except OSError:
-                    self.count_error()
-                    return False
+                    break
             except OSError:
-                self.count_error()
-                return False
-        if index is not None:
-            up = None if parent is None else raw_parent
-            self._remove_all(index.add(bytes.fromhex(key), self.file_bytes, up, tick))
-        return True
+                break
+        self.count_error()
+        return False
 
     def _write(self, key: str, header: bytes, view, tick: Optional[int]) -> None:
         """The page file of `key`: written under a temporary name (modified

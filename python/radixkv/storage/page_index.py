@@ -4,6 +4,7 @@ recently used first and never a page before the pages that extend it."""
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 import time
@@ -27,9 +28,16 @@ class PageIndex:
     dropped when it comes up (the heap is rebuilt when it holds more than
     twice the pages). Adding, using and giving up a page cost O(log n).
 
+    A page that extends a page the index gave up (and has not had back
+    since) is refused (`refuses`, `add`): it could never be reached. So a chain longer than the
+    bound keeps its first pages, not its last. The index remembers the last
+    GONE_KEPT keys it gave up for this.
+
     Thread-safe: a store's reader and writer threads and its start-up scan
     share one index.
     """
+
+    GONE_KEPT = 4096
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
@@ -41,6 +49,7 @@ class PageIndex:
         # itself is absent: its children are still there when it comes back)
         self._children: Dict[bytes, int] = {}
         self._leaves: List[Tuple[int, bytes]] = []
+        self._gone: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
         self._last_tick = 0
         # Until the store's start-up scan has found every page, a page may
         # look like a leaf only because the pages extending it are not found
@@ -75,6 +84,19 @@ class PageIndex:
         self._leaves = [(entry[0], k) for k, entry in self._pages.items() if not children.get(k)]
         heapq.heapify(self._leaves)
 
+    def refuses(self, key: bytes, parent: Optional[bytes]) -> bool:
+        """Whether page `key` extending `parent` is refused (the index gave
+        `parent` up and has not had it back since); a refused page counts as
+        given up, so the pages extending it are refused too."""
+        with self._lock:
+            if key in self._pages or parent is None or parent == key:
+                return False
+            if parent in self._pages or parent not in self._gone:
+                return False
+            self._gone[key] = None
+            self._forget_gone()
+            return True
+
     def add(
         self,
         key: bytes,
@@ -89,9 +111,16 @@ class PageIndex:
         bound. With `if_absent`, a page already known is left as it is (what
         a start-up scan finds after a write came first). The keys given up,
         for the caller to remove: they may include `key` itself, when the
-        bound cannot hold it with its prefix."""
+        bound cannot hold it with its prefix, or when it extends a page
+        given up (`orphan`)."""
         with self._lock:
             entry = self._pages.get(key)
+            if entry is None and parent is not None and parent != key:
+                if parent not in self._pages and parent in self._gone:
+                    self._gone[key] = None  # the pages extending it are refused too
+                    self._forget_gone()
+                    return [key]
+            self._gone.pop(key, None)
             if entry is not None:
                 if if_absent:
                     return []
@@ -132,7 +161,8 @@ class PageIndex:
 
     def discard(self, key: bytes) -> None:
         """Page `key` is gone from the store (removed by another process,
-        found damaged): it leaves the index."""
+        found damaged): it leaves the index (its pages are not orphans:
+        the page may be written again)."""
         with self._lock:
             self._drop(key)
 
@@ -141,13 +171,17 @@ class PageIndex:
         with self._lock:
             return self._trim()
 
+    def _forget_gone(self) -> None:
+        while len(self._gone) > self.GONE_KEPT:
+            self._gone.popitem(last=False)
+
     def _drop(self, key: bytes) -> bool:
         entry = self._pages.pop(key, None)
         if entry is None:
             return False
         self.total -= entry[1]
         parent = entry[2]
-        if parent is not None:
+        if parent is not None and parent in self._children:
             left = self._children[parent] - 1
             if left:
                 self._children[parent] = left
@@ -178,10 +212,16 @@ class PageIndex:
                     continue  # stale: used again, extended or given up since
             else:
                 # Pages but no leaf: parents read from damaged or planted
-                # headers made a cycle. The least recently used page goes.
-                key = min(self._pages, key=lambda k: self._pages[k][0])
+                # headers made a cycle. They are not trusted from here: every
+                # page is a leaf, in the order of use (one pass, O(n)).
+                self._children.clear()
+                self._pages = {k: (e[0], e[1], None) for k, e in self._pages.items()}
+                self._compact()
+                continue
             self._drop(key)
             gone.append(key)
+            self._gone[key] = None
+        self._forget_gone()
         return gone
 
     def leaves_first(self) -> List[bytes]:
