@@ -23,10 +23,10 @@ class Model:
     """The index's rule written plainly: pages with a use order and a
     parent; past the bound, the least recently used page no page extends
     goes (with no such page, a cycle: parents are forgotten, every page is
-    one); a new page extending a page given up is refused."""
+    one)."""
 
     def __init__(self, limit):
-        self.limit, self.pages, self.clock, self.gone = limit, {}, 0, set()
+        self.limit, self.pages, self.clock = limit, {}, 0
 
     def _now(self):
         self.clock += 1
@@ -35,12 +35,8 @@ class Model:
     def add(self, key, size, parent):
         if key in self.pages:
             self.pages[key][0], self.pages[key][1] = self._now(), size
-        elif parent not in (None, key) and parent not in self.pages and parent in self.gone:
-            self.gone.add(key)
-            return [key]
         else:
             self.pages[key] = [self._now(), size, None if parent == key else parent]
-        self.gone.discard(key)
         return self.trim()
 
     def touch(self, key):
@@ -59,7 +55,6 @@ class Model:
             victim = min(leaves, key=lambda k: self.pages[k][0])
             del self.pages[victim]
             gone.append(victim)
-            self.gone.add(victim)
         return gone
 
 
@@ -186,16 +181,34 @@ def test_a_store_serves_while_its_scan_runs(tmp_path):
     assert again.stored_bytes == 10 * PAGE_FILE and sum(on_disk(again, ks)) == 10
 
 
-def test_a_chain_longer_than_the_bound_keeps_its_first_pages(tmp_path):
-    fs = bounded(tmp_path, 4)
-    chain = keys(8, "long")
-    got = fs.batch_set(chain, [0] * 8, parents=[None, *chain[:-1]])
-    # The fifth page does not fit with its prefix, and the rest extend it.
-    assert got == [True] * 4 + [False] * 4 and fs.errors == 0
-    assert on_disk(fs, chain) == [True] * 4 + [False] * 4
-    assert fs.batch_exists(chain) == 4
-    again = fs.batch_set(chain[4:5], [0], parents=chain[3:4])  # still too long
-    assert again == [False] and fs.stored_bytes == 4 * PAGE_FILE
+def test_a_suffix_is_kept_when_the_store_gave_its_prefix_up(tmp_path):
+    """A prefix the device or host keeps is never read from the store, so
+    the store gives it up first; the suffixes written after it are still
+    stored, and a request that matches the prefix on the device prefetches
+    them."""
+    probe = FileStorage(str(tmp_path / "probe"), fingerprint())
+    probe.attach(host_pool())
+    fs = FileStorage(str(tmp_path / "store"), fingerprint(), max_bytes=10 * probe.file_bytes)
+    inst = Instance(fs, pages=8, host_pages=8)
+    assert fs.wait_indexed(30)
+    tier = inst.cm._storage
+    hot = prompt(1, 2, tail=0)
+    ask_hot = torch.cat([hot, torch.tensor([7], dtype=torch.int32)])
+    inst.serve(ask_hot)
+    for i in range(6):  # other traffic, the hot prefix kept on the device
+        inst.serve(prompt(100 + i, 2))
+        inst.serve(ask_hot)
+    assert on_disk(fs, tier.keys_of(hot)) == [False, False]  # given up: never read
+    both = torch.cat([hot, prompt(2, 2, tail=0), torch.tensor([9], dtype=torch.int32)])
+    inst.serve(both)
+    assert all(on_disk(fs, tier.keys_of(both)[2:]))  # the suffix is stored all the same
+    for i in range(4):  # the suffix leaves device and host, the prefix stays
+        inst.serve(prompt(200 + i, 2))
+        inst.serve(ask_hot)
+    device, _, fetched = inst.serve(both)
+    assert device == 2 * PAGE and fetched == 2 * PAGE
+    assert tier.counters().write_failures == 0
+    inst.close()
 
 
 def test_the_scan_leaves_pages_of_a_store_with_another_secret(tmp_path):

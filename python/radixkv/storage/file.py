@@ -649,17 +649,16 @@ class FileStorage(StorageBackend):
         index = self._index
         if index is None:
             return self._put(key, page, raw_parent, None)
-        if index.refuses(raw_key, raw_parent):
-            return False  # the page it extends was given up: it could never be read
         # Removals for the bound and writes take turns: a page is never
         # removed under its own rewrite.
         with self._removing:
             tick = index.tick()
             if not self._put(key, page, raw_parent, tick):
                 return False
-            gone = index.add(raw_key, self.file_bytes, raw_parent, tick)
-            self._remove_all(gone)
-        return raw_key not in gone  # (the bound could not hold it with its prefix)
+            # (It may go at once, when the bound cannot hold it with its
+            # prefix: the write succeeded, as for a page removed later.)
+            self._remove_all(index.add(raw_key, self.file_bytes, raw_parent, tick))
+        return True
 
     def _put(self, key: str, page: int, parent: Optional[bytes], tick: Optional[int]) -> bool:
         """Writes page `key` (its header naming `parent`), its file's time

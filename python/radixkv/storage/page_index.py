@@ -4,7 +4,6 @@ recently used first and never a page before the pages that extend it."""
 
 from __future__ import annotations
 
-import collections
 import heapq
 import threading
 import time
@@ -28,16 +27,12 @@ class PageIndex:
     dropped when it comes up (the heap is rebuilt when it holds more than
     twice the pages). Adding, using and giving up a page cost O(log n).
 
-    A page that extends a page the index gave up (and has not had back
-    since) is refused (`refuses`, `add`): it could never be reached. So a chain longer than the
-    bound keeps its first pages, not its last. The index remembers the last
-    GONE_KEPT keys it gave up for this.
+    A page whose parent is not in the store still counts: its prefix may be
+    on the device or the host, where a prefetch starts after it.
 
     Thread-safe: a store's reader and writer threads and its start-up scan
     share one index.
     """
-
-    GONE_KEPT = 4096
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
@@ -49,7 +44,6 @@ class PageIndex:
         # itself is absent: its children are still there when it comes back)
         self._children: Dict[bytes, int] = {}
         self._leaves: List[Tuple[int, bytes]] = []
-        self._gone: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
         self._last_tick = 0
         # Until the store's start-up scan has found every page, a page may
         # look like a leaf only because the pages extending it are not found
@@ -84,19 +78,6 @@ class PageIndex:
         self._leaves = [(entry[0], k) for k, entry in self._pages.items() if not children.get(k)]
         heapq.heapify(self._leaves)
 
-    def refuses(self, key: bytes, parent: Optional[bytes]) -> bool:
-        """Whether page `key` extending `parent` is refused (the index gave
-        `parent` up and has not had it back since); a refused page counts as
-        given up, so the pages extending it are refused too."""
-        with self._lock:
-            if key in self._pages or parent is None or parent == key:
-                return False
-            if parent in self._pages or parent not in self._gone:
-                return False
-            self._gone[key] = None
-            self._forget_gone()
-            return True
-
     def add(
         self,
         key: bytes,
@@ -111,16 +92,9 @@ class PageIndex:
         bound. With `if_absent`, a page already known is left as it is (what
         a start-up scan finds after a write came first). The keys given up,
         for the caller to remove: they may include `key` itself, when the
-        bound cannot hold it with its prefix, or when it extends a page
-        given up (`orphan`)."""
+        bound cannot hold it with its prefix."""
         with self._lock:
             entry = self._pages.get(key)
-            if entry is None and parent is not None and parent != key:
-                if parent not in self._pages and parent in self._gone:
-                    self._gone[key] = None  # the pages extending it are refused too
-                    self._forget_gone()
-                    return [key]
-            self._gone.pop(key, None)
             if entry is not None:
                 if if_absent:
                     return []
@@ -161,8 +135,7 @@ class PageIndex:
 
     def discard(self, key: bytes) -> None:
         """Page `key` is gone from the store (removed by another process,
-        found damaged): it leaves the index (its pages are not orphans:
-        the page may be written again)."""
+        found damaged): it leaves the index."""
         with self._lock:
             self._drop(key)
 
@@ -170,10 +143,6 @@ class PageIndex:
         """Gives up pages until the index fits its bound: their keys."""
         with self._lock:
             return self._trim()
-
-    def _forget_gone(self) -> None:
-        while len(self._gone) > self.GONE_KEPT:
-            self._gone.popitem(last=False)
 
     def _drop(self, key: bytes) -> bool:
         entry = self._pages.pop(key, None)
@@ -220,8 +189,6 @@ class PageIndex:
                 continue
             self._drop(key)
             gone.append(key)
-            self._gone[key] = None
-        self._forget_gone()
         return gone
 
     def leaves_first(self) -> List[bytes]:
