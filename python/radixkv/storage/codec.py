@@ -41,8 +41,6 @@ def codec_seed(seed: bytes, codec: Optional[str]) -> bytes:
 class Float8PageCodec:
     """The float8 codec of one host pool's pages (`page_first`)."""
 
-    name = "float8"
-
     def __init__(self, pool) -> None:
         if pool.layout != "page_first":
             raise ValueError(f"codec float8 needs a page_first host pool, got {pool.layout}")
@@ -59,7 +57,6 @@ class Float8PageCodec:
         )
         raw = pool.kv_buffer.view(torch.uint8).reshape(pool.num_pages, -1).shape[1]
         self.rest_bytes = raw - kv_bytes
-        self.raw_bytes = raw
         self.encoded_bytes = _core.float8_page_bytes(*self._shape, self.rest_bytes)
 
     def encode(self, page, out) -> None:

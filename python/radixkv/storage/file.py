@@ -139,7 +139,7 @@ class FileStorage(StorageBackend):
     (the pages it wrote, and those on disk when it started): past it, pages
     are removed least recently used (written or read) first, but never a
     page before the pages that extend it (a page's header names the page it
-    extends; a suffix is of no use without its prefix). See PageIndex. At
+    extends; a suffix is read only after its prefix). See PageIndex. At
     start a thread scans the directory and checks every page's header (its
     magic, its key against its name, the fingerprint, its length against
     its size); what fails is removed, and the rest is indexed by the time it

@@ -13,10 +13,11 @@ from typing import Dict, List, Optional, Tuple
 class PageIndex:
     """The pages of a store bounded to `max_bytes`, by raw key (32 bytes).
 
-    A page's key covers its whole prefix (the key chain), so a page is of use
-    only while the page it extends (its parent) is in the store too. The
-    index therefore gives up only *leaves*, pages that no page in the store
-    extends: the least recently used leaf first. Giving one up may make its
+    A page's key covers its whole prefix (the key chain), so a page is read
+    only after its prefix is found, here or in a faster tier: a prefix is
+    worth more than any page that extends it. The index therefore gives up
+    only *leaves*, pages that no page in the store extends: the least
+    recently used leaf first. Giving one up may make its
     parent a leaf. A page whose parent is unknown (not given, or not in the
     store) is a root.
 
