@@ -87,6 +87,61 @@ std::vector<CopyPlane> ReadSidePlanes(py::handle side_planes, int64_t layers, bo
   return planes;
 }
 
+Float8Pool ReadCodecSpec(py::handle codec, int64_t row_bytes, int64_t layers,
+                         std::vector<Pool>* pools) {
+  CHECK_TYPE(PyTuple_Check(codec.ptr()) && PyTuple_GET_SIZE(codec.ptr()) == 5,
+             "codec must be None or a tuple (dtype, heads, head_dim, scales, scales_layout)");
+  const py::tuple t = py::reinterpret_borrow<py::tuple>(codec);
+  Float8Pool c;
+  const std::string dtype = py::str(t[0]);
+  c.type = dtype == "float32"    ? SourceFloat::kFloat32
+           : dtype == "float16"  ? SourceFloat::kFloat16
+           : dtype == "bfloat16" ? SourceFloat::kBFloat16
+                                 : SourceFloat::kNone;
+  CHECK_VALUE(c.type != SourceFloat::kNone,
+              "codec dtype must be float32, float16 or bfloat16, got '", dtype, "'");
+  c.heads = ToInt64(t[1], "codec heads");
+  c.head_dim = ToInt64(t[2], "codec head_dim");
+  CHECK_VALUE(c.heads >= 1 && c.head_dim >= 1 && c.heads <= row_bytes &&
+                  c.heads * c.head_dim * SourceBytes(c.type) == row_bytes,
+              "codec: heads x head_dim elements of ", dtype,
+              " must make a row of row_bytes=", row_bytes, " bytes");
+  std::vector<int64_t> layout;
+  try {
+    layout = t[4].cast<std::vector<int64_t>>();
+  } catch (const py::cast_error&) {
+    CHECK_TYPE(false, "codec scales_layout must be a sequence of ints");
+  }
+  Pool scales = ReadPool(t[3], layout, "codec scales", c.heads * 4, layers, false);
+  CHECK_VALUE(scales.layout.row_stride == 0, "codec scales_layout must have row stride 0");
+  c.scales = scales.layout;
+  pools->push_back(std::move(scales));
+  return c;
+}
+
+CopyPlane ReadKvPlane(const Pool& device, py::handle host, const std::vector<int64_t>& host_layout,
+                      int64_t row_bytes, int64_t layers, py::handle codec, Pool* host_pool,
+                      std::vector<Pool>* pools) {
+  CopyPlane kv{device.layout, {}, row_bytes};
+  int64_t host_row = row_bytes;
+  if (!codec.is_none()) {
+    kv.encoded = true;
+    kv.codes = ReadCodecSpec(codec, row_bytes, layers, pools);
+    host_row = kv.codes.heads * kv.codes.head_dim;
+  }
+  *host_pool = ReadPool(host, host_layout, "host", host_row, layers, false);
+  kv.host = host_pool->layout;
+  CheckSameSides(device, *host_pool, "device", "host");
+  const PoolLayout& h = kv.host;
+  CHECK_VALUE(
+      !kv.encoded ||
+          (h.page_size == device.layout.page_size && kv.codes.scales.num_slots == h.num_slots &&
+           kv.codes.scales.page_size == h.page_size && kv.codes.scales.sides == h.sides),
+      "codec: the host pool, its scales and the device pool must have the same "
+      "page size, and the scales the host pool's slots and sides");
+  return kv;
+}
+
 void Pool::CheckUnchanged(const char* name) const {
   if (!alias) return;
   Tensor t(alias, name);
@@ -117,12 +172,13 @@ class PyController {
   // The CPU engine between two CPU pools.
   PyController(py::handle device, const std::vector<int64_t>& device_layout, py::handle host,
                const std::vector<int64_t>& host_layout, int64_t row_bytes, int64_t layers,
-               bool manual, py::handle side_planes, py::object keep)
+               bool manual, py::handle side_planes, py::object keep, py::handle codec)
+      // With `codec`, the host holds the K/V as float8 pages (ReadKvPlane).
       : keep_(std::move(keep)),
-        device_(ReadPool(device, device_layout, "device", row_bytes, layers, false)),
-        host_(ReadPool(host, host_layout, "host", row_bytes, layers, false)) {
-    CheckSameSides(device_, host_, "device", "host");
-    std::vector<CopyPlane> planes{CopyPlane{device_.layout, host_.layout, row_bytes}};
+        device_(ReadPool(device, device_layout, "device", row_bytes, layers, false)) {
+    CopyPlane kv =
+        ReadKvPlane(device_, host, host_layout, row_bytes, layers, codec, &host_, &sides_);
+    std::vector<CopyPlane> planes{kv};
     for (CopyPlane& p : ReadSidePlanes(side_planes, layers, false, device_, host_, &sides_)) {
       planes.push_back(p);
     }
@@ -271,11 +327,13 @@ void RegisterController(py::module_& m) {
         py::arg("dst_layout"), py::arg("row_bytes"), py::arg("layers"), py::arg("src_slots"),
         py::arg("dst_slots"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1);
   py::class_<PyController>(m, "CacheController")
-      .def(py::init<py::handle, const std::vector<int64_t>&, py::handle,
-                    const std::vector<int64_t>&, int64_t, int64_t, bool, py::handle, py::object>(),
-           py::arg("device"), py::arg("device_layout"), py::arg("host"), py::arg("host_layout"),
-           py::arg("row_bytes"), py::arg("layers"), py::arg("manual") = false,
-           py::arg("side_planes") = py::none(), py::arg("keep") = py::none())
+      .def(
+          py::init<py::handle, const std::vector<int64_t>&, py::handle, const std::vector<int64_t>&,
+                   int64_t, int64_t, bool, py::handle, py::object, py::handle>(),
+          py::arg("device"), py::arg("device_layout"), py::arg("host"), py::arg("host_layout"),
+          py::arg("row_bytes"), py::arg("layers"), py::arg("manual") = false,
+          py::arg("side_planes") = py::none(), py::arg("keep") = py::none(),
+          py::arg("codec") = py::none())
       .def(py::init<int64_t, bool>(), py::arg("layers"), py::arg("manual") = false)
       .def(py::init<py::capsule, bool, py::object>(), py::arg("engine"), py::arg("manual") = false,
            py::arg("keep") = py::none())

@@ -46,12 +46,29 @@ std::vector<CopyPlane> ReadSidePlanes(pybind11::handle side_planes, int64_t laye
                                       const Pool& kv_device, const Pool& kv_host,
                                       std::vector<Pool>* pools);
 
+/// Reads a float8 host pool from Python: None, or (dtype, heads, head_dim,
+/// scales, scales_layout), `scales` a tensor holding page p's `heads` float32
+/// scales of (side, layer) at row `p * page_size` of `scales_layout` (row
+/// stride 0); heads x head_dim elements of dtype make a device row of
+/// `row_bytes`. Appends the scales' pool to `pools`.
+Float8Pool ReadCodecSpec(pybind11::handle codec, int64_t row_bytes, int64_t layers,
+                         std::vector<Pool>* pools);
+
+/// Makes the K/V plane of a copy engine: the device pool and, read from
+/// `host` and `host_layout`, the host pool (`*host_pool`), whose rows are
+/// codes when `codec` is not None (ReadCodecSpec; its scales go to `pools`).
+/// Checks the two pools agree. `cuda`: the device pool is on a CUDA device.
+CopyPlane ReadKvPlane(const Pool& device, pybind11::handle host,
+                      const std::vector<int64_t>& host_layout, int64_t row_bytes, int64_t layers,
+                      pybind11::handle codec, Pool* host_pool, std::vector<Pool>* pools);
+
 /// A copy engine in a capsule named kEngineCapsule, made by one extension
 /// module and taken by CacheController in another.
 struct EngineBox {
   std::unique_ptr<CopyEngine> engine;
   Pool device, host;        // the pools the engine copies between, kept alive
-  std::vector<Pool> sides;  // the side buffers' pools, device then host for each
+  std::vector<Pool> sides;  // the side buffers' pools, device then host for each, then
+                            // the host scales of an encoded K/V plane
 };
 inline constexpr const char* kEngineCapsule = "radixkv.CopyEngine";
 

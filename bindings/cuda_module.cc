@@ -144,18 +144,18 @@ void Kernel_FirstMismatchBatched(py::handle query, py::handle keys, py::handle k
 // The host tier's copy engine on CUDA, for radixkv._core.CacheController(engine).
 py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_layout,
                        py::handle host, const std::vector<int64_t>& host_layout, int64_t row_bytes,
-                       int64_t layers, int max_blocks, py::handle side_planes) {
+                       int64_t layers, int max_blocks, py::handle side_planes, py::handle codec) {
   auto box = std::make_unique<EngineBox>();
   box->device = ReadPool(device, device_layout, "device", row_bytes, layers, true);
-  box->host = ReadPool(host, host_layout, "host", row_bytes, layers, false);
-  radixkv::bindings::CheckSameSides(box->device, box->host, "device", "host");
+  std::vector<radixkv::bindings::Pool> scales;  // (after the side planes' pairs, below)
+  const radixkv::CopyPlane kv = radixkv::bindings::ReadKvPlane(
+      box->device, host, host_layout, row_bytes, layers, codec, &box->host, &scales);
   cudaPointerAttributes attr{};
   const bool host_pinned = cudaPointerGetAttributes(&attr, box->host.layout.base) == cudaSuccess &&
                            attr.type == cudaMemoryTypeHost;
   if (!host_pinned) cudaGetLastError();  // clear the error an unregistered pointer leaves
   CHECK_VALUE(host_pinned, "host must be in pinned memory (HostKVCache(pin_memory=True))");
-  std::vector<radixkv::CopyPlane> planes{
-      radixkv::CopyPlane{box->device.layout, box->host.layout, row_bytes}};
+  std::vector<radixkv::CopyPlane> planes{kv};
   for (radixkv::CopyPlane& p : radixkv::bindings::ReadSidePlanes(
            side_planes, layers, true, box->device, box->host, &box->sides)) {
     planes.push_back(p);
@@ -166,6 +166,7 @@ py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_lay
     if (!pinned) cudaGetLastError();
     CHECK_VALUE(pinned, "side buffers' host copies must be in pinned memory");
   }
+  for (auto& pool : scales) box->sides.push_back(std::move(pool));
   const int dev = box->device.device.device_id;
   DeviceGuard guard(dev);
   box->engine = radixkv::cuda::MakeCudaCopyEngine(std::move(planes), layers, dev, max_blocks);
@@ -190,7 +191,7 @@ PYBIND11_MODULE(_cuda, m) {
   });
   m.def("copy_engine", &CopyEngine, py::arg("device"), py::arg("device_layout"), py::arg("host"),
         py::arg("host_layout"), py::arg("row_bytes"), py::arg("layers"), py::arg("max_blocks") = 16,
-        py::arg("side_planes") = py::none());
+        py::arg("side_planes") = py::none(), py::arg("codec") = py::none());
   m.def("store_cache", &Kernel_StoreCache, py::arg("k_cache"), py::arg("v_cache"),
         py::arg("out_loc"), py::arg("k"), py::arg("v"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("side") = py::none());

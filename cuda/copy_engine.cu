@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "copy_engine.cuh"
+#include "radixkv/transfer.h"
 #include "transfer.cuh"
 
 namespace radixkv::cuda {
@@ -128,14 +129,20 @@ class CudaCopyEngine final : public CopyEngine {
                        backup ? plane.host : plane.device,
                        plane.row_bytes,
                        layers_,
-                       state->slots,
-                       state->slots + n,
+                       job->src.data(),
+                       job->dst.data(),
                        n,
                        begin,
                        end};
-      if (LaunchTransfer(p, state->stream, max_blocks_) != cudaSuccess) {
-        return !(state->failed = true);
-      }
+      // An encoded plane moves whole pages only: checked on the host's
+      // copy of the slots, as the CPU engine checks them.
+      if (plane.encoded && FindNotWholePages(p) >= 0) return !(state->failed = true);
+      p.src_slots = state->slots;
+      p.dst_slots = state->slots + n;
+      const cudaError_t e =
+          plane.encoded ? LaunchCodecTransfer(p, plane.codes, backup, state->stream, max_blocks_)
+                        : LaunchTransfer(p, state->stream, max_blocks_);
+      if (e != cudaSuccess) return !(state->failed = true);
     }
     if (!backup) {
       std::lock_guard<std::mutex> lock(mu_);

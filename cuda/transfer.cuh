@@ -17,4 +17,14 @@ namespace radixkv::cuda {
 /// whose slots are out of range is skipped. Returns the launch error.
 cudaError_t LaunchTransfer(const TransferParams& p, cudaStream_t stream, int max_blocks = 16);
 
+/// Enqueues the twin of EncodeTransfer (`encode`: into the float8 host pool
+/// `p.dst`) or DecodeTransfer (from it, `p.src`) on `stream`: one warp per
+/// (page, side, layer, head) finds the head's largest finite magnitude with
+/// a warp reduction and writes its scale and codes, or reads them back, with
+/// the per-element conversions of page_codec.h (the CPU's, bit for bit).
+/// The caller checks first that the tokens are whole pages in range
+/// (FindNotWholePages on the host's slot lists): the kernel trusts them.
+cudaError_t LaunchCodecTransfer(const TransferParams& p, const Float8Pool& codes, bool encode,
+                                cudaStream_t stream, int max_blocks = 16);
+
 }  // namespace radixkv::cuda

@@ -13,7 +13,8 @@ that a second engine reads. Attention reads K/V through the pool's slots.
 any cache and compares the logits of each prefill and decode step: the
 engine is right only if reusing cached K/V changes nothing.
 
-    python examples/tiny_engine.py [--conversations 6] [--storage DIR [--storage-codec float8]]
+    python examples/tiny_engine.py [--conversations 6] [--host-codec float8]
+        [--storage DIR [--storage-codec float8]]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from radixkv import OutOfCapacityError
 from radixkv.kvcache import MHAKVCache
+from radixkv.kvcache.page_codec import CODECS
 from radixkv.scheduler import CacheManager
 
 VOCAB, D_MODEL, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 512, 64, 2, 4, 2, 16
@@ -123,6 +125,7 @@ class Engine:
         host_pages: int = 96,
         storage_dir: Optional[str] = None,
         storage_codec: Optional[str] = None,
+        host_codec: Optional[str] = None,
     ):
         self.model, self.page_size = model, page_size
         self.pool = MHAKVCache(
@@ -141,12 +144,14 @@ class Engine:
                 kv_heads=KV_HEADS,
                 head_dim=HEAD_DIM,
             )
-            storage = FileStorage(storage_dir, seed, codec=storage_codec)
+            # An encoded host's pages are stored as they are, with its codec.
+            storage = FileStorage(storage_dir, seed, codec=storage_codec or host_codec)
         self.cm = CacheManager(
             num_pages,
             page_size=page_size,
             kv_cache=self.pool,
             host_num_pages=host_pages,
+            host_codec=host_codec,
             storage=storage,
             storage_seed=seed,
             prefetch_policy="wait_complete",
@@ -343,29 +348,48 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--storage-codec",
-        choices=["float8"],
+        choices=CODECS,
         help="with --storage: pages written as float8 (half the bytes); the "
         "second engine reports the logit error the codec costs instead of checking",
+    )
+    ap.add_argument(
+        "--host-codec",
+        choices=CODECS,
+        help="host pages held as float8 (half the bytes; a store then keeps them as "
+        "they are); both engines report the logit error the codec costs",
     )
     args = ap.parse_args(argv)
     if args.storage_codec and not args.storage:
         ap.error("--storage-codec needs --storage")
+    if args.storage_codec and args.host_codec not in (None, args.storage_codec):
+        ap.error("--storage-codec must be --host-codec's codec (or left out)")
+    codec = args.host_codec or args.storage_codec
     model = TinyModel()
-    engine = Engine(model, storage_dir=args.storage, storage_codec=args.storage_codec)
+    engine = Engine(
+        model,
+        storage_dir=args.storage,
+        storage_codec=args.storage_codec,
+        host_codec=args.host_codec,
+    )
     served = serve_conversations(engine, args.conversations, args.turns)
     reused = sum(r.from_cache for r in served)
     host = sum(r.from_host for r in served)
     print(
         f"{len(served)} requests, {reused} prompt tokens from the cache ({host} from host), "
-        + report(model, served, args.storage_codec)
+        + report(model, served, args.host_codec)
     )
     if args.storage:
         engine.cm.close()
-        second = Engine(model, storage_dir=args.storage, storage_codec=args.storage_codec)
+        second = Engine(
+            model,
+            storage_dir=args.storage,
+            storage_codec=args.storage_codec,
+            host_codec=args.host_codec,
+        )
         again = serve_conversations(second, args.conversations, args.turns)
         print(
             f"second engine: {sum(r.from_host for r in again)} prompt tokens came back "
-            "through storage and host, " + report(model, again, args.storage_codec)
+            "through storage and host, " + report(model, again, codec)
         )
         second.cm.close()
     return 0

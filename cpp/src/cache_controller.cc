@@ -28,7 +28,10 @@ class CpuCopyEngine final : public CopyEngine {
                        static_cast<int64_t>(job->src.size()),
                        begin,
                        end};
-      if (TransferRows(p) >= 0) return false;
+      const int64_t bad = !plane.encoded ? TransferRows(p)
+                          : backup       ? EncodeTransfer(p, plane.codes)
+                                         : DecodeTransfer(p, plane.codes);
+      if (bad >= 0) return false;
     }
     return true;
   }

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "radixkv/page_codec.h"
 #include "radixkv/status.h"
 
 namespace radixkv {
@@ -41,7 +42,56 @@ bool WholePage(const TransferParams& p, int64_t i, int64_t page) noexcept {
   return true;
 }
 
+// Encodes (or decodes) the whole pages of `p` between a pool of `codes.type`
+// rows and a float8 pool.
+int64_t CodecTransfer(const TransferParams& p, const Float8Pool& codes, bool encode) noexcept {
+  const int64_t bad = FindNotWholePages(p);
+  if (bad >= 0) return bad;
+  const PoolLayout& plain = encode ? p.src : p.dst;
+  const PoolLayout& packed = encode ? p.dst : p.src;
+  const int64_t page = p.src.page_size;
+  const CodecRows rows{page,       codes.heads,      codes.head_dim,
+                       codes.type, plain.row_stride, packed.row_stride};
+  for (int64_t i = 0; i < p.num_tokens; i += page) {
+    const int64_t s = p.src_slots[i], d = p.dst_slots[i];
+    const int64_t plain_slot = encode ? s : d, packed_slot = encode ? d : s;
+    for (int64_t side = 0; side < p.src.sides; ++side) {
+      for (int64_t layer = p.layer_begin; layer < p.layer_end; ++layer) {
+        char* row = plain.base + PoolRowOffset(plain, side, layer, plain_slot);
+        auto* code = reinterpret_cast<uint8_t*>(packed.base) +
+                     PoolRowOffset(packed, side, layer, packed_slot);
+        char* scale = codes.scales.base + PoolRowOffset(codes.scales, side, layer, packed_slot);
+        if (encode) {
+          EncodeFloat8Rows(rows, row, code, scale);
+        } else {
+          DecodeFloat8Rows(rows, code, scale, row);
+        }
+      }
+    }
+  }
+  return -1;
+}
+
 }  // namespace
+
+int64_t FindNotWholePages(const TransferParams& p) noexcept {
+  const int64_t bad = FindTransferSlotOutOfRange(p);
+  if (bad >= 0) return bad;
+  const int64_t page = p.src.page_size;
+  if (p.dst.page_size != page) return p.num_tokens > 0 ? 0 : -1;
+  for (int64_t i = 0; i < p.num_tokens; i += page) {
+    if (!WholePage(p, i, page)) return i;
+  }
+  return -1;
+}
+
+int64_t EncodeTransfer(const TransferParams& p, const Float8Pool& codes) noexcept {
+  return CodecTransfer(p, codes, true);
+}
+
+int64_t DecodeTransfer(const TransferParams& p, const Float8Pool& codes) noexcept {
+  return CodecTransfer(p, codes, false);
+}
 
 int64_t FindTransferSlotOutOfRange(const TransferParams& p) noexcept {
   const auto src_limit = static_cast<uint64_t>(p.src.num_slots);

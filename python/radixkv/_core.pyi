@@ -504,7 +504,8 @@ class BlockLedger(metaclass=_pybind11_type):
 
 class CacheController(metaclass=_pybind11_type):
     # side_planes: (device, device_layout, host, host_layout, row_bytes) of each side
-    # buffer copied with the rows; keep: an object the controller holds while it lives.
+    # buffer copied with the rows; keep: an object the controller holds while it lives;
+    # codec: (dtype, heads, head_dim, scales, scales_layout) of a float8 host pool.
     @overload
     def __init__(
         self,
@@ -517,6 +518,7 @@ class CacheController(metaclass=_pybind11_type):
         manual: bool = False,
         side_planes: Optional[Sequence[Tuple[Any, ...]]] = None,
         keep: object = None,
+        codec: Optional[Tuple[str, int, int, torch.Tensor, Sequence[int]]] = None,
     ) -> None: ...
     @overload
     def __init__(self, layers: int, manual: bool = False) -> None: ...

@@ -40,4 +40,5 @@ def copy_engine(
     layers: int,
     max_blocks: int = 16,
     side_planes: Optional[Sequence[Tuple[Any, ...]]] = None,
+    codec: Optional[Tuple[str, int, int, torch.Tensor, Sequence[int]]] = None,
 ) -> Any: ...

@@ -5,7 +5,10 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
+
+#include "radixkv/transfer.h"
 
 namespace radixkv {
 namespace {
@@ -115,6 +118,147 @@ TEST(PageCodecTest, ZerosInfinitiesAndNaNs) {
   EXPECT_EQ(out[1], 448.0f);  // an infinity saturates
   EXPECT_EQ(out[2], -448.0f);
   EXPECT_TRUE(std::isnan(out[3]));
+}
+
+// A float8 host pool of `pages` pages in the codec's page format, behind a
+// LayerFirst device pool of float32 rows: a backup encodes exactly what
+// EncodeFloat8Page makes of the same page, a load decodes it back as
+// DecodeFloat8Page does, and a copy of anything but whole pages does nothing.
+struct EncodedPools {
+  static constexpr int64_t kSides = 2, kLayers = 2, kRows = 4, kHeads = 2, kDim = 4, kPages = 4;
+  static constexpr int64_t kRow = kHeads * kDim;
+  static constexpr int64_t kScales = kSides * kLayers * kHeads * 4;
+  static constexpr int64_t kPage = kScales + kSides * kLayers * kRows * kRow;
+  std::vector<float> device = std::vector<float>(kSides * kLayers * kPages * kRows * kRow);
+  std::vector<char> host = std::vector<char>(kPages * kPage);
+  TransferParams params{};
+  Float8Pool codes{};
+
+  EncodedPools() {
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < device.size(); ++i) device[i] = normal(rng) * (i % 7 == 0 ? 50 : 1);
+    PoolLayout dev{reinterpret_cast<char*>(device.data()),
+                   kLayers * kPages * kRows * kRow * 4,
+                   kPages * kRows * kRow * 4,
+                   kRows * kRow * 4,
+                   kRow * 4,
+                   kRows,
+                   kPages * kRows,
+                   kSides};
+    PoolLayout packed{host.data() + kScales,
+                      kLayers * kRows * kRow,
+                      kRows * kRow,
+                      kPage,
+                      kRow,
+                      kRows,
+                      kPages * kRows,
+                      kSides};
+    codes = {SourceFloat::kFloat32, kHeads, kDim,
+             PoolLayout{host.data(), kLayers * kHeads * 4, kHeads * 4, kPage, 0, kRows,
+                        kPages * kRows, kSides}};
+    params = {dev, packed, kRow * 4, kLayers, nullptr, nullptr, 0, 0, kLayers};
+  }
+  // Device page `p` as the plain page the codec takes: (side, layer) planes.
+  std::vector<char> PlainPage(int64_t p) const {
+    std::vector<char> out(static_cast<size_t>(kSides * kLayers * kRows * kRow * 4));
+    for (int64_t side = 0; side < kSides; ++side) {
+      for (int64_t layer = 0; layer < kLayers; ++layer) {
+        const float* rows = device.data() + ((side * kLayers + layer) * kPages + p) * kRows * kRow;
+        std::memcpy(out.data() + (side * kLayers + layer) * kRows * kRow * 4, rows,
+                    static_cast<size_t>(kRows * kRow * 4));
+      }
+    }
+    return out;
+  }
+  PageCodecShape Shape() const {
+    return {kSides * kLayers, kRows, kHeads, kDim, SourceFloat::kFloat32, 0};
+  }
+};
+
+std::vector<int32_t> PageSlots(std::initializer_list<int32_t> pages, int64_t rows) {
+  std::vector<int32_t> out;
+  for (int32_t p : pages) {
+    for (int64_t r = 0; r < rows; ++r) out.push_back(static_cast<int32_t>(p * rows + r));
+  }
+  return out;
+}
+
+TEST(PageCodecTest, ABackupEncodesWhatTheStorageCodecWritesAndALoadDecodesIt) {
+  EncodedPools t;
+  const int64_t S = EncodedPools::kRows;
+  std::vector<int32_t> src = PageSlots({2, 0}, S), dst = PageSlots({1, 3}, S);
+  TransferParams p = t.params;
+  p.src_slots = src.data();
+  p.dst_slots = dst.data();
+  p.num_tokens = static_cast<int64_t>(src.size());
+  ASSERT_EQ(EncodeTransfer(p, t.codes), -1);
+  const PageCodecShape shape = t.Shape();
+  ASSERT_EQ(Float8PageBytes(shape), EncodedPools::kPage);
+  const std::pair<int64_t, int64_t> moved[] = {{2, 1}, {0, 3}};
+  for (const auto& [from, to] : moved) {
+    std::vector<char> want(static_cast<size_t>(EncodedPools::kPage));
+    EncodeFloat8Page(t.PlainPage(from).data(), shape, want.data());
+    EXPECT_EQ(0, std::memcmp(want.data(), t.host.data() + to * EncodedPools::kPage, want.size()))
+        << "device page " << from;
+  }
+  // Load host page 1 into device page 3, layer 1 only, then every layer.
+  const std::vector<float> before = t.device;
+  std::vector<int32_t> host_slots = PageSlots({1}, S), dev_slots = PageSlots({3}, S);
+  TransferParams load{t.params.dst,
+                      t.params.src,
+                      t.params.row_bytes,
+                      EncodedPools::kLayers,
+                      host_slots.data(),
+                      dev_slots.data(),
+                      S,
+                      1,
+                      2};
+  ASSERT_EQ(DecodeTransfer(load, t.codes), -1);
+  std::vector<char> decoded(static_cast<size_t>(RawPageBytes(shape)));
+  DecodeFloat8Page(t.host.data() + EncodedPools::kPage, shape, decoded.data());
+  const std::vector<char> got = t.PlainPage(3), was = [&] {
+    EncodedPools old;
+    old.device = before;
+    return old.PlainPage(3);
+  }();
+  const size_t plane = static_cast<size_t>(S * EncodedPools::kRow * 4);
+  for (int64_t side = 0; side < 2; ++side) {
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      const size_t at = static_cast<size_t>(side * 2 + layer) * plane;
+      const std::vector<char>& want = layer == 1 ? decoded : was;
+      EXPECT_EQ(0, std::memcmp(got.data() + at, want.data() + at, plane)) << side << layer;
+    }
+  }
+  load.layer_begin = 0;
+  ASSERT_EQ(DecodeTransfer(load, t.codes), -1);
+  EXPECT_EQ(t.PlainPage(3), decoded);
+}
+
+TEST(PageCodecTest, ACopyOfPartOfAPageOrOutOfRangeWritesNothing) {
+  EncodedPools t;
+  const int64_t S = EncodedPools::kRows;
+  const std::vector<char> host = t.host;
+  const std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> bad = {
+      {{1, 2, 3, 4}, {0, 1, 2, 3}},            // the source does not start a page
+      {PageSlots({0}, S), {4, 5, 6, 7}},       // fine
+      {{0, 1, 2}, {0, 1, 2}},                  // three rows of a page of four
+      {{0, 1, 3, 2}, {0, 1, 2, 3}},            // out of order
+      {PageSlots({0}, S), PageSlots({4}, S)},  // past the host pool
+  };
+  const int64_t expect[] = {0, -1, 0, 0, 0};
+  for (size_t i = 0; i < bad.size(); ++i) {
+    TransferParams p = t.params;
+    p.src_slots = bad[i].first.data();
+    p.dst_slots = bad[i].second.data();
+    p.num_tokens = static_cast<int64_t>(bad[i].first.size());
+    t.host = host;
+    p.dst.base = t.host.data() + EncodedPools::kScales;
+    Float8Pool codes = t.codes;
+    codes.scales.base = t.host.data();
+    EXPECT_EQ(EncodeTransfer(p, codes), expect[i]) << i;
+    if (expect[i] >= 0) EXPECT_EQ(t.host, host) << i;
+  }
 }
 
 }  // namespace

@@ -14,7 +14,7 @@ from radixkv.kvcache import MHAKVCache
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.scheduler.storage_tier import storage_seed_of
 from radixkv.storage import FileStorage
-from radixkv.storage.codec import Float8PageCodec, codec_seed
+from radixkv.kvcache.page_codec import Float8PageCodec, codec_seed
 
 F8 = torch.float8_e4m3fn
 

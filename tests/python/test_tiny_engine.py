@@ -78,3 +78,18 @@ def test_the_float8_storage_codec_costs_a_small_logit_error(te, tmp_path):
         te.check(model, again)
     second.cm.close()
     assert te.logit_errors(model, served)[1] < mean  # the first engine read little back
+
+
+def test_an_encoded_host_costs_a_small_logit_error_and_holds_pages_in_half_the_bytes(te):
+    model = te.TinyModel()
+    plain = te.Engine(model, num_pages=40, host_pages=80)
+    engine = te.Engine(model, num_pages=40, host_pages=80, host_codec="float8")
+    assert engine.cm.host_pool.nbytes < 0.3 * plain.cm.host_pool.nbytes  # float32 K/V: a quarter
+    served = te.serve_conversations(engine, 6, turns=3)
+    assert sum(r.from_host for r in served) > 0  # pages did come back through the codec
+    worst, mean, size, same = te.logit_errors(model, served)
+    assert 1e-4 < worst < 0.25 * size
+    assert mean < 0.05 * size and same > 0.9
+    with pytest.raises(AssertionError, match="differ"):
+        te.check(model, served)
+    engine.cm.close(), plain.cm.close()

@@ -73,11 +73,16 @@ class CopyEngine {
 struct CopyPlane {
   PoolLayout device;
   PoolLayout host;
-  int64_t row_bytes;
+  int64_t row_bytes;  ///< the device's row
+  /// Whether the host holds this plane as float8 pages (`codes`): backups
+  /// encode, loads decode, whole pages at a time.
+  bool encoded = false;
+  Float8Pool codes{};
 };
 
 /// The CPU engine: memcpy of whole pages (TransferRows) of every plane
-/// between the device pools and the host pools, on the controller's thread.
+/// between the device pools and the host pools, on the controller's thread;
+/// an encoded plane is encoded and decoded (EncodeTransfer, DecodeTransfer).
 std::unique_ptr<CopyEngine> MakeCpuCopyEngine(std::vector<CopyPlane> planes, int64_t layers);
 /// The same for one plane.
 inline std::unique_ptr<CopyEngine> MakeCpuCopyEngine(const PoolLayout& device,

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "radixkv/store_index.h"
 
@@ -50,6 +51,45 @@ void EncodeFloat8Page(const void* page, const PageCodecShape& s, void* out) noex
 /// `float(code) * scale` in float32, rounded to the pool's type to nearest,
 /// ties to even, exactly torch's `(codes.float() * scale).to(dtype)`.
 void DecodeFloat8Page(const void* in, const PageCodecShape& s, void* page) noexcept;
+
+/// The rows of one plane (side and layer) of a page: `rows` rows of `heads`
+/// x `head_dim` elements of `type`, `stride` bytes from one row to the next
+/// (at least a row's bytes) in the pool that holds them as `type`, and
+/// `code_stride` bytes (at least heads x head_dim) where they are codes.
+struct CodecRows {
+  int64_t rows;
+  int64_t heads;
+  int64_t head_dim;
+  SourceFloat type;
+  int64_t stride;
+  int64_t code_stride;
+};
+
+/// Encodes one plane's rows at `src` into codes at `codes` and `heads`
+/// float32 scales at `scales` (unaligned), as EncodeFloat8Page does each
+/// plane of a page. O(rows x heads x head_dim).
+void EncodeFloat8Rows(const CodecRows& r, const char* src, uint8_t* codes, char* scales) noexcept;
+
+/// Decodes one plane's codes and scales into rows of `r.type` at `dst`, as
+/// DecodeFloat8Page does each plane of a page.
+void DecodeFloat8Rows(const CodecRows& r, const uint8_t* codes, const char* scales,
+                      char* dst) noexcept;
+
+/// The scale of a (plane, head) whose largest finite magnitude has the
+/// bits `amax` (0 for none): amax / 448, 1 when amax is 0, the smallest
+/// positive float where the division underflows to 0.
+RADIXKV_HOST_DEVICE float Float8Scale(uint32_t amax) {
+  const float scale = amax != 0 ? BitsFloat(amax) / kFloat8E4M3Max : 1.0f;
+  return scale != 0.0f ? scale : BitsFloat(1u);
+}
+
+/// `amax` and the magnitude of `x`, whichever is larger, as bits; NaN and
+/// infinities leave `amax` as it is (a finite float's magnitude orders as
+/// its bits do).
+RADIXKV_HOST_DEVICE uint32_t FiniteMax(uint32_t amax, float x) {
+  const uint32_t mag = FloatBits(x) & 0x7FFFFFFFu;
+  return mag < 0x7F800000u && mag > amax ? mag : amax;
+}
 
 /// An e4m3fn code as a float (exact): 0x7F and 0xFF are NaN, there is no
 /// infinity, a zero exponent field is subnormal (man * 2^-9).
@@ -97,6 +137,17 @@ RADIXKV_HOST_DEVICE uint16_t HalfFromFloat(float x) {
   }
   h += static_cast<uint32_t>(rest > half) | (static_cast<uint32_t>(rest == half) & h & 1u);
   return static_cast<uint16_t>(sign | h);
+}
+
+/// Writes `x` as element `e` of `row`, an array of `type`, rounded to
+/// nearest, ties to even (as torch's `.to(dtype)`).
+RADIXKV_HOST_DEVICE void StoreSourceFloat(char* row, SourceFloat type, int64_t e, float x) {
+  if (type == SourceFloat::kFloat32) {
+    memcpy(row + e * 4, &x, 4);
+    return;
+  }
+  const uint16_t h = type == SourceFloat::kFloat16 ? HalfFromFloat(x) : BFloat16FromFloat(x);
+  memcpy(row + e * 2, &h, 2);
 }
 
 }  // namespace radixkv

@@ -33,4 +33,23 @@ int64_t FindTransferSlotOutOfRange(const TransferParams& p) noexcept;
 /// Any `row_bytes`. O(tokens * layers * row_bytes).
 int64_t TransferRows(const TransferParams& p) noexcept;
 
+/// Position of the first token that is out of range or does not start a
+/// whole page (`page_size` tokens whose source and destination slots both
+/// start a page and run on, pages of one size in both pools), or -1.
+/// O(num_tokens).
+int64_t FindNotWholePages(const TransferParams& p) noexcept;
+
+/// A backup into a float8 host pool (`p.dst`, described by `codes`): for
+/// every whole page of tokens (the source and destination slots of a page
+/// both start a page and run on), layers [layer_begin, layer_end) and each
+/// side, encodes the page's rows (EncodeFloat8Rows) into its codes and
+/// scales. `p.row_bytes` is the source's row. Checks every slot first;
+/// returns the first token out of range or not starting a whole page
+/// (copying nothing), else -1. O(tokens * layers * row elements).
+int64_t EncodeTransfer(const TransferParams& p, const Float8Pool& codes) noexcept;
+
+/// A load from a float8 host pool (`p.src`, described by `codes`): decodes
+/// whole pages into `p.dst`'s rows, as EncodeTransfer encodes them.
+int64_t DecodeTransfer(const TransferParams& p, const Float8Pool& codes) noexcept;
+
 }  // namespace radixkv

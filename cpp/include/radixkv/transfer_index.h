@@ -34,6 +34,19 @@ struct PoolLayout {
   int64_t sides = 2;  ///< 2 (K and V) or 1 (MLA); both pools of a transfer agree
 };
 
+/// A host pool that holds its K/V as float8 pages (page_codec.h): its rows
+/// are codes, `heads` x `head_dim` bytes each, and page p's `heads` float32
+/// scales of (side, layer) start at `PoolRowOffset(scales, side, layer, p *
+/// scales.page_size)` (a layout whose row stride is 0). The device pool's
+/// rows are `heads` x `head_dim` elements of `type`. Copies move whole pages
+/// only: a page's scales are those of all its rows.
+struct Float8Pool {
+  SourceFloat type = SourceFloat::kNone;
+  int64_t heads = 0;
+  int64_t head_dim = 0;
+  PoolLayout scales{};
+};
+
 /// Everything one transfer needs. Plain data; the pointers are borrowed and
 /// must stay valid until the transfer is done.
 struct TransferParams {

@@ -24,6 +24,7 @@ from radixkv.replay.replay import replay
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
 from radixkv.kvcache import EVICTION_POLICIES
+from radixkv.kvcache.page_codec import CODECS
 from radixkv.scheduler.host_tier import WRITE_POLICIES
 from radixkv.scheduler.storage_tier import PREFETCH_POLICIES
 
@@ -113,6 +114,14 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
         "trace holds is an unbounded host, allocated only as large as it is used",
     )
     p.add_argument(
+        "--host-codec",
+        choices=CODECS,
+        help="hold host pages encoded: float8 e4m3 with a scale per page, layer and head "
+        "(half the bytes of 16-bit K/V, so the same memory holds twice the pages; "
+        "lossy, so rows loaded back are compared within the codec's error). A "
+        "storage tier then stores pages as they are, with the same codec",
+    )
+    p.add_argument(
         "--storage",
         choices=["none", "file", "mooncake"],
         help="storage tier (L3) behind the host tier (default for a trace: none; "
@@ -132,7 +141,7 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--storage-codec",
-        choices=["float8"],
+        choices=CODECS,
         help="--storage file: write pages as float8 e4m3 with a scale per page, "
         "layer and head (half the bytes of 16-bit K/V; lossy, so rows read back "
         "are compared within the codec's error)",
@@ -262,7 +271,7 @@ def _table(r: ReplayResult, kv: KVShape) -> str:
             f"    on device     {r.device_hit_tokens:>14,}   {pct(r.device_hit_tokens)}",
             f"    on host       {r.host_hit_tokens:>14,}   {pct(r.host_hit_tokens)}",
             f"  host tier       {r.host_capacity_tokens:>14,} tokens, {r.write_policy}, "
-            f"{host_pool}",
+            f"{host_pool}" + (f", {r.host_codec}" if r.host_codec else ""),
             f"    backed up     {r.backed_up_tokens:>14,}",
             f"    loaded back   {r.loaded_back_tokens:>14,}   K/V mismatches {r.kv_mismatches}"
             + (f", failed loads {r.failed_loads}" if r.failed_loads else ""),
@@ -466,6 +475,14 @@ def _run(args) -> int:
             )
     elif args.instances > 1:
         raise UsageError("--instances shares a storage tier: give --storage file or mooncake")
+    if args.host_codec:
+        if args.no_store or not host_tokens:
+            raise UsageError(
+                "--host-codec encodes the K/V bytes of a host tier: give "
+                "--host-capacity-tokens and drop --no-store"
+            )
+        if args.storage_codec not in (None, args.host_codec):
+            raise UsageError("--storage-codec must be --host-codec's codec (or left out)")
     _check_storage_flags(args, storage_kind)
     # From here Ctrl-C stops the replay between requests, and the figures,
     # the sweep's files and the storage's clean-up are still made.
@@ -515,7 +532,7 @@ def _storage(args, kind: str):
     segment = (args.mooncake_segment_mib or 256) << 20
     if kind == "file":
         bound = None if args.storage_max_mib is None else args.storage_max_mib << 20
-        codec = args.storage_codec
+        codec = args.storage_codec or args.host_codec
         if args.storage_dir:
             if os.path.exists(args.storage_dir) and not os.path.isdir(args.storage_dir):
                 raise UsageError(f"--storage-dir {args.storage_dir} is not a directory")
@@ -546,6 +563,7 @@ def _storage(args, kind: str):
             metadata_server=args.mooncake_metadata or f"http://{host}:8080/metadata",
             segment_bytes=segment,
             prefetch_policy=policy,
+            codec=args.host_codec,
         )
         return
     from radixkv.storage import MooncakeMaster
@@ -561,6 +579,7 @@ def _storage(args, kind: str):
             metadata_server=master.metadata_server,
             segment_bytes=segment,
             prefetch_policy=policy,
+            codec=args.host_codec,
         )
 
 
@@ -605,6 +624,7 @@ def _replays(
         overlap=args.overlap,
         eviction_policy_config=args.eviction_policy_config,
         retain_ttl_s=args.retain,
+        host_codec=args.host_codec,
     )
 
     def host_pages_for(device_pages: int) -> int:

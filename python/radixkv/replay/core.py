@@ -110,6 +110,7 @@ class ReplayResult:
     host_evicted_tokens: int = 0
     failed_loads: int = 0
     host_pool_bytes: int = 0
+    host_codec: Optional[str] = None  # how the host holds pages (None: as the device does)
     # Loaded-back tokens whose K/V rows differ from what was stored (stored runs).
     kv_mismatches: int = 0
     # The storage tier (None: none). hit_tokens also counts storage hits:
@@ -174,6 +175,7 @@ class ReplayResult:
             "kv_mismatches": self.kv_mismatches,
             "storage": self.storage,
             "storage_codec": self.storage_codec,
+            "host_codec": self.host_codec,
             "prefetch_policy": self.prefetch_policy,
             "storage_hit_tokens": self.storage_hit_tokens,
             "storage_hit_rate": self._rate(self.storage_hit_tokens),
@@ -218,7 +220,9 @@ class StorageConfig:
     kind: str  # "file" or "mooncake"
     directory: Optional[str] = None  # file
     max_bytes: Optional[int] = None  # file: bound on the directory
-    codec: Optional[str] = None  # file: pages written encoded ("float8")
+    # Pages stored encoded ("float8"): a file store encodes plain host pages;
+    # Mooncake moves pages as they are, so it needs the host codec too.
+    codec: Optional[str] = None
     master_address: Optional[str] = None  # mooncake
     metadata_server: Optional[str] = None  # mooncake
     segment_bytes: int = 256 << 20  # mooncake: memory each instance lends
@@ -251,7 +255,10 @@ class StorageConfig:
                 if self.master_address is None or self.metadata_server is None:
                     raise TypeError("storage 'mooncake' needs master_address and metadata_server")
                 backend = MooncakeStorage(
-                    self.master_address, self.metadata_server, segment_bytes=self.segment_bytes
+                    self.master_address,
+                    self.metadata_server,
+                    segment_bytes=self.segment_bytes,
+                    codec=self.codec,
                 )
         except (OSError, RuntimeError) as e:
             where = self.directory if self.kind == "file" else self.master_address
@@ -308,6 +315,7 @@ class Instance:
         write_policy: str,
         storage: Optional[StorageConfig],
         max_hash: int,
+        host_codec: Optional[str] = None,
         overlap: bool = False,
         eviction_policy: str = "lru",
         eviction_policy_config: Optional[dict] = None,
@@ -349,6 +357,7 @@ class Instance:
             host_num_pages=host_pages,
             write_policy=write_policy,
             kv_cache=self.pool,
+            host_codec=host_codec,
             manual_copies=self.pool is None,
             storage=backend,
             storage_seed=storage.fingerprint(kv, page_size) if storage is not None else None,
@@ -369,7 +378,8 @@ class Instance:
             r.write_policy = write_policy
             r.host_pool_bytes = self.cm.host_pool.nbytes if self.cm.host_pool is not None else 0
         # Rows that went through a lossy codec come back within its error.
-        self.lossy = storage is not None and storage.codec is not None
+        self.lossy = host_codec is not None or (storage is not None and storage.codec is not None)
+        r.host_codec = host_codec
         if storage is not None:
             r.storage = storage.kind
             r.prefetch_policy = storage.prefetch_policy
@@ -393,7 +403,7 @@ class Instance:
 
     def _check_loaded(self, slots: torch.Tensor, ids: torch.Tensor, start: int) -> int:
         """Tokens among `slots` whose rows differ from what was stored for
-        them: bit for bit, or with a lossy storage codec by more than its
+        them: bit for bit, or with a lossy codec (host or storage) by more than its
         error (float8 e4m3 keeps 4 significant bits, and a page may go
         through it twice: an eighth of the value, and 2^-8 of the largest,
         200, for values that round to its subnormals)."""

@@ -202,6 +202,7 @@ def _combine(
         "write_policy",
         "storage",
         "storage_codec",
+        "host_codec",
         "prefetch_policy",
         "eviction_policy",
         "retain_ttl_s",

@@ -42,6 +42,7 @@ def replay(
     eviction_policy: str = "lru",
     eviction_policy_config: Optional[dict] = None,
     retain_ttl_s: Optional[float] = None,
+    host_codec: Optional[str] = None,
 ) -> ReplayResult:
     """Drives `requests` through `instances` serving instances (see radixkv.replay.core.Instance).
 
@@ -62,6 +63,11 @@ def replay(
     its copies included, before the next starts, so the run is
     deterministic. `overlap` lets instances run concurrently and copies
     overlap the next requests (throughput, at some cost in hits).
+
+    `host_codec` ("float8"; needs `store` and `host_pages`) holds the host
+    pages encoded (CacheManager's `host_codec`): rows loaded back are then
+    compared within the codec's error, and a storage tier must take the same
+    codec (`StorageConfig.codec`).
 
     `retain_ttl_s` claims each session's conversation after every turn for
     that many seconds of trace time (an agent workload: see Instance). The
@@ -87,6 +93,7 @@ def replay(
             kv=kv or KVShape(),
             store=store,
             host_pages=host_pages,
+            host_codec=host_codec,
             write_policy=write_policy,
             storage=storage,
             max_hash=max_hash_id(requests),

@@ -59,7 +59,13 @@ class CacheManager:
     host copy as host only, and `load_back` brings a match's host part back.
     With `kv_cache` (the device pool) the K/V bytes move between it and a
     `HostKVCache` of layout `host_layout`, on a controller thread; without
-    it the tier keeps the bookkeeping only (capacity planning). Copies change
+    it the tier keeps the bookkeeping only (capacity planning). With
+    `host_codec="float8"` (needs `kv_cache` and `page_first`) the host pool
+    holds each page encoded (`HostKVCache(codec=...)`), in half the bytes for
+    16-bit K/V or a quarter for 32-bit, so the same memory holds 2-4x the
+    pages: backups encode and loads decode in the copy engine, and a storage
+    backend (which must take the same codec) stores the pages as they are.
+    Lossy; the default (None) keeps pages bit for bit. Copies change
     the cache only when the scheduler applies their acknowledgements:
     `writing_check()` and `loading_check()`, called once per scheduling
     round (`drain()` waits for every copy and applies all). With
@@ -116,6 +122,7 @@ class CacheManager:
         write_policy: str = "write_through",
         kv_cache: Optional[Union[MHAKVCache, MLAKVCache]] = None,
         host_layout: str = "page_first",
+        host_codec: Optional[str] = None,
         manual_copies: bool = False,
         storage: Optional[StorageBackend] = None,
         storage_seed: Optional[bytes] = None,
@@ -164,7 +171,9 @@ class CacheManager:
                     f"kv_cache must have page_size={page_size} and at least num_pages={num_pages} "
                     f"pages, got page_size={kv_cache.page_size} and {kv_cache.num_pages} pages"
                 )
-        check_tier_args(type == "radix", host_num_pages, write_policy, kv_cache)
+        check_tier_args(
+            type == "radix", host_num_pages, write_policy, kv_cache, host_layout, host_codec
+        )
         self._pages = _core.PageAllocator(num_pages, page_size)
         self.manager = create_cache_manager(
             device,
@@ -194,6 +203,7 @@ class CacheManager:
             write_policy=write_policy,
             kv_cache=kv_cache,
             host_layout=host_layout,
+            host_codec=host_codec,
             manual_copies=manual_copies,
             storage=storage,
             storage_seed=storage_seed,

@@ -90,6 +90,7 @@ class HostTier:
         kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
         host_layout: str,
         num_layers: int,
+        codec: Optional[str],
         manual: bool,
         *,
         events: Optional[BlockEvents] = None,
@@ -107,7 +108,7 @@ class HostTier:
         self.num_pages = host_num_pages
         if kv_cache is not None:
             self.pool: Optional[HostKVCache] = HostKVCache(
-                kv_cache, host_num_pages, layout=host_layout
+                kv_cache, host_num_pages, layout=host_layout, codec=codec
             )
             row_bytes = self.pool.row_bytes
             device_layout = list(kv_cache.copy_layout())
@@ -123,17 +124,19 @@ class HostTier:
                     kv_cache.side_copy_layouts(), self.pool.side_copy_layouts()
                 )
             ]
+            codec_arg = self.pool.codec_copy()  # (with a codec: the host's scales)
             if kind == "cpu":
                 self.controller = _core.CacheController(
                     kv_cache.kv_buffer,
                     device_layout,
-                    self.pool.kv_buffer,
+                    self.pool.copy_buffer,
                     host_copy_layout,
                     row_bytes,
                     kv_cache.num_layers,
                     manual,
                     planes,
                     keep,
+                    codec_arg,
                 )
             elif kind == "cuda":
                 # copy streams, events and the transfer kernel
@@ -141,11 +144,12 @@ class HostTier:
                 engine = cuda.copy_engine(
                     kv_cache.kv_buffer,
                     device_layout,
-                    self.pool.kv_buffer,
+                    self.pool.copy_buffer,
                     host_copy_layout,
                     row_bytes,
                     kv_cache.num_layers,
                     side_planes=planes,
+                    codec=codec_arg,
                 )
                 self.controller = _core.CacheController(engine, manual, keep)
             else:

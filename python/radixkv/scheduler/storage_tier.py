@@ -20,7 +20,7 @@ from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.host_tier import HostTier
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.storage.base import MAX_BATCH, StorageBackend, takes_parents
-from radixkv.storage.codec import codec_seed
+from radixkv.kvcache.page_codec import codec_seed
 from radixkv.storage.health import Health
 from radixkv.storage.keys import page_keys
 from radixkv.storage.threads import BoundedQuery, drop_queued, serving

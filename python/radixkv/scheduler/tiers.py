@@ -28,6 +28,7 @@ from radixkv.events import EventPublisher
 from radixkv.kvcache.base import BaseCacheHandle
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
+from radixkv.kvcache.page_codec import CODEC_DTYPES, check_codec
 from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.host_tier import (
     WRITE_POLICIES,
@@ -235,9 +236,22 @@ def check_tier_args(
     host_num_pages: int,
     write_policy: str,
     kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
+    host_layout: str = "page_first",
+    host_codec: Optional[str] = None,
 ) -> None:
     """The host tier's arguments that CacheManager checks before it makes
     anything (its `host_layout` and `kv_cache` checked already)."""
+    if check_codec(host_codec) is not None:
+        if not host_num_pages or kv_cache is None or host_layout != "page_first":
+            raise ValueError(
+                f"host_codec={host_codec!r} needs a host tier (host_num_pages > 0) with "
+                "kv_cache and host_layout='page_first'"
+            )
+        if kv_cache.dtype not in CODEC_DTYPES:
+            raise ValueError(
+                f"host_codec={host_codec!r} encodes float32, float16 or bfloat16 K/V, "
+                f"not {kv_cache.dtype}"
+            )
     if host_num_pages and not radix:
         raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
     if write_policy not in WRITE_POLICIES:
@@ -262,6 +276,7 @@ def build_tiers(
     write_policy: str,
     kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
     host_layout: str,
+    host_codec: Optional[str],
     manual_copies: bool,
     storage: Optional[StorageBackend],
     storage_seed: Optional[bytes],
@@ -280,6 +295,16 @@ def build_tiers(
             raise ValueError(
                 "a storage tier needs a host tier (host_num_pages > 0) with "
                 "kv_cache and host_layout='page_first'"
+            )
+        if host_codec is not None and storage.codec != host_codec:
+            raise ValueError(
+                f"host_codec={host_codec!r}: the storage backend must take the same codec "
+                f"(its pages are stored as the host holds them), got codec={storage.codec!r}"
+            )
+        if storage.codec is not None and host_codec is None and not storage.encodes_pages:
+            raise ValueError(
+                f"{type(storage).__name__} moves pages as the host pool holds them: "
+                f"with its codec={storage.codec!r} give host_codec={storage.codec!r}"
             )
         seed = storage_seed_of(storage, storage_seed)
         check_prefetch_policy(prefetch_policy)
@@ -303,6 +328,7 @@ def build_tiers(
         kv_cache,
         host_layout,
         kv_cache.num_layers if kv_cache else 1,
+        host_codec,
         bool(manual_copies),
         events=events,
         keep_landed=storage is not None,

@@ -11,7 +11,7 @@ import torch
 
 from radixkv import _core
 from radixkv.kvcache.host_pool import HostKVCache
-from radixkv.storage.codec import Float8PageCodec, check_codec
+from radixkv.kvcache.page_codec import Float8PageCodec, check_codec
 
 MAX_BATCH = 128
 """Pages per backend call: the storage tier splits longer runs."""
@@ -72,10 +72,12 @@ class StorageBackend(ABC):
     page written without the secret is a miss, counted and removed.
     KV events keep the unkeyed chain, which says nothing of the secret.
 
-    `codec` (None, or one of `codec.CODECS`) is what the backend writes in
-    place of a page (`page_data`) and decodes on read (`page_target`,
+    `codec` (None, or one of `page_codec.CODECS`) is what the backend writes
+    in place of a page (`page_data`) and decodes on read (`page_target`,
     `page_landed`); `page_bytes` is then the encoded page's size. Pages
-    written with a codec have keys of their own (`codec.codec_seed`).
+    written with a codec have keys of their own (`page_codec.codec_seed`). A
+    host pool with a codec must be attached to a backend with the same one,
+    which then moves its pages as they are (no second encoding).
 
     `blocking_queries`: whether `batch_exists` may block for long (a remote
     store, a network file system). The storage tier then asks it from the
@@ -89,6 +91,10 @@ class StorageBackend(ABC):
     """
 
     blocking_queries = False
+    # Whether the backend can encode a plain host page with its codec (in a
+    # staging buffer); one that moves pages zero-copy needs a host pool that
+    # holds them encoded already.
+    encodes_pages = True
     # Whether a read and a write may run at once (the storage tier reads and
     # writes on two threads); a backend that says no gets them one at a time.
     concurrent_calls = False
@@ -137,12 +143,25 @@ class StorageBackend(ABC):
                 "a storage backend moves whole pages: the host pool must be "
                 f"page_first, got {pool.layout}"
             )
-        codec = None if self.codec is None else Float8PageCodec(pool)
+        if pool.codec is not None and self.codec != pool.codec:
+            raise ValueError(
+                f"the host pool holds {pool.codec} pages: give the storage backend "
+                f"codec={pool.codec!r} too, so its keys name the codec"
+            )
+        if self.codec is not None and pool.codec is None and not self.encodes_pages:
+            raise ValueError(
+                f"{type(self).__name__} moves pages as the host pool holds them: for "
+                f"codec={self.codec!r} give the host pool the codec (host_codec=)"
+            )
+        # A host pool with the backend's codec holds pages as they are written.
+        codec = None if self.codec is None or pool.codec is not None else Float8PageCodec(pool)
         self.pool = pool
-        self._bytes = pool.kv_buffer.view(torch.uint8).reshape(pool.num_pages, -1)
+        self._bytes = pool.kv_buffer.view(torch.uint8).reshape(pool.num_pages, -1)[
+            :, : pool.page_bytes
+        ]
         self._codec = codec
         self._staging = threading.local()
-        self.page_bytes = self._bytes.shape[1] if codec is None else codec.encoded_bytes
+        self.page_bytes = pool.page_bytes if codec is None else codec.encoded_bytes
         self._attached()
 
     def _attached(self) -> None:
@@ -193,7 +212,7 @@ class StorageBackend(ABC):
         pages = self._bytes
         if pages is None:
             raise RuntimeError(_NOT_ATTACHED)
-        return pages.data_ptr() + page * self.page_bytes
+        return pages.data_ptr() + page * pages.stride(0)
 
     def call_lock(self) -> Optional[threading.Lock]:
         """None where reads and writes may run at once; else the lock they

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 from radixkv._checks import as_count
 from radixkv._core import crc32c
 from radixkv.storage.base import TAG_BYTES, StorageBackend
-from radixkv.storage.codec import codec_seed
+from radixkv.kvcache.page_codec import codec_seed
 from radixkv.storage.page_index import PageIndex
 
 MAGIC = b"RKVPAGE4"

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from radixkv._checks import as_seconds
+from radixkv.kvcache.page_codec import codec_seed
 from radixkv.storage.base import TAG_BYTES, StorageBackend
 
 log = logging.getLogger("radixkv")
@@ -183,6 +184,10 @@ class MooncakeStorage(StorageBackend):
     array of tags in one call (`batch_put_from_multi_buffers`); a value whose
     tag does not check is a miss, counted and removed from the store.
 
+    `codec` (None or "float8"): the host pool must hold its pages with the
+    same codec (`host_codec=` of the CacheManager); they move as they are,
+    zero-copy, under keys of their own.
+
     A master that does not answer: setting up checks the master first, in a
     subprocess given `setup_timeout_s` (RuntimeError after it, as for a
     refused setup); existence queries from the scheduler's thread are asked
@@ -192,6 +197,9 @@ class MooncakeStorage(StorageBackend):
     """
 
     blocking_queries = True
+    # Pages move zero-copy from the registered host pool: a codec needs a host
+    # pool that holds them encoded (HostKVCache(codec=...)).
+    encodes_pages = False
     # Reads and writes beside each other lost reads (the soak with a master
     # paused and restarted read nothing in a third of runs): they take turns,
     # across the process's clients.
@@ -210,14 +218,16 @@ class MooncakeStorage(StorageBackend):
         *,
         secret: Optional[bytes] = None,
         setup_timeout_s: float = 10.0,
+        codec: Optional[str] = None,
     ):
-        super().__init__(secret)
+        super().__init__(secret, codec)
         if fingerprint is not None and (
             not isinstance(fingerprint, bytes) or len(fingerprint) != 32
         ):
             raise ValueError("fingerprint must be 32 bytes (radixkv.storage.config_fingerprint)")
         setup_timeout_s = as_seconds(setup_timeout_s, "setup_timeout_s")
-        self.fingerprint = fingerprint
+        # Encoded pages are another configuration's (see FileStorage).
+        self.fingerprint = None if fingerprint is None else codec_seed(fingerprint, self.codec)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -251,7 +261,7 @@ class MooncakeStorage(StorageBackend):
         pool = self.pool
         if pool is None:  # (attach() sets it before it calls this)
             raise RuntimeError("_attached() runs from attach(), once the pool is set")
-        self._register(self.page_address(0), self.page_bytes * pool.num_pages, "host pool")
+        self._register(pool.kv_buffer.data_ptr(), pool.nbytes, "host pool")
         if self.keyed:  # one tag per host page, moved with the page
             tags = torch.zeros((pool.num_pages, TAG_BYTES), dtype=torch.uint8)
             self._tags = tags

@@ -1,11 +1,14 @@
-"""Page codecs: what a storage backend writes in place of a host page.
+"""Page codecs: how a host pool holds a page, or a storage backend writes
+it, in fewer bytes than the device's.
 
 `float8`: each (side, layer, head) of the page's K/V as float8 e4m3fn with
 its own float32 scale (its largest finite magnitude / 448), the scales
 travelling with the page; side-buffer rows as they are. A page of 16- or
 32-bit K/V takes half or a quarter of the bytes. Lossy: a store with a codec
 names its pages apart from one without (`codec_seed`), so neither reads the
-other's. The conversions are exactly torch's (`page_codec.h`)."""
+other's. The conversions are exactly torch's (`page_codec.h`). A host pool
+with a codec (`HostKVCache(codec=...)`) holds its pages in the very bytes a
+backend with the same codec writes, so that backend stores them as they are."""
 
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ import torch
 from radixkv import _core
 
 CODECS = ("float8",)
-"""The page codecs a storage backend takes (None: pages as they are)."""
+"""The page codecs a host pool and a storage backend take (None: pages as
+they are)."""
 
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+CODEC_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+"""The K/V dtypes a codec encodes, with the names the native codec takes."""
 
 
 def check_codec(codec) -> Optional[str]:
@@ -44,7 +49,7 @@ class Float8PageCodec:
     def __init__(self, pool) -> None:
         if pool.layout != "page_first":
             raise ValueError(f"codec float8 needs a page_first host pool, got {pool.layout}")
-        dtype = _DTYPES.get(pool.dtype)
+        dtype = CODEC_DTYPES.get(pool.dtype)
         if dtype is None:
             raise ValueError(
                 f"codec float8 encodes float32, float16 or bfloat16 K/V, not {pool.dtype}"
@@ -55,8 +60,7 @@ class Float8PageCodec:
         kv_bytes = (
             dev.sides * pool.num_layers * pool.page_size * heads * head_dim * pool.dtype.itemsize
         )
-        raw = pool.kv_buffer.view(torch.uint8).reshape(pool.num_pages, -1).shape[1]
-        self.rest_bytes = raw - kv_bytes
+        self.rest_bytes = pool.page_bytes - kv_bytes
         self.encoded_bytes = _core.float8_page_bytes(*self._shape, self.rest_bytes)
 
     def encode(self, page, out) -> None:
