@@ -50,40 +50,53 @@ TRACE = os.path.join(
 )
 
 
+def _replay(requests, device_tokens: int, kv: KVShape, name: str, **kw):
+    """One replay of the trace at page 512, checked: (result, seconds)."""
+    t = time.perf_counter()
+    r = replay(
+        requests,
+        block_size=512,
+        page_size=512,
+        capacity_pages=device_tokens // 512,
+        kv=kv,
+        **kw,
+    )
+    took = time.perf_counter() - t
+    if r.kv_mismatches or r.storage_errors or r.failed_loads:
+        raise SystemExit(
+            f"{name}: {r.kv_mismatches} mismatches, {r.storage_errors} storage errors, "
+            f"{r.failed_loads} failed loads"
+        )
+    return r, took
+
+
+def _finish_row(row: dict, r, rows: list) -> None:
+    row["optimal_hit_rate"] = round(r.optimal_hit_tokens / r.input_tokens, 4)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def hit_rates(requests, budgets, device_tokens: int, host_tokens: int) -> list:
-    rows = []
+    rows: list = []
     kv = KVShape(dtype=torch.float16)
     for mib in budgets:
         row = {"store_mib": mib}
         for codec in (None, "float8"):
-            with tempfile.TemporaryDirectory(prefix="radixkv-codec-") as d:
-                t = time.perf_counter()
-                r = replay(
-                    requests,
-                    block_size=512,
-                    page_size=512,
-                    capacity_pages=device_tokens // 512,
-                    host_pages=host_tokens // 512,
-                    kv=kv,
-                    storage=StorageConfig("file", directory=d, max_bytes=mib << 20, codec=codec),
-                )
-                took = time.perf_counter() - t
-            if r.kv_mismatches or r.storage_errors:
-                raise SystemExit(
-                    f"{codec}: {r.kv_mismatches} mismatches, {r.storage_errors} errors"
-                )
             name = codec or "plain"
+            with tempfile.TemporaryDirectory(prefix="radixkv-codec-") as d:
+                store = StorageConfig("file", directory=d, max_bytes=mib << 20, codec=codec)
+                r, took = _replay(
+                    requests, device_tokens, kv, name, host_pages=host_tokens // 512, storage=store
+                )
             row[f"{name}_hit_rate"] = round(r.token_hit_rate, 4)
             row[f"{name}_storage_hit_rate"] = round(r.storage_hit_tokens / r.input_tokens, 4)
             row[f"{name}_s"] = round(took, 1)
-        row["optimal_hit_rate"] = round(r.optimal_hit_tokens / r.input_tokens, 4)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        _finish_row(row, r, rows)
     return rows
 
 
 def host_hit_rates(requests, host_mibs, device_tokens: int) -> list:
-    rows = []
+    rows: list = []
     kv = KVShape(dtype=torch.float16)
     row_bytes = kv.num_kv_heads * kv.head_dim * 2
     plain_page = 2 * kv.num_layers * 512 * row_bytes
@@ -93,29 +106,15 @@ def host_hit_rates(requests, host_mibs, device_tokens: int) -> list:
     for mib in host_mibs:
         row: dict = {"host_mib": mib}
         for codec, page_bytes in ((None, plain_page), ("float8", packed_page)):
-            pages = (mib << 20) // page_bytes
-            t = time.perf_counter()
-            r = replay(
-                requests,
-                block_size=512,
-                page_size=512,
-                capacity_pages=device_tokens // 512,
-                host_pages=pages,
-                kv=kv,
-                host_codec=codec,
-            )
-            took = time.perf_counter() - t
-            if r.kv_mismatches or r.failed_loads:
-                raise SystemExit(f"{codec}: {r.kv_mismatches} mismatches, {r.failed_loads} failed")
             name = codec or "plain"
+            pages = (mib << 20) // page_bytes
+            r, took = _replay(requests, device_tokens, kv, name, host_pages=pages, host_codec=codec)
             row[f"{name}_host_pages"] = pages
             row[f"{name}_host_pool_mib"] = round(r.host_pool_bytes / 2**20, 2)
             row[f"{name}_hit_rate"] = round(r.token_hit_rate, 4)
             row[f"{name}_host_hit_rate"] = round(r.host_hit_tokens / r.input_tokens, 4)
             row[f"{name}_s"] = round(took, 1)
-        row["optimal_hit_rate"] = round(r.optimal_hit_tokens / r.input_tokens, 4)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        _finish_row(row, r, rows)
     return rows
 
 

@@ -79,6 +79,27 @@ def planes(pool, slots):
     return out
 
 
+def controller(dev, host):
+    """A manual CPU controller between `dev` and `host` (side planes and the
+    host's codec included), as the host tier makes one."""
+    sides = [
+        (d, list(dl), h, list(hl), rb)
+        for (d, dl, rb), (h, hl, _) in zip(dev.side_copy_layouts(), host.side_copy_layouts())
+    ]
+    return _core.CacheController(
+        dev.kv_buffer,
+        list(dev.copy_layout()),
+        host.copy_buffer,
+        list(host.copy_layout()),
+        host.row_bytes,
+        LAYERS,
+        True,
+        sides,
+        None,
+        host.codec_copy(),
+    )
+
+
 def serve(cm, pool, ids, seed):
     h, _ = cm.match_req(ids)
     cm.lock(h)
@@ -131,23 +152,7 @@ def test_the_host_page_is_what_the_storage_codec_writes():
     codec = Float8PageCodec(plain)
     assert packed.page_bytes == codec.encoded_bytes < plain.page_bytes
     for host in (plain, packed):
-        ctl = _core.CacheController(
-            dev.kv_buffer,
-            list(dev.copy_layout()),
-            host.copy_buffer,
-            list(host.copy_layout()),
-            host.row_bytes,
-            LAYERS,
-            True,
-            [
-                (d, list(dl), h, list(hl), rb)
-                for (d, dl, rb), (h, hl, _) in zip(
-                    dev.side_copy_layouts(), host.side_copy_layouts()
-                )
-            ],
-            None,
-            host.codec_copy(),
-        )
+        ctl = controller(dev, host)
         ctl.backup(idx, idx + PS)  # device pages 0, 1 -> host pages 1, 2
         ctl.drain()
         assert ctl.take_backup_acks()[0][1]
@@ -166,18 +171,7 @@ def test_a_copy_of_part_of_a_page_fails_and_writes_nothing():
     idx = torch.arange(2 * PS, dtype=torch.int32)
     write(dev, idx, 3)
     host = HostKVCache(dev, 4, pin_memory=False, codec="float8")
-    ctl = _core.CacheController(
-        dev.kv_buffer,
-        list(dev.copy_layout()),
-        host.copy_buffer,
-        list(host.copy_layout()),
-        host.row_bytes,
-        LAYERS,
-        True,
-        None,
-        None,
-        host.codec_copy(),
-    )
+    ctl = controller(dev, host)
     before = host.kv_buffer.clone()
     for src, dst in ((idx[1:3], idx[1:3]), (idx[:PS], idx[1 : PS + 1]), (idx[:3], idx[:3])):
         ctl.backup(src, dst)
