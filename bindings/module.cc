@@ -842,11 +842,57 @@ py::object RadixTree_FinishLoad(PyRadixTree& t, PyObject* const* a) {
 
 py::object RadixTree_EvictionCandidatesWithoutHost(PyRadixTree& t, PyObject* const* a) {
   const int64_t n = ToInt64(a[0], "size");
-  std::vector<radixkv::TierCopy> copies =
-      Locked(t, false, [&] { return t.tree.EvictionCandidatesWithoutHost(n); });
+  const bool in_ns = a[1] != nullptr && a[1] != Py_None;
+  const uint64_t ns = in_ns ? AsNamespace(a[1]) : 0;
+  std::vector<radixkv::TierCopy> copies = Locked(
+      t, false, [&] { return t.tree.EvictionCandidatesWithoutHost(n, in_ns ? &ns : nullptr); });
   py::list out;
   for (const radixkv::TierCopy& c : copies) out.append(CopyTuple(c));
   return std::move(out);
+}
+
+// --- namespace quotas ------------------------------------------------------------------
+
+py::object RadixTree_SetQuota(PyRadixTree& t, PyObject* const* a) {
+  const uint64_t ns = AsNamespace(a[0]);
+  const int64_t device = a[1] == Py_None ? -1 : ToInt64(a[1], "device");
+  const int64_t host = a[2] == Py_None ? -1 : ToInt64(a[2], "host");
+  CHECK_VALUE(device >= 0 || a[1] == Py_None, "device must be >= 0 or None, got ", device);
+  CHECK_VALUE(host >= 0 || a[2] == Py_None, "host must be >= 0 or None, got ", host);
+  Locked(t, true, [&] { t.tree.SetQuota(ns, device, host); });
+  return py::none();
+}
+
+py::list QuotaList(const std::vector<radixkv::RadixTree::QuotaUse>& uses) {
+  py::list out;
+  for (const auto& u : uses) {
+    out.append(py::make_tuple(u.ns, u.device, u.host, u.device_limit, u.host_limit));
+  }
+  return out;
+}
+
+py::object RadixTree_Quotas(PyRadixTree& t, PyObject* const*) {
+  return QuotaList(Locked(t, false, [&] { return t.tree.Quotas(); }));
+}
+
+py::object RadixTree_OverQuota(PyRadixTree& t, PyObject* const*) {
+  return QuotaList(Locked(t, false, [&] { return t.tree.OverQuota(); }));
+}
+
+py::object RadixTree_EvictNamespace(PyRadixTree& t, PyObject* const* a) {
+  const uint64_t ns = AsNamespace(a[0]);
+  const int64_t n = ToInt64(a[1], "size");
+  TensorSink slots;
+  Locked(t, n >= kReleaseGilTokens, [&] { t.tree.EvictNamespace(ns, n, slots); });
+  return slots.take();
+}
+
+py::object RadixTree_EvictHostNamespace(PyRadixTree& t, PyObject* const* a) {
+  const uint64_t ns = AsNamespace(a[0]);
+  const int64_t n = ToInt64(a[1], "size");
+  TensorSink slots;
+  Locked(t, false, [&] { t.tree.EvictHostNamespace(ns, n, slots); });
+  return slots.take();
 }
 
 // --- the storage tier ------------------------------------------------------------------
@@ -1491,7 +1537,12 @@ constexpr Params kStartLoad{"start_load", {"handle", "device_pages"}, 2, 2};
 constexpr Params kFindLoad{"find_load", {"handle"}, 1, 1};
 constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
 constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
-constexpr Params kCandidates{"eviction_candidates_without_host", {"size"}, 1, 1};
+constexpr Params kCandidates{"eviction_candidates_without_host", {"size", "namespace"}, 2, 1};
+constexpr Params kSetQuota{"set_quota", {"namespace", "device", "host"}, 3, 3};
+constexpr Params kQuotas{"quotas", {}, 0, 0};
+constexpr Params kOverQuota{"over_quota", {}, 0, 0};
+constexpr Params kEvictNamespace{"evict_namespace", {"namespace", "size"}, 2, 2};
+constexpr Params kEvictHostNamespace{"evict_host_namespace", {"namespace", "size"}, 2, 2};
 constexpr Params kBeginStorageWrite{"begin_storage_write", {"copy"}, 1, 1};
 constexpr Params kFinishStorageWrite{"finish_storage_write", {"copy"}, 1, 1};
 constexpr Params kPinHost{"pin_host", {"input_ids", "namespace"}, 2, 1};
@@ -1609,7 +1660,20 @@ PyMethodDef kTreeMethods[] = {
      "ValueError unless each page of device_slots is page_size consecutive slots."},
     {"eviction_candidates_without_host",
      Fast<RadixTree_EvictionCandidatesWithoutHost, kCandidates>(), kFastCall,
-     "The device leaves evict(size) would take that have no host copy, as backups."},
+     "The device leaves evict(size) would take that have no host copy, as backups (with\n"
+     "namespace, those evict_namespace(namespace, size) would take)."},
+    {"set_quota", Fast<RadixTree_SetQuota, kSetQuota>(), kFastCall,
+     "set_quota(namespace, device, host): limits in tokens on each tier (None: no limit;\n"
+     "both None removes the quota). The tree counts the namespace's tokens per tier."},
+    {"quotas", Fast<RadixTree_Quotas, kQuotas>(), kFastCall,
+     "quotas() -> [(namespace, device, host, device_limit, host_limit)] (-1: no limit)."},
+    {"over_quota", Fast<RadixTree_OverQuota, kOverQuota>(), kFastCall,
+     "over_quota() -> [(namespace, device excess, host excess, device_limit, host_limit)]."},
+    {"evict_namespace", Fast<RadixTree_EvictNamespace, kEvictNamespace>(), kFastCall,
+     "evict_namespace(namespace, size) -> device slots freed: the namespace's least recently\n"
+     "used unlocked leaves, until size or none is left (ValueError without a quota)."},
+    {"evict_host_namespace", Fast<RadixTree_EvictHostNamespace, kEvictHostNamespace>(), kFastCall,
+     "evict_host_namespace(namespace, size) -> host slots freed, as evict_namespace."},
     {"begin_storage_write", Fast<RadixTree_BeginStorageWrite, kBeginStorageWrite>(), kFastCall,
      "begin_storage_write(backup) -> (copy, host slots, path tokens, namespace) or None: pins on\n"
      "host what a finished backup gave a host copy, while its pages are written to storage."},

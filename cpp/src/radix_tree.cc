@@ -190,6 +190,10 @@ void RadixTree::ReserveNodes(size_t k) {
   const size_t want = nodes_.size() + (k > free_ids_.size() ? k - free_ids_.size() : 0);
   heap_.Reserve(want);
   host_heap_.Reserve(want);
+  for (auto& [ns, q] : quotas_) {
+    q->heap.Reserve(want);
+    q->host_heap.Reserve(want);
+  }
   if (free_ids_.capacity() < want) free_ids_.reserve(std::max(want, 2 * free_ids_.capacity()));
   while (free_ids_.size() < k) {
     auto node = std::make_unique<Node>();
@@ -241,11 +245,13 @@ void RadixTree::SetOnDevice(Node* x, bool on) noexcept {
   x->parent->device_children += static_cast<uint32_t>(d);
   (Protected(x) ? protected_size_ : evictable_size_) += d * x->length;
   if (x->has_host()) host_only_size_ -= d * x->length;
+  if (Quota* q = QuotaOf(x->ns)) q->device += d * x->length;
 }
 
 void RadixTree::CountHost(Node* x, int64_t sign) noexcept {
   host_size_ += sign * x->length;
   if (!x->on_device) host_only_size_ += sign * x->length;
+  if (Quota* q = QuotaOf(x->ns)) q->host += sign * x->length;
 }
 
 void RadixTree::Refresh(Node* x) noexcept {
@@ -254,6 +260,7 @@ void RadixTree::Refresh(Node* x) noexcept {
   if (device != heap_.Contains(x->id)) {
     device ? heap_.Push(x->id, Key(x)) : heap_.Erase(x->id);  // room reserved
   }
+  if (Quota* q = QuotaOf(x->ns)) RefreshQuota(x, q);
   // A node leaves the host heap before it loses its host copy, so one
   // without a copy is not there (and a tree without a host tier pays nothing).
   if (!x->has_host()) return;
@@ -586,6 +593,11 @@ void RadixTree::Reset() {
   ++root_->generation;
   heap_.Clear();
   host_heap_.Clear();
+  for (auto& [ns, q] : quotas_) {
+    q->heap.Clear();
+    q->host_heap.Clear();
+    q->device = q->host = 0;
+  }
   stored_.Clear();
   stored_host_.Clear();
   evictable_size_ = protected_size_ = 0;

@@ -1,6 +1,7 @@
 // The tree's full integrity walk and its dump.
 #include <algorithm>
 #include <cstring>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -18,6 +19,11 @@ void RadixTree::CheckIntegrity() const {
   int64_t device_tokens = 0, host_tokens = 0, host_only = 0, backing_up = 0, loading = 0,
           storage_writing = 0, pins = 0, claimed = 0;
   SlotSet seen, seen_host;
+  // Per namespace with a quota: tokens on each tier and heap members.
+  struct QuotaCount {
+    int64_t device = 0, host = 0, heap = 0, host_heap = 0;
+  };
+  std::unordered_map<uint64_t, QuotaCount> quota_counts;
   // A node's slots, token by token (it keeps the first of each page).
   auto slots_of = [&](const int32_t* pages, int64_t length) {
     std::vector<int32_t> slots(static_cast<size_t>(length));
@@ -111,6 +117,17 @@ void RadixTree::CheckIntegrity() const {
                     "node ", x->id, " has a wrong host heap position or key");
       ++host_members;
     }
+    if (const Quota* q = QuotaOf(x->ns)) {
+      RADIXKV_CHECK(
+          q->heap.Contains(x->id) == device_leaf && q->host_heap.Contains(x->id) == host_leaf,
+          kBroken, "node ", x->id, " of namespace ", x->ns,
+          " is not in its quota's heaps as it is in the tree's");
+      QuotaCount& c = quota_counts[x->ns];
+      c.device += x->on_device ? x->length : 0;
+      c.host += x->has_host() ? x->length : 0;
+      c.heap += device_leaf;
+      c.host_heap += host_leaf;
+    }
     if (x->on_device) {
       (Protected(x) ? protected_tokens : evictable) += x->length;
       device_tokens += x->length;
@@ -181,6 +198,18 @@ void RadixTree::CheckIntegrity() const {
   RADIXKV_CHECK(heap_.room() >= nodes_.size() && host_heap_.room() >= nodes_.size() &&
                     free_ids_.capacity() >= nodes_.size(),
                 kBroken, "room reserved for heap members or free ids is below the node count");
+  for (const auto& [ns, q] : quotas_) {
+    const QuotaCount c = quota_counts[ns];
+    RADIXKV_CHECK(c.device == q->device && c.host == q->host, kBroken, "namespace ", ns,
+                  " is counted as holding ", q->device, " device and ", q->host,
+                  " host tokens, but its nodes hold ", c.device, " and ", c.host);
+    RADIXKV_CHECK(c.heap == static_cast<int64_t>(q->heap.size()) && q->heap.IsValid() &&
+                      c.host_heap == static_cast<int64_t>(q->host_heap.size()) &&
+                      q->host_heap.IsValid() && q->heap.room() >= nodes_.size() &&
+                      q->host_heap.room() >= nodes_.size(),
+                  kBroken, "the heaps of namespace ", ns,
+                  "'s quota are out of order, hold other nodes or lack room");
+  }
 }
 
 std::vector<NodeInfo> RadixTree::Dump() const {

@@ -1,6 +1,7 @@
 // Eviction on both tiers: the oldest unlocked device leaves (Evict), the
 // oldest host copies (EvictHost), and the device leaves write_back copies
-// to host first. Each pops its victims from its tier's heap with PopOldest.
+// to host first. Each pops its victims from its tier's heap with PopOldest:
+// the tree's, or a namespace quota's (radix_tree_quota.cc).
 #include <algorithm>
 #include <cstring>
 #include <utility>
@@ -38,12 +39,14 @@ namespace {
 // its storage and its parent's table) until they hold `size` tokens, ask
 // `out` for room for their slots, then `commit` each victim with its slots'
 // place in that room, oldest victim last in the room. If too few can be
-// taken (`short_of(freed)` is the error) or `out` throws, `undo` puts every
-// victim back, newest first, and nothing has changed. Returns the tokens freed.
+// taken (`short_of(freed)` is the error; with `partial`, what was taken is
+// evicted instead) or `out` throws, `undo` puts every victim back, newest
+// first, and nothing has changed. Returns the tokens freed.
 template <typename Pop, typename Take, typename Undo, typename Commit, typename ShortOf>
 inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, const SlotSink& out,
-                                                           Pop pop, Take take, Undo undo,
-                                                           Commit commit, ShortOf short_of) {
+                                                           bool partial, Pop pop, Take take,
+                                                           Undo undo, Commit commit,
+                                                           ShortOf short_of) {
   Node* victims = nullptr;  // newest first
   auto put_back = [&]() noexcept {
     for (Node* x = victims; x != nullptr;) {
@@ -57,6 +60,7 @@ inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, const S
   while (freed < size) {
     Node* x = pop();
     if (x == nullptr) {
+      if (partial) break;
       put_back();
       throw short_of(freed);
     }
@@ -90,13 +94,17 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
   RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
   RADIXKV_CHECK(size <= evictable_size_, ErrorCode::kOutOfCapacity, "cannot evict size=", size,
                 " tokens: evictable_size is ", evictable_size_);
+  return EvictDevice(&heap_, size, out, false);
+}
+
+int64_t RadixTree::EvictDevice(LruHeap* heap, int64_t size, SlotSink out, bool partial) {
   // A victim with a host copy stays in the tree, host only; one without is
-  // unlinked (deleted at commit).
+  // unlinked (deleted at commit). Refresh takes it out of the other heaps.
   auto pop = [&]() {
-    Node* x = PopOldest(&heap_);
-    if (x != nullptr && !heap_.empty()) {
+    Node* x = PopOldest(heap);
+    if (x != nullptr && !heap->empty()) {
       // Overlap the next victim's cache misses with the work on this one.
-      const Node* next = nodes_[heap_.top()].get();
+      const Node* next = nodes_[heap->top()].get();
       __builtin_prefetch(next);
       __builtin_prefetch(next->data);
     }
@@ -134,20 +142,31 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
     return Error(kBroken, StrCat("no evictable leaf left with ", size - freed,
                                  " evictable tokens still counted"));
   };
-  const int64_t freed = EvictVictims(size, out, pop, take, undo, commit, short_of);
+  const int64_t freed = EvictVictims(size, out, partial, pop, take, undo, commit, short_of);
   ++clock_;
   return freed;
 }
 
+void RadixTree::LeaveHostHeaps(Node* x) noexcept {
+  if (host_heap_.Contains(x->id)) host_heap_.Erase(x->id);
+  Quota* q = QuotaOf(x->ns);
+  if (q != nullptr && q->host_heap.Contains(x->id)) q->host_heap.Erase(x->id);
+}
+
 int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
   RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
+  return EvictHostCopies(&host_heap_, size, out, false);
+}
+
+int64_t RadixTree::EvictHostCopies(LruHeap* heap, int64_t size, SlotSink out, bool partial) {
   // A victim also on the device keeps its node; a host-only one (which has
   // no children) is unlinked and deleted at commit.
-  auto pop = [&]() { return PopOldest(&host_heap_); };
+  auto pop = [&]() { return PopOldest(heap); };
   auto take = [&](Node* x) {
     Node* parent = x->parent;
     if (!x->on_device) parent->children.Erase(x->child_key, x, /*keep_table=*/true);
     --parent->host_children;
+    LeaveHostHeaps(x);
     CountHost(x, -1);
     Refresh(parent);
   };
@@ -156,7 +175,7 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
     if (!x->on_device) parent->children.Insert(x->child_key, x);  // the kept table has room
     ++parent->host_children;
     CountHost(x, +1);
-    host_heap_.Push(x->id, Key(x));
+    Refresh(x);  // back into the host heaps (room reserved)
     Refresh(parent);
   };
   auto commit = [&](Node* x, int32_t* slots) {
@@ -179,19 +198,21 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
                         " with a host copy, the rest are being loaded, or ancestors of host "
                         "copies that stay)"));
   };
-  const int64_t freed = EvictVictims(size, out, pop, take, undo, commit, short_of);
+  const int64_t freed = EvictVictims(size, out, partial, pop, take, undo, commit, short_of);
   ++clock_;
   return freed;
 }
 
-std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size) {
+std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size, const uint64_t* ns) {
+  LruHeap* heap =
+      ns == nullptr ? &heap_ : &RequireQuota(*ns, "eviction_candidates_without_host")->heap;
   // Pop the leaves Evict would take first, note those without a host copy,
   // and put every one back (the same keys: nothing visible changes).
   std::vector<uint32_t> popped;
   std::vector<TierCopy> out;
   int64_t covered = 0;
   while (covered < size) {
-    Node* x = PopOldest(&heap_);
+    Node* x = PopOldest(heap);
     if (x == nullptr) break;
     popped.push_back(x->id);
     covered += x->length;
@@ -213,7 +234,7 @@ std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size) {
     }
     out.push_back(TierCopy{x->id, x->incarnation, top->depth - top->length, x->depth});
   }
-  for (uint32_t id : popped) heap_.Push(id, Key(nodes_[id].get()));
+  for (uint32_t id : popped) heap->Push(id, Key(nodes_[id].get()));
   return out;
 }
 

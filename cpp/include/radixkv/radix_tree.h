@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "radixkv/eviction_policy.h"
@@ -374,8 +375,44 @@ class RadixTree {
 
   /// Device leaves that the next `Evict(size)` would take and that have no
   /// host copy (their end nodes as copies, oldest first): under write_back
-  /// they are backed up before eviction. Changes nothing visible.
-  std::vector<TierCopy> EvictionCandidatesWithoutHost(int64_t size);
+  /// they are backed up before eviction. With `ns` (not null; a namespace
+  /// with a quota), those `EvictNamespace(*ns, size)` would take. Changes
+  /// nothing visible.
+  std::vector<TierCopy> EvictionCandidatesWithoutHost(int64_t size, const uint64_t* ns = nullptr);
+
+  // --- namespace quotas ------------------------------------------------------------
+
+  /// What a namespace with a quota holds: tokens on the device and tokens
+  /// with a host copy, and its limits (-1: none on that tier).
+  struct QuotaUse {
+    uint64_t ns = 0;
+    int64_t device = 0;
+    int64_t host = 0;
+    int64_t device_limit = -1;
+    int64_t host_limit = -1;
+  };
+  /// Gives namespace `ns` limits of `device` tokens on the device and `host`
+  /// tokens with a host copy (-1: none on that tier; both -1 removes the
+  /// quota). Its tokens are counted per tier from then on (the first quota
+  /// of a namespace counts what it holds: O(nodes)). The tree never evicts
+  /// on its own account: `OverQuota` says who holds more than its limits,
+  /// and `EvictNamespace` / `EvictHostNamespace` take that namespace's own
+  /// least recently used pages. Throws kInvalidArgument for a limit below
+  /// -1. Namespaces without a quota cost nothing.
+  void SetQuota(uint64_t ns, int64_t device, int64_t host);
+  /// Every namespace with a quota, in no particular order. O(quotas).
+  std::vector<QuotaUse> Quotas() const;
+  /// The namespaces holding more than a limit, with how much more: `device`
+  /// and `host` are the excess on each tier (0 where within). O(quotas).
+  std::vector<QuotaUse> OverQuota() const;
+  /// Evicts the least recently used unlocked device leaves of namespace `ns`
+  /// (which must have a quota) until `size` tokens are freed or none is
+  /// left, as Evict does (whole nodes; one with a host copy stays, host
+  /// only); writes the freed device slots to `out(count)` and returns the
+  /// count (0 when none could go). If `out` throws, nothing changed.
+  int64_t EvictNamespace(uint64_t ns, int64_t size, SlotSink out);
+  /// The same on the host tier, as EvictHost does.
+  int64_t EvictHostNamespace(uint64_t ns, int64_t size, SlotSink out);
 
   /// Walks the whole tree and checks every counter and invariant: parent
   /// links, child keys, lengths and page alignment, depths, lock counts,
@@ -432,6 +469,28 @@ class RadixTree {
   // The oldest member of `heap` under the policy, popped (re-keying the
   // lagging keys it meets on top; see Evict); null when it is empty.
   Node* PopOldest(LruHeap* heap) noexcept;
+  // A namespace's quota: its limits, its tokens per tier and its own heaps
+  // of eviction candidates, which mirror heap_ and host_heap_ (Refresh).
+  struct Quota {
+    int64_t device_limit = -1;
+    int64_t host_limit = -1;
+    int64_t device = 0;
+    int64_t host = 0;
+    LruHeap heap;
+    LruHeap host_heap;
+  };
+  // The quota of `ns`, or null (a hash lookup; none while quotas_ is empty).
+  Quota* QuotaOf(uint64_t ns) const noexcept;
+  // The namespace quota `ns` must have for a call named `what`.
+  Quota* RequireQuota(uint64_t ns, const char* what) const;
+  // Keeps `x`'s membership of its namespace's heaps like the tree's.
+  void RefreshQuota(Node* x, Quota* q) noexcept;
+  // Evict and EvictHost on `heap` (the tree's, or a quota's); `partial`:
+  // freeing less than `size` is no error.
+  int64_t EvictDevice(LruHeap* heap, int64_t size, SlotSink out, bool partial);
+  int64_t EvictHostCopies(LruHeap* heap, int64_t size, SlotSink out, bool partial);
+  // Takes `x` out of every host heap it is in (a host eviction's victim).
+  void LeaveHostHeaps(Node* x) noexcept;
   // Sets whether `x` is on the device (or has host storage), keeping the
   // parent's child counts and the size counters right.
   void SetOnDevice(Node* x, bool on) noexcept;
@@ -490,6 +549,7 @@ class RadixTree {
   int64_t host_pins_ = 0;
   int64_t claimed_size_ = 0;
   int64_t num_nodes_ = 0;
+  std::unordered_map<uint64_t, std::unique_ptr<Quota>> quotas_;
 };
 
 }  // namespace radixkv

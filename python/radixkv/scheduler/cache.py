@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple, Union, cast
 
@@ -19,6 +20,7 @@ from radixkv.kvcache.pool_args import resolve_tp_rank
 from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
+from radixkv.scheduler.quotas import Quotas, QuotaUsage
 from radixkv.scheduler.retention import TIERS, Retention, RetentionClaim, check_ttl
 from radixkv.scheduler.storage_tier import (
     Prefetch,
@@ -222,6 +224,15 @@ class CacheManager:
             self._retention = Retention(self._tree, budget, clock or time.monotonic)
             if self._tiers.host is not None:
                 self._tiers.host.before_evict = self._retention.expire
+        self._quotas: Optional[Quotas] = None
+        if self._tree is not None:
+            host_pool = self._tiers.host.pool if self._tiers.host is not None else None
+            self._quotas = Quotas(
+                self._tree,
+                page_size,
+                _device_page_bytes(kv_cache) if kv_cache is not None else 0,
+                host_pool.nbytes // host_pool.num_pages if host_pool is not None else 0,
+            )
         # What the write policy does on the request path, decided once.
         self._backs_up_on_insert = self._tiers.write_policy == "write_through"
         self._backs_up_on_evict = self._tiers.write_policy == "write_back"
@@ -587,6 +598,68 @@ class CacheManager:
             raise TypeError(f"{what} needs the radix cache (type='radix'), not {self.manager!r}")
         return self._retention
 
+    # -- namespace quotas ---------------------------------------------------------
+
+    @shielded
+    def set_quota(
+        self,
+        namespace=None,
+        *,
+        device_bytes: Optional[int] = None,
+        host_bytes: Optional[int] = None,
+        device_tokens: Optional[int] = None,
+        host_tokens: Optional[int] = None,
+    ) -> None:
+        """Bounds what `namespace` (a tenant) keeps cached on each tier: at
+        most `device_bytes` of device pool and `host_bytes` of host pool
+        (rounded down to whole pages; bytes need `kv_cache`), or the same in
+        tokens (`device_tokens`, `host_tokens`; one of the two per tier, None
+        for no limit there; all None removes the quota). Whenever the
+        namespace holds more (after a request is cached, copies land or pages
+        arrive from storage, and at once here), its own least recently used
+        pages are evicted, as the tier's eviction would (write_back backs them
+        up first), and no other namespace's: a tenant that floods the cache
+        pushes out its own pages only. Pages its running requests hold, copies
+        in flight and retention claims count against the quota but stay
+        until they are released. A namespace with a quota is never forgotten
+        (see `max_namespaces`). `quota_usage(namespace)` says where it stands."""
+        quotas = self._quotas_of("set_quota")
+        Namespaces.check(namespace)
+        device, host = quotas.limits(device_tokens, device_bytes, host_tokens, host_bytes)
+        ns = self._namespaces.id(namespace)
+        quotas.set(ns, device, host)
+        self._namespaces.pin(ns, ns in quotas.namespaces)
+        self._enforce_quotas()
+
+    def quota_usage(self, namespace=None) -> Optional[QuotaUsage]:
+        """What `namespace` holds against its quota, in tokens, and what the
+        quota has evicted since it was first set (None without a quota)."""
+        quotas = self._quotas_of("quota_usage")
+        ns = self._namespaces.find(namespace)
+        return None if ns is None else quotas.usage(ns)
+
+    def _quotas_of(self, what: str) -> Quotas:
+        if self._quotas is None:
+            raise TypeError(f"{what} needs the radix cache (type='radix'), not {self.manager!r}")
+        return self._quotas
+
+    def _enforce_quotas(self) -> None:
+        """Brings every namespace over its quota back within it (what can go)."""
+        quotas = self._quotas
+        if quotas is None or not quotas.active:
+            return
+        if self._retention is not None:
+            self._retention.expire()
+        host = self._tiers.host
+        quotas.enforce(self._evict_namespace, host.evict_namespace if host is not None else None)
+
+    def _evict_namespace(self, ns: int, size: int) -> torch.Tensor:
+        if self._backs_up_on_evict:
+            self._tiers.back_up_before_evict(size, ns)
+        evicted = self._tree.evict_namespace(ns, size)  # type: ignore[union-attr]
+        self._free_evicted(evicted)
+        return evicted
+
     # -- pages ------------------------------------------------------------------
 
     @property
@@ -624,12 +697,15 @@ class CacheManager:
         if self._backs_up_on_evict:
             self._tiers.back_up_before_evict(missing)
         evicted = self.manager.evict(missing).cpu()
+        self._free_evicted(evicted)
+        return evicted.shape[0]
+
+    def _free_evicted(self, evicted: torch.Tensor) -> None:
+        """Device slots the tree evicted (on the host) go back to the pool."""
         self._pages.free(evicted)
-        n = evicted.shape[0]
-        self._evicted += n
+        self._evicted += evicted.shape[0]
         if self._events is not None:
             self._events.device_evicted(evicted)
-        return n
 
     def _device_room(self, n: int) -> Tuple[int, int]:
         """(missing, evictable): the slots `n` tokens need beyond the free
@@ -980,6 +1056,7 @@ class CacheManager:
         self._held_pages -= (_length(indices) - handle.cached_len) // self.page_size
         self._announce(handle, ids, indices, in_cache)
         self._write_through(ids, handle.namespace)
+        self._enforce_quotas()
 
     def _announce(self, handle, ids, indices, in_cache: int) -> None:
         """The KV events of the pages a request's insert cached (checked
@@ -1017,6 +1094,7 @@ class CacheManager:
             self._held_pages -= (handle.cached_len - old_handle.cached_len) // self.page_size
             self._announce(old_handle, ids, indices, in_cache)
             self._write_through(ids, old_handle.namespace)
+            self._enforce_quotas()  # (the request's locked pages stay)
             return handle, new_indices.to(self.device, non_blocking=True)
         input_ids, indices, n, cached = self._check_request(old_handle, input_ids, indices)
         in_cache, ns = self._insert(old_handle, input_ids, indices, n, cached, priority)
@@ -1041,6 +1119,7 @@ class CacheManager:
         0 without a host tier. Call once per scheduling round (it publishes
         the round's KV events, as `flush_events()`)."""
         applied = self._tiers.writing_check()
+        self._enforce_quotas()
         self.flush_events()
         return applied
 
@@ -1051,6 +1130,7 @@ class CacheManager:
         last call (also those found by another call that waited for loads):
         their pages were freed; see `load_back`."""
         failed = self._tiers.loading_check()
+        self._enforce_quotas()
         self.flush_events()
         return failed
 
@@ -1071,6 +1151,7 @@ class CacheManager:
         """Waits for every copy queued so far and applies them all (backups,
         then loads). Returns the handles of failed loads, as `loading_check`."""
         failed = self._tiers.drain()
+        self._enforce_quotas()
         self.flush_events()
         return failed
 
@@ -1109,6 +1190,7 @@ class CacheManager:
         if prefetch is None:
             return 0
         inserted = self._tiers.wait_prefetch(prefetch)
+        self._enforce_quotas()
         self.flush_events()
         return inserted
 
@@ -1117,6 +1199,7 @@ class CacheManager:
         """Applies finished writes to storage (their host pages are released)
         and reads (their pages join the tree). Call once per scheduling round."""
         applied = self._tiers.storage_check()
+        self._enforce_quotas()
         self.flush_events()
         return applied
 
@@ -1325,6 +1408,15 @@ class CacheManager:
     def held_pages(self) -> int:
         """Pages handed to requests and not yet returned or cached."""
         return self._held_pages
+
+
+def _device_page_bytes(pool: Union[MHAKVCache, MLAKVCache]) -> int:
+    """What a device page costs: its K/V and its side buffers' rows."""
+    sides = sum(
+        math.prod((pool.num_layers, pool.page_size) + tuple(shape)) * dtype.itemsize
+        for _, shape, dtype in pool.side_buffer_specs()
+    )
+    return pool.nbytes // pool.num_pages + sides
 
 
 def _flag(value, name: str) -> bool:

@@ -223,11 +223,12 @@ class HostTier:
             self.settle_backups()
         return self.tree.storage_prefix_end(tokens, ns)[1]
 
-    def back_up_before_evict(self, size: int) -> int:
+    def back_up_before_evict(self, size: int, ns: Optional[int] = None) -> int:
         """write_back: backs up, and waits for, the device leaves without a host
-        copy that evicting `size` tokens would take. Returns the tokens copied."""
+        copy that evicting `size` tokens would take (of namespace `ns` only,
+        when given: a quota's eviction). Returns the tokens copied."""
         queued = 0
-        for copy in self.tree.eviction_candidates_without_host(size):
+        for copy in self.tree.eviction_candidates_without_host(size, ns):
             n = copy.end - copy.start
             if not self._room_for(n):
                 self.backups_skipped += n
@@ -265,11 +266,24 @@ class HostTier:
             freed = self.tree.evict_host(size)
         except _core.OutOfCapacityError:
             return False
+        self._free_evicted(freed)
+        return True
+
+    def evict_namespace(self, ns: int, size: int) -> torch.Tensor:
+        """Drops namespace `ns`'s least recently used host copies until `size`
+        tokens are freed or none of it can go (its quota's eviction); returns
+        the host slots freed."""
+        if self.before_evict is not None:
+            self.before_evict()
+        freed = self.tree.evict_host_namespace(ns, size)
+        self._free_evicted(freed)
+        return freed
+
+    def _free_evicted(self, freed: torch.Tensor) -> None:
         self.pages.free(freed, self.tree, True)
         self.host_evicted += len(freed)
         if self.events is not None:
             self.events.host_evicted(freed)
-        return True
 
     def drop_all(self) -> None:
         """Drops every host copy, for a reset (nothing may be locked or in

@@ -29,7 +29,7 @@ class Namespaces:
     one id only when they are equal.
 
     At most `capacity` names are remembered; past that the least recently
-    used one is forgotten. A forgotten name's prefixes are then never found
+    used one is forgotten, unless it is pinned (a namespace with a quota). A forgotten name's prefixes are then never found
     again (its next request gets a new id: a miss, never a wrong hit) and age
     out of the cache in its eviction order; its pages not yet written to
     storage are not written (their seed is gone with the name)."""
@@ -38,6 +38,7 @@ class Namespaces:
         self.capacity = capacity
         self._ids: "OrderedDict[bytes, int]" = OrderedDict()  # least recently used first
         self._names: Dict[int, bytes] = {}
+        self._pinned: set = set()  # ids never forgotten (a quota's namespace)
         self._next = 1
 
     @staticmethod
@@ -62,13 +63,39 @@ class Namespaces:
             self._ids.move_to_end(key)
             return ns
         if len(self._ids) >= self.capacity:
-            _, old = self._ids.popitem(last=False)
-            del self._names[old]
+            self._forget_one()
         ns = self._next
         self._next += 1
         self._ids[key] = ns
         self._names[ns] = key
         return ns
+
+    def find(self, name: NamespaceName, arg: str = "namespace") -> Optional[int]:
+        """The id of `name` if it is remembered (or the default), else None;
+        remembers nothing and changes no order."""
+        self.check(name, arg)
+        if name is None or (isinstance(name, int) and name == 0):
+            return 0
+        return self._ids.get(_encode(name))
+
+    def _forget_one(self) -> None:
+        """Forgets the least recently used name that is not pinned (none when
+        every remembered name is: the capacity is then exceeded)."""
+        for key, ns in self._ids.items():
+            if ns not in self._pinned:
+                del self._ids[key]
+                del self._names[ns]
+                return
+
+    def pin(self, ns: int, pinned: bool = True) -> None:
+        """Keeps `ns` (a remembered id; the default needs none) from being
+        forgotten, or lets it be again."""
+        if ns == 0:
+            return
+        if pinned:
+            self._pinned.add(ns)
+        else:
+            self._pinned.discard(ns)
 
     def known(self, ns: int) -> bool:
         """Whether `ns` is the default or a remembered name's id."""

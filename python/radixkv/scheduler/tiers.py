@@ -89,11 +89,12 @@ class Tiers:
         if self.host is not None:
             self.host.back_up(tokens, ns=ns)
 
-    def back_up_before_evict(self, size: int) -> None:
-        """write_back: the device leaves that evicting `size` tokens takes get
-        their host copies first (waited for)."""
+    def back_up_before_evict(self, size: int, ns: Optional[int] = None) -> None:
+        """write_back: the device leaves that evicting `size` tokens takes (of
+        namespace `ns` only, when given) get their host copies first (waited
+        for)."""
         if self.host is not None:
-            self._applying_backups(self.host.back_up_before_evict, size)
+            self._applying_backups(self.host.back_up_before_evict, size, ns)
 
     def settle_backups(self) -> int:
         """Waits for every backup queued so far and applies them all (what

@@ -1,0 +1,125 @@
+"""Namespace quotas: the most a namespace (a tenant) keeps cached on each tier.
+
+The tree counts each quota's tokens per tier and keeps heaps of that
+namespace's own eviction candidates; this class turns bytes into tokens,
+remembers the limits and, when a namespace holds more than its limit,
+evicts that namespace's own least recently used pages (and nobody else's)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from radixkv import _core
+from radixkv._checks import as_count
+
+
+class QuotaUsage(NamedTuple):
+    """What a namespace with a quota holds, in tokens."""
+
+    device: int  # tokens on the device
+    host: int  # tokens with a host copy
+    device_limit: Optional[int]  # the quota on the device (None: no limit)
+    host_limit: Optional[int]  # the quota on the host tier (None: no limit)
+    device_evicted: int  # tokens its quota evicted from the device
+    host_evicted: int  # tokens its quota evicted from the host tier
+
+
+def _limit(tokens, size, page_bytes: int, page_size: int, tier: str) -> Optional[int]:
+    """The limit in tokens (whole pages) of `tokens` or `size` (bytes), at
+    most one given; None for none."""
+    if tokens is not None and size is not None:
+        raise ValueError(f"give {tier}_tokens or {tier}_bytes, not both")
+    if size is not None:
+        size = as_count(size, f"{tier}_bytes", minimum=0)
+        if not page_bytes:
+            raise ValueError(
+                f"{tier}_bytes needs the pool's bytes (kv_cache, and a host tier for "
+                f"host_bytes): give {tier}_tokens"
+            )
+        return size // page_bytes * page_size
+    if tokens is not None:
+        return as_count(tokens, f"{tier}_tokens", minimum=0)
+    return None
+
+
+class Quotas:
+    """The namespace quotas of one CacheManager's tree. `device_page_bytes`
+    and `host_page_bytes` are what a page costs on each tier (0 when the
+    manager keeps bookkeeping only: limits are then in tokens)."""
+
+    def __init__(
+        self,
+        tree: _core.RadixTree,
+        page_size: int,
+        device_page_bytes: int,
+        host_page_bytes: int,
+    ) -> None:
+        self.tree = tree
+        self.page_size = page_size
+        self.device_page_bytes = device_page_bytes
+        self.host_page_bytes = host_page_bytes
+        self._evicted: Dict[int, list] = {}  # ns -> [device tokens, host tokens]
+
+    @property
+    def active(self) -> bool:
+        """Whether any namespace has a quota."""
+        return bool(self._evicted)
+
+    @property
+    def namespaces(self):
+        """The namespaces with a quota."""
+        return self._evicted.keys()
+
+    def limits(
+        self, device_tokens, device_bytes, host_tokens, host_bytes
+    ) -> Tuple[Optional[int], Optional[int]]:
+        """The limits in tokens on each tier (each given in tokens or bytes, at
+        most one; None: no limit there). Raises, naming the argument."""
+        ps = self.page_size
+        device = _limit(device_tokens, device_bytes, self.device_page_bytes, ps, "device")
+        host = _limit(host_tokens, host_bytes, self.host_page_bytes, ps, "host")
+        return device, host
+
+    def set(self, ns: int, device: Optional[int], host: Optional[int]) -> None:
+        """Sets namespace `ns`'s limits in tokens (`limits`); None on both
+        tiers removes its quota."""
+        self.tree.set_quota(ns, device, host)
+        if device is None and host is None:
+            self._evicted.pop(ns, None)
+        else:
+            self._evicted.setdefault(ns, [0, 0])
+
+    def usage(self, ns: int) -> Optional[QuotaUsage]:
+        """What namespace `ns` holds against its quota (None without one)."""
+        if ns not in self._evicted:
+            return None
+        for q_ns, device, host, device_limit, host_limit in self.tree.quotas():
+            if q_ns == ns:
+                evicted = self._evicted[ns]
+                return QuotaUsage(
+                    device,
+                    host,
+                    None if device_limit < 0 else device_limit,
+                    None if host_limit < 0 else host_limit,
+                    evicted[0],
+                    evicted[1],
+                )
+        return None
+
+    def enforce(
+        self,
+        evict_device: Callable[[int, int], torch.Tensor],
+        evict_host: Optional[Callable[[int, int], torch.Tensor]],
+    ) -> None:
+        """Evicts, in every namespace over a limit, its own least recently
+        used pages until it is within (or nothing of it can go: pages in use
+        stay). `evict_device(ns, tokens)` and `evict_host(ns, tokens)` evict
+        and return the slots freed."""
+        for ns, device, host, _, _ in self.tree.over_quota():
+            evicted = self._evicted.setdefault(ns, [0, 0])
+            if device:
+                evicted[0] += len(evict_device(ns, device))
+            if host and evict_host is not None:
+                evicted[1] += len(evict_host(ns, host))

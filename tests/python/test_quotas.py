@@ -1,0 +1,246 @@
+"""Namespace quotas: a tenant that floods the cache pushes out its own pages
+only, on the device and on the host tier, within limits given in bytes or
+tokens; pages in use count but stay; bad limits change nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixkv.kvcache import MHAKVCache
+from radixkv.scheduler import CacheManager
+
+PS = 4
+
+
+def serve(cm, ids, namespace, pool=None):
+    """One request: match, load back, compute the rest, cache it, a round."""
+    ids = torch.as_tensor(ids, dtype=torch.int32)
+    h, _ = cm.match_req(ids, namespace)
+    hit = h.cached_len + h.host_hit_len
+    h, cached = cm.load_back(h)
+    own = cm.allocate(len(ids) - h.cached_len)
+    if pool is not None:
+        new = len(ids) - h.cached_len
+        for layer in range(pool.num_layers):
+            rows = torch.full((new, 2, 8), float(len(str(namespace))), dtype=pool.dtype)
+            pool.store_kv(rows, rows, own[:new], layer)
+    cm.free_and_cache_finished_req(h, ids, torch.cat([cached, own]))
+    cm.writing_check()
+    cm.loading_check()
+    return hit
+
+
+def prompt(seed, pages=4):
+    return [seed * 1000 + i for i in range(pages * PS + 1)]
+
+
+def test_a_flooding_tenant_pushes_out_its_own_pages_only():
+    def run(quota):
+        cm = CacheManager(64, PS)
+        if quota:
+            cm.set_quota("noisy", device_tokens=16 * PS)
+        quiet = [prompt(s) for s in range(6)]  # 24 pages
+        for ids in quiet:
+            serve(cm, ids, "quiet")
+        for s in range(100, 140):  # 160 pages of distinct prompts
+            serve(cm, prompt(s), "noisy")
+            usage = cm.quota_usage("noisy")
+            assert usage is None or usage.device <= 16 * PS
+        hits = sum(serve(cm, ids, "quiet") for ids in quiet)
+        cm.check_integrity()
+        return hits, cm
+
+    without, _ = run(False)
+    with_quota, cm = run(True)
+    assert without == 0  # the flood took everything
+    assert with_quota == 6 * 4 * PS  # every quiet prompt whole
+    usage = cm.quota_usage("noisy")
+    assert usage.device_limit == 16 * PS and usage.host_limit is None
+    assert usage.device_evicted >= (160 - 16) * PS
+    assert cm.quota_usage("quiet") is None
+
+
+def test_a_host_quota_keeps_the_tenants_host_copies_within_bytes():
+    pool = MHAKVCache(2, 2, 8, 32, torch.float16, page_size=PS)
+    cm = CacheManager(32, PS, kv_cache=pool, host_num_pages=64)
+    host_page = cm.host_pool.nbytes // cm.host_pool.num_pages
+    device_page = pool.nbytes // pool.num_pages
+    cm.set_quota("noisy", host_bytes=10 * host_page + 7, device_bytes=8 * device_page)
+    usage = cm.quota_usage("noisy")
+    assert (usage.device_limit, usage.host_limit) == (8 * PS, 10 * PS)  # whole pages
+    cm.set_quota("quiet", host_tokens=10**6)  # (no limit that binds: it counts)
+    quiet = [prompt(s, 3) for s in range(8)]  # 24 pages, each with a host copy
+    for ids in quiet:
+        serve(cm, ids, "quiet", pool)
+    cm.drain()
+    assert cm.quota_usage("quiet").host == 24 * PS
+    for s in range(100, 120):
+        serve(cm, prompt(s), "noisy", pool)
+        cm.drain()
+        usage = cm.quota_usage("noisy")
+        assert usage.host <= 10 * PS and usage.device <= 8 * PS
+    assert cm.quota_usage("noisy").host_evicted > 0
+    # The quiet tenant's host copies all survived (80 pages of flood through
+    # a host pool of 64 would have pushed them out), and its prompts come back.
+    assert cm.quota_usage("quiet").host == 24 * PS
+    assert sum(serve(cm, ids, "quiet", pool) for ids in quiet) == 8 * 3 * PS
+    cm.drain()
+    cm.check_integrity()
+
+
+def test_write_back_backs_up_what_a_quota_evicts():
+    pool = MHAKVCache(2, 2, 8, 32, torch.float16, page_size=PS)
+    cm = CacheManager(32, PS, kv_cache=pool, host_num_pages=64, write_policy="write_back")
+    cm.set_quota(5, device_tokens=4 * PS)
+    first = prompt(1)
+    serve(cm, first, 5, pool)
+    serve(cm, prompt(2), 5, pool)  # pushes `first` out of the device
+    cm.drain()
+    h, _ = cm.match_req(torch.as_tensor(first, dtype=torch.int32), 5)
+    assert h.cached_len == 0 and h.host_hit_len == 4 * PS  # on host: backed up first
+    cm.check_integrity()
+
+
+def test_pages_in_use_count_against_the_quota_but_stay():
+    cm = CacheManager(64, PS)
+    cm.set_quota("t", device_tokens=2 * PS)
+    ids = torch.as_tensor(prompt(3, 6), dtype=torch.int32)
+    h, _ = cm.match_req(ids, "t")
+    cm.lock(h)
+    own = cm.allocate(len(ids))
+    # A chunk cached while the request runs: its pages are locked, over the quota.
+    h2, idx = cm.cache_unfinished_req(h, ids, own)
+    assert cm.quota_usage("t").device == 6 * PS
+    cm.free_and_cache_finished_req(h2, ids, idx)  # released: now they can go
+    assert cm.quota_usage("t").device <= 2 * PS
+    cm.check_integrity()
+
+
+def test_a_namespace_with_a_quota_is_never_forgotten():
+    cm = CacheManager(64, PS, max_namespaces=2)
+    cm.set_quota("kept", device_tokens=PS * 8)
+    serve(cm, prompt(1), "kept")
+    for name in ("a", "b", "c", "d"):  # more names than remembered
+        serve(cm, prompt(2), name)
+    assert serve(cm, prompt(1), "kept") == 4 * PS  # same id, same pages
+    assert cm.quota_usage("kept").device_limit == 8 * PS
+    cm.set_quota("kept")  # removed: may be forgotten again
+    assert cm.quota_usage("kept") is None
+
+
+def test_lowering_a_quota_evicts_at_once_and_removing_it_stops():
+    cm = CacheManager(64, PS)
+    cm.set_quota("t", device_tokens=40 * PS)
+    for s in range(8):
+        serve(cm, prompt(s), "t")
+    assert cm.quota_usage("t").device == 32 * PS
+    cm.set_quota("t", device_tokens=8 * PS)
+    assert cm.quota_usage("t").device == 8 * PS
+    # The most recent prompts are the ones kept.
+    assert serve(cm, prompt(7), "t") == 4 * PS
+    cm.set_quota("t")
+    for s in range(20, 28):
+        serve(cm, prompt(s), "t")
+    assert cm.quota_usage("t") is None
+    cm.check_integrity()
+
+
+def test_bad_quotas_raise_naming_the_argument_and_change_nothing():
+    cm = CacheManager(16, PS)
+    with pytest.raises(ValueError, match="device_tokens or device_bytes, not both"):
+        cm.set_quota("t", device_tokens=4, device_bytes=4)
+    with pytest.raises(ValueError, match="device_tokens must be"):
+        cm.set_quota("t", device_tokens=-1)
+    with pytest.raises(ValueError, match="host_bytes needs the pool's bytes"):
+        cm.set_quota("t", host_bytes=1 << 20)
+    with pytest.raises(TypeError, match="namespace must be"):
+        cm.set_quota(1.5, device_tokens=4)
+    assert cm.quota_usage("t") is None and cm._tree.quotas() == []
+    with pytest.raises(TypeError, match="needs the radix cache"):
+        CacheManager(16, PS, type="naive").set_quota("t", device_tokens=4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_requests_in_three_tenants_keep_every_quota(seed):
+    """Random requests (some left running, some chunked) in three namespaces,
+    two with quotas changed along the way: after every step the tree's
+    integrity walk (which checks each quota's counts and heaps) passes and a
+    namespace over its limit has nothing more it could evict."""
+    rng = random.Random(seed)
+    pool = MHAKVCache(2, 1, 8, 48, torch.float16, page_size=PS)
+    policy = rng.choice(["write_through", "write_back", "write_through_selective"])
+    cm = CacheManager(48, PS, kv_cache=pool, host_num_pages=64, write_policy=policy)
+    running = []
+    for step in range(150):
+        ns = rng.choice(["a", "b", None])
+        op = rng.random()
+        if op < 0.1:
+            cm.set_quota(
+                rng.choice(["a", "b"]),
+                device_tokens=rng.choice([None, rng.randrange(0, 20) * PS]),
+                host_tokens=rng.choice([None, rng.randrange(0, 30) * PS]),
+            )
+        elif op < 0.2 and running:
+            h, ids, idx = running.pop(rng.randrange(len(running)))
+            cm.free_and_cache_finished_req(h, ids, idx)
+        else:
+            ids = torch.as_tensor(prompt(rng.randrange(12), rng.randrange(1, 5)))
+            ids = ids.to(torch.int32)
+            try:
+                if op < 0.3 and len(running) < 3:
+                    h, _ = cm.match_req(ids, ns)
+                    h, cached = cm.load_back(h)
+                    own = cm.allocate(len(ids) - h.cached_len)
+                    h, idx = cm.cache_unfinished_req(h, ids, torch.cat([cached, own]))
+                    running.append((h, ids, idx))
+                else:
+                    serve(cm, ids.tolist(), ns, pool)
+            except Exception as e:  # a full pool: the request waits (none here)
+                if type(e).__name__ != "OutOfCapacityError":
+                    raise
+        cm.writing_check()
+        cm.loading_check()
+        cm.check_integrity()
+        for name in ("a", "b"):
+            usage = cm.quota_usage(name)
+            if usage is None or usage.device_limit is None:
+                continue
+            if usage.device > usage.device_limit:  # then nothing of it can go
+                ns_id = cm._namespaces.id(name)
+                assert len(cm._tree.evict_namespace(ns_id, 1)) == 0
+                assert cm._tree.over_quota() != []
+    for h, ids, idx in running:
+        cm.free_and_cache_finished_req(h, ids, idx)
+    cm.drain()
+    cm.check_integrity()
+    for name in ("a", "b"):
+        usage = cm.quota_usage(name)
+        if usage is not None and usage.device_limit is not None:
+            assert usage.device <= usage.device_limit
+
+
+def test_the_trees_quota_calls_refuse_bad_input():
+    from radixkv import _core
+
+    t = _core.RadixTree(1)
+    with pytest.raises(ValueError, match="namespace 3 has no quota"):
+        t.evict_namespace(3, 1)
+    with pytest.raises(ValueError, match="namespace 3 has no quota"):
+        t.evict_host_namespace(3, 1)
+    with pytest.raises(ValueError, match="namespace 3 has no quota"):
+        t.eviction_candidates_without_host(1, 3)
+    with pytest.raises(ValueError, match="^device must be >= 0 or None"):
+        t.set_quota(3, -1, None)
+    with pytest.raises(ValueError, match="^namespace must be >= 0"):
+        t.set_quota(-3, 1, None)
+    assert t.quotas() == []
+    t.insert_prefix([1, 2, 3], [0, 1, 2], namespace=3)
+    t.set_quota(3, 1, None)
+    assert t.quotas() == [(3, 3, 0, 1, -1)] and t.over_quota() == [(3, 2, 0, 1, -1)]
+    with pytest.raises(ValueError, match="^size must be >= 0"):
+        t.evict_namespace(3, -1)
+    assert t.evict_namespace(3, 2).tolist() == [0, 1, 2]
+    t.check_integrity()
