@@ -166,7 +166,13 @@ py::capsule CopyEngine(py::handle device, const std::vector<int64_t>& device_lay
     if (!pinned) cudaGetLastError();
     CHECK_VALUE(pinned, "side buffers' host copies must be in pinned memory");
   }
-  for (auto& pool : scales) box->sides.push_back(std::move(pool));
+  for (auto& pool : scales) {
+    const bool pinned = cudaPointerGetAttributes(&attr, pool.layout.base) == cudaSuccess &&
+                        attr.type == cudaMemoryTypeHost;
+    if (!pinned) cudaGetLastError();
+    CHECK_VALUE(pinned, "codec scales must be in pinned memory (the host pool's own)");
+    box->sides.push_back(std::move(pool));
+  }
   const int dev = box->device.device.device_id;
   DeviceGuard guard(dev);
   box->engine = radixkv::cuda::MakeCudaCopyEngine(std::move(planes), layers, dev, max_blocks);

@@ -50,6 +50,12 @@ struct JobState {
   bool failed = false;
   int device = 0;
 
+  // Marks the job failed; returns false, what CopyLayers returns then.
+  bool Fail() {
+    failed = true;
+    return false;
+  }
+
   ~JobState() {
     OnDevice on(device);
     if (slots != nullptr) {
@@ -122,7 +128,7 @@ class CudaCopyEngine final : public CopyEngine {
                             state->stream);
       }
       state->staged = true;
-      if (e != cudaSuccess) return !(state->failed = true);
+      if (e != cudaSuccess) return state->Fail();
     }
     for (const CopyPlane& plane : planes_) {
       TransferParams p{backup ? plane.device : plane.host,
@@ -136,19 +142,19 @@ class CudaCopyEngine final : public CopyEngine {
                        end};
       // An encoded plane moves whole pages only: checked on the host's
       // copy of the slots, as the CPU engine checks them.
-      if (plane.encoded && FindNotWholePages(p) >= 0) return !(state->failed = true);
+      if (plane.encoded && FindNotWholePages(p) >= 0) return state->Fail();
       p.src_slots = state->slots;
       p.dst_slots = state->slots + n;
       const cudaError_t e =
           plane.encoded ? LaunchCodecTransfer(p, plane.codes, backup, state->stream, max_blocks_)
                         : LaunchTransfer(p, state->stream, max_blocks_);
-      if (e != cudaSuccess) return !(state->failed = true);
+      if (e != cudaSuccess) return state->Fail();
     }
     if (!backup) {
       std::lock_guard<std::mutex> lock(mu_);
       for (int64_t layer = begin; layer < end; ++layer) {
         if (cudaEventRecord(layer_events_[layer], state->stream) != cudaSuccess) {
-          return !(state->failed = true);
+          return state->Fail();
         }
       }
     }

@@ -220,6 +220,10 @@ def test_cli_rejects_bad_arguments():
         (["--kv", "1,1,8,int8"], ["--kv", "int8"]),
         (["--kv", "1,1,8,nonsense"], ["--kv"]),
         (["--capacity-pages", "1", "--no-store"], ["every request was skipped"]),
+        (["--host-codec", "float8", "--kv", "1,1,8,float8_e4m3fn"], ["--host-codec", "--kv"]),
+        (["--storage-codec", "float8", "--kv", "1,1,8,float8_e4m3fn"], ["--storage-codec"]),
+        (["--host-codec", "float8", "--no-store"], ["--host-codec", "--no-store"]),
+        (["--host-codec", "float8", "--storage-codec", "fp4"], ["--storage-codec"]),
     ],
 )
 def test_cli_user_mistakes_get_one_error_line(args, words):
