@@ -361,11 +361,18 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   node->parent = prefix;
   prefix->children.Insert(node->child_key, node);  // room reserved
   Refresh(prefix);
-  if (policy_ == EvictionPolicy::kTlru) {  // shorter now: its key may have fallen
-    if (heap_.Contains(node->id)) heap_.Update(node->id, Key(node));
-    if (host_heap_.Contains(node->id)) host_heap_.Update(node->id, Key(node));
-  }
+  if (policy_ == EvictionPolicy::kTlru) Rekey(node);  // shorter now: its key may have fallen
   return prefix;
+}
+
+void RadixTree::Rekey(Node* x) noexcept {
+  const uint64_t key = Key(x);
+  if (heap_.Contains(x->id)) heap_.Update(x->id, key);
+  if (host_heap_.Contains(x->id)) host_heap_.Update(x->id, key);
+  if (Quota* q = QuotaOf(x->ns)) {
+    if (q->heap.Contains(x->id)) q->heap.Update(x->id, key);
+    if (q->host_heap.Contains(x->id)) q->host_heap.Update(x->id, key);
+  }
 }
 
 void RadixTree::Touch(Node* node) noexcept {
@@ -373,10 +380,7 @@ void RadixTree::Touch(Node* node) noexcept {
   // timestamp, and eviction puts it right when it reaches the top.
   for (Node* x = node; x != root_; x = x->parent) x->timestamp = clock_;
   if (policy_ != EvictionPolicy::kMru) return;
-  for (Node* x = node; x != root_; x = x->parent) {
-    if (heap_.Contains(x->id)) heap_.Update(x->id, Key(x));
-    if (host_heap_.Contains(x->id)) host_heap_.Update(x->id, Key(x));
-  }
+  for (Node* x = node; x != root_; x = x->parent) Rekey(x);
 }
 
 int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, uint64_t ns, Node** node, Node** partial,

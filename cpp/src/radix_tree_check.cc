@@ -122,6 +122,12 @@ void RadixTree::CheckIntegrity() const {
           q->heap.Contains(x->id) == device_leaf && q->host_heap.Contains(x->id) == host_leaf,
           kBroken, "node ", x->id, " of namespace ", x->ns,
           " is not in its quota's heaps as it is in the tree's");
+      for (const LruHeap* h : {&q->heap, &q->host_heap}) {
+        if (!h->Contains(x->id)) continue;
+        const size_t pos = static_cast<size_t>(h->PositionOf(x->id));
+        RADIXKV_CHECK(h->IdAt(pos) == x->id && h->KeyAt(pos) <= Key(x), kBroken, "node ", x->id,
+                      " has a wrong position or key in its namespace quota's heaps");
+      }
       QuotaCount& c = quota_counts[x->ns];
       c.device += x->on_device ? x->length : 0;
       c.host += x->has_host() ? x->length : 0;

@@ -244,3 +244,100 @@ def test_the_trees_quota_calls_refuse_bad_input():
         t.evict_namespace(3, -1)
     assert t.evict_namespace(3, 2).tolist() == [0, 1, 2]
     t.check_integrity()
+
+
+def fill(cm, quiet_pages=24, noisy_limit_pages=6):
+    cm.set_quota("quiet", device_tokens=10**6)  # a limit that never binds: it counts
+    for s in range(quiet_pages // 4):
+        serve(cm, prompt(s), "quiet")
+    cm.set_quota("noisy", device_tokens=noisy_limit_pages * PS)
+
+
+def test_a_namespace_at_its_quota_makes_device_room_from_its_own_pages():
+    """In a full pool, a request of a namespace at its quota that names its
+    namespace to allocate takes the room of its own oldest pages; one that
+    does not takes everyone's least recently used pages."""
+    for named in (True, False):
+        cm = CacheManager(32, PS)
+        fill(cm)
+        for s in range(100, 110):
+            ids = torch.as_tensor(prompt(s), dtype=torch.int32)
+            h, cached = cm.match_req(ids, "noisy")
+            cm.lock(h)
+            own = cm.allocate(len(ids) - h.cached_len, "noisy" if named else None)
+            cm.free_and_cache_finished_req(h, ids, torch.cat([cached, own]))
+        quiet = cm.quota_usage("quiet").device
+        assert quiet == 24 * PS if named else quiet < 24 * PS
+        assert cm.quota_usage("noisy").device <= 6 * PS
+        cm.check_integrity()
+
+
+def test_a_namespace_at_its_host_quota_makes_host_room_from_its_own_copies():
+    pool = MHAKVCache(2, 2, 8, 16, torch.float16, page_size=PS)
+    cm = CacheManager(16, PS, kv_cache=pool, host_num_pages=8)
+    cm.set_quota("b", host_tokens=10**6)
+    for s in range(6):  # 6 pages of host copies (of 8)
+        serve(cm, prompt(s, 1), "b", pool)
+    cm.drain()
+    cm.set_quota("a", host_tokens=2 * PS)
+    for s in range(100, 110):  # each backup of a's past its 2 pages drops a's own first
+        serve(cm, prompt(s, 1), "a", pool)
+        cm.drain()
+    assert cm.quota_usage("b").host == 6 * PS
+    assert cm.quota_usage("a").host == 2 * PS
+    cm.check_integrity()
+
+
+def test_the_flat_batch_finish_keeps_quotas_too():
+    cm = CacheManager(64, PS)
+    cm.set_quota("t", device_tokens=2 * PS)
+    batch = [torch.as_tensor(prompt(s, 3), dtype=torch.int32) for s in range(4)]
+    handles, indices = cm.match_req_batch(batch, ["t"] * 4, flat=True)
+    for h in handles:
+        cm.lock(h)
+    own = cm.allocate_batch([len(ids) for ids in batch], flat=True)
+    cm.free_and_cache_finished_reqs_flat(handles, batch, indices, own=own)
+    assert cm.quota_usage("t").device <= 2 * PS
+    cm.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["mru", "tlru", "lfu", "slru", "priority"])
+def test_a_namespace_eviction_takes_the_victim_the_policy_would(policy):
+    """Inside one namespace the quota's eviction takes the same leaves, in
+    the same order, as the tree's own eviction under every policy (mru and
+    tlru re-key the heaps as a node is touched or split)."""
+    from radixkv import _core
+
+    rng = random.Random(7)
+    trees = [_core.RadixTree(2, eviction_policy=policy) for _ in range(2)]
+    trees[1].set_quota(3, 1 << 40, None)  # a limit that never binds: its heaps only
+    ops = []
+    for step in range(200):
+        base = rng.randrange(8) * 100
+        ids = [base + i for i in range(2 * rng.randrange(1, 4))]
+        ops.append(("insert", ids) if rng.random() < 0.6 else ("match", ids))
+    slot = 0
+    for op, ids in ops:
+        for t in trees:
+            if op == "insert":
+                t.insert_prefix(ids, list(range(slot, slot + len(ids))), namespace=3)
+            else:
+                t.match_prefix(ids, 3)
+        slot += len(ids) if op == "insert" else 0
+    while trees[0].size_info()[0]:
+        a = trees[0].evict(1).tolist()
+        b = trees[1].evict_namespace(3, 1).tolist()
+        assert a == b
+        for t in trees:
+            t.check_integrity()
+
+
+def test_a_failed_set_quota_changes_nothing_and_removing_none_remembers_nothing():
+    cm = CacheManager(16, PS, max_namespaces=1)
+    serve(cm, prompt(1, 2), "a")
+    with pytest.raises(ValueError, match="device_tokens must be below 2\\*\\*62"):
+        cm.set_quota("b", device_tokens=1 << 63)
+    with pytest.raises(ValueError, match="host_tokens and host_bytes need a host tier"):
+        cm.set_quota("b", host_tokens=8)
+    cm.set_quota("c")  # nothing to remove
+    assert serve(cm, prompt(1, 2), "a") == 2 * PS  # "a" was not forgotten

@@ -483,6 +483,10 @@ class RadixTree {
   Quota* QuotaOf(uint64_t ns) const noexcept;
   // The namespace quota `ns` must have for a call named `what`.
   Quota* RequireQuota(uint64_t ns, const char* what) const;
+  // Gives `x` its current key in every heap it is in, where a key may have
+  // risen (mru's touch) or fallen (tlru's split), which the lazy re-keying
+  // of PopOldest cannot put right.
+  void Rekey(Node* x) noexcept;
   // Keeps `x`'s membership of its namespace's heaps like the tree's.
   void RefreshQuota(Node* x, Quota* q) noexcept;
   // Evict and EvictHost on `heap` (the tree's, or a quota's); `partial`:

@@ -17,7 +17,7 @@ from radixkv.kvcache import BaseCacheHandle, MHAKVCache, MLAKVCache, create_cach
 from radixkv.kvcache.base import released_slots
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.kvcache.pool_args import resolve_tp_rank
-from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
+from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters, quota_excess
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.scheduler.quotas import Quotas, QuotaUsage
@@ -232,6 +232,7 @@ class CacheManager:
                 page_size,
                 _device_page_bytes(kv_cache) if kv_cache is not None else 0,
                 host_pool.nbytes // host_pool.num_pages if host_pool is not None else 0,
+                self._tiers.host is not None,
             )
         # What the write policy does on the request path, decided once.
         self._backs_up_on_insert = self._tiers.write_policy == "write_through"
@@ -469,7 +470,7 @@ class CacheManager:
             self.unlock(handle)
         device_slots = None
         try:
-            self.make_room(n)
+            self._make_room(n, getattr(handle, "namespace", None))
             device_slots = self._pages.allocate(n)
             tier.queue_load(copy, host_slots, device_slots, loaded)
         except BaseException:
@@ -619,13 +620,21 @@ class CacheManager:
         arrive from storage, and at once here), its own least recently used
         pages are evicted, as the tier's eviction would (write_back backs them
         up first), and no other namespace's: a tenant that floods the cache
-        pushes out its own pages only. Pages its running requests hold, copies
-        in flight and retention claims count against the quota but stay
-        until they are released. A namespace with a quota is never forgotten
-        (see `max_namespaces`). `quota_usage(namespace)` says where it stands."""
+        pushes out its own pages only. When a pool is full, new pages of a
+        namespace at its quota take the room of its own oldest pages first:
+        on the host tier always, on the device when the request's namespace
+        is given to `allocate` (or `make_room`; `load_back` knows it from the
+        handle); without it, room comes from every namespace's least recently
+        used pages and the quota trims the namespace afterwards. Pages its
+        running requests hold, copies in flight and retention claims count
+        against the quota but stay until they are released. A namespace with
+        a quota is never forgotten (see `max_namespaces`).
+        `quota_usage(namespace)` says where it stands."""
         quotas = self._quotas_of("set_quota")
         Namespaces.check(namespace)
         device, host = quotas.limits(device_tokens, device_bytes, host_tokens, host_bytes)
+        if device is None and host is None and self._namespaces.find(namespace) is None:
+            return  # no quota to remove: a name never used is not remembered for it
         ns = self._namespaces.id(namespace)
         quotas.set(ns, device, host)
         self._namespaces.pin(ns, ns in quotas.namespaces)
@@ -675,16 +684,21 @@ class CacheManager:
         return self._pages.num_free_pages * self.page_size + self.manager.size_info.evictable_size
 
     @shielded
-    def make_room(self, num_tokens: int) -> int:
+    def make_room(self, num_tokens: int, namespace=None) -> int:
         """Evict just enough that `allocate(num_tokens)` needs no eviction.
 
         Returns the tokens evicted (whole cache nodes, so possibly more than
         missing). Raises `radixkv.OutOfCapacityError`, changing nothing, when
-        even evicting every unlocked cached page would not make room.
+        even evicting every unlocked cached page would not make room. With
+        `namespace` (the request's), a namespace whose quota the new pages
+        would exceed gives up its own least recently used pages first.
         """
         n = as_int(num_tokens, "num_tokens")
         if n < 0:
             raise ValueError(f"num_tokens must be >= 0, got {n}")
+        return self._make_room(n, self._namespaces.find(namespace))
+
+    def _make_room(self, n: int, ns: Optional[int] = None) -> int:
         missing, evictable = self._device_room(n)
         if missing <= 0:
             return 0
@@ -694,11 +708,22 @@ class CacheManager:
                 f"{self._pages.num_free_pages} pages are free and "
                 f"{evictable // self.page_size} evictable"
             )
+        freed = 0
+        if ns is not None and self._quotas is not None and self._quotas.active:
+            # Its own pages past its quota would be trimmed once these are
+            # cached: they go now, instead of someone else's.
+            pages = -(-n // self.page_size) * self.page_size
+            over = quota_excess(self._tree, ns, pages, host=False)  # type: ignore[arg-type]
+            if over > 0:
+                freed = len(self._evict_namespace(ns, min(over, missing)))
+                missing, _ = self._device_room(n)
+                if missing <= 0:
+                    return freed
         if self._backs_up_on_evict:
             self._tiers.back_up_before_evict(missing)
         evicted = self.manager.evict(missing).cpu()
         self._free_evicted(evicted)
-        return evicted.shape[0]
+        return freed + evicted.shape[0]
 
     def _free_evicted(self, evicted: torch.Tensor) -> None:
         """Device slots the tree evicted (on the host) go back to the pool."""
@@ -722,13 +747,14 @@ class CacheManager:
         return missing, evictable
 
     @shielded
-    def allocate(self, num_tokens: int) -> torch.Tensor:
+    def allocate(self, num_tokens: int, namespace=None) -> torch.Tensor:
         """Slots of ceil(num_tokens / page_size) pages, evicting only what is missing.
 
         Raises `radixkv.OutOfCapacityError`, changing nothing, when even
-        evicting every unlocked cached page would not make room.
+        evicting every unlocked cached page would not make room. `namespace`
+        (the request's, optional): see `make_room`.
         """
-        self.make_room(num_tokens)
+        self.make_room(num_tokens, namespace)
         slots = self._pages.allocate(num_tokens)
         self._held_pages += slots.shape[0] // self.page_size
         return slots if self.device.type == "cpu" else slots.to(self.device, non_blocking=True)
@@ -960,6 +986,7 @@ class CacheManager:
                 cached += handle.cached_len
             held = _length(indices) + (0 if own is None else _length(own)) - cached
             self._held_pages -= held // self.page_size
+            self._enforce_quotas()
             return
         # The per-request tail (KV events, write_through) reads each one's part.
         if own is not None:

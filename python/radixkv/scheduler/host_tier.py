@@ -50,6 +50,16 @@ class TierCounters(NamedTuple):
     failed_copies: int  # copies that reported failure
 
 
+def quota_excess(tree: _core.RadixTree, ns: int, n: int, host: bool) -> int:
+    """Tokens by which `n` more tokens of namespace `ns` on a tier (host, or
+    the device) would take it past its quota there; 0 without one."""
+    for q_ns, device, held, device_limit, host_limit in tree.quotas():
+        if q_ns == ns:
+            use, limit = (held, host_limit) if host else (device, device_limit)
+            return use + n - limit if limit >= 0 else 0
+    return 0
+
+
 class LayerWait:
     """The device pool's hook (`attach_layer_wait`): `k_cache(i)` and
     `v_cache(i)` wait for layer i of the tier's loads. It holds the controller
@@ -201,7 +211,7 @@ class HostTier:
         copy, device_slots, host_slots = started
         if device_slots is None or host_slots is None:  # too few free host pages
             n = copy.end - copy.start
-            if not self._room_for(n):
+            if not self._room_for(n, ns):
                 self.backups_skipped += n
                 return 0
             # Making room may have dropped the host copy the range started under.
@@ -230,7 +240,7 @@ class HostTier:
         queued = 0
         for copy in self.tree.eviction_candidates_without_host(size, ns):
             n = copy.end - copy.start
-            if not self._room_for(n):
+            if not self._room_for(n, ns):
                 self.backups_skipped += n
                 continue
             try:
@@ -243,19 +253,36 @@ class HostTier:
             self.settle_backups()
         return queued
 
-    def make_room(self, n: int) -> int:
-        """Frees host slots (least recently used copies first) until `n` are
+    def make_room(self, n: int, ns: Optional[int] = None) -> int:
+        """Frees host slots (least recently used copies first; for namespace
+        `ns` first its own beyond its quota, see `_own_first`) until `n` are
         free or nothing more can go; returns the free slots."""
+        self._own_first(n, ns)
         missing = n - self.pages.num_free_pages * self.page_size
         while missing > 0 and not self._evict(missing):
             missing //= 2
             missing -= missing % self.page_size
         return self.pages.num_free_pages * self.page_size
 
-    def _room_for(self, n: int) -> bool:
-        """Whether `n` host slots are free, evicting to make them so."""
+    def _room_for(self, n: int, ns: Optional[int] = None) -> bool:
+        """Whether `n` host slots are free, evicting to make them so (for
+        namespace `ns`, its own copies first: `_own_first`)."""
+        self._own_first(n, ns)
         missing = n - self.pages.num_free_pages * self.page_size
         return missing <= 0 or self._evict(missing)
+
+    def _own_first(self, n: int, ns: Optional[int]) -> None:
+        """When `n` more host tokens of namespace `ns` would take it past its
+        host quota and the pool lacks room, drops its own least recently used
+        copies first (as many as it would go over, at most what is missing),
+        so a namespace at its quota never pushes out another's copies only to
+        have its own trimmed a moment later."""
+        missing = n - self.pages.num_free_pages * self.page_size
+        if ns is None or missing <= 0:
+            return
+        over = quota_excess(self.tree, ns, n, host=True)
+        if over > 0:
+            self.evict_namespace(ns, min(over, missing))
 
     def _evict(self, size: int) -> bool:
         """Drops host copies of at least `size` tokens (least recently used

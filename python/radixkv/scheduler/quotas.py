@@ -15,6 +15,11 @@ from radixkv import _core
 from radixkv._checks import as_count
 
 
+# The largest limit: far beyond any pool, and far from int64's end, so a
+# namespace's use plus a request never overflows beside it.
+_MAX_LIMIT = 1 << 62
+
+
 class QuotaUsage(NamedTuple):
     """What a namespace with a quota holds, in tokens."""
 
@@ -38,16 +43,20 @@ def _limit(tokens, size, page_bytes: int, page_size: int, tier: str) -> Optional
                 f"{tier}_bytes needs the pool's bytes (kv_cache, and a host tier for "
                 f"host_bytes): give {tier}_tokens"
             )
-        return size // page_bytes * page_size
+        return min(size // page_bytes * page_size, _MAX_LIMIT)
     if tokens is not None:
-        return as_count(tokens, f"{tier}_tokens", minimum=0)
+        tokens = as_count(tokens, f"{tier}_tokens", minimum=0)
+        if tokens > _MAX_LIMIT:
+            raise ValueError(f"{tier}_tokens must be below 2**62, got {tokens}")
+        return tokens
     return None
 
 
 class Quotas:
     """The namespace quotas of one CacheManager's tree. `device_page_bytes`
     and `host_page_bytes` are what a page costs on each tier (0 when the
-    manager keeps bookkeeping only: limits are then in tokens)."""
+    manager keeps bookkeeping only: limits are then in tokens); `host_tier`
+    says whether there is a host tier to limit."""
 
     def __init__(
         self,
@@ -55,8 +64,10 @@ class Quotas:
         page_size: int,
         device_page_bytes: int,
         host_page_bytes: int,
+        host_tier: bool,
     ) -> None:
         self.tree = tree
+        self.host_tier = host_tier
         self.page_size = page_size
         self.device_page_bytes = device_page_bytes
         self.host_page_bytes = host_page_bytes
@@ -80,6 +91,8 @@ class Quotas:
         ps = self.page_size
         device = _limit(device_tokens, device_bytes, self.device_page_bytes, ps, "device")
         host = _limit(host_tokens, host_bytes, self.host_page_bytes, ps, "host")
+        if host is not None and not self.host_tier:
+            raise ValueError("host_tokens and host_bytes need a host tier (host_num_pages > 0)")
         return device, host
 
     def set(self, ns: int, device: Optional[int], host: Optional[int]) -> None:
@@ -117,9 +130,12 @@ class Quotas:
         used pages until it is within (or nothing of it can go: pages in use
         stay). `evict_device(ns, tokens)` and `evict_host(ns, tokens)` evict
         and return the slots freed."""
-        for ns, device, host, _, _ in self.tree.over_quota():
-            evicted = self._evicted.setdefault(ns, [0, 0])
+        for ns, device, _, _, _ in self.tree.over_quota():
             if device:
-                evicted[0] += len(evict_device(ns, device))
-            if host and evict_host is not None:
-                evicted[1] += len(evict_host(ns, host))
+                self._evicted.setdefault(ns, [0, 0])[0] += len(evict_device(ns, device))
+        if evict_host is None:
+            return
+        # After the device's: write_back backs its victims up to host first.
+        for ns, _, host, _, _ in self.tree.over_quota():
+            if host:
+                self._evicted.setdefault(ns, [0, 0])[1] += len(evict_host(ns, host))

@@ -529,7 +529,7 @@ class StorageTier:
         if start and pin is None:
             return None
         try:
-            room = self.host.make_room(hits * ps)
+            room = self.host.make_room(hits * ps, ns)
             hits = min(hits, room // ps)
             if hits * ps < self.min_prefetch_tokens:
                 if pin is not None:
