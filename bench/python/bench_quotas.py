@@ -33,7 +33,14 @@ from radixkv.scheduler import CacheManager
 PAGE = 512
 
 
-def run(requests, device_tokens: int, flood: int, quota_frac, trace_quota: bool = False):
+def run(
+    requests,
+    device_tokens: int,
+    flood: int,
+    quota_frac,
+    trace_quota: bool = False,
+    named: bool = True,
+):
     cm = CacheManager(device_tokens // PAGE, PAGE)
     if quota_frac is not None:
         cm.set_quota("flood", device_tokens=int(device_tokens * quota_frac) // PAGE * PAGE)
@@ -48,7 +55,7 @@ def run(requests, device_tokens: int, flood: int, quota_frac, trace_quota: bool 
         t = time.perf_counter_ns()
         h, cached = cm.match_req(ids, namespace)
         cm.lock(h)
-        own = cm.allocate(len(ids) - h.cached_len)
+        own = cm.allocate(len(ids) - h.cached_len, namespace if named else None)
         cm.free_and_cache_finished_req(h, ids, torch.cat([cached, own]))
         times.append(time.perf_counter_ns() - t)
         return h.cached_len
@@ -80,9 +87,17 @@ def main() -> None:
     alone, us_alone = run(requests, args.device_tokens, 0, None)
     print(json.dumps({"trace_alone_hit_rate": round(alone, 4), "cycle_us": round(us_alone, 1)}))
     rows = []
-    for frac in [None] + [float(q) for q in args.quotas.split(",")]:
-        rate, us = run(requests, args.device_tokens, args.flood, frac)
-        row = {"flood_quota": frac, "trace_hit_rate": round(rate, 4), "cycle_us": round(us, 1)}
+    fracs = [float(q) for q in args.quotas.split(",")]
+    # allocate() told the request's namespace (its own pages make room first),
+    # and for the tightest quota also not told.
+    for frac, named in [(None, True)] + [(f, True) for f in fracs] + [(min(fracs), False)]:
+        rate, us = run(requests, args.device_tokens, args.flood, frac, named=named)
+        row = {
+            "flood_quota": frac,
+            "allocate_named": named,
+            "trace_hit_rate": round(rate, 4),
+            "cycle_us": round(us, 1),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     # The bookkeeping alone: the same flood, a limit on each tenant that never binds.
