@@ -314,6 +314,14 @@ def test_mooncake_instances_share_pages_through_a_real_master(master):
 
 
 @needs_mooncake
+def test_a_stopped_master_leaves_no_log_behind():
+    with MooncakeMaster() as m:
+        path = m.log_path
+        assert os.path.exists(path)
+    assert not os.path.exists(path)
+
+
+@needs_mooncake
 def test_mooncake_master_stopped_mid_run_is_counted_not_a_crash_or_hang():
     m = MooncakeMaster()
     a = Instance(

@@ -7,6 +7,7 @@ librdmacm1 and libnuma1 (`.ci/setup` installs them).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -92,9 +93,10 @@ class MooncakeMaster:
         deadline = time.monotonic() + start_timeout_s
         while not (self._listening(self.rpc_port) and self._listening(self.http_port)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
+                self._end_process()
                 with open(self.log_path, errors="replace") as f:
                     tail = f.read()[-2000:]
+                self.stop()
                 raise RuntimeError(f"mooncake_master did not start:\n{tail}")
             time.sleep(0.05)
 
@@ -117,6 +119,13 @@ class MooncakeMaster:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
     def stop(self) -> None:
+        """Stops the master and removes its log (`log_path`: read it before)."""
+        self._end_process()
+        self._log.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log_path)
+
+    def _end_process(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -124,7 +133,6 @@ class MooncakeMaster:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
 
     def __enter__(self) -> "MooncakeMaster":
         return self
