@@ -853,6 +853,13 @@ py::object RadixTree_EvictionCandidatesWithoutHost(PyRadixTree& t, PyObject* con
 
 // --- namespace quotas ------------------------------------------------------------------
 
+py::object RadixTree_CopyNamespace(PyRadixTree& t, PyObject* const* a) {
+  const radixkv::TierCopy c = AsCopy(a[0]);
+  uint64_t ns = 0;
+  const bool found = Locked(t, false, [&] { return t.tree.CopyNamespace(c, &ns); });
+  return found ? py::object(py::int_(ns)) : py::none();
+}
+
 py::object RadixTree_SetQuota(PyRadixTree& t, PyObject* const* a) {
   const uint64_t ns = AsNamespace(a[0]);
   const int64_t device = a[1] == Py_None ? -1 : ToInt64(a[1], "device");
@@ -1539,6 +1546,7 @@ constexpr Params kBeginLoad{"begin_load", {"copy"}, 1, 1};
 constexpr Params kFinishLoad{"finish_load", {"copy", "device_slots", "ok"}, 3, 2};
 constexpr Params kCandidates{"eviction_candidates_without_host", {"size", "namespace"}, 2, 1};
 constexpr Params kSetQuota{"set_quota", {"namespace", "device", "host"}, 3, 3};
+constexpr Params kCopyNamespace{"copy_namespace", {"copy"}, 1, 1};
 constexpr Params kQuotas{"quotas", {}, 0, 0};
 constexpr Params kOverQuota{"over_quota", {}, 0, 0};
 constexpr Params kEvictNamespace{"evict_namespace", {"namespace", "size"}, 2, 2};
@@ -1662,6 +1670,8 @@ PyMethodDef kTreeMethods[] = {
      Fast<RadixTree_EvictionCandidatesWithoutHost, kCandidates>(), kFastCall,
      "The device leaves evict(size) would take that have no host copy, as backups (with\n"
      "namespace, those evict_namespace(namespace, size) would take)."},
+    {"copy_namespace", Fast<RadixTree_CopyNamespace, kCopyNamespace>(), kFastCall,
+     "copy_namespace(copy) -> the namespace of the copy's node, or None when it is gone."},
     {"set_quota", Fast<RadixTree_SetQuota, kSetQuota>(), kFastCall,
      "set_quota(namespace, device, host): limits in tokens on each tier (None: no limit;\n"
      "both None removes the quota). The tree counts the namespace's tokens per tier."},

@@ -24,6 +24,13 @@ Node* RadixTree::ResolveCopy(const TierCopy& copy) const noexcept {
   return node;
 }
 
+bool RadixTree::CopyNamespace(const TierCopy& copy, uint64_t* ns) const noexcept {
+  const Node* node = ResolveCopy(copy);
+  if (node == nullptr) return false;
+  *ns = node->ns;
+  return true;
+}
+
 // --- backups: device to host ---------------------------------------------------------
 
 bool RadixTree::FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits, TierCopy* copy,

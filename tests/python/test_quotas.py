@@ -25,7 +25,7 @@ def serve(cm, ids, namespace, pool=None):
     if pool is not None:
         new = len(ids) - h.cached_len
         for layer in range(pool.num_layers):
-            rows = torch.full((new, 2, 8), float(len(str(namespace))), dtype=pool.dtype)
+            rows = torch.full((new, *pool.row_shape), float(len(str(namespace))), dtype=pool.dtype)
             pool.store_kv(rows, rows, own[:new], layer)
     cm.free_and_cache_finished_req(h, ids, torch.cat([cached, own]))
     cm.writing_check()
@@ -341,3 +341,77 @@ def test_a_failed_set_quota_changes_nothing_and_removing_none_remembers_nothing(
         cm.set_quota("b", host_tokens=8)
     cm.set_quota("c")  # nothing to remove
     assert serve(cm, prompt(1, 2), "a") == 2 * PS  # "a" was not forgotten
+
+
+def test_a_prefetch_reads_no_more_than_the_namespaces_host_quota(tmp_path):
+    from radixkv.storage import FileStorage, config_fingerprint
+
+    fp = config_fingerprint(
+        model="q",
+        dtype=torch.float32,
+        page_size=PS,
+        layout="page_first",
+        num_layers=1,
+        kv_heads=1,
+        head_dim=8,
+    )
+
+    def make(host_pages):
+        pool = MHAKVCache(1, 1, 8, 16, torch.float32, page_size=PS)
+        cm = CacheManager(
+            16,
+            PS,
+            kv_cache=pool,
+            host_num_pages=host_pages,
+            storage=FileStorage(str(tmp_path), fp),
+            storage_seed=fp,
+            prefetch_policy="wait_complete",
+        )
+        return cm, pool
+
+    writer, pool = make(16)
+    ids = prompt(7, 5)
+    serve(writer, ids, "b", pool)
+    writer.drain()
+    writer.close()
+    cm, pool = make(8)
+    cm.set_quota("quiet", host_tokens=10**6)
+    cm.set_quota("b", host_tokens=2 * PS)
+    for s in range(3):  # 6 of 8 host pages
+        serve(cm, prompt(s, 2), "quiet", pool)
+    cm.drain()
+    op = cm.prefetch(torch.as_tensor(ids, dtype=torch.int32), "b")
+    assert cm.wait_prefetch(op) == 2 * PS  # what the quota holds, not the store's 5 pages
+    assert cm.quota_usage("b").host == 2 * PS and cm.quota_usage("b").host_evicted == 0
+    assert cm.quota_usage("quiet").host == 6 * PS  # the 2 free pages were enough
+    cm.check_integrity()
+    cm.close()
+
+
+def test_write_back_victims_make_host_room_from_their_own_namespace():
+    """A device eviction for one tenant backs up another's victims: those
+    make host room from their own namespace's copies (at its host quota),
+    not from a third tenant's."""
+    pool = MHAKVCache(1, 1, 8, 8, torch.float16, page_size=PS)
+    cm = CacheManager(8, PS, kv_cache=pool, host_num_pages=8, write_policy="write_back")
+    cm.set_quota("quiet", host_tokens=10**6)  # counts only
+    cm.set_quota("a", host_tokens=2 * PS)
+    for s in range(3):
+        serve(cm, prompt(s, 2), "quiet", pool)
+    serve(cm, prompt(50, 2), "a", pool)
+    serve(cm, prompt(51, 2), "a", pool)
+    cm.drain()
+    quiet_host = cm.quota_usage("quiet").host
+    ids = torch.as_tensor(prompt(9, 7), dtype=torch.int32)  # needs the whole device pool
+    h, cached = cm.match_req(ids, "quiet")
+    cm.lock(h)
+    own = cm.allocate(len(ids) - h.cached_len, "quiet")
+    cm.free_and_cache_finished_req(h, ids, torch.cat([cached, own]))
+    cm.drain()
+    assert cm.quota_usage("a").host <= 2 * PS
+    assert cm.quota_usage("a").host_evicted == 0  # a's copies past its quota were never made
+    assert cm.quota_usage("quiet").host >= quiet_host
+    for s in range(3):  # quiet's older prompts all kept their host copies
+        h, _ = cm.match_req(torch.as_tensor(prompt(s, 2), dtype=torch.int32), "quiet")
+        assert h.cached_len + h.host_hit_len == 2 * PS
+    cm.check_integrity()

@@ -774,7 +774,11 @@ def test_a_signal_during_a_call_is_delivered_when_it_returns(sig, exc):
     cm.check_integrity()
     assert cm.match_req(ids)[0].cached_len == 2 * PAGE
     assert CacheManager.allocate.__name__ == "allocate" and "pages" in CacheManager.allocate.__doc__
-    assert list(inspect.signature(CacheManager.allocate).parameters) == ["self", "num_tokens"]
+    assert list(inspect.signature(CacheManager.allocate).parameters) == [
+        "self",
+        "num_tokens",
+        "namespace",
+    ]
 
 
 # -- a second review's findings -------------------------------------------------------------

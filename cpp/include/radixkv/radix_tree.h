@@ -373,6 +373,9 @@ class RadixTree {
   /// or stale handle.
   int64_t StorageHitLen(const Handle& handle) const;
 
+  /// The namespace of the node `copy` names; false when it is gone.
+  bool CopyNamespace(const TierCopy& copy, uint64_t* ns) const noexcept;
+
   /// Device leaves that the next `Evict(size)` would take and that have no
   /// host copy (their end nodes as copies, oldest first): under write_back
   /// they are backed up before eviction. With `ns` (not null; a namespace

@@ -50,6 +50,16 @@ class TierCounters(NamedTuple):
     failed_copies: int  # copies that reported failure
 
 
+def quota_limit(tree: _core.RadixTree, ns: int, host: bool) -> Optional[int]:
+    """Namespace `ns`'s quota on a tier (host, or the device) in tokens; None
+    without one."""
+    for q_ns, _, _, device_limit, host_limit in tree.quotas():
+        if q_ns == ns:
+            limit = host_limit if host else device_limit
+            return limit if limit >= 0 else None
+    return None
+
+
 def quota_excess(tree: _core.RadixTree, ns: int, n: int, host: bool) -> int:
     """Tokens by which `n` more tokens of namespace `ns` on a tier (host, or
     the device) would take it past its quota there; 0 without one."""
@@ -238,13 +248,18 @@ class HostTier:
         copy that evicting `size` tokens would take (of namespace `ns` only,
         when given: a quota's eviction). Returns the tokens copied."""
         queued = 0
+        pending: Dict[Optional[int], int] = {}  # tokens queued per namespace, not landed
         for copy in self.tree.eviction_candidates_without_host(size, ns):
             n = copy.end - copy.start
-            if not self._room_for(n, ns):
+            # The victim's namespace makes room from its own copies first.
+            owner = ns if ns is not None else self.tree.copy_namespace(copy)
+            if not self._room_for(n, owner, pending.get(owner, 0)):
                 self.backups_skipped += n
                 continue
             try:
-                queued += self._start_backup(copy)
+                started = self._start_backup(copy)
+                queued += started
+                pending[owner] = pending.get(owner, 0) + started
             except ValueError:
                 # Making room dropped the host copy this range starts under:
                 # the node is evicted without one.
@@ -257,32 +272,36 @@ class HostTier:
         """Frees host slots (least recently used copies first; for namespace
         `ns` first its own beyond its quota, see `_own_first`) until `n` are
         free or nothing more can go; returns the free slots."""
-        self._own_first(n, ns)
+        self._own_first(n, ns)  # (prefetch caps `n` at the quota itself)
         missing = n - self.pages.num_free_pages * self.page_size
         while missing > 0 and not self._evict(missing):
             missing //= 2
             missing -= missing % self.page_size
         return self.pages.num_free_pages * self.page_size
 
-    def _room_for(self, n: int, ns: Optional[int] = None) -> bool:
-        """Whether `n` host slots are free, evicting to make them so (for
-        namespace `ns`, its own copies first: `_own_first`)."""
-        self._own_first(n, ns)
+    def _room_for(self, n: int, ns: Optional[int] = None, pending: int = 0) -> bool:
+        """Whether `n` host slots are free for a copy of namespace `ns`,
+        evicting to make them so: its own copies first (`_own_first`); False
+        when the copy would still take it past its host quota (it would only
+        be dropped again). `pending`: its tokens already queued, not landed."""
+        if self._own_first(n, ns, pending) > 0:
+            return False
         missing = n - self.pages.num_free_pages * self.page_size
         return missing <= 0 or self._evict(missing)
 
-    def _own_first(self, n: int, ns: Optional[int]) -> None:
-        """When `n` more host tokens of namespace `ns` would take it past its
-        host quota and the pool lacks room, drops its own least recently used
-        copies first (as many as it would go over, at most what is missing),
-        so a namespace at its quota never pushes out another's copies only to
-        have its own trimmed a moment later."""
-        missing = n - self.pages.num_free_pages * self.page_size
-        if ns is None or missing <= 0:
-            return
-        over = quota_excess(self.tree, ns, n, host=True)
-        if over > 0:
-            self.evict_namespace(ns, min(over, missing))
+    def _own_first(self, n: int, ns: Optional[int], pending: int = 0) -> int:
+        """When `n` more host tokens of namespace `ns` (beside `pending` ones
+        queued) would take it past its host quota, drops its own least
+        recently used copies by as much, so a namespace at its quota never
+        pushes out another's copies only to have its own trimmed a moment
+        later. Returns by how much it would still be over (0 within)."""
+        if ns is None:
+            return 0
+        over = quota_excess(self.tree, ns, n + pending, host=True)
+        if over <= 0:
+            return 0
+        self.evict_namespace(ns, over)
+        return max(0, quota_excess(self.tree, ns, n + pending, host=True))
 
     def _evict(self, size: int) -> bool:
         """Drops host copies of at least `size` tokens (least recently used

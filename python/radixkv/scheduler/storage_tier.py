@@ -17,7 +17,7 @@ import torch
 from radixkv import _core
 from radixkv._checks import as_count, as_seconds
 from radixkv.scheduler.block_events import BlockEvents
-from radixkv.scheduler.host_tier import HostTier
+from radixkv.scheduler.host_tier import HostTier, quota_limit
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.storage.base import MAX_BATCH, StorageBackend, takes_parents
 from radixkv.kvcache.page_codec import codec_seed
@@ -508,6 +508,13 @@ class StorageTier:
             return None
         keys = self.keys_of(tokens[:n], ns)[start // ps :]
         hits = self._exists(keys)
+        # No more than the namespace's host quota holds: the rest would be
+        # read only to be dropped.
+        limit = quota_limit(self.tree, ns, host=True) if hits else None
+        if limit is not None and hits is not None:
+            hits = min(hits, limit // ps)
+            if not hits:
+                return None
         if hits is None or hits * ps < self.min_prefetch_tokens:
             return None
         # With other reads in flight, all of them together hold at most half
