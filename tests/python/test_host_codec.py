@@ -226,6 +226,21 @@ def test_bad_codec_arguments_are_refused_before_anything_is_made(tmp_path):
     assert fs.page_bytes == 0
 
 
+def read_back_as_torch_rounds(cm, pool, ids, want):
+    """Prefetches `ids`' two pages from storage, loads them back and checks
+    every row is torch's float8 rounding of `want` (planes of the writer)."""
+    ids = torch.as_tensor(ids, dtype=torch.int32)
+    op = cm.prefetch(ids)
+    assert op is not None and cm.wait_prefetch(op) == 2 * PS
+    h, _ = cm.match_req(ids)
+    h, idx = cm.load_back(h)
+    cm.drain()
+    for plane_got, plane_want in zip(planes(pool, idx), want):
+        for page in range(2):
+            assert torch.equal(plane_got[page], reference(plane_want[page][None])[2][0])
+    cm.unlock(h)
+
+
 @pytest.mark.parametrize("writer_codec", [None, "float8"])
 def test_a_store_with_the_codec_shares_pages_between_plain_and_encoded_hosts(
     tmp_path, writer_codec
@@ -255,18 +270,7 @@ def test_a_store_with_the_codec_shares_pages_between_plain_and_encoded_hosts(
     want = planes(pa, idx)
     a.close()
     b, pb = engine(reader_codec)
-    ids_t = torch.as_tensor(ids, dtype=torch.int32)
-    op = b.prefetch(ids_t)
-    assert op is not None and b.wait_prefetch(op) == 2 * PS
-    h, _ = b.match_req(ids_t)
-    h, idx = b.load_back(h)
-    b.drain()
-    got = planes(pb, idx)
-    for plane_got, plane_want in zip(got, want):
-        for page in range(2):
-            _, _, back = reference(plane_want[page][None])
-            assert torch.equal(plane_got[page], back[0])
-    b.unlock(h)
+    read_back_as_torch_rounds(b, pb, ids, want)
     b.close()
 
 
@@ -306,16 +310,8 @@ def test_mooncake_moves_encoded_host_pages_zero_copy_between_engines():
         want = planes(pa, serve(a, pa, ids, 13))
         assert a.storage_counters.written_pages == 2
         b, pb, _ = engine("float8", "float8")
+        read_back_as_torch_rounds(b, pb, ids, want)
         ids_t = torch.as_tensor(ids, dtype=torch.int32)
-        op = b.prefetch(ids_t)
-        assert op is not None and b.wait_prefetch(op) == 2 * PS
-        h, _ = b.match_req(ids_t)
-        h, idx = b.load_back(h)
-        b.drain()
-        for plane_got, plane_want in zip(planes(pb, idx), want):
-            for page in range(2):
-                assert torch.equal(plane_got[page], reference(plane_want[page][None])[2][0])
-        b.unlock(h)
         c, _, _ = engine(None, None)
         assert c.prefetch(ids_t) is None  # plain pages' keys: nothing there
         with pytest.raises(ValueError, match="give host_codec='float8'"):
