@@ -17,10 +17,10 @@ from radixkv.kvcache import BaseCacheHandle, MHAKVCache, MLAKVCache, create_cach
 from radixkv.kvcache.base import released_slots
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.kvcache.pool_args import resolve_tp_rank
-from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters, quota_excess
+from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
-from radixkv.scheduler.quotas import Quotas, QuotaUsage
+from radixkv.scheduler.quotas import Quotas, QuotaUsage, quota_excess
 from radixkv.scheduler.retention import TIERS, Retention, RetentionClaim, check_ttl
 from radixkv.scheduler.storage_tier import (
     Prefetch,

@@ -16,6 +16,7 @@ from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
 from radixkv.scheduler.block_events import BlockEvents
+from radixkv.scheduler.quotas import quota_excess
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 """When a node gets a host copy: when it is inserted (`write_through`), when it
@@ -48,26 +49,6 @@ class TierCounters(NamedTuple):
     host_evicted: int  # host copies dropped to make room
     backups_skipped: int  # backups not started: the host pool had no room
     failed_copies: int  # copies that reported failure
-
-
-def quota_limit(tree: _core.RadixTree, ns: int, host: bool) -> Optional[int]:
-    """Namespace `ns`'s quota on a tier (host, or the device) in tokens; None
-    without one."""
-    for q_ns, _, _, device_limit, host_limit in tree.quotas():
-        if q_ns == ns:
-            limit = host_limit if host else device_limit
-            return limit if limit >= 0 else None
-    return None
-
-
-def quota_excess(tree: _core.RadixTree, ns: int, n: int, host: bool) -> int:
-    """Tokens by which `n` more tokens of namespace `ns` on a tier (host, or
-    the device) would take it past its quota there; 0 without one."""
-    for q_ns, device, held, device_limit, host_limit in tree.quotas():
-        if q_ns == ns:
-            use, limit = (held, host_limit) if host else (device, device_limit)
-            return use + n - limit if limit >= 0 else 0
-    return 0
 
 
 class LayerWait:

@@ -20,6 +20,26 @@ from radixkv._checks import as_count
 _MAX_LIMIT = 1 << 62
 
 
+def quota_limit(tree: _core.RadixTree, ns: int, host: bool) -> Optional[int]:
+    """Namespace `ns`'s quota on a tier (host, or the device) in tokens; None
+    without one."""
+    for q_ns, _, _, device_limit, host_limit in tree.quotas():
+        if q_ns == ns:
+            limit = host_limit if host else device_limit
+            return limit if limit >= 0 else None
+    return None
+
+
+def quota_excess(tree: _core.RadixTree, ns: int, n: int, host: bool) -> int:
+    """Tokens by which `n` more tokens of namespace `ns` on a tier (host, or
+    the device) would take it past its quota there; 0 without one."""
+    for q_ns, device, held, device_limit, host_limit in tree.quotas():
+        if q_ns == ns:
+            use, limit = (held, host_limit) if host else (device, device_limit)
+            return use + n - limit if limit >= 0 else 0
+    return 0
+
+
 class QuotaUsage(NamedTuple):
     """What a namespace with a quota holds, in tokens."""
 

@@ -17,7 +17,8 @@ import torch
 from radixkv import _core
 from radixkv._checks import as_count, as_seconds
 from radixkv.scheduler.block_events import BlockEvents
-from radixkv.scheduler.host_tier import HostTier, quota_limit
+from radixkv.scheduler.host_tier import HostTier
+from radixkv.scheduler.quotas import quota_limit
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.storage.base import MAX_BATCH, StorageBackend, takes_parents
 from radixkv.kvcache.page_codec import codec_seed
