@@ -19,6 +19,10 @@ fresh keys for writes, and reads back the batch written last.
   mooncake     MooncakeStorage.batch_set / batch_get against Mooncake's own
                client calling batch_put_from / batch_get_into with the same
                keys, buffers and sizes (a master on 127.0.0.1, TCP loopback)
+  mooncake+key the same with a deployment secret: pages staged through the
+               registered staging area (copied out of it before their
+               HMAC-SHA-256 tag is checked, into it after it is made)
+               against the same raw zero-copy calls
 Then the prefetch as a request sees it: one instance writes a prompt's pages,
 a second one (empty device and host) calls `prefetch` and `wait_prefetch`
 (`wait_complete`), both on the file backend: microseconds per 1k tokens.
@@ -38,6 +42,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -179,8 +184,10 @@ def row(backend, op, layers, page_bytes, nbytes, s_ours, s_base):
     }
 
 
-def bench_mooncake(layers: int, reps: int) -> list:
+def bench_mooncake(layers: int, reps: int, secret: Optional[bytes] = None) -> list:
     from radixkv.storage import MooncakeMaster, MooncakeStorage
+
+    name = "mooncake" if secret is None else "mooncake+key"
 
     pool = host_pool(layers, 2 * MAX_BATCH)
     rows = []
@@ -188,11 +195,15 @@ def bench_mooncake(layers: int, reps: int) -> list:
         ms = MooncakeStorage(
             m.master_address,
             m.metadata_server,
+            listen_on_all_interfaces=True,
             segment_bytes=2 * pool.nbytes + (64 << 20),
             buffer_bytes=64 << 20,
+            secret=secret,
         )
         ms.attach(pool)
         raw = ms.store  # the same client, called as its own Python API is
+        if secret is not None:  # the raw calls move the host pool's pages
+            assert raw.register_buffer(pool.kv_buffer.data_ptr(), pool.nbytes) == 0
         nbytes = ms.page_bytes * MAX_BATCH
         pages = list(range(MAX_BATCH))
         back = list(range(MAX_BATCH, 2 * MAX_BATCH))
@@ -229,9 +240,9 @@ def bench_mooncake(layers: int, reps: int) -> list:
                 previous[name] = keys
 
         s_ours, s_base = paired(ours_put, raw_put, reps, after=drop_old)
-        rows.append(row("mooncake", "put", layers, ms.page_bytes, nbytes, s_ours, s_base))
+        rows.append(row(name, "put", layers, ms.page_bytes, nbytes, s_ours, s_base))
         s_ours, s_base = paired(ours_get, raw_get, reps)
-        rows.append(row("mooncake", "get", layers, ms.page_bytes, nbytes, s_ours, s_base))
+        rows.append(row(name, "get", layers, ms.page_bytes, nbytes, s_ours, s_base))
         assert same_halves(pool), "mooncake read back other bytes"
         ms.close()
     return rows
@@ -344,7 +355,7 @@ def main() -> None:
     out = []
     try:
         print(
-            f"{'backend':<10}{'op':<7}{'page KiB':>9}{'batch MiB':>10}"
+            f"{'backend':<13}{'op':<7}{'page KiB':>9}{'batch MiB':>10}"
             f"{'radixkv GB/s':>13}{'baseline GB/s':>14}{'ratio':>7}"
         )
         for layers in (4, 32):
@@ -353,10 +364,11 @@ def main() -> None:
             rows += bench_file(layers, directory, args.reps, secret=b"bench secret of a deployment")
             if not args.no_mooncake:
                 rows += bench_mooncake(layers, args.reps)
+                rows += bench_mooncake(layers, args.reps, secret=b"a deployment secret")
             for r in rows:
                 out.append(r)
                 print(
-                    f"{r['backend']:<10}{r['op']:<7}{r['page_kib']:>9}{r['batch_mib']:>10}"
+                    f"{r['backend']:<13}{r['op']:<7}{r['page_kib']:>9}{r['batch_mib']:>10}"
                     f"{r['radixkv_gbps']:>13.2f}{r['baseline_gbps']:>14.2f}{r['ratio']:>7.2f}"
                 )
         print("\nprefetch (file backend, wait_complete), into an empty instance:")

@@ -420,6 +420,7 @@ def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(
             "backend": "mooncake",
             "master_address": master.master_address,
             "metadata_server": master.metadata_server,
+            "listen_on_all_interfaces": True,
         }
         args = HICACHE + [
             "--hicache-storage-backend",

@@ -251,6 +251,7 @@ def test_mooncake_store_through_the_connector_serves_after_a_reset_and_a_second_
             "backend": "mooncake",
             "master_address": master.master_address,
             "metadata_server": master.metadata_server,
+            "listen_on_all_interfaces": True,
             "query_timeout_s": 5.0,
         }
         a = start(python, model, str(tmp_path / "mooncake-a.log"), store=store)

@@ -288,6 +288,7 @@ def test_mooncake_moves_encoded_host_pages_zero_copy_between_engines():
             store = MooncakeStorage(
                 master.master_address,
                 master.metadata_server,
+                listen_on_all_interfaces=True,
                 segment_bytes=16 << 20,
                 buffer_bytes=8 << 20,
                 codec=codec,

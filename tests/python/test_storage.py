@@ -298,6 +298,7 @@ def test_mooncake_instances_share_pages_through_a_real_master(master):
         return MooncakeStorage(
             master.master_address,
             master.metadata_server,
+            listen_on_all_interfaces=True,
             segment_bytes=32 << 20,
             buffer_bytes=16 << 20,
         )
@@ -326,7 +327,11 @@ def test_mooncake_master_stopped_mid_run_is_counted_not_a_crash_or_hang():
     m = MooncakeMaster()
     a = Instance(
         MooncakeStorage(
-            m.master_address, m.metadata_server, segment_bytes=32 << 20, buffer_bytes=16 << 20
+            m.master_address,
+                m.metadata_server,
+                listen_on_all_interfaces=True,
+                segment_bytes=32 << 20,
+                buffer_bytes=16 << 20,
         )
     )
     a.serve(prompt(6, 4))

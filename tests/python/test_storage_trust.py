@@ -3,10 +3,16 @@ others can write to, pages of another user, a deployment secret that keys
 page names and authenticates page bytes (file and Mooncake), and KV events
 bound to loopback by default."""
 
+import contextlib
+import ipaddress
+import json
 import os
 import socket
 import stat
 import subprocess
+import sys
+import urllib.parse
+import urllib.request
 
 import pytest
 import torch
@@ -206,6 +212,7 @@ def test_mooncake_with_a_secret_refuses_and_removes_a_planted_value():
             return MooncakeStorage(
                 m.master_address,
                 m.metadata_server,
+                listen_on_all_interfaces=True,
                 segment_bytes=32 << 20,
                 buffer_bytes=16 << 20,
                 secret=secret,
@@ -272,3 +279,130 @@ def test_the_file_system_type_is_read_from_the_mount_table(tmp_path):
         ("nfs", "fuse", "cifs", "9p")
     )
     assert FileStorage(str(tmp_path), fingerprint(), bounded_queries=True).blocking_queries
+
+
+# A process without the secret that plants through Mooncake's transfer
+# engine: it lists the master's segments, reads each one's descriptor from
+# the metadata service (it names every buffer the client registered) and
+# writes all of them with transfer_sync_write.
+_PEER_WRITES_EVERYTHING = r"""
+import ctypes, json, sys, urllib.parse, urllib.request
+from mooncake.engine import TransferEngine
+metrics, metadata = sys.argv[1], sys.argv[2]
+names = urllib.request.urlopen(metrics + "/get_all_segments", timeout=10).read().decode().split()
+engine = TransferEngine()
+assert engine.initialize("127.0.0.1", metadata, "tcp", "") == 0
+chunk = 1 << 20
+forged = (ctypes.c_char * chunk)(*([0x3C] * chunk))
+assert engine.register_memory(ctypes.addressof(forged), chunk) == 0
+written = 0
+for name in names:
+    url = metadata + "?key=" + urllib.parse.quote("mooncake/ram/" + name, safe="")
+    desc = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    for buf in desc["buffers"]:
+        for at in range(0, buf["length"], chunk):
+            n = min(chunk, buf["length"] - at)
+            if engine.transfer_sync_write(name, ctypes.addressof(forged), buf["addr"] + at, n) == 0:
+                written += n
+print("written", written, flush=True)
+"""
+
+
+@needs_mooncake
+def test_a_mooncake_peer_writing_every_registered_buffer_plants_nothing_with_a_secret():
+    with MooncakeMaster() as m:
+
+        def backend():
+            return MooncakeStorage(
+                m.master_address,
+                m.metadata_server,
+                listen_on_all_interfaces=True,
+                segment_bytes=16 << 20,
+                buffer_bytes=16 << 20,
+                secret=SECRET,
+            )
+
+        victim = Instance(backend())
+        prompts = [prompt(30 + i, 3) for i in range(3)]
+        for ids in prompts:
+            victim.serve(ids)  # on the device, backed up to host, written to the store
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _PEER_WRITES_EVERYTHING,
+                f"http://127.0.0.1:{m.metrics_port}",
+                m.metadata_server,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert int(r.stdout.split()[-1]) >= 32 << 20  # the attack did write
+        # The device forgets: the pages come back from the host pool, which
+        # no peer can reach; serve() checks every row it is handed.
+        cm = victim.cm
+        cm.drain()
+        cm.make_room(cm.num_pages * PAGE)
+        for ids in prompts:
+            device, host, _ = victim.serve(ids)
+            assert device == 0 and host == 3 * PAGE
+        # A second instance reads them from the store: a forged value is a
+        # miss, never served (serve() checks the rows again).
+        reader = Instance(backend())
+        for ids in prompts:
+            reader.serve(ids)
+        victim.close(), reader.close()
+
+
+def _listening(pid):
+    """The (address, port) of every TCP socket process `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                # /proc prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+                found.append((str(ipaddress.ip_address(raw)), int(hexport, 16)))
+    return found
+
+
+@needs_mooncake
+def test_mooncake_binds_loopback_when_asked_or_refuses_naming_why():
+    with MooncakeMaster() as m:
+        for pid in m.pids:  # the master and its metadata service
+            ports = _listening(pid)
+            assert ports and all(addr == "127.0.0.1" for addr, _ in ports), ports
+        # The transfer engine cannot bind one address: refused on loopback...
+        with pytest.raises(ValueError, match="every interface.*listen_on_all_interfaces=True"):
+            MooncakeStorage(m.master_address, m.metadata_server)
+        with pytest.raises(ValueError, match="listen_on_all_interfaces"):
+            MooncakeStorage(m.master_address, m.metadata_server, local_hostname="localhost:1234")
+        # ... and, accepted, it advertises the address it was given.
+        store = MooncakeStorage(
+            m.master_address,
+            m.metadata_server,
+            listen_on_all_interfaces=True,
+            segment_bytes=16 << 20,
+            buffer_bytes=16 << 20,
+        )
+        try:
+            name = store.store.get_hostname()
+            url = m.metadata_server + "?key=" + urllib.parse.quote("mooncake/ram/" + name, safe="")
+            desc = json.loads(urllib.request.urlopen(url, timeout=10).read())
+            assert desc.get("tcp_data_host", "127.0.0.1") == "127.0.0.1", desc
+        finally:
+            store.close()

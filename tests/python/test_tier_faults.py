@@ -294,7 +294,11 @@ def test_a_paused_master_never_blocks_the_scheduler_thread():
 
         def backend():
             return MooncakeStorage(
-                m.master_address, m.metadata_server, segment_bytes=32 << 20, buffer_bytes=16 << 20
+                m.master_address,
+                m.metadata_server,
+                listen_on_all_interfaces=True,
+                segment_bytes=32 << 20,
+                buffer_bytes=16 << 20,
             )
 
         a = Instance(
@@ -339,6 +343,7 @@ def test_mooncake_setup_against_a_hung_master_fails_in_bounded_time():
             t0 = time.monotonic()
             try:
                 MooncakeStorage({m.master_address!r}, {m.metadata_server!r},
+                                listen_on_all_interfaces=True,
                                 segment_bytes=32 << 20, buffer_bytes=16 << 20,
                                 setup_timeout_s=2)
             except RuntimeError as e:
@@ -363,7 +368,11 @@ def test_close_with_the_master_killed_is_bounded():
     m = MooncakeMaster()
     a = Instance(
         MooncakeStorage(
-            m.master_address, m.metadata_server, segment_bytes=32 << 20, buffer_bytes=16 << 20
+            m.master_address,
+                m.metadata_server,
+                listen_on_all_interfaces=True,
+                segment_bytes=32 << 20,
+                buffer_bytes=16 << 20,
         ),
         faults=StorageFaultPolicy(close_timeout_s=1),
     )

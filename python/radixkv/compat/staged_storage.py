@@ -5,8 +5,8 @@ instances. The SGLang L3 adapter and the vLLM connector both stand on it.
 
 Options (an engine's extra config, a dict): `backend` ("file" or "mooncake"),
 `directory`, `max_bytes` and `shared` for the file store; `master_address`,
-`metadata_server`, `local_hostname`, `protocol`, `segment_bytes` and
-`buffer_bytes` for Mooncake; `secret` or `secret_file` (a file holding it);
+`metadata_server`, `local_hostname`, `listen_on_all_interfaces`, `protocol`,
+`segment_bytes` and `buffer_bytes` for Mooncake (see MooncakeStorage); `secret` or `secret_file` (a file holding it);
 `failures_in_a_row`, `retry_after_s` and `max_retry_after_s` for the back-off;
 `query_timeout_s` (0.05) bounds an existence query to a store whose queries
 may block (Mooncake, a network file system) when it is asked from an
@@ -94,6 +94,7 @@ class StagedStorage:
                 o["master_address"],
                 o["metadata_server"],
                 local_hostname=o.get("local_hostname", "127.0.0.1"),
+                listen_on_all_interfaces=bool(o.get("listen_on_all_interfaces", False)),
                 protocol=o.get("protocol", "tcp"),
                 segment_bytes=int(o.get("segment_bytes", 256 << 20)),
                 buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),

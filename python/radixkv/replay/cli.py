@@ -536,6 +536,12 @@ def _storage(args, kind: str):
         return
     policy = args.prefetch_policy or "wait_complete"  # deterministic
     segment = (args.mooncake_segment_mib or 256) << 20
+    if kind == "mooncake":
+        print(
+            "note: Mooncake's transfer engine listens on every interface while the replay "
+            "runs (no Mooncake setting binds it to 127.0.0.1; docs/reliability.md)",
+            file=sys.stderr,
+        )
     if kind == "file":
         bound = None if args.storage_max_mib is None else args.storage_max_mib << 20
         codec = args.storage_codec or args.host_codec

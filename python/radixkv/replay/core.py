@@ -226,6 +226,10 @@ class StorageConfig:
     master_address: Optional[str] = None  # mooncake
     metadata_server: Optional[str] = None  # mooncake
     segment_bytes: int = 256 << 20  # mooncake: memory each instance lends
+    # mooncake: the address each instance advertises. Mooncake's transfer
+    # engine listens on every interface whatever it is (see MooncakeStorage):
+    # the replay accepts that, and the command line says so.
+    local_hostname: str = "127.0.0.1"
     prefetch_policy: str = "wait_complete"
     namespace: Optional[str] = None
     fault_seed: Optional[int] = None  # wrap the backend in FaultyStorage (tests)
@@ -257,6 +261,8 @@ class StorageConfig:
                 backend = MooncakeStorage(
                     self.master_address,
                     self.metadata_server,
+                    local_hostname=self.local_hostname,
+                    listen_on_all_interfaces=True,
                     segment_bytes=self.segment_bytes,
                     codec=self.codec,
                 )
