@@ -328,10 +328,10 @@ def test_mooncake_master_stopped_mid_run_is_counted_not_a_crash_or_hang():
     a = Instance(
         MooncakeStorage(
             m.master_address,
-                m.metadata_server,
-                listen_on_all_interfaces=True,
-                segment_bytes=32 << 20,
-                buffer_bytes=16 << 20,
+            m.metadata_server,
+            listen_on_all_interfaces=True,
+            segment_bytes=32 << 20,
+            buffer_bytes=16 << 20,
         )
     )
     a.serve(prompt(6, 4))

@@ -369,10 +369,10 @@ def test_close_with_the_master_killed_is_bounded():
     a = Instance(
         MooncakeStorage(
             m.master_address,
-                m.metadata_server,
-                listen_on_all_interfaces=True,
-                segment_bytes=32 << 20,
-                buffer_bytes=16 << 20,
+            m.metadata_server,
+            listen_on_all_interfaces=True,
+            segment_bytes=32 << 20,
+            buffer_bytes=16 << 20,
         ),
         faults=StorageFaultPolicy(close_timeout_s=1),
     )

@@ -334,7 +334,9 @@ class MooncakeStorage(StorageBackend):
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
         if not isinstance(local_hostname, str) or not local_hostname:
-            raise ValueError(f"local_hostname must be a host name or address, got {local_hostname!r}")
+            raise ValueError(
+                f"local_hostname must be a host name or address, got {local_hostname!r}"
+            )
         if is_loopback(local_hostname) and not listen_on_all_interfaces:
             raise ValueError(_WILDCARD.format(local_hostname))
         # Encoded pages are another configuration's (see FileStorage).
