@@ -18,13 +18,17 @@ namespace py = pybind11;
 
 namespace radixkv::bindings {
 
-Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name,
-              int64_t row_bytes, int64_t layers, bool cuda) {
-  CHECK_VALUE(strides.size() == 6 || strides.size() == 7, name,
-              "_layout must be (side_stride, layer_stride, "
-              "page_stride, row_stride, page_size, num_slots[, sides])");
-  CHECK_VALUE(row_bytes >= 1 && layers >= 1, "row_bytes and layers must be >= 1");
-  Pool p;
+namespace {
+
+PoolLayout LayoutOf(char* base, const std::vector<int64_t>& strides) {
+  return PoolLayout{base,       strides[0], strides[1], strides[2],
+                    strides[3], strides[4], strides[5], strides.size() == 7 ? strides[6] : 2};
+}
+
+// One tensor a pool's rows live in: checked, pinned, viewed, on the device
+// `cuda` allows; its alias and its extent from its data pointer.
+char* ReadBuffer(py::handle buffer, const char* name, bool cuda, Pool* p, py::object* alias,
+                 int64_t* extent, int64_t* span) {
   Tensor t(buffer, name, Tensor::kWritten);
   t.Check();  // on the caller's tensor (requires grad, lazy negation), then its alias
   t.Pin();
@@ -32,13 +36,63 @@ Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char
   const DLDeviceType type = t.device().device_type;
   CHECK_TYPE(cuda ? type == kDLCUDA : (type == kDLCPU || type == kDLCUDAHost), name, " must be a ",
              cuda ? "CUDA" : "CPU", " tensor, got one on device type ", type);
-  p.device = t.device();
-  p.alias = py::reinterpret_borrow<py::object>(t.object());
-  p.layout = PoolLayout{t.data(),   strides[0], strides[1], strides[2],
-                        strides[3], strides[4], strides[5], strides.size() == 7 ? strides[6] : 2};
+  if (p->device.device_type == 0) {  // the pool's first tensor
+    p->device = t.device();
+  } else {
+    CHECK_VALUE(t.device().device_type == p->device.device_type &&
+                    t.device().device_id == p->device.device_id,
+                name, "'s planes must all be on one device");
+  }
+  *alias = py::reinterpret_borrow<py::object>(t.object());
   const auto [begin, end] = t.Extent();
-  p.bytes = end - begin;
-  CheckPoolLayout(p.layout, row_bytes, layers, end - t.data(), name);
+  *extent = end - t.data();  // from the first row on
+  *span = end - begin;       // all of it, for CheckUnchanged
+  return t.data();
+}
+
+}  // namespace
+
+Pool ReadPool(py::handle buffer, const std::vector<int64_t>& strides, const char* name,
+              int64_t row_bytes, int64_t layers, bool cuda) {
+  CHECK_VALUE(strides.size() == 6 || strides.size() == 7, name,
+              "_layout must be (side_stride, layer_stride, "
+              "page_stride, row_stride, page_size, num_slots[, sides])");
+  CHECK_VALUE(row_bytes >= 1 && layers >= 1, "row_bytes and layers must be >= 1");
+  Pool p;
+  if (!PyList_Check(buffer.ptr()) && !PyTuple_Check(buffer.ptr())) {
+    int64_t extent = 0;
+    char* base = ReadBuffer(buffer, name, cuda, &p, &p.alias, &extent, &p.bytes);
+    p.layout = LayoutOf(base, strides);
+    CheckPoolLayout(p.layout, row_bytes, layers, extent, name);
+    return p;
+  }
+  // One tensor per (side, layer) plane.
+  const py::sequence planes = py::reinterpret_borrow<py::sequence>(buffer);
+  p.layout = LayoutOf(nullptr, strides);
+  CHECK_VALUE(p.layout.sides == 1 || p.layout.sides == 2, name,
+              "_layout must have 1 or 2 sides, got ", p.layout.sides);
+  const int64_t want = p.layout.sides * layers;
+  CHECK_VALUE(static_cast<int64_t>(py::len(planes)) == want, name, " must be ", want,
+              " plane tensors (", p.layout.sides, " sides x ", layers, " layers), got ",
+              py::len(planes));
+  uint64_t bits = 0;
+  for (py::handle item : planes) {
+    py::object alias = py::none();
+    int64_t extent = 0, span = 0;
+    char* start = ReadBuffer(item, name, cuda, &p, &alias, &extent, &span);
+    PoolLayout one = p.layout;
+    one.base = start;
+    CheckPlaneLayout(one, row_bytes, extent, name);
+    p.plane_aliases.push_back(std::move(alias));
+    p.plane_starts.push_back(start);
+    p.plane_extents.push_back(span);
+    bits |= reinterpret_cast<uintptr_t>(start);
+  }
+  p.layout.base = p.plane_starts.front();
+  p.layout.side_stride = p.layout.layer_stride = 0;
+  p.layout.planes = p.plane_starts.data();
+  p.layout.plane_layers = layers;
+  p.layout.plane_bits = bits;
   return p;
 }
 
@@ -143,6 +197,16 @@ CopyPlane ReadKvPlane(const Pool& device, py::handle host, const std::vector<int
 }
 
 void Pool::CheckUnchanged(const char* name) const {
+  for (size_t i = 0; i < plane_aliases.size(); ++i) {
+    Tensor t(plane_aliases[i], name);
+    t.Check();
+    t.View();
+    const auto [begin, end] = t.Extent();
+    CHECK_VALUE(t.data() == plane_starts[i] && end - begin == plane_extents[i],
+                name,
+                "'s storage was resized or replaced after the "
+                "controller was made: its copies would touch freed memory");
+  }
   if (!alias) return;
   Tensor t(alias, name);
   t.Check();

@@ -17,12 +17,18 @@ namespace radixkv::bindings {
 /// A pool's layout from Python: its buffer tensor and (side, layer, page,
 /// row) strides in bytes, the page size and the slot count. Keeps an alias of
 /// the tensor (`detach()`) alive, so the storage stays whatever is done to
-/// the tensor it was given while copies run on another thread.
+/// the tensor it was given while copies run on another thread. A pool given
+/// as a sequence of tensors, one per (side, layer) plane (side-major, as an
+/// engine keeps its per-layer K and V buffers), keeps one alias per plane and
+/// the plane table its layout points to.
 struct Pool {
   pybind11::object alias;
   PoolLayout layout{};
   DLDevice device{};
   int64_t bytes = 0;  // the tensor's extent when read
+  std::vector<pybind11::object> plane_aliases;
+  std::vector<char*> plane_starts;    // layout.planes points here
+  std::vector<int64_t> plane_extents;  // each plane's bytes when read
 
   /// Raises ValueError unless the storage is still where it was read: a
   /// storage resized or replaced since (`resize_`, `set_` on the alias's
@@ -31,7 +37,9 @@ struct Pool {
 };
 
 /// Reads and checks a pool: every row the layout names lies inside the
-/// tensor's memory. `cuda`: the tensor may be on a CUDA device (else CPU).
+/// tensor's memory (or, for a sequence of plane tensors, each plane's rows
+/// inside its tensor; the layout's side and layer strides are then unused).
+/// `cuda`: the tensors may be on a CUDA device (else CPU).
 Pool ReadPool(pybind11::handle buffer, const std::vector<int64_t>& strides, const char* name,
               int64_t row_bytes, int64_t layers, bool cuda);
 

@@ -72,6 +72,13 @@ class CudaCopyEngine final : public CopyEngine {
   CudaCopyEngine(std::vector<CopyPlane> planes, int64_t layers, int device, int max_blocks)
       : planes_(std::move(planes)), layers_(layers), device_(device), max_blocks_(max_blocks) {
     OnDevice on(device_);
+    // The kernels read a pool's plane table on the device: a copy of each,
+    // owned here (the host's is the caller's).
+    for (CopyPlane& plane : planes_) {
+      for (PoolLayout* l : {&plane.device, &plane.host}) {
+        if (l->planes != nullptr) l->planes = DeviceTable(*l);
+      }
+    }
     Check(cudaStreamCreateWithFlags(&backup_stream_, cudaStreamNonBlocking), "backup stream");
     Check(cudaStreamCreateWithFlags(&load_stream_, cudaStreamNonBlocking), "load stream");
     layer_events_.resize(static_cast<size_t>(layers_));
@@ -87,6 +94,7 @@ class CudaCopyEngine final : public CopyEngine {
     for (cudaEvent_t e : layer_events_) cudaEventDestroy(e);
     cudaStreamDestroy(backup_stream_);
     cudaStreamDestroy(load_stream_);
+    for (char** table : tables_) cudaFree(table);
   }
 
   int64_t num_layers() const override { return layers_; }
@@ -183,13 +191,24 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
  private:
-  const std::vector<CopyPlane> planes_;
+  // A device copy of `l`'s plane table, freed with the engine.
+  char* const* DeviceTable(const PoolLayout& l) {
+    const size_t bytes = static_cast<size_t>(l.sides * l.plane_layers) * sizeof(char*);
+    char** table = nullptr;
+    Check(cudaMalloc(reinterpret_cast<void**>(&table), bytes), "plane table");
+    tables_.push_back(table);
+    Check(cudaMemcpy(table, l.planes, bytes, cudaMemcpyHostToDevice), "plane table copy");
+    return table;
+  }
+
+  std::vector<CopyPlane> planes_;
   const int64_t layers_;
   const int device_, max_blocks_;
   cudaStream_t backup_stream_ = nullptr, load_stream_ = nullptr;
   std::mutex mu_;                          // compute_ and the layer events
   cudaStream_t compute_ = nullptr;         // the forward pass's stream (0: legacy default)
   std::vector<cudaEvent_t> layer_events_;  // the latest load of each layer
+  std::vector<char**> tables_;             // device copies of plane tables
 };
 
 }  // namespace

@@ -55,9 +55,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t h = rest % c.heads;
     const int64_t s = p.src_slots[pg * page], d = p.dst_slots[pg * page];
     const int64_t plain_slot = encode ? s : d, packed_slot = encode ? d : s;
-    char* rows = plain.base + PoolRowOffset(plain, side, layer, plain_slot);
-    uint8_t* codes =
-        reinterpret_cast<uint8_t*>(packed.base) + PoolRowOffset(packed, side, layer, packed_slot);
+    char* rows = PoolRow(plain, side, layer, plain_slot);
+    uint8_t* codes = reinterpret_cast<uint8_t*>(PoolRow(packed, side, layer, packed_slot));
     char* scale_at = c.scales.base + PoolRowOffset(c.scales, side, layer, packed_slot) + h * 4;
     const int64_t first = h * c.head_dim;
     if (encode) {

@@ -29,6 +29,15 @@ void CheckPoolLayout(const PoolLayout& l, int64_t row_bytes, int64_t layers, int
   RADIXKV_CHECK(end <= bytes, kBad, name, "_layout reaches past the end of ", name, " (", bytes,
                 " bytes there)");
 }
+
+void CheckPlaneLayout(const PoolLayout& l, int64_t row_bytes, int64_t bytes,
+                      std::string_view name) {
+  PoolLayout one = l;  // one plane: its rows from its own start
+  one.planes = nullptr;
+  one.sides = 1;
+  one.side_stride = one.layer_stride = 0;
+  CheckPoolLayout(one, row_bytes, 1, bytes, name);
+}
 namespace {
 
 // Whether tokens [i, i + page) map whole pages onto whole pages.
@@ -57,9 +66,8 @@ int64_t CodecTransfer(const TransferParams& p, const Float8Pool& codes, bool enc
     const int64_t plain_slot = encode ? s : d, packed_slot = encode ? d : s;
     for (int64_t side = 0; side < p.src.sides; ++side) {
       for (int64_t layer = p.layer_begin; layer < p.layer_end; ++layer) {
-        char* row = plain.base + PoolRowOffset(plain, side, layer, plain_slot);
-        auto* code = reinterpret_cast<uint8_t*>(packed.base) +
-                     PoolRowOffset(packed, side, layer, packed_slot);
+        char* row = PoolRow(plain, side, layer, plain_slot);
+        auto* code = reinterpret_cast<uint8_t*>(PoolRow(packed, side, layer, packed_slot));
         char* scale = codes.scales.base + PoolRowOffset(codes.scales, side, layer, packed_slot);
         if (encode) {
           EncodeFloat8Rows(rows, row, code, scale);
@@ -121,8 +129,7 @@ int64_t TransferRows(const TransferParams& p) noexcept {
     // Side, then layer: a host page holds [side][layer] regions in that order.
     for (int64_t side = 0; side < p.src.sides; ++side) {
       for (int64_t layer = p.layer_begin; layer < p.layer_end; ++layer) {
-        std::memcpy(p.dst.base + PoolRowOffset(p.dst, side, layer, d),
-                    p.src.base + PoolRowOffset(p.src, side, layer, s), row * run);
+        std::memcpy(PoolRow(p.dst, side, layer, d), PoolRow(p.src, side, layer, s), row * run);
       }
     }
     i += run;

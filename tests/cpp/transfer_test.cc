@@ -165,6 +165,77 @@ TEST(TransferTest, OneSidedPoolsCopyTheirOneRowALayer) {
   }
 }
 
+// A pool whose (side, layer) planes are buffers of their own, named by a
+// plane table (an engine's per-layer K and V tensors): copies to and from it
+// give the bytes the same copies give with a one-buffer layer-first pool
+// holding the same planes, on the CPU and through the kernel's row body.
+TEST(TransferTest, PlaneTablePoolsCopyAsTheOneBufferPoolOfTheirPlanes) {
+  std::mt19937 rng(5);
+  for (const int64_t sides : {1, 2}) {
+    for (const int64_t S : {1, 4}) {
+      for (const bool kernel : {false, true}) {
+        const int64_t L = 3, R = 64, n = 17, P = n / S + 3;
+        Pool flat(Kind::kLayerFirst, L, P, S, R, sides);
+        for (auto& b : flat.bytes) b = static_cast<uint8_t>(rng());
+        // The planes in buffers of their own, apart and in a shuffled order.
+        std::vector<std::vector<uint8_t>> planes(sides * L);
+        std::vector<char*> table(sides * L);
+        const int64_t plane_bytes = P * S * R;
+        for (int64_t i = 0; i < sides * L; ++i) {
+          planes[i].assign(flat.bytes.begin() + i * plane_bytes,
+                           flat.bytes.begin() + (i + 1) * plane_bytes);
+          table[i] = reinterpret_cast<char*>(planes[i].data());
+        }
+        PoolLayout split = flat.layout;
+        split.side_stride = split.layer_stride = 0;
+        split.planes = table.data();
+        split.plane_layers = L;
+        for (char* t : table) split.plane_bits |= reinterpret_cast<uintptr_t>(t);
+        for (int64_t i = 0; i < sides * L; ++i) {
+          PoolLayout one = split;
+          one.base = table[i];
+          EXPECT_NO_THROW(CheckPlaneLayout(one, R, plane_bytes, "device"));
+          EXPECT_THROW(CheckPlaneLayout(one, R, plane_bytes - 1, "device"), Error);
+        }
+        Pool host(Kind::kHostPageFirst, L, P, S, R, sides);
+        for (auto& b : host.bytes) b = static_cast<uint8_t>(rng());
+        Pool expected = host;
+        expected.layout.base = reinterpret_cast<char*>(expected.bytes.data());
+        std::vector<int32_t> s = Slots(rng, n, P, S, false);
+        std::vector<int32_t> d = Slots(rng, n, P, S, false);
+        auto copy = [&](const PoolLayout& from, const PoolLayout& to, int64_t begin, int64_t end) {
+          TransferParams p{from, to, R, L, s.data(), d.data(), n, begin, end};
+          if (!kernel) {
+            ASSERT_EQ(TransferRows(p), -1);
+            return;
+          }
+          ASSERT_EQ(TransferVectorBytes(p) % 16, 0);
+          struct alignas(16) V16 {
+            uint32_t w[4];
+          };
+          for (int64_t r = 0; r < TransferRowCount(p); ++r) {
+            for (int64_t lane = 0; lane < 4; ++lane) TransferRowPart<V16>(p, r, lane, 4);
+          }
+        };
+        copy(flat.layout, expected.layout, 0, L);  // a backup, from the one buffer
+        copy(split, host.layout, 0, L);            // the same, from the planes
+        ASSERT_TRUE(host.bytes == expected.bytes);
+        // A load of one layer back into the planes changes exactly that
+        // layer's rows of those slots: compare with the one-buffer pool.
+        for (auto& b : host.bytes) b = static_cast<uint8_t>(rng());
+        std::swap(s, d);
+        copy(host.layout, flat.layout, 1, 2);
+        copy(host.layout, split, 1, 2);
+        for (int64_t i = 0; i < sides * L; ++i) {
+          ASSERT_TRUE(std::equal(planes[i].begin(), planes[i].end(),
+                                 flat.bytes.begin() + i * plane_bytes))
+              << "plane " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(TransferTest, OutOfRangeSlotCopiesNothing) {
   std::mt19937 rng(3);
   Pool src(Kind::kLayerFirst, 2, 4, 4, 16), dst(Kind::kHostPageFirst, 2, 4, 4, 16);

@@ -19,6 +19,12 @@ namespace radixkv {
 void CheckPoolLayout(const PoolLayout& l, int64_t row_bytes, int64_t layers, int64_t bytes,
                      std::string_view name);
 
+/// Checks one plane of a pool with `planes` (PoolLayout): its rows, from
+/// the plane's start, lie inside the `bytes` bytes of its buffer; the rest
+/// as CheckPoolLayout. Throws Error(kInvalidArgument) naming `name`. O(1).
+void CheckPlaneLayout(const PoolLayout& l, int64_t row_bytes, int64_t bytes,
+                      std::string_view name);
+
 /// Position of the first token whose source or destination slot is outside
 /// its pool, or -1. O(num_tokens).
 int64_t FindTransferSlotOutOfRange(const TransferParams& p) noexcept;

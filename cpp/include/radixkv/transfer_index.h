@@ -23,6 +23,14 @@ namespace radixkv {
 /// `[2, P, L, S, H, D]` and the host pool's `layer_first` (the same as
 /// LayerFirst) and `page_first` `[P, 2, L, S, H, D]` (one region per page),
 /// and with one side the MLA pools' `[L, P, S, R]` and `[P, L, S, R]`.
+///
+/// A pool whose (side, layer) planes live in buffers of their own (an
+/// engine's per-layer tensors, as SGLang's `k_buffer[l]` / `v_buffer[l]`)
+/// names them in `planes`: plane (side, layer) starts at `planes[side *
+/// plane_layers + layer]` and `side_stride`, `layer_stride` and `base` are
+/// not used for rows. The table is read where the copy runs (on a GPU, a
+/// table in device memory); `plane_bits` ORs every plane's address, for the
+/// alignment checks made on the host.
 struct PoolLayout {
   char* base;
   int64_t side_stride;
@@ -32,6 +40,9 @@ struct PoolLayout {
   int64_t page_size;  ///< slots per page, >= 1
   int64_t num_slots;  ///< valid slots: [0, num_slots)
   int64_t sides = 2;  ///< 2 (K and V) or 1 (MLA); both pools of a transfer agree
+  char* const* planes = nullptr;  ///< sides x plane_layers plane starts, or nullptr
+  int64_t plane_layers = 0;       ///< layers in `planes`
+  uint64_t plane_bits = 0;        ///< OR of the planes' addresses
 };
 
 /// A host pool that holds its K/V as float8 pages (page_codec.h): its rows
@@ -69,6 +80,16 @@ RADIXKV_HOST_DEVICE int64_t PoolRowOffset(const PoolLayout& l, int64_t side, int
          (slot - page * l.page_size) * l.row_stride;
 }
 
+/// Address of row (side, layer, slot) of a pool laid out as `l`, in its own
+/// plane's buffer when the pool has `planes`.
+RADIXKV_HOST_DEVICE char* PoolRow(const PoolLayout& l, int64_t side, int64_t layer,
+                                  int64_t slot) {
+  if (l.planes == nullptr) return l.base + PoolRowOffset(l, side, layer, slot);
+  const int64_t page = slot / l.page_size;
+  return l.planes[side * l.plane_layers + layer] + page * l.page_stride +
+         (slot - page * l.page_size) * l.row_stride;
+}
+
 /// Whether a page of `l` holds its rows back to back, so `page_size` rows of
 /// one (side, layer) are one run of `page_size * row_bytes` bytes.
 RADIXKV_HOST_DEVICE bool RowsContiguousInPage(const PoolLayout& l, int64_t row_bytes) {
@@ -83,7 +104,7 @@ RADIXKV_HOST_DEVICE int64_t TransferVectorBytes(const TransferParams& p) {
   for (const PoolLayout* l : ls) {
     bits |= reinterpret_cast<uintptr_t>(l->base) | static_cast<uint64_t>(l->side_stride) |
             static_cast<uint64_t>(l->layer_stride) | static_cast<uint64_t>(l->page_stride) |
-            static_cast<uint64_t>(l->row_stride);
+            static_cast<uint64_t>(l->row_stride) | l->plane_bits;
   }
   return static_cast<int64_t>(bits & (~bits + 1));  // lowest set bit
 }
@@ -107,8 +128,8 @@ RADIXKV_HOST_DEVICE bool TransferRowPart(const TransferParams& p, int64_t r, int
   const int64_t layer = p.layer_begin + (rest - side * layers);
   const int64_t s = p.src_slots[token], d = p.dst_slots[token];
   if (s < 0 || s >= p.src.num_slots || d < 0 || d >= p.dst.num_slots) return false;
-  const Vec* from = reinterpret_cast<const Vec*>(p.src.base + PoolRowOffset(p.src, side, layer, s));
-  Vec* to = reinterpret_cast<Vec*>(p.dst.base + PoolRowOffset(p.dst, side, layer, d));
+  const Vec* from = reinterpret_cast<const Vec*>(PoolRow(p.src, side, layer, s));
+  Vec* to = reinterpret_cast<Vec*>(PoolRow(p.dst, side, layer, d));
   const int64_t vectors = p.row_bytes / static_cast<int64_t>(sizeof(Vec));
   for (int64_t e = lane; e < vectors; e += lanes) to[e] = from[e];
   return true;

@@ -15,6 +15,7 @@ from radixkv.kvcache.base import (
     KVCacheType,
     SizeInfo,
 )
+from radixkv.kvcache.engine_pool import EngineKVPool
 from radixkv.kvcache.factory import create_kvcache
 from radixkv.kvcache.mha_pool import MHAKVCache, kv_bytes_per_page, num_pages_for_memory
 from radixkv.kvcache.mla_pool import MLAKVCache
@@ -59,6 +60,7 @@ def create_cache_manager(
 
 
 __all__ = [
+    "EngineKVPool",
     "BaseCacheHandle",
     "BaseCacheManager",
     "BaseKVCache",

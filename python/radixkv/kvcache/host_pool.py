@@ -10,6 +10,7 @@ import torch
 from radixkv._checks import as_count
 from radixkv.kvcache.page_codec import CODEC_DTYPES, check_codec
 from radixkv.kvcache.base import CopyLayout, copy_layout, fixed_zeros, side_plane
+from radixkv.kvcache.engine_pool import EngineKVPool
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
 
@@ -48,16 +49,16 @@ class HostKVCache:
 
     def __init__(
         self,
-        device_pool: Union[MHAKVCache, MLAKVCache],
+        device_pool: Union[MHAKVCache, MLAKVCache, EngineKVPool],
         num_pages: Optional[int] = None,
         ratio: float = 2.0,
         layout: str = "page_first",
         pin_memory: Optional[bool] = None,
         codec: Optional[str] = None,
     ) -> None:
-        if not isinstance(device_pool, (MHAKVCache, MLAKVCache)):
+        if not isinstance(device_pool, (MHAKVCache, MLAKVCache, EngineKVPool)):
             raise TypeError(
-                "device_pool must be an MHAKVCache or an MLAKVCache, got "
+                "device_pool must be an MHAKVCache, an MLAKVCache or an EngineKVPool, got "
                 f"{type(device_pool).__name__}"
             )
         if layout not in HOST_LAYOUTS:
@@ -280,7 +281,7 @@ class HostKVCache:
         return self._codec
 
     @property
-    def device_pool(self) -> Union[MHAKVCache, MLAKVCache]:
+    def device_pool(self) -> Union[MHAKVCache, MLAKVCache, EngineKVPool]:
         return self._device_pool
 
     @property

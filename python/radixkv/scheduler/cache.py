@@ -13,7 +13,13 @@ from radixkv import _core
 from radixkv._core import RadixCacheHandle, shielded
 from radixkv._checks import as_count, as_device, as_int, int32_tensor, per_input, to_host
 from radixkv.events import EventPublisher, KVSnapshot
-from radixkv.kvcache import BaseCacheHandle, MHAKVCache, MLAKVCache, create_cache_manager
+from radixkv.kvcache import (
+    BaseCacheHandle,
+    EngineKVPool,
+    MHAKVCache,
+    MLAKVCache,
+    create_cache_manager,
+)
 from radixkv.kvcache.base import released_slots
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.kvcache.pool_args import resolve_tp_rank
@@ -163,9 +169,9 @@ class CacheManager:
                 f"host_layout must be one of {', '.join(HOST_LAYOUTS)}, got {host_layout!r}"
             )
         if kv_cache is not None:
-            if not isinstance(kv_cache, (MHAKVCache, MLAKVCache)):
+            if not isinstance(kv_cache, (MHAKVCache, MLAKVCache, EngineKVPool)):
                 raise TypeError(
-                    "kv_cache must be an MHAKVCache or an MLAKVCache, got "
+                    "kv_cache must be an MHAKVCache, an MLAKVCache or an EngineKVPool, got "
                     f"{_type_name(kv_cache)}"
                 )
             if kv_cache.page_size != page_size or kv_cache.num_pages < num_pages:
