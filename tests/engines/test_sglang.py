@@ -86,7 +86,7 @@ def test_radixkv_serves_what_sglang_serves_with_its_own_cache(python, model, tmp
 def test_unsupported_combinations_are_refused_by_name(python):
     script = textwrap.dedent("""
         from types import SimpleNamespace
-        from radixkv.compat.sglang_plugin import build
+        from radixkv.compat.sglang.plugin import build
         params = SimpleNamespace(is_eagle=False, enable_kv_cache_events=False)
         base = dict(is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False,
                     enable_hierarchical_cache=False, disable_radix_cache=False, params=params)
@@ -111,9 +111,9 @@ def test_the_plugin_is_registered_in_sglangs_group(python):
     script = textwrap.dedent("""
         from importlib.metadata import entry_points
         eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
-        assert eps.get("radixkv") == "radixkv.compat.sglang_plugin:register", eps
+        assert eps.get("radixkv") == "radixkv.compat.sglang.plugin:register", eps
         from sglang.srt.mem_cache.registry import get_radix_cache_factory
-        from radixkv.compat.sglang_plugin import register, build
+        from radixkv.compat.sglang.plugin import register, build
         register(); register()  # twice, as SGLang's processes may: registered once
         assert get_radix_cache_factory("radixkv") is build
         print("ok")
@@ -204,8 +204,8 @@ def test_review_cases_of_the_backend_without_a_server(python):
     script = textwrap.dedent("""
         import sys, torch
         from types import SimpleNamespace
-        from radixkv.compat.sglang import RadixKey, _event_types
-        from radixkv.compat.sglang_plugin import _cache_class
+        from radixkv.compat.sglang.radix_cache import RadixKey, _event_types
+        from radixkv.compat.sglang.plugin import _cache_class
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, _dfs_weight_order
         from sglang.srt.mem_cache.radix_cache import RadixCache as Theirs, RadixKey as TheirKey
 
@@ -316,7 +316,7 @@ def radixkv_l3(directory):
             {
                 "backend_name": "radixkv",
                 "interface_v1": 1,
-                "module_path": "radixkv.compat.sglang_storage",
+                "module_path": "radixkv.compat.sglang.hicache_storage",
                 "class_name": "RadixkvHiCacheStorage",
                 "backend": "file",
                 "directory": str(directory),
@@ -362,7 +362,7 @@ def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(
         a.post("/flush_cache", {})
         again, cached = generate(a, ids, {}, 4)
         assert (again, cached) == (out, 599)  # every page but the last token's from L3
-        assert "radixkv.compat.sglang_storage" in a.log()
+        assert "radixkv.compat.sglang.hicache_storage" in a.log()
         b = serve(python, model, str(tmp_path / "l3-b.log"), 1, extra_args=radixkv_l3(store))
         shared, cached = generate(b, ids, {}, 4)
         assert (shared, cached) == (out, 599)  # written by the other server
@@ -415,7 +415,7 @@ def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(
         config = {
             "backend_name": "radixkv",
             "interface_v1": 1,
-            "module_path": "radixkv.compat.sglang_storage",
+            "module_path": "radixkv.compat.sglang.hicache_storage",
             "class_name": "RadixkvHiCacheStorage",
             "backend": "mooncake",
             "master_address": master.master_address,
@@ -454,7 +454,7 @@ def test_the_l3_adapter_keeps_configurations_apart_and_round_trips_pages(python,
         import torch
         from types import SimpleNamespace
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-        from radixkv.compat.sglang_storage import RadixkvHiCacheStorage
+        from radixkv.compat.sglang.hicache_storage import RadixkvHiCacheStorage
 
         class MHATokenToKVPoolHost:  # SGLang's host pool, layer_first, as the adapter uses it
             def __init__(self, layout="layer_first", dtype=torch.float32, pages=16, ps=4):

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from radixkv.compat import sglang as compat
+from radixkv.compat.sglang import radix_cache as compat
 from radixkv.compat.sglang import (
     EvictParams,
     EvictResult,

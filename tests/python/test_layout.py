@@ -183,7 +183,7 @@ def test_each_module_imports_first_in_a_fresh_interpreter():
     assert not failed, f"{failed} fail to import on their own:\n{out.stderr}"
     # Only the bridges into an engine (or its metrics) may need more than radixkv does.
     optional = {
-        "radixkv.compat.sglang_storage",
+        "radixkv.compat.sglang.hicache_storage",
         "radixkv.compat.vllm_connector",
         "radixkv.prometheus",
     }

@@ -2,7 +2,11 @@
 
 - `radixkv.compat.minisgl`: mini-SGLang's prefix cache (`create_prefix_cache`,
   `match_prefix`, `insert_prefix`, `lock_handle`, `evict`, `size_info`).
-- `radixkv.compat.sglang`: SGLang 0.5.x's `RadixCache` (`match_prefix`,
-  `insert`, `evict`, `inc_lock_ref` / `dec_lock_ref`, `cache_finished_req`,
-  `cache_unfinished_req`), `extra_key` namespaces included.
+- `radixkv.compat.sglang`: SGLang's own package: 0.5.x's `RadixCache`
+  (`match_prefix`, `insert`, `evict`, `inc_lock_ref` / `dec_lock_ref`,
+  `cache_finished_req`, `cache_unfinished_req`, `extra_key` namespaces
+  included), the `--radix-cache-backend radixkv` plug-in and radixkv's
+  storage as HiCache's L3.
+- `radixkv.compat.vllm_connector`: vLLM's KV connector over radixkv's host
+  tier and storage.
 """

@@ -10,7 +10,7 @@ early ones (0.5.2: `match_prefix(token_ids)`, `insert(key, value) -> int`,
 `evict(num_tokens)`) and the parameter objects of the later ones (0.5.9 and
 0.5.16: `MatchPrefixParams`, `InsertParams -> InsertResult`, `EvictParams ->
 EvictResult`). 0.5.23's request flow (`checkpoint`, SGLang's own
-`release_kv_cache`) and result types are `radixkv.compat.sglang_plugin`'s,
+`release_kv_cache`) and result types are `radixkv.compat.sglang.plugin`'s,
 the same class under SGLang's BasePrefixCache, which `--radix-cache-backend
 radixkv` loads. An engine of an earlier release swaps its cache by changing
 an import:

@@ -6,7 +6,7 @@ back-off and stores shared by many instances.
 
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "radixkv",
-        "module_path": "radixkv.compat.sglang_storage",
+        "module_path": "radixkv.compat.sglang.hicache_storage",
         "class_name": "RadixkvHiCacheStorage", "interface_v1": 1,
         "backend": "file", "directory": "/var/cache/kv"}'
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
-from radixkv.compat.sglang import RadixCache
+from radixkv.compat.sglang.radix_cache import RadixCache
 
 NAME = "radixkv"
 
