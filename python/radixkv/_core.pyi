@@ -514,10 +514,11 @@ class CacheController(metaclass=_pybind11_type):
     # side_planes: (device, device_layout, host, host_layout, row_bytes) of each side
     # buffer copied with the rows; keep: an object the controller holds while it lives;
     # codec: (dtype, heads, head_dim, scales, scales_layout) of a float8 host pool.
+    # device: one buffer, or one tensor per (side, layer) plane (an engine's own).
     @overload
     def __init__(
         self,
-        device: torch.Tensor,
+        device: Union[torch.Tensor, Sequence[torch.Tensor]],
         device_layout: Sequence[int],
         host: torch.Tensor,
         host_layout: Sequence[int],
@@ -548,9 +549,9 @@ class CacheController(metaclass=_pybind11_type):
     def waiting(self) -> List[int]: ...
 
 def transfer_rows(
-    src: torch.Tensor,
+    src: Union[torch.Tensor, Sequence[torch.Tensor]],
     src_layout: Sequence[int],
-    dst: torch.Tensor,
+    dst: Union[torch.Tensor, Sequence[torch.Tensor]],
     dst_layout: Sequence[int],
     row_bytes: int,
     layers: int,

@@ -32,7 +32,7 @@ def first_mismatch_batched(
     query: torch.Tensor, keys: torch.Tensor, key_lens: Optional[torch.Tensor], out: torch.Tensor
 ) -> None: ...
 def copy_engine(
-    device: torch.Tensor,
+    device: Union[torch.Tensor, Sequence[torch.Tensor]],
     device_layout: Sequence[int],
     host: torch.Tensor,
     host_layout: Sequence[int],

@@ -54,6 +54,33 @@ def storage_options(options: Optional[dict]) -> dict:
     return options
 
 
+def open_backend(options: dict, fingerprint: bytes, codec: Optional[str] = None) -> StorageBackend:
+    """The FileStorage or MooncakeStorage that `options` (checked by
+    `storage_options`) name, its pages keyed under `fingerprint`."""
+    o = options
+    if o["backend"] == "file":
+        return FileStorage(
+            o["directory"],
+            fingerprint,
+            o.get("max_bytes"),
+            shared=bool(o.get("shared", False)),
+            secret=o["secret"],
+            codec=codec,
+        )
+    return MooncakeStorage(
+        o["master_address"],
+        o["metadata_server"],
+        local_hostname=o.get("local_hostname", "127.0.0.1"),
+        listen_on_all_interfaces=bool(o.get("listen_on_all_interfaces", False)),
+        protocol=o.get("protocol", "tcp"),
+        segment_bytes=int(o.get("segment_bytes", 256 << 20)),
+        buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),
+        fingerprint=fingerprint,
+        secret=o["secret"],
+        codec=codec,
+    )
+
+
 class StagedStorage:
     """A FileStorage or MooncakeStorage whose pages are `page_elems` elements
     of `dtype`, moved through a staging pool: reads and writes each have
@@ -80,27 +107,7 @@ class StagedStorage:
         self.staging = HostKVCache(
             shape, num_pages=2 * BATCH_PAGES, layout="page_first", pin_memory=False
         )
-        backend: StorageBackend
-        if o["backend"] == "file":
-            backend = FileStorage(
-                o["directory"],
-                fingerprint,
-                o.get("max_bytes"),
-                shared=bool(o.get("shared", False)),
-                secret=o["secret"],
-            )
-        else:
-            backend = MooncakeStorage(
-                o["master_address"],
-                o["metadata_server"],
-                local_hostname=o.get("local_hostname", "127.0.0.1"),
-                listen_on_all_interfaces=bool(o.get("listen_on_all_interfaces", False)),
-                protocol=o.get("protocol", "tcp"),
-                segment_bytes=int(o.get("segment_bytes", 256 << 20)),
-                buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),
-                fingerprint=fingerprint,
-                secret=o["secret"],
-            )
+        backend = open_backend(o, fingerprint)
         backend.attach(self.staging)
         self._one_at_a_time = backend.call_lock() or contextlib.nullcontext()
         self._read_lock, self._write_lock = threading.Lock(), threading.Lock()

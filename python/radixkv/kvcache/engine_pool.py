@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Union
 
 import torch
 
 from radixkv import _core
 from radixkv._checks import as_count
 from radixkv.kvcache.base import CopyLayout, KVCacheLayout, PagedPool
+from radixkv.kvcache.mha_pool import MHAKVCache
+from radixkv.kvcache.mla_pool import MLAKVCache
 
 _TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -151,3 +153,7 @@ class EngineKVPool(PagedPool):
             f"page_size={self._page_size}, heads={self._heads}, head_dim={self._head_dim}, "
             f"dtype={self._dtype}, device={self._device})"
         )
+
+
+DevicePool = Union[MHAKVCache, MLAKVCache, EngineKVPool]
+"""What a host tier can back: radixkv's pools, or an engine's own tensors."""

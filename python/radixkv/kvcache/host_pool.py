@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from radixkv._checks import as_count
 from radixkv.kvcache.page_codec import CODEC_DTYPES, check_codec
 from radixkv.kvcache.base import CopyLayout, copy_layout, fixed_zeros, side_plane
-from radixkv.kvcache.engine_pool import EngineKVPool
+from radixkv.kvcache.engine_pool import DevicePool, EngineKVPool
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.kvcache.mla_pool import MLAKVCache
 
@@ -49,7 +49,7 @@ class HostKVCache:
 
     def __init__(
         self,
-        device_pool: Union[MHAKVCache, MLAKVCache, EngineKVPool],
+        device_pool: DevicePool,
         num_pages: Optional[int] = None,
         ratio: float = 2.0,
         layout: str = "page_first",
@@ -281,7 +281,7 @@ class HostKVCache:
         return self._codec
 
     @property
-    def device_pool(self) -> Union[MHAKVCache, MLAKVCache, EngineKVPool]:
+    def device_pool(self) -> DevicePool:
         return self._device_pool
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple, Union, cast
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -21,9 +21,10 @@ from radixkv.kvcache import (
     create_cache_manager,
 )
 from radixkv.kvcache.base import released_slots
+from radixkv.kvcache.engine_pool import DevicePool
 from radixkv.kvcache.host_pool import HOST_LAYOUTS, HostKVCache
 from radixkv.kvcache.pool_args import resolve_tp_rank
-from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, TierCounters
+from radixkv.scheduler.host_tier import HostSizeInfo, HostTier, InFlight, TierCounters
 from radixkv.scheduler.metrics import CacheMetrics
 from radixkv.scheduler.namespaces import Namespaces
 from radixkv.scheduler.quotas import Quotas, QuotaUsage, quota_excess
@@ -128,7 +129,7 @@ class CacheManager:
         *,
         host_num_pages: int = 0,
         write_policy: str = "write_through",
-        kv_cache: Optional[Union[MHAKVCache, MLAKVCache]] = None,
+        kv_cache: Optional[DevicePool] = None,
         host_layout: str = "page_first",
         host_codec: Optional[str] = None,
         manual_copies: bool = False,
@@ -1355,6 +1356,12 @@ class CacheManager:
         return self._tiers.host_size_info()
 
     @property
+    def in_flight(self) -> InFlight:
+        """Copies started and not yet applied: backups, loads (and the device
+        slots they own) and storage reads and writes (all 0 when idle)."""
+        return self._tiers.in_flight()
+
+    @property
     def tier_counters(self) -> Optional[TierCounters]:
         """Tokens the host tier has moved (None without a host tier)."""
         return self._tiers.tier_counters()
@@ -1443,7 +1450,7 @@ class CacheManager:
         return self._held_pages
 
 
-def _device_page_bytes(pool: Union[MHAKVCache, MLAKVCache]) -> int:
+def _device_page_bytes(pool: DevicePool) -> int:
     """What a device page costs: its K/V and its side buffers' rows."""
     sides = sum(
         math.prod((pool.num_layers, pool.page_size) + tuple(shape)) * dtype.itemsize

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -13,8 +13,7 @@ from radixkv import _core
 from radixkv._native import require_cuda_extension
 from radixkv.kvcache.base import BaseCacheHandle
 from radixkv.kvcache.host_pool import HostKVCache
-from radixkv.kvcache.mha_pool import MHAKVCache
-from radixkv.kvcache.mla_pool import MLAKVCache
+from radixkv.kvcache.engine_pool import DevicePool
 from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.quotas import quota_excess
 
@@ -49,6 +48,15 @@ class TierCounters(NamedTuple):
     host_evicted: int  # host copies dropped to make room
     backups_skipped: int  # backups not started: the host pool had no room
     failed_copies: int  # copies that reported failure
+
+
+class InFlight(NamedTuple):
+    """Copies a CacheManager started and has not yet applied."""
+
+    backups: int  # device-to-host copies
+    loads: int  # host-to-device copies
+    loading_tokens: int  # device slots those loads own
+    storage: int  # writes to and reads from the storage tier
 
 
 class LayerWait:
@@ -88,7 +96,7 @@ class HostTier:
         page_size: int,
         host_num_pages: int,
         write_policy: str,
-        kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
+        kv_cache: Optional[DevicePool],
         host_layout: str,
         num_layers: int,
         codec: Optional[str],

@@ -19,21 +19,21 @@ full drain.
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 
 from radixkv import _core
 from radixkv.events import EventPublisher
 from radixkv.kvcache.base import BaseCacheHandle
-from radixkv.kvcache.mha_pool import MHAKVCache
-from radixkv.kvcache.mla_pool import MLAKVCache
+from radixkv.kvcache.engine_pool import DevicePool
 from radixkv.kvcache.page_codec import CODEC_DTYPES, check_codec
 from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.host_tier import (
     WRITE_POLICIES,
     HostSizeInfo,
     HostTier,
+    InFlight,
     LayerWait,
     TierCounters,
 )
@@ -83,6 +83,14 @@ class Tiers:
     def loading_tokens(self) -> int:
         """Device slots owned by loads in flight."""
         return self.host.loading_tokens if self.host is not None else 0
+
+    def in_flight(self) -> InFlight:
+        return InFlight(
+            self.backups_in_flight(),
+            self.loads_in_flight(),
+            self.loading_tokens(),
+            self.storage_in_flight(),
+        )
 
     def back_up(self, tokens: torch.Tensor, ns: int) -> None:
         """Queues the backup of `tokens`' cached path as the write policy says."""
@@ -236,7 +244,7 @@ def check_tier_args(
     radix: bool,
     host_num_pages: int,
     write_policy: str,
-    kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
+    kv_cache: Optional[DevicePool],
     host_layout: str = "page_first",
     host_codec: Optional[str] = None,
 ) -> None:
@@ -275,7 +283,7 @@ def build_tiers(
     num_pages: int,
     host_num_pages: int,
     write_policy: str,
-    kv_cache: Optional[Union[MHAKVCache, MLAKVCache]],
+    kv_cache: Optional[DevicePool],
     host_layout: str,
     host_codec: Optional[str],
     manual_copies: bool,

@@ -53,11 +53,7 @@ def _refuse(ctx) -> None:
     if getattr(ctx, "is_dsa", False):
         why.append("DSA models (is_dsa)")
     if ctx.enable_hierarchical_cache:
-        why.append(
-            "--enable-hierarchical-cache (SGLang's HiCache keeps its host tier in its own "
-            "tree: leave --radix-cache-backend unset and give HiCache radixkv's storage as "
-            "its L3, --hicache-storage-backend dynamic)"
-        )
+        why += _refused_with_host_tier(ctx)
     if getattr(ctx.params, "is_eagle", False):
         why.append("speculative decoding's bigram keys (is_eagle)")
     why += _refused_options(getattr(ctx, "server_args", None))
@@ -86,6 +82,24 @@ def _refused_options(args) -> List[str]:
     return why
 
 
+def _refused_with_host_tier(ctx) -> List[str]:
+    """What radixkv's host tier cannot serve under SGLang: ranks whose trees
+    SGLang's HiCache would keep in step."""
+    params = ctx.params
+    why = []
+    for name, size in (
+        ("--tp-size", getattr(ctx, "tp_size", 1)),
+        ("--pp-size", getattr(params, "pp_size", 1)),
+        ("context parallelism (attn_cp_size)", getattr(params, "attn_cp_size", 1)),
+    ):
+        if (size or 1) > 1:
+            why.append(
+                f"{name} {size} with --enable-hierarchical-cache (each rank's host tier "
+                "would take its copies' acknowledgements at its own pace)"
+            )
+    return why
+
+
 def build(ctx) -> Any:
     """The factory SGLang calls with its TreeCacheBuildContext."""
     _refuse(ctx)
@@ -93,10 +107,47 @@ def build(ctx) -> Any:
         from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
         return default_radix_cache_factory(ctx)  # SGLang's own cache-less path
+    if ctx.enable_hierarchical_cache:
+        return _build_hierarchical(ctx)
     return _cache_class()(ctx.params)
 
 
+def _build_hierarchical(ctx) -> Any:
+    """radixkv's CacheManager with its host tier (and storage) over SGLang's
+    device pool, under SGLang's HiCache flags and radixkv's config."""
+    from radixkv.compat.sglang import config
+
+    knobs, events = config.sglang_knobs()
+    settings = config.settings(knobs, config.load_config())
+    if settings.kv_events is not None:
+        # radixkv publishes on SGLang's endpoint (with epochs and a replay
+        # socket); SGLang's own publisher must not bind it too.
+        from sglang.srt.runtime_context import get_context
+
+        get_context().override("radixkv", kv_events_config=None)
+    model = getattr(getattr(ctx, "model_config", None), "model_path", "") or ""
+    cls = _hierarchical_class()
+    return cls(ctx.params, settings, model=model, tp_rank=ctx.tp_rank, tp_worker=ctx.tp_worker)
+
+
 _CLASS = None
+_HCLASS = None
+
+
+def _hierarchical_class():
+    """SGLang's BasePrefixCache with radixkv's hierarchical cache inside."""
+    global _HCLASS
+    if _HCLASS is None:
+        from sglang.srt.mem_cache import base_prefix_cache as base
+
+        from radixkv.compat.sglang.hierarchical import HierarchicalCache
+
+        _HCLASS = type(
+            "RadixkvHierarchicalCache",
+            (HierarchicalCache, base.BasePrefixCache),
+            {"_base": base, "__module__": __name__},
+        )
+    return _HCLASS
 
 
 def _cache_class():
