@@ -22,9 +22,9 @@ unknown key is an error at start-up:
     retain_budget_tokens    the retention budget (CacheManager)
     max_namespaces          extra_key names remembered (CacheManager)
 
-The HiCache flags: --hicache-ratio / --hicache-size size the host pool (the
-size in GB of host memory, pages of radixkv's host page size, so a float8
-host holds more of them), --hicache-write-policy, --hicache-mem-layout
+The HiCache flags: --hicache-ratio / --hicache-size size the host pool's
+memory (times the device pool's bytes, or GB), in pages of radixkv's host
+page size, so a float8 host holds more of them in the same memory; --hicache-write-policy, --hicache-mem-layout
 (layer_first, page_first or page_first_direct; radixkv keeps layer_first or
 page_first), --hicache-io-backend (kernel or direct: both are radixkv's copy
 engine here), --hicache-storage-backend (file, mooncake, or dynamic naming
@@ -149,13 +149,16 @@ class Settings:
     storage: Optional[Storage] = None
     kv_events: Optional[Dict[str, Any]] = None
 
-    def host_pages(self, device_pages: int, host_page_bytes: int) -> int:
-        """Host pages, as HiCache sizes its pool: `hicache_size_gb` GB of
-        pages when given, else `hicache_ratio` times the device pool."""
+    def host_pages(self, device_pages: int, device_page_bytes: int, host_page_bytes: int) -> int:
+        """Host pages in the memory HiCache gives its pool: `hicache_size_gb`
+        GB when given, else `hicache_ratio` times the device pool's bytes.
+        A float8 host page takes fewer bytes, so the same memory holds more."""
         if self.hicache_size_gb > 0:
-            return max(1, int(self.hicache_size_gb * 1e9) // host_page_bytes)
-        ratio = 2.0 if self.hicache_ratio is None else self.hicache_ratio
-        return max(1, int(device_pages * ratio))
+            memory = self.hicache_size_gb * 1e9
+        else:
+            ratio = 2.0 if self.hicache_ratio is None else self.hicache_ratio
+            memory = ratio * device_pages * device_page_bytes
+        return max(1, int(memory) // host_page_bytes)
 
 
 def _extra_config(raw) -> Dict[str, Any]:

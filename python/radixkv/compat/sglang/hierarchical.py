@@ -161,7 +161,9 @@ class HierarchicalCache:
         host_page_bytes = HostKVCache(
             self.pool, 1, layout=settings.host_layout, pin_memory=False, codec=settings.host_codec
         ).page_bytes
-        host_pages = settings.host_pages(self.pool.num_pages, host_page_bytes)
+        host_pages = settings.host_pages(
+            self.pool.num_pages, self.pool.nbytes // self.pool.num_pages, host_page_bytes
+        )
         storage = None
         prefetch: Dict[str, Any] = {}
         if settings.storage is not None:
