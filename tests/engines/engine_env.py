@@ -133,6 +133,10 @@ class Server:
         except ValueError:  # a plain-text answer (/flush_cache)
             return {"text": text.decode(errors="replace")}
 
+    def get_text(self, path: str, timeout: float = 60.0) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout) as r:
+            return r.read().decode(errors="replace")
+
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM to the server, as a supervisor stops it; its exit code
         (the whole process group is killed if it does not end in time)."""
@@ -217,13 +221,22 @@ class Workload:
 
 
 def generate(server: Server, ids: List[int], extras: dict, max_new_tokens: int = 8):
+    output, cached, _ = generate_detailed(server, ids, extras, max_new_tokens)
+    return output, cached
+
+
+def generate_detailed(server: Server, ids: List[int], extras: dict, max_new_tokens: int = 8):
+    """(output ids, cached tokens, SGLang's split of them by tier: a dict
+    with device, host and storage, empty when nothing was cached)."""
     body = {
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
     }
     body.update(extras)
     out = server.post("/generate", body)
-    return list(out["output_ids"]), int(out["meta_info"]["cached_tokens"])
+    meta = out["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    return list(out["output_ids"]), int(meta["cached_tokens"]), details
 
 
 def sglang_server(
