@@ -539,9 +539,11 @@ class CacheManager:
         whose `tokens` say how much is held (0 when nothing is cached: such a
         claim holds nothing, and no match refreshes it).
 
-        Raises `RetainBudgetError`, claiming nothing, when the claims would
-        together hold more than `retain_budget_tokens` distinct tokens, or
-        more than the namespace's budget (`set_retain_budget`).
+        Raises `RetainBudgetError` when the claims would together hold more
+        than `retain_budget_tokens` distinct tokens, or more than the
+        namespace's budget (`set_retain_budget`); that, or a clock that
+        raises, changes nothing (no LRU time either: the cost is found
+        without a match).
         """
         retention = self._claims_of("retain")
         ttl = check_ttl(ttl_s)
@@ -554,20 +556,27 @@ class CacheManager:
             raise ValueError(f"priority must fit int32, got {priority}")
         refresh = _flag(refresh_on_hit, "refresh_on_hit")
         ids = int32_tensor(input_ids, "input_ids", self.device)
+        # Admitted (budgets, the clock) before anything changes: a match
+        # stamps LRU times, and a new name would be remembered.
+        known = self._namespaces.find(namespace)
+        deadline = retention.admit(ids, known, namespace, tier, ttl)
         ns = self._namespaces.id(namespace)
         handle, _ = self._tree.match_prefix(ids, ns)  # type: ignore[union-attr]
-        return retention.claim(handle, ns, namespace, tier, ttl, priority, refresh)
+        return retention.claim(handle, ns, namespace, tier, ttl, deadline, priority, refresh)
 
     @shielded
     def release(self, claim: RetentionClaim) -> bool:
-        """Ends a claim of `retain`: its pages may be evicted again. Returns
+        """Ends a claim of `retain`: its pages may be evicted again, and
+        those it kept past their namespace's quota are evicted now. Returns
         False when it had ended already (released, expired, or a reset)."""
         retention = self._claims_of("release")
         if not isinstance(claim, RetentionClaim):
             raise TypeError(f"claim must be a RetentionClaim from retain, got {_type_name(claim)}")
         if claim._owner is not retention:
             raise ValueError("claim was made by another cache manager")
-        return retention.release(claim)
+        ended = retention.release(claim)
+        self._enforce_quotas()
+        return ended
 
     def set_retain_budget(self, tokens: Optional[int], namespace=None, *, whole: bool = False):
         """Sets the most tokens the claims of `namespace` may hold together

@@ -11,6 +11,11 @@ Expiry is lazy and exact: deadlines sit in a min-heap, and every manager call
 that may evict (or that reports what is claimed) first ends the claims whose
 deadline has passed, in O(log n) each. No thread, no scan: a claim past its
 deadline is never honoured, and one before it always is.
+
+A claim is admitted before anything changes: its cost is found by a walk of
+the tree that stamps no LRU time (`RadixTree.prefix_claim_cost`), so a claim
+refused for the budget, or whose clock fails, leaves the eviction order as it
+was; only then is the prefix matched and claimed.
 """
 
 from __future__ import annotations
@@ -99,34 +104,50 @@ class Retention:
 
     # -- claims -----------------------------------------------------------------
 
-    def claim(
-        self, handle, ns: int, namespace, tier: str, ttl_s, priority: int, refresh: bool
-    ) -> RetentionClaim:
-        """Claims `handle`'s match (its device part, or the whole match for
-        tier "host") if the budgets allow; RetainBudgetError, claiming
-        nothing, if not. The arguments are checked by the manager."""
+    def admit(self, input_ids, ns: Optional[int], namespace, tier: str, ttl_s) -> Optional[float]:
+        """Checks that a claim of the cached prefix of `input_ids` in the
+        namespace of id `ns` (None: a name not remembered, which has nothing
+        cached) fits the budgets, and reads the clock for its deadline, which
+        it returns (None without `ttl_s`). Raises RetainBudgetError, or what
+        the clock raises, having changed nothing but ended the claims whose
+        time was up: the cost is found without a match. The arguments are
+        checked by the manager."""
         self.expire()
-        host = tier == "host"
-        # The deadline first: a clock that fails leaves nothing claimed.
         deadline = None if ttl_s is None else float(self.clock()) + ttl_s
-        cost = self.tree.claim_cost(handle, host)
-        total = self.tree.claimed_size + cost
-        if total > self.budget:
+        cost = 0
+        if ns is not None:
+            cost = self.tree.prefix_claim_cost(input_ids, ns, tier == "host")
+        if self.tree.claimed_size + cost > self.budget:
             self.refused += 1
             raise RetainBudgetError(
                 f"cannot retain {cost} more tokens: claims hold {self.tree.claimed_size} of "
                 f"the manager's retain budget of {self.budget} tokens"
             )
-        ns_budget = self.ns_budgets.get(ns)
-        held = self.claimed_by_ns.get(ns, 0)
+        ns_budget = None if ns is None else self.ns_budgets.get(ns)
+        held = 0 if ns is None else self.claimed_by_ns.get(ns, 0)
         if ns_budget is not None and held + cost > ns_budget:
             self.refused += 1
             raise RetainBudgetError(
                 f"cannot retain {cost} more tokens in namespace {namespace!r}: its claims hold "
                 f"{held} of its retain budget of {ns_budget} tokens"
             )
-        copy, added = self.tree.claim(handle, host, priority)
-        self.claimed_by_ns[ns] = held + added
+        return deadline
+
+    def claim(
+        self,
+        handle,
+        ns: int,
+        namespace,
+        tier: str,
+        ttl_s,
+        deadline: Optional[float],
+        priority: int,
+        refresh: bool,
+    ) -> RetentionClaim:
+        """Claims `handle`'s match (its device part, or the whole match for
+        tier "host"), which `admit` let in, with the deadline it returned."""
+        copy, added = self.tree.claim(handle, tier == "host", priority)
+        self.claimed_by_ns[ns] = self.claimed_by_ns.get(ns, 0) + added
         claim = RetentionClaim(self, copy, ns, namespace, tier, ttl_s, priority, refresh)
         self._live[id(claim)] = claim
         if deadline is not None:
