@@ -10,7 +10,8 @@ refreshing, for one CacheManager.
 Expiry is lazy and exact: deadlines sit in a min-heap, and every manager call
 that may evict (or that reports what is claimed) first ends the claims whose
 deadline has passed, in O(log n) each. No thread, no scan: a claim past its
-deadline is never honoured, and one before it always is.
+deadline is never honoured, and one before it always is. A claim's `active`
+reads the clock itself, so it is never stale.
 
 A claim is admitted before anything changes: its cost is found by a walk of
 the tree that stamps no LRU time (`RadixTree.prefix_claim_cost`), so a claim
@@ -41,8 +42,9 @@ class RetentionClaim:
     `tokens` is the prefix's length (whole pages), `tier` where it is kept
     ("device", or "host": at least in host memory), `expires_at` the clock
     time it ends at (None: only `release` ends it), moved forward on each
-    hit when `refresh_on_hit`. `active` is False once it was released,
-    expired (as the manager saw at its last call) or dropped by a reset.
+    hit when `refresh_on_hit`. `active` is False once it was released or
+    dropped by a reset, or once the manager's clock, read when `active` is,
+    has reached `expires_at`.
     """
 
     __slots__ = (
@@ -74,7 +76,13 @@ class RetentionClaim:
 
     @property
     def active(self) -> bool:
-        return self._active
+        """Whether the claim holds now, by the manager's clock (read here; a
+        clock that raises raises here). Changes nothing: a claim past its
+        deadline keeps its pages only until the manager's next call that may
+        evict, which ends it first."""
+        if not self._active:
+            return False
+        return self.expires_at is None or self._owner.clock() < self.expires_at
 
     def __repr__(self) -> str:
         state = "active" if self._active else "ended"
