@@ -109,6 +109,7 @@ class Retention:
         # node id -> the live refresh_on_hit claims that end at it
         self._refreshing: Dict[int, List[RetentionClaim]] = {}
         self.made = self.refused = self.expired = self.released = self.refreshed = 0
+        self.ended = 0  # claims ended in any way (released, expired, reset)
 
     # -- claims -----------------------------------------------------------------
 
@@ -177,6 +178,7 @@ class Retention:
     def _end(self, claim: RetentionClaim) -> None:
         freed = self.tree.release_claim(claim._copy)
         claim._active = False
+        self.ended += 1
         del self._live[id(claim)]
         held = self.claimed_by_ns.get(claim._ns, 0) - freed
         if held:
