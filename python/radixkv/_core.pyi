@@ -89,7 +89,8 @@ def pack_block_stored(
 def pack_block_removed(block_hashes: object, medium: Optional[str]) -> bytes: ...
 @final
 class shielded:
-    """Calls `fn` with SIGINT and SIGTERM held back until it returns."""
+    """Calls `fn` with every signal whose handler is a Python callable (but a
+    fault's) held back until it returns."""
 
     __wrapped__: Any
     def __new__(cls, fn: Any) -> shielded: ...
