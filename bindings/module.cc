@@ -960,6 +960,17 @@ py::object RadixTree_ClaimCost(PyRadixTree& t, PyObject* const* a) {
   return py::int_(Locked(t, false, [&] { return t.tree.ClaimCost(h, host); }));
 }
 
+py::object RadixTree_PrefixClaimCost(PyRadixTree& t, PyObject* const* a) {
+  const uint64_t ns = AsNamespace(a[1]);
+  const bool host = Truth(a[2], false);
+  Int32View ids(a[0], "input_ids");
+  FinishViews(ids);
+  return py::int_(Locked(
+      t.mu, ids.size() >= kReleaseGilTokens,
+      [&] { return t.tree.PrefixClaimCost(ids.data(), ids.size(), ns, host); },
+      [&] { ids.Own(); }));
+}
+
 py::object RadixTree_ReleaseClaim(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0], true);
   return py::int_(Locked(t, false, [&] { return t.tree.ReleaseClaim(c); }));
@@ -1557,6 +1568,7 @@ constexpr Params kPinHost{"pin_host", {"input_ids", "namespace"}, 2, 1};
 constexpr Params kUnpinHost{"unpin_host", {"pin"}, 1, 1};
 constexpr Params kClaim{"claim", {"handle", "host", "priority"}, 3, 1};
 constexpr Params kClaimCost{"claim_cost", {"handle", "host"}, 2, 1};
+constexpr Params kPrefixClaimCost{"prefix_claim_cost", {"input_ids", "namespace", "host"}, 3, 1};
 constexpr Params kReleaseClaim{"release_claim", {"claim"}, 1, 1};
 constexpr Params kClaimedPath{"claimed_path", {"handle"}, 1, 1};
 constexpr Params kLockedBeyondClaims{"locked_beyond_claims", {}, 0, 0};
@@ -1704,6 +1716,10 @@ PyMethodDef kTreeMethods[] = {
      "release_claim(claim)."},
     {"claim_cost", Fast<RadixTree_ClaimCost, kClaimCost>(), kFastCall,
      "claim_cost(handle, host=False) -> the tokens claim would add to claimed_size."},
+    {"prefix_claim_cost", Fast<RadixTree_PrefixClaimCost, kPrefixClaimCost>(), kFastCall,
+     "prefix_claim_cost(input_ids, namespace=0, host=False) -> the tokens a claim of\n"
+     "match_prefix(input_ids, namespace)'s handle would add to claimed_size, found without\n"
+     "matching: no LRU time, hit count or split changes."},
     {"release_claim", Fast<RadixTree_ReleaseClaim, kReleaseClaim>(), kFastCall,
      "release_claim(claim) -> the tokens no claim holds any more."},
     {"storage_hit_len", Fast<RadixTree_StorageHitLen, kStorageHitLen>(), kFastCall,

@@ -17,34 +17,55 @@ namespace {
 
 namespace py = pybind11;
 
-constexpr int kSignals[] = {SIGINT, SIGTERM};
 using Handler = void (*)(int);
 
-// SIGTERM's front handler is checked for (and put back in front of Python's
-// C handler, which signal.signal() installs) when its Python handler changed,
-// and at least this often: asking the kernel is a system call. SIGINT's is
-// checked on every outermost call.
+// The signals other than SIGINT are checked for (and put back in front of
+// Python's C handler, where C code put that back) at least this often:
+// asking the kernel is a system call. SIGINT's is checked on every outermost
+// call; a handler installed through signal.signal() is fronted at once.
 constexpr int64_t kRecheckNs = 10'000'000;
 
-std::atomic<int> g_depth{0};        // shielded calls under way on the main thread
-std::atomic<int> g_pending[NSIG];   // signals held back, by number
-std::atomic<Handler> g_next[NSIG];  // the handler each front handler passes to
+std::atomic<int> g_depth{0};             // shielded calls under way on the main thread
+std::atomic<int> g_pending[NSIG];        // signals held back, by number
+std::atomic<bool> g_any_pending{false};  // whether any g_pending may be non-zero
+std::atomic<Handler> g_next[NSIG];       // the handler each front handler passes to
+// Signals that had a Python handler since radixkv was imported, or may get
+// one (SIGINT, SIGTERM): the ones rechecked. Main thread only, after start.
+bool g_watched[NSIG];
 unsigned long g_main_thread = 0;
 // Python's own C handler (what signal.signal() installs for a Python
 // callable): the only handler the front is ever placed before, so a handler
 // that chains to the one it replaced can never lead back to ours.
 Handler g_python_handler = nullptr;
-int64_t g_next_check_ns = 0;  // main thread only
-// _signal.getsignal, SIGTERM as a Python int, and its Python handler at the
-// last check (held, so a new handler is never at an old address).
-PyObject* g_getsignal = nullptr;
-PyObject* g_sigterm = nullptr;
-PyObject* g_seen_sigterm = nullptr;
+int64_t g_next_check_ns = 0;            // main thread only
+PyObject* g_original_signal = nullptr;  // _signal.signal before radixkv wrapped it
+
+// Whether `sig`'s Python handler is held back during a call: not for the
+// signals the kernel sends for a fault of the running thread (a handler
+// that returns runs the faulting instruction again), abort()'s, or those
+// that cannot be caught.
+bool Holdable(int sig) {
+  switch (sig) {
+    case SIGSEGV:
+    case SIGBUS:
+    case SIGFPE:
+    case SIGILL:
+    case SIGTRAP:
+    case SIGSYS:
+    case SIGABRT:
+    case SIGKILL:
+    case SIGSTOP:
+      return false;
+    default:
+      return sig > 0 && sig < NSIG;
+  }
+}
 
 extern "C" void FrontHandler(int sig) {
   const Handler next = g_next[sig].load(std::memory_order_acquire);
   if (g_depth.load(std::memory_order_acquire) > 0) {
     g_pending[sig].fetch_add(1, std::memory_order_acq_rel);  // each one counts (a second Ctrl-C)
+    g_any_pending.store(true, std::memory_order_release);
     // The call may have ended meanwhile, its held signals delivered: then
     // pass this one on now (whoever takes the count delivers it).
     if (g_depth.load(std::memory_order_acquire) > 0 ||
@@ -74,34 +95,20 @@ int64_t NowNs() {
   return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec;
 }
 
-// Whether SIGTERM's Python handler changed since the last check.
-bool SigtermHandlerChanged() {
-  PyObject* now = PyObject_Vectorcall(g_getsignal, &g_sigterm, 1, nullptr);
-  if (now == nullptr) {
-    PyErr_Clear();
-    return true;
-  }
-  if (now == g_seen_sigterm) {
-    Py_DECREF(now);
-    return false;
-  }
-  Py_XSETREF(g_seen_sigterm, now);
-  return true;
-}
-
-// Delivers the signals held back, each as often as it came, running their
-// Python handlers after each (Python notes only that a signal came, not how
-// often). Returns -1 with the exception set if a handler raised; each signal
-// still held is then raised once more, for the interpreter to handle after
-// it. With `handle` false (an exception is already set) each is raised once
-// and left for the interpreter.
+// Delivers the signals held back, in number order, each as often as it
+// came, running their Python handlers after each (Python notes only that a
+// signal came, not how often). Returns -1 with the exception set if a handler
+// raised; each signal still held is then raised once more, for the
+// interpreter to handle after it. With `handle` false (an exception is
+// already set) each is raised once and left for the interpreter.
 int DeliverHeld(bool handle) {
-  for (int sig : kSignals) {
+  if (!g_any_pending.exchange(false, std::memory_order_acq_rel)) return 0;
+  for (int sig = 1; sig < NSIG; ++sig) {
     for (int n = g_pending[sig].exchange(0, std::memory_order_acq_rel); n > 0; --n) {
       std::raise(sig);
       if (!handle) break;
       if (PyErr_CheckSignals() < 0) {
-        for (int other : kSignals) {
+        for (int other = 1; other < NSIG; ++other) {
           if (g_pending[other].exchange(0, std::memory_order_acq_rel) > 0) std::raise(other);
         }
         return -1;
@@ -115,8 +122,46 @@ int DeliverHeld(bool handle) {
 // and the thread that forked is its main thread.
 void AfterForkInChild() {
   g_depth.store(0);
-  for (int sig : kSignals) g_pending[sig].store(0);
+  for (int sig = 1; sig < NSIG; ++sig) g_pending[sig].store(0);
+  g_any_pending.store(false);
   g_main_thread = PyThread_get_thread_ident();
+}
+
+// _signal.signal as radixkv wraps it: the original, then, for a signal whose
+// handler is now Python's C handler, the front put back before it at once.
+PyObject* WrappedSignal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  PyObject* previous = PyObject_Vectorcall(g_original_signal, args, nargs, nullptr);
+  if (previous == nullptr) return nullptr;
+  const long sig = PyLong_AsLong(args[0]);  // (a number the original took)
+  if (sig == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+  } else if (Holdable(static_cast<int>(sig))) {
+    g_watched[sig] = true;
+    PlaceFront(static_cast<int>(sig));
+  }
+  return previous;
+}
+
+PyMethodDef kWrappedSignalDef = {
+    "signal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(WrappedSignal)),
+    METH_FASTCALL,
+    "signal($module, signalnum, handler, /)\n--\n\n"
+    "Sets the action for the given signal (_signal.signal's own, which it calls); a\n"
+    "Python handler's signal is then held back during radixkv's shielded calls at once."};
+
+// Wraps _signal.signal (once: a module loaded again finds it wrapped).
+void WrapSignalModule() {
+  py::module_ sig = py::module_::import("_signal");
+  py::object current = sig.attr("signal");
+  if (PyCFunction_Check(current.ptr()) &&
+      PyCFunction_GET_FUNCTION(current.ptr()) == kWrappedSignalDef.ml_meth) {
+    return;
+  }
+  g_original_signal = current.release().ptr();
+  py::object wrapped = py::reinterpret_steal<py::object>(
+      PyCFunction_NewEx(&kWrappedSignalDef, sig.ptr(), py::str("_signal").ptr()));
+  if (!wrapped) throw py::error_already_set();
+  sig.attr("signal") = wrapped;
 }
 
 // Python's C handler: what SIGINT has when its Python handler is a
@@ -164,8 +209,10 @@ PyObject* Shielded_Call(PyObject* self, PyObject* const* args, size_t nargsf, Py
     if (DeliverHeld(true) < 0 || PyErr_CheckSignals() < 0) return nullptr;
     PlaceFront(SIGINT);
     const int64_t now = NowNs();
-    if (SigtermHandlerChanged() || now >= g_next_check_ns) {
-      PlaceFront(SIGTERM);
+    if (now >= g_next_check_ns) {
+      for (int sig = 1; sig < NSIG; ++sig) {
+        if (g_watched[sig] && sig != SIGINT) PlaceFront(sig);
+      }
       g_next_check_ns = now + kRecheckNs;
     }
   }
@@ -260,9 +307,10 @@ PyType_Slot kShieldedSlots[] = {
     {Py_tp_repr, reinterpret_cast<void*>(Shielded_Repr)},
     {Py_tp_members, kShieldedMembers},
     {Py_tp_doc,
-     const_cast<char*>("shielded(fn): calls fn with SIGINT and SIGTERM held back until it returns "
-                       "(on the main thread), so their handlers never run in the middle of it; "
-                       "used as a method decorator.")},
+     const_cast<char*>("shielded(fn): calls fn with every signal whose handler is a Python "
+                       "callable (SIGINT, SIGTERM, SIGALRM, ...; not a fault's) held back until "
+                       "it returns (on the main thread), so those handlers never run in the "
+                       "middle of it; used as a method decorator.")},
     {0, nullptr},
 };
 
@@ -276,9 +324,20 @@ PyType_Spec kShieldedSpec{"radixkv._core.shielded", sizeof(Shielded), 0,
 void RegisterSignalShield(py::module_& m) {
   g_main_thread =
       py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
-  g_getsignal = py::object(py::module_::import("_signal").attr("getsignal")).release().ptr();
-  g_sigterm = py::int_(SIGTERM).release().ptr();
   g_python_handler = FindPythonHandler();
+  if (g_python_handler != nullptr) {
+    // The Python handlers installed before radixkv was imported.
+    g_watched[SIGINT] = g_watched[SIGTERM] = true;
+    struct sigaction now;
+    for (int sig = 1; sig < NSIG; ++sig) {
+      if (Holdable(sig) && sigaction(sig, nullptr, &now) == 0 && !(now.sa_flags & SA_SIGINFO) &&
+          now.sa_handler == g_python_handler) {
+        g_watched[sig] = true;
+      }
+      if (g_watched[sig]) PlaceFront(sig);
+    }
+    WrapSignalModule();
+  }
   pthread_atfork(nullptr, nullptr, AfterForkInChild);
   AddType(m, &kShieldedSpec);
 }

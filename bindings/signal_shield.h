@@ -3,30 +3,37 @@
 // A CacheManager call is a run of native calls (the tree, the page
 // allocators, the copy controller) glued by Python. A signal whose Python
 // handler raises (Ctrl-C's KeyboardInterrupt, a SIGTERM handler that calls
-// sys.exit) runs between any two bytecodes of the main thread, so it could
-// land after a copy was queued and before it was recorded, and the tiers'
-// bookkeeping would never add up again. A shielded call holds such signals
-// back while it runs and delivers them the moment it returns:
+// sys.exit, a SIGALRM timeout, a SIGUSR1 handler) runs between any two
+// bytecodes of the main thread, so it could land after a copy was queued and
+// before it was recorded, and the tiers' bookkeeping would never add up
+// again. A shielded call holds such signals back while it runs and delivers
+// them the moment it returns:
 //
+//  - Held: every signal whose handler is a Python callable, but those the
+//    kernel sends for a fault of the running thread (SIGSEGV, SIGBUS, SIGFPE,
+//    SIGILL, SIGTRAP, SIGSYS: a handler that returns runs the faulting
+//    instruction again) and abort()'s SIGABRT.
 //  - On entry (main thread, outermost call) a signal already pending is
 //    delivered first: the call raises before it changes anything.
-//  - While it runs, SIGINT and SIGTERM reach a C handler placed in front of
+//  - While it runs, those signals reach a C handler placed in front of
 //    Python's own C handler, which only notes them (each time they come).
-//  - On return they are raised again, each as often as it came, and handled
-//    at once: the exception comes out of the call, whose work is complete
-//    (a second Ctrl-C is a second signal; one that came after a handler
-//    raised is handled by the interpreter after it).
+//  - On return they are raised again, in signal number order, each as often
+//    as it came, and handled at once: the exception comes out of the call,
+//    whose work is complete (a second Ctrl-C is a second signal; one that
+//    came after a handler raised is handled by the interpreter after it).
 //
 // Outside shielded calls the front handler passes each signal straight on,
 // so nothing else changes. It is only ever placed before Python's own C
 // handler, never before another's (a C library's handler that chains to the
 // one it replaced can then never lead back to it). `signal.signal()`
-// installs Python's handler in front again; the next shielded call puts
-// ours back: at once for SIGINT (the kernel is asked on every outermost
-// call), for SIGTERM when its Python handler changed or 10 ms passed. In a
-// child made by fork() nothing is held back until its first shielded call.
-// Other threads never run Python signal handlers: their calls are not
-// shielded. Exceptions injected with PyThreadState_SetAsyncExc or
+// installs Python's handler in front again; radixkv wraps `_signal.signal`,
+// which `signal.signal()` calls, so that ours is put back in front the moment
+// a Python handler is installed (no check costs a call anything for it).
+// A handler put back by C code (sigaction) is found on the next outermost
+// call for SIGINT (the kernel is asked on every one), within 10 ms for the
+// others. In a child made by fork() nothing is held back until its first
+// shielded call. Other threads never run Python signal handlers: their calls
+// are not shielded. Exceptions injected with PyThreadState_SetAsyncExc or
 // _thread.interrupt_main() bypass the kernel and are not held back.
 #pragma once
 

@@ -31,6 +31,27 @@ int64_t RadixTree::ClaimCost(const Handle& handle, bool host) const {
   return cost;
 }
 
+int64_t RadixTree::PrefixClaimCost(const int32_t* tokens, int64_t n, uint64_t ns, bool host) const {
+  RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
+  n -= n % page_size_;
+  Node* node;
+  Node* partial;
+  int64_t partial_len;
+  Walk(tokens, n, ns, &node, &partial, &partial_len);
+  // A match would split `partial`: its front part, `partial_len` tokens with
+  // its tier state and claims, would end the match (a device claim's only
+  // while on the device: the device part is a prefix of every path).
+  int64_t cost = 0;
+  const Node* x = host ? node : DeviceEnd(node);
+  if (partial != nullptr && (host || partial->on_device)) {
+    if (partial->claims > 0) return 0;  // a claimed node's ancestors are all claimed
+    cost = partial_len;
+    x = node;
+  }
+  for (; x != root_ && x->claims == 0; x = x->parent) cost += x->length;
+  return cost;
+}
+
 TierCopy RadixTree::AddClaim(const Handle& handle, bool host, int32_t priority, int64_t* added) {
   Node* end = MatchedEnd(handle, host);
   for (const Node* x = end; x != root_; x = x->parent) {

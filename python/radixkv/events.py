@@ -24,7 +24,8 @@ Dynamo's, for one) consumes radixkv's unchanged:
   events for every block the cache's tiers hold, framed with the number of
   the first batch it does not cover (see `radixkv.event_index`, a
   subscriber that keeps exact per-medium state across lost batches and
-  publisher restarts).
+  publisher restarts); asked for 2^64 - 2, the publisher's status: an empty
+  batch of its epoch framed with its next batch's number.
 
 The newest vLLM releases write each event as a map tagged `"type"` instead
 of an array; consumers (Dynamo's among them) read both, and so does
@@ -124,6 +125,12 @@ class KVSnapshot(NamedTuple):
 
 SNAPSHOT_REQUEST = b"\xff" * 8
 """What a replay client sends for a snapshot instead of a start number."""
+
+STATUS_REQUEST = b"\xff" * 7 + b"\xfe"
+"""What a replay client sends to learn who the publisher is now: the replay
+thread answers at once (the engine's thread need not flush) with an empty
+batch of the publisher's epoch framed with the number its next batch will
+get, then the end marker."""
 
 
 def _wire(event: KVEvent) -> list:
@@ -322,6 +329,8 @@ class EventPublisher:
     a start sequence number (8 bytes, big-endian) and gets back, for every
     kept batch from it on, `[topic, seq, payload]`, then `[b"", -1 as 8
     signed big-endian bytes, b""]`. `buffer_steps` batches are kept for it.
+    Two numbers are requests instead: SNAPSHOT_REQUEST (answered at the
+    cache's next flush) and STATUS_REQUEST (answered at once).
 
     `publish()` encodes the batch and hands it to ZeroMQ on the caller's
     thread (tens of microseconds): a PUB socket never blocks, ZeroMQ's own
@@ -492,6 +501,12 @@ class EventPublisher:
             if start == SNAPSHOT_REQUEST:
                 with self._lock:
                     self._snapshot_clients.append(client)
+                continue
+            if start == STATUS_REQUEST:
+                status = packed_batch(time.time(), [], self.data_parallel_rank, self.epoch)
+                seq_bytes = self._next_seq.to_bytes(8, "big")  # (an int, whole under the GIL)
+                sock.send_multipart((client, b"", self._topic, seq_bytes, status))
+                sock.send_multipart((client, b"", b"", self.END_SEQ, b""))
                 continue
             first = int.from_bytes(start, "big")
             with self._lock:

@@ -207,5 +207,69 @@ TEST(RadixTreeClaimsTest, LockedBeyondClaimsCountsOnlyOtherLocks) {
   EXPECT_EQ(t.LockedBeyondClaims(), 0);
 }
 
+// Every field of two dumps (timestamps included) alike.
+bool SameDump(const std::vector<NodeInfo>& a, const std::vector<NodeInfo>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].parent != b[i].parent || a[i].key != b[i].key || a[i].value != b[i].value ||
+        a[i].host_value != b[i].host_value || a[i].ref_count != b[i].ref_count ||
+        a[i].timestamp != b[i].timestamp || a[i].ns != b[i].ns) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(RadixTreeClaimsTest, PrefixClaimCostIsTheMatchsClaimCostAndChangesNothing) {
+  // {1, 2} claimed on the device, {3, 4} on the device, {5..8} host only
+  // under it, {20, 21} a device leaf beside that.
+  RadixTree t;
+  Insert(&t, Iota(1, 8), Iota(0, 8));
+  TierCopy backup;
+  Ints device, freed, rejected;
+  ASSERT_TRUE(t.FindBackup(Iota(1, 8).data(), 8, 0, &backup));
+  t.BeginBackup(backup, &device);
+  t.FinishBackup(backup, Iota(50, 8).data(), true, SlotSink::Into(&rejected));
+  Insert(&t, {1, 2, 3, 4, 20, 21}, {0, 1, 2, 3, 100, 101});
+  t.Evict(4, &freed);
+  EXPECT_EQ(freed, Iota(4, 4));
+  int64_t added = 0;
+  t.AddClaim(Match(&t, {1, 2}), false, 0, &added);
+  struct Case {
+    Ints tokens;
+    int64_t device, host;
+  };
+  const Case cases[] = {
+      {Iota(1, 8), 2, 6},  // {3, 4}; and the host part {5..8}
+      {Iota(1, 6), 2, 4},  // into the host-only node: a split of it for host
+      {{1, 2, 3}, 1, 1},   // into {3, 4} on the device
+      {{1}, 0, 0},         // into the claimed {1, 2}
+      {{1, 2, 3, 4, 20, 21, 22}, 4, 4},
+      {{7, 8}, 0, 0},  // nothing cached
+      {{}, 0, 0},
+  };
+  for (const bool host : {false, true}) {
+    for (const Case& c : cases) {
+      const int64_t n = static_cast<int64_t>(c.tokens.size());
+      const std::vector<NodeInfo> before = t.Dump();
+      const int64_t nodes = t.num_nodes();
+      const int64_t cost = t.PrefixClaimCost(c.tokens.data(), n, 0, host);
+      EXPECT_TRUE(SameDump(before, t.Dump()));
+      EXPECT_EQ(t.num_nodes(), nodes);
+      EXPECT_EQ(cost, host ? c.host : c.device) << "case of " << n << " tokens";
+      EXPECT_EQ(t.ClaimCost(Match(&t, c.tokens), host), cost);
+    }
+  }
+  EXPECT_EQ(t.PrefixClaimCost(Iota(1, 8).data(), 8, 1, false), 0);  // another namespace
+  EXPECT_THROW(t.PrefixClaimCost(nullptr, -1, 0, false), Error);
+  t.CheckIntegrity();
+
+  // Inputs count in whole pages.
+  RadixTree paged(2);
+  Insert(&paged, Iota(1, 6), Iota(0, 6));
+  EXPECT_EQ(paged.PrefixClaimCost(Iota(1, 5).data(), 5, 0, false), 4);
+  EXPECT_EQ(paged.ClaimCost(Match(&paged, Iota(1, 5)), false), 4);
+}
+
 }  // namespace
 }  // namespace radixkv

@@ -1,12 +1,14 @@
 """A serving engine for the KV events tests, run as a process of its own:
-`python event_engine.py ENDPOINT REPLAY_ENDPOINT SEED [REQUESTS]`.
+`python event_engine.py ENDPOINT REPLAY_ENDPOINT SEED [REQUESTS [idle]]`.
 
 It serves requests through a CacheManager with a host tier and KV events,
 flushing the events after each. With REQUESTS it waits for a line on stdin
 (subscribers have connected), serves that many, prints one
 JSON line (its epoch, the next batch number and its blocks per medium, from
 its own snapshot), then keeps flushing (answering snapshot requests) until
-stdin closes. Without, it serves until it is killed."""
+stdin closes. Without, it serves until it is killed. With `idle` it serves
+its requests at once, as a burst, prints the JSON line and then flushes
+nothing (a snapshot request waits for ever) until stdin closes."""
 
 import json
 import sys
@@ -24,6 +26,7 @@ PAGE = 4
 def main() -> None:
     endpoint, replay, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     limit = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    idle = len(sys.argv) > 5 and sys.argv[5] == "idle"
     pub = EventPublisher(endpoint, replay_endpoint=replay, bind=True)
     cm = CacheManager(24, PAGE, host_num_pages=48, kv_events=pub)
     g = torch.Generator().manual_seed(seed)
@@ -32,7 +35,7 @@ def main() -> None:
     ]
     served = 0
     print(json.dumps({"epoch": pub.epoch}), flush=True)
-    if limit is not None:
+    if limit is not None and not idle:
         sys.stdin.readline()
     while limit is None or served < limit:
         own = torch.randint(
@@ -55,6 +58,9 @@ def main() -> None:
     print(json.dumps({"epoch": snap.epoch, "next_seq": snap.seq, "blocks": view}), flush=True)
     import select
 
+    if idle:
+        sys.stdin.read()  # the replay thread answers; the engine's thread flushes nothing
+        return
     while True:  # answer snapshot requests until told to stop
         if select.select([sys.stdin], [], [], 0.01)[0] and not sys.stdin.readline():
             break

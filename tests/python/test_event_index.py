@@ -198,10 +198,12 @@ def test_a_lost_batch_is_recovered_from_a_snapshot():
         index.close(), follower.close(), cm.close(), pub.close()
 
 
-def start_engine(endpoint, replay, seed, limit=None):
+def start_engine(endpoint, replay, seed, limit=None, idle=False):
     args = [sys.executable, os.path.join(HERE, "event_engine.py"), endpoint, replay, str(seed)]
     if limit is not None:
         args.append(str(limit))
+    if idle:
+        args.append("idle")
     p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     hello = json.loads(p.stdout.readline())
     return p, hello["epoch"]
@@ -251,6 +253,71 @@ def test_a_subscriber_recovers_exactly_when_the_publisher_is_killed_and_restarte
             if p.poll() is None:
                 p.kill()
         index.close()
+
+
+def test_a_restarted_engine_that_goes_idle_is_seen_without_its_traffic():
+    """An engine killed and started again sends one burst while the index is
+    not polling (the burst never reaches it) and then flushes nothing, so no
+    batch and no snapshot ever comes: the index sees the new publisher when
+    it reconnects and builds its state from the batches the replay socket
+    keeps."""
+    endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    first, _ = start_engine(endpoint, replay, seed=1)
+    second = None
+    index = EventIndex(endpoint, replay, resync_timeout_s=3)
+    try:
+        deadline = time.time() + 60
+        while index.applied < 20 and time.time() < deadline:
+            index.poll(100)
+        assert index.applied >= 20
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        second, second_epoch = start_engine(endpoint, replay, seed=3, limit=25, idle=True)
+        final = json.loads(second.stdout.readline())  # the burst is over
+        want = {m: set(h) for m, h in final["blocks"].items() if h}
+        deadline = time.time() + 15
+        while time.time() < deadline and index.epoch != second_epoch:
+            index.poll(100)
+        index.poll(100)
+        assert index.epoch == second_epoch and index.next_seq == final["next_seq"]
+        assert index.view() == want and index.restarts == 1
+        second.stdin.close()
+        assert second.wait(timeout=30) == 0
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+        index.close()
+
+
+def test_a_restart_seen_in_a_batch_is_rebuilt_from_the_kept_batches():
+    """A batch of a new publisher whose engine then flushes nothing: its
+    state comes from the batches its replay socket keeps (from its first),
+    not from a snapshot, which would never come."""
+    endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    index = EventIndex(endpoint, replay, resync_timeout_s=2)
+    first = EventPublisher(endpoint, replay_endpoint=replay, bind=True)
+    follower = Follower(endpoint)
+    cm = CacheManager(24, PAGE, host_num_pages=48, kv_events=first)
+    for ids in requests(10):
+        serve(cm, ids)
+    follower.drain()
+    for seq, batch in follower.batches:
+        index.receive(seq, encode_batch(batch))
+    assert index.epoch == first.epoch and index.view()
+    cm.close(), first.close(), follower.close()
+    second = EventPublisher(endpoint, replay_endpoint=replay, bind=True)
+    follower = Follower(endpoint)
+    cm = CacheManager(24, PAGE, host_num_pages=48, kv_events=second)
+    for ids in requests(6, seed=5):
+        serve(cm, ids)  # (drain() flushes; nothing flushes after)
+    follower.drain()
+    seq, batch = follower.batches[3]
+    assert index.receive(seq, encode_batch(batch)) == 0  # covered by the rebuild
+    assert index.restarts == 1 and index.resyncs == 1
+    assert index.epoch == second.epoch and index.next_seq == second.next_seq
+    assert index.view() == snapshot_view(cm.kv_snapshot().payload)
+    index.close(), cm.close(), second.close(), follower.close()
 
 
 def test_an_index_catches_up_with_a_publisher_without_an_epoch():

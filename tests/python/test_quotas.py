@@ -415,3 +415,32 @@ def test_write_back_victims_make_host_room_from_their_own_namespace():
         h, _ = cm.match_req(torch.as_tensor(prompt(s, 2), dtype=torch.int32), "quiet")
         assert h.cached_len + h.host_hit_len == 2 * PS
     cm.check_integrity()
+
+
+@pytest.mark.parametrize("held_by", ["claim", "lock", "expiring claim"])
+def test_a_quota_is_applied_again_when_a_claim_or_lock_is_released(held_by):
+    """Pages a claim or a lock keeps past the quota go when it is released
+    (a claim whose time is up: at the next call that may evict), not at the
+    next finished request; and the quota evicts whole nodes, so a namespace
+    of one 24-token node under an 8-token quota keeps nothing."""
+    now = [0.0]
+    cm = CacheManager(64, PS, clock=lambda: now[0])
+    ids = prompt(3, 6)
+    serve(cm, ids, "t")  # one node of 6 pages
+    if held_by == "lock":
+        h, _ = cm.match_req(ids, "t")
+        cm.lock(h)
+    else:
+        claim = cm.retain(ids[:-1], "t", ttl_s=5.0 if held_by == "expiring claim" else None)
+    cm.set_quota("t", device_tokens=2 * PS)
+    assert cm.quota_usage("t").device == 6 * PS  # held: over the quota, and stays
+    if held_by == "lock":
+        cm.unlock(h)
+    elif held_by == "claim":
+        assert cm.release(claim) is True
+    else:
+        now[0] = 5.0
+        cm.allocate(PS)  # room enough without evicting: the quota evicts all the same
+    usage = cm.quota_usage("t")
+    assert usage.device == 0 and usage.device_evicted == 6 * PS  # the whole node went
+    cm.check_integrity()

@@ -403,3 +403,56 @@ def test_a_failing_clock_claims_nothing():
     with pytest.raises(TypeError, match="whole"):
         cm.set_retain_budget(8, whole="no")
     cm.check_integrity()
+
+
+@pytest.mark.parametrize("why", ["budget", "clock"])
+def test_a_refused_or_failing_retain_leaves_the_eviction_order_as_it_was(why):
+    """A retain that raises (past the budget, or its clock failing) stamps no
+    LRU time, counts no hit and splits no node: the next eviction takes what
+    it would have taken had the call never been made."""
+    clock = Clock()
+    cm = CacheManager(12, 4, retain_budget_tokens=8, clock=clock)
+    x, y = list(range(100, 117)), list(range(200, 217))
+    serve(cm, x)  # 16 tokens cached each, x the least recently used
+    serve(cm, y)
+    before = cm._tree.dump(tiers=True, namespaces=True)
+    if why == "budget":
+        with pytest.raises(RetainBudgetError, match="retain budget of 8"):
+            cm.retain(x[:12])  # 12 tokens: also a split of x's node, were it matched
+    else:
+
+        def broken():
+            raise RuntimeError("no time")
+
+        cm._retention.clock = broken
+        with pytest.raises(RuntimeError, match="no time"):
+            cm.retain(x[:4], ttl_s=5.0)
+        cm._retention.clock = clock
+    assert cm._tree.dump(tiers=True, namespaces=True) == before
+    assert cm.retained_tokens == 0
+    cm.allocate(32)  # 4 pages free, 8 wanted: the least recently used 16 tokens go
+    assert cached_len(cm, x) == 0 and cached_len(cm, y) == 16
+    cm.check_integrity()
+
+
+def test_a_claims_active_is_true_to_the_managers_clock_when_read():
+    """`active` reads the manager's clock: False from the deadline on, with
+    no manager call in between, and the read itself changes nothing."""
+    clock = Clock()
+    cm = CacheManager(8, 4, clock=clock)
+    prompt = list(range(100, 116))
+    serve(cm, prompt)
+    claim = cm.retain(prompt, ttl_s=10.0, refresh_on_hit=True)
+    forever = cm.retain(prompt[:8])
+    clock.now = 9.5
+    assert claim.active
+    cm.match_req(ids(*prompt, 0))  # refreshed: until 19.5
+    clock.now = 19.4
+    assert claim.active and forever.active
+    clock.now = 19.5
+    assert not claim.active and forever.active
+    assert cm._tree.claimed_size == 16  # the read ended nothing: the next call does
+    assert cm.retained_tokens == 8 and not claim.active
+    assert cm.release(claim) is False and cm.release(forever) is True
+    assert not forever.active
+    cm.check_integrity()

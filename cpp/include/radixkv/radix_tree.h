@@ -351,6 +351,12 @@ class RadixTree {
   TierCopy AddClaim(const Handle& handle, bool host, int32_t priority, int64_t* added);
   /// The tokens AddClaim would add to `claimed_size()`. Changes nothing.
   int64_t ClaimCost(const Handle& handle, bool host) const;
+  /// The tokens a claim of the match of `tokens` (n of them, in whole pages,
+  /// in namespace `ns`) would add to `claimed_size()`: ClaimCost of the
+  /// handle MatchPrefix would return, found by a walk that changes nothing
+  /// (no LRU time, hit count or split), so a claim the caller refuses for
+  /// its cost leaves the eviction order as it was.
+  int64_t PrefixClaimCost(const int32_t* tokens, int64_t n, uint64_t ns, bool host) const;
   /// Ends a claim of AddClaim; returns the tokens no claim holds any more. A
   /// claim whose node is gone (Reset) is ignored and returns 0. Throws
   /// kInvalidArgument, changing nothing, for a claim not held (or not a

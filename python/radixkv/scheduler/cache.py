@@ -232,6 +232,7 @@ class CacheManager:
             if self._tiers.host is not None:
                 self._tiers.host.before_evict = self._retention.expire
         self._quotas: Optional[Quotas] = None
+        self._claims_ended_seen = 0  # retention.ended when the quotas were last enforced
         if self._tree is not None:
             host_pool = self._tiers.host.pool if self._tiers.host is not None else None
             self._quotas = Quotas(
@@ -474,7 +475,7 @@ class CacheManager:
                 )
             loaded, host_slots, prefix = tree.begin_load(copy)
         finally:
-            self.unlock(handle)
+            self.manager.lock_handle(handle, unlock=True)  # (quotas wait for the load)
         device_slots = None
         try:
             self._make_room(n, getattr(handle, "namespace", None))
@@ -517,7 +518,10 @@ class CacheManager:
 
     @shielded
     def unlock(self, handle: BaseCacheHandle) -> None:
+        """Releases a lock of `lock`: pages it kept past their namespace's
+        quota are evicted now."""
         self.manager.lock_handle(handle, unlock=True)
+        self._enforce_quotas()
 
     # -- retention claims -------------------------------------------------------
 
@@ -546,9 +550,11 @@ class CacheManager:
         whose `tokens` say how much is held (0 when nothing is cached: such a
         claim holds nothing, and no match refreshes it).
 
-        Raises `RetainBudgetError`, claiming nothing, when the claims would
-        together hold more than `retain_budget_tokens` distinct tokens, or
-        more than the namespace's budget (`set_retain_budget`).
+        Raises `RetainBudgetError` when the claims would together hold more
+        than `retain_budget_tokens` distinct tokens, or more than the
+        namespace's budget (`set_retain_budget`); that, or a clock that
+        raises, changes nothing (no LRU time either: the cost is found
+        without a match).
         """
         retention = self._claims_of("retain")
         ttl = check_ttl(ttl_s)
@@ -561,20 +567,27 @@ class CacheManager:
             raise ValueError(f"priority must fit int32, got {priority}")
         refresh = _flag(refresh_on_hit, "refresh_on_hit")
         ids = int32_tensor(input_ids, "input_ids", self.device)
+        # Admitted (budgets, the clock) before anything changes: a match
+        # stamps LRU times, and a new name would be remembered.
+        known = self._namespaces.find(namespace)
+        deadline = retention.admit(ids, known, namespace, tier, ttl)
         ns = self._namespaces.id(namespace)
         handle, _ = self._tree.match_prefix(ids, ns)  # type: ignore[union-attr]
-        return retention.claim(handle, ns, namespace, tier, ttl, priority, refresh)
+        return retention.claim(handle, ns, namespace, tier, ttl, deadline, priority, refresh)
 
     @shielded
     def release(self, claim: RetentionClaim) -> bool:
-        """Ends a claim of `retain`: its pages may be evicted again. Returns
+        """Ends a claim of `retain`: its pages may be evicted again, and
+        those it kept past their namespace's quota are evicted now. Returns
         False when it had ended already (released, expired, or a reset)."""
         retention = self._claims_of("release")
         if not isinstance(claim, RetentionClaim):
             raise TypeError(f"claim must be a RetentionClaim from retain, got {_type_name(claim)}")
         if claim._owner is not retention:
             raise ValueError("claim was made by another cache manager")
-        return retention.release(claim)
+        ended = retention.release(claim)
+        self._enforce_quotas()
+        return ended
 
     def set_retain_budget(self, tokens: Optional[int], namespace=None, *, whole: bool = False):
         """Sets the most tokens the claims of `namespace` may hold together
@@ -634,8 +647,12 @@ class CacheManager:
         handle); without it, room comes from every namespace's least recently
         used pages and the quota trims the namespace afterwards. Pages its
         running requests hold, copies in flight and retention claims count
-        against the quota but stay until they are released. A namespace with
-        a quota is never forgotten (see `max_namespaces`).
+        against the quota but stay until they are released (`unlock`,
+        `release`, the request's end; a claim whose time is up, at the next
+        call that may evict), and go then. The quota evicts whole nodes, as
+        every eviction does, so it may leave the namespace well below its
+        limit. A namespace with a quota is never forgotten (see
+        `max_namespaces`).
         `quota_usage(namespace)` says where it stands."""
         quotas = self._quotas_of("set_quota")
         Namespaces.check(namespace)
@@ -664,8 +681,10 @@ class CacheManager:
         quotas = self._quotas
         if quotas is None or not quotas.active:
             return
-        if self._retention is not None:
-            self._retention.expire()
+        retention = self._retention
+        if retention is not None:
+            retention.expire()
+            self._claims_ended_seen = retention.ended
         host = self._tiers.host
         quotas.enforce(self._evict_namespace, host.evict_namespace if host is not None else None)
 
@@ -732,6 +751,18 @@ class CacheManager:
         self._free_evicted(evicted)
         return freed + evicted.shape[0]
 
+    def _expire_claims(self) -> None:
+        """Ends the retention claims whose time is up; when claims ended
+        since the quotas were last enforced (here, or wherever their end was
+        first seen), the pages they kept past a quota go now, before the
+        device evicts anyone else's."""
+        retention = self._retention
+        if retention is None:
+            return
+        retention.expire()
+        if retention.ended != self._claims_ended_seen:
+            self._enforce_quotas()
+
     def _free_evicted(self, evicted: torch.Tensor) -> None:
         """Device slots the tree evicted (on the host) go back to the pool."""
         self._pages.free(evicted)
@@ -744,8 +775,7 @@ class CacheManager:
         pages (whole pages), and the cached slots eviction could free, once
         the backups in flight finished if they pin what is missing (and the
         retention claims whose time is up ended)."""
-        if self._retention is not None:
-            self._retention.expire()
+        self._expire_claims()
         missing = (-(-n // self.page_size) - self._pages.num_free_pages) * self.page_size
         evictable = self.manager.size_info.evictable_size
         if 0 < missing and evictable < missing and self._tiers.backups_in_flight():

@@ -10,7 +10,13 @@ refreshing, for one CacheManager.
 Expiry is lazy and exact: deadlines sit in a min-heap, and every manager call
 that may evict (or that reports what is claimed) first ends the claims whose
 deadline has passed, in O(log n) each. No thread, no scan: a claim past its
-deadline is never honoured, and one before it always is.
+deadline is never honoured, and one before it always is. A claim's `active`
+reads the clock itself, so it is never stale.
+
+A claim is admitted before anything changes: its cost is found by a walk of
+the tree that stamps no LRU time (`RadixTree.prefix_claim_cost`), so a claim
+refused for the budget, or whose clock fails, leaves the eviction order as it
+was; only then is the prefix matched and claimed.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ class RetentionClaim:
     `tokens` is the prefix's length (whole pages), `tier` where it is kept
     ("device", or "host": at least in host memory), `expires_at` the clock
     time it ends at (None: only `release` ends it), moved forward on each
-    hit when `refresh_on_hit`. `active` is False once it was released,
-    expired (as the manager saw at its last call) or dropped by a reset.
+    hit when `refresh_on_hit`. `active` is False once it was released or
+    dropped by a reset, or once the manager's clock, read when `active` is,
+    has reached `expires_at`.
     """
 
     __slots__ = (
@@ -69,7 +76,13 @@ class RetentionClaim:
 
     @property
     def active(self) -> bool:
-        return self._active
+        """Whether the claim holds now, by the manager's clock (read here; a
+        clock that raises raises here). Changes nothing: a claim past its
+        deadline keeps its pages only until the manager's next call that may
+        evict, which ends it first."""
+        if not self._active:
+            return False
+        return self.expires_at is None or self._owner.clock() < self.expires_at
 
     def __repr__(self) -> str:
         state = "active" if self._active else "ended"
@@ -96,37 +109,54 @@ class Retention:
         # node id -> the live refresh_on_hit claims that end at it
         self._refreshing: Dict[int, List[RetentionClaim]] = {}
         self.made = self.refused = self.expired = self.released = self.refreshed = 0
+        self.ended = 0  # claims ended in any way (released, expired, reset)
 
     # -- claims -----------------------------------------------------------------
 
-    def claim(
-        self, handle, ns: int, namespace, tier: str, ttl_s, priority: int, refresh: bool
-    ) -> RetentionClaim:
-        """Claims `handle`'s match (its device part, or the whole match for
-        tier "host") if the budgets allow; RetainBudgetError, claiming
-        nothing, if not. The arguments are checked by the manager."""
+    def admit(self, input_ids, ns: Optional[int], namespace, tier: str, ttl_s) -> Optional[float]:
+        """Checks that a claim of the cached prefix of `input_ids` in the
+        namespace of id `ns` (None: a name not remembered, which has nothing
+        cached) fits the budgets, and reads the clock for its deadline, which
+        it returns (None without `ttl_s`). Raises RetainBudgetError, or what
+        the clock raises, having changed nothing but ended the claims whose
+        time was up: the cost is found without a match. The arguments are
+        checked by the manager."""
         self.expire()
-        host = tier == "host"
-        # The deadline first: a clock that fails leaves nothing claimed.
         deadline = None if ttl_s is None else float(self.clock()) + ttl_s
-        cost = self.tree.claim_cost(handle, host)
-        total = self.tree.claimed_size + cost
-        if total > self.budget:
+        cost = 0
+        if ns is not None:
+            cost = self.tree.prefix_claim_cost(input_ids, ns, tier == "host")
+        if self.tree.claimed_size + cost > self.budget:
             self.refused += 1
             raise RetainBudgetError(
                 f"cannot retain {cost} more tokens: claims hold {self.tree.claimed_size} of "
                 f"the manager's retain budget of {self.budget} tokens"
             )
-        ns_budget = self.ns_budgets.get(ns)
-        held = self.claimed_by_ns.get(ns, 0)
+        ns_budget = None if ns is None else self.ns_budgets.get(ns)
+        held = 0 if ns is None else self.claimed_by_ns.get(ns, 0)
         if ns_budget is not None and held + cost > ns_budget:
             self.refused += 1
             raise RetainBudgetError(
                 f"cannot retain {cost} more tokens in namespace {namespace!r}: its claims hold "
                 f"{held} of its retain budget of {ns_budget} tokens"
             )
-        copy, added = self.tree.claim(handle, host, priority)
-        self.claimed_by_ns[ns] = held + added
+        return deadline
+
+    def claim(
+        self,
+        handle,
+        ns: int,
+        namespace,
+        tier: str,
+        ttl_s,
+        deadline: Optional[float],
+        priority: int,
+        refresh: bool,
+    ) -> RetentionClaim:
+        """Claims `handle`'s match (its device part, or the whole match for
+        tier "host"), which `admit` let in, with the deadline it returned."""
+        copy, added = self.tree.claim(handle, tier == "host", priority)
+        self.claimed_by_ns[ns] = self.claimed_by_ns.get(ns, 0) + added
         claim = RetentionClaim(self, copy, ns, namespace, tier, ttl_s, priority, refresh)
         self._live[id(claim)] = claim
         if deadline is not None:
@@ -148,6 +178,7 @@ class Retention:
     def _end(self, claim: RetentionClaim) -> None:
         freed = self.tree.release_claim(claim._copy)
         claim._active = False
+        self.ended += 1
         del self._live[id(claim)]
         held = self.claimed_by_ns.get(claim._ns, 0) - freed
         if held:
