@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import pytest
 
@@ -170,6 +170,7 @@ class Turn:
     output_ids: List[int]
     cached_tokens: int
     namespace: Optional[str] = None
+    details: dict = field(default_factory=dict)  # SGLang's split of cached_tokens by tier
 
 
 @dataclass
@@ -197,7 +198,7 @@ class Workload:
         return {}
 
     def run(self, send) -> List[Turn]:
-        """`send(input_ids, extras) -> (output_ids, cached_tokens)`."""
+        """`send(input_ids, extras) -> (output_ids, cached_tokens[, details])`."""
         rng = random.Random(self.seed)
         words = lambda n: [rng.randrange(3, self.vocab) for _ in range(n)]  # noqa: E731
         systems = [words(self.system_len) for _ in range(self.system_prompts)]
@@ -211,11 +212,12 @@ class Workload:
                 if first is None:
                     first = ids
                 extras = self.namespace(c)
-                output, cached = send(ids, extras)
-                out.append(Turn(c, len(ids), output, cached, str(extras) if extras else None))
+                output, cached, *details = send(ids, extras)
+                ns = str(extras) if extras else None
+                out.append(Turn(c, len(ids), output, cached, ns, *details))
                 convs[c] += output
-        output, cached = send(first, {})
-        out.append(Turn(0, len(first), output, cached))
+        output, cached, *details = send(first, {})
+        out.append(Turn(0, len(first), output, cached, None, *details))
         self.turns_sent = out
         return out
 
@@ -283,6 +285,23 @@ def sglang_server(
         **(env or {}),
     }
     return Server.start(lambda port: cmd + ["--port", str(port)], log_path, env)
+
+
+# A pool small against the chat workload (about 1,300 distinct tokens): eviction happens.
+CHAT_MAX_TOTAL_TOKENS = 1024
+
+
+def run_chat(server: Server) -> Tuple[List[Turn], int]:
+    """The chat workload through `server`, then SGLang's idle check (its
+    scheduler raises on leaked slots when idle, and the server stops
+    answering) and one more request, then SIGTERM: (turns, exit code)."""
+    try:
+        turns = Workload().run(lambda ids, extras: generate_detailed(server, ids, extras))
+        time.sleep(3)
+        generate(server, [5, 6, 7, 8], {})
+    finally:
+        code = server.stop()
+    return turns, code
 
 
 VLLM_BLOCK = 32  # vLLM's CPU backend prefers multiples of 32

@@ -15,27 +15,25 @@ import time
 import pytest
 
 from engine_env import (
-    Workload,
-    build_model,
+    CHAT_MAX_TOTAL_TOKENS,
     free_port,
     generate,
+    run_chat,
     server_problems,
     sglang_server,
-    venv_python,
 )
 
-# Small against the workload (about 1,300 distinct tokens): eviction happens.
-MAX_TOTAL_TOKENS = 1024
+MAX_TOTAL_TOKENS = CHAT_MAX_TOTAL_TOKENS  # the chat's pool: eviction happens
 
 
 @pytest.fixture(scope="module")
-def python():
-    return venv_python("sglang")
+def python(sglang_python):
+    return sglang_python
 
 
 @pytest.fixture(scope="module")
-def model(python, tmp_path_factory):
-    return build_model(python, str(tmp_path_factory.mktemp("tiny-llama")))
+def model(sglang_model):
+    return sglang_model
 
 
 def serve(python, model, log_path, page_size, backend=None, extra_args=(), env=None):
@@ -44,25 +42,19 @@ def serve(python, model, log_path, page_size, backend=None, extra_args=(), env=N
     )
 
 
-def run_workload(python, model, tmp_path, page_size, backend=None):
-    name = backend or "sglang"
-    server = serve(python, model, str(tmp_path / f"{name}-p{page_size}.log"), page_size, backend)
-    try:
-        turns = Workload().run(lambda ids, extras: generate(server, ids, extras))
-        # Idle: SGLang's scheduler checks its pools for leaked slots (it
-        # raises, and the server stops answering, on a leak); then one more
-        # request shows it still serves.
-        time.sleep(3)
-        generate(server, [5, 6, 7, 8], {})
-    finally:
-        code = server.stop()
+def run_workload(python, model, tmp_path, page_size, backend="radixkv"):
+    server = serve(python, model, str(tmp_path / f"{backend}-p{page_size}.log"), page_size, backend)
+    turns, code = run_chat(server)
     return turns, server.log(), code
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_radixkv_serves_what_sglang_serves_with_its_own_cache(python, model, tmp_path, page_size):
-    ours, our_log, our_code = run_workload(python, model, tmp_path, page_size, "radixkv")
-    theirs, their_log, their_code = run_workload(python, model, tmp_path, page_size)
+def test_radixkv_serves_what_sglang_serves_with_its_own_cache(
+    python, model, tmp_path, page_size, sglang_own_chat
+):
+    ours, our_log, our_code = run_workload(python, model, tmp_path, page_size)
+    own = sglang_own_chat(page_size)
+    theirs, their_log, their_code = own["turns"], own["log"], own["code"]
 
     assert "Tree cache initialized: source=registered('radixkv')" in our_log
     assert "source=default" in their_log

@@ -28,17 +28,16 @@ import time
 import pytest
 
 from engine_env import (
+    CHAT_MAX_TOTAL_TOKENS,
     Workload,
-    build_model,
     free_port,
     generate_detailed,
     server_problems,
     sglang_server,
-    venv_python,
 )
 from trace_sample import sample, tokens, trace_path, write_scaled
 
-MAX_TOTAL_TOKENS = 1024  # the chat's working set is about 1,300 distinct tokens
+MAX_TOTAL_TOKENS = CHAT_MAX_TOTAL_TOKENS  # the chat's pool: eviction happens
 PAGE = 4
 TRACE_BLOCK = 16  # each 512-token block of the trace as 16 tokens
 TRACE_OUTPUT = 4
@@ -62,13 +61,13 @@ OUR_HICACHE = [
 
 
 @pytest.fixture(scope="module")
-def python():
-    return venv_python("sglang")
+def python(sglang_python):
+    return sglang_python
 
 
 @pytest.fixture(scope="module")
-def model(python, tmp_path_factory):
-    return build_model(python, str(tmp_path_factory.mktemp("tiny-llama")))
+def model(sglang_model):
+    return sglang_model
 
 
 def serve(python, model, log_path, backend, extra_args, env=None):
@@ -76,16 +75,8 @@ def serve(python, model, log_path, backend, extra_args, env=None):
 
 
 def chat(server):
-    """The chat workload: [(output ids, cached tokens, tier split)]."""
-    turns = []
-
-    def send(ids, extras):
-        out = generate_detailed(server, ids, extras)
-        turns.append(out)
-        return out[0], out[1]
-
-    Workload().run(send)
-    return turns
+    """The chat workload's turns (with SGLang's split of each hit by tier)."""
+    return Workload().run(lambda ids, extras: generate_detailed(server, ids, extras))
 
 
 def replay_trace(server, requests):
@@ -140,9 +131,10 @@ class Events:
 
 
 @pytest.fixture(scope="module")
-def runs(python, model, tmp_path_factory, trace_requests):
+def runs(python, model, tmp_path_factory, trace_requests, sglang_own_chat):
     """Each cache's chat and trace: radixkv's hierarchical cache (with KV
-    events and metrics on), SGLang's own HiCache, SGLang without one."""
+    events and metrics on), SGLang's own HiCache, SGLang without one (the
+    chat only, shared with test_sglang.py)."""
     pytest.importorskip("zmq")
     requests, _ = trace_requests
     logs = tmp_path_factory.mktemp("logs")
@@ -150,7 +142,6 @@ def runs(python, model, tmp_path_factory, trace_requests):
     for name, backend, args in (
         ("radixkv", "radixkv", OUR_HICACHE),
         ("hicache", None, THEIR_HICACHE),
-        ("plain", None, []),
     ):
         extra = list(args)
         events = None
@@ -172,10 +163,8 @@ def runs(python, model, tmp_path_factory, trace_requests):
             metrics = server.get_text("/metrics") if name == "radixkv" else ""
             view = events.close() if events is not None else None
             events = None
-            trace = None
-            if name != "plain":
-                server.post("/flush_cache", {})
-                trace = replay_trace(server, requests)
+            server.post("/flush_cache", {})
+            trace = replay_trace(server, requests)
             code = idle_then_stop(server)
         finally:
             if events is not None:
@@ -183,6 +172,7 @@ def runs(python, model, tmp_path_factory, trace_requests):
             server.stop()
         out[name] = dict(turns=turns, trace=trace, log=server.log(), code=code, metrics=metrics)
         out[name]["events"] = view
+    out["plain"] = sglang_own_chat(PAGE)
     return out
 
 
@@ -191,10 +181,10 @@ def test_radixkvs_host_tier_serves_the_chat_as_sglangs_caches_do(runs):
     assert "Tree cache initialized: source=registered('radixkv')" in ours["log"]
     assert len(ours["turns"]) == len(hicache["turns"]) == len(plain["turns"])
     for a, b, c in zip(ours["turns"], hicache["turns"], plain["turns"]):
-        assert a[0] == b[0] == c[0]  # greedy, float32: token for token
-    cached = [sum(t[1] for t in run["turns"]) for run in (ours, hicache, plain)]
+        assert a.output_ids == b.output_ids == c.output_ids  # greedy, float32: token for token
+    cached = [sum(t.cached_tokens for t in run["turns"]) for run in (ours, hicache, plain)]
     assert cached[0] >= cached[1] and cached[0] > cached[2], cached
-    host_hits = sum(t[2].get("host", 0) for t in ours["turns"])
+    host_hits = sum(t.details.get("host", 0) for t in ours["turns"])
     assert host_hits > 0  # loaded back from radixkv's host tier
     # radixkv's own figures, in SGLang's /metrics.
     figures = {
@@ -265,10 +255,10 @@ def test_a_store_is_shared_by_servers_and_serves_one_started_again(python, model
         a.stop()
         if b is not None:
             b.stop()
-    assert [t[0] for t in first] == [t[0] for t in second]
-    shared = sum(t[2].get("storage", 0) for t in second)
+    assert [t.output_ids for t in first] == [t.output_ids for t in second]
+    shared = sum(t.details.get("storage", 0) for t in second)
     assert shared > 0
-    assert sum(t[1] for t in second) > sum(t[1] for t in first)
+    assert sum(t.cached_tokens for t in second) > sum(t.cached_tokens for t in first)
     # One more started on the store after both stopped: served from it, with
     # conversations in flight together and SGLang retracting some of them.
     c = serve(

@@ -334,6 +334,7 @@ class HierarchicalCache:
         before = self.cm.manager.size_info.evictable_size
         if unlock:
             self.cm.unlock(node)
+            self._give_back()  # (an unlock applies the quotas again)
         else:
             self.cm.lock(node)
         return self.cm.manager.size_info.evictable_size - before
