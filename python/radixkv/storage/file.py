@@ -6,18 +6,18 @@ import errno
 import hmac
 import itertools
 import os
-import shutil
 import stat
 import struct
 import threading
 import time
 import weakref
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from radixkv._checks import as_count
 from radixkv._core import crc32c
 from radixkv.storage.base import TAG_BYTES, StorageBackend
 from radixkv.kvcache.page_codec import codec_seed
+from radixkv.storage.file_entries import DIR_FLAGS, remove_entry
 from radixkv.storage.page_index import PageIndex
 
 MAGIC = b"RKVPAGE4"
@@ -34,7 +34,6 @@ HEADER_KEYED = struct.Struct(f"<8s32s32s32sQ{TAG_BYTES}s")
 OLD_MAGICS = (b"RKVPAGE2", b"RKVPAGE3")
 NO_PARENT = bytes(32)
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Errors that say the entry at a page's path is not a page of ours (a link,
 # a directory, a device, unreadable, damaged): a miss for that page, and the
 # entry is removed. Any other error (out of descriptors or memory, a store
@@ -112,6 +111,13 @@ def _writer_alive(tmp_name: str) -> bool:
     return True
 
 
+class _InTheWay(Exception):
+    """An entry in a page's way (at its path, or in place of its key
+    directory) that can neither be removed nor written in: another user's
+    directory. The page's write fails, a bad entry counted in
+    `corrupt_pages`, not an error of the store."""
+
+
 class FileStorage(StorageBackend):
     """Pages as files `directory/<fingerprint[:16]>/<key[:2]>/<key>.page`,
     each a header (magic, the page key, the configuration fingerprint, the
@@ -122,18 +128,31 @@ class FileStorage(StorageBackend):
 
     Whatever sits at a page's path that is not a page of ours is a miss for
     that page alone, counted in `corrupt_pages` and removed (the next write
-    puts the page there): a corrupt, truncated or foreign file, a directory,
-    a FIFO or device, a symlink, a file the process may not read or (unless
-    `shared`) one another user owns. Reads never block on such an entry.
+    puts the page there): a corrupt, truncated or foreign file, a directory
+    however deep, a FIFO or device, a symlink, a file the process may not
+    read or (unless `shared`) one another user owns. Reads never block on
+    such an entry. One that cannot be removed (another user's directory)
+    costs that page alone: counted, never an error that backs the store off.
+
+    Pages are reached from the store's own directory, held open, a key
+    directory at a time, never through a link: nothing outside the store's
+    directories is read, written or removed, whatever is done to the paths
+    above it or to its key directories. What is in the place of one of its
+    directories that is not a directory (the configuration's, whose name
+    anyone can compute from the public model configuration, or a key
+    directory: a file, a FIFO, a link) is removed like a bad page and the
+    directory made; so is a key directory of another user the process may
+    not write in, when it can be removed (else its pages are misses).
 
     Trust. By default the store is this user's: the directories are created
     0700 and the pages 0600, and a store directory that another user owns or
-    that others may write to is refused (PermissionError). `shared=True` says
-    the store is shared on purpose (with the group, whatever the umask:
+    that others may write to is refused (PermissionError). `shared=True`
+    says the store is shared on purpose (with the group, whatever the umask:
     directories 0770, pages 0640; pages of other users are read; a setgid
-    store directory keeps the group on what is made in it). Anyone who can write to a store can
-    plant pages in it; with a `secret` (see StorageBackend) they cannot: a
-    page that fails its tag is a miss, counted and removed.
+    store directory keeps the group on what is made in it). Anyone who can
+    write to a store can plant pages in it; with a `secret` (see
+    StorageBackend) they cannot: a page that fails its tag is a miss,
+    counted and removed.
 
     `max_bytes` bounds the bytes of the page files this process knows of
     (the pages it wrote, and those on disk when it started): past it, pages
@@ -187,10 +206,10 @@ class FileStorage(StorageBackend):
         # Each configuration's pages in a directory of their own: one never
         # takes another's file for its page, and never skips a write for it.
         self.directory = os.path.join(root, fingerprint.hex()[:16])
-        self._prepare_dir(self.directory)
+        self._prepare_dir(self.directory, replace=True)
         self.fingerprint = fingerprint
         self._header = HEADER_KEYED if self.keyed else HEADER
-        self._made: set = set()  # key directories known to exist (a private store)
+        self._top = -1
         self._top_closers: list = []
         self._open_top()
         self._tmp_names = itertools.count()
@@ -211,10 +230,11 @@ class FileStorage(StorageBackend):
 
     # -- the directories --------------------------------------------------------------
 
-    def _prepare_dir(self, path: str, parents: bool = False) -> None:
+    def _prepare_dir(self, path: str, parents: bool = False, replace: bool = False) -> None:
         """Makes `path` a directory of the store (with the store's mode) or
         checks the one there: a directory, and unless shared, this user's and
-        not writable by others."""
+        not writable by others. With `replace`, what is in its place that is
+        not a directory is removed (a bad entry) and the directory made."""
         if parents:
             parent = os.path.dirname(path)
             if parent and not os.path.isdir(parent):
@@ -224,21 +244,31 @@ class FileStorage(StorageBackend):
                     pass  # a file in the way: reported below
                 except OSError as e:
                     raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
-        try:
-            os.mkdir(path, self._dir_mode)
-            if self.shared:  # the umask must not take the group's access away
-                os.chmod(path, self._dir_mode)
-        except FileExistsError:
-            pass
-        except NotADirectoryError:
-            raise NotADirectoryError(
-                errno.ENOTDIR, f"directory {path!r}: a part of it is " "not a directory"
-            ) from None
-        except OSError as e:
-            raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
-        st = os.stat(path) if parents else os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(errno.ENOTDIR, f"directory {path!r} is not a directory")
+        for again in (False, True):
+            try:
+                os.mkdir(path, self._dir_mode)
+                if self.shared:  # the umask must not take the group's access away
+                    os.chmod(path, self._dir_mode)
+            except FileExistsError:
+                pass
+            except NotADirectoryError:
+                raise NotADirectoryError(
+                    errno.ENOTDIR, f"directory {path!r}: a part of it is not a directory"
+                ) from None
+            except OSError as e:
+                raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
+            st = os.stat(path) if parents else os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                break
+            if not replace or again:
+                raise NotADirectoryError(errno.ENOTDIR, f"directory {path!r} is not a directory")
+            self.count_corrupt()
+            try:
+                os.unlink(path)  # a file, a FIFO, a link (never followed)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
         if self.shared:
             return
         if st.st_uid != self._uid:
@@ -261,13 +291,14 @@ class FileStorage(StorageBackend):
         what is not a page of ours and the temporary files of writers that
         died before they renamed theirs; then the bound holds."""
         started = time.monotonic()
+        top = self._top
         try:
-            for sub in os.scandir(self.directory):
-                if self._top < 0:  # closed
-                    return
-                if sub.is_dir(follow_symlinks=False):
-                    for entry in os.scandir(sub.path):
-                        self._scan_entry(sub.name, entry)
+            with os.scandir(top) as subs:
+                for sub in subs:
+                    if self._top < 0:  # closed
+                        return
+                    if sub.is_dir(follow_symlinks=False):
+                        self._scan_dir(top, sub.name)
         except OSError:
             self.count_error()
         finally:
@@ -278,14 +309,24 @@ class FileStorage(StorageBackend):
             self.index_seconds = time.monotonic() - started
             self._indexed.set()
 
-    def _scan_entry(self, sub: str, entry: os.DirEntry) -> None:
+    def _scan_dir(self, top: int, sub: str) -> None:
+        """Scans directory `sub` of the store's."""
+        try:
+            fd = os.open(sub, DIR_FLAGS, dir_fd=top)
+        except OSError:
+            return
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    self._scan_entry(fd, sub, entry)
+        finally:
+            os.close(fd)
+
+    def _scan_entry(self, dir_fd: int, sub: str, entry: os.DirEntry) -> None:
+        """One entry of key directory `sub` (open as `dir_fd`)."""
         name = entry.name
         if name.endswith(".tmp"):
-            if not _writer_alive(name):
-                try:
-                    os.unlink(entry.path)
-                except OSError:
-                    pass
+            self._drop_tmp(dir_fd, name)
             return
         key = name[:-5] if name.endswith(".page") else ""
         try:
@@ -297,16 +338,17 @@ class FileStorage(StorageBackend):
         if key != raw_key.hex() or sub != key[:2]:
             # Named like a page but not where (or as) the store puts one:
             # never read, so never counted; removed.
-            self._drop_entry(entry.path)
+            self._drop_entry(dir_fd, name)
             return
         header = self._header
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(name, flags, dir_fd=dir_fd)
         except FileNotFoundError:  # removed by another process meanwhile
             return
         except OSError as e:
             if e.errno in _BAD_ENTRY:
-                self._drop_entry(entry.path)
+                self._drop_entry(dir_fd, name)
             else:
                 self.count_error()
             return
@@ -323,13 +365,17 @@ class FileStorage(StorageBackend):
             self.count_error()
             return
         if head[:8] in OLD_MAGICS and (self.shared or st.st_uid == self._uid):
-            self._remove_all([raw_key])  # a page of an earlier version
+            try:  # a page of an earlier version
+                os.unlink(name, dir_fd=dir_fd)
+                self.removed_pages += 1
+            except OSError:
+                pass
             return
         if head[:8] == (MAGIC if self.keyed else MAGIC_KEYED):
             return  # a page of a store with another secret (or none): not ours to count
         fields = header.unpack(head) if len(head) == header.size else None
         if fields is None or not self._ours(st):
-            self._drop_entry(entry.path)
+            self._drop_entry(dir_fd, name)
             return
         magic, in_key, parent, fingerprint, length, _ = fields
         if (
@@ -339,32 +385,44 @@ class FileStorage(StorageBackend):
             or st.st_size != header.size + length
             or (self.page_bytes and length != self.page_bytes)
         ):
-            self._drop_entry(entry.path)
+            self._drop_entry(dir_fd, name)
             return
         index = self._index
         if index is not None:
             parent = None if parent == NO_PARENT else parent
             index.add(raw_key, st.st_size, parent, st.st_mtime_ns, if_absent=True)
 
-    def _drop_entry(self, path: str) -> None:
+    def _drop_entry(self, dir_fd: int, name: str) -> None:
         """An entry the scan found that is not a page of ours: removed."""
         self.count_corrupt()
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        except OSError:
-            pass
+        remove_entry(dir_fd, name)
+
+    @staticmethod
+    def _drop_tmp(dir_fd: int, name: str) -> None:
+        """A temporary file: removed if the process writing it is gone."""
+        if not _writer_alive(name):
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except OSError:
+                pass
 
     def _remove_all(self, raw_keys: List[bytes]) -> None:
-        """Removes the page files of `raw_keys` (given up by the index)."""
+        """Removes the page files of `raw_keys` (given up by the index),
+        reached as every page is, never through a link."""
         for raw in raw_keys:
             try:
-                os.unlink(self.path(raw.hex()))
+                at = self._where(raw.hex(), create=False)
+            except OSError:
+                continue
+            if at is None:
+                continue
+            try:
+                os.unlink(at[1], dir_fd=at[0])
                 self.removed_pages += 1
             except OSError:
                 pass
+            finally:
+                os.close(at[0])
 
     def wait_indexed(self, timeout: Optional[float] = None) -> bool:
         """Waits for the start-up scan: whether it is done (the bound holds)."""
@@ -398,67 +456,87 @@ class FileStorage(StorageBackend):
         """Holds the configuration's directory open: pages are reached from
         it without following a symlink, whatever is done to the paths above
         (a directory of the store swapped for a link leads nowhere else)."""
-        fd = os.open(self.directory, _DIR_FLAGS)
+        fd = os.open(self.directory, DIR_FLAGS)
         # One held before stays open until close(): the other thread may be
         # inside a call through it, and a number closed now could be reused.
         self._top = fd
         self._top_closers.append(weakref.finalize(self, os.close, fd))
 
-    def _where(self, key: str, create: bool):
-        """Where `key`'s page file is: (a directory descriptor, the name
-        relative to it, whether the caller closes the descriptor), or None
-        when its directory does not exist (and not `create`). Names start
-        from the store's own directory (held open), whatever is done to the
-        paths above it. A private store is this user's alone: a page is named
-        `ab/<key>.page` from there, one open per page. In a shared store
-        others could swap a key directory for a link: it is opened on its
-        own, without following one."""
+    def _where(self, key: str, create: bool) -> Optional[Tuple[int, str]]:
+        """Where `key`'s page file is: its key directory, open (the caller
+        closes it), and the file's name there; None when that directory does
+        not exist (and not `create`). The key directory is opened from the
+        store's own directory (held open), never through a link: what is in
+        its place that is not a directory, or another user's directory this
+        process may not read, is a bad entry, removed if it can be (and with
+        `create` the directory made; one that cannot be removed raises
+        _InTheWay)."""
         sub = key[:2]
-        if not self.shared:
-            if create and sub not in self._made:
-                self._make(sub)
-            return self._top, f"{sub}/{key}.page", False
         for again in (False, True):
             try:
-                return os.open(sub, _DIR_FLAGS, dir_fd=self._top), f"{key}.page", True
+                return os.open(sub, DIR_FLAGS, dir_fd=self._top), f"{key}.page"
             except FileNotFoundError:
                 if not create:
                     return None
-            except OSError as e:  # ENOTDIR, ELOOP: not a directory of ours
-                if not create or e.errno not in (errno.ENOTDIR, errno.ELOOP):
+            except OSError as e:
+                not_dir = e.errno in (errno.ENOTDIR, errno.ELOOP)
+                if not not_dir and not (
+                    e.errno in (errno.EACCES, errno.EPERM) and self._theirs(sub)
+                ):
                     raise
+                self.count_corrupt()
+                if not remove_entry(self._top, sub):
+                    if create:
+                        raise _InTheWay() from None
+                    return None
+                if not create:
+                    return None
             if again:
                 break
             self._make(sub)
         raise FileNotFoundError(errno.ENOENT, f"cannot make the directory of page {key}")
 
+    def _theirs(self, sub: str) -> bool:
+        """Whether key directory `sub` is another user's (why it could not
+        be opened, or a page not made in it)."""
+        try:
+            return os.stat(sub, dir_fd=self._top, follow_symlinks=False).st_uid != self._uid
+        except OSError:
+            return False
+
     def _make(self, sub: str) -> None:
-        """Makes key directory `sub` (whatever is in its way is removed); a
-        store whose directories were deleted is made again first."""
+        """Makes key directory `sub` (a non-directory in its way is removed,
+        a bad entry); a store whose directory was deleted is made again
+        first."""
         for again in (False, True):
             try:
                 os.mkdir(sub, self._dir_mode, dir_fd=self._top)
             except FileExistsError:
                 st = os.stat(sub, dir_fd=self._top, follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode):  # a file or link in the way
-                    self.count_corrupt()
-                    os.unlink(sub, dir_fd=self._top)
-                    os.mkdir(sub, self._dir_mode, dir_fd=self._top)
+                if stat.S_ISDIR(st.st_mode):
+                    return  # made meanwhile
+                self.count_corrupt()
+                if not remove_entry(self._top, sub):
+                    raise _InTheWay() from None
+                os.mkdir(sub, self._dir_mode, dir_fd=self._top)
             except FileNotFoundError:
                 if again:
                     raise
                 self._remake()
                 continue
             if self.shared:  # the umask must not take the group's access away
-                os.chmod(os.path.join(self.directory, sub), self._dir_mode, follow_symlinks=False)
-            self._made.add(sub)
+                fd = os.open(sub, DIR_FLAGS, dir_fd=self._top)
+                try:
+                    os.fchmod(fd, self._dir_mode)
+                finally:
+                    os.close(fd)
             return
 
     def _remake(self) -> None:
-        """The store's directory was deleted: it is made again."""
-        self._made.clear()
+        """The store's directory was deleted: it is made again (whatever
+        was put in its place removed)."""
         self._prepare_dir(os.path.dirname(self.directory), parents=True)
-        self._prepare_dir(self.directory)
+        self._prepare_dir(self.directory, replace=True)
         self._open_top()
 
     # -- reads -------------------------------------------------------------------------
@@ -470,29 +548,38 @@ class FileStorage(StorageBackend):
         if self._top < 0:  # closed
             return 0
         for i, key in enumerate(keys):
-            path = self.path(key)
             try:
-                st = os.stat(path, follow_symlinks=False)
+                at = self._where(key, create=False)
+                if at is None and self._reopened():  # the store was made again
+                    at = self._where(key, create=False)
+            except OSError:
+                self.count_error()
+                return i
+            if at is None:
+                return i
+            dir_fd, name = at
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if self._ours(st):
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    self.count_corrupt()
+                    remove_entry(dir_fd, name)
+                    self._forget(key)
+                return i
             except (FileNotFoundError, NotADirectoryError):
                 return i
             except OSError:
                 self.count_error()
                 return i
-            if not self._ours(st):
-                if not stat.S_ISDIR(st.st_mode):
-                    self.count_corrupt()
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
-                    self._forget(key)
-                return i
+            finally:
+                os.close(dir_fd)
         return len(keys)
 
     def batch_get(self, keys: Sequence[str], host_pages: Sequence[int]) -> List[bool]:
         return [self._get(k, p) for k, p in zip(keys, host_pages)]
 
-    def _open(self, key: str, at) -> Optional[int]:
+    def _open(self, key: str, at: Tuple[int, str]) -> Optional[int]:
         """A descriptor of `key`'s page file (`at` from `_where`), or None: a
         miss (a bad entry there is removed). Never blocks on a FIFO or device."""
         try:
@@ -536,8 +623,7 @@ class FileStorage(StorageBackend):
             try:
                 return self._read(key, page, at)
             finally:
-                if at[2]:
-                    os.close(at[0])
+                os.close(at[0])
         return False
 
     def _reopened(self) -> bool:
@@ -547,16 +633,15 @@ class FileStorage(StorageBackend):
         try:
             if os.fstat(self._top).st_nlink:
                 return False
-            self._made.clear()
             self._open_top()
-            return True
         except OSError:
             return False
+        return True
 
-    def _read(self, key: str, page: int, at) -> bool:
+    def _read(self, key: str, page: int, at: Tuple[int, str]) -> bool:
         fd = self._open(key, at)
         if fd is None:
-            if not at[2] and self._reopened():  # the store was deleted, and made again
+            if self._reopened():  # the store was deleted, and made again
                 return self._get(key, page)
             return False
         view = self.page_target(page)
@@ -597,27 +682,15 @@ class FileStorage(StorageBackend):
             self._index.touch(bytes.fromhex(key), tick)
         return True
 
-    def _bad_entry(self, key: str, at) -> bool:
+    def _bad_entry(self, key: str, at: Tuple[int, str]) -> bool:
         """What sits at a page's path is not a page of ours: a miss, counted
         and removed, so the next write of the page puts a good one there.
-        Only an entry that cannot be removed is an error."""
+        One that cannot be removed (another user's directory) costs its page
+        alone: a bad entry, not an error of the store."""
         self.count_corrupt()
-        if not self._remove(key, at):
-            self.count_error()
+        remove_entry(*at)
         self._forget(key)
         return False
-
-    def _remove(self, key: str, at) -> bool:
-        try:
-            if stat.S_ISDIR(os.stat(at[1], dir_fd=at[0], follow_symlinks=False).st_mode):
-                shutil.rmtree(self.path(key))  # (on the storage tier's thread)
-            else:
-                os.unlink(at[1], dir_fd=at[0])
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return False
-        return True
 
     def _forget(self, key: str) -> None:
         """Page `key` is gone (removed by another process, or bad)."""
@@ -662,7 +735,8 @@ class FileStorage(StorageBackend):
 
     def _put(self, key: str, page: int, parent: Optional[bytes], tick: Optional[int]) -> bool:
         """Writes page `key` (its header naming `parent`), its file's time
-        `tick` when given; errors are counted."""
+        `tick` when given; errors are counted. An entry in its way that stays
+        (another user's) fails this page alone, counted as a bad entry."""
         view = self.page_data(page)
         raw_parent = NO_PARENT if parent is None else parent
         if self.keyed:
@@ -687,15 +761,18 @@ class FileStorage(StorageBackend):
             try:
                 self._write(key, header, view, tick)
                 return True
+            except _InTheWay:
+                return False
             except (FileNotFoundError, NotADirectoryError):
                 # Its directory (or the store's) was deleted under us: made
                 # again, once.
-                self._made.discard(key[:2])
                 if again:
                     break
                 try:
                     if os.fstat(self._top).st_nlink == 0:
                         self._remake()
+                except _InTheWay:
+                    return False
                 except OSError:
                     break
             except OSError:
@@ -705,17 +782,19 @@ class FileStorage(StorageBackend):
 
     def _write(self, key: str, header: bytes, view, tick: Optional[int]) -> None:
         """The page file of `key`: written under a temporary name (modified
-        at `tick`, when given), renamed."""
+        at `tick`, when given), renamed into place."""
         at = self._where(key, create=True)
-        dir_fd, name, close = at
+        if at is None:  # (`create` makes it, or raises)
+            raise FileNotFoundError(errno.ENOENT, f"no directory for page {key}")
+        dir_fd, name = at
         tmp = f"{name}.{os.getpid()}.{next(self._tmp_names)}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(
-                tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                self._page_mode,
-                dir_fd=dir_fd,
-            )
+            try:
+                fd = os.open(tmp, flags, self._page_mode, dir_fd=dir_fd)
+            except PermissionError:
+                self._unwritable(key[:2])
+                raise
             try:
                 if self.shared:
                     os.fchmod(fd, self._page_mode)
@@ -725,7 +804,7 @@ class FileStorage(StorageBackend):
                     if tick is not None:
                         f.flush()
                         os.utime(fd, ns=(tick, tick))
-                self._replace(key, tmp, at)
+                self._replace(tmp, dir_fd, name)
             except BaseException:
                 try:
                     os.unlink(tmp, dir_fd=dir_fd)
@@ -733,11 +812,20 @@ class FileStorage(StorageBackend):
                     pass
                 raise
         finally:
-            if close:
-                os.close(dir_fd)
+            os.close(dir_fd)
 
-    def _replace(self, key: str, tmp: str, at) -> None:
-        dir_fd, name, _ = at
+    def _unwritable(self, sub: str) -> None:
+        """No file could be made in key directory `sub`. If it is another
+        user's, it is a bad entry: removed (raising FileNotFoundError: the
+        write makes it again), or raising _InTheWay when it cannot be."""
+        if not self._theirs(sub):
+            return
+        self.count_corrupt()
+        if remove_entry(self._top, sub):
+            raise FileNotFoundError(errno.ENOENT, f"key directory {sub} removed")
+        raise _InTheWay()
+
+    def _replace(self, tmp: str, dir_fd: int, name: str) -> None:
         try:
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except OSError as e:
@@ -746,8 +834,8 @@ class FileStorage(StorageBackend):
             if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                 raise
             self.count_corrupt()
-            if not self._remove(key, at):
-                raise
+            if not remove_entry(dir_fd, name):
+                raise _InTheWay() from None
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
     def close(self) -> None:
