@@ -548,10 +548,7 @@ def _storage(args, kind: str):
         if args.storage_dir:
             if os.path.exists(args.storage_dir) and not os.path.isdir(args.storage_dir):
                 raise UsageError(f"--storage-dir {args.storage_dir} is not a directory")
-            try:
-                os.makedirs(args.storage_dir, exist_ok=True)
-            except OSError as e:
-                raise UsageError(f"--storage-dir {args.storage_dir}: {e.strerror or e}") from None
+            # (The store makes the directory, with its own mode.)
             yield StorageConfig(
                 "file",
                 directory=args.storage_dir,

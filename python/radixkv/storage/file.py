@@ -145,14 +145,14 @@ class FileStorage(StorageBackend):
     not write in, when it can be removed (else its pages are misses).
 
     Trust. By default the store is this user's: the directories are created
-    0700 and the pages 0600, and a store directory that another user owns or
-    that others may write to is refused (PermissionError). `shared=True`
-    says the store is shared on purpose (with the group, whatever the umask:
-    directories 0770, pages 0640; pages of other users are read; a setgid
-    store directory keeps the group on what is made in it). Anyone who can
-    write to a store can plant pages in it; with a `secret` (see
-    StorageBackend) they cannot: a page that fails its tag is a miss,
-    counted and removed.
+    0700 (the missing ones above it too) and the pages 0600, and a store
+    directory that another user owns or that others may write to is refused
+    (PermissionError). `shared=True` says the store is shared on purpose
+    (with the group, whatever the umask: directories 0770, pages 0640; pages
+    of other users are read; a setgid store directory keeps the group, and
+    the setgid bit, on every directory made in it). Anyone who can write to
+    a store can plant pages in it; with a `secret` (see StorageBackend) they
+    cannot: a page that fails its tag is a miss, counted and removed.
 
     `max_bytes` bounds the bytes of the page files this process knows of
     (the pages it wrote, and those on disk when it started): past it, pages
@@ -231,24 +231,16 @@ class FileStorage(StorageBackend):
     # -- the directories --------------------------------------------------------------
 
     def _prepare_dir(self, path: str, parents: bool = False, replace: bool = False) -> None:
-        """Makes `path` a directory of the store (with the store's mode) or
-        checks the one there: a directory, and unless shared, this user's and
-        not writable by others. With `replace`, what is in its place that is
-        not a directory is removed (a bad entry) and the directory made."""
+        """Makes `path` a directory of the store (with the store's mode, and
+        so the directories missing above it with `parents`) or checks the
+        one there: a directory, and unless shared, this user's and not
+        writable by others. With `replace`, what is in its place that is not
+        a directory is removed (a bad entry) and the directory made."""
         if parents:
-            parent = os.path.dirname(path)
-            if parent and not os.path.isdir(parent):
-                try:
-                    os.makedirs(parent, exist_ok=True)
-                except FileExistsError:
-                    pass  # a file in the way: reported below
-                except OSError as e:
-                    raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
+            self._make_parents(path)
         for again in (False, True):
             try:
-                os.mkdir(path, self._dir_mode)
-                if self.shared:  # the umask must not take the group's access away
-                    os.chmod(path, self._dir_mode)
+                self._mkdir(path)
             except FileExistsError:
                 pass
             except NotADirectoryError:
@@ -285,6 +277,32 @@ class FileStorage(StorageBackend):
                 f"{stat.S_IMODE(st.st_mode):o}): pass shared=True if the "
                 "store is shared on purpose",
             )
+
+    def _make_parents(self, path: str) -> None:
+        """Makes the directories missing above `path`, each with the store's
+        mode (whatever the umask)."""
+        missing = []
+        parent = os.path.dirname(path)
+        while parent and not os.path.lexists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(missing):
+            try:
+                self._mkdir(d)
+            except FileExistsError:
+                pass  # made meanwhile
+            except NotADirectoryError:
+                raise NotADirectoryError(
+                    errno.ENOTDIR, f"directory {path!r}: a part of it is not a directory"
+                ) from None
+            except OSError as e:
+                raise OSError(e.errno, f"directory {path!r}: {e.strerror}") from None
+
+    def _mkdir(self, path: str) -> None:
+        """Makes directory `path` with the store's mode."""
+        os.mkdir(path, self._dir_mode)
+        if self.shared:  # the umask must not take the group's access away
+            os.chmod(path, self._dir_mode | (os.stat(path).st_mode & stat.S_ISGID))
 
     def _scan(self) -> None:
         """Indexes the pages already there (their headers checked), removes
@@ -527,7 +545,7 @@ class FileStorage(StorageBackend):
             if self.shared:  # the umask must not take the group's access away
                 fd = os.open(sub, DIR_FLAGS, dir_fd=self._top)
                 try:
-                    os.fchmod(fd, self._dir_mode)
+                    os.fchmod(fd, self._dir_mode | (os.fstat(fd).st_mode & stat.S_ISGID))
                 finally:
                     os.close(fd)
             return
