@@ -136,8 +136,10 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
         "--storage-max-mib",
         type=positive,
         metavar="MIB",
-        help="--storage file: bound the store's page files to MIB MiB, removing "
-        "the least recently used page no stored page extends (default: unbounded)",
+        help="--storage file: bound the bytes of the page files in the directory to MIB "
+        "MiB, for every instance that shares it (the files' sizes: the disk blocks they "
+        "take, and the directories, come on top), removing the least recently used page "
+        "no stored page extends (default: unbounded)",
     )
     p.add_argument(
         "--storage-codec",

@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from radixkv._checks import as_count
 from radixkv._core import crc32c
@@ -19,6 +19,8 @@ from radixkv.storage.base import TAG_BYTES, StorageBackend
 from radixkv.kvcache.page_codec import codec_seed
 from radixkv.storage.file_entries import DIR_FLAGS, remove_entry
 from radixkv.storage.page_index import PageIndex
+from radixkv.storage.page_journal import NAME as JOURNAL_NAME
+from radixkv.storage.page_journal import PageJournal
 
 MAGIC = b"RKVPAGE4"
 # magic, key (32 raw bytes), the key of the page it extends (32; zeros: none
@@ -154,20 +156,25 @@ class FileStorage(StorageBackend):
     a store can plant pages in it; with a `secret` (see StorageBackend) they
     cannot: a page that fails its tag is a miss, counted and removed.
 
-    `max_bytes` bounds the bytes of the page files this process knows of
-    (the pages it wrote, and those on disk when it started): past it, pages
+    `max_bytes` bounds the bytes of the store's page files (their sizes: the
+    disk blocks they take, and the directories, come on top): past it, pages
     are removed least recently used (written or read) first, but never a
     page before the pages that extend it (a page's header names the page it
-    extends; a suffix is read only after its prefix). See PageIndex. At
-    start a thread scans the directory and checks every page's header (its
-    magic, its key against its name, the fingerprint, its length against
-    its size); what fails is removed, and the rest is indexed by the time it
-    was last used (its modification time, which a read renews). The store
-    serves at once: a read checks every page whole anyway. The bound holds
-    from the end of the scan (`wait_indexed`), which removes what exceeds
-    it. Several processes may share the directory; each keeps its own order
-    and bound (so two together may hold twice `max_bytes`), and a page
-    removed under a reader is a miss.
+    extends; a suffix is read only after its prefix). See PageIndex. The
+    bound is the directory's, whichever processes write to it: every store
+    with a bound on the directory appends the pages it writes and removes to
+    a journal there (PageJournal) and reads the others' into its index, so
+    each knows every page and the first to exceed the bound gives up the
+    least recently used page of any; a page another process read since is
+    kept in its place in the order (its file's time says so). At start a
+    thread scans the directory and checks every page's header (its magic,
+    its key against its name, the fingerprint, its length against its
+    size); what fails is removed, pages the journal does not name are added
+    to it (written by a store without a bound, or before the journal), and
+    pages it names that are gone leave it. The store serves at once: a read
+    checks every page whole anyway. The bound holds at once when a journal
+    was there, else from the end of the scan (`wait_indexed`), which
+    removes what exceeds it. A page removed under a reader is a miss.
 
     `bounded_queries` (None: when the directory is on a network file system)
     makes the storage tier ask existence queries from the scheduler's thread
@@ -214,19 +221,26 @@ class FileStorage(StorageBackend):
         self._open_top()
         self._tmp_names = itertools.count()
         self.max_bytes = max_bytes
-        self._index = None if max_bytes is None else PageIndex(max_bytes)
+        # A bounded store's index is the directory's (its journal's): the
+        # store gives pages up itself, for the directory's bound.
+        self._index = None if max_bytes is None else PageIndex(None)
+        self._journal = None
+        if self._index is not None:
+            self._journal = PageJournal(self._index, 0o660 if self.shared else 0o600, self.shared)
+            self._journal.attach(self._top)
         self.removed_pages = 0  # pages removed to keep the bound (or of an old format)
         self.index_seconds: Optional[float] = None  # how long the start-up scan took
         self._indexed = threading.Event()
-        self._removing = threading.Lock()  # removals for the bound and writes take turns
         if bounded_queries is None:
             bounded_queries = file_system_type(root).split(".")[0] in NETWORK_FILE_SYSTEMS
         self.blocking_queries = bool(bounded_queries)
         self.concurrent_calls = True  # a file per page, written aside and renamed
-        if max_bytes is None:
+        if self._journal is None:
             self._indexed.set()
         else:
-            threading.Thread(target=self._scan, name="radixkv-file-scan", daemon=True).start()
+            threading.Thread(
+                target=self._scan, args=(self._journal,), name="radixkv-file-scan", daemon=True
+            ).start()
 
     # -- the directories --------------------------------------------------------------
 
@@ -304,11 +318,20 @@ class FileStorage(StorageBackend):
         if self.shared:  # the umask must not take the group's access away
             os.chmod(path, self._dir_mode | (os.stat(path).st_mode & stat.S_ISGID))
 
-    def _scan(self) -> None:
-        """Indexes the pages already there (their headers checked), removes
-        what is not a page of ours and the temporary files of writers that
-        died before they renamed theirs; then the bound holds."""
+    def _scan(self, journal: PageJournal) -> None:
+        """Reads the journal (when there is one, it names every page: the
+        bound holds from then on), then indexes the pages already there
+        (their headers checked), removes what is not a page of ours and the
+        temporary files of writers that died before they renamed theirs;
+        then the bound holds in any case."""
         started = time.monotonic()
+        since = journal.index.tick()
+        with journal:
+            if journal.read_whole:
+                journal.index.complete()
+                self._trim(journal)
+        found: Dict[bytes, Tuple[int, int, Optional[bytes]]] = {}
+        whole = True
         top = self._top
         try:
             with os.scandir(top) as subs:
@@ -316,32 +339,38 @@ class FileStorage(StorageBackend):
                     if self._top < 0:  # closed
                         return
                     if sub.is_dir(follow_symlinks=False):
-                        self._scan_dir(top, sub.name)
+                        whole = self._scan_dir(top, sub.name, found) and whole
+                    elif sub.name.startswith(JOURNAL_NAME) and sub.name.endswith(".tmp"):
+                        self._drop_tmp(top, sub.name)
         except OSError:
             self.count_error()
+            whole = False
         finally:
-            index = self._index
-            if index is not None and self._top >= 0:
-                with self._removing:
-                    self._remove_all(index.complete())
+            if self._top >= 0:
+                with journal:
+                    self._take_scan(journal, found, since, whole)
             self.index_seconds = time.monotonic() - started
             self._indexed.set()
 
-    def _scan_dir(self, top: int, sub: str) -> None:
-        """Scans directory `sub` of the store's."""
+    def _scan_dir(self, top: int, sub: str, found: dict) -> bool:
+        """Scans directory `sub` of the store's; whether it could be read."""
         try:
             fd = os.open(sub, DIR_FLAGS, dir_fd=top)
         except OSError:
-            return
+            return False
         try:
             with os.scandir(fd) as entries:
                 for entry in entries:
-                    self._scan_entry(fd, sub, entry)
+                    self._scan_entry(fd, sub, entry, found)
+        except OSError:
+            return False
         finally:
             os.close(fd)
+        return True
 
-    def _scan_entry(self, dir_fd: int, sub: str, entry: os.DirEntry) -> None:
-        """One entry of key directory `sub` (open as `dir_fd`)."""
+    def _scan_entry(self, dir_fd: int, sub: str, entry: os.DirEntry, found: dict) -> None:
+        """One entry of key directory `sub` (open as `dir_fd`): a page of ours
+        goes into `found` (key: modification time, size, parent)."""
         name = entry.name
         if name.endswith(".tmp"):
             self._drop_tmp(dir_fd, name)
@@ -405,10 +434,28 @@ class FileStorage(StorageBackend):
         ):
             self._drop_entry(dir_fd, name)
             return
-        index = self._index
-        if index is not None:
-            parent = None if parent == NO_PARENT else parent
-            index.add(raw_key, st.st_size, parent, st.st_mtime_ns, if_absent=True)
+        found[raw_key] = (st.st_mtime_ns, st.st_size, None if parent == NO_PARENT else parent)
+
+    def _take_scan(self, journal: PageJournal, found: dict, since: int, whole: bool) -> None:
+        """(In a journal block.) What the scan found becomes the index's:
+        pages the journal did not name join it, pages it named from before
+        the scan began that the scan did not find (when it read every
+        directory) leave it, and a page whose file was used later than the
+        index has it takes its place in the order; then the index is
+        complete and the bound holds."""
+        index = journal.index
+        for raw, (mtime, size, parent) in found.items():
+            tick = index.tick_of(raw)
+            if tick is None:
+                journal.added(raw, size, parent, mtime)
+            elif mtime > tick:
+                index.touch(raw, mtime)
+        if whole:
+            for raw, tick, _, _ in index.entries():
+                if tick < since and raw not in found:
+                    journal.removed(raw)
+        index.complete()
+        self._trim(journal)
 
     def _drop_entry(self, dir_fd: int, name: str) -> None:
         """An entry the scan found that is not a page of ours: removed."""
@@ -424,23 +471,45 @@ class FileStorage(StorageBackend):
             except OSError:
                 pass
 
-    def _remove_all(self, raw_keys: List[bytes]) -> None:
-        """Removes the page files of `raw_keys` (given up by the index),
-        reached as every page is, never through a link."""
-        for raw in raw_keys:
+    def _trim(self, journal: PageJournal) -> None:
+        """(In a block of `journal`.) Gives up pages, the least recently used
+        page no stored page extends first, until the store's page files fit
+        the bound. A page whose file was used later than the index has it
+        (read by another process) takes its place in the order instead."""
+        index, bound = journal.index, self.max_bytes or 0
+        while index.total > bound:
+            leaf = index.pop_leaf()
+            if leaf is None:
+                return
+            raw, tick, size, parent = leaf
             try:
                 at = self._where(raw.hex(), create=False)
             except OSError:
-                continue
+                index.add(raw, size, parent, tick)  # kept: nothing said it is gone
+                self.count_error()
+                return
             if at is None:
+                journal.removed(raw)
                 continue
+            dir_fd, name = at
             try:
-                os.unlink(at[1], dir_fd=at[0])
-                self.removed_pages += 1
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_mtime_ns > tick:
+                    journal.added(raw, size, parent, st.st_mtime_ns)
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    os.unlink(name, dir_fd=dir_fd)
+                    self.removed_pages += 1
+                # (anything else there is no page: a read or write removes it)
+                journal.removed(raw)
+            except FileNotFoundError:
+                journal.removed(raw)
             except OSError:
-                pass
+                index.add(raw, size, parent, tick)
+                self.count_error()
+                return
             finally:
-                os.close(at[0])
+                os.close(dir_fd)
 
     def wait_indexed(self, timeout: Optional[float] = None) -> bool:
         """Waits for the start-up scan: whether it is done (the bound holds)."""
@@ -448,7 +517,8 @@ class FileStorage(StorageBackend):
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of the page files in the index (0 without `max_bytes`)."""
+        """Bytes of the page files in the index (the directory's, as far as
+        this process knows; 0 without `max_bytes`)."""
         return 0 if self._index is None else self._index.total
 
     def path(self, key: str) -> str:
@@ -556,6 +626,8 @@ class FileStorage(StorageBackend):
         self._prepare_dir(os.path.dirname(self.directory), parents=True)
         self._prepare_dir(self.directory, replace=True)
         self._open_top()
+        if self._journal is not None:
+            self._journal.attach(self._top)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -654,6 +726,8 @@ class FileStorage(StorageBackend):
             self._open_top()
         except OSError:
             return False
+        if self._journal is not None:
+            self._journal.attach(self._top)
         return True
 
     def _read(self, key: str, page: int, at: Tuple[int, str]) -> bool:
@@ -735,21 +809,9 @@ class FileStorage(StorageBackend):
         if self._top < 0:  # closed
             self.count_error()
             return False
-        raw_key = bytes.fromhex(key)
         raw_parent = None if parent is None else bytes.fromhex(parent)
-        index = self._index
-        if index is None:
-            return self._put(key, page, raw_parent, None)
-        # Removals for the bound and writes take turns: a page is never
-        # removed under its own rewrite.
-        with self._removing:
-            tick = index.tick()
-            if not self._put(key, page, raw_parent, tick):
-                return False
-            # (It may go at once, when the bound cannot hold it with its
-            # prefix: the write succeeded, as for a page removed later.)
-            self._remove_all(index.add(raw_key, self.file_bytes, raw_parent, tick))
-        return True
+        tick = None if self._index is None else self._index.tick()
+        return self._put(key, page, raw_parent, tick)
 
     def _put(self, key: str, page: int, parent: Optional[bytes], tick: Optional[int]) -> bool:
         """Writes page `key` (its header naming `parent`), its file's time
@@ -777,7 +839,7 @@ class FileStorage(StorageBackend):
             )
         for again in (False, True):
             try:
-                self._write(key, header, view, tick)
+                self._write(key, header, view, parent, tick)
                 return True
             except _InTheWay:
                 return False
@@ -798,7 +860,9 @@ class FileStorage(StorageBackend):
         self.count_error()
         return False
 
-    def _write(self, key: str, header: bytes, view, tick: Optional[int]) -> None:
+    def _write(
+        self, key: str, header: bytes, view, parent: Optional[bytes], tick: Optional[int]
+    ) -> None:
         """The page file of `key`: written under a temporary name (modified
         at `tick`, when given), renamed into place."""
         at = self._where(key, create=True)
@@ -822,7 +886,7 @@ class FileStorage(StorageBackend):
                     if tick is not None:
                         f.flush()
                         os.utime(fd, ns=(tick, tick))
-                self._replace(tmp, dir_fd, name)
+                self._place(key, tmp, dir_fd, name, parent, tick)
             except BaseException:
                 try:
                     os.unlink(tmp, dir_fd=dir_fd)
@@ -843,6 +907,20 @@ class FileStorage(StorageBackend):
             raise FileNotFoundError(errno.ENOENT, f"key directory {sub} removed")
         raise _InTheWay()
 
+    def _place(
+        self, key: str, tmp: str, dir_fd: int, name: str, parent: Optional[bytes], tick
+    ) -> None:
+        """Renames `tmp` into place as page `key`. A bounded store does it in
+        a journal block: the page is noted, then the bound kept."""
+        journal = self._journal
+        if journal is None:
+            self._replace(tmp, dir_fd, name)
+            return
+        with journal:
+            self._replace(tmp, dir_fd, name)
+            journal.added(bytes.fromhex(key), self.file_bytes, parent, tick)
+            self._trim(journal)
+
     def _replace(self, tmp: str, dir_fd: int, name: str) -> None:
         try:
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -859,5 +937,7 @@ class FileStorage(StorageBackend):
     def close(self) -> None:
         """Lets go of the store's directory: later calls fail (and count)."""
         self._top = -1
+        if self._journal is not None:
+            self._journal.close()
         for closer in self._top_closers:
             closer()
