@@ -89,6 +89,8 @@ def bare_walk(top: str) -> int:
     """The baseline: every page file's size and time, nothing read."""
     found = 0
     for sub in os.scandir(top):
+        if not sub.is_dir(follow_symlinks=False):
+            continue  # the bound's journal
         for entry in os.scandir(sub.path):
             if entry.name.endswith(".page"):
                 entry.stat(follow_symlinks=False)

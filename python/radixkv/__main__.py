@@ -14,11 +14,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         print(f"radixkv {__version__}")
         return 0
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if not argv or argv[0] in ("-h", "--help"):
         print("usage: radixkv [--version] COMMAND [options]\n\ncommands:")
         for name, what in commands.items():
             print(f"  {name:<8} {what}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if argv[0] not in commands:
+        print(
+            f"error: radixkv: unknown command {argv[0]!r} (commands: {', '.join(commands)}; "
+            "radixkv --help lists them)",
+            file=sys.stderr,
+        )
+        return 2
     from radixkv.replay.cli import main as replay_main
 
     return replay_main(argv[1:])

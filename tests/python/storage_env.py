@@ -1,10 +1,14 @@
 """What the storage tests share: a serving instance with host and storage
 tiers that checks every cached row it is handed, prompts, fingerprints, a
-host pool of random pages and page keys."""
+host pool of random pages, page keys, and a second user to attack a store
+as."""
 
 import hashlib
 import importlib.util
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -136,3 +140,27 @@ def host_pool(pages=8):
 
 def keys(n, salt="k"):
     return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
+
+
+NOBODY = 65534  # the uid and gid of user nobody (and group nogroup)
+
+
+def as_nobody(directory, script):
+    """Runs Python `script` as another user, nobody (uid and gid 65534, no
+    other group): a child that opens `directory` while it still may, as
+    `top` (a descriptor, `os` imported), then drops to nobody, so the
+    directories above `directory` need not be open to nobody. Needs root
+    (CAP_SETUID and CAP_SETGID). Returns the script's output."""
+    prelude = (
+        "import os, sys\n"
+        "top = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+        f"os.setgroups([])\nos.setgid({NOBODY})\nos.setuid({NOBODY})\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(script), str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout

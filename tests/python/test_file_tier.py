@@ -237,6 +237,50 @@ def test_a_page_file_out_of_its_place_is_removed_by_the_scan(tmp_path):
     assert again.stored_bytes == 0 and again.corrupt_pages == 2
 
 
+def test_stores_sharing_a_directory_share_its_bound(tmp_path):
+    """Two stores bound to 4 pages on one directory (two processes, or two
+    in one): the directory holds 4 pages, and what goes is the least
+    recently used page of either, one the other read since staying."""
+    a, b = bounded(tmp_path, 4), bounded(tmp_path, 4)
+    ka, kb = keys(3, "a"), keys(3, "b")
+    assert a.batch_set(ka, [0, 1, 2]) == [True] * 3
+    assert a.batch_get(ka[:1], [7]) == [True]  # a's first page is used last of a's
+    assert b.batch_set(kb, [3, 4, 5]) == [True] * 3
+    assert on_disk(a, ka + kb) == [True, False, False, True, True, True]
+    assert b.stored_bytes == 4 * PAGE_FILE and b.removed_pages == 2
+    kc = keys(2, "c")
+    assert a.batch_set(kc, [6, 7]) == [True] * 2  # a knows b's pages: ka[0], then kb[0] go
+    assert on_disk(a, ka[:1] + kb + kc) == [False, False, True, True, True, True]
+    assert a.stored_bytes == 4 * PAGE_FILE
+
+
+def test_a_journal_that_is_not_one_is_never_trusted_or_written_through(tmp_path):
+    """The bound's journal is a file at a name anyone can compute: a link
+    there is removed, never written through (the index comes from the scan
+    and the journal is written again), and a record cut short by a writer
+    that died is cut off."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    fs = bounded(tmp_path / "s", 4)
+    k = keys(3)
+    assert fs.batch_set(k, [0, 1, 2]) == [True] * 3
+    fs.close()
+    journal = os.path.join(fs.directory, "pages.journal")
+    os.unlink(journal)
+    os.symlink(outside, journal)
+    again = bounded(tmp_path / "s", 4)
+    assert outside.read_bytes() == b"keep" and not os.path.islink(journal)
+    assert again.stored_bytes == 3 * PAGE_FILE
+    with open(journal, "ab") as f:
+        f.write(b"+" + bytes(10))  # a record cut short
+    more = keys(2, "more")
+    assert again.batch_set(more, [3, 4]) == [True, True]  # one over the bound: one goes
+    assert sum(on_disk(again, k + more)) == 4
+    third = FileStorage(str(tmp_path / "s"), fingerprint(), max_bytes=4 * PAGE_FILE)
+    with third._journal:  # what the journal alone names, before any scan
+        assert len(third._index) == 4 and third._journal.read_whole
+
+
 def test_parents_must_match_the_keys(tmp_path):
     fs = bounded(tmp_path, 4)
     with pytest.raises(ValueError, match="parents"):

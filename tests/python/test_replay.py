@@ -247,6 +247,21 @@ def test_cli_trace_file_mistakes_name_the_file_and_line(tmp_path):
     one_error_line(run_cli("replay", str(empty)), "no requests")
 
 
+@pytest.mark.parametrize("line", ["[1, 2, 3]", '"x"', "null", "42"])
+def test_cli_trace_line_that_is_json_but_not_an_object_names_the_line(tmp_path, line):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n' + line + "\n"
+    )
+    one_error_line(run_cli("replay", str(trace)), "t.jsonl:2", "JSON object")
+
+
+def test_cli_unknown_command_gets_one_error_line():
+    one_error_line(run_cli("repaly"), "repaly", "replay")
+    one_error_line(run_cli("--bogus"), "--bogus")
+    assert run_cli("--help").returncode == run_cli().returncode == 0
+
+
 def test_cli_sweep_checks_out_before_replaying(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -152,6 +152,42 @@ def test_the_cli_bounds_a_store_it_is_given(tmp_path):
     assert 0 < page_bytes(tmp_path) <= 1 << 20
 
 
+def test_instances_sharing_a_store_share_its_bound(tmp_path):
+    """`--instances 2` are two processes with a FileStorage each on one
+    directory: the bound is the directory's, and the help says what it
+    counts."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "replay",
+            "--sessions",
+            "40",
+            "--json",
+            "--storage",
+            "file",
+            "--storage-dir",
+            str(tmp_path),
+            "--storage-max-mib",
+            "1",
+            "--instances",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert json.loads(out)["kv_mismatches"] == 0
+    assert 0 < page_bytes(tmp_path) <= 1 << 20
+    usage = subprocess.run(
+        [sys.executable, "-m", "radixkv", "replay", "--help"], capture_output=True, text=True
+    ).stdout
+    usage = " ".join(usage.split())
+    assert "the bytes of the page files" in usage and "disk blocks" in usage
+    assert "every instance that shares it" in usage
+
+
 @needs_mooncake
 def test_two_instances_sharing_mooncake_reach_the_optimum():
     requests = chat_sessions(40, BLOCK, seed=11)

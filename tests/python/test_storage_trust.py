@@ -23,7 +23,16 @@ from radixkv.kvcache import MHAKVCache
 from radixkv.scheduler import CacheManager
 from radixkv.storage import FileStorage, MooncakeMaster, MooncakeStorage, page_keys
 from radixkv.storage.file import HEADER, MAGIC, NO_PARENT, file_system_type
-from storage_env import KV, PAGE, Instance, fingerprint, host_pool, needs_mooncake, prompt
+from storage_env import (
+    KV,
+    NOBODY,
+    PAGE,
+    Instance,
+    fingerprint,
+    host_pool,
+    needs_mooncake,
+    prompt,
+)
 
 SECRET = b"a deployment secret shared by the instances"
 
@@ -65,6 +74,51 @@ def test_a_store_directory_others_can_write_to_is_refused_unless_shared(tmp_path
     with pytest.raises(PermissionError, match="writable by others.*shared=True"):
         FileStorage(str(d), fingerprint())
     FileStorage(str(d), fingerprint(), shared=True)  # on purpose: accepted
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_directories_made_above_the_store_get_its_mode_whatever_the_umask(tmp_path, shared):
+    """Under umask 000 the missing parents of a store's directory are made
+    with the store's own mode, never open to everyone."""
+    old = os.umask(0)
+    try:
+        FileStorage(str(tmp_path / "made/by/radixkv/store"), fingerprint(), shared=shared)
+    finally:
+        os.umask(old)
+    want = 0o770 if shared else 0o700
+    for d in ("made", "made/by", "made/by/radixkv", "made/by/radixkv/store"):
+        assert mode(tmp_path / d) == want, d
+
+
+def test_the_cli_leaves_its_store_directory_to_the_store_whatever_the_umask(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "radixkv", "replay", "--limit", "2", "--storage", "file"]
+        + ["--storage-dir", str(tmp_path / "made/store")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.umask(0),
+    )
+    assert r.returncode == 0, r.stderr
+    assert mode(tmp_path / "made") == mode(tmp_path / "made/store") == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another group needs root")
+def test_a_setgid_shared_store_keeps_its_group_on_every_directory_and_page(tmp_path):
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chown(d, -1, NOBODY)
+    os.chmod(d, 0o2770)
+    a = Instance(FileStorage(str(d), fingerprint(), shared=True))
+    ids = prompt(3, 1)
+    a.serve(ids)
+    backend = a.cm._storage.backend
+    page = backend.path(a.cm._storage.keys_of(ids)[0])
+    for p in (backend.directory, os.path.dirname(page)):
+        assert os.stat(p).st_gid == NOBODY and os.stat(p).st_mode & stat.S_ISGID, p
+        assert mode(p) & 0o777 == 0o770
+    assert os.stat(page).st_gid == NOBODY
+    a.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

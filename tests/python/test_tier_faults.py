@@ -29,7 +29,17 @@ from radixkv.scheduler import storage_tier as storage_tier_module
 from radixkv.scheduler import tiers as tiers_module
 from radixkv.storage import threads as storage_threads_module
 from radixkv.storage import FaultyStorage, FileStorage, MooncakeMaster, MooncakeStorage
-from storage_env import KV, PAGE, Instance, fingerprint, host_pool, keys, needs_mooncake, prompt
+from storage_env import (
+    KV,
+    NOBODY,
+    PAGE,
+    Instance,
+    fingerprint,
+    host_pool,
+    keys,
+    needs_mooncake,
+    prompt,
+)
 
 
 def finishes(fn, limit_s=20.0):
@@ -148,6 +158,58 @@ def test_a_directory_at_a_popular_page_path_does_not_turn_the_store_off(tmp_path
     a.close()
 
 
+def nest(path, depth):
+    """Makes `path` a directory `depth` levels deep (d/d/d/...), reached a
+    level at a time, so no path grows past PATH_MAX."""
+    os.mkdir(path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth - 1):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+
+
+def test_a_directory_1200_levels_deep_at_a_page_path_costs_only_its_page(tmp_path):
+    """Deeper than the interpreter's recursion limit: removed all the same,
+    the page written there, no batch failed and no direction backed off;
+    a bounded store's scan removes one too and indexes every other page."""
+    a = Instance(FileStorage(str(tmp_path / "store"), fingerprint()), host_pages=48)
+    tier = a.cm._storage
+    popular = prompt(10, 1)  # one page: each write of it is a batch of its own
+    a.serve(prompt(9, 1))
+    path = tier.backend.path(tier.keys_of(popular)[0])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    nest(path, 1200)
+    for _ in range(3):
+        a.evict_everything()
+        a.serve(popular)
+    assert os.path.isfile(path)  # the tree was removed and the page written
+    a.serve(prompt(11, 3))
+    counters = a.cm.storage_counters
+    assert counters.write_failures == 0 and counters.errors == 0, counters
+    assert counters.skipped_writes == counters.skipped_reads == 0
+    assert written(a.cm) == 1 + 1 + 3
+    a.close()
+    # The start-up scan of a bounded store meets one.
+    nest(path + ".deep", 1)  # (not a page's name: left alone)
+    os.unlink(path)
+    nest(path, 1200)
+    lost = []
+    hook, threading.excepthook = threading.excepthook, lambda args: lost.append(args)
+    try:
+        fs = FileStorage(str(tmp_path / "store"), fingerprint(), max_bytes=1 << 30)
+        fs.attach(host_pool())
+        assert fs.wait_indexed(60)
+    finally:
+        threading.excepthook = hook
+    assert lost == [], lost[0].exc_value
+    assert not os.path.lexists(path) and os.path.isdir(path + ".deep")
+    assert fs.stored_bytes == 4 * fs.file_bytes  # every other page indexed
+    assert fs.corrupt_pages == 1 and fs.errors == 0
+
+
 def test_an_entry_the_reader_may_not_read_is_a_miss_for_that_page(tmp_path):
     """EACCES on one page: a miss for it, removed, the store stays on. Run
     where permissions bind (root reads anything)."""
@@ -178,16 +240,82 @@ def test_an_entry_the_reader_may_not_read_is_a_miss_for_that_page(tmp_path):
     run_unprivileged(script, tmp_path)
 
 
-def run_unprivileged(script, tmp_path):
+def run_unprivileged(script, tmp_path, groups=()):
     """Runs `script` in a Python subprocess that permissions bind: as root,
-    without the capabilities that let root read and write any file."""
+    without the capabilities that let root read, write or remove any file
+    (and in the supplementary `groups`, when given)."""
     os.makedirs(tmp_path / "store", exist_ok=True)
     cmd = [sys.executable, "-c", script]
     if os.geteuid() == 0:
-        caps = "-dac_override,-dac_read_search"
+        caps = "-dac_override,-dac_read_search,-fowner"
         cmd = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"] + cmd
+        if groups:
+            cmd.insert(1, "--groups=" + ",".join(map(str, groups)))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="another user's entries need root, to act as a second user (nobody)"
+)
+def test_entries_the_engine_cannot_remove_cost_only_their_own_pages(tmp_path):
+    """In a store shared with a group, another member (nobody) puts a
+    directory of its own, a file in it, at a page's path, and makes a key
+    directory of its own, 0755 with a file in it: neither is the engine's to
+    remove or write in. Each costs the pages it holds, counted as bad
+    entries; no direction backs off, every other page is written and read."""
+    store = tmp_path / "store"
+    store.mkdir()
+    os.chown(store, 0, NOBODY)
+    os.chmod(store, 0o2770)
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from storage_env import PAGE, Instance, as_nobody, fingerprint, prompt
+        from radixkv.storage import FileStorage
+        a = Instance(FileStorage({str(store)!r}, fingerprint(), shared=True), host_pages=48,
+                     retry_after_s=60)
+        tier = a.cm._storage
+        a.serve(prompt(1, 1))                     # the store exists
+        taken = set(os.listdir(tier.backend.directory))
+
+        def pick(seed, pages):
+            # A prompt whose key directories are none of `taken`.
+            while {{k[:2] for k in tier.keys_of(prompt(seed, pages))}} & taken:
+                seed += 1
+            ids = prompt(seed, pages)
+            taken.update(k[:2] for k in tier.keys_of(ids))
+            return ids, tier.keys_of(ids)
+
+        (popular, (pop,)), (blocked, (blk,)) = pick(10, 1), pick(20, 1)
+        others = [pick(100 + 10 * k, 3)[0] for k in range(5)]
+        as_nobody(tier.backend.directory, f'''
+            os.mkdir("{{pop[:2]}}", dir_fd=top)          # a key directory all may write
+            os.chmod("{{pop[:2]}}", 0o2770, dir_fd=top)
+            os.mkdir("{{pop[:2]}}/{{pop}}.page", 0o755, dir_fd=top)
+            os.close(os.open("{{pop[:2]}}/{{pop}}.page/x", os.O_CREAT | os.O_WRONLY, dir_fd=top))
+            os.mkdir("{{blk[:2]}}", 0o755, dir_fd=top)   # nobody's alone
+            os.chmod("{{blk[:2]}}", 0o755, dir_fd=top)
+            os.close(os.open("{{blk[:2]}}/x", os.O_CREAT | os.O_WRONLY, dir_fd=top))
+        ''')
+        for _ in range(3):                        # each a batch of one page
+            a.evict_everything()
+            a.serve(popular)
+            a.serve(blocked)
+        for ids in others:
+            a.serve(ids)
+        c = a.cm.storage_counters
+        assert c.skipped_writes == c.skipped_reads == 0, c
+        assert not tier.writes_down() and not tier.reads_down()
+        assert c.write_failures == 6 and c.errors == 0 and c.corrupt_pages >= 6, c
+        assert c.written_pages == 1 + 5 * 3, c
+        a.evict_everything()
+        for ids in others:
+            assert a.serve(ids)[2] == 3 * PAGE
+        assert os.path.isdir(tier.backend.path(pop))  # still there: not ours to remove
+        print("ok")
+    """)
+    run_unprivileged(script, tmp_path, groups=[NOBODY])
 
 
 # -- 3. failing writes ------------------------------------------------------------------
@@ -1016,6 +1144,44 @@ def test_a_private_key_directory_replaced_by_a_file_recovers(tmp_path):
     assert os.path.isdir(sub) and fs.batch_get(k, [1]) == [True]
 
 
+@pytest.mark.parametrize("what", ["file", "fifo", "symlink"])
+def test_an_entry_in_place_of_the_configuration_directory_is_replaced(tmp_path, what):
+    """`<store>/<fingerprint[:16]>` is named from the public configuration:
+    whatever is in its place when the store starts, or is put there while it
+    serves, is removed (a bad entry) and the directory made, as for a key
+    directory; nothing is written through a link."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    probe = FileStorage(str(tmp_path / "probe"), fingerprint())
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    top = root / os.path.basename(probe.directory)
+
+    def plant():
+        if what == "file":
+            top.write_bytes(b"not a directory")
+        elif what == "fifo":
+            os.mkfifo(top)
+        else:
+            os.symlink(outside, top)
+
+    plant()
+    fs = FileStorage(str(root), fingerprint())
+    fs.attach(host_pool())
+    k = keys(2)
+    assert fs.batch_set(k[:1], [0]) == [True]
+    assert top.is_dir() and not top.is_symlink()
+    import shutil
+
+    shutil.rmtree(top)  # replaced while the store serves
+    plant()
+    assert fs.batch_set(k[1:], [1]) == [True]  # made again
+    assert top.is_dir() and not top.is_symlink()
+    assert fs.batch_get(k[1:], [2]) == [True]
+    assert fs.corrupt_pages == 2 and fs.errors == 0
+    assert list(outside.iterdir()) == []
+
+
 def test_a_backlog_of_slow_writes_never_holds_reads_back(tmp_path):
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     old = [prompt(560 + k, 2) for k in range(3)]
@@ -1086,6 +1252,46 @@ def test_a_key_directory_swapped_for_a_symlink_leads_nowhere_else(tmp_path):
     assert list(outside.iterdir()) == []  # nothing written through the link
     assert os.path.isdir(sub) and not os.path.islink(sub)
     a.close()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("call", ["exists", "read", "evict"])
+def test_nothing_outside_the_store_is_read_or_removed_through_a_swapped_key_directory(
+    tmp_path, call, shared
+):
+    """A key directory swapped for a link to a directory outside the store,
+    which holds a file at the page's name: prefetch's existence check (it
+    removes what is not a page of ours), a read (it would take a page of
+    ours) and the bound's removals never reach through the link."""
+    import shutil
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    probe = FileStorage(str(tmp_path / "probe"), fingerprint())
+    probe.attach(host_pool())
+    fs = FileStorage(
+        str(tmp_path / "store"), fingerprint(), max_bytes=2 * probe.file_bytes, shared=shared
+    )
+    fs.attach(host_pool())
+    assert fs.wait_indexed(30)
+    k = list({x[:2]: x for x in keys(40)}.values())[:3]  # in three key directories
+    assert fs.batch_set(k[:2], [0, 1]) == [True, True]
+    page = fs.path(k[0])
+    there = outside / os.path.basename(page)
+    if call == "exists":
+        there.write_bytes(b"not a page")  # what the store removes at a page's path
+    else:
+        shutil.copy(page, there)  # a page of ours, byte for byte
+    shutil.rmtree(os.path.dirname(page))
+    os.symlink(outside, os.path.dirname(page))
+    if call == "exists":
+        assert fs.batch_exists(k[:1]) == 0
+    elif call == "read":
+        assert fs.batch_get(k[:1], [5]) == [False]
+    else:
+        assert fs.batch_set(k[2:], [2]) == [True]  # over the bound: k[0] is given up
+    assert [p.name for p in outside.iterdir()] == [there.name]
+    assert fs.errors == 0
 
 
 def test_temporary_files_of_dead_writers_are_removed_at_start(tmp_path):

@@ -136,8 +136,10 @@ def build_parser(prog: str = "radixkv replay") -> argparse.ArgumentParser:
         "--storage-max-mib",
         type=positive,
         metavar="MIB",
-        help="--storage file: bound the store's page files to MIB MiB, removing "
-        "the least recently used page no stored page extends (default: unbounded)",
+        help="--storage file: bound the bytes of the page files in the directory to MIB "
+        "MiB, for every instance that shares it (the files' sizes: the disk blocks they "
+        "take, and the directories, come on top), removing the least recently used page "
+        "no stored page extends (default: unbounded)",
     )
     p.add_argument(
         "--storage-codec",
@@ -548,10 +550,7 @@ def _storage(args, kind: str):
         if args.storage_dir:
             if os.path.exists(args.storage_dir) and not os.path.isdir(args.storage_dir):
                 raise UsageError(f"--storage-dir {args.storage_dir} is not a directory")
-            try:
-                os.makedirs(args.storage_dir, exist_ok=True)
-            except OSError as e:
-                raise UsageError(f"--storage-dir {args.storage_dir}: {e.strerror or e}") from None
+            # (The store makes the directory, with its own mode.)
             yield StorageConfig(
                 "file",
                 directory=args.storage_dir,

@@ -43,6 +43,8 @@ def load_mooncake(path: str) -> List[Request]:
                 continue
             try:
                 r = json.loads(line)
+                if not isinstance(r, dict):
+                    raise TypeError(f"expected a JSON object, got {type(r).__name__}")
                 session = next((str(r[k]) for k in SESSION_FIELDS if r.get(k) is not None), None)
                 req = Request(
                     float(r["timestamp"]),

@@ -31,11 +31,15 @@ class PageIndex:
     A page whose parent is not in the store still counts: its prefix may be
     on the device or the host, where a prefetch starts after it.
 
+    With `max_bytes` None the index gives nothing up by itself: its owner
+    takes leaves with `pop_leaf` while a bound of its own is exceeded (a
+    file store whose bound is shared with other processes).
+
     Thread-safe: a store's reader and writer threads and its start-up scan
     share one index.
     """
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: Optional[int]):
         self.max_bytes = max_bytes
         self.total = 0  # bytes of the pages in the index
         self._lock = threading.Lock()
@@ -172,9 +176,16 @@ class PageIndex:
 
     def _trim(self) -> List[bytes]:
         gone: List[bytes] = []
-        if not self._complete:
+        if not self._complete or self.max_bytes is None:
             return gone
         while self.total > self.max_bytes and self._pages:
+            gone.append(self._pop_leaf()[0])
+        return gone
+
+    def _pop_leaf(self) -> Tuple[bytes, int, int, Optional[bytes]]:
+        """Gives up the least recently used leaf of a non-empty index: (its
+        key, tick, size, parent)."""
+        while True:
             if self._leaves:
                 tick, key = heapq.heappop(self._leaves)
                 entry = self._pages.get(key)
@@ -189,8 +200,35 @@ class PageIndex:
                 self._compact()
                 continue
             self._drop(key)
-            gone.append(key)
-        return gone
+            return key, entry[0], entry[1], entry[2]
+
+    def pop_leaf(self) -> Optional[Tuple[bytes, int, int, Optional[bytes]]]:
+        """Gives up the least recently used page no page in the index extends:
+        (its key, tick, size, parent); None when the index is empty or not
+        complete yet."""
+        with self._lock:
+            if not self._complete or not self._pages:
+                return None
+            return self._pop_leaf()
+
+    def tick_of(self, key: bytes) -> Optional[int]:
+        """The tick of page `key` (None: not in the index)."""
+        with self._lock:
+            entry = self._pages.get(key)
+            return None if entry is None else entry[0]
+
+    def entries(self) -> List[Tuple[bytes, int, int, Optional[bytes]]]:
+        """Every page: (key, tick, size, parent)."""
+        with self._lock:
+            return [(k, e[0], e[1], e[2]) for k, e in self._pages.items()]
+
+    def clear(self) -> None:
+        """Forgets every page (whether the index is complete stays as it was)."""
+        with self._lock:
+            self._pages.clear()
+            self._children.clear()
+            self._leaves.clear()
+            self.total = 0
 
     def leaves_first(self) -> List[bytes]:
         """Every key, in the order the index would give them up (for tests:
