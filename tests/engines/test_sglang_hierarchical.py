@@ -12,7 +12,8 @@ own HiCache (on the CPU with the tests' shims) and SGLang without one.
   HiCache's.
 - radixkv's file store as L3: two servers on one store share pages, a server
   started again on it is served from it, and (that server) many
-  conversations in flight with SGLang's forced retraction.
+  conversations in flight with SGLang's forced retraction; the three run the
+  three write policies.
 - radixkv's config: a quota on a flooding extra_key keeps another tenant's
   hits; float8 host pages give more host hits in the same host memory.
 Every server runs SGLang's idle leak check, logs no error and exits cleanly."""
@@ -247,8 +248,10 @@ def test_a_store_is_shared_by_servers_and_serves_one_started_again(python, model
     b = None
     try:
         first = chat(a)
-        # A second server on the same store, while the first serves.
-        b = serve(python, model, str(tmp_path / "b.log"), "radixkv", args)
+        # A second server on the same store, while the first serves (and
+        # backing up to host only what it evicts).
+        write_back = args + ["--hicache-write-policy", "write_back"]
+        b = serve(python, model, str(tmp_path / "b.log"), "radixkv", write_back)
         second = chat(b)
         codes = [idle_then_stop(a), idle_then_stop(b)]
     finally:
@@ -261,8 +264,9 @@ def test_a_store_is_shared_by_servers_and_serves_one_started_again(python, model
     assert sum(t.cached_tokens for t in second) > sum(t.cached_tokens for t in first)
     # One more started on the store after both stopped: served from it, with
     # conversations in flight together and SGLang retracting some of them.
+    selective = args + ["--hicache-write-policy", "write_through_selective"]
     c = serve(
-        python, model, str(tmp_path / "c.log"), "radixkv", args, env={"SGLANG_TEST_RETRACT": "1"}
+        python, model, str(tmp_path / "c.log"), "radixkv", selective, {"SGLANG_TEST_RETRACT": "1"}
     )
     try:
         again = [generate_detailed(c, ids, {}) for ids in _first_prompts(2)]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -49,6 +50,33 @@ from radixkv.storage import pool_fingerprint
 log = logging.getLogger("radixkv")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _into(out: torch.Tensor, ids, n: int) -> None:
+    """Writes the first `n` of `ids` (SGLang's array("q"), a list or a
+    tensor) into int32 `out[:n]` (an array is read in place, not element by
+    element)."""
+    if n == 0:
+        return
+    if isinstance(ids, array) and ids.typecode in "ilq":
+        kind = torch.int32 if ids.itemsize == 4 else torch.int64
+        out[:n] = torch.frombuffer(ids, dtype=kind, count=n)
+    elif isinstance(ids, torch.Tensor):
+        out[:n] = ids[:n]
+    else:
+        out[:n] = torch.as_tensor(ids[:n], dtype=torch.int64)
+
+
+def _tokens(ids, n: int, tail: bool = False) -> torch.Tensor:
+    """The first `n` token ids as an int32 tensor; with `tail`, one more
+    (0), which match_req and prefetch leave out: so all `n` are matched.
+    With `ids` empty the `n` are left for the caller to write."""
+    out = torch.empty(n + 1 if tail else n, dtype=torch.int32)
+    if tail:
+        out[n] = 0
+    if len(ids):
+        _into(out, ids, n)
+    return out
 
 
 class LayerCounter:
@@ -271,7 +299,7 @@ class HierarchicalCache:
     # -- matching -----------------------------------------------------------------------
 
     def _reset_root(self) -> None:
-        root, _ = self.cm.match_req(torch.zeros(1, dtype=torch.int32))
+        root, _ = self.cm.match_req(_tokens((), 0, tail=True))
         self.root_node = root
         self._empty_result = self._base.MatchResult(
             device_prefix_len=0,
@@ -281,11 +309,7 @@ class HierarchicalCache:
         )
 
     def _match(self, key):
-        ids = key.token_ids
-        n = len(key)
-        tokens = torch.zeros(n + 1, dtype=torch.int32)  # (match_req leaves the last one out)
-        if n:
-            tokens[:n] = torch.as_tensor(ids[:n] if n < len(ids) else ids, dtype=torch.int32)
+        tokens = _tokens(key.token_ids, len(key), tail=True)
         ns = namespace_name(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
         handle, _ = self.cm.match_req(tokens, namespace=ns)
         return handle
@@ -331,13 +355,13 @@ class HierarchicalCache:
     # -- locks --------------------------------------------------------------------------
 
     def _lock(self, node, unlock: bool) -> int:
-        before = self.cm.manager.size_info.evictable_size
+        before = self._tree.size_info()[0]
         if unlock:
             self.cm.unlock(node)
             self._give_back()  # (an unlock applies the quotas again)
         else:
             self.cm.lock(node)
-        return self.cm.manager.size_info.evictable_size - before
+        return self._tree.size_info()[0] - before
 
     def inc_lock_ref(self, node):
         return self._base.IncLockRefResult(delta=self._lock(node, False))
@@ -395,25 +419,32 @@ class HierarchicalCache:
 
     def check_hicache_events(self) -> None:
         """Applies finished copies (and storage reads and writes), releases
-        the locks of landed loads, hands freed pages to SGLang's allocator."""
+        the locks of landed loads, hands freed pages to SGLang's allocator.
+        Called every round, idle or not: with nothing in flight it only
+        publishes the round's KV events."""
         cm = self.cm
         if self._loads_queued:  # queued by a batch that never ran
             self.ready_to_load_host_cache()
-        cm.writing_check()
-        failed = cm.loading_check()
-        if failed:
-            # The forward pass has read those rows already: serving on
-            # would hand out K/V that never arrived.
-            raise RuntimeError(
-                f"radixkv: {len(failed)} loads from the host tier failed after their "
-                "batch ran; the server stops rather than serve wrong K/V"
-            )
-        if self._loading and not cm.in_flight.loads:
-            for handle, _ in self._loading:
-                cm.unlock(handle)
-            self._loading.clear()
-        if self.enable_storage:
+        flight = cm.in_flight
+        if flight.backups:
+            cm.writing_check()
+        if flight.loads or self._loading:
+            failed = cm.loading_check()
+            if failed:
+                # The forward pass has read those rows already: serving on
+                # would hand out K/V that never arrived.
+                raise RuntimeError(
+                    f"radixkv: {len(failed)} loads from the host tier failed after their "
+                    "batch ran; the server stops rather than serve wrong K/V"
+                )
+            if self._loading and not cm.in_flight.loads:
+                for handle, _ in self._loading:
+                    cm.unlock(handle)
+                self._loading.clear()
+        if flight.storage:
             cm.storage_check()
+        elif self.publisher is not None:
+            cm.flush_events()
         self._give_back()
         if self.exporter is not None:
             self.exporter.update()
@@ -440,7 +471,7 @@ class HierarchicalCache:
         if lock is None:
             self.cm.lock(old)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned]
-        ids = torch.as_tensor(token_ids[:aligned], dtype=torch.int32)
+        ids = _tokens(token_ids, aligned)
         priority = _priority(int(getattr(req, "priority", 0) or 0))
         new, indices = self.cm.cache_unfinished_req(old, ids, row.to("cpu", torch.int32), priority)
         self._give_back()
@@ -475,14 +506,15 @@ class HierarchicalCache:
         return self._base.EvictResult(num_tokens_evicted=evicted)
 
     def evictable_size(self) -> int:
-        return self.cm.manager.size_info.evictable_size
+        return self._tree.size_info()[0]
 
     def full_evictable_size(self) -> int:
         return self.evictable_size()
 
     def protected_size(self) -> int:
         # Pages loading count as the tree's, locked: SGLang's check sees them.
-        return self.cm.manager.size_info.protected_size + self.cm.in_flight.loading_tokens
+        loading = self.cm.in_flight.loading_tokens if self._loading else 0
+        return self._tree.size_info()[1] + loading
 
     def full_protected_size(self) -> int:
         return self.protected_size()
@@ -515,11 +547,9 @@ class HierarchicalCache:
         if not self.enable_storage or handle in self._prefetching:
             return None
         matched, new = len(matched_prefix_tokens), len(new_input_tokens)
-        tokens = torch.zeros(matched + new + 1, dtype=torch.int32)
-        if matched:
-            tokens[:matched] = torch.as_tensor(matched_prefix_tokens, dtype=torch.int32)
-        if new:
-            tokens[matched : matched + new] = torch.as_tensor(new_input_tokens, dtype=torch.int32)
+        tokens = _tokens((), matched + new, tail=True)  # (the rest written below)
+        _into(tokens, matched_prefix_tokens, matched)
+        _into(tokens[matched:], new_input_tokens, new)
         op = self.cm.prefetch(tokens, namespace=namespace_name(extra_key, cache_salt))
         if op is not None:
             self._prefetching[handle] = (op, time.monotonic(), new)
