@@ -308,6 +308,28 @@ def test_match_req_matches_all_but_the_last_token(p, t):
 
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("p", PS)
+def test_match_req_without_skip_last_matches_every_token(p, t):
+    """An engine whose input already stops where a prefix may be reused
+    (SGLang's key) matches all of it; an empty input is the root."""
+    cm = CacheManager(16, p, t)
+    Req(cm, seq(4 * p + 1, 10)).finish()
+    for n in range(0, 4 * p + 2):
+        ids = seq(n, 10)
+        for form in (ids, np.array(ids, dtype=np.int64), torch.tensor(ids, dtype=torch.int32)):
+            for ns in (None, "tenant"):
+                h, idx = cm.match_req(form, ns, skip_last=False)
+                cached = (4 * p + 1) // p * p  # the whole pages Req cached
+                want = min(n, cached) // p * p if t == "radix" and ns is None else 0
+                assert h.cached_len == want == len(idx)
+    before = state(cm)
+    with raises(TypeError, "skip_last"):
+        cm.match_req(seq(3), skip_last="no")
+    assert state(cm) == before
+    check(cm)
+
+
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("p", PS)
 def test_match_req_empty_input_raises(p, t):
     cm = CacheManager(8, p, t)
     Req(cm, seq(2 * p + 1)).finish()

@@ -257,8 +257,14 @@ class CacheManager:
     # -- matching and locking -------------------------------------------------
 
     @shielded
-    def match_req(self, input_ids, namespace=None) -> Tuple[BaseCacheHandle, torch.Tensor]:
-        """Match `input_ids[:-1]`: the last token is always computed."""
+    def match_req(
+        self, input_ids, namespace=None, *, skip_last: bool = True
+    ) -> Tuple[BaseCacheHandle, torch.Tensor]:
+        """Match `input_ids[:-1]`: the last token is always computed. An
+        engine whose input already leaves out the tokens it will compute
+        (SGLang's key stops where a prefix may be reused) passes
+        `skip_last=False` to match all of `input_ids` (none: the root)."""
+        skip = _flag(skip_last, "skip_last")
         tree = self._tree
         if tree is not None and self.device.type == "cpu" and self._matches_natively(namespace):
             # The tree reads and checks the input itself, without its last
@@ -270,20 +276,21 @@ class CacheManager:
                 n = None
             if n is not None:
                 ids = to_host(input_ids, "input_ids", self.device)  # (refuses other devices)
-                handle, indices = tree.match_prefix(ids, 0, True)
-                self._count_match(n - 1, handle)
+                handle, indices = tree.match_prefix(ids, 0, skip)
+                self._count_match(n - skip, handle)
                 self._refresh_claims((handle,))
                 return handle, indices
         ids = int32_tensor(input_ids, "input_ids", self.device)
         n = ids.shape[0]  # (a tensor's len() is a Python call)
-        if n == 0:
+        if n == 0 and skip:
             raise ValueError("input_ids must hold at least one token")
         ns = self._namespaces.id(namespace)
-        handle, indices = self.manager.match_prefix(ids[:-1], ns)
-        self._count_match(n - 1, handle)
+        asked = ids[:-1] if skip else ids
+        handle, indices = self.manager.match_prefix(asked, ns)
+        self._count_match(n - skip, handle)
         self._refresh_claims((handle,))
         if self._tiers.backs_up_on_match:
-            self._tiers.back_up(ids[:-1], ns)
+            self._tiers.back_up(asked, ns)
         return handle, indices
 
     def _matches_natively(self, namespace) -> bool:

@@ -36,6 +36,7 @@ import time
 from array import array
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from radixkv import _core
@@ -77,6 +78,16 @@ def _tokens(ids, n: int, tail: bool = False) -> torch.Tensor:
     if len(ids):
         _into(out, ids, n)
     return out
+
+
+def _ids(ids, n: int):
+    """The first `n` token ids as radixkv reads them fast: SGLang's
+    array("q") as a NumPy view (no copy), a tensor or a list sliced."""
+    if isinstance(ids, array) and ids.typecode in "ilq":
+        if n == 0:
+            return np.empty(0, dtype=np.int32)
+        return np.frombuffer(ids, dtype=np.int32 if ids.itemsize == 4 else np.int64, count=n)
+    return ids[:n] if n < len(ids) else ids
 
 
 class LayerCounter:
@@ -260,6 +271,8 @@ class HierarchicalCache:
             from radixkv.prometheus import CacheMetricsExporter
 
             self.exporter = CacheMetricsExporter(self.cm, labels={"tp_rank": str(tp_rank)})
+        self._busy = False  # whether copies may be in flight (check_hicache_events)
+        self._sizes: Optional[tuple] = None  # the tree's (evictable, protected), while unchanged
         self._reset_root()
         log.info(
             "radixkv: hierarchical cache: %d device pages, %d host pages (%s, %s%s), "
@@ -276,7 +289,11 @@ class HierarchicalCache:
     # -- pages between SGLang's allocator and the cache ---------------------------------
 
     def _give_back(self) -> None:
-        """Pages the tree gave up go to SGLang's allocator."""
+        """After a call that may have changed the cache: pages the tree gave
+        up go to SGLang's allocator, the sizes SGLang reads are read again,
+        and the next round looks for copies to apply."""
+        self._busy = True
+        self._sizes = None
         cm = self.cm
         if cm.free_pages:
             slots = cm.allocate(cm.free_pages * self.page_size)
@@ -299,7 +316,7 @@ class HierarchicalCache:
     # -- matching -----------------------------------------------------------------------
 
     def _reset_root(self) -> None:
-        root, _ = self.cm.match_req(_tokens((), 0, tail=True))
+        root, _ = self.cm.match_req(np.empty(0, dtype=np.int32), skip_last=False)
         self.root_node = root
         self._empty_result = self._base.MatchResult(
             device_prefix_len=0,
@@ -309,9 +326,9 @@ class HierarchicalCache:
         )
 
     def _match(self, key):
-        tokens = _tokens(key.token_ids, len(key), tail=True)
         ns = namespace_name(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
-        handle, _ = self.cm.match_req(tokens, namespace=ns)
+        # SGLang's key already stops where a prefix may be reused: all of it.
+        handle, _ = self.cm.match_req(_ids(key.token_ids, len(key)), ns, skip_last=False)
         return handle
 
     def match_prefix(self, params):
@@ -355,13 +372,13 @@ class HierarchicalCache:
     # -- locks --------------------------------------------------------------------------
 
     def _lock(self, node, unlock: bool) -> int:
-        before = self._tree.size_info()[0]
+        before = self.evictable_size()
         if unlock:
-            self.cm.unlock(node)
-            self._give_back()  # (an unlock applies the quotas again)
+            self.cm.unlock(node)  # (an unlock applies the quotas again)
         else:
             self.cm.lock(node)
-        return self._tree.size_info()[0] - before
+        self._give_back()
+        return self.evictable_size() - before
 
     def inc_lock_ref(self, node):
         return self._base.IncLockRefResult(delta=self._lock(node, False))
@@ -423,6 +440,10 @@ class HierarchicalCache:
         Called every round, idle or not: with nothing in flight it only
         publishes the round's KV events."""
         cm = self.cm
+        if not self._busy:  # nothing changed since the last round's copies landed
+            if self.exporter is not None:
+                self.exporter.update()
+            return
         if self._loads_queued:  # queued by a batch that never ran
             self.ready_to_load_host_cache()
         flight = cm.in_flight
@@ -446,6 +467,10 @@ class HierarchicalCache:
         elif self.publisher is not None:
             cm.flush_events()
         self._give_back()
+        flight = cm.in_flight
+        self._busy = bool(
+            flight.backups or flight.loads or flight.storage or self._loading or self._prefetching
+        )
         if self.exporter is not None:
             self.exporter.update()
 
@@ -471,7 +496,7 @@ class HierarchicalCache:
         if lock is None:
             self.cm.lock(old)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned]
-        ids = _tokens(token_ids, aligned)
+        ids = _ids(token_ids, aligned)
         priority = _priority(int(getattr(req, "priority", 0) or 0))
         new, indices = self.cm.cache_unfinished_req(old, ids, row.to("cpu", torch.int32), priority)
         self._give_back()
@@ -506,15 +531,19 @@ class HierarchicalCache:
         return self._base.EvictResult(num_tokens_evicted=evicted)
 
     def evictable_size(self) -> int:
-        return self._tree.size_info()[0]
+        if self._sizes is None:
+            self._sizes = self._tree.size_info()
+        return self._sizes[0]
 
     def full_evictable_size(self) -> int:
         return self.evictable_size()
 
     def protected_size(self) -> int:
         # Pages loading count as the tree's, locked: SGLang's check sees them.
+        if self._sizes is None:
+            self._sizes = self._tree.size_info()
         loading = self.cm.in_flight.loading_tokens if self._loading else 0
-        return self._tree.size_info()[1] + loading
+        return self._sizes[1] + loading
 
     def full_protected_size(self) -> int:
         return self.protected_size()
@@ -553,6 +582,7 @@ class HierarchicalCache:
         op = self.cm.prefetch(tokens, namespace=namespace_name(extra_key, cache_salt))
         if op is not None:
             self._prefetching[handle] = (op, time.monotonic(), new)
+            self._busy = True
         return None
 
     def check_prefetch_progress(self, handle) -> bool:
@@ -618,6 +648,8 @@ class HierarchicalCache:
         self._prefetching.clear()
         self._loaded.clear()
         self.counter.reset()
+        self._sizes = None
+        self._busy = True  # (the reset's events go out next round)
         self._reset_root()
 
     def release_host_resources(self) -> None:
