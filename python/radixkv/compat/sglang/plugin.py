@@ -11,12 +11,13 @@ What it serves: full-attention models (every layer keeps all tokens' K/V),
 page size 1 or more, `extra_key` / `cache_salt` namespaces, priorities, every
 eviction policy radixkv has (`--radix-eviction-policy lru|lfu|fifo|mru|
 priority`), KV events (`--kv-events-config`: one BlockStored per page, as
-SGLang publishes them). What it refuses, by name, at start-up: sliding-window
-and mamba hybrids, DSA models, speculative decoding's bigram keys, SGLang's
-hierarchical cache (HiCache keeps its host tier in SGLang's own tree; use
-SGLang's tree with radixkv's storage as its L3 instead, or radixkv's
-CacheManager for a host tier of radixkv's), and options that call SGLang's own
-trees (LMCache, FlexKV, the external linker, PD decode's host-pool retraction).
+SGLang publishes them). With `--enable-hierarchical-cache` it builds
+radixkv's whole cache instead (`radixkv.compat.sglang.hierarchical`: the
+host tier, the store, radixkv's config). What it refuses, by name, at
+start-up: sliding-window and mamba hybrids, DSA models, speculative decoding's
+bigram keys, tensor-, pipeline- or context-parallel ranks with the host tier,
+and options that call SGLang's own trees (LMCache, FlexKV, the external
+linker, PD decode's host-pool retraction).
 """
 
 from __future__ import annotations
