@@ -371,20 +371,16 @@ class HierarchicalCache:
 
     # -- locks --------------------------------------------------------------------------
 
-    def _lock(self, node, unlock: bool) -> int:
-        before = self.evictable_size()
-        if unlock:
-            self.cm.unlock(node)  # (an unlock applies the quotas again)
-        else:
-            self.cm.lock(node)
-        self._give_back()
-        return self.evictable_size() - before
-
     def inc_lock_ref(self, node):
-        return self._base.IncLockRefResult(delta=self._lock(node, False))
+        """Locks the path to `node` (SGLang reads no delta of ours)."""
+        self.cm.lock(node)
+        self._sizes = None
+        return self._base.IncLockRefResult()
 
     def dec_lock_ref(self, node, params=None):
-        return self._base.DecLockRefResult(delta=self._lock(node, True))
+        self.cm.unlock(node)  # (an unlock applies the quotas again)
+        self._give_back()
+        return self._base.DecLockRefResult()
 
     def inc_host_lock_ref(self, node):
         return self._base.IncLockRefResult(delta=0)
@@ -439,11 +435,11 @@ class HierarchicalCache:
         the locks of landed loads, hands freed pages to SGLang's allocator.
         Called every round, idle or not: with nothing in flight it only
         publishes the round's KV events."""
-        cm = self.cm
         if not self._busy:  # nothing changed since the last round's copies landed
             if self.exporter is not None:
                 self.exporter.update()
             return
+        cm = self.cm
         if self._loads_queued:  # queued by a batch that never ran
             self.ready_to_load_host_cache()
         flight = cm.in_flight
