@@ -411,6 +411,14 @@ py::object RadixTree_SizeInfo(PyRadixTree& t, PyObject* const*) {
   return py::make_tuple(sizes.first, sizes.second);
 }
 
+py::object RadixTree_EvictableSize(PyRadixTree& t, PyObject* const*) {
+  return py::int_(Locked(t, false, [&] { return t.tree.evictable_size(); }));
+}
+
+py::object RadixTree_ProtectedSize(PyRadixTree& t, PyObject* const*) {
+  return py::int_(Locked(t, false, [&] { return t.tree.protected_size(); }));
+}
+
 py::object RadixTree_HandleSlots(PyRadixTree& t, PyObject* const* a) {
   const Handle& h = AsHandle(a[0]);
   TensorSink slots;
@@ -1534,6 +1542,8 @@ constexpr Params kIsValid{"is_valid", {"handle"}, 1, 1};
 constexpr Params kSlotsOfHandle{"handle_slots", {"handle"}, 1, 1};
 constexpr Params kReset{"reset", {}, 0, 0};
 constexpr Params kSizeInfo{"size_info", {}, 0, 0};
+constexpr Params kEvictableSize{"evictable_size", {}, 0, 0};
+constexpr Params kProtectedSize{"protected_size", {}, 0, 0};
 constexpr Params kCheck{"check_integrity", {}, 0, 0};
 constexpr Params kDump{"dump", {"tiers", "namespaces"}, 2, 0};
 constexpr Params kTierSizes{"tier_sizes", {}, 0, 0};
@@ -1600,6 +1610,10 @@ PyMethodDef kTreeMethods[] = {
     {"reset", Fast<RadixTree_Reset, kReset>(), kFastCall, "Drop every node."},
     {"size_info", Fast<RadixTree_SizeInfo, kSizeInfo>(), kFastCall,
      "(evictable, protected) tokens."},
+    {"evictable_size", Fast<RadixTree_EvictableSize, kEvictableSize>(), kFastCall,
+     "Device tokens eviction may free (size_info's first)."},
+    {"protected_size", Fast<RadixTree_ProtectedSize, kProtectedSize>(), kFastCall,
+     "Device tokens locked against eviction (size_info's second)."},
     {"check_integrity", Fast<RadixTree_CheckIntegrity, kCheck>(), kFastCall,
      "Walk the tree and raise IntegrityError on a broken invariant."},
     {"dump", Fast<RadixTree_Dump, kDump>(), kFastCall,

@@ -272,7 +272,11 @@ class HierarchicalCache:
 
             self.exporter = CacheMetricsExporter(self.cm, labels={"tp_rank": str(tp_rank)})
         self._busy = False  # whether copies may be in flight (check_hicache_events)
-        self._sizes: Optional[tuple] = None  # the tree's (evictable, protected), while unchanged
+        # SGLang asks these every round: the tree answers in one native call.
+        # (Pages a load copies into are held, neither free nor evictable; at
+        # idle, where SGLang's leak check runs, there are none.)
+        self.evictable_size = self.full_evictable_size = tree.evictable_size
+        self.protected_size = self.full_protected_size = tree.protected_size
         self._reset_root()
         log.info(
             "radixkv: hierarchical cache: %d device pages, %d host pages (%s, %s%s), "
@@ -293,7 +297,6 @@ class HierarchicalCache:
         up go to SGLang's allocator, the sizes SGLang reads are read again,
         and the next round looks for copies to apply."""
         self._busy = True
-        self._sizes = None
         cm = self.cm
         if cm.free_pages:
             slots = cm.allocate(cm.free_pages * self.page_size)
@@ -374,7 +377,6 @@ class HierarchicalCache:
     def inc_lock_ref(self, node):
         """Locks the path to `node` (SGLang reads no delta of ours)."""
         self.cm.lock(node)
-        self._sizes = None
         return self._base.IncLockRefResult()
 
     def dec_lock_ref(self, node, params=None):
@@ -526,26 +528,8 @@ class HierarchicalCache:
             self.update_eviction_metrics(evicted, start)
         return self._base.EvictResult(num_tokens_evicted=evicted)
 
-    def evictable_size(self) -> int:
-        if self._sizes is None:
-            self._sizes = self._tree.size_info()
-        return self._sizes[0]
-
-    def full_evictable_size(self) -> int:
-        return self.evictable_size()
-
-    def protected_size(self) -> int:
-        # Pages loading count as the tree's, locked: SGLang's check sees them.
-        if self._sizes is None:
-            self._sizes = self._tree.size_info()
-        loading = self.cm.in_flight.loading_tokens if self._loading else 0
-        return self._sizes[1] + loading
-
-    def full_protected_size(self) -> int:
-        return self.protected_size()
-
     def total_size(self) -> int:
-        return self.evictable_size() + self.protected_size()
+        return self._tree.evictable_size() + self._tree.protected_size()
 
     def sanity_check(self) -> None:
         self.cm.check_integrity()
@@ -644,7 +628,6 @@ class HierarchicalCache:
         self._prefetching.clear()
         self._loaded.clear()
         self.counter.reset()
-        self._sizes = None
         self._busy = True  # (the reset's events go out next round)
         self._reset_root()
 
