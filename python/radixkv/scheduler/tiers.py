@@ -85,11 +85,11 @@ class Tiers:
         return self.host.loading_tokens if self.host is not None else 0
 
     def in_flight(self) -> InFlight:
+        host, storage = self.host, self.storage_in_flight()
+        if host is None:
+            return InFlight(0, 0, 0, storage)
         return InFlight(
-            self.backups_in_flight(),
-            self.loads_in_flight(),
-            self.loading_tokens(),
-            self.storage_in_flight(),
+            host.backups_in_flight, host.loads_in_flight, host.loading_tokens, storage
         )
 
     def back_up(self, tokens: torch.Tensor, ns: int) -> None:

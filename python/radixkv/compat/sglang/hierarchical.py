@@ -484,8 +484,8 @@ class HierarchicalCache:
         tokens meanwhile (its own go back to SGLang's allocator); its lock
         moves to the new match and `cache_protected_len` covers it."""
         kv = req.kv
-        token_ids = req.full_untruncated_fill_ids[:up_to]
-        aligned = len(token_ids) // self.page_size * self.page_size
+        token_ids = req.full_untruncated_fill_ids
+        aligned = min(up_to, len(token_ids)) // self.page_size * self.page_size
         protected = kv.cache_protected_len
         if aligned <= protected:
             return
@@ -500,9 +500,7 @@ class HierarchicalCache:
         self._give_back()
         n = new.cached_len
         if n > protected:
-            self.req_to_token_pool.write(
-                (kv.req_pool_idx, slice(protected, n)), self._engine(indices[protected:n])
-            )
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, n)), indices[protected:n])
         kv.cache_protected_len = n
         if hasattr(kv, "cache_inserted_len"):
             kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)

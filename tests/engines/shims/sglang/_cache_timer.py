@@ -6,6 +6,8 @@ next call after it: {method: [calls, cpu seconds]}, and under "all" the
 outermost calls' (a call one of these makes itself counts once there);
 "overhead" is what the timing itself adds to one call (the median over an
 empty call timed the same way, measured at start): subtract it per call.
+With RADIXKV_CACHE_PROFILE=PATH as well, the outermost calls also run
+under cProfile (thread CPU time), its stats dumped to PATH alongside.
 An SGLang plug-in (this venv's only); without the variable it changes
 nothing."""
 
@@ -41,14 +43,23 @@ def _wrap(cache, path):
     totals = {"all": [0, 0.0]}
     last = [0.0]
     depth = [0]
+    profile = None
+    if os.environ.get("RADIXKV_CACHE_PROFILE"):
+        import cProfile
+
+        profile = cProfile.Profile(time.thread_time)
 
     def timed(name, fn):
         def call(*args, **kwargs):
             t0 = time.thread_time()
             depth[0] += 1
+            if profile is not None and depth[0] == 1:
+                profile.enable()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if profile is not None and depth[0] == 1:
+                    profile.disable()
                 depth[0] -= 1
                 spent = time.thread_time() - t0
                 for key in (name, "all") if depth[0] == 0 else (name,):
@@ -61,6 +72,8 @@ def _wrap(cache, path):
                     with open(path + ".tmp", "w") as f:
                         json.dump(totals, f)
                     os.replace(path + ".tmp", path)
+                    if profile is not None:
+                        profile.dump_stats(os.environ["RADIXKV_CACHE_PROFILE"])
 
         return call
 
