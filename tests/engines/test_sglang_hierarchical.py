@@ -230,6 +230,10 @@ def test_the_public_trace_hits_as_the_offline_replay_and_at_least_hicache(runs, 
     assert replay.returncode == 0, replay.stderr
     offline = json.loads(replay.stdout)["token_hit_rate"]
     rate = ours / asked
+    print(
+        f"trace hit rate: server {rate:.4f}, offline replay {offline:.4f}, "
+        f"HiCache {theirs / asked:.4f} ({asked} tokens asked)"
+    )
     assert abs(rate - offline) <= 0.01, (rate, offline)
     assert ours >= theirs, (ours, theirs)
 
@@ -371,6 +375,7 @@ def test_radixkvs_config_quota_and_float8_host_pages(python, model, tmp_path):
             results[f"{name} code"] = idle_then_stop(server)
         finally:
             server.stop()
+    print("quota and float8:", results)
     assert results["plain victim"] < 0.5 < results["quota victim"], results
     assert results["float8 host"] >= 2 * results["plain host"] > 0, results
     for server in servers:
