@@ -82,7 +82,7 @@ def test_unsupported_combinations_are_refused_by_name(python):
         params = SimpleNamespace(is_eagle=False, enable_kv_cache_events=False)
         base = dict(is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False,
                     enable_hierarchical_cache=False, disable_radix_cache=False, params=params)
-        for change, word in [({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+        for change, word in [({"enable_hierarchical_cache": True, "tp_size": 2}, "--tp-size 2"),
                              ({"is_hybrid_swa": True}, "is_hybrid_swa"),
                              ({"is_hybrid_ssm": True}, "is_hybrid_ssm"),
                              ({"server_args": SimpleNamespace(enable_lmcache=True)},
