@@ -18,7 +18,15 @@ L, H, D = 3, 2, 8
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def planes(pages, page_size, dtype=torch.float32, device="cpu"):
+def planes(pages, page_size, dtype=torch.float32, device="cpu", interleaved=False):
+    """Each layer's keys and values, in tensors of their own or (`interleaved`,
+    as vLLM's CPU blocks `[slots, 2, ...]`) as the two halves of each slot of
+    one tensor per layer."""
+    if interleaved:
+        layers = [
+            torch.zeros(pages * page_size, 2, H, D, dtype=dtype, device=device) for _ in range(L)
+        ]
+        return [t[:, 0] for t in layers], [t[:, 1] for t in layers]
     make = [torch.zeros(pages * page_size, H, D, dtype=dtype, device=device) for _ in range(2 * L)]
     return make[:L], make[L:]
 
@@ -87,6 +95,30 @@ def test_rows_in_an_engines_layers_come_back_from_host_bit_for_bit(
     cm.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+def test_keys_and_values_interleaved_slot_by_slot_come_back_bit_for_bit(
+    device, page_size, host_layout
+):
+    pages = 8
+    k, v = planes(pages, page_size, device=device, interleaved=True)
+    pool = EngineKVPool(k, v, page_size)
+    layout = pool.copy_layout()
+    assert layout.row_stride == 2 * H * D * 4 and layout.page_stride == page_size * layout.row_stride
+    cm = CacheManager(
+        pages, page_size=page_size, host_num_pages=48, kv_cache=pool, host_layout=host_layout
+    )
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 5000, (6 * page_size + 1,), generator=g) for _ in range(6)]
+    from_host = 0
+    for _ in range(2):
+        for ids in prompts:
+            from_host += serve(cm, pool, k, v, ids.to(torch.int32))
+    assert from_host > 0 and cm.tier_counters.loaded_back > 0
+    cm.close()
+
+
 def test_the_copy_engine_reads_each_layer_through_its_own_address():
     k, v = planes(4, 2)
     pool = EngineKVPool(k, v, 2)
@@ -146,6 +178,11 @@ def test_the_copy_engine_reads_each_layer_through_its_own_address():
             lambda: EngineKVPool([torch.zeros(4, D, H).transpose(1, 2)], [torch.zeros(4, H, D)]),
             ValueError,
             "contiguous",
+        ),
+        (
+            lambda: EngineKVPool([torch.zeros(4, 2, H, D)[:, 0]], [torch.zeros(4, H, D)]),
+            ValueError,
+            "v_layers\\[0\\]'s slots must follow each other at k_layers\\[0\\]'s stride",
         ),
         (lambda: EngineKVPool([torch.zeros(4, H, D, dtype=torch.int32)], [torch.zeros(4, H, D)]), TypeError, "floating"),
     ],

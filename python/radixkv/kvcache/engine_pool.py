@@ -30,7 +30,10 @@ def _planes(layers, name: str) -> tuple:
 class EngineKVPool(PagedPool):
     """The device K/V an engine allocated itself: one tensor of keys and one
     of values per layer, `k_layers[l]` and `v_layers[l]`, each `[num_slots,
-    heads, head_dim]` rows (contiguous), slot `s` in page `s // page_size`.
+    heads, head_dim]` rows, slot `s` in page `s // page_size`. Each row is
+    contiguous; slots follow each other at one stride shared by every plane,
+    which may leave room between them (vLLM's CPU blocks `[blocks, 2 (K, V),
+    ...]`: a layer's keys are `t[:, 0]`, its values `t[:, 1]`).
     That is how SGLang keeps its pool (`MHATokenToKVPool.k_buffer` and
     `v_buffer`, slot 0's page a padding page it never hands out).
 
@@ -70,8 +73,13 @@ class EngineKVPool(PagedPool):
                         f"{first.dtype}, {first.device}), got ({tuple(t.shape)}, {t.dtype}, "
                         f"{t.device})"
                     )
-                if not t.is_contiguous():
-                    raise ValueError(f"{name}[{i}] must be contiguous")
+                if t.stride(2) != 1 or t.stride(1) != first.shape[2]:
+                    raise ValueError(f"{name}[{i}]'s rows [heads, head_dim] must be contiguous")
+                if t.stride(0) != first.stride(0) or t.stride(0) < first.shape[1] * first.shape[2]:
+                    raise ValueError(
+                        f"{name}[{i}]'s slots must follow each other at k_layers[0]'s stride "
+                        f"({first.stride(0)}, at least a row), got {t.stride(0)}"
+                    )
                 if t.requires_grad:
                     raise ValueError(f"{name}[{i}] requires grad")
         slots, heads, head_dim = first.shape
@@ -89,16 +97,17 @@ class EngineKVPool(PagedPool):
         self._dtype = first.dtype
         self._device = first.device
         self.memory_owners: List[torch.Tensor] = list(self._planes)
-        shape = (self._num_pages, page_size, heads, head_dim)
-        self._k_layers = tuple(t.view(shape) for t in k)
-        self._v_layers = tuple(t.view(shape) for t in v)
+        self._slot_stride = first.stride(0)
+        pages = (self._num_pages, page_size)
+        self._k_layers = tuple(t.unflatten(0, pages) for t in k)
+        self._v_layers = tuple(t.unflatten(0, pages) for t in v)
         self._layer_wait = None
 
     def copy_layout(self) -> CopyLayout:
         """Where this pool's rows lie within each layer's tensor (the side and
         layer strides are unused: `kv_buffer` gives each plane)."""
-        row = self._heads * self._head_dim * self._planes[0].element_size()
-        return CopyLayout(0, 0, row * self._page_size, row, self._page_size, self.num_slots, 2)
+        slot = self._slot_stride * self._planes[0].element_size()
+        return CopyLayout(0, 0, slot * self._page_size, slot, self._page_size, self.num_slots, 2)
 
     def side_copy_layouts(self) -> tuple:
         return ()
