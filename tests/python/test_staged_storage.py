@@ -1,12 +1,15 @@
-"""radixkv.compat.staged_storage: the store the engine adapters share."""
+"""radixkv.storage.staged: the store the engine adapters share, staged
+(StagedStorage) or over a host pool's own pages (HostPageIO)."""
 
 import time
 
 import pytest
 import torch
 
-from radixkv.compat import staged_storage
-from radixkv.compat.staged_storage import StagedStorage, storage_options
+from radixkv.storage import staged as staged_storage
+from radixkv.kvcache.engine_pool import EngineKVPool
+from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.storage.staged import HostPageIO, StagedStorage, storage_options
 from radixkv.storage import FileStorage, page_keys
 
 FP = b"f" * 32
@@ -94,3 +97,49 @@ def test_a_slow_store_is_waited_for_within_the_bound(tmp_path, monkeypatch):
     assert s.exists(names, bounded=True) == 2
     assert s.exists(names) == 2  # unbounded: asked on the caller's thread
     s.close()
+
+
+def _host_pool(pages=8):
+    k = [torch.zeros(4, 2, 8) for _ in range(2)]
+    return HostKVCache(
+        EngineKVPool(k, [t.clone() for t in k], page_size=1),
+        num_pages=pages,
+        layout="page_first",
+        pin_memory=False,
+    )
+
+
+def _done(io, ops):
+    """The finished calls' flags by op, once `ops` calls have finished."""
+    got = {}
+    deadline = time.monotonic() + 30
+    while len(got) < ops and time.monotonic() < deadline:
+        got.update(io.take_done())
+        time.sleep(0.01)
+    return got
+
+
+def test_host_pages_are_written_and_read_in_place_in_order(tmp_path):
+    host = _host_pool()
+    pages = host.kv_buffer.view(8, -1)
+    for p in range(8):
+        pages[p].fill_(float(p + 1))
+    options = {"backend": "file", "directory": str(tmp_path)}
+    io = HostPageIO.open_for(options, FP, host)
+    names = page_keys(list(range(12)), 4, b"s" * 32)  # three pages' names
+    io.write(1, names[:2], [2, 5])
+    io.read(2, names, [6, 7, 0])  # queued behind the write: the first two are there
+    got = _done(io, 2)
+    assert got == {1: [True, True], 2: [True, True, False]}
+    assert torch.equal(pages[6], torch.full_like(pages[6], 3.0))
+    assert torch.equal(pages[7], torch.full_like(pages[7], 6.0))
+    assert torch.equal(pages[0], torch.full_like(pages[0], 1.0))  # a miss leaves it
+    assert io.in_flight == 0 and io.exists(names) == 2
+    with pytest.raises(ValueError, match="names .2. and pages .1. must pair up"):
+        io.write(3, names[:2], [1])
+    assert io.in_flight == 0
+    io.close()
+    # Another instance over the same directory, same fingerprint, reads them.
+    other = HostPageIO.open_for(options, FP, _host_pool())
+    assert other.exists(names) == 2
+    other.close()

@@ -7,6 +7,8 @@
   `cache_finished_req`, `cache_unfinished_req`, `extra_key` namespaces
   included), the `--radix-cache-backend radixkv` plug-in and radixkv's
   storage as HiCache's L3.
-- `radixkv.compat.vllm_connector`: vLLM's KV connector over radixkv's host
-  tier and storage.
+- `radixkv.compat.vllm`: vLLM's KV connector over radixkv's host tier and
+  storage (`radixkv.compat.vllm_connector`, its first module path, still
+  builds it). What adapters share lives below: `radixkv.storage.staged`,
+  `radixkv.kvcache.host_pages`.
 """

@@ -327,3 +327,44 @@ class HostKVCache:
             f"layout={self._layout}, dtype={self.dtype}, pinned={self.pinned}"
             + (f", codec={self._codec})" if self._codec is not None else ")")
         )
+
+
+def copy_controller(device_pool: DevicePool, host_pool: HostKVCache, manual: bool = False):
+    """The copy controller (`_core.CacheController`) between `device_pool`
+    and its host pool: whole pages of every plane, backups and layer-wise
+    loads on its own thread (`manual`: when a test says), on the CPU with
+    memcpy and on CUDA on copy streams. It keeps the memory both pools'
+    copies use, whatever is done to their tensors meanwhile."""
+    from radixkv import _core
+
+    keep = (device_pool.memory_owners, host_pool.memory_owners)
+    # Each side buffer is a plane of its own, moved with the K/V.
+    planes = [
+        (dev, list(dl), host, list(hl), rb)
+        for (dev, dl, rb), (host, hl, _) in zip(
+            device_pool.side_copy_layouts(), host_pool.side_copy_layouts()
+        )
+    ]
+    args = (
+        device_pool.kv_buffer,
+        list(device_pool.copy_layout()),
+        host_pool.copy_buffer,
+        list(host_pool.copy_layout()),
+        host_pool.row_bytes,
+        device_pool.num_layers,
+    )
+    codec = host_pool.codec_copy()  # (with a codec: the host's scales)
+    kind = device_pool.device.type
+    if kind == "cpu":
+        return _core.CacheController(*args, manual, planes, keep, codec)
+    if kind == "cuda":
+        from radixkv._native import require_cuda_extension
+
+        # copy streams, events and the transfer kernel
+        cuda = require_cuda_extension("a host tier of a CUDA pool")
+        engine = cuda.copy_engine(*args, side_planes=planes, codec=codec)
+        return _core.CacheController(engine, manual, keep)
+    raise TypeError(
+        f"kv_cache must be on the CPU or a CUDA device for the host tier's copies, got one "
+        f"on {kind}"
+    )

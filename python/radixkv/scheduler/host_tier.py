@@ -10,9 +10,8 @@ from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from radixkv import _core
-from radixkv._native import require_cuda_extension
 from radixkv.kvcache.base import BaseCacheHandle
-from radixkv.kvcache.host_pool import HostKVCache
+from radixkv.kvcache.host_pool import HostKVCache, copy_controller
 from radixkv.kvcache.engine_pool import DevicePool
 from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.quotas import quota_excess
@@ -119,53 +118,7 @@ class HostTier:
             self.pool: Optional[HostKVCache] = HostKVCache(
                 kv_cache, host_num_pages, layout=host_layout, codec=codec
             )
-            row_bytes = self.pool.row_bytes
-            device_layout = list(kv_cache.copy_layout())
-            host_copy_layout = list(self.pool.copy_layout())
-            kind = kv_cache.device.type
-            # The controller keeps the memory its copies use, whatever is done
-            # to the pools' storage meanwhile.
-            keep = (kv_cache.memory_owners, self.pool.memory_owners)
-            # Each side buffer is a plane of its own, moved with the K/V.
-            planes = [
-                (dev, list(dl), host, list(hl), rb)
-                for (dev, dl, rb), (host, hl, _) in zip(
-                    kv_cache.side_copy_layouts(), self.pool.side_copy_layouts()
-                )
-            ]
-            codec_arg = self.pool.codec_copy()  # (with a codec: the host's scales)
-            if kind == "cpu":
-                self.controller = _core.CacheController(
-                    kv_cache.kv_buffer,
-                    device_layout,
-                    self.pool.copy_buffer,
-                    host_copy_layout,
-                    row_bytes,
-                    kv_cache.num_layers,
-                    manual,
-                    planes,
-                    keep,
-                    codec_arg,
-                )
-            elif kind == "cuda":
-                # copy streams, events and the transfer kernel
-                cuda = require_cuda_extension("a host tier of a CUDA pool")
-                engine = cuda.copy_engine(
-                    kv_cache.kv_buffer,
-                    device_layout,
-                    self.pool.copy_buffer,
-                    host_copy_layout,
-                    row_bytes,
-                    kv_cache.num_layers,
-                    side_planes=planes,
-                    codec=codec_arg,
-                )
-                self.controller = _core.CacheController(engine, manual, keep)
-            else:
-                raise TypeError(
-                    f"kv_cache must be on the CPU or a CUDA device for the host "
-                    f"tier's copies, got one on {kind}"
-                )
+            self.controller = copy_controller(kv_cache, self.pool, manual)
         else:
             # Bookkeeping only (capacity planning): copies succeed at once.
             self.pool = None

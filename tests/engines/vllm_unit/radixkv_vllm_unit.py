@@ -13,8 +13,7 @@ What it changes, per test, with pytest's monkeypatch (no vLLM code is copied):
   tmp_path, `kv_load_failure_policy` "recompute".
 * the connector-agnostic modules of tests/v1/kv_connector/unit (GENERIC
   below): `create_vllm_config()`'s default (NixlConnector) becomes
-  RadixkvConnector; a test that asks for `kv_load_failure_policy` "fail"
-  is skipped (RadixkvConnector refuses "fail" by design).
+  RadixkvConnector, under the policy the test asks for.
 * `facebook/opt-125m` resolves offline to the repository's tiny Llama in a
   Hugging Face cache of its own (HF_HOME under the cache dir): these tests
   read a model's config and never run it. The encoder-cache connector
@@ -46,7 +45,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 SUBSTITUTE = os.environ.get("RADIXKV_VLLM_SUBSTITUTE", "1") != "0"
 HOST_BYTES = int(os.environ.get("RADIXKV_VLLM_HOST_BYTES", 64 << 20))
-MODULE = os.environ.get("RADIXKV_VLLM_CONNECTOR_MODULE", "radixkv.compat.vllm_connector")
+MODULE = os.environ.get("RADIXKV_VLLM_CONNECTOR_MODULE", "radixkv.compat.vllm")
 
 # tests/v1/kv_connector/unit modules whose tests are about the scheduler's
 # handling of any connector (they build a scheduler via create_vllm_config /
@@ -88,13 +87,18 @@ def _fake_hf_cache() -> None:
 _fake_hf_cache()
 
 
-def _radixkv_transfer_config(real, kw: dict, directory: str, policy: str):
+def _radixkv_transfer_config(real, kw: dict, directory: str):
+    policy = (
+        {"kv_load_failure_policy": kw["kv_load_failure_policy"]}
+        if ("kv_load_failure_policy" in kw)
+        else {}
+    )
     return real(
         kv_connector="RadixkvConnector",
         kv_connector_module_path=MODULE,
         kv_role=kw.get("kv_role", "kv_both"),
         kv_connector_extra_config=_extra(directory),
-        kv_load_failure_policy=policy,
+        **policy,
     )
 
 
@@ -102,17 +106,12 @@ def _extra(directory: str) -> dict:
     return {"backend": "file", "directory": directory, "host_bytes": HOST_BYTES}
 
 
-def _skip_if_fail_policy(fn):
+def _skip_if_refused(fn):
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ValueError as e:
-            if "kv_load_failure_policy" in str(e):
-                pytest.skip(
-                    "test needs kv_load_failure_policy 'fail'; RadixkvConnector "
-                    "refuses it by design"
-                )
-            if str(e).startswith("radixkv's vLLM connector serves"):
+            if str(e).startswith("radixkv's vLLM connector: it serves"):
                 pytest.skip(f"RadixkvConnector refuses this layout by design: {e}")
             raise
 
@@ -135,7 +134,7 @@ def _radixkv_connector(request, monkeypatch, tmp_path):
 
             def kvt(*args, _real=real, **kw):
                 if kw.get("kv_connector") == "ExampleConnector":
-                    return _radixkv_transfer_config(_real, kw, directory, "recompute")
+                    return _radixkv_transfer_config(_real, kw, directory)
                 return _real(*args, **kw)
 
             monkeypatch.setattr(mod, "KVTransferConfig", kvt)
@@ -149,11 +148,10 @@ def _radixkv_connector(request, monkeypatch, tmp_path):
                 kw["kv_connector_module_path"] = MODULE
                 kw["kv_role"] = "kv_both"
                 kw["kv_connector_extra_config"] = _extra(directory)
-                kw.setdefault("kv_load_failure_policy", "recompute")
             return real_cfg(*args, **kw)
 
         monkeypatch.setattr(mod, "create_vllm_config", create_vllm_config)
-        monkeypatch.setattr(mod, "create_scheduler", _skip_if_fail_policy(mod.create_scheduler))
+        monkeypatch.setattr(mod, "create_scheduler", _skip_if_refused(mod.create_scheduler))
     yield
 
 
@@ -181,18 +179,21 @@ def _record_connectors(request, monkeypatch):
     yield
     # Our own invariants (not vLLM's): no per-request state is left for a
     # request vLLM has finished (request_finished drops it), and no host page
-    # stays pinned once no request is waiting on a load (every step's plan
-    # unpins its pages).
+    # stays pinned once no copy is outstanding and no request holds pages
+    # offered to it.
     problems = []
     for c in ours:
-        left = [rid for rid, st in c._reqs.items() if st.request.is_finished()]
+        sc = c.scheduler
+        if sc is None:
+            c.shutdown()
+            continue
+        left = [rid for rid, st in sc._reqs.items() if st.request.is_finished()]
         if left:
             problems.append(f"state left for finished requests {left}")
-        waiting = any(st.load is not None for st in c._reqs.values())
-        if c.index is not None and c.index.pinned() and not waiting:
-            problems.append(f"host pages left pinned: {c.index.pinned()}")
-        if c.storage is not None:
-            c.shutdown()
+        holding = any(st.claim or st.prefetched for st in sc._reqs.values())
+        if sc.index is not None and sc.index.pinned() and not sc._ops and not holding:
+            problems.append(f"host pages left pinned: {sc.index.pinned()}")
+        c.shutdown()
     if problems:
         pytest.fail("RadixkvConnector: " + "; ".join(problems))
 
@@ -214,9 +215,19 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(
         reason="names a LLaVA model, whose config needs torchvision " "(not in the CPU venv)"
     )
+    # These assert the base class's default (a producer must deliver its KV);
+    # radixkv's connector is a cache, which vLLM's docs say returns False.
+    best_effort = pytest.mark.skip(
+        reason="asserts requires_kv_delivery is the producer role's default; RadixkvConnector "
+        "is a best-effort cache (a dropped save is a future miss) and returns False"
+    )
     for item in items:
         if "ec_connector" in item.name:
             item.add_marker(skip)
+        if item.name == "test_requires_kv_delivery_defaults_to_producer_role" or (
+            item.name == "test_kv_pressure_preempt_mid_handoff[kv_producer-False]"
+        ):
+            item.add_marker(best_effort)
     if os.environ.get("RADIXKV_VLLM_SELECT", "1") == "0":
         return
     keep, drop = [], []

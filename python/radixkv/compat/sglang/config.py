@@ -30,7 +30,7 @@ page_first), --hicache-io-backend (kernel or direct: both are radixkv's copy
 engine here), --hicache-storage-backend (file, mooncake, or dynamic naming
 radixkv's `radixkv.compat.sglang.hicache_storage`) with
 --hicache-storage-backend-extra-config (radixkv's storage options, see
-radixkv.compat.staged_storage, and SGLang's prefetch_threshold,
+radixkv.storage.staged, and SGLang's prefetch_threshold,
 prefetch_timeout_base and prefetch_timeout_per_ki_token), and
 --hicache-storage-prefetch-policy. `--kv-events-config` with the zmq
 publisher gives radixkv's publisher (epochs, a replay socket, snapshots) in
@@ -122,7 +122,7 @@ class Quota:
 
 @dataclasses.dataclass
 class Storage:
-    """The storage tier: the backend's options (staged_storage's), and
+    """The storage tier: the backend's options (storage.staged's), and
     SGLang's prefetch knobs."""
 
     options: Dict[str, Any]

@@ -41,7 +41,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from radixkv import _core
-from radixkv.compat.staged_storage import StagedStorage, storage_options
+from radixkv.storage.staged import StagedStorage, storage_options
 from radixkv.storage import config_fingerprint
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -42,7 +42,7 @@ import torch
 from radixkv import _core
 from radixkv.compat.sglang.config import Settings, namespace_name
 from radixkv.compat.sglang.radix_cache import _priority
-from radixkv.compat.staged_storage import open_backend, storage_options
+from radixkv.storage.staged import open_backend, storage_options
 from radixkv.kvcache import EngineKVPool
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.scheduler import CacheManager, StorageFaultPolicy
