@@ -15,9 +15,12 @@ radixkv is the connector's file store (in a temporary directory) behind
 vLLM's own prefix cache ("radixkv"), or radixkv's host tier (256 MiB) in
 front of that store ("radixkv+host"), and a third figure is the same prompt
 once more after vLLM's prefix cache is reset: served from radixkv's host
-pages or store, or computed again without it. The row "connector" is vLLM
-with a connector that does nothing (it finds nothing, loads and saves
-nothing): what vLLM's connector path costs by itself."""
+pages or store, or computed again without it; "+host async" is
+"radixkv+host" with every load asynchronous (`async_load_blocks` 1). The
+row "connector" is vLLM with a connector that does nothing (it finds
+nothing, loads and saves nothing): what vLLM's connector path costs by
+itself. `--float8`: then the host tier alone, float32 against float8 pages
+in the same bytes, on prompts four times what float32 pages hold."""
 
 import argparse
 import os
@@ -54,7 +57,8 @@ def measure(server, samples: int, seed: int):
 
 
 NULL_CONNECTOR = textwrap.dedent("""
-    from radixkv.compat.vllm_connector import RadixkvConnector, RadixkvConnectorMetadata
+    from radixkv.compat.vllm import RadixkvConnector
+    from radixkv.compat.vllm.metadata import RadixkvConnectorMetadata
 
 
     class NullConnector(RadixkvConnector):
@@ -64,6 +68,42 @@ NULL_CONNECTOR = textwrap.dedent("""
         def build_connector_meta(self, scheduler_output):
             return RadixkvConnectorMetadata()
 """)
+
+# vLLM's rows: the kv_connector_extra_config of each ("store" is a fresh
+# directory), None for vLLM alone.
+HOST = 256 << 20
+VLLM_ROWS = {
+    "vllm": None,
+    "connector": "null",
+    "radixkv": {},
+    "radixkv+host": {"host_bytes": HOST},
+    "+host async": {"host_bytes": HOST, "async_load_blocks": 1},
+}
+
+
+def float8_hits(python, model, tmp, prompts: int = 12, blocks: int = 40):
+    """Cached tokens of `prompts` distinct prompts of `blocks` blocks sent
+    again after vLLM's reset, from radixkv's host tier alone holding a
+    quarter of them in float32 pages, float32 against float8 pages in the
+    same bytes, sent again newest first."""
+    rng = random.Random(9)
+    work = [[rng.randrange(3, 1000) for _ in range(blocks * 32)] for _ in range(prompts)]
+    host_bytes = prompts * blocks // 4 * (2 * 2 * 32 * 2 * 32 * 4)
+    out = {}
+    for codec in (None, "float8"):
+        extra = {"backend": "none", "host_bytes": host_bytes}
+        if codec:
+            extra["host_codec"] = codec
+        server = vllm_server(python, model, os.path.join(tmp, f"f8-{codec}.log"), extra)
+        try:
+            for ids in work:
+                complete(server, ids, {}, 1)
+            server.post("/reset_prefix_cache", {})
+            # Newest first: float32 pages hold the last quarter whole.
+            out[codec or "float32"] = sum(complete(server, ids, {}, 1)[1] for ids in work[::-1])
+        finally:
+            server.stop()
+    return host_bytes, out
 
 
 def measure_vllm(server, samples: int, seed: int):
@@ -98,6 +138,9 @@ def main() -> None:
     ap.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument(
+        "--float8", action="store_true", help="vLLM: also float8 against float32 host pages"
+    )
     args = ap.parse_args()
     var = f"RADIXKV_{args.engine.upper()}_VENV"
     venv = os.environ.get(var)
@@ -107,30 +150,31 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-engines-")
     model = build_model(python, os.path.join(tmp, "model"))
     own = args.engine
-    results = {own: [], "radixkv": []}
     if own == "vllm":
-        results["radixkv+host"] = []
-        results["connector"] = []
+        results = {name: [] for name in VLLM_ROWS}
         with open(os.path.join(tmp, "null_connector.py"), "w") as f:
             f.write(NULL_CONNECTOR)
+    else:
+        results = {own: [], "radixkv": []}
     for r in range(args.rounds):
         for name in results:
-            log = os.path.join(tmp, f"{name}-{r}.log")
+            log = os.path.join(tmp, f"{name.replace(' ', '-')}-{r}.log")
             if args.engine == "sglang":
                 server = sglang_server(python, model, log, None if name == own else "radixkv")
-            elif name == "connector":
+            elif VLLM_ROWS[name] == "null":
                 server = vllm_server(
                     python,
                     model,
                     log,
                     tempfile.mkdtemp(dir=tmp),
                     "null_connector:NullConnector",
-                    {"PYTHONPATH": tmp},
+                    {"PYTHONPATH": os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")])},
                 )
             else:
-                store = None if name == own else tempfile.mkdtemp(prefix="store-", dir=tmp)
-                if name == "radixkv+host":
-                    store = {"backend": "file", "directory": store, "host_bytes": 256 << 20}
+                extra = VLLM_ROWS[name]
+                store = None
+                if extra is not None:
+                    store = {"backend": "file", "directory": tempfile.mkdtemp(dir=tmp), **extra}
                 server = vllm_server(python, model, log, store)
             try:
                 run = measure if args.engine == "sglang" else measure_vllm
@@ -160,6 +204,22 @@ def main() -> None:
         print(
             f"{other} / {own}: "
             + ", ".join(f"{n} {y / x:.2f}" for n, x, y in zip(names, a[:-1], b[:-1]))
+        )
+    if own != "vllm":
+        return
+    base = med["connector"][3]
+    for name in ("radixkv", "radixkv+host", "+host async"):
+        m = med[name]
+        print(
+            f"{name}: req/s {m[3] / base:.2f} of the do-nothing connector's; "
+            f"after reset {m[2] / m[1]:.2f}x its own device hit"
+        )
+    if args.float8:
+        host_bytes, hits = float8_hits(python, model, tmp)
+        print(
+            f"host tier alone, {host_bytes >> 20} MiB: cached tokens after a reset "
+            + ", ".join(f"{k} {v}" for k, v in hits.items())
+            + (f" ({hits['float8'] / hits['float32']:.2f}x)" if hits["float32"] else "")
         )
 
 

@@ -153,12 +153,16 @@ class SchedulerSide:
         st.start = start
         have = index.run(st.names)  # ready host pages from the first block
         st.saved = max(st.saved, have)
-        if self.store is not None and have < len(st.names) and not st.tried_store:
+        # The store is asked about the blocks neither vLLM nor the host has
+        # (on the scheduler's thread: a chain vLLM holds costs nothing).
+        first = max(have, start)
+        if self.store is not None and first < usable and not st.tried_store:
             st.tried_store = True
-            more = self.store.exists(st.names[have:], bounded=True)  # waits a bounded time
+            more = self.store.exists(st.names[first:], bounded=True)  # waits a bounded time
             if more:
-                st.saved = max(st.saved, have + more)
-                if self._prefetch(st, max(have, start), have + more, usable):
+                if first == have:
+                    st.saved = max(st.saved, have + more)
+                if self._prefetch(st, first, first + more, usable):
                     return None, False
         # Offer the ready pages from `start` on.
         pages: List[int] = []
