@@ -68,8 +68,9 @@ def test_a_pending_page_is_no_hit_until_its_fill_lands():
     p = index.take("a")
     assert index.page("a") == p and index.get("a") is None and index.run(["a"]) == 0
     assert index.take("a") is None  # already has a page
+    assert index.ready_pages == 0 and index.used == 1
     index.filled(p, True)
-    assert index.get("a") == p and index.ready(p)
+    assert index.get("a") == p and index.ready(p) and index.ready_pages == 1
     q = index.take("b")
     index.filled(q, False)  # its copy failed: the name is forgotten
     assert index.page("b") is None

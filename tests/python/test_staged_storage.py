@@ -49,6 +49,24 @@ def test_bad_options_and_shapes_are_refused_by_name(tmp_path):
     for old in ({"store": "mooncake", "directory": str(tmp_path)}, {"store": "none"}):
         with pytest.raises(ValueError, match="extra_config store: the key is 'backend' now"):
             storage_options(old)
+    # Each option typed as it is meant, and kept to its own backend.
+    d = str(tmp_path)
+    for options, error, words in [
+        ({"directory": d, "shared": "false"}, TypeError, "shared must be true or false"),
+        ({"directory": d, "max_bytes": 1.9}, TypeError, "max_bytes"),
+        ({"directory": d, "max_bytes": 0}, ValueError, "max_bytes must be >= 1"),
+        ({"directory": d, "master_address": "h:1"}, ValueError, "master_address: options of"),
+        ({"backend": "mooncake", "directory": d}, ValueError, "directory: options of"),
+        ({"backend": "mooncake", "metadata_server": "x"}, ValueError, "master_address"),
+        (
+            {"backend": "mooncake", "master_address": "a", "metadata_server": "b",
+             "listen_on_all_interfaces": "false"},
+            TypeError,
+            "listen_on_all_interfaces must be true or false",
+        ),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=words):
+            storage_options(options)
     with pytest.raises(ValueError, match="page_elems"):
         StagedStorage({"backend": "file", "directory": str(tmp_path)}, FP, 63, torch.float32)
     with pytest.raises(ValueError, match="^retry_after_s must be"):

@@ -67,6 +67,7 @@ def test_defaults_and_a_full_config(tmp_path):
         ({"backend": "none", "host_bytes": 8, "host_quotas": [1]}, "host_quotas must map"),
         ({"backend": "none", "host_bytes": 8, "host_quotas": {"t": 0}}, r"host_quotas\['t'\]"),
         ({"backend": "none", "host_bytes": 8, "async_load_blocks": 0}, "async_load_blocks"),
+        ({"backend": "none", "host_bytes": 8, "namespace": 3}, "namespace must be a string"),
         ({"backend": "s3"}, "backend must be 'file' or 'mooncake'"),
         ({"backend": "file"}, "directory"),
     ],

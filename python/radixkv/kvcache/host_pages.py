@@ -67,6 +67,11 @@ class HostPageIndex:
         """Pages holding a name (ready or pending)."""
         return len(self._pages)
 
+    @property
+    def ready_pages(self) -> int:
+        """Pages whose fill landed (what a lookup can hit)."""
+        return len(self._ready)
+
     def pinned(self) -> int:
         """How many pages are pinned."""
         return len(self._pins)

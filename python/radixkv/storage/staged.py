@@ -29,6 +29,7 @@ from typing import Callable, List, Literal, Optional, Tuple, overload
 
 import torch
 
+from radixkv._checks import as_count
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.mha_pool import MHAKVCache
 from radixkv.storage.base import StorageBackend
@@ -40,6 +41,19 @@ from radixkv.storage.threads import BoundedQuery, drop_queued, serving
 # Pages staged per direction; longer calls go in chunks.
 BATCH_PAGES = 32
 _FAULT_OPTIONS = ("failures_in_a_row", "retry_after_s", "max_retry_after_s", "query_timeout_s")
+# The options that belong to one backend only.
+_OWN_OPTIONS = {
+    "file": ("directory", "max_bytes", "shared"),
+    "mooncake": (
+        "master_address",
+        "metadata_server",
+        "local_hostname",
+        "listen_on_all_interfaces",
+        "protocol",
+        "segment_bytes",
+        "buffer_bytes",
+    ),
+}
 # Every option a store takes (`storage_options`, `open_backend`).
 STORAGE_OPTIONS = (
     "backend",
@@ -70,8 +84,22 @@ def storage_options(options: Optional[dict]) -> dict:
     backend = options.setdefault("backend", "file")
     if backend not in ("file", "mooncake"):
         raise ValueError(f"extra_config backend must be 'file' or 'mooncake', got {backend!r}")
+    other = sorted(set(options) & set(_OWN_OPTIONS["mooncake" if backend == "file" else "file"]))
+    if other:
+        raise ValueError(
+            f"extra_config {', '.join(other)}: options of the other backend than {backend!r}"
+        )
     if backend == "file" and not options.get("directory"):
         raise ValueError("extra_config directory: the file store's directory is required")
+    for key in ("master_address", "metadata_server") if backend == "mooncake" else ():
+        if not isinstance(options.get(key), str) or not options[key]:
+            raise ValueError(f"extra_config {key}: Mooncake's {key} is required (a string)")
+    for key in ("shared", "listen_on_all_interfaces"):
+        if key in options and not isinstance(options[key], bool):
+            raise TypeError(f"extra_config {key} must be true or false, got {options[key]!r}")
+    for key, minimum in (("max_bytes", 1), ("segment_bytes", 1), ("buffer_bytes", 1)):
+        if options.get(key) is not None:
+            options[key] = as_count(options[key], f"extra_config {key}", minimum=minimum)
     secret = options.get("secret")
     if options.get("secret_file") is not None:
         with open(options.pop("secret_file"), "rb") as f:  # read once
@@ -89,7 +117,7 @@ def open_backend(options: dict, fingerprint: bytes, codec: Optional[str] = None)
             o["directory"],
             fingerprint,
             o.get("max_bytes"),
-            shared=bool(o.get("shared", False)),
+            shared=o.get("shared", False),
             secret=o["secret"],
             codec=codec,
         )
@@ -97,10 +125,10 @@ def open_backend(options: dict, fingerprint: bytes, codec: Optional[str] = None)
         o["master_address"],
         o["metadata_server"],
         local_hostname=o.get("local_hostname", "127.0.0.1"),
-        listen_on_all_interfaces=bool(o.get("listen_on_all_interfaces", False)),
+        listen_on_all_interfaces=o.get("listen_on_all_interfaces", False),
         protocol=o.get("protocol", "tcp"),
-        segment_bytes=int(o.get("segment_bytes", 256 << 20)),
-        buffer_bytes=int(o.get("buffer_bytes", 64 << 20)),
+        segment_bytes=o.get("segment_bytes") or 256 << 20,
+        buffer_bytes=o.get("buffer_bytes") or 64 << 20,
         fingerprint=fingerprint,
         secret=o["secret"],
         codec=codec,

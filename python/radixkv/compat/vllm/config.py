@@ -64,6 +64,8 @@ class Settings:
             )
         host_bytes = as_count(extra.pop("host_bytes", 0), "extra_config host_bytes", minimum=0)
         namespace = extra.pop("namespace", None)
+        if namespace is not None and not isinstance(namespace, str):
+            raise _refuse(f"extra_config namespace must be a string, got {namespace!r}")
         codec = extra.pop("host_codec", None)
         try:
             codec = check_codec(codec)

@@ -62,6 +62,12 @@ class RadixkvConnector(KVConnectorBase_V1):
         else:
             self.worker = WorkerSide(vllm_config, kv_cache_config, settings)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        """Loads inside the step wait layer by layer (`wait_for_layer_load`),
+        which a replayed full CUDA graph would skip."""
+        return True
+
     # A best-effort cache: a preempted request's output need not be kept for us.
     @property
     def requires_kv_delivery(self) -> bool:

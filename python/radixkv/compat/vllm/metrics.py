@@ -29,6 +29,7 @@ COUNTERS = {
     "bytes_host_to_store": ("moved_bytes", "direction", "host_to_store"),
     "bytes_store_to_host": ("moved_bytes", "direction", "store_to_host"),
     "host_evicted": ("host_evicted_blocks", None, None),
+    "prefetch_timeouts": ("prefetch_timeouts", None, None),
 }
 # Gauges (the latest value): the host tier's blocks and its size.
 GAUGES = {"host_blocks": "host_blocks", "host_capacity": "host_capacity_blocks"}
@@ -40,6 +41,7 @@ _DOC = {
     "failed_blocks": "Blocks whose copy failed, by operation (none of them is served)",
     "moved_bytes": "Bytes radixkv moved, by direction",
     "host_evicted_blocks": "Blocks radixkv's host tier gave up for others",
+    "prefetch_timeouts": "Store reads a request stopped waiting for (its blocks computed instead)",
     "host_blocks": "Blocks radixkv's host tier holds",
     "host_capacity_blocks": "Blocks radixkv's host tier can hold",
     "load_seconds": "Seconds from a load's start to its end",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.radixkv")
 
+# How long a request waits for its blocks' store read before it is offered
+# what is ready (the rest computed); the read's pages are freed when it ends.
+PREFETCH_WAIT_S = 10.0
+
 
 @dataclass
 class _Req:
@@ -53,6 +58,7 @@ class _Req:
     claim: List[int] = field(default_factory=list)  # pinned ready pages offered from `start`
     claim_from_store: int = 0  # how many of them the store filled for it
     prefetching: Optional[int] = None  # the op reading its blocks from the store
+    prefetch_since: float = 0.0  # when that read was planned
     prefetched: List[int] = field(default_factory=list)  # pages that read filled, pinned
     tried_store: bool = False  # the store was asked since the last allocation
     is_async: bool = False  # the last offer was an asynchronous load
@@ -139,9 +145,16 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
         st = self._state(request)
         if st.prefetching is not None:
-            return None, False  # its blocks are being read from the store
+            if time.monotonic() - st.prefetch_since < PREFETCH_WAIT_S:
+                return None, False  # its blocks are being read from the store
+            # A store that does not answer: offer what is ready, and let the
+            # late report release its pages.
+            st.prefetching = None
+            self.stats.count("prefetch_timeouts", 1)
         index = self.index
         if index is None or not st.names:
             return 0, False
@@ -194,6 +207,7 @@ class SchedulerSide:
                 break  # no page to be had: offer what there is
             names.append(name)
             pages.append(page)
+        self._count_evictions()  # the pages' old names go before their new ones come
         if not pages:
             return False
         op = next(self._op_ids)
@@ -202,6 +216,7 @@ class SchedulerSide:
         )
         self._prefetches.append(Prefetch(op, names, pages))
         st.prefetching = op
+        st.prefetch_since = time.monotonic()
         return True
 
     def _release_claim(self, st: _Req) -> None:
@@ -294,7 +309,10 @@ class SchedulerSide:
                 blocks.append(st.block_ids[i])
                 pages.append(page)
         index.used_chain(st.names[:full])
-        depends = st.block_ids[: st.saved]
+        self._count_evictions()  # the pages' old names go before their new ones come
+        # Every block before the save's end: a block vLLM shares with another
+        # request may have failed that request's load in this very step.
+        depends = st.block_ids[:full]
         st.saved = full
         if not pages:
             return
@@ -327,9 +345,13 @@ class SchedulerSide:
             return
         st = self._reqs.get(op.req_id) if op.req_id is not None else None
         if what == "filled":
-            for page, ok, event in zip(op.pages, oks, op.events or [None] * len(op.pages)):
+            names: List[Optional[str]] = list(op.names) or [None] * len(op.pages)
+            for page, ok, event, name in zip(
+                op.pages, oks, op.events or [None] * len(op.pages), names
+            ):
                 index.filled(page, ok)
-                if ok and event is not None:
+                # (a reset forgets names whose fill was in flight: no event for them)
+                if ok and event is not None and index.name_of(page) == name:
                     self._stored(page, event, "CPU")
             if op.kind == "save":
                 if st is not None:
@@ -453,7 +475,7 @@ class SchedulerSide:
         index = self.index
         if index is not None:
             self._count_evictions()
-            self.stats.gauge("host_blocks", index.used)
+            self.stats.gauge("host_blocks", index.ready_pages)
             self.stats.gauge("host_capacity", index.num_pages)
         if self.stats.is_empty():
             return None
