@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from radixkv._checks import as_count
-from radixkv.kvcache.page_codec import CODEC_DTYPES, check_codec
+from radixkv.kvcache.page_codec import CODEC_DTYPES, check_codec, check_codec_dtype
 from radixkv.kvcache.base import CopyLayout, copy_layout, fixed_zeros, side_plane
 from radixkv.kvcache.engine_pool import DevicePool, EngineKVPool
 from radixkv.kvcache.mha_pool import MHAKVCache
@@ -66,10 +66,7 @@ class HostKVCache:
         codec = check_codec(codec)
         if codec is not None and layout != "page_first":
             raise ValueError(f"codec {codec} needs layout='page_first', got {layout!r}")
-        if codec is not None and device_pool.dtype not in CODEC_DTYPES:
-            raise ValueError(
-                f"codec {codec} encodes float32, float16 or bfloat16 K/V, not {device_pool.dtype}"
-            )
+        check_codec_dtype(codec, device_pool.dtype, f"codec {codec}")
         if num_pages is None:
             if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
                 raise ValueError(f"ratio must be a number > 0, got {ratio!r}")

@@ -34,6 +34,16 @@ def check_codec(codec) -> Optional[str]:
     return codec
 
 
+def check_codec_dtype(codec, dtype: torch.dtype, what: str, error=ValueError, of: str = "") -> str:
+    """The native codec's name of `dtype` (one of CODEC_DTYPES) when
+    `codec` is given; otherwise `error` ("{what} encodes float32, float16 or
+    bfloat16 K/V, not {of}{dtype}"). The one check of what a codec takes."""
+    name = CODEC_DTYPES.get(dtype)
+    if codec is not None and name is None:
+        raise error(f"{what} encodes float32, float16 or bfloat16 K/V, not {of}{dtype}")
+    return name or ""
+
+
 def codec_seed(seed: bytes, codec: Optional[str]) -> bytes:
     """The key seed (or fingerprint) of pages written with `codec`: `seed`
     itself without one, else a hash of both, so encoded pages are never
@@ -49,11 +59,7 @@ class Float8PageCodec:
     def __init__(self, pool) -> None:
         if pool.layout != "page_first":
             raise ValueError(f"codec float8 needs a page_first host pool, got {pool.layout}")
-        dtype = CODEC_DTYPES.get(pool.dtype)
-        if dtype is None:
-            raise ValueError(
-                f"codec float8 encodes float32, float16 or bfloat16 K/V, not {pool.dtype}"
-            )
+        dtype = check_codec_dtype("float8", pool.dtype, "codec float8")
         dev = pool.device_pool
         heads, head_dim = dev.row_shape
         self._shape = (dev.sides * pool.num_layers, pool.page_size, heads, head_dim, dtype)

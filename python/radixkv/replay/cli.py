@@ -24,7 +24,7 @@ from radixkv.replay.replay import replay
 from radixkv.replay.traces import Request, load_mooncake
 from radixkv.replay.workloads import chat_sessions
 from radixkv.kvcache import EVICTION_POLICIES
-from radixkv.kvcache.page_codec import CODEC_DTYPES, CODECS
+from radixkv.kvcache.page_codec import CODECS, check_codec_dtype
 from radixkv.scheduler.host_tier import WRITE_POLICIES
 from radixkv.scheduler.storage_tier import PREFETCH_POLICIES
 
@@ -486,11 +486,8 @@ def _run(args) -> int:
         if args.storage_codec not in (None, args.host_codec):
             raise UsageError("--storage-codec must be --host-codec's codec (or left out)")
     codec = args.host_codec or args.storage_codec
-    if codec and kv.dtype not in CODEC_DTYPES:
-        raise UsageError(
-            f"--{'host' if args.host_codec else 'storage'}-codec {codec} encodes float32, "
-            f"float16 or bfloat16 K/V, not --kv's {kv.dtype}"
-        )
+    which = "host" if args.host_codec else "storage"
+    check_codec_dtype(codec or None, kv.dtype, f"--{which}-codec {codec}", UsageError, "--kv's ")
     _check_storage_flags(args, storage_kind)
     # From here Ctrl-C stops the replay between requests, and the figures,
     # the sweep's files and the storage's clean-up are still made.

@@ -27,7 +27,7 @@ from radixkv import _core
 from radixkv.events import EventPublisher
 from radixkv.kvcache.base import BaseCacheHandle
 from radixkv.kvcache.engine_pool import DevicePool
-from radixkv.kvcache.page_codec import CODEC_DTYPES, check_codec
+from radixkv.kvcache.page_codec import check_codec, check_codec_dtype
 from radixkv.scheduler.block_events import BlockEvents
 from radixkv.scheduler.host_tier import (
     WRITE_POLICIES,
@@ -256,11 +256,7 @@ def check_tier_args(
                 f"host_codec={host_codec!r} needs a host tier (host_num_pages > 0) with "
                 "kv_cache and host_layout='page_first'"
             )
-        if kv_cache.dtype not in CODEC_DTYPES:
-            raise ValueError(
-                f"host_codec={host_codec!r} encodes float32, float16 or bfloat16 K/V, "
-                f"not {kv_cache.dtype}"
-            )
+        check_codec_dtype(host_codec, kv_cache.dtype, f"host_codec={host_codec!r}")
     if host_num_pages and not radix:
         raise ValueError(f"a host tier (host_num_pages={host_num_pages}) needs type='radix'")
     if write_policy not in WRITE_POLICIES:
