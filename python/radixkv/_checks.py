@@ -86,16 +86,23 @@ def int32_tensor(values, name: str, device: torch.device) -> torch.Tensor:
     return _core.int32_tensor(to_host(values, name, device), name)
 
 
-def as_seconds(value, name: str, *, positive: bool = False) -> float:
-    """`value` as a finite number of seconds >= 0 (> 0 when `positive`):
-    real numbers (NumPy's too), not bools; TypeError or ValueError naming
-    `name`."""
+def as_seconds(
+    value, name: str, *, positive: bool = False, optional: bool = False, below: float = math.inf
+):
+    """`value` as a finite number of seconds >= 0 (> 0 when `positive`) and
+    below `below`: real numbers (NumPy's too), not bools; None too when
+    `optional` (returned as it is: no limit). TypeError or ValueError naming
+    `name`. The one check of a duration: a claim's ttl, a fault policy's
+    limits, a subscriber's wait."""
+    if value is None and optional:
+        return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+    if not math.isfinite(value) or value < 0 or (positive and value == 0) or value >= below:
+        bound = f" and below {below:g} s" if below != math.inf else ""
         raise ValueError(
             f"{name} must be a finite number of seconds "
-            f"{'> 0' if positive else '>= 0'}, got {value}"
+            f"{'> 0' if positive else '>= 0'}{bound}, got {value}"
         )
     return value

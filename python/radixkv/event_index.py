@@ -94,11 +94,10 @@ class EventIndex:
 
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
-        resync_timeout_s = as_seconds(resync_timeout_s, "resync_timeout_s", positive=True)
-        if resync_timeout_s >= 2**31 / 1000:
-            raise ValueError(
-                f"resync_timeout_s must be > 0 and below 2**31 ms, got {resync_timeout_s!r}"
-            )
+        # (a ZeroMQ poll takes int milliseconds)
+        resync_timeout_s = as_seconds(
+            resync_timeout_s, "resync_timeout_s", positive=True, below=2**31 / 1000
+        )
         self._zmq = zmq
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
@@ -211,7 +210,7 @@ class EventIndex:
         disk = self.blocks.get(MEDIUM_DISK, set())
         self.blocks = {MEDIUM_DISK: disk} if disk else {}
         for _, batch in batches:
-            self._events(batch)
+            apply_events(self.blocks, batch.events)
         self.epoch, self.next_seq = epoch, len(batches)
         self._just_synced = True
         self.resyncs += 1
@@ -274,7 +273,7 @@ class EventIndex:
         snapshot = decode_batch(payload)
         disk = self.blocks.get(MEDIUM_DISK, set())
         self.blocks = {MEDIUM_DISK: disk} if disk else {}
-        self._events(snapshot)
+        apply_events(self.blocks, snapshot.events)
         self.epoch, self.next_seq = snapshot.epoch, seq
         self._just_synced = True
         self.resyncs += 1
@@ -313,18 +312,15 @@ class EventIndex:
             sock.close()
 
     def _apply(self, seq: int, batch: KVEventBatch) -> int:
-        self._events(batch)
+        apply_events(self.blocks, batch.events)
         self.next_seq = seq + 1
         self._just_synced = False
         self.applied += 1
         return 1
 
-    def _events(self, batch: KVEventBatch) -> None:
-        apply_events(self.blocks, batch.events)
-
     def view(self) -> Dict[str, Set[int]]:
         """The blocks per medium, empty media left out."""
-        return {medium: set(hashes) for medium, hashes in self.blocks.items() if hashes}
+        return _view(self.blocks)
 
     # -- closing ----------------------------------------------------------------
 
@@ -343,7 +339,9 @@ class EventIndex:
 
 
 def apply_events(blocks: Dict[str, Set[int]], events) -> None:
-    """Applies `events` to `blocks` (the block hashes per medium)."""
+    """Applies `events` to `blocks` (the block hashes per medium): the one
+    reading of a batch, for the index's batches and snapshots and for
+    `snapshot_view`."""
     for e in events:
         if isinstance(e, BlockStored):
             blocks.setdefault(e.medium or MEDIUM_GPU, set()).update(e.block_hashes)
@@ -357,4 +355,9 @@ def snapshot_view(payload: bytes) -> Dict[str, Set[int]]:
     """The blocks per medium of a snapshot's payload (`CacheManager.kv_snapshot`)."""
     blocks: Dict[str, Set[int]] = {}
     apply_events(blocks, decode_batch(payload).events)
-    return blocks
+    return _view(blocks)
+
+
+def _view(blocks: Dict[str, Set[int]]) -> Dict[str, Set[int]]:
+    """A copy of `blocks`, empty media left out."""
+    return {medium: set(hashes) for medium, hashes in blocks.items() if hashes}

@@ -357,5 +357,8 @@ def test_index_arguments_name_themselves():
         EventIndex("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", resync_timeout_s=-1)
     with pytest.raises(TypeError, match="resync_timeout_s"):
         EventIndex("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", resync_timeout_s="10")
+    # A ZeroMQ poll takes int milliseconds: 2**31 ms and beyond are refused.
+    with pytest.raises(ValueError, match="resync_timeout_s .* below 2.14748e\\+06 s"):
+        EventIndex("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", resync_timeout_s=2**31 / 1000)
     with pytest.raises(TypeError, match="topic"):
         EventIndex("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", topic=b"x")

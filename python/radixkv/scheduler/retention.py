@@ -258,4 +258,4 @@ class Retention:
 
 def check_ttl(ttl_s) -> Optional[float]:
     """None, or a positive finite number of seconds."""
-    return None if ttl_s is None else as_seconds(ttl_s, "ttl_s", positive=True)
+    return as_seconds(ttl_s, "ttl_s", positive=True, optional=True)
