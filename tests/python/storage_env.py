@@ -118,7 +118,7 @@ class Instance:
         cm.drain()
         cm.make_room(cm.num_pages * PAGE)
         tier = cm._tier
-        tier.make_room(tier.num_pages * PAGE)
+        tier.free_host_slots(tier.num_pages * PAGE, all_or_nothing=False)
         cm.check_integrity()
 
     def close(self):

@@ -163,7 +163,7 @@ class HostTier:
         copy, device_slots, host_slots = started
         if device_slots is None or host_slots is None:  # too few free host pages
             n = copy.end - copy.start
-            if not self._room_for(n, ns):
+            if self.free_host_slots(n, ns, all_or_nothing=True) < n:
                 self.backups_skipped += n
                 return 0
             # Making room may have dropped the host copy the range started under.
@@ -195,7 +195,10 @@ class HostTier:
             n = copy.end - copy.start
             # The victim's namespace makes room from its own copies first.
             owner = ns if ns is not None else self.tree.copy_namespace(copy)
-            if not self._room_for(n, owner, pending.get(owner, 0)):
+            room = self.free_host_slots(
+                n, owner, all_or_nothing=True, pending=pending.get(owner, 0)
+            )
+            if room < n:
                 self.backups_skipped += n
                 continue
             try:
@@ -210,26 +213,31 @@ class HostTier:
             self.settle_backups()
         return queued
 
-    def make_room(self, n: int, ns: Optional[int] = None) -> int:
-        """Frees host slots (least recently used copies first; for namespace
-        `ns` first its own beyond its quota, see `_own_first`) until `n` are
-        free or nothing more can go; returns the free slots."""
-        self._own_first(n, ns)  # (prefetch caps `n` at the quota itself)
-        missing = n - self.pages.num_free_pages * self.page_size
-        while missing > 0 and not self._evict(missing):
-            missing //= 2
-            missing -= missing % self.page_size
-        return self.pages.num_free_pages * self.page_size
+    def free_host_slots(
+        self, n: int, ns: Optional[int] = None, *, all_or_nothing: bool, pending: int = 0
+    ) -> int:
+        """Makes `n` host slots free for pages of namespace `ns` by evicting
+        host copies, least recently used first, its own first when they
+        would take it past its host quota (`_own_first`; `pending`: its
+        tokens queued and not landed). Returns the host slots free then.
 
-    def _room_for(self, n: int, ns: Optional[int] = None, pending: int = 0) -> bool:
-        """Whether `n` host slots are free for a copy of namespace `ns`,
-        evicting to make them so: its own copies first (`_own_first`); False
-        when the copy would still take it past its host quota (it would only
-        be dropped again). `pending`: its tokens already queued, not landed."""
-        if self._own_first(n, ns, pending) > 0:
-            return False
+        `all_or_nothing` (a backup's room): evicts only if all `n` can be
+        freed, and nothing of another namespace when the copy would still
+        take `ns` past its quota (it would be dropped again at once; then 0).
+        Otherwise (a prefetch's room) frees what it can: after a failed
+        eviction, half as much, and so on."""
+        over = self._own_first(n, ns, pending)
+        if all_or_nothing and over > 0:
+            return 0
         missing = n - self.pages.num_free_pages * self.page_size
-        return missing <= 0 or self._evict(missing)
+        if all_or_nothing:
+            if missing > 0:
+                self._evict(missing)
+        else:
+            while missing > 0 and not self._evict(missing):
+                missing //= 2
+                missing -= missing % self.page_size
+        return self.pages.num_free_pages * self.page_size
 
     def _own_first(self, n: int, ns: Optional[int], pending: int = 0) -> int:
         """When `n` more host tokens of namespace `ns` (beside `pending` ones

@@ -491,7 +491,7 @@ class StorageTier:
         if start and pin is None:
             return None
         try:
-            room = self.host.make_room(hits * ps, ns)
+            room = self.host.free_host_slots(hits * ps, ns, all_or_nothing=False)
             hits = min(hits, room // ps)
             if hits * ps < self.min_prefetch_tokens:
                 if pin is not None:
