@@ -23,6 +23,14 @@ def as_int(value, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def as_int32(value, name: str) -> int:
+    """`value` as an int that fits int32 (a priority): TypeError or ValueError naming `name`."""
+    value = as_int(value, name)
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"{name} must fit int32, got {value}")
+    return value
+
+
 def as_count(value, name: str, minimum: int = 1) -> int:
     """`value` as an int >= `minimum`; TypeError or ValueError naming `name` otherwise."""
     value = as_int(value, name)
@@ -106,3 +114,10 @@ def as_seconds(
             f"{'> 0' if positive else '>= 0'}{bound}, got {value}"
         )
     return value
+
+
+def as_flag(value, name: str) -> bool:
+    """A bool argument: True or False (NumPy's too), nothing else."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return bool(value)

@@ -117,7 +117,7 @@ class Instance:
         cm = self.cm
         cm.drain()
         cm.make_room(cm.num_pages * PAGE)
-        tier = cm._tier
+        tier = cm._tiers.host
         tier.free_host_slots(tier.num_pages * PAGE, all_or_nothing=False)
         cm.check_integrity()
 

@@ -670,7 +670,7 @@ def test_events_off_make_no_publisher_and_import_no_zmq(monkeypatch):
         cm.free_and_cache_finished_req(h, ids, torch.cat([cached, cm.allocate(5 - h.cached_len)]))
         cm.drain()
     cm.reset()
-    assert cm.kv_events is None and cm._events is None and cm._tier.events is None
+    assert cm.kv_events is None and not cm._events.on and not cm._tiers.host.events.on
     assert cm.flush_events() == 0
     # A fresh interpreter serving without events never imports pyzmq or msgpack.
     code = (

@@ -191,7 +191,7 @@ def test_a_suffix_is_kept_when_the_store_gave_its_prefix_up(tmp_path):
     fs = FileStorage(str(tmp_path / "store"), fingerprint(), max_bytes=10 * probe.file_bytes)
     inst = Instance(fs, pages=8, host_pages=8)
     assert fs.wait_indexed(30)
-    tier = inst.cm._storage
+    tier = inst.cm._tiers.storage
     hot = prompt(1, 2, tail=0)
     ask_hot = torch.cat([hot, torch.tensor([7], dtype=torch.int32)])
     inst.serve(ask_hot)
@@ -294,7 +294,7 @@ def test_parents_must_match_the_keys(tmp_path):
 def test_a_restarted_engine_gets_its_hits_back_within_a_smaller_bound(tmp_path):
     prompts = [prompt(700 + i, 5) for i in range(6)]
     a = Instance(FileStorage(str(tmp_path), fingerprint(), max_bytes=64 * PAGE_FILE))
-    assert a.cm._storage.backend.wait_indexed(30)
+    assert a.cm._tiers.storage.backend.wait_indexed(30)
     for ids in prompts:
         a.serve(ids)
     a.evict_everything()
@@ -304,7 +304,7 @@ def test_a_restarted_engine_gets_its_hits_back_within_a_smaller_bound(tmp_path):
     b_store = FileStorage(str(tmp_path), fingerprint(), max_bytes=12 * PAGE_FILE)
     b = Instance(b_store)
     assert b_store.wait_indexed(30) and b_store.stored_bytes <= 12 * PAGE_FILE
-    tier = b.cm._storage
+    tier = b.cm._tiers.storage
     for ids in prompts:
         present = on_disk(b_store, tier.keys_of(ids))
         # What is left of each prompt is a prefix: no suffix lost its prefix.

@@ -165,7 +165,7 @@ def test_host_pages_are_released_only_after_the_storage_thread_acknowledges(tmp_
     a = Instance(Slow(str(tmp_path), fingerprint()), host_pages=6)
     ids = prompt(3, 5)
     a.serve(ids, drain=False)
-    a.cm._tier.controller.drain()
+    a.cm._tiers.host.controller.drain()
     a.cm.writing_check()  # the backup landed: its write is queued
     info = a.cm.host_size_info
     assert a.cm._tree.tier_sizes()[6] == 5 * PAGE  # pinned while written
@@ -173,7 +173,7 @@ def test_host_pages_are_released_only_after_the_storage_thread_acknowledges(tmp_
         a.cm._tree.evict_host(PAGE)
     a.cm.check_integrity()
     gate.set()
-    a.cm._storage.drain()
+    a.cm._tiers.storage.drain()
     assert a.cm._tree.tier_sizes()[6] == 0
     a.cm._tree.evict_host(PAGE)  # now it may go
     assert info.cached == 5 * PAGE
@@ -220,7 +220,7 @@ def test_faults_in_every_call_give_no_wrong_kv_no_leak_no_hang(tmp_path, seed, p
         assert info.free + info.cached == info.capacity
         assert inst.cm.held_pages == 0
         inst.close()
-    errors = sum(i.cm._storage.backend.errors for i in insts)
+    errors = sum(i.cm._tiers.storage.backend.errors for i in insts)
     assert errors > 0  # the faults did happen, and were counted
     assert sum(i.cm.storage_counters.skipped for i in insts) == 0
 
@@ -252,7 +252,7 @@ def test_a_store_that_stops_answering_is_left_alone_then_retried(tmp_path):
 
     store = Switch(str(tmp_path), fingerprint())
     a = Instance(store, host_pages=24, retry_after_s=1.0)  # the loop below fits in it
-    tier = a.cm._storage
+    tier = a.cm._tiers.storage
     a.serve(prompt(1, 3))
     assert a.cm.storage_counters.written_pages == 3
     store.down = True
@@ -379,7 +379,7 @@ def test_a_storage_tier_needs_a_seed_naming_its_configuration(tmp_path):
         )
     # The backend's own fingerprint seeds the keys; b"" asks for unseeded ones.
     a = Instance(FileStorage(str(tmp_path), fingerprint()), seed=b"")
-    assert a.cm._storage.seed is None
+    assert a.cm._tiers.storage.seed is None
     a.close()
     cm = CacheManager(
         4,
@@ -388,7 +388,7 @@ def test_a_storage_tier_needs_a_seed_naming_its_configuration(tmp_path):
         host_num_pages=8,
         storage=FileStorage(str(tmp_path), fingerprint(model="m")),
     )
-    assert cm._storage.seed == fingerprint(model="m")
+    assert cm._tiers.storage.seed == fingerprint(model="m")
     cm.close()
 
 
@@ -436,7 +436,7 @@ def test_back_off_doubles_while_writes_fail_though_queries_answer(tmp_path, rais
     store = _Dead(str(tmp_path), fingerprint())
     store.raises = raises
     a = Instance(store, retry_after_s=0.05)
-    tier = a.cm._storage
+    tier = a.cm._tiers.storage
     windows = []
     for k in range(6):
         a.serve(prompt(40 + k, 2))
@@ -515,7 +515,7 @@ def test_close_without_waiting_drops_the_queued_writes(tmp_path):
     for k in range(4):
         a.serve(prompt(60 + k, 2), drain=False)
     a.cm._tiers.settle_backups()  # every backup landed: four writes queued or running
-    tier = a.cm._storage
+    tier = a.cm._tiers.storage
     deadline = time.monotonic() + 60  # a hang guard
     while store.sets < 1:  # the thread holds the first write
         assert time.monotonic() < deadline
@@ -554,7 +554,7 @@ def test_backups_that_land_during_a_prefetch_are_written_before_it_makes_host_ro
     b.serve(p, drain=False)  # prefetch: the path to host again, then room for the pages
     b.cm.drain()
     b.cm.check_integrity()
-    st = b.cm._storage
+    st = b.cm._tiers.storage
     assert st.backend.batch_exists(st.keys_of(q[: 3 * PAGE])) == 3
     b.close()
 
@@ -565,7 +565,7 @@ def test_ctrl_c_while_backups_are_applied_still_queues_their_writes(tmp_path):
     # pinned by its write before anything can evict it.
     a = Instance(FileStorage(str(tmp_path), fingerprint()), host_pages=8)
     a.serve(prompt(1, 3), drain=False)  # its write_through backup is in flight
-    tier = a.cm._tier
+    tier = a.cm._tiers.host
     real = tier.controller
 
     class InterruptedAcks:

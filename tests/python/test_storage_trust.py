@@ -47,8 +47,8 @@ def test_a_private_store_is_made_0700_with_pages_0600(tmp_path):
         a = Instance(FileStorage(str(tmp_path / "store"), fingerprint()))
         ids = prompt(1, 2)
         a.serve(ids)
-        backend = a.cm._storage.backend
-        page = backend.path(a.cm._storage.keys_of(ids)[0])
+        backend = a.cm._tiers.storage.backend
+        page = backend.path(a.cm._tiers.storage.keys_of(ids)[0])
         assert mode(tmp_path / "store") == 0o700
         assert mode(backend.directory) == 0o700
         assert mode(os.path.dirname(page)) == 0o700
@@ -56,8 +56,8 @@ def test_a_private_store_is_made_0700_with_pages_0600(tmp_path):
         a.close()
         shared = Instance(FileStorage(str(tmp_path / "shared"), fingerprint(), shared=True))
         shared.serve(ids)
-        backend = shared.cm._storage.backend
-        page = backend.path(shared.cm._storage.keys_of(ids)[0])
+        backend = shared.cm._tiers.storage.backend
+        page = backend.path(shared.cm._tiers.storage.keys_of(ids)[0])
         # The umask does not take the group's access away.
         assert mode(tmp_path / "shared") == mode(backend.directory) == 0o770
         assert mode(os.path.dirname(page)) == 0o770 and mode(page) == 0o640
@@ -112,8 +112,8 @@ def test_a_setgid_shared_store_keeps_its_group_on_every_directory_and_page(tmp_p
     a = Instance(FileStorage(str(d), fingerprint(), shared=True))
     ids = prompt(3, 1)
     a.serve(ids)
-    backend = a.cm._storage.backend
-    page = backend.path(a.cm._storage.keys_of(ids)[0])
+    backend = a.cm._tiers.storage.backend
+    page = backend.path(a.cm._tiers.storage.keys_of(ids)[0])
     for p in (backend.directory, os.path.dirname(page)):
         assert os.stat(p).st_gid == NOBODY and os.stat(p).st_mode & stat.S_ISGID, p
         assert mode(p) & 0o777 == 0o770
@@ -133,7 +133,7 @@ def test_a_store_or_page_of_another_user_is_not_trusted(tmp_path):
     ids = prompt(2, 3)
     a.serve(ids)
     b = Instance(FileStorage(str(tmp_path / "ours"), fingerprint()))
-    path = b.cm._storage.backend.path(b.cm._storage.keys_of(ids)[1])
+    path = b.cm._tiers.storage.backend.path(b.cm._tiers.storage.keys_of(ids)[1])
     os.chown(path, 65534, 65534)
     assert b.serve(ids)[2] == PAGE  # the page before it only
     assert b.cm.storage_counters.corrupt_pages == 1
@@ -160,9 +160,9 @@ def test_without_a_secret_anyone_who_can_write_the_store_can_plant_pages(tmp_pat
     """What the secret is for: the unkeyed format trusts whoever writes."""
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     ids = prompt(3, 2)
-    key = a.cm._storage.keys_of(ids)[0]
+    key = a.cm._tiers.storage.keys_of(ids)[0]
     assert key == page_keys(ids, PAGE, fingerprint())[0]  # computable from the prompt
-    backend = a.cm._storage.backend
+    backend = a.cm._tiers.storage.backend
     _forge(backend.path(key), key, fingerprint(), backend.page_bytes)
     op = a.cm.prefetch(ids)
     assert a.cm.wait_prefetch(op) == PAGE  # the forged page joined the tree
@@ -174,9 +174,9 @@ def test_with_a_secret_a_planted_page_is_never_served_and_is_removed(tmp_path):
     ids = prompt(4, 3)
     a.serve(ids)  # writes the 3 pages, keyed and tagged
     b = Instance(FileStorage(str(tmp_path), fingerprint(), secret=SECRET))
-    names = b.cm._storage.keys_of(ids)
+    names = b.cm._tiers.storage.keys_of(ids)
     assert names != page_keys(ids, PAGE, fingerprint())  # names nobody without it computes
-    backend = b.cm._storage.backend
+    backend = b.cm._tiers.storage.backend
     # The forger knows a name (it can list the directory) and writes a page
     # with a valid checksum, in both formats.
     _forge(backend.path(names[1]), names[1], fingerprint(), backend.page_bytes)
@@ -204,7 +204,7 @@ def test_without_the_secret_a_prompt_cannot_be_probed_for(tmp_path):
     assert probe.batch_exists(page_keys(ids, PAGE, fingerprint())) == 0
     other = FileStorage(str(tmp_path), fingerprint(), secret=b"another secret, another tenant")
     other.attach(pool)
-    tier = a.cm._storage
+    tier = a.cm._tiers.storage
     assert other.batch_exists(page_keys(ids, PAGE, fingerprint(), key=other.name_key)) == 0
     assert probe.batch_exists(tier.keys_of(ids)) == 0  # the header, not the name, says keyed
     a.close()
@@ -277,8 +277,8 @@ def test_mooncake_with_a_secret_refuses_and_removes_a_planted_value():
         a.serve(ids)
         b = Instance(backend())
         assert b.serve(ids)[2] == 3 * PAGE  # keyed, tagged, read back whole
-        store = b.cm._storage.backend
-        name = b.cm._storage.keys_of(ids)[1]
+        store = b.cm._tiers.storage.backend
+        name = b.cm._tiers.storage.keys_of(ids)[1]
         # Overwrite the value with page-sized bytes and a made-up tag.
         raw = torch.full((store.page_bytes + 32,), 0x5A, dtype=torch.uint8)
         store.store.remove(store.prefix + name, True)

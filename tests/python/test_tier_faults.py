@@ -87,7 +87,7 @@ def test_a_request_whose_page_is_a_fifo_is_served(tmp_path):
     ids = prompt(1, 4)
     a.serve(ids)
     b = Instance(FileStorage(str(tmp_path), fingerprint()))
-    path = b.cm._storage.backend.path(b.cm._storage.keys_of(ids)[2])
+    path = b.cm._tiers.storage.backend.path(b.cm._tiers.storage.keys_of(ids)[2])
     os.unlink(path)
     os.mkfifo(path)
     done, out = finishes(lambda: b.serve(ids))
@@ -143,8 +143,8 @@ def test_shutdown_is_bounded_whatever_the_storage_does(tmp_path, wait):
 def test_a_directory_at_a_popular_page_path_does_not_turn_the_store_off(tmp_path):
     a = Instance(FileStorage(str(tmp_path), fingerprint()), host_pages=48)
     popular = prompt(10, 2)
-    backend = a.cm._storage.backend
-    path = backend.path(a.cm._storage.keys_of(popular)[0])
+    backend = a.cm._tiers.storage.backend
+    path = backend.path(a.cm._tiers.storage.keys_of(popular)[0])
     os.makedirs(os.path.join(path, "inside"))  # a directory where the page goes
     for _ in range(3):
         a.evict_everything()
@@ -176,7 +176,7 @@ def test_a_directory_1200_levels_deep_at_a_page_path_costs_only_its_page(tmp_pat
     the page written there, no batch failed and no direction backed off;
     a bounded store's scan removes one too and indexes every other page."""
     a = Instance(FileStorage(str(tmp_path / "store"), fingerprint()), host_pages=48)
-    tier = a.cm._storage
+    tier = a.cm._tiers.storage
     popular = prompt(10, 1)  # one page: each write of it is a batch of its own
     a.serve(prompt(9, 1))
     path = tier.backend.path(tier.keys_of(popular)[0])
@@ -223,7 +223,7 @@ def test_an_entry_the_reader_may_not_read_is_a_miss_for_that_page(tmp_path):
         ids = prompt(1, 3)
         a.serve(ids)
         b = Instance(FileStorage(d, fingerprint()))
-        path = b.cm._storage.backend.path(b.cm._storage.keys_of(ids)[1])
+        path = b.cm._tiers.storage.backend.path(b.cm._tiers.storage.keys_of(ids)[1])
         os.chmod(path, 0)
         assert not os.access(path, os.R_OK), "still readable"
         dev, host, got = b.serve(ids)
@@ -275,7 +275,7 @@ def test_entries_the_engine_cannot_remove_cost_only_their_own_pages(tmp_path):
         from radixkv.storage import FileStorage
         a = Instance(FileStorage({str(store)!r}, fingerprint(), shared=True), host_pages=48,
                      retry_after_s=60)
-        tier = a.cm._storage
+        tier = a.cm._tiers.storage
         a.serve(prompt(1, 1))                     # the store exists
         taken = set(os.listdir(tier.backend.directory))
 
@@ -402,7 +402,7 @@ def test_a_direction_backs_off_after_failures_in_a_row_and_says_how_much_it_skip
     for k in range(6):
         a.serve(prompt(40 + k, 2))
     c = a.cm.storage_counters
-    tier = a.cm._storage
+    tier = a.cm._tiers.storage
     assert tier.writes_down() and tier.reads_down()
     assert c.skipped_writes >= 3 and c.skipped_reads >= 3
     m = a.cm.metrics
@@ -447,7 +447,7 @@ def test_a_paused_master_never_blocks_the_scheduler_thread():
             assert slowest < 1.0, f"prefetch blocked the scheduler thread {slowest:.1f} s"
             c = a.cm.storage_counters
             assert c.query_timeouts >= 1
-            assert a.cm._storage.reads_down()  # left alone after repeated timeouts
+            assert a.cm._tiers.storage.reads_down()  # left alone after repeated timeouts
         finally:
             os.kill(m.proc.pid, signal.SIGCONT)
         t0 = time.monotonic()
@@ -584,7 +584,7 @@ def test_a_base_exception_from_a_backend_is_an_error_not_a_dead_thread(tmp_path,
 
     a = Instance(Raising(str(tmp_path), fingerprint()))
     a.serve(prompt(20, 3))  # drains: must not raise
-    assert a.cm._storage.thread_alive
+    assert a.cm._tiers.storage.thread_alive
     assert a.cm.storage_counters.errors >= 1
     assert a.cm._tree.tier_sizes()[6] == 0  # no host page left pinned
     a.serve(prompt(21, 3))
@@ -596,7 +596,7 @@ def test_a_base_exception_from_a_backend_is_an_error_not_a_dead_thread(tmp_path,
 def test_a_storage_thread_lost_switches_storage_off_and_releases_its_pins(tmp_path):
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     a.serve(prompt(22, 3))
-    tier = a.cm._storage
+    tier = a.cm._tiers.storage
     thread = tier._writer  # writes come next
     # Kill the idle thread: the exception lands as it takes its next job.
     assert (
@@ -666,7 +666,7 @@ def _cycle(inst, k):
     if k % 3 == 0:
         inst.cm.make_room(inst.cm.num_pages * PAGE)
     if k % 4 == 0:
-        inst.cm._tier.free_host_slots(PAGE * 4, all_or_nothing=False)
+        inst.cm._tiers.host.free_host_slots(PAGE * 4, all_or_nothing=False)
     inst.cm.writing_check()
     inst.cm.loading_check()
     inst.cm.storage_check()
@@ -961,7 +961,7 @@ def test_a_close_racing_a_prefetch_leaves_nothing_held(tmp_path):
     ids = prompt(500, 4)
     a.serve(ids)
     a.evict_everything()
-    tier = a.cm._storage
+    tier = a.cm._tiers.storage
     exists, closer = tier._exists, []
 
     def exists_then_close(keys):
@@ -1034,12 +1034,12 @@ def test_reads_that_hang_hold_at_most_half_the_host_pool_and_count(tmp_path):
         policy="timeout",
         faults=StorageFaultPolicy(retry_after_s=60),
     )
-    b.cm._storage.timeout_base_s = 0.05
+    b.cm._tiers.storage.timeout_base_s = 0.05
     for ids in prompts:
         b.serve(ids, drain=False)
         b.cm.writing_check()
-        assert b.cm._storage.reading_tokens <= 48 * PAGE // 2
-    assert b.cm._storage.reads_down()  # the reads given up on counted as failures
+        assert b.cm._tiers.storage.reading_tokens <= 48 * PAGE // 2
+    assert b.cm._tiers.storage.reads_down()  # the reads given up on counted as failures
     done, out = finishes(lambda: b.cm.reset())  # bounded, refuses, drops nothing
     assert done and isinstance(out.get("error"), RuntimeError), out
     store.release.set()
@@ -1190,20 +1190,20 @@ def test_a_backlog_of_slow_writes_never_holds_reads_back(tmp_path):
     a.close()
     store = Stuck(str(tmp_path), fingerprint(), writes=True)
     b = Instance(store, host_pages=64, policy="timeout")
-    b.cm._storage.timeout_base_s = 2.0
+    b.cm._tiers.storage.timeout_base_s = 2.0
     for k in range(4):  # writes queue up behind the first, which blocks
         b.serve(prompt(570 + k, 2), drain=False)
     deadline = time.monotonic() + 60  # a loaded machine's copy thread may lag
-    while len(b.cm._storage._writes) < 4 and time.monotonic() < deadline:
+    while len(b.cm._tiers.storage._writes) < 4 and time.monotonic() < deadline:
         b.cm.writing_check()  # backed up to host: handed to storage
         time.sleep(0.001)
-    assert len(b.cm._storage._writes) >= 4
+    assert len(b.cm._tiers.storage._writes) >= 4
     t0 = time.monotonic()
     for ids in old:
         assert b.serve(ids, drain=False)[2] == 2 * PAGE  # read while the writes wait
     assert time.monotonic() - t0 < 5.0
     counters = b.cm.storage_counters
-    assert counters.skipped_reads == 0 and not b.cm._storage.reads_down()
+    assert counters.skipped_reads == 0 and not b.cm._tiers.storage.reads_down()
     store.release.set()
     b.cm.drain()
     assert written(b.cm) >= 4 * 2
@@ -1222,7 +1222,7 @@ def test_a_wait_for_a_read_that_close_dropped_ends(tmp_path):
     held = b.cm.prefetch(first)  # its read blocks on the reading thread
     queued = b.cm.prefetch(second)  # queued behind it
     assert held is not None and queued is not None
-    waiter = threading.Thread(target=b.cm._storage.wait, args=(queued,), daemon=True)
+    waiter = threading.Thread(target=b.cm._tiers.storage.wait, args=(queued,), daemon=True)
     waiter.start()
     time.sleep(0.1)
     assert waiter.is_alive()
@@ -1242,8 +1242,8 @@ def test_a_key_directory_swapped_for_a_symlink_leads_nowhere_else(tmp_path):
     # of its directories); a shared one is opened a directory at a time.
     a = Instance(FileStorage(str(tmp_path / "store"), fingerprint(), shared=True))
     ids = prompt(540, 1)
-    key = a.cm._storage.keys_of(ids)[0]
-    sub = os.path.dirname(a.cm._storage.backend.path(key))
+    key = a.cm._tiers.storage.keys_of(ids)[0]
+    sub = os.path.dirname(a.cm._tiers.storage.backend.path(key))
     a.serve(prompt(541, 1))  # the store exists
     os.makedirs(sub, exist_ok=True)
     os.rmdir(sub)
@@ -1298,7 +1298,7 @@ def test_temporary_files_of_dead_writers_are_removed_at_start(tmp_path):
     a = Instance(FileStorage(str(tmp_path), fingerprint()))
     ids = prompt(550, 1)
     a.serve(ids)
-    page = a.cm._storage.backend.path(a.cm._storage.keys_of(ids)[0])
+    page = a.cm._tiers.storage.backend.path(a.cm._tiers.storage.keys_of(ids)[0])
     a.close()
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

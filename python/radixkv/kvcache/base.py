@@ -70,6 +70,11 @@ class BaseCacheHandle(ABC):
         """Matched tokens after `cached_len` that only the host tier holds."""
         return 0
 
+    @property
+    def namespace(self) -> int:
+        """The namespace id the match was made in (0: the default)."""
+        return 0
+
 
 def released_slots(
     indices, owned_from: int, cached_before: int, length: int, page_size: int, finished: bool
@@ -114,9 +119,12 @@ class BaseCacheManager(ABC, Generic[H]):
     tree: Optional[_core.RadixTree] = None
 
     @abstractmethod
-    def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[H, torch.Tensor]:
+    def match_prefix(
+        self, input_ids, namespace: int = 0, skip_last: bool = False
+    ) -> Tuple[H, torch.Tensor]:
         """Longest cached prefix of `input_ids` in whole pages: a handle and its slots (int32).
-        Sequences of different namespaces (ints >= 0) never share a prefix."""
+        Sequences of different namespaces (ints >= 0) never share a prefix. With
+        `skip_last` the input is matched without its last token (it must have one)."""
 
     def match_prefix_batch(
         self, batch, namespace=0, skip_last: bool = False, flat: bool = False
@@ -177,6 +185,53 @@ class BaseCacheManager(ABC, Generic[H]):
     @abstractmethod
     def check_integrity(self) -> None:
         """Walk all state and raise `radixkv.IntegrityError` on any broken invariant."""
+
+    @abstractmethod
+    def handle_slots(self, handle: H) -> torch.Tensor:
+        """The slots of `handle`'s match on the device (int32, on the host);
+        raises, changing nothing, when they are no longer there."""
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes that hold cached tokens (0 for a manager that caches nothing)."""
+        return 0
+
+    # -- a request's steps ------------------------------------------------------------
+    # What `radixkv.scheduler.CacheManager` calls at a request's end, each one
+    # step over the prefix cache and the device pool's pages (`pages`, a
+    # `_core.PageAllocator`): every input is checked first (as
+    # `radixkv.kvcache.request_inputs` says), and a call that raises changes
+    # nothing. Inputs and results are on the host. The radix cache binds the
+    # native tree's (`cpp/include/radixkv/request_steps.h`).
+
+    @abstractmethod
+    def finish_request(self, old_handle: H, input_ids, indices, pages, priority: int = 0) -> int:
+        """A finished request: its whole pages not cached yet join the cache,
+        its copies of tokens cached meanwhile and its partial last page are
+        freed, `old_handle` is unlocked. Returns the tokens that were cached
+        already (as `insert_prefix`)."""
+
+    @abstractmethod
+    def finish_requests(self, batch, pages, priority=0) -> List[int]:
+        """`finish_request` of each (old_handle, input_ids, indices), all
+        checked first and together (no page held by two, no handle finished
+        more often than it is locked); `priority` one for all or one each."""
+
+    @abstractmethod
+    def finish_requests_flat(
+        self, handles, input_ids, indices, pages, priority=0, own=None
+    ) -> List[int]:
+        """`finish_requests` with the requests' slots back to back in
+        `indices` (or their cached parts there and their own pages in `own`)."""
+
+    @abstractmethod
+    def cache_request(
+        self, old_handle: H, input_ids, indices, pages, priority: int = 0
+    ) -> Tuple[H, torch.Tensor, int]:
+        """A running request's computed tokens join the cache (chunked
+        prefill): returns a new locked handle (`old_handle` is unlocked), the
+        indices it goes on with (the cache's slots for its cached part, then
+        its own) and the tokens that were cached already."""
 
 
 # --- the paged KV pool -------------------------------------------------------------

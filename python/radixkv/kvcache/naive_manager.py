@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from radixkv import _core
-from radixkv._checks import as_count, as_device, as_int, as_max_slots, to_host
-from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo
+from radixkv._checks import as_count, as_device, as_int, as_max_slots, int32_tensor, to_host
+from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager, SizeInfo, released_slots
+from radixkv.kvcache.request_inputs import check_batch, check_request, join_parts, split_flat
 
 
 class NaiveCacheHandle(BaseCacheHandle):
@@ -50,9 +51,13 @@ class NaiveCacheManager(BaseCacheManager[NaiveCacheHandle]):
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int32, device=self.device)
 
-    def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[NaiveCacheHandle, torch.Tensor]:
+    def match_prefix(
+        self, input_ids, namespace: int = 0, skip_last: bool = False
+    ) -> Tuple[NaiveCacheHandle, torch.Tensor]:
         _check_namespace(namespace)  # checked as the radix cache does; nothing is shared anyway
-        _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
+        n = _core.check_ids(to_host(input_ids, "input_ids", self.device), "input_ids")
+        if skip_last and n == 0:
+            raise ValueError("input_ids must hold at least one token")
         return NaiveCacheHandle(self), self._empty()
 
     def lock_handle(self, handle: NaiveCacheHandle, unlock: bool = False) -> None:
@@ -107,3 +112,47 @@ class NaiveCacheManager(BaseCacheManager[NaiveCacheHandle]):
 
     def check_integrity(self) -> None:
         pass
+
+    def handle_slots(self, handle: NaiveCacheHandle) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int32)
+
+    # -- a request's steps (BaseCacheManager's): checked in Python, nothing cached ----
+
+    def finish_request(
+        self, old_handle: NaiveCacheHandle, input_ids, indices, pages, priority: int = 0
+    ) -> int:
+        ids, idx, n, cached = check_request(self, old_handle, input_ids, indices, pages)
+        in_cache = self.insert_prefix(ids, idx[:n], priority)
+        for slots in released_slots(idx, cached, in_cache, n, self.page_size, True):
+            pages.free(slots)
+        self.lock_handle(old_handle, unlock=True)
+        return in_cache
+
+    def finish_requests(self, batch, pages, priority=0) -> List[int]:
+        return self._finish_batch(batch, pages, priority, "batch")
+
+    def finish_requests_flat(
+        self, handles, input_ids, indices, pages, priority=0, own=None
+    ) -> List[int]:
+        ids = [int32_tensor(x, f"input_ids[{i}]", self.device) for i, x in enumerate(input_ids)]
+        if own is not None:
+            indices = join_parts(handles, ids, indices, own, self.page_size, self.device)
+        batch = split_flat(ids, indices, handles, self.page_size, self.device)
+        return self._finish_batch(batch, pages, priority, "request")
+
+    def _finish_batch(self, batch, pages, priority, what: str) -> List[int]:
+        priorities = check_batch(self, batch, priority, pages, what)
+        return [
+            self.finish_request(handle, ids, idx, pages, p)
+            for (handle, ids, idx), p in zip(batch, priorities)
+        ]
+
+    def cache_request(
+        self, old_handle: NaiveCacheHandle, input_ids, indices, pages, priority: int = 0
+    ) -> Tuple[NaiveCacheHandle, torch.Tensor, int]:
+        ids, idx, n, _ = check_request(self, old_handle, input_ids, indices, pages)
+        in_cache = self.insert_prefix(ids, idx[:n], priority)
+        handle = NaiveCacheHandle(self)  # an empty match: the request keeps all its pages
+        self.lock_handle(handle)
+        self.lock_handle(old_handle, unlock=True)
+        return handle, idx, in_cache

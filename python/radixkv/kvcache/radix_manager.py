@@ -27,6 +27,8 @@ def check_eviction_policy(policy, given=None) -> str:
     return policy
 
 
+_REQUEST_STEPS = ("finish_request", "finish_requests", "finish_requests_flat", "cache_request")
+
 TLRU_CONFIG_KEYS = ("threshold", "next_prompt_estimate")
 
 
@@ -102,15 +104,21 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
         self.eviction_policy = eviction_policy
         self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), eviction_policy, safe)
         self.tree = self._tree
+        # The tree's own methods (same signatures) bound over these: a call
+        # costs no Python frame. The request steps read and return host
+        # tensors on any device; the rest only on a CPU manager. (setattr:
+        # mypy refuses assigning to a method.)
+        bound = [*_REQUEST_STEPS, "handle_slots"]
         if self.device.type == "cpu":
-            # The tree's own methods (same signatures) bound over these: a call
-            # costs no Python frame. (setattr: mypy refuses assigning to a method.)
-            for name in ("match_prefix", "insert_prefix", "lock_handle", "evict"):
-                setattr(self, name, getattr(self._tree, name))
+            bound += ["match_prefix", "insert_prefix", "lock_handle", "evict"]
+        for name in bound:
+            setattr(self, name, getattr(self._tree, name))
 
-    def match_prefix(self, input_ids, namespace: int = 0) -> Tuple[RadixCacheHandle, torch.Tensor]:
+    def match_prefix(
+        self, input_ids, namespace: int = 0, skip_last: bool = False
+    ) -> Tuple[RadixCacheHandle, torch.Tensor]:
         handle, indices = self._tree.match_prefix(
-            to_host(input_ids, "input_ids", self.device), namespace
+            to_host(input_ids, "input_ids", self.device), namespace, skip_last
         )
         return handle, indices.to(self.device, non_blocking=True)
 
@@ -172,6 +180,27 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
     def num_nodes(self) -> int:
         """Nodes in the tree, the root excluded."""
         return self._tree.num_nodes
+
+    def handle_slots(self, handle: RadixCacheHandle) -> torch.Tensor:
+        return self._tree.handle_slots(handle)
+
+    # -- a request's steps (BaseCacheManager's): the tree's, bound in __init__ ------
+
+    def finish_request(self, old_handle, input_ids, indices, pages, priority: int = 0) -> int:
+        return self._tree.finish_request(old_handle, input_ids, indices, pages, priority)
+
+    def finish_requests(self, batch, pages, priority=0) -> List[int]:
+        return self._tree.finish_requests(batch, pages, priority)
+
+    def finish_requests_flat(
+        self, handles, input_ids, indices, pages, priority=0, own=None
+    ) -> List[int]:
+        return self._tree.finish_requests_flat(handles, input_ids, indices, pages, priority, own)
+
+    def cache_request(
+        self, old_handle, input_ids, indices, pages, priority: int = 0
+    ) -> Tuple[RadixCacheHandle, torch.Tensor, int]:
+        return self._tree.cache_request(old_handle, input_ids, indices, pages, priority)
 
     def is_valid(self, handle: RadixCacheHandle) -> bool:
         """Whether `handle` came from this cache and still names a live node."""

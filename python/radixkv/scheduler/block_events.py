@@ -32,7 +32,7 @@ blocks are never announced removed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import numpy as np
 import torch
@@ -69,6 +69,8 @@ class BlockEvents:
     which hashes, records and packs each change in one native call; the DISK
     blocks (announced once each, from the storage tier's own rows) and the
     publishing stay here."""
+
+    on = True  # (NoEvents: False)
 
     def __init__(
         self,
@@ -211,6 +213,15 @@ class BlockEvents:
         self.ledger.device_inserted(tokens, slots, start, end, known, seed)
         self._bound()
 
+    def request_cached(self, ids, indices, in_cache: int, handle, page_size: int) -> None:
+        """A request step cached the whole pages of `ids` beyond the first
+        `in_cache` tokens (checked host inputs, `indices` the request's
+        slots, `handle` its match): their BlockStored."""
+        n = ids.shape[0] if isinstance(ids, torch.Tensor) else len(ids)
+        full = n - n % page_size
+        if in_cache < full:  # (the ledger reads the host inputs as they are)
+            self.device_inserted(ids, indices, in_cache, full, handle.cached_len, handle.namespace)
+
     def device_evicted(self, slots: torch.Tensor) -> None:
         self.ledger.device_evicted(slots)
         self._bound()
@@ -272,6 +283,52 @@ class BlockEvents:
         removed one by one, the device's by AllBlocksCleared."""
         self.ledger.reset()
         self._bound()
+
+
+class NoEvents:
+    """KV events off (`CacheManager(kv_events=None)`): BlockEvents' calls,
+    each doing nothing, so the tiers tell their changes without asking
+    whether anyone listens."""
+
+    publisher: Optional[EventPublisher] = None
+    on = False
+
+    def flush(self) -> int:
+        return 0
+
+    def snapshot(self) -> KVSnapshot:
+        raise RuntimeError("kv_snapshot needs KV events (CacheManager(kv_events=...))")
+
+    def device_inserted(self, tokens, slots, start: int, end: int, known: int, ns: int = 0):
+        pass
+
+    def device_evicted(self, slots: torch.Tensor) -> None:
+        pass
+
+    def request_cached(self, ids, indices, in_cache: int, handle, page_size: int) -> None:
+        pass
+
+    def device_loaded(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        pass
+
+    def host_backed_up(self, device_slots, host_slots, rejected) -> None:
+        pass
+
+    def host_evicted(self, slots: torch.Tensor) -> None:
+        pass
+
+    def host_inserted(self, tokens, start: int, host_slots, rejected, ns: int = 0) -> None:
+        pass
+
+    def disk_stored(self, blocks: np.ndarray) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+Events = Union[BlockEvents, NoEvents]
+"""A manager's KV-event ledger, on or off."""
 
 
 def _block_hashes(keys: bytes) -> np.ndarray:

@@ -13,7 +13,7 @@ from radixkv import _core
 from radixkv.kvcache.base import BaseCacheHandle
 from radixkv.kvcache.host_pool import HostKVCache, copy_controller
 from radixkv.kvcache.engine_pool import DevicePool
-from radixkv.scheduler.block_events import BlockEvents
+from radixkv.scheduler.block_events import Events, NoEvents
 from radixkv.scheduler.quotas import quota_excess
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -101,7 +101,7 @@ class HostTier:
         codec: Optional[str],
         manual: bool,
         *,
-        events: Optional[BlockEvents] = None,
+        events: Optional[Events] = None,
         keep_landed: bool = False,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
@@ -138,9 +138,9 @@ class HostTier:
         # on to storage).
         self._keep_landed = keep_landed
         self.landed: Deque[Copy] = deque()
-        # The manager's BlockEvents when KV events are on: told of every page
-        # that lands on or leaves either tier through this class.
-        self.events = events
+        # The manager's BlockEvents (NoEvents when KV events are off): told of
+        # every page that lands on or leaves either tier through this class.
+        self.events: Events = events if events is not None else NoEvents()
         # Called before host copies are evicted (the manager's expiry of
         # retention claims, which may keep host copies).
         self.before_evict: Optional[Callable[[], object]] = None
@@ -278,8 +278,7 @@ class HostTier:
     def _free_evicted(self, freed: torch.Tensor) -> None:
         self.pages.free(freed, self.tree, True)
         self.host_evicted += len(freed)
-        if self.events is not None:
-            self.events.host_evicted(freed)
+        self.events.host_evicted(freed)
 
     def drop_all(self) -> None:
         """Drops every host copy, for a reset (nothing may be locked or in
@@ -338,7 +337,7 @@ class HostTier:
             copy, host_slots, device_slots = self._backups.pop(op)
             # The tree takes the slots; those it does not go back to the pages.
             rejected = self.tree.finish_backup(copy, host_slots, ok, self.pages)
-            if self.events is not None and len(rejected) < len(host_slots):
+            if len(rejected) < len(host_slots):
                 self.events.host_backed_up(device_slots, host_slots, rejected)
             self._backup_tokens -= len(host_slots)
             self.backed_up += len(host_slots) - len(rejected)
@@ -374,8 +373,7 @@ class HostTier:
             taken = self.tree.finish_load(copy, device_slots, ok)
             if ok and taken:
                 self.loaded_back += len(device_slots)
-                if self.events is not None:
-                    self.events.device_loaded(host_slots, device_slots)
+                self.events.device_loaded(host_slots, device_slots)
             else:
                 free_device(device_slots)
                 if not ok:
@@ -395,7 +393,71 @@ class HostTier:
         if bool(torch.isin(indices, busy).any()):
             raise ValueError(f"{name} has slots a load from host is still writing")
 
+    def start_load(self, handle: BaseCacheHandle, device_pages: _core.PageAllocator):
+        """The tree's `start_load` of `handle`'s host part (find, room check,
+        begin and the device pages, of `device_pages`, in one call); a load in
+        flight on the match's host part lands first."""
+        try:
+            return self.tree.start_load(handle, device_pages)  # type: ignore[arg-type]
+        except ValueError:
+            if not self.tree.tier_sizes().loading:
+                raise
+            # Another request is loading this part: let it land, then take it.
+            self.wait_loads()
+            self.loading_check(lambda slots: device_pages.free(slots, self.tree))
+            return self.tree.start_load(handle, device_pages)  # type: ignore[arg-type]
+
+    def begin_load(self, copy) -> Tuple[BaseCacheHandle, torch.Tensor, torch.Tensor]:
+        """Begins the load of `copy` (its host part pinned) before device
+        pages are found for it: (locked handle, host slots, device prefix)."""
+        return self.tree.begin_load(copy)
+
+    def abandon_load(self, copy, loaded: BaseCacheHandle) -> None:
+        """Undoes a begun load: its node stays host only, `loaded` unlocks."""
+        self.tree.finish_load(copy, torch.zeros(copy.end - copy.start, dtype=torch.int32), False)
+        self.tree.lock_handle(loaded, True)  # type: ignore[arg-type]
+
+    def wait_copies(self) -> None:
+        """Waits for every copy queued so far (applying them is the checks')."""
+        self.controller.drain()
+
+    def wait_loads(self) -> None:
+        """Waits for every load queued so far (applying them is `loading_check`'s)."""
+        self.controller.wait_loads()
+
+    def start_loading(self) -> None:
+        """Starts the loads queued so far (`wait_layer` also does)."""
+        self.controller.start_loading()
+
+    def wait_layer(self, layer: int) -> None:
+        """Returns once layer `layer` of every load queued so far is in place.
+        Without a pool the bookkeeping has no layers: any is ready once the
+        loads queued so far are."""
+        self.controller.wait_layer(layer if self.pool is not None else 0)
+
     # -- state --------------------------------------------------------------------
+
+    @property
+    def page_bytes(self) -> int:
+        """What a host page costs (0 without a pool: bookkeeping only)."""
+        pool = self.pool
+        return pool.nbytes // pool.num_pages if pool is not None else 0
+
+    def figures(self) -> dict:
+        """The tier's part of `CacheMetrics`: what it moved, its slots now."""
+        sizes = self.tree.tier_sizes()
+        return dict(
+            backed_up_tokens=self.backed_up,
+            loaded_back_tokens=self.loaded_back,
+            host_evicted_tokens=self.host_evicted,
+            device_loading_tokens=self._load_tokens,
+            host_capacity_tokens=self.num_pages * self.page_size,
+            host_free_tokens=self.pages.num_free_pages * self.page_size,
+            host_cached_tokens=sizes.host,
+            host_only_tokens=sizes.host_only,
+            host_backing_up_tokens=self._backup_tokens,
+            host_storage_writing_tokens=sizes.storage_writing,
+        )
 
     @property
     def backups_in_flight(self) -> int:
@@ -461,3 +523,80 @@ class HostTier:
                 f"the controller has {self.controller.in_flight} copies in flight, the tier "
                 f"knows of {len(self._backups)} backups and {len(self._loads)} loads"
             )
+
+
+class NoHostTier:
+    """The host tier, off (`host_num_pages=0`): no host pages and no copies;
+    every call answers as an empty host tier would."""
+
+    write_policy: Optional[str] = None
+    min_hits = 0
+    num_pages = 0
+    page_bytes = 0
+    pool = None
+    controller = None
+    before_evict: Optional[Callable[[], object]] = None
+    backups_in_flight = loads_in_flight = backup_tokens = loading_tokens = 0
+
+    def back_up(self, tokens, ns: int = 0) -> int:
+        return 0
+
+    def back_up_before_evict(self, size: int, ns: Optional[int] = None) -> int:
+        return 0
+
+    def writing_check(self) -> int:
+        return 0
+
+    def wait_copies(self) -> None:
+        pass
+
+    def settle_backups(self) -> int:
+        return 0
+
+    def start_load(self, handle: BaseCacheHandle, device_pages: _core.PageAllocator) -> None:
+        return None  # (no match has a host part)
+
+    def begin_load(self, copy) -> Tuple[BaseCacheHandle, torch.Tensor, torch.Tensor]:
+        raise RuntimeError("no host tier to load from")
+
+    def abandon_load(self, copy, loaded: BaseCacheHandle) -> None:
+        raise RuntimeError("no host tier to load from")
+
+    def queue_load(self, copy, host_slots, device_slots, handle) -> None:
+        raise RuntimeError("no host tier to load from")
+
+    def loading_check(self, free_device) -> None:
+        pass
+
+    def take_failed_loads(self) -> List[BaseCacheHandle]:
+        return []
+
+    def wait_loads(self) -> None:
+        pass
+
+    def start_loading(self) -> None:
+        pass
+
+    def wait_layer(self, layer: int) -> None:
+        pass
+
+    def check_not_loading(self, indices: torch.Tensor, name: str) -> None:
+        pass
+
+    def evict_namespace(self, ns: int, size: int) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int32)
+
+    def drop_all(self) -> None:
+        pass
+
+    def size_info(self) -> Optional[HostSizeInfo]:
+        return None
+
+    def counters(self) -> Optional[TierCounters]:
+        return None
+
+    def figures(self) -> dict:
+        return {}
+
+    def check_integrity(self, device_pages: _core.PageAllocator, reading: int = 0) -> None:
+        pass

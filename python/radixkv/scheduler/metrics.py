@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -76,6 +76,52 @@ _DOC = {
     "retain_claims": ("gauge", "Retention claims held now."),
     "retained_tokens": ("gauge", "Cached tokens at least one retention claim holds."),
 }
+
+
+class Counters:
+    """The counters a CacheManager keeps itself (its tiers keep theirs):
+    requests matched, the tokens they asked about, the hits by the tier
+    serving them, the tokens evicted from the device. Named as CacheMetrics'
+    fields."""
+
+    __slots__ = (
+        "queries",
+        "query_tokens",
+        "hit_tokens",
+        "device_hit_tokens",
+        "host_hit_tokens",
+        "storage_hit_tokens",
+        "evicted_tokens",
+    )
+
+    def __init__(self) -> None:
+        self.queries = self.query_tokens = self.hit_tokens = 0
+        self.device_hit_tokens = self.host_hit_tokens = self.storage_hit_tokens = 0
+        self.evicted_tokens = 0
+
+    def matched(self, tokens: int, handles, storage_hit_len: Callable[[Any], int]) -> None:
+        """Requests asking about `tokens` tokens in all were matched to
+        `handles`. Each hit is the tier's that serves it, decided now: a
+        handle's host part is the storage tier's as far as
+        `storage_hit_len(handle)` says (pages read from storage and not on
+        the device since), the host tier's beyond."""
+        device = host = 0
+        for handle in handles:
+            device += handle.cached_len
+            host += handle.host_hit_len
+        self.queries += len(handles)
+        self.query_tokens += tokens
+        self.device_hit_tokens += device
+        self.hit_tokens += device + host
+        if host:
+            for handle in handles:
+                if handle.host_hit_len:
+                    storage = storage_hit_len(handle)
+                    self.storage_hit_tokens += storage
+                    self.host_hit_tokens += handle.host_hit_len - storage
+
+    def figures(self) -> Dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(frozen=True)

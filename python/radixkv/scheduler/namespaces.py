@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 NamespaceName = Union[None, str, bytes, int]
 
@@ -52,6 +52,11 @@ class Namespaces:
                 f"{arg} must be None, a str, bytes or an int, got " f"{type(name).__name__}"
             )
 
+    @staticmethod
+    def is_default(name) -> bool:
+        """None or 0: the default namespace (nothing to remember)."""
+        return name is None or (type(name) is int and name == 0)
+
     def id(self, name: NamespaceName, arg: str = "namespace") -> int:
         """The tree id of `name` (see `check`), remembered as just used."""
         self.check(name, arg)
@@ -69,6 +74,16 @@ class Namespaces:
         self._ids[key] = ns
         self._names[ns] = key
         return ns
+
+    def ids(self, namespace, names: Optional[list], count: int) -> List[int]:
+        """The ids of a batch of `count` requests: of `names` (one each,
+        `namespace[i]`), all checked before any is remembered, or else of
+        `namespace` for all."""
+        if names is None:
+            return [self.id(namespace)] * count
+        for i, x in enumerate(names):
+            self.check(x, f"namespace[{i}]")
+        return [self.id(x) for x in names]
 
     def find(self, name: NamespaceName, arg: str = "namespace") -> Optional[int]:
         """The id of `name` if it is remembered (or the default), else None;

@@ -13,6 +13,7 @@ import torch
 
 from radixkv import _core
 from radixkv._checks import as_count
+from radixkv.scheduler.namespaces import Namespaces
 
 
 # The largest limit: far beyond any pool, and far from int64's end, so a
@@ -93,10 +94,19 @@ class Quotas:
         self.host_page_bytes = host_page_bytes
         self._evicted: Dict[int, list] = {}  # ns -> [device tokens, host tokens]
 
+    def require(self, what: str) -> "Quotas":
+        """These quotas, for the call `what` (NoQuotas refuses it)."""
+        return self
+
     @property
     def active(self) -> bool:
         """Whether any namespace has a quota."""
         return bool(self._evicted)
+
+    def device_excess(self, ns: int, n: int) -> int:
+        """Tokens by which `n` more device tokens would take namespace `ns`
+        past its device quota (0 without one)."""
+        return quota_excess(self.tree, ns, n, host=False)
 
     @property
     def namespaces(self):
@@ -104,10 +114,12 @@ class Quotas:
         return self._evicted.keys()
 
     def limits(
-        self, device_tokens, device_bytes, host_tokens, host_bytes
+        self, device_tokens, device_bytes, host_tokens, host_bytes, namespace=None
     ) -> Tuple[Optional[int], Optional[int]]:
         """The limits in tokens on each tier (each given in tokens or bytes, at
-        most one; None: no limit there). Raises, naming the argument."""
+        most one; None: no limit there) of the quota of `namespace` (a name,
+        checked first). Raises, naming the argument."""
+        Namespaces.check(namespace)
         ps = self.page_size
         device = _limit(device_tokens, device_bytes, self.device_page_bytes, ps, "device")
         host = _limit(host_tokens, host_bytes, self.host_page_bytes, ps, "host")
@@ -123,6 +135,20 @@ class Quotas:
             self._evicted.pop(ns, None)
         else:
             self._evicted.setdefault(ns, [0, 0])
+
+    def set_named(
+        self, namespaces: Namespaces, namespace, device: Optional[int], host: Optional[int]
+    ) -> bool:
+        """`set` for the namespace named `namespace` (of `namespaces`, which
+        never forget a name with a quota); False when there was nothing to
+        do: no quota to remove, for a name never used (not remembered for
+        it)."""
+        if device is None and host is None and namespaces.find(namespace) is None:
+            return False
+        ns = namespaces.id(namespace)
+        self.set(ns, device, host)
+        namespaces.pin(ns, ns in self._evicted)
+        return True
 
     def usage(self, ns: int) -> Optional[QuotaUsage]:
         """What namespace `ns` holds against its quota (None without one)."""
@@ -159,3 +185,22 @@ class Quotas:
         for ns, _, host, _, _ in self.tree.over_quota():
             if host:
                 self._evicted.setdefault(ns, [0, 0])[1] += len(evict_host(ns, host))
+
+
+class NoQuotas:
+    """The quotas of a prefix cache that keeps nothing (the naive cache):
+    none is ever set, and a call about one raises TypeError naming it."""
+
+    active = False
+
+    def __init__(self, cache) -> None:
+        self._cache = cache
+
+    def require(self, what: str) -> Quotas:
+        raise TypeError(f"{what} needs the radix cache (type='radix'), not {self._cache!r}")
+
+    def device_excess(self, ns: int, n: int) -> int:
+        return 0
+
+    def enforce(self, evict_device, evict_host) -> None:
+        pass

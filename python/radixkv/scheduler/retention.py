@@ -25,7 +25,7 @@ import heapq
 from typing import Callable, Dict, List, Optional, Tuple, cast
 
 
-from radixkv._checks import as_seconds
+from radixkv._checks import as_count, as_flag, as_int32, as_seconds
 from radixkv import _core
 
 TIERS = ("device", "host")
@@ -95,8 +95,15 @@ class RetentionClaim:
 class Retention:
     """The claims of one CacheManager: their deadlines, budgets and refreshing."""
 
-    def __init__(self, tree: _core.RadixTree, budget: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        tree: _core.RadixTree,
+        budget: int,
+        clock: Callable[[], float],
+        host_tier: bool = False,
+    ) -> None:
         self.tree = tree
+        self.host_tier = host_tier  # whether tier="host" claims can be kept
         self.clock = clock
         self.budget = budget
         self.ns_budgets: Dict[int, int] = {}
@@ -111,7 +118,41 @@ class Retention:
         self.made = self.refused = self.expired = self.released = self.refreshed = 0
         self.ended = 0  # claims ended in any way (released, expired, reset)
 
+    def require(self, what: str) -> "Retention":
+        """These claims, for the call `what` (NoRetention refuses it)."""
+        return self
+
+    def set_budget(self, tokens, ns: Optional[int]) -> None:
+        """Sets the most tokens the claims of namespace `ns` may hold together
+        (`tokens` None: no budget of its own), or with `ns` None the
+        manager's budget for all claims."""
+        if ns is None:
+            if tokens is None:
+                raise ValueError("tokens must be a count for the whole manager's budget")
+            self.budget = as_count(tokens, "tokens", minimum=0)
+        elif tokens is None:
+            self.ns_budgets.pop(ns, None)
+        else:
+            self.ns_budgets[ns] = as_count(tokens, "tokens", minimum=0)
+
+    def held(self) -> int:
+        """Tokens that at least one claim holds (after ending the claims
+        whose time is up)."""
+        self.expire()
+        return self.tree.claimed_size
+
     # -- claims -----------------------------------------------------------------
+
+    def check_args(
+        self, ttl_s, tier, priority, refresh_on_hit
+    ) -> Tuple[Optional[float], int, bool]:
+        """`CacheManager.retain`'s arguments, checked: (ttl, priority, refresh)."""
+        ttl = as_seconds(ttl_s, "ttl_s", positive=True, optional=True)
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+        if tier == "host" and not self.host_tier:
+            raise ValueError('tier="host" needs a host tier (host_num_pages > 0)')
+        return ttl, as_int32(priority, "priority"), as_flag(refresh_on_hit, "refresh_on_hit")
 
     def admit(self, input_ids, ns: Optional[int], namespace, tier: str, ttl_s) -> Optional[float]:
         """Checks that a claim of the cached prefix of `input_ids` in the
@@ -144,7 +185,7 @@ class Retention:
 
     def claim(
         self,
-        handle,
+        input_ids,
         ns: int,
         namespace,
         tier: str,
@@ -153,8 +194,10 @@ class Retention:
         priority: int,
         refresh: bool,
     ) -> RetentionClaim:
-        """Claims `handle`'s match (its device part, or the whole match for
-        tier "host"), which `admit` let in, with the deadline it returned."""
+        """Claims the match of `input_ids` in namespace `ns` (its device
+        part, or the whole match for tier "host"), which `admit` let in, with
+        the deadline it returned."""
+        handle, _ = self.tree.match_prefix(input_ids, ns)
         copy, added = self.tree.claim(handle, tier == "host", priority)
         self.claimed_by_ns[ns] = self.claimed_by_ns.get(ns, 0) + added
         claim = RetentionClaim(self, copy, ns, namespace, tier, ttl_s, priority, refresh)
@@ -167,7 +210,15 @@ class Retention:
         return claim
 
     def release(self, claim: RetentionClaim) -> bool:
-        """Ends `claim`; False if it had ended already (released, expired or reset)."""
+        """Ends `claim` (one of this manager's: TypeError or ValueError
+        otherwise); False if it had ended already (released, expired or
+        reset)."""
+        if not isinstance(claim, RetentionClaim):
+            raise TypeError(
+                f"claim must be a RetentionClaim from retain, got {type(claim).__name__}"
+            )
+        if claim._owner is not self:
+            raise ValueError("claim was made by another cache manager")
         self.expire()
         if not claim._active:
             return False
@@ -246,6 +297,17 @@ class Retention:
     def claims(self) -> int:
         return len(self._live)
 
+    def figures(self) -> dict:
+        """The claims' part of `CacheMetrics` (after ending those whose time is up)."""
+        self.expire()
+        return dict(
+            retain_claims_made=self.made,
+            retain_claims_refused=self.refused,
+            retain_claims_expired=self.expired,
+            retain_claims=len(self._live),
+            retained_tokens=self.tree.claimed_size,
+        )
+
     def check(self) -> None:
         """The per-namespace sums against the tree's total."""
         total = sum(self.claimed_by_ns.values())
@@ -256,6 +318,43 @@ class Retention:
             )
 
 
-def check_ttl(ttl_s) -> Optional[float]:
-    """None, or a positive finite number of seconds."""
-    return as_seconds(ttl_s, "ttl_s", positive=True, optional=True)
+class NoRetention:
+    """Retention claims of a prefix cache that keeps nothing (the naive
+    cache): none is ever held, and a call that makes or changes one raises
+    TypeError naming it."""
+
+    claims = ended = 0
+    refreshing = False
+
+    def __init__(self, cache) -> None:
+        self._cache = cache
+
+    def require(self, what: str) -> Retention:
+        raise TypeError(f"{what} needs the radix cache (type='radix'), not {self._cache!r}")
+
+    def expire(self) -> int:
+        return 0
+
+    def held(self) -> int:
+        return 0
+
+    def hit(self, handle) -> None:
+        pass
+
+    def release_all(self) -> None:
+        pass
+
+    def figures(self) -> dict:
+        return {}
+
+    def check(self) -> None:
+        pass
+
+
+def check_retention_args(retain_budget_tokens, clock) -> None:
+    """CacheManager's arguments of the claims: a count (or None) and a
+    callable (or None)."""
+    if retain_budget_tokens is not None:
+        as_count(retain_budget_tokens, "retain_budget_tokens", minimum=0)
+    if clock is not None and not callable(clock):
+        raise TypeError(f"clock must be callable (or None), got {type(clock).__name__}")

@@ -9,14 +9,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from radixkv import _core
 from radixkv._checks import as_count
-from radixkv.scheduler.block_events import BlockEvents
+from radixkv.scheduler.block_events import BlockEvents, Events, NoEvents
 from radixkv.scheduler.host_tier import HostTier
 from radixkv.scheduler.quotas import quota_limit
 from radixkv.scheduler.namespaces import Namespaces
@@ -312,7 +312,7 @@ class StorageTier:
         min_prefetch_tokens: int = 0,
         faults: Optional[StorageFaultPolicy] = None,
         writer: bool = True,
-        events: Optional[BlockEvents] = None,
+        events: Optional[Events] = None,
     ):
         check_prefetch_policy(prefetch_policy)
         min_prefetch_tokens = as_count(min_prefetch_tokens, "min_prefetch_tokens", minimum=0)
@@ -354,7 +354,8 @@ class StorageTier:
         self.written_pages = self.prefetched_tokens = self.write_failures = 0
         self.present_pages = 0
         self.skipped_reads = self.skipped_writes = self.query_timeouts = 0
-        self.events = events  # the manager's BlockEvents when KV events are on
+        # The manager's BlockEvents (NoEvents when KV events are off).
+        self.events: Events = events if events is not None else NoEvents()
         self.reading_tokens = 0  # host slots owned by prefetches in flight
         self._reader = threading.Thread(
             target=self._io.run,
@@ -416,7 +417,7 @@ class StorageTier:
         first = copy.start // ps
         before = 1 if first else 0
         blocks = None
-        if self.events is not None:
+        if isinstance(self.events, BlockEvents):
             # The blocks hold the pages' chain keys: the chain is hashed once.
             blocks = self.events.blocks(tokens.to(torch.int32).numpy(), first - before, ns)
             if self.name_key is not None:
@@ -445,11 +446,13 @@ class StorageTier:
 
     # -- prefetch -------------------------------------------------------------------
 
-    def prefetch(self, tokens: torch.Tensor, ns: int = 0) -> Optional[Prefetch]:
-        """Starts reading the pages of `tokens` (in namespace `ns`) beyond
-        the cache's match (whole pages) that the store has, consecutive from
-        the first, into fresh host pages. None when there is nothing worth
-        fetching, no host room, or reads are left alone."""
+    def prefetch(self, tokens: torch.Tensor, namespace=None) -> Optional[Prefetch]:
+        """Starts reading the pages of `tokens` (in the namespace named
+        `namespace`) beyond the cache's match (whole pages) that the store
+        has, consecutive from the first, into fresh host pages. None when
+        there is nothing worth fetching, no host room, or reads are left
+        alone."""
+        ns = self.namespaces.id(namespace)
         if self._closed:
             return None
         self._check_thread()
@@ -557,7 +560,7 @@ class StorageTier:
             op.inserted = got - len(rejected)
             if len(rejected):
                 self.host.pages.free(rejected, self.tree, True)
-            if self.events is not None and op.inserted:
+            if op.inserted:
                 self.events.host_inserted(
                     op.tokens[: op.start + got], op.start, taken_slots, rejected, op.ns
                 )
@@ -620,7 +623,7 @@ class StorageTier:
             self.present_pages += min(job.present, run)
             self.write_failures += job.ok.count(False)
             self.skipped_writes += job.skipped
-            if job.blocks is not None and run and self.events is not None:
+            if job.blocks is not None and run:
                 self.events.disk_stored(job.blocks[:run])
             return 1
         if job.applied:
@@ -677,6 +680,25 @@ class StorageTier:
     def in_flight(self) -> int:
         return len(self._writes) + len(self._prefetches)
 
+    def hit_len(self, handle) -> int:
+        """Of `handle`'s host part, the tokens read from storage and not on
+        the device since (the storage tier's hits)."""
+        return self.tree.storage_hit_len(handle)
+
+    def figures(self) -> dict:
+        """The tier's part of `CacheMetrics`."""
+        c = self.counters()
+        return dict(
+            storage_written_pages=c.written_pages,
+            storage_prefetched_tokens=c.prefetched_tokens,
+            storage_errors=c.errors,
+            storage_corrupt_pages=c.corrupt_pages,
+            storage_skipped_reads=c.skipped_reads,
+            storage_skipped_writes=c.skipped_writes,
+            storage_query_timeouts=c.query_timeouts,
+            host_reading_tokens=self.reading_tokens,
+        )
+
     def counters(self) -> StorageCounters:
         errors, corrupt = self.backend.counts()
         return StorageCounters(
@@ -722,6 +744,18 @@ class StorageTier:
             )
 
     # -- closing ----------------------------------------------------------------------
+
+    @property
+    def close_timeout_s(self) -> float:
+        return self.faults.close_timeout_s
+
+    def shut_down(self, wait: bool, settle_backups: Callable[[], object]) -> None:
+        """`close` as the manager's close does it: with `wait`,
+        `settle_backups()` first (the host tier's backups land and their
+        writes are queued), then what is queued is waited for."""
+        if wait:
+            settle_backups()
+        self.close(self.wait_closed(wait))
 
     def wait_closed(self, wait: bool) -> float:
         """What `close` waits for before it changes anything: with `wait`,
@@ -772,3 +806,41 @@ class StorageTier:
         if self._asker is not None:
             self._asker.stop()
         return True
+
+
+class NoStorageTier:
+    """The storage tier, off (`storage=None`): a store that holds nothing."""
+
+    in_flight = reading_tokens = 0
+    close_timeout_s: Optional[float] = None
+
+    def prefetch(self, tokens: torch.Tensor, namespace=None) -> Optional[Prefetch]:
+        Namespaces.check(namespace)  # a bad name raises all the same; a good one is not kept
+        return None
+
+    def wait(self, op: Prefetch) -> None:
+        pass
+
+    def storage_check(self) -> int:
+        return 0
+
+    def write_landed(self) -> None:
+        pass
+
+    def drain(self, limit_s: Optional[float] = None) -> bool:
+        return True
+
+    def hit_len(self, handle) -> int:
+        return 0
+
+    def shut_down(self, wait: bool, settle_backups) -> None:
+        pass
+
+    def counters(self) -> Optional[StorageCounters]:
+        return None
+
+    def figures(self) -> dict:
+        return {}
+
+    def check_integrity(self) -> None:
+        pass
