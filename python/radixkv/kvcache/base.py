@@ -301,7 +301,7 @@ class PagedPool(BaseKVCache):
     it (`_k_layers`, `_v_layers`), and the host tier's hook that makes
     `k_cache(i)` and `v_cache(i)` wait for loads of layer i."""
 
-    # Set by each pool's __init__ (before `_allocate`):
+    # Set by each pool's __init__ through `_init_pool` (before `_allocate`):
     _num_layers: int
     _num_pages: int
     _page_size: int
@@ -310,6 +310,12 @@ class PagedPool(BaseKVCache):
     _k_layers: tuple
     _v_layers: tuple
     _layer_wait = None
+
+    def _init_pool(self, args) -> None:
+        """Takes the checked arguments every paged pool shares
+        (`pool_args.check_pool_args`), before `_allocate`."""
+        self._num_layers, self._num_pages, self._page_size = args[:3]
+        self._tp_size, self._kv_layout = args.tp_size, args.kv_layout
 
     def _allocate(self, lead: tuple, row: tuple, dtype: torch.dtype, device) -> torch.Tensor:
         """Allocates the pool's buffer, zero-filled, and returns its logical

@@ -18,6 +18,7 @@ from radixkv.kvcache.pool_args import (  # noqa: F401
     DTypeLike,
     as_dtype,
     as_layout,
+    check_pool_args,
     resolve_tp_rank,
     resolve_tp_size,
 )
@@ -121,16 +122,12 @@ class MHAKVCache(SideBuffers, PagedPool):
         check_bounds: bool = True,
     ) -> None:
         self._num_kv_heads = _count(num_kv_heads, "num_kv_heads")
-        self._num_layers = _count(num_layers, "num_layers")
         self._head_dim = _count(head_dim, "head_dim")
-        self._num_pages = _count(num_pages, "num_pages")
-        self._page_size = _count(page_size, "page_size")
-        self._tp_size = resolve_tp_size(tp_size)
+        args = check_pool_args(num_layers, num_pages, page_size, tp_size, kv_layout, dtype)
+        self._init_pool(args)
         self._local_kv_heads = local_kv_heads(self._num_kv_heads, self._tp_size)
-        self._kv_layout = as_layout(kv_layout)
-        dtype = as_dtype(dtype)
 
-        view = self._allocate((2,), (self._local_kv_heads, self._head_dim), dtype, device)
+        view = self._allocate((2,), (self._local_kv_heads, self._head_dim), args.dtype, device)
         self._k_layers = view[0].unbind(0)  # view: [2, L, P, S, H, D] whatever the layout
         self._v_layers = view[1].unbind(0)
         self._init_side_buffers()

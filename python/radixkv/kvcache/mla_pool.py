@@ -11,7 +11,7 @@ from radixkv import _core
 from radixkv._checks import as_count as _count
 from radixkv.kernel import store_mla
 from radixkv.kvcache.base import CopyLayout, KVCacheLayout, PagedPool, SideBuffers, side_plane
-from radixkv.kvcache.pool_args import DTypeLike, as_dtype, as_layout, resolve_tp_size
+from radixkv.kvcache.pool_args import DTypeLike, check_pool_args
 
 
 class MLAKVCache(SideBuffers, PagedPool):
@@ -55,14 +55,10 @@ class MLAKVCache(SideBuffers, PagedPool):
     ) -> None:
         self._kv_lora_rank = _count(kv_lora_rank, "kv_lora_rank")
         self._qk_rope_head_dim = _count(qk_rope_head_dim, "qk_rope_head_dim")
-        self._num_layers = _count(num_layers, "num_layers")
-        self._num_pages = _count(num_pages, "num_pages")
-        self._page_size = _count(page_size, "page_size")
-        self._tp_size = resolve_tp_size(tp_size)
-        self._kv_layout = as_layout(kv_layout)
-        dtype = as_dtype(dtype)
+        args = check_pool_args(num_layers, num_pages, page_size, tp_size, kv_layout, dtype)
+        self._init_pool(args)
 
-        view = self._allocate((), (1, self.row_dim), dtype, device)  # [L, P, S, 1, R]
+        view = self._allocate((), (1, self.row_dim), args.dtype, device)  # [L, P, S, 1, R]
         self._k_layers = view.unbind(0)
         self._v_layers = tuple(k[..., : self._kv_lora_rank] for k in self._k_layers)
         self._init_side_buffers()

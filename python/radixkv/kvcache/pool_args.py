@@ -4,7 +4,7 @@ pool (and the factory) build on it; it imports neither."""
 
 from __future__ import annotations
 
-from typing import Optional, Union, cast
+from typing import NamedTuple, Optional, Union, cast
 
 import torch
 
@@ -49,6 +49,30 @@ def resolve_tp_size(tp_size: Optional[int] = None) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
+
+
+class PoolArgs(NamedTuple):
+    """What every paged pool's constructor takes, checked (`check_pool_args`)."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    tp_size: int
+    kv_layout: KVCacheLayout
+    dtype: torch.dtype
+
+
+def check_pool_args(num_layers, num_pages, page_size, tp_size, kv_layout, dtype) -> PoolArgs:
+    """The arguments every paged pool (MHA, MLA) shares, checked in this
+    order: counts, the tensor-parallel size, the layout, the element type."""
+    return PoolArgs(
+        _count(num_layers, "num_layers"),
+        _count(num_pages, "num_pages"),
+        _count(page_size, "page_size"),
+        resolve_tp_size(tp_size),
+        as_layout(kv_layout),
+        as_dtype(dtype),
+    )
 
 
 def resolve_tp_rank(tp_rank: Optional[int] = None) -> int:
