@@ -4,10 +4,8 @@ from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
-# A float8 store's scale: a number or a one-element floating tensor.
-_Scale = Union[float, torch.Tensor, None]
-# Side buffers a store also writes: (name, buffer [num_slots, W], source [n, W]).
-_Sides = Optional[Sequence[Tuple[str, torch.Tensor, torch.Tensor]]]
+# The kernels' argument types are _core's (its CPU twins take the same).
+from radixkv._core import _Scale, _Sides
 
 def store_cache(
     k_cache: torch.Tensor,
