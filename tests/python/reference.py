@@ -1,7 +1,7 @@
 """A small, deliberately naive pure-Python model of RadixCacheManager.
 
 Plain lists and dicts, linear scans, no heap, no torch: easy to read and check
-by eye. It follows the contract in SPEC.md ("radixkv.kvcache") plus the logical
+by eye. It follows the contract of `radixkv.kvcache`'s managers (docs/api.md) plus the logical
 clock of the native core, so that timestamps and eviction order can be compared
 exactly:
 

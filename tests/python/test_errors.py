@@ -1,4 +1,4 @@
-"""SPEC "Errors": every bad input raises the documented exception type, with a
+"""docs/api.md, "Inputs and results": every bad input raises the documented exception type, with a
 message naming the argument, and leaves the manager exactly as it was.
 
 "Exactly as it was" is checked three ways: size_info, num_nodes, dump() (keys,
@@ -273,7 +273,7 @@ def _negative_cases(p):
         "all_cached": (seq(4 * p), seq(4 * p - 1, 6000) + [-3]),
     }
     if p > 1:
-        # SPEC: the check happens before anything is truncated.
+        # The check happens before anything is truncated (docs/decisions.md).
         cases["truncated_tail"] = (seq(4 * p + 1, 5000), seq(4 * p, 6000) + [-1])
         cases["truncated_tail_of_cached"] = (seq(4 * p + 1), seq(4 * p, 6000) + [-1])
     return cases

@@ -1,7 +1,6 @@
 """Regression tests for the host tier (L2): one group per failure class that
-SGLang's HiCache users hit (the table "What HiCache users hit" in
-shared/notes/tiers-in-other-systems.md), driven through CacheManager's public
-API.
+SGLang's HiCache users hit (docs/reliability.md, "The cache", lists the
+guarantees), driven through CacheManager's public API.
 
 Every request stores K/V rows derived from its whole prefix (a rolling hash
 of the tokens up to and including each position, the layer and K or V), so a

@@ -1,5 +1,5 @@
-"""A hostile-input matrix over every public entry point (SPEC "Errors (every entry
-point)" and "Inputs", docs/decisions.md).
+"""A hostile-input matrix over every public entry point (docs/api.md, "Inputs and
+results", and docs/decisions.md).
 
 One parametrized test per (entry point x kind of hostile input):
 
@@ -914,7 +914,7 @@ def test_evict_bad_size(manager, p, kind):
     before = st()
     names = ["size"]
     if exc is OOC:
-        names += [str(size), str(evictable)]  # SPEC: the error names both numbers
+        names += [str(size), str(evictable)]  # the error names both numbers
     with raises(exc, *names) as info:
         m.evict(size)
     if exc is OOC:

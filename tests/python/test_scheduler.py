@@ -1,4 +1,4 @@
-"""SPEC "radixkv.scheduler": the CacheManager (free pages + prefix cache + requests)
+"""docs/api.md's `radixkv.scheduler`: the CacheManager (free pages + prefix cache + requests)
 and the ReqToTokenPool.
 
 A page is always in exactly one of three places: free, cached (its slots are
@@ -87,7 +87,7 @@ def state(cm):
 
 
 def check(cm):
-    """check_integrity plus the accounting identities of SPEC."""
+    """check_integrity plus the accounting identities of docs/api.md."""
     cm.check_integrity()
     p = cm.page_size
     info = cm.manager.size_info
@@ -1338,7 +1338,7 @@ BAD_POOL_CALLS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_POOL_CALLS))
 def test_req_to_token_pool_rejects_bad_input(case):
-    """SPEC "Errors" (every entry point): a non-integer row, non-integer
+    """Errors at every entry point (docs/api.md): a non-integer row, non-integer
     values or values that do not fit in int32 raise TypeError/ValueError naming
     the argument, instead of writing (or freeing) something else."""
     pool = ReqToTokenPool(3, 8)
@@ -1355,7 +1355,7 @@ def test_req_to_token_pool_rejects_bad_input(case):
 
 @pytest.mark.parametrize("form", ["list", "numpy"])
 def test_req_to_token_pool_write_values_forms(form):
-    """SPEC "Inputs": indices come as tensors, NumPy arrays or lists. write()
+    """docs/api.md, "Inputs and results": indices come as tensors, NumPy arrays or lists. write()
     either accepts them or refuses with a TypeError naming `values`."""
     pool = ReqToTokenPool(2, 8)
     (row,) = pool.alloc(1)
