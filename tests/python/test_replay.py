@@ -304,6 +304,22 @@ def test_cli_optimum_is_over_the_requests_replayed(tmp_path):
     assert r["hit_tokens"] <= r["optimal_hit_tokens"]
 
 
+def test_the_cold_bound_is_named_and_a_warm_store_says_so():
+    """The table names the optimum for what it is, the hit rate of an
+    unbounded cache starting empty, and a run above it (a store warm from an
+    earlier run) says the bound is not its."""
+    from radixkv.replay.cli import _cold_bound
+    from radixkv.replay.core import ReplayResult
+
+    pct = lambda x: f"{x}%"  # noqa: E731
+    cold = ReplayResult("lru", 16, 1024, hit_tokens=80, optimal_hit_tokens=82)
+    assert _cold_bound(cold, pct) == " (an unbounded cache starting empty: 82%)"
+    warm = ReplayResult("lru", 16, 1024, hit_tokens=98, optimal_hit_tokens=82)
+    assert "starting empty: 82%" in _cold_bound(warm, pct)
+    assert "warm store" in _cold_bound(warm, pct)
+    assert _cold_bound(ReplayResult("lru", 16, 1024, hit_tokens=5), pct) == ""
+
+
 def wait_for_the_progress_bar(p, timeout=120):
     """Reads `p`'s stderr until the replay's progress bar shows (the replay
     has begun, past loading); returns what it read."""
