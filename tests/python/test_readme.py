@@ -11,7 +11,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 README = os.path.join(ROOT, "README.md")
 
 SETUP = """```
-bash .ci/main    # build everything, then replay the built-in chat workload through the cache
+bash .ci/main    # build radixkv, then replay the built-in chat workload through the cache
 bash .ci/test    # build everything, then run all tests: ctest, pytest, sanitizers, leak check,
                  # and radixkv inside real SGLang and vLLM servers against their own caches
 ```"""

@@ -2,7 +2,7 @@
 
 Needs `pip install 'radixkv[mooncake]'` (the `mooncake-transfer-engine-non-cuda`
 wheel on CPU machines); `mooncake_master` needs Debian's libibverbs1,
-librdmacm1 and libnuma1 (`.ci/setup` installs them).
+librdmacm1 and libnuma1 (`.ci/setup --test` installs them).
 """
 
 from __future__ import annotations
