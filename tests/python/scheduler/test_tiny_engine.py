@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny_engine.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "tiny_engine.py")
 
 
 @pytest.fixture(scope="module")

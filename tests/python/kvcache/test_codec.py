@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from float8_reference import page_codec_reference as reference
 from storage_env import KV, PAGE, Instance, fingerprint, keys, prompt
 
 import radixkv
@@ -17,20 +18,6 @@ from radixkv.storage import FileStorage
 from radixkv.kvcache.page_codec import Float8PageCodec, codec_seed
 
 F8 = torch.float8_e4m3fn
-
-
-def reference(kv: torch.Tensor):
-    """torch's own: per (plane, head) scale = max finite |x| / 448 (1 when
-    0), codes = (x.float() / scale).to(float8), back = codes * scale."""
-    x = kv.float()  # [planes, rows, heads, dim]
-    finite = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
-    amax = finite.amax(dim=(1, 3))  # [planes, heads]
-    tiny = float(torch.tensor([1], dtype=torch.int32).view(torch.float32))  # 2^-149
-    scale = torch.where(amax > 0, (amax / 448.0).clamp_min(tiny), torch.ones_like(amax))
-    s = scale[:, None, :, None]
-    codes = (x / s).to(F8)
-    back = (codes.float() * s).to(kv.dtype)
-    return scale, codes.view(torch.uint8), back
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from storage_env import needs_mooncake
-from test_codec import reference
+from float8_reference import page_codec_reference as reference
 
 from radixkv import _core, kernel
 from radixkv.kvcache import MHAKVCache, MLAKVCache

@@ -1,7 +1,7 @@
 """Stateful property tests: random operation sequences against simple models.
 
 CI runs a bounded budget. The long profile runs many more and longer
-sequences: RADIXKV_HYPOTHESIS_PROFILE=long python -m pytest tests/python/test_stateful.py
+sequences: RADIXKV_HYPOTHESIS_PROFILE=long python -m pytest tests/python/scheduler/test_stateful.py
 """
 
 import os

@@ -7,7 +7,7 @@ import glob
 import os
 import re
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 README = os.path.join(ROOT, "README.md")
 
 SETUP = """```

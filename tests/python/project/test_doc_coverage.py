@@ -13,7 +13,7 @@ import pytest
 
 from radixkv.scheduler import CacheManager
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
 API = (ROOT / "docs" / "api.md").read_text()
 NATIVE = {"cpp/src": (".cc", ".h"), "cpp/include/radixkv": (".h",), "cuda": (".cu", ".cuh", ".h")}

@@ -31,7 +31,7 @@ from radixkv.events import (  # noqa: E402
 from radixkv.scheduler import CacheManager  # noqa: E402
 
 PAGE = 4
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/python: the helpers
 
 
 def free_port() -> int:

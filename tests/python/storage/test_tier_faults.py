@@ -41,6 +41,8 @@ from storage_env import (
     prompt,
 )
 
+HELPERS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/python
+
 
 def finishes(fn, limit_s=20.0):
     """Runs `fn` on a daemon thread; returns (finished in time, its result or
@@ -215,7 +217,7 @@ def test_an_entry_the_reader_may_not_read_is_a_miss_for_that_page(tmp_path):
     where permissions bind (root reads anything)."""
     script = textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {HELPERS!r})
         from storage_env import Instance, fingerprint, prompt
         from radixkv.storage import FileStorage
         d = {str(tmp_path / "store")!r}
@@ -270,7 +272,7 @@ def test_entries_the_engine_cannot_remove_cost_only_their_own_pages(tmp_path):
     os.chmod(store, 0o2770)
     script = textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {HELPERS!r})
         from storage_env import PAGE, Instance, as_nobody, fingerprint, prompt
         from radixkv.storage import FileStorage
         a = Instance(FileStorage({str(store)!r}, fingerprint(), shared=True), host_pages=48,
@@ -326,7 +328,7 @@ def test_a_store_that_cannot_take_writes_still_serves_what_it_has(tmp_path):
     read-only mount fails them): reads go on."""
     script = textwrap.dedent(f"""
         import os, resource, signal, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {HELPERS!r})
         from storage_env import Instance, fingerprint, prompt
         from radixkv.scheduler import StorageFaultPolicy
         from radixkv.storage import FileStorage
@@ -804,7 +806,7 @@ def test_a_pool_moved_under_its_copies_fails_them_and_raises_in_the_caller(tmp_p
     caller. In a subprocess: the defect was a SIGSEGV."""
     script = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {HELPERS!r})
         from storage_env import KV, PAGE, prompt
         from radixkv.kvcache import MHAKVCache
         from radixkv.scheduler import CacheManager
@@ -1063,7 +1065,7 @@ def test_out_of_descriptors_is_an_error_and_keeps_the_pages(tmp_path):
     """EMFILE says nothing of the page: an error, and the page file stays."""
     script = textwrap.dedent(f"""
         import errno, os, resource, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {HELPERS!r})
         from storage_env import fingerprint, host_pool, keys
         from radixkv.storage import FileStorage
         for shared in (False, True):
