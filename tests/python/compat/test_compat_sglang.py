@@ -31,6 +31,7 @@ from radixkv.compat.sglang import (
     RadixCache,
     RadixKey,
 )
+from devices import DEVICES
 
 
 class Allocator:
@@ -451,15 +452,6 @@ def q_array(values):
     return array("q", values)
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="no CUDA GPU on this machine (torch.cuda)"
-        ),
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,23 +11,18 @@ import torch
 from storage_env import needs_mooncake
 from float8_reference import page_codec_reference as reference
 
-from radixkv import _core, kernel
+from radixkv import _core
 from radixkv.kvcache import MHAKVCache, MLAKVCache
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.page_codec import Float8PageCodec
 from radixkv.scheduler import CacheManager
 from radixkv.storage import FileStorage, MooncakeMaster, MooncakeStorage, pool_fingerprint
+from devices import EXT_CUDA as CUDA
 
 LAYERS, PS, HEADS, DIM = 2, 4, 2, 8
 F8 = torch.float8_e4m3fn
 
 
-CUDA = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(
-        not kernel.cuda_available(), reason="no CUDA GPU (or radixkv._cuda not built)"
-    ),
-)
 
 
 def device_pool(kind="mha", dtype=torch.bfloat16, pages=8, side=False, device="cpu"):

@@ -10,8 +10,7 @@ from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.replay.replay import KVShape
 from radixkv.scheduler import CacheManager
 
-HAS_GPU = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine (torch.cuda)")
+needs_gpu = pytest.mark.cuda
 KV = KVShape(num_layers=3, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 

@@ -9,21 +9,16 @@ import os
 import pytest
 import torch
 
-from radixkv import _core, kernel
+from radixkv import _core
 from radixkv.kvcache import MHAKVCache, MLAKVCache
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.scheduler import CacheManager
 from radixkv.storage import FileStorage, pool_fingerprint
+from devices import EXT_DEVICES
 
 LORA, ROPE, LAYERS = 6, 2, 3
 
 
-CUDA = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(
-        not kernel.cuda_available(), reason="no CUDA GPU (or radixkv._cuda not built)"
-    ),
-)
 
 
 def _pool(pages=16, page_size=2, layout="LayerFirst", dtype=torch.float32, device="cpu"):
@@ -90,7 +85,7 @@ def test_transfers_between_pools_of_different_sides_are_refused():
     assert torch.equal(mha.kv_buffer, before)
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device", EXT_DEVICES)
 @pytest.mark.parametrize("layout", ["LayerFirst", "PageFirst"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_mla_rows_come_back_from_host(layout, host_layout, device):

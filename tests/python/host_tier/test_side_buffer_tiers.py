@@ -6,18 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv import kernel
 from radixkv.kvcache import MHAKVCache, MLAKVCache
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.scheduler import CacheManager
 from radixkv.storage import FileStorage, pool_fingerprint
+from devices import EXT_DEVICES
 
-CUDA = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(
-        not kernel.cuda_available(), reason="no CUDA GPU (or radixkv._cuda not built)"
-    ),
-)
 LAYERS, PS = 2, 2
 
 
@@ -77,7 +71,7 @@ def _serve(cm, pool, ids, value):
     return rows
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device", EXT_DEVICES)
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_side_rows_come_back_from_host_with_their_page(kind, host_layout, device):

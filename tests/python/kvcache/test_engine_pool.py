@@ -12,10 +12,10 @@ from radixkv import _core
 from radixkv.kvcache import EngineKVPool
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.scheduler import CacheManager
+from devices import DEVICES
 
 L, H, D = 3, 2, 8
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def planes(pages, page_size, dtype=torch.float32, device="cpu", interleaved=False):

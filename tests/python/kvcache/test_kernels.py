@@ -14,12 +14,8 @@ from radixkv.kernel import compare as compare_mod
 from radixkv.kernel import store as store_mod
 
 from float8_reference import to_float8, torch_casts_like_this
+from devices import DEVICES
 
-HAS_GPU = torch.cuda.is_available()
-CUDA = pytest.param(
-    "cuda", marks=pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine (torch.cuda)")
-)
-DEVICES = ["cpu", CUDA]
 
 
 def rand_bytes(shape, dtype, g):
@@ -172,7 +168,7 @@ def test_store_torch_fallback_matches_native():
         store_mod._store_torch(kc, vc, loc[:3], k, v)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+@pytest.mark.cuda
 def test_store_cache_runs_on_the_current_stream():
     g = torch.Generator().manual_seed(1)
     kc = torch.zeros(4096, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -188,7 +184,7 @@ def test_store_cache_runs_on_the_current_stream():
     assert torch.equal(b(kc[loc]), b(k)) and torch.equal(b(vc[loc]), b(v))
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+@pytest.mark.cuda
 def test_store_cache_cuda_uses_the_native_kernel_when_built():
     if not kernel.cuda_available():
         pytest.skip("radixkv._cuda was not built (no nvcc at build time)")
@@ -355,7 +351,7 @@ def test_first_mismatch_batched_cpu_rejects_bad_lengths():
             kernel.first_mismatch_batched(q, keys, torch.tensor(lens))
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+@pytest.mark.cuda
 def test_first_mismatch_batched_cuda_clamps_lengths():
     q = torch.zeros(8, dtype=torch.int32, device="cuda")
     keys = torch.zeros(3, 8, dtype=torch.int32, device="cuda")
@@ -512,7 +508,7 @@ def test_float8_torch_fallback_matches_native():
             store_mod._store_torch(t[0], t[1], loc, k.double(), v)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+@pytest.mark.cuda
 def test_float8_store_cuda_device_scale_skips_checks_without_check_bounds():
     """A device scale tensor is read by the kernel; with check_bounds it is
     checked first (one sync), without it the store is graph-capturable."""

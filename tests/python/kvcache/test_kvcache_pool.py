@@ -23,14 +23,8 @@ from radixkv.kvcache import (
 from radixkv.kvcache.mha_pool import SUPPORTED_DTYPES
 
 from float8_reference import to_float8
+from devices import DEVICES
 
-CUDA = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA GPU on this machine (torch.cuda)"
-    ),
-)
-DEVICES = ["cpu", CUDA]
 LAYOUTS = [KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst]
 DTYPES = list(SUPPORTED_DTYPES)
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]

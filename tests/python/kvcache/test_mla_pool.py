@@ -22,14 +22,8 @@ from radixkv.kvcache import (
 )
 
 from float8_reference import to_float8, torch_casts_like_this
+from devices import DEVICES
 
-CUDA = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA GPU on this machine (torch.cuda)"
-    ),
-)
-DEVICES = ["cpu", CUDA]
 LAYOUTS = [KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst]
 FLOAT8 = [
     d

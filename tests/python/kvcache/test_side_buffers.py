@@ -9,14 +9,8 @@ import torch
 
 from radixkv import kernel
 from radixkv.kvcache import KVCacheLayout, MHAKVCache, MLAKVCache
+from devices import DEVICES
 
-CUDA = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA GPU on this machine (torch.cuda)"
-    ),
-)
-DEVICES = ["cpu", CUDA]
 LAYOUTS = [KVCacheLayout.LayerFirst, KVCacheLayout.PageFirst]
 
 
