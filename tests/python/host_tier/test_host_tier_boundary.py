@@ -325,11 +325,10 @@ def test_a_discarded_manager_lets_go_of_its_controller_and_its_pool():
     assert cm2.controller is not None
 
 
-def test_the_indices_load_back_returns_are_the_callers_not_the_loads():
+def test_the_indices_load_back_returns_are_the_callers_not_the_loads(tiered_manager):
     """A caller may write into the indices load_back returned (a scheduler
     reuses its buffers): the load in flight keeps its own slots."""
-    pool = MHAKVCache(1, 1, 4, 8, torch.float16, page_size=4)
-    cm = CacheManager(8, page_size=4, host_num_pages=16, kv_cache=pool)
+    cm = tiered_manager(8, 4, 16, kv_shape=(1, 1, 4, torch.float16))
     ids = list(range(1, 17))
     h, _ = cm.match_req(ids[:8] + [0])
     cm.lock(h)

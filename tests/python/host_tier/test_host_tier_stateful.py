@@ -12,12 +12,10 @@ After every step `check_integrity` covers both pools and the copies in flight.
 CI runs a bounded budget; RADIXKV_HYPOTHESIS_PROFILE=long runs many more.
 """
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -26,22 +24,7 @@ from radixkv.kvcache import MHAKVCache
 from radixkv.replay.replay import KVShape
 from radixkv.scheduler import CacheManager
 
-settings.register_profile(
-    "ci",
-    max_examples=40,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    derandomize=True,
-)
-settings.register_profile(
-    "long",
-    max_examples=1500,
-    stateful_step_count=150,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.load_profile(os.environ.get("RADIXKV_HYPOTHESIS_PROFILE", "ci"))
+# The budgets (profiles "ci" and "long") are conftest.py's.
 
 KV = KVShape(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float16)
 POLICIES = ["write_through", "write_through_selective", "write_back"]

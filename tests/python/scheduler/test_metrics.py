@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-from radixkv.kvcache import MHAKVCache
 from radixkv.scheduler import CacheManager, CacheMetrics
 
 SAMPLE = re.compile(
@@ -77,9 +76,8 @@ def test_counters_follow_the_requests():
     assert cm.metrics.queries == 5
 
 
-def test_host_tier_counters_and_prometheus_text():
-    pool = MHAKVCache(1, 1, 8, 4, torch.float16, page_size=4)
-    cm = CacheManager(4, page_size=4, kv_cache=pool, host_num_pages=8)
+def test_host_tier_counters_and_prometheus_text(tiered_manager):
+    cm = tiered_manager(4, 4, 8, kv_shape=(1, 1, 8, torch.float16))
     a, b = torch.arange(13), torch.arange(100, 113)
     serve(cm, a), serve(cm, b), serve(cm, a)  # a comes back from host
     m = cm.metrics
@@ -118,7 +116,7 @@ def scrape(registry):
     return exposition(generate_latest(registry).decode())
 
 
-def test_the_collector_exposes_what_prometheus_writes():
+def test_the_collector_exposes_what_prometheus_writes(tiered_manager):
     """A real run with a host tier: the engine's registry serves radixkv's
     figures under the names, kinds and help texts of the hand-written text,
     with the same values and labels."""
@@ -127,8 +125,7 @@ def test_the_collector_exposes_what_prometheus_writes():
 
     from radixkv.prometheus import CacheMetricsCollector
 
-    pool = MHAKVCache(1, 1, 8, 4, torch.float16, page_size=4)
-    cm = CacheManager(4, page_size=4, kv_cache=pool, host_num_pages=8)
+    cm = tiered_manager(4, 4, 8, kv_shape=(1, 1, 8, torch.float16))
     registry = CollectorRegistry()
     labels = {"instance": 'a "quoted"\\name', "model": "m"}
     collector = CacheMetricsCollector(cm, labels=labels, registry=registry)

@@ -4,11 +4,9 @@ CI runs a bounded budget. The long profile runs many more and longer
 sequences: RADIXKV_HYPOTHESIS_PROFILE=long python -m pytest tests/python/scheduler/test_stateful.py
 """
 
-import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -25,22 +23,7 @@ from reference import ReferenceRadixCache, RefOutOfCapacity
 from radixkv.kvcache import RadixCacheManager
 from radixkv.scheduler import CacheManager
 
-settings.register_profile(
-    "ci",
-    max_examples=40,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    derandomize=True,
-)
-settings.register_profile(
-    "long",
-    max_examples=2000,
-    stateful_step_count=200,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.load_profile(os.environ.get("RADIXKV_HYPOTHESIS_PROFILE", "ci"))
+# The budgets (profiles "ci" and "long") are conftest.py's.
 
 # A tiny alphabet makes shared prefixes, splits and page collisions common.
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=24)
