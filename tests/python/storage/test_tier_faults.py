@@ -27,6 +27,7 @@ from radixkv.scheduler import cache as cache_module
 from radixkv.scheduler import host_tier as host_tier_module
 from radixkv.scheduler import storage_tier as storage_tier_module
 from radixkv.scheduler import tiers as tiers_module
+from radixkv.scheduler import upkeep as upkeep_module
 from radixkv.storage import threads as storage_threads_module
 from radixkv.storage import FaultyStorage, FileStorage, MooncakeMaster, MooncakeStorage
 from storage_env import (
@@ -627,6 +628,7 @@ _TIER_FILES = {
     path
     for m in (
         cache_module,
+        upkeep_module,
         tiers_module,
         host_tier_module,
         storage_tier_module,
