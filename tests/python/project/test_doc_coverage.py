@@ -152,3 +152,27 @@ def test_no_file_names_a_document_the_repository_lacks():
             if re.search(rf"\b{re.escape(word)}\b", text):
                 missing.append(f"{name}: {word}")
     assert not missing, "documents named but not in the repository:\n" + "\n".join(missing)
+
+
+def test_the_concept_table_names_test_folders_and_files_that_exist():
+    """architecture.md's "tests" column: every folder and test file it names
+    is there (a move or a rename updates it)."""
+    tests = ROOT / "tests" / "python"
+    table = ARCHITECTURE.split("## Where each concept lives", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][2:]
+    assert rows and all(line.count("|") == 5 for line in rows), "the table has four columns"
+    names = [line.rsplit("|", 2)[1] for line in rows]
+    missing = []
+    for cell in names:
+        for token in re.findall(r"`([\w/]+)`", cell):
+            if token.startswith("tests/"):
+                ok = (ROOT / token).exists()
+            elif token.endswith("/"):
+                ok = (tests / token).is_dir()
+            else:
+                ok = any(tests.rglob(f"{pathlib.PurePosixPath(token).name}.py"))
+                if "/" in token:
+                    ok = (tests / f"{token}.py").exists()
+            if not ok:
+                missing.append(token)
+    assert not missing, f"architecture.md's tests column names what is not there: {missing}"
