@@ -1,10 +1,13 @@
-"""A finishing request's inputs: their checks and the split of a flat batch.
+"""A request's inputs at the cache's request steps: their checks, their
+shapes, and the split of a flat batch.
 
 The native request steps (`cpp/include/radixkv/request_steps.h`) check a
-request's end for the radix tree in C++; these are the same checks, with the
-same messages, for a prefix cache that has no native tree (the naive cache),
-and the split of a flat batch's slots into its requests, which the tail of a
-flat finish (KV events, write_through) reads per request. A request's
+request's end for the radix tree in C++; `check_request` and `check_batch`
+are the same checks, with the same messages, for a prefix cache that has no
+native tree (the naive cache). The rest shape what CacheManager hands a step
+(`host_batch`, `host_flat`, `page_counts` of an allocation, `check_handle`
+of a load) and split a flat batch's slots into its requests, which the tail
+of a flat finish (KV events, write_through) reads per request. A request's
 indices cover its tokens in order: its handle's `cached_len` slots (the
 cache's, from its match), then its own, in whole pages."""
 
