@@ -145,7 +145,10 @@ class Tiers:
 
     def writing_check(self) -> int:
         """Applies the backups that finished (what landed is written on to
-        storage); returns how many."""
+        storage); returns how many. None in flight: nothing to apply (a
+        round's check costs no shielded call then)."""
+        if not self.host.backups_in_flight:
+            return 0
         return self._applying_backups(self.host.writing_check)
 
     @_core.shielded
