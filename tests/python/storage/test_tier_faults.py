@@ -815,7 +815,9 @@ def test_a_pool_moved_under_its_copies_fails_them_and_raises_in_the_caller(tmp_p
         pool = MHAKVCache(KV.num_kv_heads, KV.num_layers, KV.head_dim, 64, KV.dtype,
                           page_size=PAGE)
         pool.register_side_buffer("big", (4096,), torch.float32)  # slow copies
-        cm = CacheManager(64, page_size=PAGE, kv_cache=pool, host_num_pages=128)
+        # Manual copies: they wait until drain() runs them, however loaded the machine.
+        cm = CacheManager(64, page_size=PAGE, kv_cache=pool, host_num_pages=128,
+                          manual_copies=True)
         for k in range(12):
             ids = prompt(k, 4)
             h, _ = cm.match_req(ids)
