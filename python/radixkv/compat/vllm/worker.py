@@ -84,7 +84,7 @@ class WorkerSide:
         # copy id -> (the plan's copy, when it started)
         self._loads: Dict[int, Tuple[Load, float]] = {}
         self._backups: Dict[int, Tuple[Save, float]] = {}
-        self._io_ops: Dict[int, Tuple[str, Save | None, float]] = {}
+        self._io_ops: Dict[int, str] = {}  # store op -> "read" or "write"
         self._sync_loading = False
         self._reports: List[Report] = []
         self._recved: Set[str] = set()  # asynchronous loads that finished
@@ -155,7 +155,7 @@ class WorkerSide:
         for fetch in meta.prefetches:
             if self.io is None:
                 raise RuntimeError("radixkv's vLLM connector: a store read without a store")
-            self._io_ops[fetch.op] = ("read", None, time.perf_counter())
+            self._io_ops[fetch.op] = "read"
             self.io.read(fetch.op, fetch.names, fetch.pages)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -215,7 +215,7 @@ class WorkerSide:
                 self.stats.count("failed_save", n)
             if save.names:
                 if ok and self.io is not None:
-                    self._io_ops[save.op] = ("write", save, now)
+                    self._io_ops[save.op] = "write"
                     self.io.write(save.op, save.names, save.pages)
                 else:
                     self._reports.append((save.op, "stored", [False] * n))
@@ -241,7 +241,7 @@ class WorkerSide:
                 self._recved.add(load.req_id)
         if self.io is not None:
             for op, oks in self.io.take_done():
-                kind, _, _ = self._io_ops.pop(op)
+                kind = self._io_ops.pop(op)
                 good = sum(oks)
                 if kind == "read":
                     self._reports.append((op, "filled", oks))
