@@ -10,6 +10,7 @@
 #include "errors.h"
 #include "kernels.h"
 #include "radixkv/cache_controller.h"
+#include "radixkv/slot_set.h"
 #include "radixkv/transfer.h"
 #include "radixkv/transfer_index.h"
 #include "tensor_view.h"
@@ -220,10 +221,20 @@ void Pool::CheckUnchanged(const char* name) const {
 
 namespace {
 
-std::vector<int32_t> Slots(py::handle obj, const char* name) {
+// Slots, or with `page_size` > 1 page ids expanded to their slots (page p:
+// p * page_size + [0, page_size)).
+std::vector<int32_t> Slots(py::handle obj, const char* name, int64_t page_size = 1) {
   Int32View v(obj, name);
   FinishViews(v);
-  return std::vector<int32_t>(v.data(), v.data() + v.size());
+  if (page_size == 1) return std::vector<int32_t>(v.data(), v.data() + v.size());
+  for (int64_t i = 0; i < v.size(); ++i) {
+    CHECK_VALUE(v.data()[i] >= 0 && v.data()[i] < (int64_t{1} << 31) / page_size, name, "[", i,
+                "] = ", v.data()[i], " is not a page id of page_size ", page_size);
+  }
+  std::vector<int32_t> first(v.data(), v.data() + v.size()), out(v.size() * page_size);
+  radixkv::FirstOfPageIds(first.data(), v.size(), page_size, first.data());
+  radixkv::ExpandPages(first.data(), v.size(), page_size, out.data());
+  return out;
 }
 
 py::list Acks(const std::vector<CopyAck>& acks) {
@@ -267,14 +278,19 @@ class PyController {
     c_ = std::make_unique<CacheController>(std::move(box->engine), manual);
   }
 
-  uint64_t Backup(py::handle device, py::handle host) {
-    std::vector<int32_t> d = Slots(device, "device_slots"), h = Slots(host, "host_slots");
+  // With `page_size` > 1 the two are page ids (device_pages, host_pages).
+  uint64_t Backup(py::handle device, py::handle host, int64_t page_size) {
+    CHECK_VALUE(page_size >= 1, "page_size must be >= 1, got ", page_size);
+    std::vector<int32_t> d = Slots(device, "device_slots", page_size),
+                         h = Slots(host, "host_slots", page_size);
     CheckedStream();
     CHECK_VALUE(d.size() == h.size(), "device_slots and host_slots differ in length");
     return c_->Backup(std::move(d), std::move(h));
   }
-  uint64_t Load(py::handle host, py::handle device) {
-    std::vector<int32_t> h = Slots(host, "host_slots"), d = Slots(device, "device_slots");
+  uint64_t Load(py::handle host, py::handle device, int64_t page_size) {
+    CHECK_VALUE(page_size >= 1, "page_size must be >= 1, got ", page_size);
+    std::vector<int32_t> h = Slots(host, "host_slots", page_size),
+                         d = Slots(device, "device_slots", page_size);
     CHECK_VALUE(d.size() == h.size(), "device_slots and host_slots differ in length");
     CheckedStream();
     return c_->Load(std::move(h), std::move(d));
@@ -402,8 +418,10 @@ void RegisterController(py::module_& m) {
       .def(py::init<int64_t, bool>(), py::arg("layers"), py::arg("manual") = false)
       .def(py::init<py::capsule, bool, py::object>(), py::arg("engine"), py::arg("manual") = false,
            py::arg("keep") = py::none())
-      .def("backup", &PyController::Backup, py::arg("device_slots"), py::arg("host_slots"))
-      .def("load", &PyController::Load, py::arg("host_slots"), py::arg("device_slots"))
+      .def("backup", &PyController::Backup, py::arg("device_slots"), py::arg("host_slots"),
+           py::arg("page_size") = 1)
+      .def("load", &PyController::Load, py::arg("host_slots"), py::arg("device_slots"),
+           py::arg("page_size") = 1)
       .def("start_loading", &PyController::StartLoading)
       .def("wait_layer", &PyController::WaitLayer, py::arg("layer"))
       .def("drain", &PyController::Drain)

@@ -39,6 +39,8 @@
 namespace py = pybind11;
 using radixkv::Handle;
 using radixkv::RadixTree;
+using radixkv::SlotSink;
+using radixkv::SlotSource;
 using radixkv::bindings::Boxed;
 using radixkv::bindings::Bytes32;
 using radixkv::bindings::FastMethod;
@@ -62,8 +64,8 @@ constexpr int64_t kReleaseGilTokens = 1 << 16;
 // A tree and the mutex that keeps one thread at a time inside it.
 struct PyRadixTree {
   PyRadixTree(int64_t page_size, int64_t max_slots, radixkv::EvictionPolicy policy,
-              int64_t tel_safe_tokens)
-      : tree(page_size, max_slots, policy, tel_safe_tokens) {}
+              int64_t tel_safe_tokens, bool aligned_pages)
+      : tree(page_size, max_slots, policy, tel_safe_tokens, aligned_pages) {}
   RadixTree tree;
   std::mutex mu;
   // Where finish_requests_flat joins a batch's cached parts and own pages,
@@ -247,6 +249,15 @@ uint64_t AsNamespace(PyObject* o, const char* name = "namespace") {
   return static_cast<uint64_t>(ns);
 }
 
+// Where a call writes what it returns: slots, or (`P`, the page forms of the
+// calls: match_pages, evict_pages, ...) page ids.
+template <bool P>
+SlotSink Out(TensorSink& sink) {
+  const SlotSink out(sink);
+  return P ? out.Pages() : out;
+}
+
+template <bool P>
 py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
   const uint64_t ns = AsNamespace(a[1]);
   Int32View ids(a[0], "input_ids");
@@ -260,7 +271,8 @@ py::object RadixTree_MatchPrefix(PyRadixTree& t, PyObject* const* a) {
   const int64_t n = ids.size() - skip_last;
   TensorSink indices;
   Unbox<Handle>(handle.ptr()) = Locked(
-      t.mu, n >= kReleaseGilTokens, [&] { return t.tree.MatchPrefix(ids.data(), n, indices, ns); },
+      t.mu, n >= kReleaseGilTokens,
+      [&] { return t.tree.MatchPrefix(ids.data(), n, Out<P>(indices), ns); },
       [&] { ids.Own(); });
   return py::make_tuple(std::move(handle), indices.take());
 }
@@ -388,10 +400,11 @@ py::object RadixTree_LockHandle(PyRadixTree& t, PyObject* const* a) {
   return py::none();
 }
 
+template <bool P>
 py::object RadixTree_Evict(PyRadixTree& t, PyObject* const* a) {
   const int64_t n = ToInt64(a[0], "size");
   TensorSink slots;
-  Locked(t, n >= kReleaseGilTokens, [&] { t.tree.Evict(n, slots); });
+  Locked(t, n >= kReleaseGilTokens, [&] { t.tree.Evict(n, Out<P>(slots)); });
   return slots.take();
 }
 
@@ -419,10 +432,11 @@ py::object RadixTree_ProtectedSize(PyRadixTree& t, PyObject* const*) {
   return py::int_(Locked(t, false, [&] { return t.tree.protected_size(); }));
 }
 
+template <bool P>
 py::object RadixTree_HandleSlots(PyRadixTree& t, PyObject* const* a) {
   const Handle& h = AsHandle(a[0]);
   TensorSink slots;
-  Locked(t, false, [&] { t.tree.HandleSlots(h, slots); });
+  Locked(t, false, [&] { t.tree.HandleSlots(h, Out<P>(slots)); });
   return slots.take();
 }
 
@@ -489,10 +503,11 @@ py::object RadixTree_TierSizes(PyRadixTree& t, PyObject* const*) {
   return py::reinterpret_steal<py::object>(sizes.Take());
 }
 
+template <bool P>
 py::object RadixTree_EvictHost(PyRadixTree& t, PyObject* const* a) {
   const int64_t n = ToInt64(a[0], "size");
   TensorSink slots;
-  Locked(t, false, [&] { t.tree.EvictHost(n, slots); });
+  Locked(t, false, [&] { t.tree.EvictHost(n, Out<P>(slots)); });
   return slots.take();
 }
 
@@ -539,6 +554,7 @@ radixkv::PageAllocator* PagesFor(const PyRadixTree& t, PyObject* obj, const char
   return pages;
 }
 
+template <bool P>
 py::object RadixTree_StartBackup(PyRadixTree& t, PyObject* const* a) {
   Int32View ids(a[0], "input_ids");
   radixkv::PageAllocator* pages = PagesFor(t, a[1], "host_pages", true);
@@ -554,7 +570,7 @@ py::object RadixTree_StartBackup(PyRadixTree& t, PyObject* const* a) {
       [&] {
         return radixkv::StartBackup(&t.tree, pages, ids.data(), ids.size(),
                                     static_cast<uint32_t>(min_hits), through_partial, ns, &c,
-                                    device, host);
+                                    Out<P>(device), Out<P>(host));
       },
       [&] { ids.Own(); });
   if (r == radixkv::BackupStart::kNothing) return py::none();
@@ -563,22 +579,30 @@ py::object RadixTree_StartBackup(PyRadixTree& t, PyObject* const* a) {
   return py::make_tuple(CopyTuple(c), device.take(), host.take());
 }
 
+template <bool P>
 py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
   const bool ok = Truth(a[2], true);
   radixkv::PageAllocator* pages = PagesFor(t, a[3], "host_pages", false);
-  Int32View host(a[1], "host_slots");
+  const char* name = P ? "host_page_ids" : "host_slots";
+  Int32View host(a[1], name);
   FinishViews(host);
-  CHECK_VALUE(host.size() == c.length(), "host_slots has length ", host.size(),
-              " but the copy covers ", c.length(), " tokens");
+  const int64_t ps = t.tree.page_size();
+  CHECK_VALUE(P ? host.size() * ps == c.length() : host.size() == c.length(), name,
+              " has length ", host.size(), " but the copy covers ", c.length(), " tokens",
+              P ? " (in pages of " + std::to_string(ps) + ")" : std::string());
   TensorSink rejected;
   if (pages != nullptr) {
     LockedWithGil(
-        t, [&] { radixkv::FinishBackup(&t.tree, pages, c, host.data(), ok, rejected); },
+        t,
+        [&] {
+          radixkv::FinishBackup(&t.tree, pages, c, SlotSource(host.data(), P), ok, rejected);
+        },
         [&] { host.Own(); });
   } else {
     Locked(
-        t.mu, false, [&] { return t.tree.FinishBackup(c, host.data(), ok, rejected); },
+        t.mu, false,
+        [&] { return t.tree.FinishBackup(c, SlotSource(host.data(), P), ok, rejected); },
         [&] { host.Own(); });
   }
   return rejected.take();
@@ -587,17 +611,19 @@ py::object RadixTree_FinishBackup(PyRadixTree& t, PyObject* const* a) {
 // The arguments of a request step (old_handle, input_ids, indices, pages,
 // priority), read in that order and finished.
 struct RequestArgs {
-  RequestArgs(const PyRadixTree& t, PyObject* const* a)
+  // `page_ids`: the third argument holds page ids (the page forms).
+  RequestArgs(const PyRadixTree& t, PyObject* const* a, bool page_ids = false)
       : handle(AsHandle(a[0], "old_handle")),
         ids(a[1], "input_ids"),
-        slots(a[2], "indices"),
+        slots(a[2], page_ids ? "page_ids" : "indices"),
         pages(PagesFor(t, a[3], "pages", true)),
-        priority(AsPriority(a[4])) {
+        priority(AsPriority(a[4])),
+        page_ids(page_ids) {
     FinishViews(ids, slots);
   }
   // Read under the lock: Own() may have moved the data.
   radixkv::FinishedRequest request() const {
-    return {&handle, ids.data(), ids.size(), slots.data(), slots.size(), priority};
+    return {&handle, ids.data(), ids.size(), slots.data(), slots.size(), priority, page_ids};
   }
   void Own() {
     ids.Own();
@@ -608,23 +634,26 @@ struct RequestArgs {
   Int32View ids, slots;
   radixkv::PageAllocator* pages;
   int32_t priority;
+  bool page_ids;
 };
 
+template <bool P>
 py::object RadixTree_FinishRequest(PyRadixTree& t, PyObject* const* a) {
-  RequestArgs r(t, a);
+  RequestArgs r(t, a, P);
   return py::int_(LockedWithGil(
       t, [&] { return radixkv::FinishRequest(&t.tree, r.pages, r.request()); }, [&] { r.Own(); }));
 }
 
+template <bool P>
 py::object RadixTree_CacheRequest(PyRadixTree& t, PyObject* const* a) {
-  RequestArgs r(t, a);
+  RequestArgs r(t, a, P);
   py::object handle = NewBoxed<Handle>(g_handle_type);
   TensorSink indices;
   const int64_t in_cache = LockedWithGil(
       t,
       [&] {
         return radixkv::CacheRequest(&t.tree, r.pages, r.request(), &Unbox<Handle>(handle.ptr()),
-                                     indices);
+                                     Out<P>(indices));
       },
       [&] { r.Own(); });
   return py::make_tuple(std::move(handle), indices.take(), in_cache);
@@ -800,6 +829,7 @@ py::object RadixTree_FinishRequestsFlat(PyRadixTree& t, PyObject* const* a) {
       "request", join);
 }
 
+template <bool P>
 py::object RadixTree_StartLoad(PyRadixTree& t, PyObject* const* a) {
   const Handle& h = AsHandle(a[0]);
   radixkv::PageAllocator* pages = PagesFor(t, a[1], "device_pages", true);
@@ -813,8 +843,8 @@ py::object RadixTree_StartLoad(PyRadixTree& t, PyObject* const* a) {
   const radixkv::LoadStart r = LockedWithGil(
       t,
       [&] {
-        return radixkv::StartLoad(&t.tree, pages, h, &c, &Unbox<Handle>(loaded.ptr()), host,
-                                  indices);
+        return radixkv::StartLoad(&t.tree, pages, h, &c, &Unbox<Handle>(loaded.ptr()),
+                                  Out<P>(host), Out<P>(indices));
       },
       [] {});
   if (r == radixkv::LoadStart::kNothing) return py::none();
@@ -837,15 +867,20 @@ py::object RadixTree_BeginLoad(PyRadixTree& t, PyObject* const* a) {
   return py::make_tuple(std::move(handle), host.take(), prefix.take());
 }
 
+template <bool P>
 py::object RadixTree_FinishLoad(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
   const bool ok = Truth(a[2], true);
-  Int32View device(a[1], "device_slots");
+  const char* name = P ? "device_page_ids" : "device_slots";
+  Int32View device(a[1], name);
   FinishViews(device);
-  CHECK_VALUE(device.size() == c.length(), "device_slots has length ", device.size(),
-              " but the copy covers ", c.length(), " tokens");
+  const int64_t ps = t.tree.page_size();
+  CHECK_VALUE(P ? device.size() * ps == c.length() : device.size() == c.length(), name,
+              " has length ", device.size(), " but the copy covers ", c.length(), " tokens",
+              P ? " (in pages of " + std::to_string(ps) + ")" : std::string());
   return py::bool_(Locked(
-      t.mu, false, [&] { return t.tree.FinishLoad(c, device.data(), ok); }, [&] { device.Own(); }));
+      t.mu, false, [&] { return t.tree.FinishLoad(c, SlotSource(device.data(), P), ok); },
+      [&] { device.Own(); }));
 }
 
 py::object RadixTree_EvictionCandidatesWithoutHost(PyRadixTree& t, PyObject* const* a) {
@@ -1051,21 +1086,24 @@ py::tuple EvictionPolicies() {
 }
 
 PyObject* RadixTree_New(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"page_size", "max_slots", "eviction_policy", "tel_safe_tokens",
-                                nullptr};
+  static const char* names[] = {"page_size",       "max_slots",     "eviction_policy",
+                                "tel_safe_tokens", "aligned_pages", nullptr};
   PyObject* page_size = nullptr;
   PyObject* max_slots = nullptr;
   const char* policy = "lru";
   PyObject* tel_safe = nullptr;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOsO:RadixTree", const_cast<char**>(names),
-                                   &page_size, &max_slots, &policy, &tel_safe)) {
+  int aligned = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOsOp:RadixTree", const_cast<char**>(names),
+                                   &page_size, &max_slots, &policy, &tel_safe, &aligned)) {
     return nullptr;
   }
   try {
     const int64_t p = page_size != nullptr ? ToInt64(page_size, "page_size") : 1;
     const int64_t m = max_slots != nullptr ? ToInt64(max_slots, "max_slots") : RadixTree::kAnySlot;
     const int64_t s = tel_safe != nullptr ? ToInt64(tel_safe, "tel_safe_tokens") : 0;
-    return NewBoxed<PyRadixTree>(type, p, m, ParsePolicy(policy), s).release().ptr();
+    return NewBoxed<PyRadixTree>(type, p, m, ParsePolicy(policy), s, aligned != 0)
+        .release()
+        .ptr();
   } catch (...) {
     radixkv::bindings::SetErrorFromException();
     return nullptr;
@@ -1147,10 +1185,20 @@ auto WithCachedSlots(py::handle tree, bool host, F&& f, Own&& own) {
   return f(host ? &t->tree.stored_host_slots() : &t->tree.stored_slots());
 }
 
+template <bool P>
 py::object PageAllocator_Allocate(radixkv::PageAllocator& a, py::handle num_tokens) {
   TensorSink slots;
-  a.Allocate(ToInt64(num_tokens, "num_tokens"), slots);
+  a.Allocate(ToInt64(num_tokens, "num_tokens"), Out<P>(slots));
   return slots.take();
+}
+
+void PageAllocator_FreePages(radixkv::PageAllocator& a, py::handle ids, py::handle tree,
+                             bool host) {
+  Int32View v(ids, "page_ids");
+  FinishViews(v);
+  WithCachedSlots(
+      tree, host, [&](const radixkv::SlotSet* cached) { a.FreePages(v.data(), v.size(), cached); },
+      [&] { v.Own(); });
 }
 
 void PageAllocator_Free(radixkv::PageAllocator& a, py::handle indices, py::handle tree, bool host) {
@@ -1587,6 +1635,26 @@ constexpr Params kStoragePrefixEnd{"storage_prefix_end", {"input_ids", "namespac
 constexpr Params kInsertHost{
     "insert_host", {"input_ids", "start", "host_slots", "namespace"}, 4, 3};
 
+// The page forms: the same calls with page ids where the slot forms take or
+// give slots (page p: slots p * page_size + [0, page_size)).
+constexpr Params kMatchPages{"match_pages", {"input_ids", "namespace", "skip_last"}, 3, 1};
+constexpr Params kEvictPages{"evict_pages", {"size"}, 1, 1};
+constexpr Params kEvictHostPages{"evict_host_pages", {"size"}, 1, 1};
+constexpr Params kHandlePages{"handle_pages", {"handle"}, 1, 1};
+constexpr Params kStartBackupPages{
+    "start_backup_pages",
+    {"input_ids", "host_pages", "min_hits", "through_partial", "namespace"},
+    5,
+    2};
+constexpr Params kFinishBackupPages{
+    "finish_backup_pages", {"copy", "host_page_ids", "ok", "host_pages"}, 4, 2};
+constexpr Params kFinishRequestPages{
+    "finish_request_pages", {"old_handle", "input_ids", "page_ids", "pages", "priority"}, 5, 4};
+constexpr Params kCacheRequestPages{
+    "cache_request_pages", {"old_handle", "input_ids", "page_ids", "pages", "priority"}, 5, 4};
+constexpr Params kStartLoadPages{"start_load_pages", {"handle", "device_pages"}, 2, 2};
+constexpr Params kFinishLoadPages{"finish_load_pages", {"copy", "device_page_ids", "ok"}, 3, 2};
+
 template <py::object (*Impl)(PyRadixTree&, PyObject* const*), const Params& P>
 constexpr PyCFunction Fast() {
   return reinterpret_cast<PyCFunction>(
@@ -1595,7 +1663,7 @@ constexpr PyCFunction Fast() {
 constexpr int kFastCall = METH_FASTCALL | METH_KEYWORDS;
 
 PyMethodDef kTreeMethods[] = {
-    {"match_prefix", Fast<RadixTree_MatchPrefix, kIds>(), kFastCall, kMatchDoc},
+    {"match_prefix", Fast<RadixTree_MatchPrefix<false>, kIds>(), kFastCall, kMatchDoc},
     {"match_prefix_batch", Fast<RadixTree_MatchPrefixBatch, kBatch>(), kFastCall,
      "match_prefix_batch(batch, namespace=0, skip_last=False, flat=False)\n"
      "    -> [(handle, indices), ...] | ([handle, ...], indices):\n"
@@ -1606,7 +1674,7 @@ PyMethodDef kTreeMethods[] = {
      "(handle.cached_len of them) after those of the matches before it."},
     {"insert_prefix", Fast<RadixTree_InsertPrefix, kInsert>(), kFastCall, kInsertDoc},
     {"lock_handle", Fast<RadixTree_LockHandle, kLock>(), kFastCall, kLockDoc},
-    {"evict", Fast<RadixTree_Evict, kSize>(), kFastCall, kEvictDoc},
+    {"evict", Fast<RadixTree_Evict<false>, kSize>(), kFastCall, kEvictDoc},
     {"reset", Fast<RadixTree_Reset, kReset>(), kFastCall, "Drop every node."},
     {"size_info", Fast<RadixTree_SizeInfo, kSizeInfo>(), kFastCall,
      "(evictable, protected) tokens."},
@@ -1625,7 +1693,7 @@ PyMethodDef kTreeMethods[] = {
     {"tier_sizes", Fast<RadixTree_TierSizes, kTierSizes>(), kFastCall,
      "tier_sizes() -> TierSizes (device_evictable, device_protected, host, host_only,\n"
      "backing_up, loading, storage_writing), in tokens."},
-    {"evict_host", Fast<RadixTree_EvictHost, kEvictHost>(), kFastCall,
+    {"evict_host", Fast<RadixTree_EvictHost<false>, kEvictHost>(), kFastCall,
      "evict_host(size) -> host slots freed, least recently used host copies first."},
     {"find_backup", Fast<RadixTree_FindBackup, kFindBackup>(), kFastCall,
      "find_backup(input_ids, min_hits=0, through_partial=False, namespace=0) -> TierCopy\n"
@@ -1633,16 +1701,16 @@ PyMethodDef kTreeMethods[] = {
      "whole)."},
     {"begin_backup", Fast<RadixTree_BeginBackup, kBeginBackup>(), kFastCall,
      "begin_backup(copy) -> device slots: pins the nodes until finish_backup."},
-    {"start_backup", Fast<RadixTree_StartBackup, kStartBackup>(), kFastCall,
+    {"start_backup", Fast<RadixTree_StartBackup<false>, kStartBackup>(), kFastCall,
      "start_backup(input_ids, host_pages, min_hits=0, through_partial=False, namespace=0) ->\n"
      "None, or (copy, device_slots, host_slots): find_backup, then, when host_pages (a\n"
      "PageAllocator) has the pages, takes them and begin_backup. The slots are None when it\n"
      "has not (nothing begun)."},
-    {"finish_backup", Fast<RadixTree_FinishBackup, kFinishBackup>(), kFastCall,
+    {"finish_backup", Fast<RadixTree_FinishBackup<false>, kFinishBackup>(), kFastCall,
      "finish_backup(copy, host_slots, ok=True, host_pages=None) -> host slots not taken\n"
      "(given host_pages, also freed there). With ok, ValueError unless each page of\n"
      "host_slots is page_size consecutive slots."},
-    {"finish_request", Fast<RadixTree_FinishRequest, kFinishRequest>(), kFastCall,
+    {"finish_request", Fast<RadixTree_FinishRequest<false>, kFinishRequest>(), kFastCall,
      "finish_request(old_handle, input_ids, indices, pages, priority=0) -> int\n\n"
      "The end of a request in one call: checks that indices cover input_ids in whole pages,\n"
      "that old_handle is live and locked and indices[:cached_len] are its slots, and that\n"
@@ -1651,7 +1719,7 @@ PyMethodDef kTreeMethods[] = {
      "`pages` the request's copies of tokens cached meanwhile and its partial last page,\n"
      "and unlocks old_handle. Returns insert_prefix's count. Raises ValueError or\n"
      "TypeError naming the argument, changing nothing."},
-    {"cache_request", Fast<RadixTree_CacheRequest, kCacheRequest>(), kFastCall,
+    {"cache_request", Fast<RadixTree_CacheRequest<false>, kCacheRequest>(), kFastCall,
      "cache_request(old_handle, input_ids, indices, pages, priority=0)\n"
      "    -> (new_handle, indices, in_cache)\n\n"
      "finish_request for a request that goes on (a chunk of a chunked prefill): the same\n"
@@ -1674,7 +1742,7 @@ PyMethodDef kTreeMethods[] = {
      "request's cached part only (handles[i].cached_len slots, as match_prefix_batch with\n"
      "flat returns them) and own the rest (its own whole pages). Errors name request i as\n"
      "request[i], its slots by their position in its own slots."},
-    {"start_load", Fast<RadixTree_StartLoad, kStartLoad>(), kFastCall,
+    {"start_load", Fast<RadixTree_StartLoad<false>, kStartLoad>(), kFastCall,
      "start_load(handle, device_pages) -> None | (copy, None, None, None)\n"
      "    | (copy, loaded, host_slots, indices)\n\n"
      "find_load, then, when device_pages (the device pool's PageAllocator) has the pages,\n"
@@ -1689,7 +1757,7 @@ PyMethodDef kTreeMethods[] = {
     {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,
      "begin_load(copy) -> (locked handle for the whole match, host slots, device slots of\n"
      "the path above the copy)."},
-    {"finish_load", Fast<RadixTree_FinishLoad, kFinishLoad>(), kFastCall,
+    {"finish_load", Fast<RadixTree_FinishLoad<false>, kFinishLoad>(), kFastCall,
      "finish_load(copy, device_slots, ok=True) -> False if the copy's node is gone. With ok,\n"
      "ValueError unless each page of device_slots is page_size consecutive slots."},
     {"eviction_candidates_without_host",
@@ -1751,8 +1819,38 @@ PyMethodDef kTreeMethods[] = {
      "ValueError unless each page of host_slots is page_size consecutive slots."},
     {"is_valid", Fast<RadixTree_IsValid, kIsValid>(), kFastCall,
      "Whether handle names a live node of this tree."},
-    {"handle_slots", Fast<RadixTree_HandleSlots, kSlotsOfHandle>(), kFastCall,
+    {"handle_slots", Fast<RadixTree_HandleSlots<false>, kSlotsOfHandle>(), kFastCall,
      "The slots of the handle's prefix."},
+    // The page forms: page ids (int32, one per page) where the calls above
+    // take or give slots; checks, effects and token counts as theirs.
+    {"match_pages", Fast<RadixTree_MatchPrefix<true>, kMatchPages>(), kFastCall,
+     "match_pages(input_ids, namespace=0, skip_last=False) -> (handle, page_ids)\n\n"
+     "match_prefix, returning the device pages of the match (cached_len / page_size)."},
+    {"handle_pages", Fast<RadixTree_HandleSlots<true>, kHandlePages>(), kFastCall,
+     "The page ids of the handle's prefix."},
+    {"evict_pages", Fast<RadixTree_Evict<true>, kEvictPages>(), kFastCall,
+     "evict_pages(size) -> page_ids: evict, returning the freed pages."},
+    {"evict_host_pages", Fast<RadixTree_EvictHost<true>, kEvictHostPages>(), kFastCall,
+     "evict_host_pages(size) -> host page_ids: evict_host, returning the freed host pages."},
+    {"start_backup_pages", Fast<RadixTree_StartBackup<true>, kStartBackupPages>(), kFastCall,
+     "start_backup_pages(input_ids, host_pages, min_hits=0, through_partial=False,\n"
+     "namespace=0) -> None or (copy, device_page_ids, host_page_ids): start_backup in pages."},
+    {"finish_backup_pages", Fast<RadixTree_FinishBackup<true>, kFinishBackupPages>(), kFastCall,
+     "finish_backup_pages(copy, host_page_ids, ok=True, host_pages=None) -> rejected page_ids:\n"
+     "finish_backup in pages."},
+    {"finish_request_pages", Fast<RadixTree_FinishRequest<true>, kFinishRequestPages>(),
+     kFastCall,
+     "finish_request_pages(old_handle, input_ids, page_ids, pages, priority=0) -> int\n\n"
+     "finish_request with the request's pages: its match's, then its own (ceil(len(input_ids)\n"
+     "/ page_size) in all)."},
+    {"cache_request_pages", Fast<RadixTree_CacheRequest<true>, kCacheRequestPages>(), kFastCall,
+     "cache_request_pages(old_handle, input_ids, page_ids, pages, priority=0)\n"
+     "-> (handle, page_ids, in_cache): cache_request in pages."},
+    {"start_load_pages", Fast<RadixTree_StartLoad<true>, kStartLoadPages>(), kFastCall,
+     "start_load_pages(handle, device_pages) -> None or (copy, loaded, host_page_ids,\n"
+     "page_ids): start_load in pages."},
+    {"finish_load_pages", Fast<RadixTree_FinishLoad<true>, kFinishLoadPages>(), kFastCall,
+     "finish_load_pages(copy, device_page_ids, ok=True) -> bool: finish_load in pages."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -1773,7 +1871,7 @@ PyType_Slot kTreeSlots[] = {
     {Py_tp_methods, kTreeMethods},
     {Py_tp_getset, kTreeProperties},
     {Py_tp_doc, const_cast<char*>("RadixTree(page_size=1, max_slots=-1, eviction_policy='lru', "
-                                  "tel_safe_tokens=0): "
+                                  "tel_safe_tokens=0, aligned_pages=False): "
                                   "the native radix tree "
                                   "and the mutex that keeps one thread at a time in it.")},
     {0, nullptr},
@@ -1861,7 +1959,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("num_pages", &radixkv::PageAllocator::num_pages)
       .def_property_readonly("page_size", &radixkv::PageAllocator::page_size)
       .def_property_readonly("num_free_pages", &radixkv::PageAllocator::num_free_pages)
-      .def("allocate", &PageAllocator_Allocate, py::arg("num_tokens"))
+      .def("allocate", &PageAllocator_Allocate<false>, py::arg("num_tokens"))
+      .def("allocate_pages", &PageAllocator_Allocate<true>, py::arg("num_tokens"))
+      .def("free_pages", &PageAllocator_FreePages, py::arg("page_ids"),
+           py::arg("tree") = py::none(), py::arg("host") = false)
       .def("free", &PageAllocator_Free, py::arg("indices"), py::arg("tree") = py::none(),
            py::arg("host") = false)
       .def("check_owned", &PageAllocator_CheckOwned, py::arg("indices"), py::arg("name"),

@@ -30,6 +30,16 @@ void PageAllocator::Allocate(int64_t num_tokens, SlotSink sink) {
   RADIXKV_CHECK(pages <= num_free_pages(), ErrorCode::kOutOfCapacity, "cannot allocate ",
                 num_tokens, " tokens (", pages, " pages): only ", num_free_pages(),
                 " pages are free");
+  if (sink.pages()) {
+    int32_t* out = sink(pages);
+    for (int64_t p = 0; p < pages; ++p) {
+      const int32_t page = free_.back();
+      free_.pop_back();
+      is_free_[page] = 0;
+      out[p] = page;
+    }
+    return;
+  }
   int32_t* out = sink(pages * page_size_);
   for (int64_t p = 0; p < pages; ++p) {
     const int32_t page = free_.back();
@@ -102,6 +112,44 @@ bool PageAllocator::Check(const int32_t* slots, int64_t n, const char* name,
   return false;
 }
 
+void PageAllocator::CheckOwnedPages(const int32_t* ids, int64_t k, const char* name,
+                                    const SlotSet* cached) const {
+  RADIXKV_CHECK(k >= 0, kInvalid, name, " has length ", k);
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t p = ids[i];
+    RADIXKV_CHECK(p >= 0 && p < num_pages_, kInvalid, name, "[", i, "] = ", p,
+                  " is out of range [0, ", num_pages_, ")");
+    RADIXKV_CHECK(!is_free_[p], kInvalid, name, "[", i, "] = ", p,
+                  " is free (not allocated)");
+    if (cached != nullptr) {
+      RADIXKV_CHECK(!cached->AnyIn(p * page_size_, (p + 1) * page_size_), kInvalid, name, "[",
+                    i, "] = ", p, " is owned by the prefix cache");
+    }
+  }
+}
+
+void PageAllocator::MarkPagesFree(const int32_t* ids, int64_t k, const char* name) {
+  int64_t i = 0;
+  for (; i < k && !is_free_[ids[i]]; ++i) is_free_[ids[i]] = 1;
+  if (i < k) {
+    for (int64_t j = 0; j < i; ++j) is_free_[ids[j]] = 0;
+    throw Error(kInvalid, StrCat(name, "[", i, "] = ", ids[i], " repeats page ", ids[i]));
+  }
+}
+
+void PageAllocator::FreePages(const int32_t* ids, int64_t k, const SlotSet* cached) {
+  CheckOwnedPages(ids, k, "page_ids", cached);
+  MarkPagesFree(ids, k, "page_ids");
+  free_.insert(free_.end(), ids, ids + k);
+}
+
+void PageAllocator::CheckFreePages(const int32_t* ids, int64_t k, const char* name,
+                                   const SlotSet* cached) {
+  CheckOwnedPages(ids, k, name, cached);
+  MarkPagesFree(ids, k, name);
+  for (int64_t i = 0; i < k; ++i) is_free_[ids[i]] = 0;
+}
+
 bool PageAllocator::MarkRunsFree() noexcept {
   for (const SlotRun* r = runs_.begin(); r != runs_.end(); ++r) {
     if (AnyFree(PageOf(r->lo), PageOf(r->hi))) {  // marked by an earlier run
@@ -151,29 +199,38 @@ void PageAllocator::CheckFree(const int32_t* slots, int64_t n, const char* name,
 
 void PageAllocator::CheckFreeAll(const Span* spans, int64_t k, const SlotSet* cached) {
   for (int64_t i = 0; i < k; ++i) {
-    CheckOwned(spans[i].slots, spans[i].n, spans[i].name.c_str(), cached);
+    if (spans[i].pages) {
+      CheckOwnedPages(spans[i].slots, spans[i].n, spans[i].name.c_str(), cached);
+    } else {
+      CheckOwned(spans[i].slots, spans[i].n, spans[i].name.c_str(), cached);
+    }
   }
+  // A span's entries a page apart, and the page of its entry at `i`.
+  auto step = [&](const Span& s) { return s.pages ? int64_t{1} : page_size_; };
+  auto page_at = [&](const Span& s, int64_t i) -> int64_t {
+    return s.pages ? int64_t{s.slots[i]} : PageOf(s.slots[i]);
+  };
   // Marks each span's pages free in turn: a page marked already repeats in
   // its own span or is held by an earlier one. The marks are undone either way.
   int64_t done = 0, at = 0;  // spans marked whole; slots of span `done` marked
   auto unmark = [&] {
     for (int64_t i = 0; i <= done && i < k; ++i) {
       const int64_t end = i < done ? spans[i].n : at;
-      for (int64_t s = 0; s < end; s += page_size_) is_free_[PageOf(spans[i].slots[s])] = 0;
+      for (int64_t s = 0; s < end; s += step(spans[i])) is_free_[page_at(spans[i], s)] = 0;
     }
   };
   for (; done < k; ++done) {
     const Span& span = spans[done];
-    for (at = 0; at < span.n; at += page_size_) {
-      const int64_t page = PageOf(span.slots[at]);
+    for (at = 0; at < span.n; at += step(span)) {
+      const int64_t page = page_at(span, at);
       if (!is_free_[page]) {
         is_free_[page] = 1;
         continue;
       }
       int64_t owner = done;
       for (int64_t i = 0; i < done && owner == done; ++i) {
-        for (int64_t s = 0; s < spans[i].n; s += page_size_) {
-          if (PageOf(spans[i].slots[s]) == page) owner = i;
+        for (int64_t s = 0; s < spans[i].n; s += step(spans[i])) {
+          if (page_at(spans[i], s) == page) owner = i;
         }
       }
       unmark();

@@ -186,6 +186,24 @@ inline void RadixTree::ExpandSlots(const int32_t* first, const Node* x,
   ExpandPages(first, Pages(x), page_size_, out);
 }
 
+inline void RadixTree::Emit(const int32_t* first, const Node* x, int32_t* out,
+                            bool pages) const noexcept {
+  if (pages) {
+    PageIdsOf(first, Pages(x), page_size_, out);
+  } else {
+    ExpandSlots(first, x, out);
+  }
+}
+
+inline void RadixTree::TakeFirsts(SlotSource in, int64_t pos, const Node* x,
+                                  int32_t* out) const noexcept {
+  if (in.pages) {
+    FirstOfPageIds(in.At(pos, page_size_), Pages(x), page_size_, out);
+  } else {
+    FirstOfPages(in.data + pos, Pages(x), page_size_, out);
+  }
+}
+
 // Calls fn(node, offset) for the nodes of `copy`, deepest first; `offset` is
 // where the node's tokens start within the copy.
 template <typename Fn>

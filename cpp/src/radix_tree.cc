@@ -118,9 +118,10 @@ void RadixTree::NodeBlock::Free() noexcept {
 // --- nodes -----------------------------------------------------------------------
 
 RadixTree::RadixTree(int64_t page_size, int64_t max_slots, EvictionPolicy policy,
-                     int64_t tel_safe_tokens)
+                     int64_t tel_safe_tokens, bool aligned_pages)
     : page_size_(page_size),
       max_slots_(max_slots),
+      aligned_(aligned_pages),
       id_(next_tree_id.fetch_add(1, std::memory_order_relaxed)) {
   RADIXKV_CHECK(page_size >= 1, kInvalid, "page_size must be >= 1, got ", page_size);
   RADIXKV_CHECK(max_slots == kAnySlot || (max_slots >= 0 && max_slots <= (int64_t{1} << 31)),
@@ -409,7 +410,13 @@ int64_t RadixTree::Walk(const int32_t* tokens, int64_t n, uint64_t ns, Node** no
 
 // --- match, insert, locks ------------------------------------------------------
 
+void RadixTree::RequireAligned(bool pages) const {
+  RADIXKV_CHECK(!pages || aligned_, kInvalid,
+                "page ids need a tree whose pages are aligned in their pool (aligned_pages)");
+}
+
 Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, uint64_t ns) {
+  RequireAligned(out.pages());
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
   n -= n % page_size_;
   Node* node;
@@ -424,7 +431,7 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, ui
   // The device part: the path is on the device down to some node, then host only.
   const int64_t device_len =
       partial != nullptr && partial->on_device ? matched : DeviceEnd(node)->depth;
-  int32_t* slots = out(device_len);
+  int32_t* slots = out(Units(out.pages(), device_len));
   // Nothing below allocates or throws.
   ++clock_;
   Node* end = partial != nullptr ? CommitSplit(&split) : node;
@@ -433,7 +440,7 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, ui
     if (x->hits != UINT32_MAX) ++x->hits;  // saturates: keys must never fall (see Key)
   }
   Node* device_end = DeviceEnd(end);
-  CopyPathSlots(device_end, slots);
+  CopyPathSlots(device_end, slots, out.pages());
   Handle h;
   h.tree_id = id_;
   h.generation = device_end->generation;
@@ -446,20 +453,31 @@ Handle RadixTree::MatchPrefix(const int32_t* tokens, int64_t n, SlotSink out, ui
   return h;
 }
 
-int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n,
+int64_t RadixTree::InsertPrefix(const int32_t* tokens, SlotSource in, int64_t n,
                                 int32_t priority, uint64_t ns, const Handle* prefix) {
   RADIXKV_CHECK(n >= 0, kInvalid, "input length must be >= 0, got ", n);
-  // All of `slots` is checked, the cached part and a partial last page too:
-  // the caller frees its own copies of those, so a bad one is a bug either way.
-  runs_.Assign(slots, n);
+  RequireAligned(in.pages);
   struct ShrinkRuns {
     SlotRuns& runs;
     ~ShrinkRuns() { runs.Shrink(); }
   } shrink{runs_};
-  CheckSlots(runs_, slots, "indices", &scratch_, max_slots_);
-  n -= n % page_size_;
-  // The tree keeps a slot per page: each whole page's slots must be one run.
-  CheckPages(runs_, slots, n, page_size_, "indices");
+  // All of the input is checked, the cached part and a partial last page
+  // too: the caller frees its own copies of those, so a bad one is a bug
+  // either way.
+  if (in.pages) {
+    // Page ids: in range and distinct as pages; their slots as runs.
+    const int64_t k = (n + page_size_ - 1) / page_size_;
+    CheckSlots(in.data, k, "page_ids", &scratch_,
+               max_slots_ == kAnySlot ? (int64_t{1} << 31) / page_size_ : max_slots_ / page_size_);
+    runs_.AssignPageIds(in.data, k, page_size_);
+    n -= n % page_size_;
+  } else {
+    runs_.Assign(in.data, n);
+    CheckSlots(runs_, in.data, "indices", &scratch_, max_slots_);
+    n -= n % page_size_;
+    // The tree keeps a slot per page: each whole page's slots must be one run.
+    CheckPages(runs_, in.data, n, page_size_, "indices", aligned_);
+  }
   // A checked prefix is walked from its node (its path is tokens[0, depth)).
   Node* start = prefix != nullptr ? Resolve(*prefix, "prefix") : nullptr;
   if (start != nullptr && (start->depth != prefix->cached_len || start->depth > n)) start = nullptr;
@@ -482,8 +500,11 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   runs_.DropBefore(device_len);
   runs_.DropAfter(n);
   const int64_t stored = stored_.AddAll(runs_);
-  RADIXKV_CHECK(stored < 0, kInvalid, "indices[", stored, "] = ", stored < 0 ? 0 : slots[stored],
-                " is already stored in the cache");
+  if (stored >= 0) {
+    const int64_t at = in.pages ? stored / page_size_ : stored;
+    throw Error(kInvalid, StrCat(in.pages ? "page_ids[" : "indices[", at, "] = ", in.data[at],
+                                 " is already stored in the cache"));
+  }
   SplitPlan split;
   NodeBlock leaf_data;
   try {
@@ -491,7 +512,12 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
     if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + (pos < n), &split);
     if (pos < n) {
       leaf_data = NodeBlock(&arena_, tokens + pos, n - pos, page_size_);
-      FirstOfPages(slots + pos, (n - pos) / page_size_, page_size_, leaf_data.pages());
+      if (in.pages) {
+        FirstOfPageIds(in.At(pos, page_size_), (n - pos) / page_size_, page_size_,
+                       leaf_data.pages());
+      } else {
+        FirstOfPages(in.data + pos, (n - pos) / page_size_, page_size_, leaf_data.pages());
+      }
       if (partial == nullptr) node->children.Reserve(node->children.size() + 1);
     }
   } catch (...) {
@@ -502,8 +528,7 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, const int32_t* slots, int
   ++clock_;
   if (partial != nullptr) node = CommitSplit(&split);
   for (Node* x = node; x != root_ && !x->on_device; x = x->parent) {
-    const int64_t start = x->depth - x->length;
-    FirstOfPages(slots + start, Pages(x), page_size_, x->value());
+    TakeFirsts(in, x->depth - x->length, x, x->value());
     SetOnDevice(x, true);
     Refresh(x);
     Refresh(x->parent);
@@ -535,21 +560,37 @@ bool RadixTree::IsValid(const Handle& handle) const noexcept {
          nodes_[handle.node_id]->generation == handle.generation;
 }
 
-void RadixTree::CopyPathSlots(const Node* node, int32_t* out) const noexcept {
+void RadixTree::CopyPathSlots(const Node* node, int32_t* out, bool pages) const noexcept {
   for (const Node* x = node; x != root_; x = x->parent) {
-    ExpandSlots(x->value(), x, out + (x->depth - x->length));
+    Emit(x->value(), x, out + Units(pages, x->depth - x->length), pages);
+  }
+}
+
+int64_t RadixTree::AddSlots(SlotSet* set, SlotSource in, int64_t pos, int64_t tokens) {
+  if (in.pages) return set->AddPageIds(in.At(pos, page_size_), tokens / page_size_, page_size_);
+  return set->AddAll(in.data + pos, tokens);
+}
+
+void RadixTree::RemoveSlots(SlotSet* set, SlotSource in, int64_t pos, int64_t tokens) noexcept {
+  if (in.pages) {
+    set->RemovePageIds(in.At(pos, page_size_), tokens / page_size_, page_size_);
+  } else {
+    set->RemoveAll(in.data + pos, tokens);
   }
 }
 
 void RadixTree::HandleSlots(const Handle& handle, SlotSink out) const {
+  RequireAligned(out.pages());
   const Node* node = Resolve(handle, "handle");
   RADIXKV_CHECK(node == root_ || node->on_device, kInvalid,
                 "handle's prefix is not on the device (its load from host did not finish)");
-  CopyPathSlots(node, out(node->depth));
+  CopyPathSlots(node, out(Units(out.pages(), node->depth)), out.pages());
 }
 
 bool RadixTree::HandleMatches(const Handle& handle, const int32_t* tokens,
-                              const int32_t* slots) const {
+                              SlotSource in) const {
+  RequireAligned(in.pages);
+  const int32_t* slots = in.data;
   const Node* node = Resolve(handle, "handle");
   RADIXKV_CHECK(slots == nullptr || node == root_ || node->on_device, kInvalid,
                 "handle's prefix is not on the device (its load from host did not finish)");
@@ -557,8 +598,17 @@ bool RadixTree::HandleMatches(const Handle& handle, const int32_t* tokens,
     const int64_t start = x->depth - x->length;
     if (!std::equal(x->key(), x->key() + x->length, tokens + start)) return false;
     if (slots == nullptr) continue;
-    // A page's slots are consecutive from its first: compare, never expand.
     const int32_t* first = x->value();
+    if (in.pages) {  // a page id is its first slot / page_size (aligned)
+      const int32_t* given = in.At(start, page_size_);
+      int32_t differ = 0;
+      for (int64_t p = 0; p < Pages(x); ++p) {
+        differ |= static_cast<int32_t>(int64_t{given[p]} * page_size_ != first[p]);
+      }
+      if (differ != 0) return false;
+      continue;
+    }
+    // A page's slots are consecutive from its first: compare, never expand.
     for (int64_t p = 0; p < Pages(x); ++p) {
       const int32_t* given = slots + start + p * page_size_;
       int32_t differ = 0;  // branch-free within a page, so it vectorizes

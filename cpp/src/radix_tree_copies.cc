@@ -58,6 +58,7 @@ bool RadixTree::FindBackup(const int32_t* tokens, int64_t n, uint32_t min_hits, 
 }
 
 void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
+  RequireAligned(out.pages());
   Node* end = ResolveCopy(copy);
   RADIXKV_CHECK(end != nullptr && copy.start < copy.end, kInvalid,
                 "backup is stale: its node was evicted or the cache was reset");
@@ -73,11 +74,12 @@ void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
   Node* above = top->parent;
   RADIXKV_CHECK(above == root_ || above->has_host() || above->backing_up, kInvalid,
                 "backup must start where the path's host copy ends (its parent has none)");
-  int32_t* slots = out(copy.length());
+  const bool pages = out.pages();
+  int32_t* slots = out(Units(pages, copy.length()));
   // Nothing below allocates or throws.
   ++clock_;
   ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
-    ExpandSlots(x->value(), x, slots + offset);
+    Emit(x->value(), x, slots + Units(pages, offset), pages);
     x->backing_up = true;
     ++x->parent->host_children;
     backing_up_size_ += x->length;
@@ -87,21 +89,28 @@ void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
   LockPath(end, +1);  // its device pages are being read: a pin, like a lock
 }
 
-int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool ok,
+int64_t RadixTree::FinishBackup(const TierCopy& copy, SlotSource in, bool ok,
                                 SlotSink rejected, bool host_checked) {
+  RequireAligned(in.pages);
+  // The rejected are written in the input's form (slots or page ids).
+  if (in.pages) rejected = rejected.Pages();
+  const int32_t* host = in.data;
   Node* end = ResolveCopy(copy);
   if (end == nullptr) {  // only Reset frees a node with a backup in flight
-    int32_t* out = rejected(copy.length());
-    std::memcpy(out, host, copy.length() * sizeof(int32_t));
+    const int64_t k = Units(in.pages, copy.length());
+    int32_t* out = rejected(k);
+    std::memcpy(out, host, k * sizeof(int32_t));
     return copy.length();
   }
   RADIXKV_CHECK(end->backing_up && end->copy_start == copy.start, kInvalid,
                 "copy is not a backup in flight: it was finished already, or its range is "
                 "not the one begun");
   if (!host_checked) {
-    RADIXKV_CHECK(FindOutOfRange(host, copy.length()) < 0, kInvalid,
-                  "host_slots has a negative slot");
-    CheckPages(host, copy.length(), page_size_, "host_slots");
+    const int64_t k = Units(in.pages, copy.length());
+    const int64_t limit = in.pages ? (int64_t{1} << 31) / page_size_ : -1;
+    RADIXKV_CHECK(FindOutOfRange(host, k, limit) < 0, kInvalid,
+                  in.pages ? "host_pages has a page out of range" : "host_slots has a negative slot");
+    if (!in.pages) CheckPages(host, copy.length(), page_size_, "host_slots", aligned_);
   }
   // Top down: a node takes its host slots only if its parent has a host copy
   // by then, so a failed parent cuts off the nodes below it.
@@ -118,9 +127,8 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
                             (k > 0 && x->parent == nodes[k - 1] && take[k - 1]);
     take[k] = ok && parent_has;
     if (take[k]) {
-      const int32_t* from = host + (x->depth - x->length - copy.start);
       blocks[k] = NodeBlock(&arena_, nullptr, x->length, page_size_);
-      FirstOfPages(from, Pages(x), page_size_, blocks[k].pages());
+      TakeFirsts(in, x->depth - x->length - copy.start, x, blocks[k].pages());
       kept += x->length;
     }
   }
@@ -129,30 +137,30 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
   for (; added < nodes.size(); ++added) {
     if (!take[added]) continue;
     Node* x = nodes[added];
-    const int32_t* h = host + (x->depth - x->length - copy.start);
-    const int64_t twice = stored_host_.AddAll(h, x->length);
+    const int64_t twice =
+        AddSlots(&stored_host_, in, x->depth - x->length - copy.start, x->length);
     if (twice >= 0) break;
   }
-  if (added < nodes.size()) {
-    for (size_t k = 0; k < added; ++k) {
+  auto take_back = [&](size_t upto) noexcept {
+    for (size_t k = 0; k < upto; ++k) {
       if (take[k]) {
         Node* x = nodes[k];
-        stored_host_.RemoveAll(host + (x->depth - x->length - copy.start), x->length);
+        RemoveSlots(&stored_host_, in, x->depth - x->length - copy.start, x->length);
       }
     }
-    throw Error(kInvalid, "host_slots repeats a slot, or has one the cache already stores");
+  };
+  if (added < nodes.size()) {
+    take_back(added);
+    throw Error(kInvalid, in.pages
+                              ? "host_pages repeats a page, or has one the cache already stores"
+                              : "host_slots repeats a slot, or has one the cache already stores");
   }
   const int64_t refused = copy.length() - kept;
   int32_t* out = nullptr;
   try {
-    out = rejected(refused);
+    out = rejected(Units(in.pages, refused));
   } catch (...) {
-    for (size_t k = 0; k < nodes.size(); ++k) {
-      if (take[k]) {
-        Node* x = nodes[k];
-        stored_host_.RemoveAll(host + (x->depth - x->length - copy.start), x->length);
-      }
-    }
+    take_back(nodes.size());
     throw;
   }
   // Nothing below allocates or throws.
@@ -171,9 +179,10 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, const int32_t* host, bool 
       }
     } else {
       --x->parent->host_children;
-      std::memcpy(out + written, host + (x->depth - x->length - copy.start),
-                  x->length * sizeof(int32_t));
-      written += x->length;
+      const int64_t k = Units(in.pages, x->length);
+      std::memcpy(out + written, in.At(x->depth - x->length - copy.start, page_size_),
+                  k * sizeof(int32_t));
+      written += k;
     }
   }
   end->copy_start = -1;
@@ -210,6 +219,7 @@ TierCopy RadixTree::FindLoad(const Handle& handle) const {
 }
 
 void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, Handle* loaded) {
+  RequireAligned(host.pages() || prefix.pages());
   Node* end = ResolveCopy(copy);
   RADIXKV_CHECK(end != nullptr, kInvalid,
                 "load is stale: its node was evicted or the cache was reset");
@@ -219,13 +229,13 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, 
     RADIXKV_CHECK(!x->on_device && x->has_host() && !x->loading, kInvalid, "node ", x->id,
                   " cannot be loaded: it is on the device, has no host copy, or is loading");
   });
-  int32_t* slots = host(copy.length());
+  int32_t* slots = host(Units(host.pages(), copy.length()));
   Node* device_end = DeviceEnd(end);
-  CopyPathSlots(device_end, prefix(device_end->depth));
+  CopyPathSlots(device_end, prefix(Units(prefix.pages(), device_end->depth)), prefix.pages());
   // Nothing below allocates or throws.
   ++clock_;
   ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
-    ExpandSlots(x->host, x, slots + offset);
+    Emit(x->host, x, slots + Units(host.pages(), offset), host.pages());
     x->loading = true;
     loading_size_ += x->length;
     Refresh(x);
@@ -249,17 +259,25 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, 
   *loaded = h;
 }
 
-bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok) {
+bool RadixTree::FinishLoad(const TierCopy& copy, SlotSource in, bool ok) {
+  RequireAligned(in.pages);
+  const int32_t* device = in.data;
   Node* end = ResolveCopy(copy);
   if (end == nullptr) return false;
   RADIXKV_CHECK(end->loading && end->copy_start == copy.start, kInvalid,
                 "copy is not a load in flight: it was finished already, or its range is not "
                 "the one begun");
-  if (ok) {
+  if (ok && in.pages) {
+    const int64_t limit =
+        (max_slots_ == kAnySlot ? (int64_t{1} << 31) : max_slots_) / page_size_;
+    const int64_t bad = FindOutOfRange(device, copy.length() / page_size_, limit);
+    RADIXKV_CHECK(bad < 0, kInvalid, "device_pages has page ", bad < 0 ? 0 : device[bad],
+                  ", outside [0, max_slots / page_size)");
+  } else if (ok) {
     const int64_t bad = FindOutOfRange(device, copy.length(), max_slots_);
     RADIXKV_CHECK(bad < 0, kInvalid, "device_slots has slot ", bad < 0 ? 0 : device[bad],
                   ", outside [0, max_slots)");
-    CheckPages(device, copy.length(), page_size_, "device_slots");
+    CheckPages(device, copy.length(), page_size_, "device_slots", aligned_);
   }
   std::vector<Node*> nodes;
   ForEachInCopy(end, copy, [&](Node* x, int64_t) { nodes.push_back(x); });
@@ -271,14 +289,16 @@ bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok)
     size_t added = 0;
     for (; added < nodes.size(); ++added) {
       Node* x = nodes[added];
-      if (s.AddAll(device + (x->depth - x->length - copy.start), x->length) >= 0) break;
+      if (AddSlots(&s, in, x->depth - x->length - copy.start, x->length) >= 0) break;
     }
     if (added < nodes.size()) {
       for (size_t k = 0; k < added; ++k) {
         Node* x = nodes[k];
-        s.RemoveAll(device + (x->depth - x->length - copy.start), x->length);
+        RemoveSlots(&s, in, x->depth - x->length - copy.start, x->length);
       }
-      throw Error(kInvalid, "device_slots repeats a slot, or has one the cache already stores");
+      throw Error(kInvalid, in.pages
+                                ? "device_pages repeats a page, or has one the cache already stores"
+                                : "device_slots repeats a slot, or has one the cache already stores");
     }
   }
   // Nothing below allocates or throws. Top down, so each node's parent is on
@@ -289,7 +309,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, const int32_t* device, bool ok)
     x->loading = false;
     loading_size_ -= x->length;
     if (ok) {
-      FirstOfPages(device + (x->depth - x->length - copy.start), Pages(x), page_size_, x->value());
+      TakeFirsts(in, x->depth - x->length - copy.start, x, x->value());
       SetOnDevice(x, true);
     }
     Refresh(x);

@@ -43,7 +43,8 @@ namespace {
 // evicted instead) or `out` throws, `undo` puts every victim back, newest
 // first, and nothing has changed. Returns the tokens freed.
 template <typename Pop, typename Take, typename Undo, typename Commit, typename ShortOf>
-inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, const SlotSink& out,
+inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, int64_t page_size,
+                                                           const SlotSink& out,
                                                            bool partial, Pop pop, Take take,
                                                            Undo undo, Commit commit,
                                                            ShortOf short_of) {
@@ -69,9 +70,11 @@ inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, const S
     victims = x;
     freed += x->length;
   }
+  // Slots, or with a page sink page ids (`unit` tokens an entry).
+  const int64_t unit = out.pages() ? page_size : 1;
   int32_t* slots;
   try {
-    slots = out(freed);
+    slots = out(freed / unit);
   } catch (...) {
     put_back();
     throw;
@@ -82,7 +85,7 @@ inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, const S
     Node* next = x->next;
     x->next = nullptr;
     end -= x->length;
-    commit(x, slots + end);
+    commit(x, slots + end / unit);
     x = next;
   }
   return freed;
@@ -98,6 +101,7 @@ int64_t RadixTree::Evict(int64_t size, SlotSink out) {
 }
 
 int64_t RadixTree::EvictDevice(LruHeap* heap, int64_t size, SlotSink out, bool partial) {
+  RequireAligned(out.pages());
   // A victim with a host copy stays in the tree, host only; one without is
   // unlinked (deleted at commit). Refresh takes it out of the other heaps.
   auto pop = [&]() {
@@ -126,7 +130,7 @@ int64_t RadixTree::EvictDevice(LruHeap* heap, int64_t size, SlotSink out, bool p
   };
   auto commit = [&](Node* x, int32_t* slots) {
     const int64_t pages = Pages(x);
-    ExpandSlots(x->value(), x, slots);
+    Emit(x->value(), x, slots, out.pages());
     stored_.RemovePages(x->value(), pages, page_size_);
     if (!x->has_host()) {
       Node* parent = x->parent;
@@ -142,7 +146,7 @@ int64_t RadixTree::EvictDevice(LruHeap* heap, int64_t size, SlotSink out, bool p
     return Error(kBroken, StrCat("no evictable leaf left with ", size - freed,
                                  " evictable tokens still counted"));
   };
-  const int64_t freed = EvictVictims(size, out, partial, pop, take, undo, commit, short_of);
+  const int64_t freed = EvictVictims(size, page_size_, out, partial, pop, take, undo, commit, short_of);
   ++clock_;
   return freed;
 }
@@ -159,6 +163,7 @@ int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
 }
 
 int64_t RadixTree::EvictHostCopies(LruHeap* heap, int64_t size, SlotSink out, bool partial) {
+  RequireAligned(out.pages());
   // A victim also on the device keeps its node; a host-only one (which has
   // no children) is unlinked and deleted at commit.
   auto pop = [&]() { return PopOldest(heap); };
@@ -180,7 +185,7 @@ int64_t RadixTree::EvictHostCopies(LruHeap* heap, int64_t size, SlotSink out, bo
   };
   auto commit = [&](Node* x, int32_t* slots) {
     const int64_t pages = Pages(x);
-    ExpandSlots(x->host, x, slots);
+    Emit(x->host, x, slots, out.pages());
     stored_host_.RemovePages(x->host, pages, page_size_);
     FreeHost(x);
     if (x->on_device) {
@@ -198,7 +203,7 @@ int64_t RadixTree::EvictHostCopies(LruHeap* heap, int64_t size, SlotSink out, bo
                         " with a host copy, the rest are being loaded, or ancestors of host "
                         "copies that stay)"));
   };
-  const int64_t freed = EvictVictims(size, out, partial, pop, take, undo, commit, short_of);
+  const int64_t freed = EvictVictims(size, page_size_, out, partial, pop, take, undo, commit, short_of);
   ++clock_;
   return freed;
 }

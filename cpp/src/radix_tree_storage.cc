@@ -122,7 +122,7 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start, c
       kInvalid, "pages read from storage must be whole pages from a page boundary");
   const int64_t len = n - start;
   RADIXKV_CHECK(FindOutOfRange(host, len) < 0, kInvalid, "host_slots has a negative slot");
-  CheckPages(host, len, page_size_, "host_slots");
+  CheckPages(host, len, page_size_, "host_slots", aligned_);
   Node* node;
   Node* partial;
   int64_t partial_len;

@@ -11,20 +11,38 @@ namespace {
 
 constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
 
-// The request's own slots: those after the cache's part.
-int64_t OwnStart(const FinishedRequest& r) noexcept { return r.handle->cached_len; }
+// Entries of `r.slots` for `tokens` tokens (whole pages): slots or pages.
+int64_t Units(const FinishedRequest& r, int64_t tokens, int64_t page_size) noexcept {
+  return r.pages ? tokens / page_size : tokens;
+}
+
+// Where the request's own entries start: after the cache's part.
+int64_t OwnStart(const FinishedRequest& r, int64_t page_size) noexcept {
+  return Units(r, r.handle->cached_len, page_size);
+}
+
+// Returns the request's entries [from, to) to `pages`.
+void FreeRange(PageAllocator* pages, const RadixTree& tree, const FinishedRequest& r,
+               int64_t from, int64_t to) {
+  if (to <= from) return;
+  if (r.pages) {
+    pages->FreePages(r.slots + from, to - from, &tree.stored_slots());
+  } else {
+    pages->Free(r.slots + from, to - from, &tree.stored_slots());
+  }
+}
 
 // The insert, the frees and the unlock of a request CheckFinish passed.
 int64_t Apply(RadixTree* tree, PageAllocator* pages, const FinishedRequest& r) {
-  const int64_t cached = OwnStart(r);
+  const int64_t ps = tree->page_size();
+  const int64_t cached = OwnStart(r, ps);
   // CheckFinish compared the handle's path with the tokens: the insert walks on from it.
-  const int64_t in_cache =
-      tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns, r.handle);
+  const int64_t in_cache = tree->InsertPrefix(r.tokens, SlotSource(r.slots, r.pages), r.n,
+                                              r.priority, r.handle->ns, r.handle);
   // Its copies of tokens another request cached meanwhile.
-  if (in_cache > cached) pages->Free(r.slots + cached, in_cache - cached, &tree->stored_slots());
+  FreeRange(pages, *tree, r, cached, Units(r, in_cache, ps));
   // Its partial last page, never cached.
-  const int64_t full = r.n - r.n % tree->page_size();
-  if (r.m > full) pages->Free(r.slots + full, r.m - full, &tree->stored_slots());
+  FreeRange(pages, *tree, r, Units(r, r.n - r.n % ps, ps), r.m);
   tree->Unlock(r.handle);
   return in_cache;
 }
@@ -37,8 +55,9 @@ void CheckFinish(const RadixTree& tree, PageAllocator* pages, const FinishedRequ
   RADIXKV_CHECK(pages == nullptr || pages->page_size() == ps, kInvalid, "pages has page_size ",
                 pages == nullptr ? 0 : pages->page_size(), " but the tree has ", ps);
   RADIXKV_CHECK(r.n >= 0, kInvalid, where, "input_ids length must be >= 0, got ", r.n);
-  const int64_t whole = (r.n + ps - 1) / ps * ps;
-  RADIXKV_CHECK(r.m == whole, kInvalid, where, "indices has length ", r.m, " but must cover ",
+  const int64_t whole = (r.n + ps - 1) / ps * (r.pages ? 1 : ps);
+  const char* name = r.pages ? "page_ids" : "indices";
+  RADIXKV_CHECK(r.m == whole, kInvalid, where, name, " has length ", r.m, " but must cover ",
                 where, "input_ids (length ", r.n, ") in whole pages of ", ps, ": expected ", whole);
   const Handle& h = *r.handle;
   RADIXKV_CHECK(tree.IsValid(h), kInvalid, where,
@@ -53,25 +72,33 @@ void CheckFinish(const RadixTree& tree, PageAllocator* pages, const FinishedRequ
     // the match's would be stored or freed as if they were the cache's.
     bool same = false;
     try {
-      same = tree.HandleMatches(h, r.tokens, r.slots);
+      same = tree.HandleMatches(h, r.tokens, SlotSource(r.slots, r.pages));
     } catch (const Error& e) {
       throw Error(e.code(), StrCat(where, "old_handle: ", e.what()));
     }
     if (!same) {
       RADIXKV_CHECK(tree.HandleMatches(h, r.tokens), kInvalid, where, "input_ids[:", h.cached_len,
                     "] are not the tokens ", where, "old_handle matched");
-      throw Error(kInvalid, StrCat(where, "indices[:", h.cached_len,
-                                   "] must be the cache's slots that the match returned with ",
+      throw Error(kInvalid, StrCat(where, name, "[:", Units(r, h.cached_len, ps), "] must be the cache's ",
+                                   r.pages ? "pages" : "slots", " that the match returned with ",
                                    where, "old_handle"));
     }
   }
-  const std::string name = where + "indices";
-  const int32_t* own = r.slots + OwnStart(r);
-  const int64_t count = r.m - OwnStart(r);
-  if (pages != nullptr) pages->CheckFree(own, count, name.c_str(), &tree.stored_slots());
+  const std::string own_name = where + name;
+  const int32_t* own = r.slots + OwnStart(r, ps);
+  const int64_t count = r.m - OwnStart(r, ps);
+  if (pages != nullptr) {
+    if (r.pages) {
+      pages->CheckFreePages(own, count, own_name.c_str(), &tree.stored_slots());
+    } else {
+      pages->CheckFree(own, count, own_name.c_str(), &tree.stored_slots());
+    }
+  }
   if (tree.max_slots() != RadixTree::kAnySlot) {
-    for (int64_t i = 0; i < count; i += ps) {
-      RADIXKV_CHECK(own[i] + ps <= tree.max_slots(), kInvalid, name, "[", i, "] = ", own[i],
+    const int64_t step = r.pages ? 1 : ps;
+    for (int64_t i = 0; i < count; i += step) {
+      const int64_t first = r.pages ? int64_t{own[i]} * ps : own[i];
+      RADIXKV_CHECK(first + ps <= tree.max_slots(), kInvalid, own_name, "[", i, "] = ", own[i],
                     " starts a page that ends past the cache's max_slots ", tree.max_slots());
     }
   }
@@ -85,21 +112,22 @@ int64_t FinishRequest(RadixTree* tree, PageAllocator* pages, const FinishedReque
 int64_t CacheRequest(RadixTree* tree, PageAllocator* pages, const FinishedRequest& r,
                      Handle* new_handle, SlotSink out) {
   CheckFinish(*tree, pages, r);
-  const int64_t cached = OwnStart(r);
-  const int64_t in_cache =
-      tree->InsertPrefix(r.tokens, r.slots, r.n, r.priority, r.handle->ns, r.handle);
+  const int64_t ps = tree->page_size();
+  const int64_t cached = OwnStart(r, ps);
+  const int64_t in_cache = tree->InsertPrefix(r.tokens, SlotSource(r.slots, r.pages), r.n,
+                                              r.priority, r.handle->ns, r.handle);
   // Past the insert only `out` can throw (a failed allocation): the request
   // is cached then, and still holds its old handle.
   int32_t* slots = nullptr;
-  *new_handle = tree->MatchPrefix(
-      r.tokens, r.n, [&](int64_t) { return slots = out(r.m); }, r.handle->ns);
+  auto into_out = [&](int64_t) { return slots = out(r.m); };
+  const SlotSink match_out = into_out;
+  *new_handle =
+      tree->MatchPrefix(r.tokens, r.n, r.pages ? match_out.Pages() : match_out, r.handle->ns);
   if (slots == nullptr) slots = out(r.m);
-  const int64_t now_cached = new_handle->cached_len;
+  const int64_t now_cached = Units(r, new_handle->cached_len, ps);
   std::copy(r.slots + now_cached, r.slots + r.m, slots + now_cached);
   // Its copies of tokens another request cached meanwhile (now the match's).
-  const int64_t copies_end = std::min(in_cache, now_cached);
-  if (copies_end > cached)
-    pages->Free(r.slots + cached, copies_end - cached, &tree->stored_slots());
+  FreeRange(pages, *tree, r, cached, std::min(Units(r, in_cache, ps), now_cached));
   tree->Lock(new_handle);
   tree->Unlock(r.handle);
   return in_cache;
@@ -120,7 +148,8 @@ void FinishRequests(RadixTree* tree, PageAllocator* pages, const FinishedRequest
     const FinishedRequest& r = batch[i];
     const std::string where = StrCat(what, "[", i, "] ");
     CheckFinish(*tree, nullptr, r, where);
-    own[i] = {r.slots + OwnStart(r), r.m - OwnStart(r), where + "indices"};
+    const int64_t from = OwnStart(r, tree->page_size());
+    own[i] = {r.slots + from, r.m - from, where + (r.pages ? "page_ids" : "indices"), r.pages};
     unlocks.emplace_back(r.handle, i);
   }
   std::sort(unlocks.begin(), unlocks.end());

@@ -68,6 +68,21 @@ bool ForEachRun(const SlotRuns& runs, Fn fn) {
   return true;
 }
 
+// The same over the slots of page ids `ids[0, k)` (page p: slots p *
+// page_size + [0, page_size)), consecutive pages one run; `at` in slots.
+template <typename Fn>
+bool ForEachPageRun(const int32_t* ids, int64_t k, int64_t page_size, Fn fn) {
+  for (int64_t i = 0; i < k;) {
+    int64_t j = i + 1;
+    while (j < k && int64_t{ids[j]} == int64_t{ids[j - 1]} + 1) ++j;
+    if (!fn(i * page_size, int64_t{ids[i]} * page_size, (int64_t{ids[j - 1]} + 1) * page_size)) {
+      return false;
+    }
+    i = j;
+  }
+  return true;
+}
+
 constexpr int kWordShift = SlotSet::kChunkShift - 6;  // words per chunk, log2
 constexpr int64_t kWordMask = (int64_t{1} << kWordShift) - 1;
 
@@ -77,6 +92,14 @@ bool SlotRuns::Assign(const int32_t* slots, int64_t n, size_t max_runs) {
   runs_.clear();
   return ForEachRun(slots, n, [&](int64_t at, int64_t lo, int64_t hi) {
     if (max_runs > 0 && runs_.size() == max_runs) return false;
+    runs_.push_back(SlotRun{lo, hi, at});
+    return true;
+  });
+}
+
+void SlotRuns::AssignPageIds(const int32_t* ids, int64_t k, int64_t page_size) {
+  runs_.clear();
+  ForEachPageRun(ids, k, page_size, [&](int64_t at, int64_t lo, int64_t hi) {
     runs_.push_back(SlotRun{lo, hi, at});
     return true;
   });
@@ -224,6 +247,16 @@ void SlotSet::RemoveAll(const SlotRuns& runs) noexcept {
   RemoveRuns([&](auto fn) { return ForEachRun(runs, fn); });
 }
 
+int64_t SlotSet::AddPageIds(const int32_t* ids, int64_t k, int64_t page_size) {
+  const int64_t at =
+      AddRuns([&](auto fn) { return ForEachPageRun(ids, k, page_size, fn); });
+  return at < 0 ? -1 : at / page_size;
+}
+
+void SlotSet::RemovePageIds(const int32_t* ids, int64_t k, int64_t page_size) noexcept {
+  RemoveRuns([&](auto fn) { return ForEachPageRun(ids, k, page_size, fn); });
+}
+
 void SlotSet::RemovePages(const int32_t* first, int64_t pages, int64_t page_size) noexcept {
   if (page_size == 1) {
     RemoveAll(first, pages);
@@ -314,9 +347,10 @@ void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scra
   CheckSlots(runs, slots, name, scratch, limit);
 }
 
-int64_t FindBrokenPage(const int32_t* slots, int64_t n, int64_t page_size) noexcept {
+int64_t FindBrokenPage(const int32_t* slots, int64_t n, int64_t page_size, bool aligned) noexcept {
   if (page_size == 1) return -1;
   for (int64_t p = 0; p < n; p += page_size) {
+    if (aligned && slots[p] % page_size != 0) return p;
     const int64_t end = RunEnd(slots, p, p + page_size);
     if (end < p + page_size) return end;
   }
@@ -328,6 +362,12 @@ namespace {
 [[noreturn]] void ThrowBrokenPage(const int32_t* slots, int64_t bad, int64_t page_size,
                                   const char* name) {
   const int64_t start = bad - bad % page_size;
+  if (bad == start) {  // (only an aligned check breaks a page at its first slot)
+    throw Error(ErrorCode::kInvalidArgument,
+                StrCat(name, "[", bad, "] = ", slots[bad], " does not start a page: with page_size ",
+                       page_size, " a page's first slot is a multiple of ", page_size,
+                       " (pages are aligned in their pool)"));
+  }
   throw Error(ErrorCode::kInvalidArgument,
               StrCat(name, "[", bad, "] = ", slots[bad], " breaks the page at ", name, "[", start,
                      "] = ", slots[start], ": with page_size ", page_size,
@@ -336,17 +376,20 @@ namespace {
 
 }  // namespace
 
-void CheckPages(const int32_t* slots, int64_t n, int64_t page_size, const char* name) {
-  const int64_t bad = FindBrokenPage(slots, n, page_size);
+void CheckPages(const int32_t* slots, int64_t n, int64_t page_size, const char* name,
+                bool aligned) {
+  const int64_t bad = FindBrokenPage(slots, n, page_size, aligned);
   if (bad >= 0) ThrowBrokenPage(slots, bad, page_size, name);
 }
 
 void CheckPages(const SlotRuns& runs, const int32_t* slots, int64_t n, int64_t page_size,
-                const char* name) {
+                const char* name, bool aligned) {
   // Runs are maximal, so a page is whole exactly when no run starts inside it.
   for (const SlotRun& r : runs) {
     if (r.at >= n) break;
-    if (r.at % page_size != 0) ThrowBrokenPage(slots, r.at, page_size, name);
+    if (r.at % page_size != 0 || (aligned && r.lo % page_size != 0)) {
+      ThrowBrokenPage(slots, r.at, page_size, name);
+    }
   }
 }
 
@@ -376,6 +419,14 @@ void ExpandPages(const int32_t* first, int64_t pages, int64_t page_size, int32_t
     int32_t* page = out + k * page_size;
     for (int64_t i = 0; i < page_size; ++i) page[i] = base + static_cast<int32_t>(i);
   }
+}
+
+void PageIdsOf(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept {
+  for (int64_t k = 0; k < pages; ++k) out[k] = static_cast<int32_t>(first[k] / page_size);
+}
+
+void FirstOfPageIds(const int32_t* ids, int64_t pages, int64_t page_size, int32_t* out) noexcept {
+  for (int64_t k = 0; k < pages; ++k) out[k] = static_cast<int32_t>(ids[k] * page_size);
 }
 
 void FirstOfPages(const int32_t* slots, int64_t pages, int64_t page_size, int32_t* out) noexcept {

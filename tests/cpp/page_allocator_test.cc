@@ -287,5 +287,33 @@ TEST(SlotSet, FindRepeatAndNegative) {
   EXPECT_EQ(FindOutOfRange(y.data(), 4), -1);
 }
 
+
+// The page forms: page ids out and in, the same checks as the slot forms.
+TEST(PageAllocatorTest, PageIdsComeAndGoAsTheirSlotsDo) {
+  PageAllocator pages(8, 4);
+  std::vector<int32_t> ids;
+  auto fill = SlotSink::Into(&ids);  // (a SlotSink refers to its callable)
+  const SlotSink into = fill;
+  pages.Allocate(9, into.Pages());  // three pages, ids only
+  EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(pages.num_free_pages(), 5);
+  SlotSet cached;
+  cached.AddPageIds(ids.data(), 1, 4);  // page 0's slots 0..3
+  EXPECT_THROW(pages.FreePages(ids.data(), 3, &cached), Error);  // page 0 is cached
+  const std::vector<int32_t> twice{1, 1};
+  EXPECT_THROW(pages.FreePages(twice.data(), 2), Error);
+  const std::vector<int32_t> outside{8};
+  EXPECT_THROW(pages.FreePages(outside.data(), 1), Error);
+  const std::vector<int32_t> free_one{5};
+  EXPECT_THROW(pages.FreePages(free_one.data(), 1), Error);
+  EXPECT_EQ(pages.num_free_pages(), 5);  // every refusal changed nothing
+  pages.FreePages(ids.data() + 1, 2, &cached);
+  EXPECT_EQ(pages.num_free_pages(), 7);
+  pages.CheckDisjoint(cached);
+  std::vector<int32_t> slots;
+  pages.Allocate(4, &slots);  // LIFO: the last page freed comes back first, as slots
+  EXPECT_EQ(slots, (std::vector<int32_t>{8, 9, 10, 11}));
+}
+
 }  // namespace
 }  // namespace radixkv

@@ -27,7 +27,8 @@ class PageAllocator {
   bool IsFree(int64_t page) const noexcept { return is_free_[page] != 0; }
 
   /// Takes ceil(`num_tokens` / page_size) pages and writes all their slots
-  /// to `out(pages * page_size)`. Throws kInvalidArgument for a negative count
+  /// to `out(pages * page_size)` (a page sink, SlotSink::Pages(): their ids
+  /// to `out(pages)`). Throws kInvalidArgument for a negative count
   /// and kOutOfCapacity when too few pages are free; then, and when `out`
   /// throws, it takes nothing.
   void Allocate(int64_t num_tokens, SlotSink out);
@@ -41,6 +42,15 @@ class PageAllocator {
   /// slot is in `cached`.
   void Free(const int32_t* slots, int64_t n, const SlotSet* cached = nullptr);
 
+  /// Free by page ids: returns pages `ids[0, k)`. Throws kInvalidArgument,
+  /// freeing nothing, unless every page is in range and allocated, none
+  /// repeats, and (when `cached` is given) none has a slot in `cached`.
+  void FreePages(const int32_t* ids, int64_t k, const SlotSet* cached = nullptr);
+  /// Throws what FreePages(ids, k, cached) would throw (naming `name`), and
+  /// frees nothing either way.
+  void CheckFreePages(const int32_t* ids, int64_t k, const char* name,
+                      const SlotSet* cached = nullptr);
+
   /// Throws what Free(slots, n, cached) would throw (naming `name`), and frees
   /// nothing either way: for a caller that must know Free will succeed
   /// before it changes anything else.
@@ -52,6 +62,8 @@ class PageAllocator {
     const int32_t* slots = nullptr;
     int64_t n = 0;
     std::string name;
+    /// Whether `slots[0, n)` are page ids (then n pages), not slots.
+    bool pages = false;
   };
   /// CheckFree of `spans[0, k)` as one: also throws kInvalidArgument when two
   /// spans hold the same page (naming both). O(pages); frees nothing.
@@ -75,6 +87,12 @@ class PageAllocator {
   // page-by-page checks find the page at fault and name it.
   bool OwnedByRuns(const int32_t* slots, int64_t n, const SlotSet* cached) const;
   bool AnyFree(int64_t first_page, int64_t end_page) const noexcept;
+  // CheckOwned of page ids.
+  void CheckOwnedPages(const int32_t* ids, int64_t k, const char* name,
+                       const SlotSet* cached) const;
+  // Marks pages `ids[0, k)` free, undoing the marks and throwing (naming
+  // `name`) on a repeated one.
+  void MarkPagesFree(const int32_t* ids, int64_t k, const char* name);
   // Marks the pages of `runs_` free; false, marking none, when a page
   // repeats (MarkFree then names it).
   bool MarkRunsFree() noexcept;

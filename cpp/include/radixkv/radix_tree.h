@@ -82,9 +82,18 @@ struct NodeInfo {
 /// tokens. With `page_size > 1` every node holds whole pages, children are
 /// keyed by their first page, and inputs are rounded down to whole pages.
 /// A page's slots are consecutive (`s, s + 1, ..., s + page_size - 1`, as a
-/// paged pool hands them out; every call that gives the tree slots checks
-/// it), so a node keeps one slot per page and expands them where a call
-/// returns slots: a 12k-token request at page 512 stores 24 slots, not 12k.
+/// paged pool hands them out; with `aligned_pages` s is a multiple of
+/// page_size, as every engine's paged allocator aligns them; every call that
+/// gives the tree slots checks it), so a node keeps one slot per page and expands them
+/// where a call returns slots: a 12k-token request at page 512 stores 24
+/// slots, not 12k.
+///
+/// Two interfaces: every call that reads or writes slots takes them per
+/// token (a SlotSource or SlotSink of slots) or, on a tree made with
+/// `aligned_pages`, per page (page ids, `p` for slots `p * page_size + [0,
+/// page_size)`: SlotSource with `pages`, SlotSink::Pages()), with the same
+/// checks and effects; lengths stay in tokens. The page form moves
+/// page_size times fewer entries.
 ///
 /// Two tiers: a node's K/V is on the device (its device slots), in host
 /// memory (its host slots), or both. Device-resident nodes are root-closed (a
@@ -121,8 +130,13 @@ class RadixTree {
   /// `tel_safe_tokens` (tlru only): a leaf at most this long is safe to evict
   /// first (SGLang's threshold less its next-prompt estimate, in tokens).
   static constexpr int64_t kAnySlot = -1;
+  /// `aligned_pages`: every page given to the tree starts at a multiple of
+  /// page_size (checked), so a page is named by its id and the page forms
+  /// of the calls (SlotSource with `pages`, SlotSink::Pages()) may be used;
+  /// without it they throw kInvalidArgument.
   explicit RadixTree(int64_t page_size = 1, int64_t max_slots = kAnySlot,
-                     EvictionPolicy policy = EvictionPolicy::kLru, int64_t tel_safe_tokens = 0);
+                     EvictionPolicy policy = EvictionPolicy::kLru, int64_t tel_safe_tokens = 0,
+                     bool aligned_pages = false);
   ~RadixTree();
   RadixTree(const RadixTree&) = delete;
   RadixTree& operator=(const RadixTree&) = delete;
@@ -131,6 +145,7 @@ class RadixTree {
   EvictionPolicy policy() const noexcept { return policy_; }
   int64_t tel_safe_tokens() const noexcept { return tel_safe_tokens_; }
   int64_t max_slots() const noexcept { return max_slots_; }
+  bool aligned_pages() const noexcept { return aligned_; }
   uint64_t id() const noexcept { return id_; }
 
   /// Finds the longest cached prefix of `tokens[0, n)` in whole pages, on
@@ -165,7 +180,7 @@ class RadixTree {
   /// this tree whose path the caller has checked is `tokens[0,
   /// prefix->cached_len)` (HandleMatches), the walk starts at the handle's
   /// node instead of comparing that part again.
-  int64_t InsertPrefix(const int32_t* tokens, const int32_t* slots, int64_t n, int32_t priority = 0,
+  int64_t InsertPrefix(const int32_t* tokens, SlotSource slots, int64_t n, int32_t priority = 0,
                        uint64_t ns = 0, const Handle* prefix = nullptr);
 
   /// Adds one lock on every node from the handle's node to the root.
@@ -231,7 +246,7 @@ class RadixTree {
   /// (HandleSlots, compared page by page without writing them out). Throws
   /// kInvalidArgument as HandleSlots does.
   bool HandleMatches(const Handle& handle, const int32_t* tokens,
-                     const int32_t* slots = nullptr) const;
+                     SlotSource slots = SlotSource()) const;
 
   // --- copies between the tiers -------------------------------------------------
 
@@ -259,7 +274,7 @@ class RadixTree {
   /// Reset does); returns how many. `host_checked`: the caller vouches that
   /// `host` is whole pages of slots in range (a PageAllocator's CheckFree
   /// says so), which are then not checked again.
-  int64_t FinishBackup(const TierCopy& copy, const int32_t* host, bool ok, SlotSink rejected,
+  int64_t FinishBackup(const TierCopy& copy, SlotSource host, bool ok, SlotSink rejected,
                        bool host_checked = false);
 
   /// The host-only part of `handle`'s match, as a copy starting at the
@@ -286,7 +301,7 @@ class RadixTree {
   /// copy.length())` (whole pages of consecutive slots) and are on the
   /// device; either way they are no longer loading and the copy's pin goes.
   /// Returns false (taking nothing) when the copy's node is gone.
-  bool FinishLoad(const TierCopy& copy, const int32_t* device, bool ok);
+  bool FinishLoad(const TierCopy& copy, SlotSource device, bool ok);
 
   /// The storage tier. Starts writing to storage the host pages of the
   /// range a backup `from` covered (its node's path, tokens [from.start,
@@ -515,7 +530,22 @@ class RadixTree {
   Node* MatchedEnd(const Handle& handle, bool host) const;
   // The deepest node on the device from `x` up (the root at worst).
   Node* DeviceEnd(Node* x) const noexcept;
-  void CopyPathSlots(const Node* node, int32_t* out) const noexcept;
+  // The device slots (or, with `pages`, page ids) of the path to `node`.
+  void CopyPathSlots(const Node* node, int32_t* out, bool pages = false) const noexcept;
+  // Entries of a sink or source for `tokens` tokens: slots, or pages.
+  int64_t Units(bool pages, int64_t tokens) const noexcept {
+    return pages ? tokens / page_size_ : tokens;
+  }
+  // Writes x's slots given its pages' first slots `first` (x->value() or
+  // x->host), or with `pages` their page ids.
+  void Emit(const int32_t* first, const Node* x, int32_t* out, bool pages) const noexcept;
+  // The first slots of x's pages from `in`, whose entries for x start at
+  // token `pos`.
+  void TakeFirsts(SlotSource in, int64_t pos, const Node* x, int32_t* out) const noexcept;
+  // Adds (or removes) the device or host slots of x's entries in `in` from
+  // token `pos` to `set`; Add returns the position of one stored already, or -1.
+  int64_t AddSlots(SlotSet* set, SlotSource in, int64_t pos, int64_t tokens);
+  void RemoveSlots(SlotSet* set, SlotSource in, int64_t pos, int64_t tokens) noexcept;
   // The pages of `x`'s tokens, and the slots of those pages given their
   // first slots `first` (x->value() or x->host), written to `out`.
   int64_t Pages(const Node* x) const noexcept;
@@ -536,8 +566,13 @@ class RadixTree {
   // inside it, and the matched length. For the storage tier's queries.
   Node* MatchEnd(const int32_t* tokens, int64_t n, uint64_t ns, int64_t* pos) const;
 
+  // Throws kInvalidArgument when `pages` (a page form) and pages may be
+  // unaligned.
+  void RequireAligned(bool pages) const;
+
   const int64_t page_size_;
   const int64_t max_slots_;
+  const bool aligned_;
   const uint64_t id_;
   uint64_t clock_ = 0;
   NodeArena arena_;  // node storage; declared first so it outlives the nodes

@@ -15,6 +15,8 @@ namespace radixkv {
 /// A finished request: it holds `handle` (locked, from MatchPrefix) and the
 /// slots `slots[0, m)` of `tokens[0, n)`; the first `handle->cached_len`
 /// slots are the cache's (those MatchPrefix wrote), the rest its own pages.
+/// With `pages`, `slots[0, m)` are page ids instead (m pages; the first
+/// `cached_len / page_size` the cache's).
 struct FinishedRequest {
   Handle* handle = nullptr;
   const int32_t* tokens = nullptr;
@@ -22,6 +24,7 @@ struct FinishedRequest {
   const int32_t* slots = nullptr;
   int64_t m = 0;
   int32_t priority = 0;
+  bool pages = false;
 };
 
 /// Throws kInvalidArgument unless `r` can finish: m is n in whole pages, the

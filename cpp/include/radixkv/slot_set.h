@@ -27,6 +27,10 @@ class SlotRuns {
   /// false as soon as there would be more than that many (the runs are then
   /// incomplete); returns true otherwise.
   bool Assign(const int32_t* slots, int64_t n, size_t max_runs = 0);
+  /// The runs of the slots of page ids `ids[0, k)` (page p holds slots p *
+  /// page_size + [0, page_size)), positions in slots (page i at i *
+  /// page_size): what Assign finds in those pages expanded.
+  void AssignPageIds(const int32_t* ids, int64_t k, int64_t page_size);
   /// Keeps only the runs of `slots[from, n)` (trimming the one holding `from`).
   void DropBefore(int64_t from);
   /// Keeps only the runs of `slots[0, to)` (trimming the one holding `to`).
@@ -86,6 +90,13 @@ class SlotSet {
   /// `first[k], first[k] + 1, ..., first[k] + page_size - 1` (see ExpandPages).
   void RemovePages(const int32_t* first, int64_t pages, int64_t page_size) noexcept;
 
+  /// AddAll of the slots of page ids `ids[0, k)` (page p holds slots p *
+  /// page_size + [0, page_size)); the position returned is the page's (k),
+  /// not a slot's.
+  int64_t AddPageIds(const int32_t* ids, int64_t k, int64_t page_size);
+  /// Removes the slots of page ids `ids[0, k)`; each must be present.
+  void RemovePageIds(const int32_t* ids, int64_t k, int64_t page_size) noexcept;
+
   /// Whether any of the slots `[lo, hi)` (0 <= lo <= hi) is in the set. One
   /// access per 64-bit word.
   bool AnyIn(int64_t lo, int64_t hi) const noexcept;
@@ -134,21 +145,31 @@ void CheckSlots(const int32_t* slots, int64_t n, const char* name, SlotSet* scra
 
 /// Position of the first slot of `slots[0, n)` (n a multiple of `page_size`)
 /// that breaks its page: a page's slots must be consecutive (`slots[p + i] ==
-/// slots[p] + i`); -1 when every page is whole. One vectorized pass (RunEnd
+/// slots[p] + i`), and with `aligned` start at a multiple of `page_size`
+/// (pages aligned in their pool, so a page is also named by its id,
+/// `slots[p] / page_size`); -1 when every page is whole. One vectorized pass (RunEnd
 /// per page).
-int64_t FindBrokenPage(const int32_t* slots, int64_t n, int64_t page_size) noexcept;
+int64_t FindBrokenPage(const int32_t* slots, int64_t n, int64_t page_size,
+                       bool aligned = false) noexcept;
 
 /// Throws kInvalidArgument naming `name` ("indices[17] = 40 breaks the page at
-/// indices[16] = 777: with page_size 16 the slots of a page are consecutive") unless
-/// every page of `slots[0, n)` is whole (see FindBrokenPage).
-void CheckPages(const int32_t* slots, int64_t n, int64_t page_size, const char* name);
+/// indices[16] = 768: with page_size 16 the slots of a page are consecutive",
+/// with `aligned` "indices[16] = 770 does not start a page ...") unless every
+/// page of `slots[0, n)` is whole (and aligned; see FindBrokenPage).
+void CheckPages(const int32_t* slots, int64_t n, int64_t page_size, const char* name,
+                bool aligned = false);
 /// The same from the runs of `slots` (found before; O(runs)).
 void CheckPages(const SlotRuns& runs, const int32_t* slots, int64_t n, int64_t page_size,
-                const char* name);
+                const char* name, bool aligned = false);
 
 /// Writes the slots of `pages` pages, page k starting at `first[k]`, to
 /// `out[0, pages * page_size)`: `out[k * page_size + i] = first[k] + i`.
 void ExpandPages(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept;
+
+/// The ids of pages given their first slots: `out[k] = first[k] / page_size`.
+void PageIdsOf(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept;
+/// The first slots of pages given their ids: `out[k] = ids[k] * page_size`.
+void FirstOfPageIds(const int32_t* ids, int64_t pages, int64_t page_size, int32_t* out) noexcept;
 
 /// The first slot of each whole page of `slots[0, pages * page_size)`:
 /// `out[k] = slots[k * page_size]` (the inverse of ExpandPages).
