@@ -204,6 +204,63 @@ class Radixkv:
         cm.close()
 
 
+class RadixkvPages(Radixkv):
+    """The same requests through the page path: page ids cross, not slots
+    (match_pages, allocate_pages, free_and_cache_finished_req_pages)."""
+
+    def serve(self, req: Request, prompt, full, f: Figures) -> None:
+        cm, n_in, out = self.cm, req.input_length, req.output_length
+        t0 = clock()
+        handle, cached = cm.match_pages(prompt)
+        spent = f.add("match", clock() - t0)
+        device_hit = handle.cached_len
+        if handle.host_hit_len:
+            t0 = clock()
+            handle, cached = cm.load_back_pages(handle)
+            spent += f.add("load_back", clock() - t0)
+        else:
+            t0 = clock()
+            cm.lock(handle)
+            spent += f.add("lock", clock() - t0)
+        hit = handle.cached_len
+
+        # The request's pages: the match's, then its prompt's, then what its
+        # output needs past the prompt's last page.
+        prefill = n_in - hit
+        own, ns = self._allocate(prefill, f)
+        spent += ns
+        parts = [cached, own]
+        spare = own.shape[0] * PAGE - prefill
+        if out > spare:
+            more, ns = self._allocate(out - spare, f)
+            spent += ns
+            parts.append(more)
+
+        t0 = clock()
+        cm.free_and_cache_finished_req_pages(handle, full, torch.cat(parts))
+        spent += f.add("insert", clock() - t0)
+        if self.host_pages:
+            t0 = clock()
+            failed = cm.drain()
+            spent += f.add("drain", clock() - t0)
+            if failed:
+                raise RuntimeError(f"radixkv: {len(failed)} load(s) failed")
+        f.spent_ns += spent
+        f.device_hit += device_hit
+        f.host_hit += hit - device_hit
+
+    def _allocate(self, n: int, f: Figures):
+        t0 = clock()
+        evicted = self.cm.make_room(n)
+        t1 = clock()
+        pages = self.cm.allocate_pages(n)
+        t2 = clock()
+        if evicted:
+            f.add("evict", t1 - t0)
+        f.add("allocate", t2 - t1)
+        return pages, t2 - t0
+
+
 # ---------------------------------------------------------------------------
 # SGLang
 # ---------------------------------------------------------------------------
@@ -498,6 +555,15 @@ def main() -> None:
         help="SGLang's io backend: kernel with page_first (its defaults) or direct "
         "with layer_first (default kernel)",
     )
+    ap.add_argument(
+        "--pages", action="store_true", help="radixkv through its page path (match_pages, ...)"
+    )
+    ap.add_argument(
+        "--both",
+        action="store_true",
+        help="radixkv through the token and the page path, against each other (with SGLang "
+        "when it imports)",
+    )
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = ap.parse_args()
     if args.rounds < 1:
@@ -513,6 +579,10 @@ def main() -> None:
     torch.set_num_threads(1)
 
     systems = {"radixkv": lambda: Radixkv(HOST_PAGES)}
+    if args.pages:
+        systems = {"radixkv-pages": lambda: RadixkvPages(HOST_PAGES)}
+    if args.both:
+        systems["radixkv-pages"] = lambda: RadixkvPages(HOST_PAGES)
     if why is None:
         systems["sglang"] = lambda: Sglang(args.sglang_io)
     else:
@@ -575,9 +645,18 @@ def main() -> None:
             f"{100 * row['device_hit_rate']:>7.2f}%{100 * row['host_hit_rate']:>7.2f}%"
             f"{row['us_per_request']:>12.1f}{f'{min(spread):.1f}..{max(spread):.1f}':>18}"
         )
-    base, other = names[0], names[1]
-    ratio = rows[other]["us_per_request"] / rows[base]["us_per_request"]
-    print(f"{other} / {base} per request: {ratio:.2f}x")
+    base = names[0]
+    ratio = None
+    for other in names[1:]:
+        if other == "sglang":
+            continue
+        ratio = rows[other]["us_per_request"] / rows[base]["us_per_request"]
+        print(f"{other} / {base} per request: {ratio:.2f}x")
+    if "sglang" in rows:
+        for name in names:
+            if name != "sglang":
+                ratio = rows["sglang"]["us_per_request"] / rows[name]["us_per_request"]
+                print(f"sglang / {name} per request: {ratio:.2f}x")
 
     print(f"\n{'median us per call (calls a round)':<36}" + "".join(f"{n:>20}" for n in names))
     for op in OPS:

@@ -38,10 +38,12 @@ def create_cache_manager(
     max_slots: Optional[int] = None,
     eviction_policy: str = "lru",
     eviction_policy_config: Optional[dict] = None,
+    aligned_pages: bool = False,
 ) -> BaseCacheManager:
     """A cache manager of `type` ("naive" or "radix") on `device`; `max_slots`
     bounds the slots it accepts (the pool's size; None: any); the radix cache
-    evicts under `eviction_policy` (EVICTION_POLICIES)."""
+    evicts under `eviction_policy` (EVICTION_POLICIES) and, with
+    `aligned_pages`, takes only pages aligned in their pool (and page ids)."""
     try:
         cls = _MANAGERS[type]
     except (KeyError, TypeError):
@@ -53,6 +55,7 @@ def create_cache_manager(
             max_slots=max_slots,
             eviction_policy=eviction_policy,
             eviction_policy_config=eviction_policy_config,
+            aligned_pages=aligned_pages,
         )
     check_eviction_policy(eviction_policy)
     tel_safe_tokens(eviction_policy, eviction_policy_config)  # checked, unused

@@ -86,6 +86,11 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
     Sequences of different namespaces never share a prefix (a tenant's cache
     salt, a LoRA adapter); they live in this one tree, under one eviction
     order. `radixkv.scheduler.CacheManager` maps names (str, bytes) to these ids.
+
+    `aligned_pages`: every page starts at a multiple of page_size (as a paged
+    allocator hands them out; checked), so the tree also takes and gives
+    page ids (`match_pages`, `finish_request_pages`, ...). A CacheManager's
+    tree is made so.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
         max_slots: Optional[int] = None,
         eviction_policy: str = "lru",
         eviction_policy_config: Optional[dict] = None,
+        aligned_pages: bool = False,
     ):
         page_size = as_count(page_size, "page_size")
         check_eviction_policy(eviction_policy)
@@ -102,7 +108,9 @@ class RadixCacheManager(BaseCacheManager[RadixCacheHandle]):
         self.device = as_device(device)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
-        self._tree = _core.RadixTree(page_size, as_max_slots(max_slots), eviction_policy, safe)
+        self._tree = _core.RadixTree(
+            page_size, as_max_slots(max_slots), eviction_policy, safe, bool(aligned_pages)
+        )
         self.tree = self._tree
         # The tree's own methods (same signatures) bound over these: a call
         # costs no Python frame. The request steps read and return host

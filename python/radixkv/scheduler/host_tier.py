@@ -12,6 +12,7 @@ import torch
 from radixkv import _core
 from radixkv.kvcache.base import BaseCacheHandle
 from radixkv.kvcache.host_pool import HostKVCache, copy_controller
+from radixkv.kvcache.page_ids import slots_of_pages
 from radixkv.kvcache.engine_pool import DevicePool
 from radixkv.scheduler.block_events import Events, NoEvents
 from radixkv.scheduler.quotas import quota_excess
@@ -124,7 +125,9 @@ class HostTier:
             self.pool = None
             self.controller = _core.CacheController(num_layers, manual)
         # op -> (copy, host slots, device slots) / (copy, device slots, handle, host slots)
-        self._backups: Dict[int, Tuple[Copy, torch.Tensor, torch.Tensor]] = {}
+        # op -> (copy, host, device, pages): `pages` when host and device are
+        # page ids (a backup of back_up), else slots.
+        self._backups: Dict[int, Tuple[Copy, torch.Tensor, torch.Tensor, bool]] = {}
         self._loads: Dict[int, Tuple[Copy, torch.Tensor, BaseCacheHandle, torch.Tensor]] = {}
         self._backup_tokens = 0  # host slots owned by backups in flight
         self._load_tokens = 0  # device slots owned by loads in flight
@@ -156,8 +159,10 @@ class HostTier:
         from where its host copy ends. Returns the tokens queued (0 when nothing needs a copy, or
         the host pool cannot make room: the path stays device only)."""
         min_hits = self.min_hits if min_hits is None else min_hits
-        # One native call finds the range, takes its host pages and pins it.
-        started = self.tree.start_backup(input_ids, self.pages, min_hits, through_partial, ns)
+        # One native call finds the range, takes its host pages and pins it
+        # (page ids cross, not slots).
+        start = self.tree.start_backup_pages
+        started = start(input_ids, self.pages, min_hits, through_partial, ns)
         if started is None:
             return 0
         copy, device_slots, host_slots = started
@@ -167,14 +172,14 @@ class HostTier:
                 self.backups_skipped += n
                 return 0
             # Making room may have dropped the host copy the range started under.
-            started = self.tree.start_backup(input_ids, self.pages, min_hits, through_partial, ns)
+            started = start(input_ids, self.pages, min_hits, through_partial, ns)
             if started is None:
                 return 0
             copy, device_slots, host_slots = started
             if device_slots is None or host_slots is None:
                 self.backups_skipped += copy.end - copy.start
                 return 0
-        return self._queue_backup(copy, device_slots, host_slots)
+        return self._queue_backup(copy, device_slots, host_slots, pages=True)
 
     def copy_path_to_host(self, tokens, ns: int = 0) -> bool:
         """Makes the host copy of `tokens`' cached path again where it was
@@ -259,10 +264,10 @@ class HostTier:
         if self.before_evict is not None:
             self.before_evict()
         try:
-            freed = self.tree.evict_host(size)
+            freed = self.tree.evict_host_pages(size)
         except _core.OutOfCapacityError:
             return False
-        self._free_evicted(freed)
+        self._free_evicted(freed, pages=True)
         return True
 
     def evict_namespace(self, ns: int, size: int) -> torch.Tensor:
@@ -275,7 +280,14 @@ class HostTier:
         self._free_evicted(freed)
         return freed
 
-    def _free_evicted(self, freed: torch.Tensor) -> None:
+    def _free_evicted(self, freed: torch.Tensor, pages: bool = False) -> None:
+        """Host slots (or with `pages` page ids) the tree evicted go back."""
+        if pages:
+            self.pages.free_pages(freed, self.tree, True)
+            self.host_evicted += len(freed) * self.page_size
+            if self.events.on:
+                self.events.host_evicted(slots_of_pages(freed, self.page_size))
+            return
         self.pages.free(freed, self.tree, True)
         self.host_evicted += len(freed)
         self.events.host_evicted(freed)
@@ -304,17 +316,18 @@ class HostTier:
         return self._queue_backup(copy, device_slots, host_slots)
 
     def _queue_backup(
-        self, copy: Copy, device_slots: torch.Tensor, host_slots: torch.Tensor
+        self, copy: Copy, device_slots: torch.Tensor, host_slots: torch.Tensor, pages: bool = False
     ) -> int:
-        """Hands a begun backup to the controller and owns its slots until
-        `writing_check` applies it."""
+        """Hands a begun backup to the controller and owns its slots (with
+        `pages`, page ids) until `writing_check` applies it."""
         try:
-            op = self.controller.backup(device_slots, host_slots)
+            op = self.controller.backup(device_slots, host_slots, self.page_size if pages else 1)
         except BaseException:  # (a pool moved since the controller was made)
-            self.tree.finish_backup(copy, host_slots, False, self.pages)
+            finish = self.tree.finish_backup_pages if pages else self.tree.finish_backup
+            finish(copy, host_slots, False, self.pages)
             raise
         n = copy.end - copy.start
-        self._backups[op] = (copy, host_slots, device_slots)
+        self._backups[op] = (copy, host_slots, device_slots, pages)
         self._backup_tokens += n
         return n
 
@@ -332,17 +345,26 @@ class HostTier:
         acks = self._backup_acks
         acks.extend(self.controller.take_backup_acks())
         applied = len(acks)
+        ps, events = self.page_size, self.events
         while acks:
             op, ok = acks.popleft()
-            copy, host_slots, device_slots = self._backups.pop(op)
-            # The tree takes the slots; those it does not go back to the pages.
-            rejected = self.tree.finish_backup(copy, host_slots, ok, self.pages)
-            if len(rejected) < len(host_slots):
-                self.events.host_backed_up(device_slots, host_slots, rejected)
-            self._backup_tokens -= len(host_slots)
-            self.backed_up += len(host_slots) - len(rejected)
-            self.failed_copies += 0 if ok else len(host_slots)
-            if self._keep_landed and len(rejected) < len(host_slots):
+            copy, host, device, pages = self._backups.pop(op)
+            # The tree takes the pages; those it does not go back to the pool.
+            if pages:
+                rejected = self.tree.finish_backup_pages(copy, host, ok, self.pages)
+            else:
+                rejected = self.tree.finish_backup(copy, host, ok, self.pages)
+            unit = ps if pages else 1
+            n, refused = len(host) * unit, len(rejected) * unit
+            if refused < n and events.on:
+                if pages:
+                    host, device = slots_of_pages(host, ps), slots_of_pages(device, ps)
+                    rejected = slots_of_pages(rejected, ps)
+                events.host_backed_up(device, host, rejected)
+            self._backup_tokens -= n
+            self.backed_up += n - refused
+            self.failed_copies += 0 if ok else n
+            if self._keep_landed and refused < n:
                 self.landed.append(copy)
         return applied
 
@@ -512,7 +534,12 @@ class HostTier:
             )
         self.pages.check_disjoint(self.tree, True)
         if self._backups:
-            slots = torch.cat([backup[1] for backup in self._backups.values()])
+            slots = torch.cat(
+                [
+                    slots_of_pages(host, self.page_size) if pages else host
+                    for _, host, _, pages in self._backups.values()
+                ]
+            )
             self.pages.check_owned(slots, "host slots of backups in flight", self.tree, True)
         if self._loads:
             slots = torch.cat([load[1] for load in self._loads.values()])

@@ -24,6 +24,7 @@ import torch
 from radixkv import _core
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager
 from radixkv.kvcache.engine_pool import DevicePool
+from radixkv.kvcache.page_ids import slots_of_pages
 from radixkv.scheduler.metrics import Counters
 from radixkv.scheduler.quotas import NoQuotas, Quotas
 from radixkv.scheduler.retention import NoRetention, Retention
@@ -146,6 +147,14 @@ class Upkeep:
                     return freed
         if self.tiers.backs_up_on_evict:
             self.tiers.back_up_before_evict(missing)
+        if self.tree is not None:  # the radix tree's victims as page ids
+            pages = self.tree.evict_pages(missing)
+            self.pages.free_pages(pages)
+            evicted_tokens = pages.shape[0] * ps
+            self.counters.evicted_tokens += evicted_tokens
+            if self.events.on:
+                self.events.device_evicted(slots_of_pages(pages, ps))
+            return freed + evicted_tokens
         evicted = self.manager.evict(missing).cpu()
         self.free_evicted(evicted)
         return freed + evicted.shape[0]
