@@ -21,8 +21,12 @@ full (every block of both tiers as one batch, what a router that lost track
 asks for), its median over 20 calls against a request cycle's.
 Off and on alternate, each over the same requests on a fresh manager, warmed
 up first; medians of 25-request batches, microseconds per request.
+`--step N`: a scheduler step of N requests, the round's call (and its one
+published batch) once a step instead of once a request (batches of N
+requests timed); `--pages`: the requests through the page path
+(match_pages, allocate_pages, free_and_cache_finished_req_pages).
 
-python bench/python/bench_events.py [--requests N] [--rounds R]
+python bench/python/bench_events.py [--requests N] [--rounds R] [--step N] [--pages]
 """
 
 from __future__ import annotations
@@ -69,12 +73,23 @@ def manager(case: str, publisher):
     )
 
 
-def cycle(cm: CacheManager, ids: torch.Tensor) -> None:
-    h, cached = cm.match_req(ids)
-    cm.lock(h)
-    own = cm.allocate(len(ids) - h.cached_len)
-    cm.free_and_cache_finished_req(h, ids, torch.cat([cached, own]))
-    cm.writing_check()
+STEP = 1  # requests a scheduler step (--step)
+PAGES = False  # the page path (--pages)
+
+
+def cycle(cm: CacheManager, ids: torch.Tensor, end_of_step: bool = True) -> None:
+    if PAGES:
+        h, cached = cm.match_pages(ids)
+        cm.lock(h)
+        own = cm.allocate_pages(len(ids) - h.cached_len)
+        cm.free_and_cache_finished_req_pages(h, ids, torch.cat([cached, own]))
+    else:
+        h, cached = cm.match_req(ids)
+        cm.lock(h)
+        own = cm.allocate(len(ids) - h.cached_len)
+        cm.free_and_cache_finished_req(h, ids, torch.cat([cached, own]))
+    if end_of_step:
+        cm.writing_check()
 
 
 class Ledger(EventPublisher):
@@ -102,10 +117,11 @@ def run(case: str, publisher, requests, batch: int = 25):
         cycle(cm, ids)
     wall, cpu = [], []
     timed = requests[warm:]
+    batch = STEP if STEP > 1 else batch
     for b in range(0, len(timed) - batch + 1, batch):
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        for ids in timed[b : b + batch]:
-            cycle(cm, ids)
+        for i, ids in enumerate(timed[b : b + batch]):
+            cycle(cm, ids, STEP == 1 or i == batch - 1)
         wall.append((time.perf_counter_ns() - t0) / batch / 1e3)
         cpu.append((time.thread_time_ns() - c0) / batch / 1e3)
     cm.check_integrity()
@@ -151,7 +167,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="distinct requests per run")
     ap.add_argument("--rounds", type=int, default=3, help="off/ledger/on triples per case")
+    ap.add_argument("--step", type=int, default=1, help="requests a scheduler step (default 1)")
+    ap.add_argument("--pages", action="store_true", help="the requests through the page path")
     args = ap.parse_args()
+    global STEP, PAGES
+    STEP, PAGES = max(1, args.step), args.pages
     requests = make_requests(args.requests + 2 * POOL_REQUESTS, seed=0)
     publisher = EventPublisher("tcp://127.0.0.1:*")
     reader = subprocess.Popen(
@@ -181,6 +201,7 @@ def main() -> None:
         publisher.close()
     print(
         f"KV events: {args.requests} distinct {SEQ}-token requests (page {PAGE}), "
+        f"steps of {STEP}, {'page' if PAGES else 'slot'} path, "
         f"median us per request (wall; main-thread CPU in brackets)"
     )
     print(f"{'case':<8}{'off':>16}{'ledger':>16}{'on':>16}{'ledger/off':>12}{'on/off':>8}")

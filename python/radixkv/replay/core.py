@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import torch
 
+from radixkv.kvcache.page_ids import slots_of_pages
 from radixkv.replay.traces import Request, TokenMaker
 from radixkv.scheduler import CacheManager, RetainBudgetError, RetentionClaim
 
@@ -376,6 +377,7 @@ class Instance:
         )
         r = self.result = ReplayResult(policy, page_size, capacity_pages * page_size)
         r.eviction_policy = eviction_policy
+        self.paged = policy == "radix"  # (the page path is the radix cache's)
         if retain_ttl_s is not None:
             r.retain_ttl_s, r.retain_budget_tokens = retain_ttl_s, retain_budget_tokens
         r.pool_bytes = self.pool.nbytes if self.pool is not None else 0
@@ -450,44 +452,50 @@ class Instance:
             if op is not None:
                 prefetched = cm.wait_prefetch(op)
             lat["prefetch"].append(clock() - t0)
+        # The radix cache's requests go through the page path (page ids, not
+        # slots, cross); slots are made only where K/V bytes are written.
+        paged = self.paged
         t0 = clock()
-        handle, cached = cm.match_req(ids)
+        handle, cached = cm.match_pages(ids) if paged else cm.match_req(ids)
         lat["match"].append(clock() - t0)
         device_hit, host_hit = handle.cached_len, handle.host_hit_len
         if host_hit:
             t0 = clock()
-            handle, cached = cm.load_back(handle)
+            handle, cached = cm.load_back_pages(handle) if paged else cm.load_back(handle)
             lat["load_back"].append(clock() - t0)
             loaded = handle.cached_len - device_hit
             if self.store and loaded:
+                slots = self._slots(cached)
                 result.kv_mismatches += self._check_loaded(
-                    cached[device_hit:], ids[device_hit : device_hit + loaded], device_hit
+                    slots[device_hit:], ids[device_hit : device_hit + loaded], device_hit
                 )
         else:
             cm.lock(handle)
         hit = handle.cached_len
 
         # Prefill: everything after the match, the last prompt token included.
+        allocate = cm.allocate_pages if paged else cm.allocate
+        unit = self.page_size if paged else 1
         t0 = clock()
         evicted = cm.make_room(req.input_length - hit)
         t1 = clock()
-        own = cm.allocate(req.input_length - hit)
+        own = allocate(req.input_length - hit)
         t2 = clock()
         if evicted:
             lat["evict"].append(t1 - t0)
             result.evicted_tokens += evicted
         lat["allocate"].append(t2 - t0)
         if self.store:
-            self._store_kv(own[: req.input_length - hit], ids[hit:], hit)
+            self._store_kv(self._slots(own)[: req.input_length - hit], ids[hit:], hit)
 
         # Decode: the last page's spare slots first, then new pages.
         out = req.output_length
-        spare = own.numel() - (req.input_length - hit)
+        spare = own.shape[0] * unit - (req.input_length - hit)
         if out > spare:
             t0 = clock()
             evicted = cm.make_room(out - spare)
             t1 = clock()
-            more = cm.allocate(out - spare)
+            more = allocate(out - spare)
             t2 = clock()
             if evicted:
                 lat["evict"].append(t1 - t0)
@@ -498,14 +506,17 @@ class Instance:
             indices = torch.cat([cached, own])
         if self.store and out:
             self._store_kv(
-                indices[req.input_length : req.input_length + out],
+                self._slots(indices)[req.input_length : req.input_length + out],
                 full_ids[req.input_length :],
                 req.input_length,
             )
         result.peak_pages = max(result.peak_pages, self.capacity_pages - cm.free_pages)
 
         t0 = clock()
-        cm.free_and_cache_finished_req(handle, full_ids, indices)
+        if paged:
+            cm.free_and_cache_finished_req_pages(handle, full_ids, indices)
+        else:
+            cm.free_and_cache_finished_req(handle, full_ids, indices)
         lat["insert"].append(clock() - t0)
         if self.retain_ttl_s is not None and req.session is not None:
             self._retain(req.session, full_ids)
@@ -528,6 +539,10 @@ class Instance:
         result.host_hit_tokens += hit - device_hit - from_storage
         result.computed_tokens += req.input_length - hit
         result.output_tokens += out
+
+    def _slots(self, indices: torch.Tensor) -> torch.Tensor:
+        """A request's slots from what its calls gave: page ids on the page path."""
+        return slots_of_pages(indices, self.page_size) if self.paged else indices
 
     def _retain(self, session: str, full_ids: torch.Tensor) -> None:
         """The session's turn is over: its conversation so far is claimed

@@ -292,21 +292,40 @@ class CacheManager:
         only: check `cached_len`, never `handle.host_hit_len`, for what the
         request may skip.
         """
+        loaded, pages, slots = self._load_back(handle)
+        if slots is None:
+            slots = slots_of_pages(cast(torch.Tensor, pages), self.page_size)
+        return loaded, slots.to(self.device, non_blocking=True)
+
+    def _load_back(self, handle: BaseCacheHandle):
+        """load_back's work: (the locked handle, its pages, None), or (handle,
+        None, its slots) where the path gave slots (the naive cache; a load
+        that had to make room first)."""
         check_handle(self.manager, handle, "handle")
         started = self._tiers.start_load(handle) if handle.host_hit_len else None
         if started is None:  # no host part, or nothing left on the host beyond the device part
-            indices = self.manager.handle_slots(handle)  # raises, changing nothing, if gone
+            tree = self._tree
+            if tree is not None:
+                pages = tree.handle_pages(cast(_core.RadixCacheHandle, handle))  # (checked there)
+                self.lock(handle)
+                return handle, pages, None
+            slots = self.manager.handle_slots(handle)
             self.lock(handle)
-            return handle, indices.to(self.device, non_blocking=True)
-        copy, loaded, host_slots, indices = started
-        if loaded is None or host_slots is None or indices is None:
-            loaded, indices = self._upkeep.load_making_room(handle, copy)
-            return loaded, indices.to(self.device, non_blocking=True)
+            return handle, None, slots
+        copy, loaded, host_pages, pages = started
+        if loaded is None or host_pages is None or pages is None:
+            loaded, slots = self._upkeep.load_making_room(handle, copy)
+            return loaded, None, slots
         if copy.end == copy.start:  # another request's load landed the whole part meanwhile
-            return loaded, indices.to(self.device, non_blocking=True)
-        # The load's own slots: the caller may reuse the indices it gets.
-        self._tiers.queue_load(copy, host_slots, indices[copy.start :].clone(), loaded)
-        return loaded, indices.to(self.device, non_blocking=True)
+            return loaded, pages, None
+        # The load's own pages: the caller may reuse the ones it gets.
+        own = pages[copy.start // self.page_size :].clone()
+        self._tiers.queue_load(copy, host_pages, own, loaded, pages=True)
+        return loaded, pages, None
+        # The load's own pages: the caller may reuse the ones it gets.
+        own = pages[copy.start // self.page_size :].clone()
+        self._tiers.queue_load(copy, host_pages, own, loaded, pages=True)
+        return loaded, pages
 
     @shielded
     def lock(self, handle: BaseCacheHandle) -> None:
@@ -631,8 +650,10 @@ class CacheManager:
         """`load_back`, returning the whole match's pages (the device part's,
         then the new pages the host part loads into)."""
         self._page_tree("load_back_pages")
-        loaded, indices = self.load_back(handle)
-        return loaded, pages_of_slots(indices.cpu(), self.page_size)
+        loaded, pages, slots = self._load_back(handle)
+        if pages is None:  # (a load that had to make room first gives slots)
+            pages = pages_of_slots(cast(torch.Tensor, slots), self.page_size)
+        return loaded, pages
 
     @shielded
     def allocate_pages(self, num_tokens: int, namespace=None) -> torch.Tensor:

@@ -128,7 +128,9 @@ class HostTier:
         # op -> (copy, host, device, pages): `pages` when host and device are
         # page ids (a backup of back_up), else slots.
         self._backups: Dict[int, Tuple[Copy, torch.Tensor, torch.Tensor, bool]] = {}
-        self._loads: Dict[int, Tuple[Copy, torch.Tensor, BaseCacheHandle, torch.Tensor]] = {}
+        # op -> (copy, device, handle, host, pages): `pages` when device and
+        # host are page ids (a load of start_load), else slots.
+        self._loads: Dict[int, Tuple[Copy, torch.Tensor, BaseCacheHandle, torch.Tensor, bool]] = {}
         self._backup_tokens = 0  # host slots owned by backups in flight
         self._load_tokens = 0  # device slots owned by loads in flight
         self._failed_loads: List[BaseCacheHandle] = []  # handles, until the scheduler takes them
@@ -376,10 +378,12 @@ class HostTier:
         host_slots: torch.Tensor,
         device_slots: torch.Tensor,
         handle: BaseCacheHandle,
+        pages: bool = False,
     ) -> None:
-        op = self.controller.load(host_slots, device_slots)
-        self._loads[op] = (copy, device_slots, handle, host_slots)
-        self._load_tokens += len(device_slots)
+        """Hands a begun load to the controller; with `pages` the two are page ids."""
+        op = self.controller.load(host_slots, device_slots, self.page_size if pages else 1)
+        self._loads[op] = (copy, device_slots, handle, host_slots, pages)
+        self._load_tokens += len(device_slots) * (self.page_size if pages else 1)
 
     @_core.shielded
     def loading_check(self, free_device) -> None:
@@ -388,18 +392,26 @@ class HostTier:
         are freed (`free_device`); its handle waits in `take_failed_loads`."""
         acks = self._load_acks
         acks.extend(self.controller.take_load_acks())
+        ps = self.page_size
         while acks:
             op, ok = acks.popleft()
-            copy, device_slots, handle, host_slots = self._loads.pop(op)
-            self._load_tokens -= len(device_slots)
-            taken = self.tree.finish_load(copy, device_slots, ok)
-            if ok and taken:
-                self.loaded_back += len(device_slots)
-                self.events.device_loaded(host_slots, device_slots)
+            copy, device, handle, host, pages = self._loads.pop(op)
+            n = len(device) * (ps if pages else 1)
+            self._load_tokens -= n
+            if pages:
+                taken = self.tree.finish_load_pages(copy, device, ok)
             else:
-                free_device(device_slots)
+                taken = self.tree.finish_load(copy, device, ok)
+            if ok and taken:
+                self.loaded_back += n
+                if self.events.on:
+                    if pages:
+                        host, device = slots_of_pages(host, ps), slots_of_pages(device, ps)
+                    self.events.device_loaded(host, device)
+            else:
+                free_device(slots_of_pages(device, ps) if pages else device)
                 if not ok:
-                    self.failed_copies += len(device_slots)
+                    self.failed_copies += n
                     self._failed_loads.append(handle)
 
     def take_failed_loads(self) -> List[BaseCacheHandle]:
@@ -411,23 +423,35 @@ class HostTier:
         """Raises ValueError if `indices` has a device slot a load is writing."""
         if not self._loads:
             return
-        busy = torch.cat([load[1] for load in self._loads.values()])
+        busy = self._loading_slots()
         if bool(torch.isin(indices, busy).any()):
             raise ValueError(f"{name} has slots a load from host is still writing")
 
+    def _loading_slots(self) -> torch.Tensor:
+        """The device slots the loads in flight are writing."""
+        ps = self.page_size
+        return torch.cat(
+            [
+                slots_of_pages(device, ps) if pages else device
+                for _, device, _, _, pages in self._loads.values()
+            ]
+        )
+
     def start_load(self, handle: BaseCacheHandle, device_pages: _core.PageAllocator):
-        """The tree's `start_load` of `handle`'s host part (find, room check,
-        begin and the device pages, of `device_pages`, in one call); a load in
-        flight on the match's host part lands first."""
+        """The tree's `start_load_pages` of `handle`'s host part (find, room
+        check, begin and the device pages, of `device_pages`, in one call;
+        page ids cross, not slots); a load in flight on the match's host part
+        lands first."""
+        start = self.tree.start_load_pages
         try:
-            return self.tree.start_load(handle, device_pages)  # type: ignore[arg-type]
+            return start(handle, device_pages)  # type: ignore[arg-type]
         except ValueError:
             if not self.tree.tier_sizes().loading:
                 raise
             # Another request is loading this part: let it land, then take it.
             self.wait_loads()
             self.loading_check(lambda slots: device_pages.free(slots, self.tree))
-            return self.tree.start_load(handle, device_pages)  # type: ignore[arg-type]
+            return start(handle, device_pages)  # type: ignore[arg-type]
 
     def begin_load(self, copy) -> Tuple[BaseCacheHandle, torch.Tensor, torch.Tensor]:
         """Begins the load of `copy` (its host part pinned) before device
@@ -542,7 +566,7 @@ class HostTier:
             )
             self.pages.check_owned(slots, "host slots of backups in flight", self.tree, True)
         if self._loads:
-            slots = torch.cat([load[1] for load in self._loads.values()])
+            slots = self._loading_slots()
             device_pages.check_owned(slots, "device slots of loads in flight", self.tree)
         # Copies finished but not yet acknowledged to the tree are the tier's only.
         if self.controller.in_flight > len(self._backups) + len(self._loads):
@@ -589,7 +613,7 @@ class NoHostTier:
     def abandon_load(self, copy, loaded: BaseCacheHandle) -> None:
         raise RuntimeError("no host tier to load from")
 
-    def queue_load(self, copy, host_slots, device_slots, handle) -> None:
+    def queue_load(self, copy, host_slots, device_slots, handle, pages: bool = False) -> None:
         raise RuntimeError("no host tier to load from")
 
     def loading_check(self, free_device) -> None:

@@ -180,15 +180,20 @@ class Tiers:
     def abandon_load(self, copy, loaded: BaseCacheHandle) -> None:
         self.host.abandon_load(copy, loaded)
 
-    def queue_load(self, copy, host_slots, device_slots, loaded: BaseCacheHandle) -> None:
-        """Hands a begun load to the host tier; if that fails, the load is
-        undone (`abandon_load`, and `device_slots` go back) and the error
-        stands."""
+    def queue_load(
+        self, copy, host_slots, device_slots, loaded: BaseCacheHandle, pages: bool = False
+    ) -> None:
+        """Hands a begun load to the host tier (with `pages` its host and
+        device pages as ids); if that fails, the load is undone
+        (`abandon_load`, and the device pages go back) and the error stands."""
         try:
-            self.host.queue_load(copy, host_slots, device_slots, loaded)
+            self.host.queue_load(copy, host_slots, device_slots, loaded, pages)
         except BaseException:
             self.abandon_load(copy, loaded)
-            self.device_pages.free(device_slots)
+            if pages:
+                self.device_pages.free_pages(device_slots)
+            else:
+                self.device_pages.free(device_slots)
             raise
 
     def loading_check(self) -> List[BaseCacheHandle]:

@@ -368,8 +368,8 @@ def _ctrl_c_during_the_backup(monkeypatch, nth, times=1):
     calls, began = [0], [0]
     queue_backup, serve = HostTier._queue_backup, Instance.serve
 
-    def queue_backup_then_ctrl_c(self, copy, device_slots, host_slots):
-        n = queue_backup(self, copy, device_slots, host_slots)
+    def queue_backup_then_ctrl_c(self, copy, device_slots, host_slots, pages=False):
+        n = queue_backup(self, copy, device_slots, host_slots, pages)
         calls[0] += 1
         if calls[0] == nth:
             for _ in range(times):
