@@ -26,42 +26,46 @@ void CheckSameLength(const Int32View& a, const Int32View& b, const char* a_name,
               a.size(), " and ", b.size());
 }
 
+// With `page_ids` the slot arguments hold page ids (one a page); counts in
+// slots are their length times the page size.
 void DeviceInserted(BlockLedger& l, py::handle tokens, py::handle slots, int64_t start, int64_t end,
-                    int64_t known, py::handle seed) {
+                    int64_t known, py::handle seed, bool page_ids) {
   Int32View t(tokens, "tokens"), s(slots, "slots");
   const std::string seed_bytes = Bytes32(seed, "seed");
   FinishViews(t, s);
-  CHECK_VALUE(end >= 0 && end <= t.size() && end <= s.size(), "end (", end,
-              ") must be in [0, min(len(tokens), len(slots))] = [0, ", std::min(t.size(), s.size()),
-              "]");
-  l.DeviceInserted(t.data(), s.data(), start, end, known, SeedArg(seed_bytes));
+  const int64_t covered = page_ids ? s.size() * l.page_size() : s.size();
+  CHECK_VALUE(end >= 0 && end <= t.size() && end <= covered, "end (", end,
+              ") must be in [0, min(len(tokens), the slots' tokens)] = [0, ",
+              std::min(t.size(), covered), "]");
+  l.DeviceInserted(t.data(), s.data(), start, end, known, SeedArg(seed_bytes), page_ids);
 }
 
-void DeviceEvicted(BlockLedger& l, py::handle slots) {
+void DeviceEvicted(BlockLedger& l, py::handle slots, bool page_ids) {
   Int32View s(slots, "slots");
   FinishViews(s);
-  l.DeviceEvicted(s.data(), s.size());
+  l.DeviceEvicted(s.data(), page_ids ? s.size() * l.page_size() : s.size(), page_ids);
 }
 
-void DeviceLoaded(BlockLedger& l, py::handle host_slots, py::handle device_slots) {
+void DeviceLoaded(BlockLedger& l, py::handle host_slots, py::handle device_slots, bool page_ids) {
   Int32View h(host_slots, "host_slots"), d(device_slots, "device_slots");
   FinishViews(h, d);
   CheckSameLength(h, d, "host_slots", "device_slots");
-  l.DeviceLoaded(h.data(), d.data(), h.size());
+  l.DeviceLoaded(h.data(), d.data(), page_ids ? h.size() * l.page_size() : h.size(), page_ids);
 }
 
 void HostBackedUp(BlockLedger& l, py::handle device_slots, py::handle host_slots,
-                  py::handle rejected) {
+                  py::handle rejected, bool page_ids) {
   Int32View d(device_slots, "device_slots"), h(host_slots, "host_slots"), r(rejected, "rejected");
   FinishViews(d, h, r);
   CheckSameLength(d, h, "device_slots", "host_slots");
-  l.HostBackedUp(d.data(), h.data(), d.size(), r.data(), r.size());
+  const int64_t unit = page_ids ? l.page_size() : 1;
+  l.HostBackedUp(d.data(), h.data(), d.size() * unit, r.data(), r.size() * unit, page_ids);
 }
 
-void HostEvicted(BlockLedger& l, py::handle slots) {
+void HostEvicted(BlockLedger& l, py::handle slots, bool page_ids) {
   Int32View s(slots, "slots");
   FinishViews(s);
-  l.HostEvicted(s.data(), s.size());
+  l.HostEvicted(s.data(), page_ids ? s.size() * l.page_size() : s.size(), page_ids);
 }
 
 void HostInserted(BlockLedger& l, py::handle tokens, int64_t start, py::handle host_slots,
@@ -101,12 +105,14 @@ void RegisterBlockLedger(py::module_& m) {
       .def_property_readonly("host_blocks", &BlockLedger::host_blocks)
       .def_property("lora_id", &BlockLedger::lora_id, &SetLoraId)
       .def("device_inserted", &DeviceInserted, py::arg("tokens"), py::arg("slots"),
-           py::arg("start"), py::arg("end"), py::arg("known"), py::arg("seed") = py::none())
-      .def("device_evicted", &DeviceEvicted, py::arg("slots"))
-      .def("device_loaded", &DeviceLoaded, py::arg("host_slots"), py::arg("device_slots"))
+           py::arg("start"), py::arg("end"), py::arg("known"), py::arg("seed") = py::none(),
+           py::arg("page_ids") = false)
+      .def("device_evicted", &DeviceEvicted, py::arg("slots"), py::arg("page_ids") = false)
+      .def("device_loaded", &DeviceLoaded, py::arg("host_slots"), py::arg("device_slots"),
+           py::arg("page_ids") = false)
       .def("host_backed_up", &HostBackedUp, py::arg("device_slots"), py::arg("host_slots"),
-           py::arg("rejected"))
-      .def("host_evicted", &HostEvicted, py::arg("slots"))
+           py::arg("rejected"), py::arg("page_ids") = false)
+      .def("host_evicted", &HostEvicted, py::arg("slots"), py::arg("page_ids") = false)
       .def("host_inserted", &HostInserted, py::arg("tokens"), py::arg("start"),
            py::arg("host_slots"), py::arg("rejected"), py::arg("seed") = py::none())
       .def("reset", &BlockLedger::Reset)

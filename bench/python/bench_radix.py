@@ -330,7 +330,8 @@ def bytes_per_token(page_size: int = 1, tokens: int = 1 << 22) -> float:
     slots = [torch.arange(i * SEQ, (i + 1) * SEQ, dtype=torch.int32) for i in range(len(seqs))]
     gc.collect()
     before = rss_bytes()
-    m = RadixCacheManager("cpu", page_size)
+    # Pages aligned in their pool, as a CacheManager's tree takes them (a bit a page).
+    m = RadixCacheManager("cpu", page_size, aligned_pages=page_size > 1)
     for s, v in zip(seqs, slots):
         m.insert_prefix(s, v)
     after = rss_bytes()

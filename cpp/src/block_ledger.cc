@@ -104,13 +104,15 @@ void BlockLedger::HostIndex::Clear() noexcept {
 }
 
 void BlockLedger::PagesOf(const Tier& tier, const int32_t* slots, int64_t n, const char* what,
-                          std::vector<int64_t>* pages, int64_t at) const {
+                          std::vector<int64_t>* pages, int64_t at, bool ids) const {
   pages->clear();
   for (int64_t i = 0; i < n; i += page_size_) {
-    const int64_t page = slots[i] >= 0 ? slots[i] / page_size_ : -1;
-    RADIXKV_CHECK(page >= 0 && page < tier.pages, ErrorCode::kInvalidArgument, what, "[", at + i,
-                  "] = ", slots[i], " is not a slot of a pool of ", tier.pages, " pages of ",
-                  page_size_);
+    const int64_t k = ids ? i / page_size_ : i;  // the entry naming the page
+    const int64_t v = slots[k];
+    const int64_t page = ids ? v : (v >= 0 ? v / page_size_ : -1);
+    RADIXKV_CHECK(page >= 0 && page < tier.pages, ErrorCode::kInvalidArgument, what, "[",
+                  (ids ? at / page_size_ : at) + k, "] = ", v, " is not a ",
+                  ids ? "page" : "slot", " of a pool of ", tier.pages, " pages of ", page_size_);
     pages->push_back(page);
   }
 }
@@ -192,15 +194,17 @@ void BlockLedger::PackStoredChains(const char* medium, std::vector<std::string>*
 }
 
 void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, int64_t start,
-                                 int64_t end, int64_t known, const uint8_t* seed) {
+                                 int64_t end, int64_t known, const uint8_t* seed, bool ids) {
   const int64_t ps = page_size_;
   RADIXKV_CHECK(start >= 0 && start % ps == 0 && end % ps == 0, ErrorCode::kInvalidArgument,
                 "start (", start, ") and end (", end, ") must be whole pages of ", ps);
   if (start >= end) return;
-  PagesOf(device_, slots + start, end - start, "slots", &pages_, start);
+  // The entry of the token at `pos`: its slot, or its page's id.
+  auto at = [&](int64_t pos) { return slots + (ids ? pos / ps : pos); };
+  PagesOf(device_, at(start), end - start, "slots", &pages_, start, ids);
   const Block* from = nullptr;
   if (start > 0 && start <= known) {
-    PagesOf(device_, slots + start - ps, 1, "slots", &other_pages_, start - ps);
+    PagesOf(device_, at(start - ps), 1, "slots", &other_pages_, start - ps, ids);
     const Block& parent = device_.blocks[other_pages_[0]];
     if (parent.present) from = &parent;
   }
@@ -216,8 +220,8 @@ void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, in
   pending_.push_back(std::move(event));
 }
 
-void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n) {
-  PagesOf(device_, slots, n, "slots", &pages_);
+void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n, bool ids) {
+  PagesOf(device_, slots, n, "slots", &pages_, 0, ids);
   // The blocks the host still holds move there: gathered before they go.
   const int64_t ps = page_size_;
   blocks_.clear();
@@ -234,8 +238,8 @@ void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n) {
   if (!blocks_.empty()) PackStoredChains(kMediumCpuPinned);
 }
 
-void BlockLedger::HostEvicted(const int32_t* slots, int64_t n) {
-  PagesOf(host_, slots, n, "slots", &pages_);
+void BlockLedger::HostEvicted(const int32_t* slots, int64_t n, bool ids) {
+  PagesOf(host_, slots, n, "slots", &pages_, 0, ids);
   Remove(&host_, pages_, kMediumCpuPinned);
 }
 
@@ -255,19 +259,20 @@ void BlockLedger::CopyBlocks(const Tier& from, Tier* to, const std::vector<int64
   }
 }
 
-void BlockLedger::DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n) {
-  PagesOf(host_, host_slots, n, "host_slots", &pages_);
-  PagesOf(device_, device_slots, n, "device_slots", &other_pages_);
+void BlockLedger::DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n,
+                               bool ids) {
+  PagesOf(host_, host_slots, n, "host_slots", &pages_, 0, ids);
+  PagesOf(device_, device_slots, n, "device_slots", &other_pages_, 0, ids);
   rejected_.clear();
   CopyBlocks(host_, &device_, rejected_);
   PackStoredChains(kMediumGpu);
 }
 
 void BlockLedger::HostBackedUp(const int32_t* device_slots, const int32_t* host_slots, int64_t n,
-                               const int32_t* rejected, int64_t n_rejected) {
-  PagesOf(device_, device_slots, n, "device_slots", &pages_);
-  PagesOf(host_, host_slots, n, "host_slots", &other_pages_);
-  PagesOf(host_, rejected, n_rejected, "rejected", &rejected_);
+                               const int32_t* rejected, int64_t n_rejected, bool ids) {
+  PagesOf(device_, device_slots, n, "device_slots", &pages_, 0, ids);
+  PagesOf(host_, host_slots, n, "host_slots", &other_pages_, 0, ids);
+  PagesOf(host_, rejected, n_rejected, "rejected", &rejected_, 0, ids);
   std::sort(rejected_.begin(), rejected_.end());
   CopyBlocks(device_, &host_, rejected_);
   PackStoredChains(kMediumCpuPinned);

@@ -130,6 +130,12 @@ RadixTree::RadixTree(int64_t page_size, int64_t max_slots, EvictionPolicy policy
                 static_cast<int>(policy));
   policy_ = policy;
   tel_safe_tokens_ = tel_safe_tokens;
+  if (aligned_ && (page_size & (page_size - 1)) == 0) {
+    // Every stored slot is part of a whole aligned page: a bit a page.
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(page_size));
+    stored_.SetSlotsPerBit(shift);
+    stored_host_.SetSlotsPerBit(shift);
+  }
   nodes_.push_back(std::make_unique<Node>());
   root_ = nodes_[0].get();
   ReserveNodes(0);

@@ -148,7 +148,13 @@ void SlotSet::FreeChunk(size_t c) noexcept {
 // Slots come mostly in runs of consecutive values, so every loop works a run
 // at a time, a word at a time.
 template <typename ForEachRunFn>
-int64_t SlotSet::AddRuns(ForEachRunFn for_each_run) {
+int64_t SlotSet::AddRuns(ForEachRunFn for_each_slot_run) {
+  // Runs of slots as runs of bits (a bit per page when pages are bits).
+  auto for_each_run = [&](auto fn) {
+    return for_each_slot_run([&](int64_t at, int64_t lo, int64_t hi) {
+      return fn(at, lo >> shift_, ((hi - 1) >> shift_) + 1);
+    });
+  };
   auto release_empty = [&] {
     for_each_run([&](int64_t, int64_t lo, int64_t hi) {
       for (size_t c = static_cast<size_t>(lo >> kChunkShift);
@@ -178,7 +184,7 @@ int64_t SlotSet::AddRuns(ForEachRunFn for_each_run) {
     for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
       const uint64_t word = chunks_[w >> kWordShift]->words[w & kWordMask];
       if (const uint64_t hit = word & RangeMask(w, lo, hi)) {
-        found = at + ((w << 6) + __builtin_ctzll(hit) - lo);
+        found = at + (((w << 6) + __builtin_ctzll(hit) - lo) << shift_);
         return false;
       }
     }
@@ -194,7 +200,7 @@ int64_t SlotSet::AddRuns(ForEachRunFn for_each_run) {
     // Take back the runs added before the failing one; chunks made for the
     // rest are empty.
     size_t k = 0;
-    RemoveRuns([&](auto fn) {
+    RemoveBits([&](auto fn) {
       for_each_run(
           [&](int64_t at, int64_t lo, int64_t hi) { return k++ < added && fn(at, lo, hi); });
     });
@@ -204,7 +210,16 @@ int64_t SlotSet::AddRuns(ForEachRunFn for_each_run) {
 }
 
 template <typename ForEachRunFn>
-void SlotSet::RemoveRuns(ForEachRunFn for_each_run) noexcept {
+void SlotSet::RemoveRuns(ForEachRunFn for_each_slot_run) noexcept {
+  RemoveBits([&](auto fn) {
+    return for_each_slot_run([&](int64_t at, int64_t lo, int64_t hi) {
+      return fn(at, lo >> shift_, ((hi - 1) >> shift_) + 1);
+    });
+  });
+}
+
+template <typename ForEachRunFn>
+void SlotSet::RemoveBits(ForEachRunFn for_each_run) noexcept {
   for_each_run([&](int64_t, int64_t lo, int64_t hi) {
     for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
       const size_t c = static_cast<size_t>(w >> kWordShift);
@@ -221,6 +236,9 @@ void SlotSet::RemoveRuns(ForEachRunFn for_each_run) noexcept {
 }
 
 bool SlotSet::AnyIn(int64_t lo, int64_t hi) const noexcept {
+  if (hi <= lo) return false;
+  lo >>= shift_;
+  hi = ((hi - 1) >> shift_) + 1;
   const int64_t end = std::min(hi, static_cast<int64_t>(chunks_.size()) << kChunkShift);
   for (int64_t w = lo >> 6; lo < end && w <= (end - 1) >> 6; ++w) {
     const Chunk* chunk = chunks_[w >> kWordShift].get();
@@ -276,7 +294,7 @@ void SlotSet::RemovePages(const int32_t* first, int64_t pages, int64_t page_size
 int64_t SlotSet::Count() const noexcept {
   int64_t count = 0;
   for (const auto& c : chunks_) count += c ? c->count : 0;
-  return count;
+  return count << shift_;
 }
 
 size_t SlotSet::MemoryBytes() const noexcept {

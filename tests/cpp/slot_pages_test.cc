@@ -103,5 +103,38 @@ TEST(SlotPagesTest, RemovePagesRemovesExactlyThePages) {
   }
 }
 
+
+// Aligned pages: a page's first slot is a multiple of page_size, checked only
+// when asked; a set may then keep a bit a page.
+TEST(SlotPagesTest, AlignedPagesAndABitAPage) {
+  Ints slots(8);
+  std::iota(slots.begin(), slots.end(), 6);  // pages of 4 from 6: whole, not aligned
+  EXPECT_EQ(FindBrokenPage(slots.data(), 8, 4), -1);
+  EXPECT_EQ(FindBrokenPage(slots.data(), 8, 4, /*aligned=*/true), 0);
+  std::iota(slots.begin(), slots.end(), 8);
+  EXPECT_EQ(FindBrokenPage(slots.data(), 8, 4, /*aligned=*/true), -1);
+
+  SlotSet pages;
+  pages.SetSlotsPerBit(2);  // a bit for 4 slots
+  const Ints ids{2, 3, 7};  // slots 8..15 and 28..31
+  EXPECT_EQ(pages.AddPageIds(ids.data(), 3, 4), -1);
+  EXPECT_EQ(pages.Count(), 12);
+  EXPECT_TRUE(pages.Contains(9) && pages.Contains(15) && pages.Contains(28));
+  EXPECT_FALSE(pages.Contains(16) || pages.Contains(7) || pages.Contains(27));
+  EXPECT_TRUE(pages.AnyIn(28, 32));
+  EXPECT_FALSE(pages.AnyIn(16, 28));
+  Ints again(4);
+  std::iota(again.begin(), again.end(), 28);
+  EXPECT_EQ(pages.AddAll(again.data(), 4), 0);  // present: refused, nothing added
+  EXPECT_EQ(pages.Count(), 12);
+  const Ints more{4, 3};  // page 4 is new, page 3 is not: neither is added
+  EXPECT_EQ(pages.AddPageIds(more.data(), 2, 4), 1);
+  EXPECT_FALSE(pages.Contains(16));
+  pages.RemovePageIds(ids.data(), 2, 4);
+  EXPECT_EQ(pages.Count(), 4);
+  pages.RemoveAll(again.data(), 4);
+  EXPECT_EQ(pages.Count(), 0);
+}
+
 }  // namespace
 }  // namespace radixkv

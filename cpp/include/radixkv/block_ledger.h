@@ -47,31 +47,36 @@ class BlockLedger {
   std::optional<int64_t> lora_id() const noexcept { return lora_id_; }
   void set_lora_id(std::optional<int64_t> id) noexcept { lora_id_ = id; }
 
+  /// Where a call takes slots it also takes page ids (`ids`: each page named
+  /// by its id, page p holding slots p * page_size + [0, page_size), one
+  /// entry a page; counts and positions stay in slots).
+  ///
   /// `tokens[start, end)` (whole pages) joined the tree on the device with
   /// `slots[start, end)`; `slots[0, known)` are the tree's slots of the
   /// tokens before them. The chain goes on from the device block of the page
   /// before `start` when it holds one, else is hashed from `seed` (32 bytes,
   /// or null: unseeded) over `tokens[0, end)`. One BlockStored ("GPU").
   void DeviceInserted(const int32_t* tokens, const int32_t* slots, int64_t start, int64_t end,
-                      int64_t known, const uint8_t* seed);
+                      int64_t known, const uint8_t* seed, bool ids = false);
   /// The pages of `slots[0, n)` (every page_size-th slot names one) left
   /// the device: one BlockRemoved of those that held a block; then, for
   /// those of them the host still holds, a BlockStored ("CPU_PINNED") per
   /// chain (the medium change).
-  void DeviceEvicted(const int32_t* slots, int64_t n);
+  void DeviceEvicted(const int32_t* slots, int64_t n, bool ids = false);
   /// The host pages of `host_slots[0, n)` were loaded into the device pages
   /// of `device_slots[0, n)` at the same positions: their blocks are on the
   /// device too, a BlockStored ("GPU") per chain of consecutive blocks.
-  void DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n);
+  void DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n,
+                    bool ids = false);
 
   /// A backup landed: the host pages of `host_slots[0, n)` not among the
   /// pages of `rejected[0, n_rejected)` hold copies of the device pages of
   /// `device_slots[0, n)` at the same positions. A BlockStored
   /// ("CPU_PINNED") per chain of the blocks the device held.
   void HostBackedUp(const int32_t* device_slots, const int32_t* host_slots, int64_t n,
-                    const int32_t* rejected, int64_t n_rejected);
+                    const int32_t* rejected, int64_t n_rejected, bool ids = false);
   /// The host pages of `slots[0, n)` were dropped: one BlockRemoved.
-  void HostEvicted(const int32_t* slots, int64_t n);
+  void HostEvicted(const int32_t* slots, int64_t n, bool ids = false);
   /// Pages read from storage joined the tree on the host: `host_slots[0,
   /// n_host)` hold the whole pages of `tokens[start, n)` (hashed from `seed`
   /// over `tokens[0, n)`), those among the pages of `rejected` were not
@@ -121,11 +126,12 @@ class BlockLedger {
     int64_t Count() const noexcept;
   };
 
-  // The page of each page_size-th of `slots[0, n)` in `pages`, each checked
+  // The page of each page_size-th of `slots[0, n)` in `pages` (with `ids`,
+  // `slots` holds one page id a page: n / page_size of them), each checked
   // to lie in `tier` (the message names `what`[`at` + i]: `slots` may start
   // inside the argument).
   void PagesOf(const Tier& tier, const int32_t* slots, int64_t n, const char* what,
-               std::vector<int64_t>* pages, int64_t at = 0) const;
+               std::vector<int64_t>* pages, int64_t at = 0, bool ids = false) const;
   // The blocks of `tokens`' pages [first, last) into `blocks_`/`tokens_`, the
   // chain from `seed` or, with `from`, on from that block.
   void Chain(const int32_t* tokens, int64_t first, int64_t last, const Block* from,

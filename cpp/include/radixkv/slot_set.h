@@ -66,11 +66,18 @@ class SlotSet {
   SlotSet(const SlotSet&) = delete;
   SlotSet& operator=(const SlotSet&) = delete;
 
+  /// Makes a bit stand for `2^shift` consecutive slots from a multiple of
+  /// 2^shift (an aligned page): every slot given is then part of a whole such
+  /// page, and the set takes 2^shift times less memory. Only while empty.
+  void SetSlotsPerBit(int shift) noexcept { shift_ = shift; }
+  int slots_per_bit_shift() const noexcept { return shift_; }
+
   bool Contains(int32_t slot) const noexcept {
     if (slot < 0) return false;
-    const size_t c = static_cast<size_t>(slot) >> kChunkShift;
+    const uint32_t unit = static_cast<uint32_t>(slot) >> shift_;
+    const size_t c = static_cast<size_t>(unit) >> kChunkShift;
     if (c >= chunks_.size() || !chunks_[c]) return false;
-    const uint32_t bit = static_cast<uint32_t>(slot) & (kChunkSlots - 1);
+    const uint32_t bit = unit & (kChunkSlots - 1);
     return (chunks_[c]->words[bit >> 6] >> (bit & 63)) & 1;
   }
 
@@ -120,9 +127,13 @@ class SlotSet {
   int64_t AddRuns(ForEachRun for_each_run);
   template <typename ForEachRun>
   void RemoveRuns(ForEachRun for_each_run) noexcept;
+  // RemoveRuns of runs already in bits.
+  template <typename ForEachRun>
+  void RemoveBits(ForEachRun for_each_run) noexcept;
   void FreeChunk(size_t c) noexcept;
 
-  std::vector<std::unique_ptr<Chunk>> chunks_;  // by slot >> kChunkShift
+  std::vector<std::unique_ptr<Chunk>> chunks_;  // by bit >> kChunkShift
+  int shift_ = 0;  // a bit stands for 2^shift_ slots (SetSlotsPerBit)
 };
 
 /// Returns the position of the first slot of `slots[0, n)` outside `[0,

@@ -201,48 +201,61 @@ class BlockEvents:
         end: int,
         known: int,
         ns: int = 0,
+        pages: bool = False,
     ) -> None:
         """tokens[start:end) (whole pages; on the CPU; namespace `ns`) joined
         the tree on the device, with `slots[start:end)`; `slots[:known]` are
         the tree's slots of the tokens before them. Pages of a namespace
         forgotten since the request matched are not announced: no request
-        can hit them any more (a name coming back gets a new id)."""
+        can hit them any more (a name coming back gets a new id). With
+        `pages` (here and below) the slots are page ids, one a page."""
         if not self.namespaces.known(ns):
             return
         seed = self.seed if ns == 0 else self.namespaces.seed(ns, self.seed)
-        self.ledger.device_inserted(tokens, slots, start, end, known, seed)
+        self.ledger.device_inserted(tokens, slots, start, end, known, seed, pages)
         self._bound()
 
-    def request_cached(self, ids, indices, in_cache: int, handle, page_size: int) -> None:
+    def request_cached(
+        self, ids, indices, in_cache: int, handle, page_size: int, pages: bool = False
+    ) -> None:
         """A request step cached the whole pages of `ids` beyond the first
         `in_cache` tokens (checked host inputs, `indices` the request's
-        slots, `handle` its match): their BlockStored."""
+        slots, or with `pages` its page ids, `handle` its match): their
+        BlockStored."""
         n = ids.shape[0] if isinstance(ids, torch.Tensor) else len(ids)
         full = n - n % page_size
         if in_cache < full:  # (the ledger reads the host inputs as they are)
-            self.device_inserted(ids, indices, in_cache, full, handle.cached_len, handle.namespace)
+            self.device_inserted(
+                ids, indices, in_cache, full, handle.cached_len, handle.namespace, pages
+            )
 
-    def device_evicted(self, slots: torch.Tensor) -> None:
-        self.ledger.device_evicted(slots)
+    def device_evicted(self, slots: torch.Tensor, pages: bool = False) -> None:
+        self.ledger.device_evicted(slots, pages)
         self._bound()
 
-    def device_loaded(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+    def device_loaded(
+        self, host_slots: torch.Tensor, device_slots: torch.Tensor, pages: bool = False
+    ) -> None:
         """Pages loaded from host joined the device with `device_slots`."""
-        self.ledger.device_loaded(host_slots, device_slots)
+        self.ledger.device_loaded(host_slots, device_slots, pages)
         self._bound()
 
     # -- the host tier -----------------------------------------------------------------
 
     def host_backed_up(
-        self, device_slots: torch.Tensor, host_slots: torch.Tensor, rejected: torch.Tensor
+        self,
+        device_slots: torch.Tensor,
+        host_slots: torch.Tensor,
+        rejected: torch.Tensor,
+        pages: bool = False,
     ) -> None:
         """A backup landed: the pages of `host_slots` not in `rejected` are the
         host copies of the device pages at the same positions."""
-        self.ledger.host_backed_up(device_slots, host_slots, rejected)
+        self.ledger.host_backed_up(device_slots, host_slots, rejected, pages)
         self._bound()
 
-    def host_evicted(self, slots: torch.Tensor) -> None:
-        self.ledger.host_evicted(slots)
+    def host_evicted(self, slots: torch.Tensor, pages: bool = False) -> None:
+        self.ledger.host_evicted(slots, pages)
         self._bound()
 
     def host_inserted(
@@ -299,22 +312,26 @@ class NoEvents:
     def snapshot(self) -> KVSnapshot:
         raise RuntimeError("kv_snapshot needs KV events (CacheManager(kv_events=...))")
 
-    def device_inserted(self, tokens, slots, start: int, end: int, known: int, ns: int = 0):
+    def device_inserted(
+        self, tokens, slots, start: int, end: int, known: int, ns: int = 0, pages: bool = False
+    ):
         pass
 
-    def device_evicted(self, slots: torch.Tensor) -> None:
+    def device_evicted(self, slots: torch.Tensor, pages: bool = False) -> None:
         pass
 
-    def request_cached(self, ids, indices, in_cache: int, handle, page_size: int) -> None:
+    def request_cached(
+        self, ids, indices, in_cache: int, handle, page_size: int, pages: bool = False
+    ) -> None:
         pass
 
-    def device_loaded(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+    def device_loaded(self, host_slots, device_slots, pages: bool = False) -> None:
         pass
 
-    def host_backed_up(self, device_slots, host_slots, rejected) -> None:
+    def host_backed_up(self, device_slots, host_slots, rejected, pages: bool = False) -> None:
         pass
 
-    def host_evicted(self, slots: torch.Tensor) -> None:
+    def host_evicted(self, slots: torch.Tensor, pages: bool = False) -> None:
         pass
 
     def host_inserted(self, tokens, start: int, host_slots, rejected, ns: int = 0) -> None:

@@ -580,7 +580,9 @@ class CacheManager:
         ):
             self._finished(handle, ids, part, k)
 
-    def _finished(self, handle, ids, indices, in_cache: int, held: Optional[int] = None) -> None:
+    def _finished(
+        self, handle, ids, indices, in_cache: int, held: Optional[int] = None, pages: bool = False
+    ) -> None:
         """The manager's side of a request that a request step ended (its
         inputs were checked there): the pages it held (`held` slots; None:
         all but its cached part), its KV events, its write_through backup,
@@ -588,7 +590,7 @@ class CacheManager:
         if held is None:
             held = length(indices) - handle.cached_len
         self._held_pages -= held // self.page_size
-        self._events.request_cached(ids, indices, in_cache, handle, self.page_size)
+        self._events.request_cached(ids, indices, in_cache, handle, self.page_size, pages)
         if self._tiers.backs_up_on_insert:
             self._tiers.back_up(ids, handle.namespace)
         self._upkeep.after_step()
@@ -689,7 +691,7 @@ class CacheManager:
         in_cache = tree.finish_request_pages(handle, ids, pages, self._pages, priority)
         ps = self.page_size
         held = (length(pages) - old_handle.cached_len // ps) * ps
-        self._finished(old_handle, ids, self._event_slots(pages), in_cache, held)
+        self._finished(old_handle, ids, pages, in_cache, held, pages=True)
 
     @shielded
     def cache_unfinished_req_pages(
@@ -703,13 +705,8 @@ class CacheManager:
             cast(_core.RadixCacheHandle, old_handle), ids, pages, self._pages, priority
         )
         held = handle.cached_len - old_handle.cached_len
-        self._finished(old_handle, ids, self._event_slots(pages), in_cache, held)
+        self._finished(old_handle, ids, pages, in_cache, held, pages=True)
         return handle, new_pages
-
-    def _event_slots(self, pages):
-        """A request's pages as the KV events read them (slots); untouched
-        when events are off."""
-        return slots_of_pages(pages, self.page_size) if self._events.on else pages
 
     # -- once a scheduling round --------------------------------------------------
     # Each applies what the tiers finished, then the post-step hook publishes

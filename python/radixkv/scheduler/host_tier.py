@@ -287,8 +287,7 @@ class HostTier:
         if pages:
             self.pages.free_pages(freed, self.tree, True)
             self.host_evicted += len(freed) * self.page_size
-            if self.events.on:
-                self.events.host_evicted(slots_of_pages(freed, self.page_size))
+            self.events.host_evicted(freed, pages=True)
             return
         self.pages.free(freed, self.tree, True)
         self.host_evicted += len(freed)
@@ -358,11 +357,8 @@ class HostTier:
                 rejected = self.tree.finish_backup(copy, host, ok, self.pages)
             unit = ps if pages else 1
             n, refused = len(host) * unit, len(rejected) * unit
-            if refused < n and events.on:
-                if pages:
-                    host, device = slots_of_pages(host, ps), slots_of_pages(device, ps)
-                    rejected = slots_of_pages(rejected, ps)
-                events.host_backed_up(device, host, rejected)
+            if refused < n:
+                events.host_backed_up(device, host, rejected, pages)
             self._backup_tokens -= n
             self.backed_up += n - refused
             self.failed_copies += 0 if ok else n
@@ -404,10 +400,7 @@ class HostTier:
                 taken = self.tree.finish_load(copy, device, ok)
             if ok and taken:
                 self.loaded_back += n
-                if self.events.on:
-                    if pages:
-                        host, device = slots_of_pages(host, ps), slots_of_pages(device, ps)
-                    self.events.device_loaded(host, device)
+                self.events.device_loaded(host, device, pages)
             else:
                 free_device(slots_of_pages(device, ps) if pages else device)
                 if not ok:

@@ -24,7 +24,6 @@ import torch
 from radixkv import _core
 from radixkv.kvcache.base import BaseCacheHandle, BaseCacheManager
 from radixkv.kvcache.engine_pool import DevicePool
-from radixkv.kvcache.page_ids import slots_of_pages
 from radixkv.scheduler.metrics import Counters
 from radixkv.scheduler.quotas import NoQuotas, Quotas
 from radixkv.scheduler.retention import NoRetention, Retention
@@ -106,19 +105,24 @@ class Upkeep:
         retention claims whose time is up ended)."""
         self.expire()
         missing = (-(-n // self.page_size) - self.pages.num_free_pages) * self.page_size
+        if missing <= 0:  # (the free pages suffice: what is evictable does not matter)
+            return missing, 0
         evictable = self.manager.size_info.evictable_size
         if 0 < missing and evictable < missing and self.tiers.backups_in_flight():
             self.tiers.settle_backups()  # nodes being backed up are pinned
             evictable = self.manager.size_info.evictable_size
         return missing, evictable
 
-    def require_room(self, n: int, what: str) -> int:
+    def require_room(self, n: int, what: Optional[str] = None) -> int:
         """The one check of room on the device: raises
         `radixkv.OutOfCapacityError` ("cannot {what}: ..."), changing
         nothing, when even evicting every unlocked cached page would not
-        make room for `n` tokens; else returns the slots missing."""
+        make room for `n` tokens; else returns the slots missing. `what`
+        names the call (None: an allocation of `n` tokens)."""
         missing, evictable = self.room(n)
         if missing > evictable:
+            if what is None:
+                what = f"allocate num_tokens={n} ({-(-n // self.page_size)} pages)"
             raise _core.OutOfCapacityError(
                 f"cannot {what}: {self.pages.num_free_pages} pages are free and "
                 f"{evictable // self.page_size} evictable"
@@ -131,7 +135,7 @@ class Upkeep:
         `ns` whose quota the new pages would exceed gives up its own least
         recently used pages first."""
         ps = self.page_size
-        missing = self.require_room(n, what or f"allocate num_tokens={n} ({-(-n // ps)} pages)")
+        missing = self.require_room(n, what)
         if missing <= 0:
             return 0
         freed = 0
@@ -152,8 +156,7 @@ class Upkeep:
             self.pages.free_pages(pages)
             evicted_tokens = pages.shape[0] * ps
             self.counters.evicted_tokens += evicted_tokens
-            if self.events.on:
-                self.events.device_evicted(slots_of_pages(pages, ps))
+            self.events.device_evicted(pages, pages=True)
             return freed + evicted_tokens
         evicted = self.manager.evict(missing).cpu()
         self.free_evicted(evicted)

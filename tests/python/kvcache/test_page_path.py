@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import pytest
 import torch
 
 from radixkv import _core
+from radixkv.events import EventPublisher
 from radixkv.kvcache.page_ids import pages_of_slots, slots_of_pages
 from radixkv.scheduler import CacheManager
 
@@ -166,3 +168,50 @@ def test_the_naive_cache_has_no_page_path():
     cm = CacheManager(8, page_size=4, type="naive")
     with pytest.raises(TypeError, match="radix cache"):
         cm.match_pages(torch.arange(5, dtype=torch.int32))
+
+
+class Recorder(EventPublisher):
+    """A publisher without sockets that keeps each batch's events."""
+
+    def __init__(self):  # no sockets
+        self.data_parallel_rank = 0
+        self._closed = False
+        self.batches: list = []
+
+    def _send(self, payload: bytes):
+        self.batches.append(msgpack.unpackb(payload)[1])  # (without its timestamp)
+        return len(self.batches) - 1
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_the_page_path_announces_the_same_kv_events(ps):
+    """KV events on, both paths, host tier on: the same batches, event by
+    event (stores, evictions, backups, loads, host evictions)."""
+    recorders = Recorder(), Recorder()
+    slots_cm, pages_cm = (
+        CacheManager(
+            32, page_size=ps, host_num_pages=48, write_policy="write_through", kv_events=r
+        )
+        for r in recorders
+    )
+    for ids, _ in prompts(ps, seed=3, n=120):
+        h1, idx = slots_cm.match_req(ids)
+        h2, pages = pages_cm.match_pages(ids)
+        if h1.host_hit_len:
+            h1, idx = slots_cm.load_back(h1)
+            h2, pages = pages_cm.load_back_pages(h2)
+        else:
+            slots_cm.lock(h1)
+            pages_cm.lock(h2)
+        need = ids.shape[0] - h1.cached_len
+        idx = torch.cat([idx, slots_cm.allocate(need)])
+        pages = torch.cat([pages, pages_cm.allocate_pages(need)])
+        slots_cm.free_and_cache_finished_req(h1, ids, idx)
+        pages_cm.free_and_cache_finished_req_pages(h2, ids, pages)
+        slots_cm.drain()
+        pages_cm.drain()
+    slots_cm.close()
+    pages_cm.close()
+    assert recorders[0].batches == recorders[1].batches
+    kinds = {e[0] for batch in recorders[0].batches for e in batch}
+    assert {"BlockStored", "BlockRemoved"} <= kinds
