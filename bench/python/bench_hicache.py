@@ -59,7 +59,12 @@ When SGLang does not import, radixkv with the host tier runs against radixkv
 device-only (same pool, no host tier), and the output says why.
 
     RADIXKV_SGLANG_VENV=<venv> python bench/python/bench_hicache.py TRACE \\
-        [--rounds 3] [--requests N] [--sglang-io kernel|direct] [--json]
+        [--rounds 3] [--requests N] [--sglang-io kernel|direct] [--json] \\
+        [--pages | --both] [--page-size 16]
+
+`--pages` runs radixkv through its page path, `--both` through both paths
+(and SGLang); `--page-size` changes both caches' page size, their pools
+keeping the same tokens.
 
 <venv> is the SGLang venv .ci/engines builds (it prints its path); the
 script runs itself again with that venv's python, which holds SGLang 0.5.23
@@ -92,7 +97,8 @@ import radixkv  # noqa: E402
 from radixkv.replay.traces import Request, TokenMaker, load_mooncake, max_hash_id  # noqa: E402
 from radixkv.scheduler import CacheManager  # noqa: E402
 
-PAGE = 512
+BLOCK = 512  # the trace's hash blocks
+PAGE = 512  # the caches' page size (--page-size; the pools keep their token counts)
 DEVICE_PAGES = 5859
 HOST_PAGES = 11718
 WARMUP = 200  # requests replayed through each system before the rounds
@@ -498,7 +504,7 @@ def too_large(req: Request) -> bool:
 
 def replay(make, requests: List[Request], max_hash: int) -> Figures:
     system = make()
-    tokens = TokenMaker(PAGE, max_hash)
+    tokens = TokenMaker(BLOCK, max_hash)
     f = Figures()
     gc.collect()
     for req in requests:
@@ -564,8 +570,18 @@ def main() -> None:
         help="radixkv through the token and the page path, against each other (with SGLang "
         "when it imports)",
     )
+    ap.add_argument(
+        "--page-size",
+        type=int,
+        default=512,
+        choices=(16, 32, 64, 128, 256, 512),
+        help="the caches' page size; the pools keep their tokens (default 512)",
+    )
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = ap.parse_args()
+    global PAGE, DEVICE_PAGES, HOST_PAGES
+    scale = BLOCK // args.page_size
+    PAGE, DEVICE_PAGES, HOST_PAGES = args.page_size, DEVICE_PAGES * scale, HOST_PAGES * scale
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
 
