@@ -109,7 +109,8 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, SlotSource in, bool ok,
     const int64_t k = Units(in.pages, copy.length());
     const int64_t limit = in.pages ? (int64_t{1} << 31) / page_size_ : -1;
     RADIXKV_CHECK(FindOutOfRange(host, k, limit) < 0, kInvalid,
-                  in.pages ? "host_pages has a page out of range" : "host_slots has a negative slot");
+                  in.pages ? "host_page_ids has a page out of range"
+                           : "host_slots has a negative slot");
     if (!in.pages) CheckPages(host, copy.length(), page_size_, "host_slots", aligned_);
   }
   // Top down: a node takes its host slots only if its parent has a host copy
@@ -271,7 +272,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, SlotSource in, bool ok) {
     const int64_t limit =
         (max_slots_ == kAnySlot ? (int64_t{1} << 31) : max_slots_) / page_size_;
     const int64_t bad = FindOutOfRange(device, copy.length() / page_size_, limit);
-    RADIXKV_CHECK(bad < 0, kInvalid, "device_pages has page ", bad < 0 ? 0 : device[bad],
+    RADIXKV_CHECK(bad < 0, kInvalid, "device_page_ids has page ", bad < 0 ? 0 : device[bad],
                   ", outside [0, max_slots / page_size)");
   } else if (ok) {
     const int64_t bad = FindOutOfRange(device, copy.length(), max_slots_);

@@ -94,6 +94,7 @@ inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, int64_t
 }  // namespace
 
 int64_t RadixTree::Evict(int64_t size, SlotSink out) {
+  RequireAligned(out.pages());
   RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
   RADIXKV_CHECK(size <= evictable_size_, ErrorCode::kOutOfCapacity, "cannot evict size=", size,
                 " tokens: evictable_size is ", evictable_size_);
@@ -158,6 +159,7 @@ void RadixTree::LeaveHostHeaps(Node* x) noexcept {
 }
 
 int64_t RadixTree::EvictHost(int64_t size, SlotSink out) {
+  RequireAligned(out.pages());
   RADIXKV_CHECK(size >= 0, kInvalid, "size must be >= 0, got ", size);
   return EvictHostCopies(&host_heap_, size, out, false);
 }

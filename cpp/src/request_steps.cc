@@ -1,6 +1,7 @@
 #include "radixkv/request_steps.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -19,6 +20,12 @@ int64_t Units(const FinishedRequest& r, int64_t tokens, int64_t page_size) noexc
 // Where the request's own entries start: after the cache's part.
 int64_t OwnStart(const FinishedRequest& r, int64_t page_size) noexcept {
   return Units(r, r.handle->cached_len, page_size);
+}
+
+// The name of the request's own entries in messages: `name[k:]` from their
+// start k, so that "indices[12:][1]" is indices[13].
+std::string OwnName(const std::string& name, int64_t start) {
+  return start > 0 ? StrCat(name, "[", start, ":]") : name;
 }
 
 // Returns the request's entries [from, to) to `pages`.
@@ -52,6 +59,7 @@ int64_t Apply(RadixTree* tree, PageAllocator* pages, const FinishedRequest& r) {
 void CheckFinish(const RadixTree& tree, PageAllocator* pages, const FinishedRequest& r,
                  const std::string& where) {
   const int64_t ps = tree.page_size();
+  tree.RequireAligned(r.pages);
   RADIXKV_CHECK(pages == nullptr || pages->page_size() == ps, kInvalid, "pages has page_size ",
                 pages == nullptr ? 0 : pages->page_size(), " but the tree has ", ps);
   RADIXKV_CHECK(r.n >= 0, kInvalid, where, "input_ids length must be >= 0, got ", r.n);
@@ -84,7 +92,7 @@ void CheckFinish(const RadixTree& tree, PageAllocator* pages, const FinishedRequ
                                    where, "old_handle"));
     }
   }
-  const std::string own_name = where + name;
+  const std::string own_name = OwnName(where + name, OwnStart(r, ps));
   const int32_t* own = r.slots + OwnStart(r, ps);
   const int64_t count = r.m - OwnStart(r, ps);
   if (pages != nullptr) {

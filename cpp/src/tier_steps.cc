@@ -5,6 +5,7 @@ namespace radixkv {
 BackupStart StartBackup(RadixTree* tree, PageAllocator* host_pages, const int32_t* tokens,
                         int64_t n, uint32_t min_hits, bool through_partial, uint64_t ns,
                         TierCopy* copy, SlotSink device, SlotSink host) {
+  tree->RequireAligned(device.pages() || host.pages());
   if (!tree->FindBackup(tokens, n, min_hits, copy, through_partial, ns)) {
     return BackupStart::kNothing;
   }
@@ -52,6 +53,7 @@ int64_t FinishBackup(RadixTree* tree, PageAllocator* host_pages, const TierCopy&
 
 LoadStart StartLoad(RadixTree* tree, PageAllocator* device_pages, const Handle& handle,
                     TierCopy* copy, Handle* loaded, SlotSink host, SlotSink indices) {
+  tree->RequireAligned(host.pages() || indices.pages());
   *copy = tree->FindLoad(handle);
   if (copy->end == handle.cached_len) return LoadStart::kNothing;
   const int64_t ps = tree->page_size();

@@ -146,6 +146,9 @@ class RadixTree {
   int64_t tel_safe_tokens() const noexcept { return tel_safe_tokens_; }
   int64_t max_slots() const noexcept { return max_slots_; }
   bool aligned_pages() const noexcept { return aligned_; }
+  /// Throws kInvalidArgument when `pages` (a call's page form) and the tree
+  /// was not made with `aligned_pages`.
+  void RequireAligned(bool pages) const;
   uint64_t id() const noexcept { return id_; }
 
   /// Finds the longest cached prefix of `tokens[0, n)` in whole pages, on
@@ -565,10 +568,6 @@ class RadixTree {
   // The node where a match of tokens[0, n) (whole pages) ends, on its end or
   // inside it, and the matched length. For the storage tier's queries.
   Node* MatchEnd(const int32_t* tokens, int64_t n, uint64_t ns, int64_t* pos) const;
-
-  // Throws kInvalidArgument when `pages` (a page form) and pages may be
-  // unaligned.
-  void RequireAligned(bool pages) const;
 
   const int64_t page_size_;
   const int64_t max_slots_;

@@ -322,10 +322,6 @@ class CacheManager:
         own = pages[copy.start // self.page_size :].clone()
         self._tiers.queue_load(copy, host_pages, own, loaded, pages=True)
         return loaded, pages, None
-        # The load's own pages: the caller may reuse the ones it gets.
-        own = pages[copy.start // self.page_size :].clone()
-        self._tiers.queue_load(copy, host_pages, own, loaded, pages=True)
-        return loaded, pages
 
     @shielded
     def lock(self, handle: BaseCacheHandle) -> None:

@@ -123,6 +123,15 @@ def test_a_bad_finish_names_its_argument_and_changes_nothing(finished, bad, mess
     assert cm.held_pages == 0
 
 
+def test_a_refusal_names_the_entry_at_fault(finished):
+    """A bad own page is named by its position in page_ids (after the
+    match's pages: `page_ids[2:][1]` is page_ids[3])."""
+    cm, h, ids, pages = finished
+    bad = torch.cat([pages[:3], pages[:1]])  # page_ids[3] is the match's first page
+    with pytest.raises(ValueError, match=r"page_ids\[2:\]\[1\] = \d+ is owned by the prefix cache"):
+        cm.free_and_cache_finished_req_pages(h, ids, bad)
+
+
 def test_release_refuses_cached_and_free_pages(finished):
     cm, h, ids, pages = finished
     before = state(cm)
@@ -152,6 +161,15 @@ def test_the_slot_path_refuses_a_page_that_does_not_start_at_a_multiple():
 def test_the_tree_page_forms_read_as_the_slot_forms():
     unaligned = _core.RadixTree(4)  # takes any page of consecutive slots: no page ids
     ids = torch.arange(12, dtype=torch.int32)
+    pool = _core.PageAllocator(16, 4)
+    for call in (  # refused even where there is nothing to do
+        lambda: unaligned.evict_pages(4),
+        lambda: unaligned.evict_host_pages(4),
+        lambda: unaligned.start_backup_pages(ids, pool),
+        lambda: unaligned.start_load_pages(unaligned.match_prefix(ids)[0], pool),
+    ):
+        with pytest.raises(ValueError, match="aligned"):
+            call()
     unaligned.insert_prefix(ids, torch.arange(21, 33, dtype=torch.int32))
     with pytest.raises(ValueError, match="aligned"):
         unaligned.match_pages(ids)
