@@ -53,8 +53,18 @@ INPUT_FORMS = [
 class Driver:
     """Applies the same random operation to the native manager and the model."""
 
-    def __init__(self, page_size: int, seed: int, strict_dump: bool = False, policy: str = "lru"):
+    def __init__(
+        self,
+        page_size: int,
+        seed: int,
+        strict_dump: bool = False,
+        policy: str = "lru",
+        pages: bool = False,
+    ):
         self.p = page_size
+        # `pages`: the tree is aligned and half the matches and evictions go
+        # through the page forms (page ids, read back as their slots).
+        self.page_forms = pages
         self.rng = random.Random(seed)
         # tlru: leaves of at most two pages are safe to evict first.
         config = {"threshold": 3 * page_size, "next_prompt_estimate": page_size}
@@ -64,6 +74,7 @@ class Driver:
             page_size,
             eviction_policy=policy,
             eviction_policy_config=config if tlru else None,
+            aligned_pages=pages,
         )
         self.ref = ReferenceRadixCache(page_size, policy, 2 * page_size if tlru else 0)
         self.priorities = policy == "priority"
@@ -76,7 +87,7 @@ class Driver:
         # asks only that a page's slots be consecutive.
         self.free_pages = []  # pages handed back by evict / not stored by insert
         self.next_page = 0
-        self.slot_base = self.rng.randrange(page_size)
+        self.slot_base = self.rng.randrange(page_size) if not pages else 3 * page_size
         self.cap = 128 * page_size if page_size > 1 else 300
         # A small pool of pages, with near-duplicates that differ in one token
         # (first, middle or last), so walks stop inside pages and at page ends.
@@ -147,9 +158,23 @@ class Driver:
         return [slots[i : i + self.p] for i in range(0, len(slots), self.p)]
 
     # -- operations ----------------------------------------------------------------
+    def slots_of(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """The slots of page ids from a page form."""
+        assert page_ids.dtype == torch.int32 and page_ids.dim() == 1
+        ramp = torch.arange(self.p, dtype=torch.int32)
+        return (page_ids.view(-1, 1) * self.p + ramp).view(-1)
+
+    def use_pages(self) -> bool:
+        return self.page_forms and self.rng.random() < 0.5
+
     def op_match(self):
         ids = self.tokens()
-        h, idx = self.native.match_prefix(self.form(ids))
+        if self.use_pages():
+            h, page_ids = self.native.tree.match_pages(self.form(ids))
+            idx = self.slots_of(page_ids)
+            self.count("match_pages")
+        else:
+            h, idx = self.native.match_prefix(self.form(ids))
         rh, ridx = self.ref.match_prefix(ids)
         assert idx.dtype == torch.int32 and idx.dim() == 1
         assert h.cached_len == rh.cached_len == len(idx), (h.cached_len, rh.cached_len)
@@ -234,7 +259,11 @@ class Driver:
                 self.ref.evict(size)
             self.count("evict_refused")
             return
-        out = self.native.evict(size)
+        if self.use_pages():
+            out = self.slots_of(self.native.tree.evict_pages(size))
+            self.count("evict_pages")
+        else:
+            out = self.native.evict(size)
         want = self.ref.evict(size)
         assert out.dtype == torch.int32 and out.dim() == 1
         assert out.tolist() == want
@@ -353,6 +382,21 @@ def test_random_operations_match_reference(page_size, seed):
     ):
         assert c.get(name, 0) > 0, (name, c)
     assert d.ref.clock > steps // 2
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 512])
+def test_the_page_forms_match_the_reference(page_size):
+    """An aligned tree (a bit a page in its sets where the page size is a
+    power of two; page 3 keeps a bit a slot), half its matches and
+    evictions in page ids, against the model."""
+    d = Driver(page_size, seed=77 + page_size, pages=True)
+    for i in range(2500 if page_size < 512 else 1200):
+        try:
+            d.step()
+        except AssertionError as e:
+            raise AssertionError(f"step {i} (page_size={page_size}): {e}") from e
+    for name in ("match_pages", "evict_pages", "match", "evict", "slot_stored"):
+        assert d.counts.get(name, 0) > 0, (name, d.counts)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
