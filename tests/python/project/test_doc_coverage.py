@@ -84,11 +84,15 @@ def test_the_module_check_would_see_a_missing_module():
 
 
 def public_members():
-    """CacheManager's public methods and properties."""
+    """CacheManager's public methods and properties, its bases' included
+    (the page path's steps are PagePath's)."""
     return sorted(
-        name
-        for name, value in vars(CacheManager).items()
-        if not name.startswith("_") and (callable(value) or isinstance(value, property))
+        {
+            name
+            for cls in CacheManager.__mro__[:-1]  # (not object's)
+            for name, value in vars(cls).items()
+            if not name.startswith("_") and (callable(value) or isinstance(value, property))
+        }
     )
 
 
