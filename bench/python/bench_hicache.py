@@ -120,14 +120,17 @@ class Figures:
         return ns
 
 
-def request_slots(allocate, prefix: torch.Tensor, prefill: int, out: int, f: Figures):
+def request_slots(
+    allocate, prefix: torch.Tensor, prefill: int, out: int, f: Figures, unit: int = 1
+):
     """A request's row of slots as a scheduler builds it, in parts: the
     match's `prefix`, pages for the `prefill` tokens, then pages for the `out`
     decode tokens the last prefill page cannot hold. `allocate(n, f)` is a
-    system's timed allocation, returning (slots, ns). Returns (parts, ns)."""
+    system's timed allocation, returning (slots, ns), or with `unit` (the page
+    size) page ids. Returns (parts, ns)."""
     own, spent = allocate(prefill, f)
     parts = [prefix, own]
-    spare = own.numel() - prefill
+    spare = own.shape[0] * unit - prefill
     if out > spare:
         more, ns = allocate(out - spare, f)
         spent += ns
@@ -141,16 +144,25 @@ def request_slots(allocate, prefix: torch.Tensor, prefill: int, out: int, f: Fig
 
 
 class Radixkv:
-    """CacheManager driven as radixkv.replay's Instance.serve() drives it."""
+    """CacheManager driven as radixkv.replay's Instance.serve() drives it;
+    with `pages`, through its page path (page ids cross, not slots:
+    match_pages, allocate_pages, free_and_cache_finished_req_pages)."""
 
-    def __init__(self, host_pages: int):
+    def __init__(self, host_pages: int, pages: bool = False):
         self.host_pages = host_pages
-        self.cm = CacheManager(
+        self.cm = cm = CacheManager(
             DEVICE_PAGES,
             page_size=PAGE,
             host_num_pages=host_pages,
             write_policy="write_through",
             manual_copies=host_pages > 0,
+        )
+        self.unit = PAGE if pages else 1  # tokens an entry of the calls' results
+        self.match = cm.match_pages if pages else cm.match_req
+        self.load_back = cm.load_back_pages if pages else cm.load_back
+        self.allocate = cm.allocate_pages if pages else cm.allocate
+        self.finish_req = (
+            cm.free_and_cache_finished_req_pages if pages else cm.free_and_cache_finished_req
         )
 
     @staticmethod
@@ -160,12 +172,12 @@ class Radixkv:
     def serve(self, req: Request, prompt, full, f: Figures) -> None:
         cm, n_in, out = self.cm, req.input_length, req.output_length
         t0 = clock()
-        handle, cached = cm.match_req(prompt)
+        handle, cached = self.match(prompt)
         spent = f.add("match", clock() - t0)
         device_hit = handle.cached_len
         if handle.host_hit_len:
             t0 = clock()
-            handle, cached = cm.load_back(handle)
+            handle, cached = self.load_back(handle)
             spent += f.add("load_back", clock() - t0)
         else:
             t0 = clock()
@@ -173,11 +185,11 @@ class Radixkv:
             spent += f.add("lock", clock() - t0)
         hit = handle.cached_len
 
-        parts, ns = request_slots(self._allocate, cached, n_in - hit, out, f)
+        parts, ns = request_slots(self._allocate, cached, n_in - hit, out, f, self.unit)
         spent += ns
 
         t0 = clock()  # the row of slots joined inside the timing, as SGLang's is
-        cm.free_and_cache_finished_req(handle, full, torch.cat(parts))
+        self.finish_req(handle, full, torch.cat(parts))
         spent += f.add("insert", clock() - t0)
         if self.host_pages:
             t0 = clock()
@@ -193,7 +205,7 @@ class Radixkv:
         t0 = clock()
         evicted = self.cm.make_room(n)
         t1 = clock()
-        slots = self.cm.allocate(n)
+        slots = self.allocate(n)
         t2 = clock()
         if evicted:
             f.add("evict", t1 - t0)
@@ -208,63 +220,6 @@ class Radixkv:
         if cm.held_pages:
             raise RuntimeError(f"radixkv: {cm.held_pages} pages still held")
         cm.close()
-
-
-class RadixkvPages(Radixkv):
-    """The same requests through the page path: page ids cross, not slots
-    (match_pages, allocate_pages, free_and_cache_finished_req_pages)."""
-
-    def serve(self, req: Request, prompt, full, f: Figures) -> None:
-        cm, n_in, out = self.cm, req.input_length, req.output_length
-        t0 = clock()
-        handle, cached = cm.match_pages(prompt)
-        spent = f.add("match", clock() - t0)
-        device_hit = handle.cached_len
-        if handle.host_hit_len:
-            t0 = clock()
-            handle, cached = cm.load_back_pages(handle)
-            spent += f.add("load_back", clock() - t0)
-        else:
-            t0 = clock()
-            cm.lock(handle)
-            spent += f.add("lock", clock() - t0)
-        hit = handle.cached_len
-
-        # The request's pages: the match's, then its prompt's, then what its
-        # output needs past the prompt's last page.
-        prefill = n_in - hit
-        own, ns = self._allocate(prefill, f)
-        spent += ns
-        parts = [cached, own]
-        spare = own.shape[0] * PAGE - prefill
-        if out > spare:
-            more, ns = self._allocate(out - spare, f)
-            spent += ns
-            parts.append(more)
-
-        t0 = clock()
-        cm.free_and_cache_finished_req_pages(handle, full, torch.cat(parts))
-        spent += f.add("insert", clock() - t0)
-        if self.host_pages:
-            t0 = clock()
-            failed = cm.drain()
-            spent += f.add("drain", clock() - t0)
-            if failed:
-                raise RuntimeError(f"radixkv: {len(failed)} load(s) failed")
-        f.spent_ns += spent
-        f.device_hit += device_hit
-        f.host_hit += hit - device_hit
-
-    def _allocate(self, n: int, f: Figures):
-        t0 = clock()
-        evicted = self.cm.make_room(n)
-        t1 = clock()
-        pages = self.cm.allocate_pages(n)
-        t2 = clock()
-        if evicted:
-            f.add("evict", t1 - t0)
-        f.add("allocate", t2 - t1)
-        return pages, t2 - t0
 
 
 # ---------------------------------------------------------------------------
@@ -596,9 +551,9 @@ def main() -> None:
 
     systems = {"radixkv": lambda: Radixkv(HOST_PAGES)}
     if args.pages:
-        systems = {"radixkv-pages": lambda: RadixkvPages(HOST_PAGES)}
+        systems = {"radixkv-pages": lambda: Radixkv(HOST_PAGES, pages=True)}
     if args.both:
-        systems["radixkv-pages"] = lambda: RadixkvPages(HOST_PAGES)
+        systems["radixkv-pages"] = lambda: Radixkv(HOST_PAGES, pages=True)
     if why is None:
         systems["sglang"] = lambda: Sglang(args.sglang_io)
     else:
