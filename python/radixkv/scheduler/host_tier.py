@@ -124,7 +124,6 @@ class HostTier:
             # Bookkeeping only (capacity planning): copies succeed at once.
             self.pool = None
             self.controller = _core.CacheController(num_layers, manual)
-        # op -> (copy, host slots, device slots) / (copy, device slots, handle, host slots)
         # op -> (copy, host, device, pages): `pages` when host and device are
         # page ids (a backup of back_up), else slots.
         self._backups: Dict[int, Tuple[Copy, torch.Tensor, torch.Tensor, bool]] = {}
@@ -284,14 +283,9 @@ class HostTier:
 
     def _free_evicted(self, freed: torch.Tensor, pages: bool = False) -> None:
         """Host slots (or with `pages` page ids) the tree evicted go back."""
-        if pages:
-            self.pages.free_pages(freed, self.tree, True)
-            self.host_evicted += len(freed) * self.page_size
-            self.events.host_evicted(freed, pages=True)
-            return
-        self.pages.free(freed, self.tree, True)
-        self.host_evicted += len(freed)
-        self.events.host_evicted(freed)
+        (self.pages.free_pages if pages else self.pages.free)(freed, self.tree, True)
+        self.host_evicted += len(freed) * (self.page_size if pages else 1)
+        self.events.host_evicted(freed, pages)
 
     def drop_all(self) -> None:
         """Drops every host copy, for a reset (nothing may be locked or in

@@ -152,15 +152,8 @@ class Upkeep:
         if self.tiers.backs_up_on_evict:
             self.tiers.back_up_before_evict(missing)
         if self.tree is not None:  # the radix tree's victims as page ids
-            pages = self.tree.evict_pages(missing)
-            self.pages.free_pages(pages)
-            evicted_tokens = pages.shape[0] * ps
-            self.counters.evicted_tokens += evicted_tokens
-            self.events.device_evicted(pages, pages=True)
-            return freed + evicted_tokens
-        evicted = self.manager.evict(missing).cpu()
-        self.free_evicted(evicted)
-        return freed + evicted.shape[0]
+            return freed + self.free_evicted(self.tree.evict_pages(missing), pages=True)
+        return freed + self.free_evicted(self.manager.evict(missing).cpu())
 
     def load_making_room(self, handle, copy) -> Tuple[BaseCacheHandle, torch.Tensor]:
         """CacheManager.load_back when device pages must be evicted first:
@@ -192,11 +185,14 @@ class Upkeep:
         self.free_evicted(evicted)
         return evicted
 
-    def free_evicted(self, evicted: torch.Tensor) -> None:
-        """Device slots the tree evicted (on the host) go back to the pool."""
-        self.pages.free(evicted)
-        self.counters.evicted_tokens += evicted.shape[0]
-        self.events.device_evicted(evicted)
+    def free_evicted(self, evicted: torch.Tensor, pages: bool = False) -> int:
+        """Device slots the tree evicted (on the host; with `pages`, page ids)
+        go back to the pool; returns the tokens."""
+        (self.pages.free_pages if pages else self.pages.free)(evicted)
+        tokens = evicted.shape[0] * (self.page_size if pages else 1)
+        self.counters.evicted_tokens += tokens
+        self.events.device_evicted(evicted, pages)
+        return tokens
 
     # -- figures and checks ----------------------------------------------------------------
 
