@@ -1,6 +1,7 @@
 #include "radixkv/page_allocator.h"
 
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <new>
 
@@ -12,7 +13,11 @@ constexpr ErrorCode kInvalid = ErrorCode::kInvalidArgument;
 }  // namespace
 
 PageAllocator::PageAllocator(int64_t num_pages, int64_t page_size)
-    : num_pages_(num_pages), page_size_(page_size) {
+    : num_pages_(num_pages),
+      page_size_(page_size),
+      page_shift_(page_size >= 1 && (page_size & (page_size - 1)) == 0
+                      ? __builtin_ctzll(static_cast<uint64_t>(page_size))
+                      : -1) {
   RADIXKV_CHECK(num_pages >= 0, kInvalid, "num_pages must be >= 0, got ", num_pages);
   RADIXKV_CHECK(page_size >= 1, kInvalid, "page_size must be >= 1, got ", page_size);
   RADIXKV_CHECK(num_pages <= std::numeric_limits<int32_t>::max() / page_size, kInvalid,
@@ -115,16 +120,31 @@ bool PageAllocator::Check(const int32_t* slots, int64_t n, const char* name,
 void PageAllocator::CheckOwnedPages(const int32_t* ids, int64_t k, const char* name,
                                     const SlotSet* cached) const {
   RADIXKV_CHECK(k >= 0, kInvalid, name, " has length ", k);
+  // A run of consecutive ids at a time (pages freed together come out as
+  // runs): its range, its free flags and the cache's bits in one pass each.
+  for (int64_t i = 0; i < k;) {
+    int64_t j = i + 1;
+    while (j < k && int64_t{ids[j]} == int64_t{ids[j - 1]} + 1) ++j;
+    const int64_t lo = ids[i], hi = int64_t{ids[j - 1]} + 1;
+    if (lo < 0 || hi > num_pages_ || AnyFree(lo, hi) ||
+        (cached != nullptr && cached->AnyIn(lo * page_size_, hi * page_size_))) {
+      CheckOwnedPagesOneByOne(ids + i, j - i, i, name, cached);
+    }
+    i = j;
+  }
+}
+
+// The page of `ids[0, k)` (named from `at` on) that CheckOwnedPages refuses.
+void PageAllocator::CheckOwnedPagesOneByOne(const int32_t* ids, int64_t k, int64_t at,
+                                            const char* name, const SlotSet* cached) const {
   for (int64_t i = 0; i < k; ++i) {
     const int64_t p = ids[i];
-    RADIXKV_CHECK(p >= 0 && p < num_pages_, kInvalid, name, "[", i, "] = ", p,
+    RADIXKV_CHECK(p >= 0 && p < num_pages_, kInvalid, name, "[", at + i, "] = ", p,
                   " is out of range [0, ", num_pages_, ")");
-    RADIXKV_CHECK(!is_free_[p], kInvalid, name, "[", i, "] = ", p,
+    RADIXKV_CHECK(!is_free_[p], kInvalid, name, "[", at + i, "] = ", p,
                   " is free (not allocated)");
-    if (cached != nullptr) {
-      RADIXKV_CHECK(!cached->AnyIn(p * page_size_, (p + 1) * page_size_), kInvalid, name, "[",
-                    i, "] = ", p, " is owned by the prefix cache");
-    }
+    RADIXKV_CHECK(cached == nullptr || !cached->AnyIn(p * page_size_, (p + 1) * page_size_),
+                  kInvalid, name, "[", at + i, "] = ", p, " is owned by the prefix cache");
   }
 }
 
@@ -140,7 +160,9 @@ void PageAllocator::MarkPagesFree(const int32_t* ids, int64_t k, const char* nam
 void PageAllocator::FreePages(const int32_t* ids, int64_t k, const SlotSet* cached) {
   CheckOwnedPages(ids, k, "page_ids", cached);
   MarkPagesFree(ids, k, "page_ids");
-  free_.insert(free_.end(), ids, ids + k);
+  // Reversed onto the stack, so the batch comes back out in its own order.
+  free_.insert(free_.end(), std::reverse_iterator<const int32_t*>(ids + k),
+               std::reverse_iterator<const int32_t*>(ids));
 }
 
 void PageAllocator::CheckFreePages(const int32_t* ids, int64_t k, const char* name,
@@ -247,15 +269,17 @@ void PageAllocator::CheckFreeAll(const Span* spans, int64_t k, const SlotSet* ca
 }
 
 void PageAllocator::Free(const int32_t* slots, int64_t n, const SlotSet* cached) {
+  // Reversed onto the stack (as FreePages).
   if (Check(slots, n, "indices", cached) && MarkRunsFree()) {
-    for (const SlotRun& r : runs_) {
-      for (int64_t p = PageOf(r.lo); p < PageOf(r.hi); ++p)
+    for (const SlotRun* r = runs_.end(); r != runs_.begin();) {
+      --r;
+      for (int64_t p = PageOf(r->hi) - 1; p >= PageOf(r->lo); --p)
         free_.push_back(static_cast<int32_t>(p));
     }
     return;
   }
   MarkFree(slots, n, "indices");
-  for (int64_t k = 0; k < n; k += page_size_) {
+  for (int64_t k = n - page_size_; k >= 0; k -= page_size_) {
     free_.push_back(static_cast<int32_t>(PageOf(slots[k])));
   }
 }

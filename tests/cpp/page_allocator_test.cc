@@ -311,8 +311,60 @@ TEST(PageAllocatorTest, PageIdsComeAndGoAsTheirSlotsDo) {
   EXPECT_EQ(pages.num_free_pages(), 7);
   pages.CheckDisjoint(cached);
   std::vector<int32_t> slots;
-  pages.Allocate(4, &slots);  // LIFO: the last page freed comes back first, as slots
-  EXPECT_EQ(slots, (std::vector<int32_t>{8, 9, 10, 11}));
+  pages.Allocate(4, &slots);  // the batch freed last comes back first, in its order
+  EXPECT_EQ(slots, (std::vector<int32_t>{4, 5, 6, 7}));
+}
+
+TEST(PageAllocatorTest, ABatchFreedComesBackAsTheRunItWas) {
+  // LIFO by batch, each batch in its own order: pages a node held as a run
+  // are handed out as that run again, by page ids and by slots alike.
+  PageAllocator pages(16, 4);
+  std::vector<int32_t> ids, slots;
+  pages.Allocate(64, SlotSink(SlotSink::Into(&ids)).Pages());
+  const std::vector<int32_t> run{5, 6, 7}, later{2, 3};
+  pages.FreePages(run.data(), 3);
+  pages.FreePages(later.data(), 2);
+  pages.Allocate(20, SlotSink(SlotSink::Into(&ids)).Pages());
+  EXPECT_EQ(ids, (std::vector<int32_t>{2, 3, 5, 6, 7}));
+  // Slots: the same order, run by run and page by page.
+  std::vector<int32_t> freed;
+  for (int32_t s = 40; s < 48; ++s) freed.push_back(s);  // pages 10, 11
+  for (int32_t s = 4; s < 8; ++s) freed.push_back(s);    // page 1
+  pages.Free(freed.data(), static_cast<int64_t>(freed.size()));
+  pages.Allocate(12, &slots);
+  EXPECT_EQ(slots, freed);
+  // A batch that is no run at all (page by page) keeps its order too.
+  const std::vector<int32_t> scattered{12, 13, 14, 15, 0, 1, 2, 3, 8, 9, 10, 11};
+  pages.Free(scattered.data(), 12);
+  pages.Allocate(12, &slots);
+  EXPECT_EQ(slots, scattered);
+}
+
+TEST(PageAllocatorTest, APageAtFaultInARunIsNamedByItsPlace) {
+  // The checks take a run of consecutive ids at a time; a refusal still
+  // names the id at fault by its place in the input.
+  PageAllocator pages(16, 4);
+  std::vector<int32_t> ids;
+  pages.Allocate(40, SlotSink(SlotSink::Into(&ids)).Pages());  // pages 0..9
+  const std::vector<int32_t> one{6};
+  pages.FreePages(one.data(), 1);
+  SlotSet cached;
+  cached.AddPageIds(ids.data() + 8, 1, 4);  // page 8
+  auto message = [&](std::vector<int32_t> in, const SlotSet* c) {
+    try {
+      pages.CheckFreePages(in.data(), static_cast<int64_t>(in.size()), "page_ids", c);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(message({9, 3, 4, 5, 6, 7}, nullptr), "page_ids[4] = 6 is free (not allocated)");
+  EXPECT_EQ(message({0, 1, 7, 8, 9}, &cached), "page_ids[3] = 8 is owned by the prefix cache");
+  EXPECT_EQ(message({2, 3, 9, 16}, nullptr), "page_ids[3] = 16 is out of range [0, 16)");
+  EXPECT_EQ(message({-1, 0, 1}, nullptr), "page_ids[0] = -1 is out of range [0, 16)");
+  EXPECT_EQ(message({1, 2, 3, 2}, nullptr), "page_ids[3] = 2 repeats page 2");
+  EXPECT_EQ(message({0, 1, 2, 3, 4, 5}, &cached), "");
+  EXPECT_EQ(pages.num_free_pages(), 7);  // checks free nothing
 }
 
 }  // namespace

@@ -14,7 +14,10 @@ namespace radixkv {
 /// slots; slot `s` belongs to page `s / page_size`. Pages leave through
 /// `Allocate` and come back through `Free`, always whole: a page's slots are
 /// `page * page_size + [0, page_size)` in that order. Freed pages are handed
-/// out again first (LIFO keeps recently used memory warm). O(1) per page.
+/// out again first (LIFO keeps recently used memory warm), a batch freed
+/// together in its own order: pages a node or a request held as a run of
+/// consecutive pages come out as that run again, which every later check and
+/// set of slots takes a run at a time. O(1) per page.
 class PageAllocator {
  public:
   /// Throws kInvalidArgument unless `num_pages >= 0`, `page_size >= 1` and
@@ -90,6 +93,10 @@ class PageAllocator {
   // CheckOwned of page ids.
   void CheckOwnedPages(const int32_t* ids, int64_t k, const char* name,
                        const SlotSet* cached) const;
+  // The same page by page, naming `ids[i]` as `name[at + i]`: finds the page
+  // at fault in a run CheckOwnedPages refused.
+  void CheckOwnedPagesOneByOne(const int32_t* ids, int64_t k, int64_t at, const char* name,
+                               const SlotSet* cached) const;
   // Marks pages `ids[0, k)` free, undoing the marks and throwing (naming
   // `name`) on a repeated one.
   void MarkPagesFree(const int32_t* ids, int64_t k, const char* name);
@@ -98,11 +105,14 @@ class PageAllocator {
   bool MarkRunsFree() noexcept;
   void SetRuns(uint8_t free) noexcept;
   void MarkFree(const int32_t* slots, int64_t n, const char* name);
-  // The page of `slot` (no division at page 1: the checks run per page).
-  int64_t PageOf(int64_t slot) const noexcept { return page_size_ == 1 ? slot : slot / page_size_; }
+  // The page of `slot` (a shift at a power-of-two page: the checks run per page).
+  int64_t PageOf(int64_t slot) const noexcept {
+    return page_shift_ >= 0 ? slot >> page_shift_ : slot / page_size_;
+  }
 
   const int64_t num_pages_;
   const int64_t page_size_;
+  const int page_shift_;  // log2(page_size_) when a power of two, else -1
   std::vector<int32_t> free_;     // stack of free page ids
   std::vector<uint8_t> is_free_;  // by page id
   // Scratch of the checks, so even the const ones are for one thread at a

@@ -230,16 +230,16 @@ def cache_manager(p, t):
 
 
 def free_list(cm):
-    """The exact free list, read by taking every free page and giving them back
-    in reverse order, which restores the LIFO stack."""
+    """The exact free list in the order it hands pages out, read by taking
+    every free page and giving them back as one batch, which restores it (a
+    batch comes back out in its own order)."""
     a, p = cm._pages, cm.page_size
     k = a.num_free_pages
     if k == 0:
         return []
     pages = a.allocate(k * p)
-    back = pages.view(k, p).flip(0).reshape(-1)
-    a.free(back)
-    return (back[::p] // p).tolist()
+    a.free(pages)
+    return (pages[::p] // p).tolist()
 
 
 def cm_state(cm, hs):

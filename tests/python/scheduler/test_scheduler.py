@@ -44,16 +44,16 @@ def ceil_pages(n, p):
 
 def free_pages(cm):
     """The free list, bottom to top, read by taking every free page and giving
-    them back in the reverse order, which restores the LIFO stack exactly."""
+    them back as one batch, which restores the stack exactly (a batch comes
+    back out in its own order)."""
     a, p = cm._pages, cm.page_size
     k = a.num_free_pages
     if k == 0:
         return []
-    pages = a.allocate(k * p).view(k, p)
-    assert bool((pages[:, 0] % p == 0).all())
-    back = pages.flip(0).reshape(-1)
-    a.free(back)
-    return (back[::p] // p).tolist()
+    pages = a.allocate(k * p)
+    assert bool((pages.view(k, p)[:, 0] % p == 0).all())
+    a.free(pages)
+    return (pages[::p] // p).flip(0).tolist()
 
 
 def cached_slots(cm):
