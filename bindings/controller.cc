@@ -2,6 +2,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -226,14 +227,22 @@ namespace {
 std::vector<int32_t> Slots(py::handle obj, const char* name, int64_t page_size = 1) {
   Int32View v(obj, name);
   FinishViews(v);
-  if (page_size == 1) return std::vector<int32_t>(v.data(), v.data() + v.size());
+  const int32_t* ids = v.data();
+  if (page_size == 1) return std::vector<int32_t>(ids, ids + v.size());
+  // One branch-free pass for the range (it vectorizes); the id at fault is
+  // looked for only when there is one.
+  const int64_t limit = (int64_t{1} << 31) / page_size;
+  int32_t lo = 0, hi = 0;
   for (int64_t i = 0; i < v.size(); ++i) {
-    CHECK_VALUE(v.data()[i] >= 0 && v.data()[i] < (int64_t{1} << 31) / page_size, name, "[", i,
-                "] = ", v.data()[i], " is not a page id of page_size ", page_size);
+    lo = std::min(lo, ids[i]);
+    hi = std::max(hi, ids[i]);
   }
-  std::vector<int32_t> first(v.data(), v.data() + v.size()), out(v.size() * page_size);
-  radixkv::FirstOfPageIds(first.data(), v.size(), page_size, first.data());
-  radixkv::ExpandPages(first.data(), v.size(), page_size, out.data());
+  for (int64_t i = 0; (lo < 0 || hi >= limit) && i < v.size(); ++i) {
+    CHECK_VALUE(ids[i] >= 0 && ids[i] < limit, name, "[", i, "] = ", ids[i],
+                " is not a page id of page_size ", page_size);
+  }
+  std::vector<int32_t> out(v.size() * page_size);
+  radixkv::ExpandPageIds(ids, v.size(), page_size, out.data());
   return out;
 }
 

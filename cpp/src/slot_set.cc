@@ -411,18 +411,18 @@ void CheckPages(const SlotRuns& runs, const int32_t* slots, int64_t n, int64_t p
   }
 }
 
-void ExpandPages(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept {
-  if (page_size == 1) {
-    std::memcpy(out, first, static_cast<size_t>(pages) * sizeof(int32_t));
-    return;
-  }
+namespace {
+
+// ExpandPages with page k's first slot `first(k)`.
+template <typename FirstFn>
+void Expand(FirstFn first, int64_t pages, int64_t page_size, int32_t* out) noexcept {
 #if defined(__SSE2__)
   if (page_size % 4 == 0) {
     // Four slots a store: base + {0, 1, 2, 3}, then + 4 each step.
     const __m128i ramp = _mm_setr_epi32(0, 1, 2, 3);
     const __m128i step = _mm_set1_epi32(4);
     for (int64_t k = 0; k < pages; ++k) {
-      __m128i v = _mm_add_epi32(_mm_set1_epi32(first[k]), ramp);
+      __m128i v = _mm_add_epi32(_mm_set1_epi32(first(k)), ramp);
       auto* page = reinterpret_cast<__m128i*>(out + k * page_size);
       for (int64_t i = 0; i < page_size / 4; ++i) {
         _mm_storeu_si128(page + i, v);
@@ -433,13 +433,34 @@ void ExpandPages(const int32_t* first, int64_t pages, int64_t page_size, int32_t
   }
 #endif
   for (int64_t k = 0; k < pages; ++k) {
-    const int32_t base = first[k];
+    const int32_t base = first(k);
     int32_t* page = out + k * page_size;
     for (int64_t i = 0; i < page_size; ++i) page[i] = base + static_cast<int32_t>(i);
   }
 }
 
+}  // namespace
+
+void ExpandPages(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept {
+  if (page_size == 1) {
+    std::memcpy(out, first, static_cast<size_t>(pages) * sizeof(int32_t));
+    return;
+  }
+  Expand([first](int64_t k) { return first[k]; }, pages, page_size, out);
+}
+
+void ExpandPageIds(const int32_t* ids, int64_t pages, int64_t page_size, int32_t* out) noexcept {
+  const int32_t ps = static_cast<int32_t>(page_size);
+  Expand([ids, ps](int64_t k) { return ids[k] * ps; }, pages, page_size, out);
+}
+
 void PageIdsOf(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept {
+  if ((page_size & (page_size - 1)) == 0) {
+    // A shift, not a division, a page (first slots are >= 0): it vectorizes.
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(page_size));
+    for (int64_t k = 0; k < pages; ++k) out[k] = first[k] >> shift;
+    return;
+  }
   for (int64_t k = 0; k < pages; ++k) out[k] = static_cast<int32_t>(first[k] / page_size);
 }
 

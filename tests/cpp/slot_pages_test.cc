@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -35,6 +36,28 @@ TEST(SlotPagesTest, FirstOfPagesAndExpandPagesAreInverse) {
     ExpandPages(first.data(), 3, page_size, back.data());
     EXPECT_EQ(back, slots);
   }
+}
+
+TEST(SlotPagesTest, PageIdsAndTheirSlotsGoBothWays) {
+  // Powers of two take a shift, the others a division: the same answers.
+  for (int64_t page_size : {1, 3, 4, 6, 16, 512}) {
+    SCOPED_TRACE(page_size);
+    const Ints slots = SomePages(page_size), ids{7, 2, 3};
+    Ints first(3), back(3, -1), expanded(slots.size(), -1);
+    FirstOfPageIds(ids.data(), 3, page_size, first.data());
+    PageIdsOf(first.data(), 3, page_size, back.data());
+    EXPECT_EQ(back, ids);
+    ExpandPageIds(ids.data(), 3, page_size, expanded.data());
+    EXPECT_EQ(expanded, slots);
+  }
+  // The largest page id of a pool whose slots fill int32.
+  const Ints top{(int32_t{1} << 27) - 1};
+  Ints first(1), back(1), expanded(16);
+  FirstOfPageIds(top.data(), 1, 16, first.data());
+  PageIdsOf(first.data(), 1, 16, back.data());
+  EXPECT_EQ(back, top);
+  ExpandPageIds(top.data(), 1, 16, expanded.data());
+  EXPECT_EQ(expanded.back(), std::numeric_limits<int32_t>::max());
 }
 
 TEST(SlotPagesTest, ExpandPagesNeedsNoAlignment) {

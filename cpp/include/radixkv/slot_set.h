@@ -176,6 +176,9 @@ void CheckPages(const SlotRuns& runs, const int32_t* slots, int64_t n, int64_t p
 /// Writes the slots of `pages` pages, page k starting at `first[k]`, to
 /// `out[0, pages * page_size)`: `out[k * page_size + i] = first[k] + i`.
 void ExpandPages(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept;
+/// The same from page ids (page p starts at slot p * page_size; every slot
+/// must fit in int32): `out[k * page_size + i] = ids[k] * page_size + i`.
+void ExpandPageIds(const int32_t* ids, int64_t pages, int64_t page_size, int32_t* out) noexcept;
 
 /// The ids of pages given their first slots: `out[k] = first[k] / page_size`.
 void PageIdsOf(const int32_t* first, int64_t pages, int64_t page_size, int32_t* out) noexcept;
