@@ -687,9 +687,9 @@ py::tuple Snapshot(PyObject* arg, const char* what) {
 
 // FinishRequests over finished views (`views` owned before the GIL goes):
 // request i is handles[i] with the tokens of the view ids(i) and the slots
-// slots(i) (a pointer and a count), both read under the tree's lock, once
-// the views are final.
-template <typename Ids, typename Slots, typename Prepare>
+// (with `P`, page ids) slots(i) (a pointer and a count), both read under the
+// tree's lock, once the views are final.
+template <bool P, typename Ids, typename Slots, typename Prepare>
 py::object FinishBatch(PyRadixTree& t, radixkv::PageAllocator* pages,
                        const std::vector<Handle*>& handles, const std::vector<int32_t>& priorities,
                        std::vector<std::unique_ptr<Int32View>>& views, Ids ids, Slots slots,
@@ -704,7 +704,7 @@ py::object FinishBatch(PyRadixTree& t, radixkv::PageAllocator* pages,
         for (size_t i = 0; i < n; ++i) {
           const Int32View& tokens = ids(i);
           const auto [slot_data, m] = slots(i);
-          batch[i] = {handles[i], tokens.data(), tokens.size(), slot_data, m, priorities[i]};
+          batch[i] = {handles[i], tokens.data(), tokens.size(), slot_data, m, priorities[i], P};
         }
         radixkv::FinishRequests(&t.tree, pages, batch.data(), static_cast<int64_t>(n),
                                 in_cache.data(), what);
@@ -717,10 +717,16 @@ py::object FinishBatch(PyRadixTree& t, radixkv::PageAllocator* pages,
   return std::move(out);
 }
 
-// A batch's requests: each item an (old_handle, input_ids, indices) tuple.
+// A batch's requests: each item an (old_handle, input_ids, indices) tuple
+// (with `P`, the page forms: (old_handle, input_ids, page_ids)). A tree whose
+// pages are not aligned refuses page ids, even for an empty batch.
+template <bool P>
 py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
-  const py::tuple items =
-      Snapshot(a[0], "batch must be a list or tuple of (old_handle, input_ids, indices), got ");
+  t.tree.RequireAligned(P);
+  const char* slots_name = P ? "page_ids" : "indices";
+  const py::tuple items = Snapshot(
+      a[0], P ? "batch must be a list or tuple of (old_handle, input_ids, page_ids), got "
+              : "batch must be a list or tuple of (old_handle, input_ids, indices), got ");
   const size_t n = items.size();
   radixkv::PageAllocator* pages = PagesFor(t, a[1], "pages", true);
   const std::vector<int32_t> priorities = BatchPriorities(a[2], n);
@@ -731,17 +737,18 @@ py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
     const std::string where = "batch[" + std::to_string(i) + "]";
     PyObject* item = items[i].ptr();
     CHECK_TYPE(PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 3, where,
-               " must be a tuple (old_handle, input_ids, indices), got ", Py_TYPE(item)->tp_name);
+               " must be a tuple (old_handle, input_ids, ", slots_name, "), got ",
+               Py_TYPE(item)->tp_name);
     names[3 * i] = where + " old_handle";
     names[3 * i + 1] = where + " input_ids";
-    names[3 * i + 2] = where + " indices";
+    names[3 * i + 2] = where + " " + slots_name;
     handles[i] = &AsHandle(PyTuple_GET_ITEM(item, 0), names[3 * i].c_str());
     views[2 * i] = std::make_unique<Int32View>(PyTuple_GET_ITEM(item, 1), names[3 * i + 1].c_str());
     views[2 * i + 1] =
         std::make_unique<Int32View>(PyTuple_GET_ITEM(item, 2), names[3 * i + 2].c_str());
   }
   FinishAll(views);
-  return FinishBatch(
+  return FinishBatch<P>(
       t, pages, handles, priorities, views,
       [&](size_t i) -> const Int32View& { return *views[2 * i]; },
       [&](size_t i) {
@@ -755,8 +762,13 @@ py::object RadixTree_FinishRequests(PyRadixTree& t, PyObject* const* a) {
 // ceil(len(input_ids[i]) / page_size) pages after those of the requests
 // before it. With `own`, `indices` holds each request's cached part
 // (handles[i].cached_len slots) and `own` the rest, joined in the tree's
-// kept buffer (PyRadixTree::joined).
+// kept buffer (PyRadixTree::joined). With `P` (the page form) the tensors
+// hold page ids, one entry a page, and `indices` is named `page_ids`.
+template <bool P>
 py::object RadixTree_FinishRequestsFlat(PyRadixTree& t, PyObject* const* a) {
+  t.tree.RequireAligned(P);
+  const char* slots_name = P ? "page_ids" : "indices";
+  const char* unit = P ? " pages" : " slots";
   const py::tuple given =
       Snapshot(a[0], "handles must be a list or tuple of the requests' handles, got ");
   const py::tuple tokens =
@@ -775,33 +787,38 @@ py::object RadixTree_FinishRequestsFlat(PyRadixTree& t, PyObject* const* a) {
     handles[i] = &AsHandle(given[i].ptr(), names[2 * i].c_str());
     views[i] = std::make_unique<Int32View>(tokens[i], names[2 * i + 1].c_str());
   }
-  views[n] = std::make_unique<Int32View>(a[2], "indices");
+  views[n] = std::make_unique<Int32View>(a[2], slots_name);
   if (split) views[n + 1] = std::make_unique<Int32View>(a[5], "own");
   FinishAll(views);
   // No Python code runs from here on: the handles' lengths stay as read.
+  // Offsets and counts in entries: slots, or pages (`P`). A handle's
+  // cached_len is whole pages.
   const int64_t ps = t.tree.page_size();
+  const int64_t per_page = P ? 1 : ps;
   std::vector<int64_t> offsets(n + 1, 0), hits(n);
   int64_t cached = 0;
   for (size_t i = 0; i < n; ++i) {
-    const int64_t whole = (views[i]->size() + ps - 1) / ps * ps;
-    hits[i] = handles[i]->cached_len;
-    CHECK_VALUE(!split || (hits[i] >= 0 && hits[i] <= whole), "request[", i, "] old_handle covers ",
-                hits[i], " tokens but request[", i, "] input_ids has only ", views[i]->size());
-    offsets[i + 1] = offsets[i] + whole;
+    const int64_t whole = (views[i]->size() + ps - 1) / ps;
+    const int64_t covers = handles[i]->cached_len;
+    CHECK_VALUE(!split || (covers >= 0 && covers <= whole * ps), "request[", i,
+                "] old_handle covers ", covers, " tokens but request[", i, "] input_ids has only ",
+                views[i]->size());
+    hits[i] = P ? covers / ps : covers;
+    offsets[i + 1] = offsets[i] + whole * per_page;
     cached += hits[i];
   }
   const Int32View* head = views[n].get();
   const Int32View* own = split ? views[n + 1].get() : nullptr;
   if (split) {
-    CHECK_VALUE(head->size() == cached, "indices has length ", head->size(),
-                " but with own it holds the requests' cached parts: ", cached, " slots");
+    CHECK_VALUE(head->size() == cached, slots_name, " has length ", head->size(),
+                " but with own it holds the requests' cached parts: ", cached, unit);
     CHECK_VALUE(own->size() == offsets[n] - cached, "own has length ", own->size(),
-                " but the requests' input_ids need ", offsets[n] - cached,
-                " more slots than their cached parts (each in whole pages of ", ps, ")");
+                " but the requests' input_ids need ", offsets[n] - cached, " more", unit,
+                " than their cached parts (each in whole pages of ", ps, ")");
   } else {
-    CHECK_VALUE(head->size() == offsets[n], "indices has length ", head->size(),
-                " but the requests' input_ids need ", offsets[n], " slots (each in whole pages of ",
-                ps, ")");
+    CHECK_VALUE(head->size() == offsets[n], slots_name, " has length ", head->size(),
+                " but the requests' input_ids need ", offsets[n], unit,
+                " (each in whole pages of ", ps, ")");
   }
   // Joins each request's cached part and own pages in the tree's buffer
   // (under its lock, after the views are owned if the GIL went).
@@ -820,7 +837,7 @@ py::object RadixTree_FinishRequestsFlat(PyRadixTree& t, PyObject* const* a) {
       from_own += rest;
     }
   };
-  return FinishBatch(
+  return FinishBatch<P>(
       t, pages, handles, priorities, views, [&](size_t i) -> const Int32View& { return *views[i]; },
       [&](size_t i) {
         const int32_t* base = split ? t.joined.data() : head->data();
@@ -1652,6 +1669,11 @@ constexpr Params kFinishRequestPages{
     "finish_request_pages", {"old_handle", "input_ids", "page_ids", "pages", "priority"}, 5, 4};
 constexpr Params kCacheRequestPages{
     "cache_request_pages", {"old_handle", "input_ids", "page_ids", "pages", "priority"}, 5, 4};
+constexpr Params kFinishRequestsPages{
+    "finish_requests_pages", {"batch", "pages", "priority"}, 3, 2};
+constexpr Params kFinishRequestsFlatPages{
+    "finish_requests_flat_pages", {"handles", "input_ids", "page_ids", "pages", "priority", "own"},
+    6, 4};
 constexpr Params kStartLoadPages{"start_load_pages", {"handle", "device_pages"}, 2, 2};
 constexpr Params kFinishLoadPages{"finish_load_pages", {"copy", "device_page_ids", "ok"}, 3, 2};
 
@@ -1727,13 +1749,14 @@ PyMethodDef kTreeMethods[] = {
      "old_handle is unlocked), the request's copies of tokens it now covers go back to\n"
      "`pages`, and indices are the slots it goes on with: the cache's for the matched\n"
      "part, then its own. Raises, changing nothing, on bad input."},
-    {"finish_requests", Fast<RadixTree_FinishRequests, kFinishRequests>(), kFastCall,
+    {"finish_requests", Fast<RadixTree_FinishRequests<false>, kFinishRequests>(), kFastCall,
      "finish_requests(batch, pages, priority=0) -> [int, ...]\n\n"
      "finish_request of each (old_handle, input_ids, indices) of batch, in order, in one\n"
      "call. priority is one int for all or a sequence with one per request. Every request\n"
      "is checked first, and together (no page in two requests, no handle unlocked more\n"
      "often than it is locked, no load from host in flight): a failed check changes nothing."},
-    {"finish_requests_flat", Fast<RadixTree_FinishRequestsFlat, kFinishRequestsFlat>(), kFastCall,
+    {"finish_requests_flat", Fast<RadixTree_FinishRequestsFlat<false>, kFinishRequestsFlat>(),
+     kFastCall,
      "finish_requests_flat(handles, input_ids, indices, pages, priority=0, own=None)\n"
      "    -> [int, ...]\n\n"
      "finish_requests with the requests' slots in one tensor: request i holds handles[i]\n"
@@ -1846,6 +1869,17 @@ PyMethodDef kTreeMethods[] = {
     {"cache_request_pages", Fast<RadixTree_CacheRequest<true>, kCacheRequestPages>(), kFastCall,
      "cache_request_pages(old_handle, input_ids, page_ids, pages, priority=0)\n"
      "-> (handle, page_ids, in_cache): cache_request in pages."},
+    {"finish_requests_pages", Fast<RadixTree_FinishRequests<true>, kFinishRequestsPages>(),
+     kFastCall,
+     "finish_requests_pages(batch, pages, priority=0) -> [int, ...]\n\n"
+     "finish_requests of (old_handle, input_ids, page_ids) tuples: finish_request_pages."},
+    {"finish_requests_flat_pages",
+     Fast<RadixTree_FinishRequestsFlat<true>, kFinishRequestsFlatPages>(), kFastCall,
+     "finish_requests_flat_pages(handles, input_ids, page_ids, pages, priority=0, own=None)\n"
+     "    -> [int, ...]\n\n"
+     "finish_requests_flat in pages: request i's are the next ceil(len(input_ids[i]) /\n"
+     "page_size) page ids; with own, page_ids holds each request's cached part\n"
+     "(handles[i].cached_len // page_size ids) and own the rest."},
     {"start_load_pages", Fast<RadixTree_StartLoad<true>, kStartLoadPages>(), kFastCall,
      "start_load_pages(handle, device_pages) -> None or (copy, loaded, host_page_ids,\n"
      "page_ids): start_load in pages."},

@@ -413,6 +413,21 @@ class RadixTree:
         pages: PageAllocator,
         priority: int = 0,
     ) -> Tuple[RadixCacheHandle, torch.Tensor, int]: ...
+    def finish_requests_pages(
+        self,
+        batch: Sequence[Tuple[RadixCacheHandle, _Ids, _Ids]],
+        pages: PageAllocator,
+        priority: Union[int, Sequence[int]] = 0,
+    ) -> List[int]: ...
+    def finish_requests_flat_pages(
+        self,
+        handles: Sequence[RadixCacheHandle],
+        input_ids: Sequence[_Ids],
+        page_ids: _Ids,
+        pages: PageAllocator,
+        priority: Union[int, Sequence[int]] = 0,
+        own: Optional[_Ids] = None,
+    ) -> List[int]: ...
     def start_load_pages(
         self, handle: RadixCacheHandle, device_pages: PageAllocator
     ) -> Optional[

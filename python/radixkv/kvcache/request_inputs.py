@@ -39,9 +39,11 @@ def page_counts(sizes, page_size: int) -> List[int]:
     return pages
 
 
-def whole_sizes(input_ids, page_size: int) -> List[int]:
-    """Each request's slots: its input_ids (checked 1-D inputs) in whole pages."""
-    return [-(-length(x) // page_size) * page_size for x in input_ids]
+def whole_sizes(input_ids, page_size: int, pages: bool = False) -> List[int]:
+    """Each request's slots: its input_ids (checked 1-D inputs) in whole
+    pages; with `pages`, the count of those pages (its page ids)."""
+    per = 1 if pages else page_size
+    return [-(-length(x) // page_size) * per for x in input_ids]
 
 
 def check_handle(cache, handle, name: str) -> None:
@@ -115,33 +117,35 @@ def check_batch(cache, batch, priority, pages, what: str = "batch") -> List[int]
     return priorities
 
 
-def host_batch(batch, device: torch.device) -> list:
+def host_batch(batch, device: torch.device, name: str = "indices") -> list:
     """A batch of (old_handle, input_ids, indices) with each sequence on the
-    host (`to_host`), its shape checked (TypeError naming `batch[i]`)."""
+    host (`to_host`), its shape checked (TypeError naming `batch[i]`).
+    `name`: the third entry's (`page_ids` for the page forms)."""
     if not isinstance(batch, (list, tuple)):
         raise TypeError(
-            "batch must be a list or tuple of (old_handle, input_ids, indices), got "
+            f"batch must be a list or tuple of (old_handle, input_ids, {name}), got "
             f"{type(batch).__name__}"
         )
     for i, item in enumerate(batch):
         if not isinstance(item, tuple) or len(item) != 3:
             raise TypeError(
-                f"batch[{i}] must be a tuple (old_handle, input_ids, indices), got "
+                f"batch[{i}] must be a tuple (old_handle, input_ids, {name}), got "
                 f"{type(item).__name__}"
             )
     return [
         (
             handle,
             to_host(ids, f"batch[{i}] input_ids", device),
-            to_host(indices, f"batch[{i}] indices", device),
+            to_host(indices, f"batch[{i}] {name}", device),
         )
         for i, (handle, ids, indices) in enumerate(batch)
     ]
 
 
-def host_flat(handles, input_ids, indices, own, device: torch.device):
+def host_flat(handles, input_ids, indices, own, device: torch.device, name: str = "indices"):
     """A flat batch's (input_ids, indices, own) on the host, `handles` and
-    `input_ids` checked to be lists or tuples of one length."""
+    `input_ids` checked to be lists or tuples of one length. `name`:
+    `indices`' (`page_ids` for the page form)."""
     for name, value in (("handles", handles), ("input_ids", input_ids)):
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"{name} must be a list or tuple, got {type(value).__name__}")
@@ -151,16 +155,20 @@ def host_flat(handles, input_ids, indices, own, device: torch.device):
         return input_ids, indices, own
     input_ids = [to_host(x, f"input_ids[{i}]", device) for i, x in enumerate(input_ids)]
     own = None if own is None else to_host(own, "own", device)
-    return input_ids, to_host(indices, "indices", device), own
+    return input_ids, to_host(indices, name, device), own
 
 
-def flat_own_slots(handles, indices, own) -> int:
-    """The slots a flat batch's requests held themselves (checked inputs):
-    all of them but their handles' cached parts."""
+def flat_own_pages(handles, indices, own, page_size: int, pages: bool = False) -> int:
+    """The pages a flat batch's requests held themselves (checked inputs):
+    all of theirs but their handles' cached parts. `indices` and `own` hold
+    slots, or with `pages` page ids."""
     cached = 0
     for handle in handles:
         cached += handle.cached_len
-    return length(indices) + (0 if own is None else length(own)) - cached
+    entries = length(indices) + (0 if own is None else length(own))
+    if pages:
+        return entries - cached // page_size
+    return (entries - cached) // page_size
 
 
 def joined(parts: List[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -170,26 +178,33 @@ def joined(parts: List[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def split_flat(input_ids, indices, handles, page_size: int, device: torch.device) -> list:
+def split_flat(
+    input_ids, indices, handles, page_size: int, device: torch.device, pages: bool = False
+) -> list:
     """(handle, input_ids, indices) of each request of a flat batch: request
-    i's indices are the next `input_ids[i]` in whole pages; the length is
-    checked as the native flat finish checks it."""
-    sizes = whole_sizes(input_ids, page_size)
-    indices = int32_tensor(indices, "indices", device)
+    i's indices are the next `input_ids[i]` in whole pages (with `pages`,
+    page ids: one a page); the length is checked as the native flat finish
+    checks it."""
+    sizes = whole_sizes(input_ids, page_size, pages)
+    name, unit = ("page_ids", "pages") if pages else ("indices", "slots")
+    indices = int32_tensor(indices, name, device)
     n = length(indices)
     if n != sum(sizes):
         raise ValueError(
-            f"indices has length {n} but the requests' input_ids need {sum(sizes)} slots "
+            f"{name} has length {n} but the requests' input_ids need {sum(sizes)} {unit} "
             f"(each in whole pages of {page_size})"
         )
     return list(zip(handles, input_ids, torch.split(indices, sizes) if sizes else []))
 
 
-def join_parts(handles, input_ids, cached, own, page_size: int, device) -> torch.Tensor:
+def join_parts(
+    handles, input_ids, cached, own, page_size: int, device, pages: bool = False
+) -> torch.Tensor:
     """The flat indices of requests whose cached parts are `cached` and whose
-    own pages are `own` (both back to back), checked as the native flat
-    finish checks them."""
-    cached = int32_tensor(cached, "indices", device)
+    own pages are `own` (both back to back; with `pages`, page ids), checked
+    as the native flat finish checks them."""
+    name, unit = ("page_ids", "pages") if pages else ("indices", "slots")
+    cached = int32_tensor(cached, name, device)
     own = int32_tensor(own, "own", device)
     hits = [
         as_int(getattr(h, "cached_len", 0), f"handles[{i}].cached_len")
@@ -202,16 +217,18 @@ def join_parts(handles, input_ids, cached, own, page_size: int, device) -> torch
                 f"request[{i}] old_handle covers {hit} tokens but request[{i}] input_ids "
                 f"has only {length(input_ids[i])}"
             )
+    if pages:  # (a handle covers whole pages)
+        hits, sizes = [h // page_size for h in hits], [s // page_size for s in sizes]
     rest = [size - hit for hit, size in zip(hits, sizes)]
     if length(cached) != sum(hits):
         raise ValueError(
-            f"indices has length {length(cached)} but with own it holds the requests' "
-            f"cached parts: {sum(hits)} slots"
+            f"{name} has length {length(cached)} but with own it holds the requests' "
+            f"cached parts: {sum(hits)} {unit}"
         )
     if length(own) != sum(rest):
         raise ValueError(
             f"own has length {length(own)} but the requests' input_ids need {sum(rest)} "
-            f"more slots than their cached parts (each in whole pages of {page_size})"
+            f"more {unit} than their cached parts (each in whole pages of {page_size})"
         )
     parts: list = [None] * (2 * len(handles))
     parts[0::2] = torch.split(cached, hits) if hits else []

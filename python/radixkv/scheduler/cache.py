@@ -25,7 +25,7 @@ from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.kvcache.page_ids import slots_of_pages
 from radixkv.kvcache.request_inputs import (
     check_handle,
-    flat_own_slots,
+    flat_own_pages,
     host_batch,
     host_flat,
     page_counts,
@@ -561,32 +561,33 @@ class CacheManager(PagePath):
         input_ids, indices, own = host_flat(handles, input_ids, indices, own, self.device)
         if self._tiers.loads_in_flight():
             self._tiers.settle_loads()
-        # One call reads (and checks) every input.
-        in_cache = self.manager.finish_requests_flat(
+        in_cache = self.manager.finish_requests_flat(  # (reads and checks every input)
             handles, input_ids, indices, self._pages, priority, own
         )
-        if not self._per_request_tail:
-            self._held_pages -= flat_own_slots(handles, indices, own) // self.page_size
+        self._flat_finished(handles, input_ids, indices, own, in_cache)
+
+    def _flat_finished(self, handles, input_ids, indices, own, in_cache, pages=False) -> None:
+        """`_finished` of each of a flat batch's requests (page ids with `pages`)."""
+        if not self._per_request_tail:  # (no KV events, no write_through: no parts to read)
+            self._held_pages -= flat_own_pages(handles, indices, own, self.page_size, pages)
             self._upkeep.after_step()
             return
-        # The per-request tail (KV events, write_through) reads each one's part.
         ps, device = self.page_size, self.device
         if own is not None:
-            indices = join_parts(handles, input_ids, indices, own, ps, device)
-        for (handle, ids, part), k in zip(
-            split_flat(input_ids, indices, handles, ps, device), in_cache
-        ):
-            self._finished(handle, ids, part, k)
+            indices = join_parts(handles, input_ids, indices, own, ps, device, pages)
+        parts = split_flat(input_ids, indices, handles, ps, device, pages)
+        for (handle, ids, part), k in zip(parts, in_cache):
+            self._finished(handle, ids, part, k, pages=pages)
 
     def _finished(
         self, handle, ids, indices, in_cache: int, held: Optional[int] = None, pages: bool = False
     ) -> None:
-        """The manager's side of a request that a request step ended (its
-        inputs were checked there): the pages it held (`held` slots; None:
-        all but its cached part), its KV events, its write_through backup,
+        """The manager's side of a request that a request step ended (its inputs were
+        checked there; `indices` are page ids with `pages`): the pages it held (`held`
+        slots; None: all but its cached part), its KV events, its write_through backup,
         then the post-step hook."""
         if held is None:
-            held = length(indices) - handle.cached_len
+            held = length(indices) * (self.page_size if pages else 1) - handle.cached_len
         self._held_pages -= held // self.page_size
         self._events.request_cached(ids, indices, in_cache, handle, self.page_size, pages)
         if self._tiers.backs_up_on_insert:
@@ -612,9 +613,8 @@ class CacheManager(PagePath):
             old_handle, ids, indices, self._pages, priority
         )
         # (the request's locked pages stay)
-        self._finished(
-            old_handle, ids, indices, in_cache, handle.cached_len - old_handle.cached_len
-        )
+        held = handle.cached_len - old_handle.cached_len
+        self._finished(old_handle, ids, indices, in_cache, held)
         return handle, new_indices.to(self.device, non_blocking=True)
 
     # -- once a scheduling round --------------------------------------------------

@@ -5,7 +5,8 @@ Page p of the device pool holds slots p * page_size + [0, page_size) (pages
 are aligned in their pool: a CacheManager's tree is made with
 `aligned_pages`), so a request's pages name its slots: each call here is
 its slot form's (`match_req`, `load_back`, `allocate`, `free`,
-`free_and_cache_finished_req`, `cache_unfinished_req`), with page_size
+`free_and_cache_finished_req`, `free_and_cache_finished_reqs`,
+`free_and_cache_finished_reqs_flat`, `cache_unfinished_req`), with page_size
 times fewer entries, the same checks and the same effects. At page_size 1
 pages are slots. The radix cache only.
 """
@@ -21,7 +22,7 @@ from radixkv._core import shielded
 from radixkv._checks import as_count, as_flag, int32_tensor, to_host
 from radixkv.kvcache.base import BaseCacheHandle
 from radixkv.kvcache.page_ids import pages_of_slots, slots_of_pages
-from radixkv.kvcache.request_inputs import length
+from radixkv.kvcache.request_inputs import host_batch, host_flat, length
 from radixkv.scheduler.namespaces import Namespaces
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ class PagePath:
             in_cache: int,
             held: Optional[int] = None,
             pages: bool = False,
+        ) -> None: ...
+        def _flat_finished(
+            self, handles, input_ids, indices, own, in_cache, pages: bool = False
         ) -> None: ...
         def _load_back(self, handle: BaseCacheHandle): ...
 
@@ -120,9 +124,49 @@ class PagePath:
         ids, pages = self._request_inputs(input_ids, page_ids)
         handle = cast(_core.RadixCacheHandle, old_handle)  # (the native call checks it)
         in_cache = tree.finish_request_pages(handle, ids, pages, self._pages, priority)
-        ps = self.page_size
-        held = (length(pages) - old_handle.cached_len // ps) * ps
-        self._finished(old_handle, ids, pages, in_cache, held, pages=True)
+        self._finished(old_handle, ids, pages, in_cache, pages=True)
+
+    @shielded
+    def free_and_cache_finished_reqs_pages(self, batch, priority=0) -> None:
+        """`free_and_cache_finished_reqs` with each request's pages: `batch`
+        holds (old_handle, input_ids, page_ids), its page_ids as
+        `free_and_cache_finished_req_pages` takes them. Checked first, and
+        together (no page held by two requests, no handle finished more
+        often than it is locked): a bad one raises, naming `batch[i]
+        page_ids`, and changes nothing. `priority` is one int for the whole
+        batch, or a list or tuple of one per request."""
+        tree = self._page_tree("free_and_cache_finished_reqs_pages")
+        host = host_batch(batch, self.device, "page_ids")
+        if self._tiers.loads_in_flight():
+            self._tiers.settle_loads()
+        in_cache = tree.finish_requests_pages(host, self._pages, priority)
+        for (handle, ids, pages), k in zip(host, in_cache):
+            self._finished(handle, ids, pages, k, pages=True)
+
+    @shielded
+    def free_and_cache_finished_reqs_flat_pages(
+        self, handles, input_ids, page_ids, priority=0, *, own=None
+    ) -> None:
+        """`free_and_cache_finished_reqs_flat` with page ids: request i's
+        are the next ceil(len(input_ids[i]) / page_size) ids of `page_ids`
+        (its match's, then its own; `page_ids` must hold exactly all of
+        them), as a scheduler gathers them from its block table. With `own`,
+        `page_ids` holds only each request's cached part
+        (`handles[i].cached_len // page_size` ids, as `match_pages` returns
+        them) and `own` the rest (its own pages, as `allocate_pages` returns
+        them). Checked as the batch call is (errors name request i as
+        `request[i]`, its pages by their position among its own, and the
+        tensors as `page_ids` and `own`); raises, changing nothing."""
+        tree = self._page_tree("free_and_cache_finished_reqs_flat_pages")
+        input_ids, pages, own = host_flat(
+            handles, input_ids, page_ids, own, self.device, "page_ids"
+        )
+        if self._tiers.loads_in_flight():
+            self._tiers.settle_loads()
+        in_cache = tree.finish_requests_flat_pages(  # (reads and checks every input)
+            handles, input_ids, pages, self._pages, priority, own
+        )
+        self._flat_finished(handles, input_ids, pages, own, in_cache, pages=True)
 
     @shielded
     def cache_unfinished_req_pages(

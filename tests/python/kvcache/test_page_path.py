@@ -31,12 +31,12 @@ def state(cm: CacheManager):
     return (tree.dump(tiers=True), cm.free_pages, cm.held_pages, tree.tier_sizes())
 
 
-def prompts(ps: int, seed: int, n: int):
+def prompts(ps: int, seed: int, n: int, systems: int = 4):
     rnd = random.Random(seed)
-    systems = [[rnd.randrange(50) for _ in range(rnd.randrange(1, 5) * ps)] for _ in range(4)]
+    shared = [[rnd.randrange(50) for _ in range(rnd.randrange(1, 5) * ps)] for _ in range(systems)]
     for _ in range(n):
         own = [rnd.randrange(50) for _ in range(rnd.randrange(1, 3 * ps + 3))]
-        yield torch.tensor(rnd.choice(systems) + own, dtype=torch.int32), rnd.random() < 0.3
+        yield torch.tensor(rnd.choice(shared) + own, dtype=torch.int32), rnd.random() < 0.3
 
 
 @pytest.mark.parametrize("host", [False, True], ids=["device", "host"])
@@ -233,3 +233,236 @@ def test_the_page_path_announces_the_same_kv_events(ps):
     assert recorders[0].batches == recorders[1].batches
     kinds = {e[0] for batch in recorders[0].batches for e in batch}
     assert {"BlockStored", "BlockRemoved"} <= kinds
+
+
+# --- the batch and flat steps in pages ----------------------------------------------
+
+
+def admit(slots_cm: CacheManager, pages_cm: CacheManager, ids: torch.Tensor):
+    """One request matched (loaded back when the host holds more), locked
+    and given its own pages on both paths, which must agree:
+    ((slot handle, cached slots, own slots), (page handle, cached pages, own pages))."""
+    ps = slots_cm.page_size
+    h1, idx = slots_cm.match_req(ids)
+    h2, pages = pages_cm.match_pages(ids)
+    assert (h1.cached_len, h1.host_hit_len) == (h2.cached_len, h2.host_hit_len)
+    if h1.host_hit_len:
+        h1, idx = slots_cm.load_back(h1)
+        h2, pages = pages_cm.load_back_pages(h2)
+    else:
+        slots_cm.lock(h1)
+        pages_cm.lock(h2)
+    assert h1.cached_len == h2.cached_len
+    assert pages.tolist() == pages_of_slots(idx, ps).tolist()
+    need = ids.shape[0] - h1.cached_len
+    own_slots, own_pages = slots_cm.allocate(need), pages_cm.allocate_pages(need)
+    assert own_pages.tolist() == pages_of_slots(own_slots, ps).tolist()
+    return (h1, idx, own_slots), (h2, pages, own_pages)
+
+
+def finish_both(slots_cm, pages_cm, batch, ids, form: str) -> None:
+    """Finishes a batch of admitted requests on both paths with `form`:
+    "batch" (a list of tuples), "flat" (one tensor), "own" (flat, the
+    cached parts and own pages apart)."""
+    slots_side = [s for s, _ in batch]
+    pages_side = [p for _, p in batch]
+    priority = [i % 3 for i in range(len(batch))]
+    if form == "batch":
+        slots_cm.free_and_cache_finished_reqs(
+            [(h, x, torch.cat([c, o])) for (h, c, o), x in zip(slots_side, ids)], priority
+        )
+        pages_cm.free_and_cache_finished_reqs_pages(
+            [(h, x, torch.cat([c, o])) for (h, c, o), x in zip(pages_side, ids)], priority
+        )
+        return
+    for cm, side, flat in (
+        (slots_cm, slots_side, slots_cm.free_and_cache_finished_reqs_flat),
+        (pages_cm, pages_side, pages_cm.free_and_cache_finished_reqs_flat_pages),
+    ):
+        handles = [h for h, _, _ in side]
+        if form == "own":
+            cached = torch.cat([c for _, c, _ in side])
+            flat(handles, ids, cached, priority, own=torch.cat([o for _, _, o in side]))
+        else:
+            flat(handles, ids, torch.cat([torch.cat([c, o]) for _, c, o in side]), priority)
+
+
+@pytest.mark.parametrize("tier", ["device", "events", "host"])
+@pytest.mark.parametrize("ps", [1, 16, 512])
+def test_batch_and_flat_page_steps_are_their_slot_twins_in_pages(ps, tier):
+    """Rounds of 1 to 3 requests, finished by the batch, the flat and the
+    flat-with-own step on both paths: the same handles, pages, trees,
+    counters, metrics and KV events. `device` has no per-request tail (no
+    KV events, no write_through): only held pages are counted."""
+    recorders = (Recorder(), Recorder()) if tier != "device" else (None, None)
+    tiers = dict(host_num_pages=48, write_policy="write_through") if tier == "host" else {}
+    slots_cm, pages_cm = (
+        CacheManager(32, page_size=ps, manual_copies=False, kv_events=r, **tiers) for r in recorders
+    )
+    requests = [ids for ids, _ in prompts(ps, seed=7 * ps + len(tier), n=150, systems=8)]
+    forms = ("batch", "flat", "own")
+    rnd = random.Random(ps)
+    rounds = 0
+    while requests:
+        k = min(rnd.randrange(1, 4), len(requests))
+        ids, requests = requests[:k], requests[k:]
+        batch = [admit(slots_cm, pages_cm, x) for x in ids]
+        assert slots_cm.held_pages == pages_cm.held_pages
+        finish_both(slots_cm, pages_cm, batch, ids, forms[rounds % 3])
+        rounds += 1
+        for (h1, _, _), (h2, _, _) in batch:
+            assert (h1.cached_len, h1.host_hit_len) == (h2.cached_len, h2.host_hit_len)
+        if tier == "host":
+            assert slots_cm.drain() == pages_cm.drain() == []
+        assert state(slots_cm) == state(pages_cm)
+        assert pages_cm.held_pages == 0
+    assert slots_cm.metrics == pages_cm.metrics
+    if tier == "host":
+        assert pages_cm.tier_counters == slots_cm.tier_counters
+        assert pages_cm.tier_counters.backed_up > 0
+        assert pages_cm.tier_counters.loaded_back > 0
+    slots_cm.close()
+    pages_cm.close()
+    if recorders[0] is not None:
+        assert recorders[0].batches == recorders[1].batches
+        kinds = {e[0] for batch in recorders[0].batches for e in batch}
+        assert "BlockStored" in kinds
+
+
+@pytest.fixture
+def two_finishing():
+    """A manager (page 16) with a cached 32-token prompt and two requests
+    admitted on it: (cm, handles, ids, cached pages, own pages)."""
+    cm = manager(16, False)
+    ids = torch.arange(48, dtype=torch.int32)
+    h, pages = cm.match_pages(ids)
+    cm.lock(h)
+    cm.free_and_cache_finished_req_pages(h, ids, torch.cat([pages, cm.allocate_pages(48)]))
+    handles, ids_list, cached, own = [], [], [], []
+    for start in (100, 200):
+        x = torch.cat([ids[:32], torch.arange(start, start + 20, dtype=torch.int32)])
+        h, c = cm.match_pages(x)
+        cm.lock(h)
+        handles.append(h)
+        ids_list.append(x)
+        cached.append(c)
+        own.append(cm.allocate_pages(20))
+    return cm, handles, ids_list, cached, own
+
+
+def _swap_own(own):
+    """Request 1's own pages with request 0's first one in: a page in two requests."""
+    return [own[0], torch.cat([own[0][:1], own[1][1:]])]
+
+
+def _short(own):
+    return [own[0], own[1][:-1]]
+
+
+def _cached_for_own(cached, own):
+    """Request 1's cached part with an own page for its first: not the match's."""
+    return [cached[0], torch.cat([own[1][:1], cached[1][1:]])]
+
+
+@pytest.mark.parametrize(
+    "form, spoil, message",
+    [
+        ("batch", lambda c, o: (c, _short(o)), r"batch\[1\] page_ids has length 3 but must cover"),
+        ("batch", lambda c, o: (c, _swap_own(o)), r"batch\[0\] page_ids.*batch\[1\] page_ids"),
+        ("batch", lambda c, o: (_cached_for_own(c, o), o), r"batch\[1\] page_ids\[:2\] must be"),
+        ("flat", lambda c, o: (c, _short(o)), r"page_ids has length 7 but .* need 8 pages"),
+        ("flat", lambda c, o: (c, _swap_own(o)), r"request\[\d\] page_ids"),
+        ("own", lambda c, o: (c, _short(o)), r"own has length 3 but .* need 4 more pages"),
+        ("own", lambda c, o: ([c[0], c[1][:1]], o), r"page_ids has length 3 but .*: 4 pages"),
+        ("own", lambda c, o: (_cached_for_own(c, o), o), r"request\[1\] page_ids\[:2\] must be"),
+    ],
+    ids=[
+        "batch-short",
+        "batch-shared",
+        "batch-not-the-match",
+        "flat-short",
+        "flat-shared",
+        "own-short",
+        "own-short-cached",
+        "own-not-the-match",
+    ],
+)
+def test_a_bad_page_batch_names_its_argument_and_changes_nothing(
+    two_finishing, form, spoil, message
+):
+    cm, handles, ids, cached, own = two_finishing
+
+    def finish(cached, own):
+        if form == "batch":
+            batch = [(h, x, torch.cat([c, o])) for h, x, c, o in zip(handles, ids, cached, own)]
+            cm.free_and_cache_finished_reqs_pages(batch)
+        elif form == "flat":
+            joined = torch.cat([torch.cat([c, o]) for c, o in zip(cached, own)])
+            cm.free_and_cache_finished_reqs_flat_pages(handles, ids, joined)
+        else:
+            cm.free_and_cache_finished_reqs_flat_pages(
+                handles, ids, torch.cat(cached), own=torch.cat(own)
+            )
+
+    before = state(cm)
+    with pytest.raises(ValueError, match=message):
+        finish(*spoil(cached, own))
+    assert state(cm) == before
+    assert [h.lock_count for h in handles] == [1, 1]
+    finish(cached, own)  # the right pages still finish them
+    assert cm.held_pages == 0
+    cm.check_integrity()
+
+
+def test_the_page_batch_refuses_bad_shapes_naming_page_ids(two_finishing):
+    cm, handles, ids, cached, own = two_finishing
+    before = state(cm)
+    with pytest.raises(TypeError, match=r"tuple \(old_handle, input_ids, page_ids\)"):
+        cm.free_and_cache_finished_reqs_pages([(handles[0], ids[0])])
+    with pytest.raises(TypeError, match=r"batch\[0\] page_ids"):
+        cm.free_and_cache_finished_reqs_pages([(handles[0], ids[0], "pages")])
+    with pytest.raises(TypeError, match=r"\bpage_ids\b"):
+        cm.free_and_cache_finished_reqs_flat_pages(handles, ids, "pages")
+    with pytest.raises(TypeError, match=r"\bown\b"):
+        cm.free_and_cache_finished_reqs_flat_pages(handles, ids, torch.cat(cached), own="own")
+    with pytest.raises(ValueError, match="input_ids has 1 entries but handles has 2"):
+        cm.free_and_cache_finished_reqs_flat_pages(handles, ids[:1], torch.cat(cached))
+    assert state(cm) == before
+
+
+def test_the_naive_cache_and_an_unaligned_tree_have_no_page_batches():
+    cm = CacheManager(8, page_size=4, type="naive")
+    with pytest.raises(TypeError, match="radix cache"):
+        cm.free_and_cache_finished_reqs_pages([])
+    with pytest.raises(TypeError, match="radix cache"):
+        cm.free_and_cache_finished_reqs_flat_pages([], [], torch.empty(0, dtype=torch.int32))
+    unaligned = _core.RadixTree(4)
+    pool = _core.PageAllocator(16, 4)
+    none = torch.empty(0, dtype=torch.int32)
+    for call in (  # refused even where there is nothing to do
+        lambda: unaligned.finish_requests_pages([], pool),
+        lambda: unaligned.finish_requests_flat_pages([], [], none, pool),
+        lambda: unaligned.finish_requests_flat_pages([], [], none, pool, 0, none),
+    ):
+        with pytest.raises(ValueError, match="aligned"):
+            call()
+    assert unaligned.finish_requests([], pool) == []  # (the slot forms take it)
+    assert unaligned.finish_requests_flat([], [], none, pool) == []
+
+
+def test_the_tree_page_batches_take_page_ids():
+    tree = _core.RadixTree(4, aligned_pages=True)
+    pool = _core.PageAllocator(16, 4)
+    ids = torch.arange(10, dtype=torch.int32)
+    handles, own = [], []
+    for _ in range(2):
+        h, pages = tree.match_pages(ids)
+        tree.lock_handle(h)
+        handles.append(h)
+        own.append(pool.allocate_pages(10))
+    assert [p.shape[0] for p in own] == [3, 3]
+    assert tree.finish_requests_flat_pages(handles, [ids, ids], torch.cat(own), pool) == [0, 8]
+    h, pages = tree.match_pages(ids)
+    assert h.cached_len == 8 and pages.tolist() == own[0][:2].tolist()
+    assert pool.num_free_pages == 16 - 2  # (the cached pages only)
+    tree.check_integrity()
