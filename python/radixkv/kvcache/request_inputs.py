@@ -146,9 +146,9 @@ def host_flat(handles, input_ids, indices, own, device: torch.device, name: str 
     """A flat batch's (input_ids, indices, own) on the host, `handles` and
     `input_ids` checked to be lists or tuples of one length. `name`:
     `indices`' (`page_ids` for the page form)."""
-    for name, value in (("handles", handles), ("input_ids", input_ids)):
+    for arg, value in (("handles", handles), ("input_ids", input_ids)):
         if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{name} must be a list or tuple, got {type(value).__name__}")
+            raise TypeError(f"{arg} must be a list or tuple, got {type(value).__name__}")
     if len(input_ids) != len(handles):
         raise ValueError(f"input_ids has {len(input_ids)} entries but handles has {len(handles)}")
     if device.type == "cpu":

@@ -17,6 +17,7 @@ import torch
 from radixkv import _core
 from radixkv.events import EventPublisher
 from radixkv.kvcache.page_ids import pages_of_slots, slots_of_pages
+from radixkv.kvcache.request_inputs import host_flat
 from radixkv.scheduler import CacheManager
 
 
@@ -466,3 +467,14 @@ def test_the_tree_page_batches_take_page_ids():
     assert h.cached_len == 8 and pages.tolist() == own[0][:2].tolist()
     assert pool.num_free_pages == 16 - 2  # (the cached pages only)
     tree.check_integrity()
+
+
+def test_a_flat_step_off_the_cpu_names_its_tensor_of_slots_or_pages():
+    """On a device manager the flat steps bring their tensors to the host
+    first; one that cannot come is named as the step names it."""
+    meta = torch.empty(0, dtype=torch.int32, device="meta")
+    for name in ("indices", "page_ids"):
+        with pytest.raises(TypeError, match=f"^{name} must be"):
+            host_flat([], [], meta, None, torch.device("cuda"), name)
+    with pytest.raises(TypeError, match="^own must be"):
+        host_flat([], [], [], meta, torch.device("cuda"), "page_ids")
