@@ -39,6 +39,8 @@ def _as_numpy_reversed(v):
     return np.array(v[::-1], dtype=np.int64)[::-1]
 
 
+ALLOC_PAGES = 1 << 21  # the page-form finish's allocator (Driver.alloc)
+
 INPUT_FORMS = [
     list,
     tuple,
@@ -102,6 +104,13 @@ class Driver:
                     pool.append(v)
         self.pages = pool
         self.counts = {}
+        if pages:
+            # The page-form finish takes its pages from an allocator: one whose
+            # every page is handed out, so the driver's own pool (page g is
+            # page id 3 + g) is "allocated", and what a finish frees is read
+            # back from it.
+            self.alloc = radixkv._core.PageAllocator(ALLOC_PAGES, page_size)
+            self.alloc.allocate_pages(ALLOC_PAGES * page_size)
 
     # -- inputs ------------------------------------------------------------------
     def tokens(self):
@@ -197,6 +206,8 @@ class Driver:
 
     def op_insert(self):
         r = self.rng
+        if self.page_forms and r.random() < 0.4:
+            return self.op_finish_pages()
         if r.random() < 0.3:
             # The usual flow: match, then insert the matched slots plus new ones.
             ids, prefix = self.op_match()
@@ -222,6 +233,41 @@ class Driver:
         # Slots the tree did not keep go back to the caller's free list.
         self.free(slots[n_own:got])
         self.free(slots[n:])
+
+    def op_finish_pages(self):
+        """A request's whole flow in page ids: match_pages, lock, its own pages
+        after the match's, finish_request_pages (the insert from the handle, the
+        frees, the unlock), against the model's match, lock, insert, unlock;
+        the pages the finish gave back are exactly those the model did not keep."""
+        r, p = self.rng, self.p
+        ids = self.tokens()
+        h, page_ids = self.native.tree.match_pages(self.form(ids))
+        rh, prefix = self.ref.match_prefix(ids)
+        assert self.slots_of(page_ids).tolist() == prefix and h.cached_len == rh.cached_len
+        self.native.lock_handle(h)
+        self.ref.lock_handle(rh)
+        ids = ids + self.tokens()[: r.randrange(0, 4 * p + 1)]
+        new = self.fresh_slots(len(ids) - len(prefix))
+        own = [s // p for s in new[::p]]  # (slot_base is 3 pages: page g is id 3 + g)
+        assert not own or max(own) < ALLOC_PAGES
+        prio = r.choice([-2, 0, 0, 1, 3]) if self.priorities else 0
+        row = page_ids.tolist() + own
+        got = self.native.tree.finish_request_pages(
+            h, self.form(ids), self.form(row), self.alloc, prio
+        )
+        want = self.ref.insert_prefix(ids, prefix + new, priority=prio)
+        self.ref.lock_handle(rh, True)
+        assert got == want and got >= len(prefix)
+        assert h.lock_count == rh.lock_count
+        n = len(ids) - len(ids) % p
+        slots = prefix + new
+        unkept = sorted(s // p for s in slots[len(prefix) : got : p] + slots[n::p])
+        back = self.alloc.num_free_pages
+        freed = self.alloc.allocate_pages(back * p).tolist() if back else []
+        assert sorted(freed) == unkept
+        self.free(slots[len(prefix) : got])
+        self.free(slots[n:])
+        self.count("finish_pages")
 
     def op_lock(self):
         live = [(h, rh) for h, rh in self.held if self.ref.is_valid(rh)]
@@ -388,14 +434,15 @@ def test_random_operations_match_reference(page_size, seed):
 def test_the_page_forms_match_the_reference(page_size):
     """An aligned tree (a bit a page in its sets where the page size is a
     power of two; page 3 keeps a bit a slot), half its matches and
-    evictions in page ids, against the model."""
+    evictions in page ids and some of its inserts as a request's page-form
+    finish, against the model."""
     d = Driver(page_size, seed=77 + page_size, pages=True)
     for i in range(2500 if page_size < 512 else 1200):
         try:
             d.step()
         except AssertionError as e:
             raise AssertionError(f"step {i} (page_size={page_size}): {e}") from e
-    for name in ("match_pages", "evict_pages", "match", "evict", "slot_stored"):
+    for name in ("match_pages", "evict_pages", "finish_pages", "match", "evict", "slot_stored"):
         assert d.counts.get(name, 0) > 0, (name, d.counts)
 
 
