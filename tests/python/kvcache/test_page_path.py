@@ -208,25 +208,13 @@ def test_the_page_path_announces_the_same_kv_events(ps):
     event (stores, evictions, backups, loads, host evictions)."""
     recorders = Recorder(), Recorder()
     slots_cm, pages_cm = (
-        CacheManager(
-            32, page_size=ps, host_num_pages=48, write_policy="write_through", kv_events=r
-        )
+        CacheManager(32, page_size=ps, host_num_pages=48, write_policy="write_through", kv_events=r)
         for r in recorders
     )
     for ids, _ in prompts(ps, seed=3, n=120):
-        h1, idx = slots_cm.match_req(ids)
-        h2, pages = pages_cm.match_pages(ids)
-        if h1.host_hit_len:
-            h1, idx = slots_cm.load_back(h1)
-            h2, pages = pages_cm.load_back_pages(h2)
-        else:
-            slots_cm.lock(h1)
-            pages_cm.lock(h2)
-        need = ids.shape[0] - h1.cached_len
-        idx = torch.cat([idx, slots_cm.allocate(need)])
-        pages = torch.cat([pages, pages_cm.allocate_pages(need)])
-        slots_cm.free_and_cache_finished_req(h1, ids, idx)
-        pages_cm.free_and_cache_finished_req_pages(h2, ids, pages)
+        (h1, idx, own_slots), (h2, pages, own_pages) = admit(slots_cm, pages_cm, ids)
+        slots_cm.free_and_cache_finished_req(h1, ids, torch.cat([idx, own_slots]))
+        pages_cm.free_and_cache_finished_req_pages(h2, ids, torch.cat([pages, own_pages]))
         slots_cm.drain()
         pages_cm.drain()
     slots_cm.close()
