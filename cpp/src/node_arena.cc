@@ -63,18 +63,21 @@ void SystemFree(void* p, size_t bytes) noexcept {
 }  // namespace
 
 size_t NodeArena::ClassSize(int c) noexcept {
-  if (c < 16) return 32 * static_cast<size_t>(c + 1);
-  const int octave = (c - 16) / kStepsPerOctave + 9;  // blocks in (2^octave, 2^(octave+1)]
-  const int step = (c - 16) % kStepsPerOctave + 1;
+  if (c < kSmallClasses) return 32 * static_cast<size_t>(c + 1);
+  // Blocks in (2^octave, 2^(octave+1)], in kStepsPerOctave equal steps.
+  const int octave = (c - kSmallClasses) / kStepsPerOctave + kFirstOctave;
+  const int step = (c - kSmallClasses) % kStepsPerOctave + 1;
   return (size_t{1} << octave) + step * (size_t{1} << (octave - kStepShift));
 }
 
 int NodeArena::ClassOf(size_t bytes) noexcept {
-  if (bytes <= 512) return bytes == 0 ? 0 : static_cast<int>((bytes - 1) / 32);
-  int octave = 9;
+  if (bytes <= size_t{1} << kFirstOctave) {
+    return bytes == 0 ? 0 : static_cast<int>((bytes - 1) / 32);
+  }
+  int octave = kFirstOctave;
   while ((size_t{2} << octave) < bytes) ++octave;
   const size_t step = size_t{1} << (octave - kStepShift);
-  const int c = 16 + (octave - 9) * kStepsPerOctave +
+  const int c = kSmallClasses + (octave - kFirstOctave) * kStepsPerOctave +
                 static_cast<int>((bytes - (size_t{1} << octave) + step - 1) / step) - 1;
   return c < kClasses ? c : -1;
 }

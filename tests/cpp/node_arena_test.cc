@@ -29,10 +29,15 @@ TEST(NodeArenaTest, ClassesCoverEverySizeWithLittleRounding) {
     ASSERT_GE(c, 0) << bytes;
     const size_t size = NodeArena::ClassSize(c);
     ASSERT_GE(size, bytes);
-    // 32-byte steps up to 512, then at most 1/16 of the block is rounding
-    ASSERT_LE(size - bytes, bytes <= 512 ? 31u : size / 16) << bytes;
+    // 32-byte steps up to 1 KiB, then at most 1/32 of the block is rounding
+    ASSERT_LE(size - bytes, bytes <= 1024 ? 31u : size / 32) << bytes;
   }
   EXPECT_EQ(NodeArena::ClassOf(NodeArena::ClassSize(NodeArena::kClasses - 1) + 1), -1);
+  EXPECT_EQ(NodeArena::ClassSize(NodeArena::kClasses - 1), size_t{2} << 20);
+  // A node of 1,024 tokens: at page 16 (4,352 bytes) and 512 (4,104) a block
+  // with little or no rounding.
+  EXPECT_EQ(NodeArena::ClassSize(NodeArena::ClassOf(4352)), 4352u);
+  EXPECT_EQ(NodeArena::ClassSize(NodeArena::ClassOf(4104)), 4224u);
 }
 
 TEST(NodeArenaTest, BlocksAreAlignedDisjointAndReused) {

@@ -7,8 +7,9 @@
 namespace radixkv {
 
 /// A slab allocator for node storage. Blocks come in size classes (32-byte
-/// steps to 512 bytes, then sixteen classes per power of two, so at most 1/16 of
-/// a block is rounding); each class carves its blocks from slabs of its own,
+/// steps to 1 KiB, then 32 classes per power of two, so at most 1/32 of a
+/// block is rounding: a node of 1,024 tokens at page 512, 4,104 bytes, takes
+/// 4,224); each class carves its blocks from slabs of its own,
 /// which double in size as the class grows, up to 2 MiB slabs backed by huge
 /// pages where the kernel allows (madvise). A tree that grows by a node per
 /// request therefore takes one page fault per 2 MiB instead of one per 4 KiB,
@@ -43,10 +44,14 @@ class NodeArena {
   /// Bytes held from the system (slabs and large blocks).
   size_t reserved_bytes() const noexcept { return reserved_; }
 
-  /// The number of size classes, and the block size of class `c`.
-  static constexpr int kStepShift = 4;
+  /// The number of size classes, and the block size of class `c`: 32-byte
+  /// steps to 1 KiB (kSmallClasses), then kStepsPerOctave steps per power
+  /// of two (every step a multiple of 32 bytes), up to 2 MiB blocks.
+  static constexpr int kStepShift = 5;
   static constexpr int kStepsPerOctave = 1 << kStepShift;
-  static constexpr int kClasses = 16 + kStepsPerOctave * 12;  // up to 2 MiB blocks
+  static constexpr int kFirstOctave = 10;
+  static constexpr int kSmallClasses = (1 << kFirstOctave) / 32;
+  static constexpr int kClasses = kSmallClasses + kStepsPerOctave * (21 - kFirstOctave);
   static size_t ClassSize(int c) noexcept;
   /// The smallest class whose blocks hold `bytes`, or -1 if none does.
   static int ClassOf(size_t bytes) noexcept;
