@@ -41,6 +41,13 @@ uint64_t HashPage(const int32_t* tokens, int64_t n) noexcept {
   return h;
 }
 
+// `length`, checked to fit a node's capacity (Node::capacity).
+int64_t NodeLength(int64_t length) {
+  RADIXKV_CHECK(length <= int64_t{UINT32_MAX}, kInvalid, "cannot cache ", length,
+                " new tokens at once: at most ", UINT32_MAX);
+  return length;
+}
+
 // The bytes of a block for `length` tokens (unless `slots_only`) and one slot
 // per page of them.
 size_t BlockBytes(int64_t length, int64_t page_size, bool slots_only) {
@@ -54,7 +61,7 @@ size_t BlockBytes(int64_t length, int64_t page_size, bool slots_only) {
 RadixTree::NodeBlock::NodeBlock(NodeArena* arena, const int32_t* tokens, int64_t length,
                                 int64_t page_size)
     : arena_(arena),
-      bytes_(BlockBytes(length, page_size, tokens == nullptr)),
+      bytes_(BlockBytes(NodeLength(length), page_size, tokens == nullptr)),
       block_(arena->Allocate(bytes_)),
       capacity_(length),
       slots_only_(tokens == nullptr) {
@@ -72,17 +79,18 @@ RadixTree::NodeBlock& RadixTree::NodeBlock::operator=(NodeBlock&& other) noexcep
   return *this;
 }
 
-RadixTree::NodeBlock RadixTree::NodeBlock::Adopt(NodeArena* arena, Node* node, bool host,
+RadixTree::NodeBlock RadixTree::NodeBlock::Adopt(NodeArena* arena, Node* node, NodeExtra* host,
                                                  int64_t page_size) noexcept {
   NodeBlock s;
   s.arena_ = arena;
-  s.slots_only_ = host;
-  if (host) {
-    s.block_ = NodeArena::Block{node->host, node->host_slab};
-    s.capacity_ = node->host_capacity;
+  s.slots_only_ = host != nullptr;
+  if (host != nullptr) {
+    s.block_ = NodeArena::Block{host->host, host->host_slab};
+    s.capacity_ = host->host_capacity;
     s.bytes_ = BlockBytes(s.capacity_, page_size, true);
-    node->host = nullptr;
-    node->host_slab = nullptr;
+    host->host = nullptr;
+    host->host_slab = nullptr;
+    node->hosted = false;
   } else {
     s.block_ = NodeArena::Block{node->data, node->data_slab};
     s.capacity_ = node->capacity;
@@ -101,10 +109,11 @@ void RadixTree::NodeBlock::MoveTo(Node* node, int64_t length) noexcept {
   block_ = NodeArena::Block{};
 }
 
-void RadixTree::NodeBlock::MoveToHost(Node* node) noexcept {
-  node->host = static_cast<int32_t*>(block_.data);
-  node->host_slab = block_.slab;
-  node->host_capacity = capacity_;
+void RadixTree::NodeBlock::MoveToHost(Node* node, NodeExtra* extra) noexcept {
+  extra->host = static_cast<int32_t*>(block_.data);
+  extra->host_slab = block_.slab;
+  extra->host_capacity = capacity_;
+  node->hosted = true;
   block_ = NodeArena::Block{};
 }
 
@@ -136,15 +145,16 @@ RadixTree::RadixTree(int64_t page_size, int64_t max_slots, EvictionPolicy policy
     stored_.SetSlotsPerBit(shift);
     stored_host_.SetSlotsPerBit(shift);
   }
-  nodes_.push_back(std::make_unique<Node>());
-  root_ = nodes_[0].get();
+  root_ = nodes_.Add();
+  // The fifo policy keys nodes by the time they were made (NodeExtra).
+  if (policy_ == EvictionPolicy::kFifo) NeedExtras();
   ReserveNodes(0);
 }
 
 RadixTree::~RadixTree() {
   for (size_t i = 1; i < nodes_.size(); ++i) {
-    FreeStorage(nodes_[i].get());
-    FreeHost(nodes_[i].get());
+    FreeStorage(nodes_[i]);
+    FreeHost(nodes_[i]);
   }
 }
 
@@ -157,11 +167,17 @@ void RadixTree::FreeStorage(Node* node) noexcept {
 }
 
 void RadixTree::FreeHost(Node* node) noexcept {
-  if (node->host == nullptr) return;
-  arena_.Free(NodeArena::Block{node->host, node->host_slab},
-              BlockBytes(node->host_capacity, page_size_, true));
-  node->host = nullptr;
-  node->host_slab = nullptr;
+  if (!node->has_host()) return;
+  NodeExtra& e = MutEx(node);
+  arena_.Free(NodeArena::Block{e.host, e.host_slab}, BlockBytes(e.host_capacity, page_size_, true));
+  e.host = nullptr;
+  e.host_slab = nullptr;
+  node->hosted = false;
+}
+
+void RadixTree::NeedExtras() {
+  if (!extras_.empty()) return;
+  extras_ = std::vector<NodeExtra>(nodes_.size());  // on failure nothing has changed
 }
 
 uint64_t RadixTree::ChildKey(const Node* parent, const int32_t* tokens,
@@ -187,7 +203,7 @@ Node* RadixTree::FindChild(const Node* node, const int32_t* tokens, uint64_t ns)
   }
   const size_t bytes = static_cast<size_t>(page_size_) * sizeof(int32_t);
   return node->children.Find(key, [&](const Node* child) {
-    return child->ns == ns && std::memcmp(child->key(), tokens, bytes) == 0;
+    return NsOf(child) == ns && std::memcmp(child->key(), tokens, bytes) == 0;
   });
 }
 
@@ -202,30 +218,38 @@ void RadixTree::ReserveNodes(size_t k) {
     q->host_heap.Reserve(want);
   }
   if (free_ids_.capacity() < want) free_ids_.reserve(std::max(want, 2 * free_ids_.capacity()));
+  if (victims_.capacity() < want) victims_.reserve(std::max(want, 2 * victims_.capacity()));
+  if (!extras_.empty() && extras_.capacity() < want) {
+    extras_.reserve(std::max(want, 2 * extras_.capacity()));
+  }
   while (free_ids_.size() < k) {
-    auto node = std::make_unique<Node>();
-    node->id = static_cast<uint32_t>(nodes_.size());
-    nodes_.push_back(std::move(node));  // on failure the new node is simply dropped
-    free_ids_.push_back(nodes_.back()->id);
+    const auto id = static_cast<uint32_t>(nodes_.size());
+    nodes_.Add()->id = id;  // on failure the nodes made so far stay free
+    if (!extras_.empty()) extras_.emplace_back();  // room reserved
+    free_ids_.push_back(id);
   }
 }
 
 Node* RadixTree::TakeNode(Node* parent, NodeBlock data, int64_t length, uint64_t ns) noexcept {
-  Node* node = nodes_[free_ids_.back()].get();
+  Node* node = nodes_[free_ids_.back()];
   free_ids_.pop_back();
   data.MoveTo(node, length);
-  node->ns = parent == root_ ? ns : parent->ns;
-  node->child_key = ChildKey(parent, node->key(), node->ns);
+  if (parent != root_) ns = NsOf(parent);
+  node->child_key = ChildKey(parent, node->key(), ns);
   node->parent = parent;
   node->depth = parent->depth + length;
   node->ref_count = 0;
-  node->timestamp = node->created = clock_;
+  node->timestamp = clock_;
   node->priority = 0;
   node->device_children = node->host_children = node->hits = 0;
   node->on_device = false;  // the caller puts it on the device (SetOnDevice)
   node->backing_up = node->loading = node->storage_writing = node->from_storage = false;
-  node->host_pins = node->claims = node->host_claims = node->host_claim_locks = 0;
-  node->copy_start = node->storage_write_start = -1;
+  if (!extras_.empty()) {
+    NodeExtra& e = extras_[node->id];
+    e = NodeExtra{};
+    e.ns = ns;
+    e.created = clock_;
+  }
   ++num_nodes_;
   return node;
 }
@@ -235,7 +259,6 @@ void RadixTree::FreeNode(Node* node) noexcept {
   FreeHost(node);
   node->children.Clear();
   node->parent = nullptr;
-  node->next = nullptr;
   node->length = 0;
   node->ref_count = 0;
   ++node->generation;
@@ -252,13 +275,13 @@ void RadixTree::SetOnDevice(Node* x, bool on) noexcept {
   x->parent->device_children += static_cast<uint32_t>(d);
   (Protected(x) ? protected_size_ : evictable_size_) += d * x->length;
   if (x->has_host()) host_only_size_ -= d * x->length;
-  if (Quota* q = QuotaOf(x->ns)) q->device += d * x->length;
+  if (Quota* q = QuotaOf(NsOf(x))) q->device += d * x->length;
 }
 
 void RadixTree::CountHost(Node* x, int64_t sign) noexcept {
   host_size_ += sign * x->length;
   if (!x->on_device) host_only_size_ += sign * x->length;
-  if (Quota* q = QuotaOf(x->ns)) q->host += sign * x->length;
+  if (Quota* q = QuotaOf(NsOf(x))) q->host += sign * x->length;
 }
 
 void RadixTree::Refresh(Node* x) noexcept {
@@ -267,7 +290,7 @@ void RadixTree::Refresh(Node* x) noexcept {
   if (device != heap_.Contains(x->id)) {
     device ? heap_.Push(x->id, Key(x)) : heap_.Erase(x->id);  // room reserved
   }
-  if (Quota* q = QuotaOf(x->ns)) RefreshQuota(x, q);
+  if (Quota* q = QuotaOf(NsOf(x))) RefreshQuota(x, q);
   // A node leaves the host heap before it loses its host copy, so one
   // without a copy is not there (and a tree without a host tier pays nothing).
   if (!x->has_host()) return;
@@ -312,7 +335,7 @@ void RadixTree::PrepareSplit(Node* node, int64_t pos, uint32_t children, SplitPl
   std::memcpy(plan->smaller.pages(), node->value() + from / page_size_, page_bytes);
   if (node->has_host()) {
     plan->smaller_host = NodeBlock(&arena_, nullptr, length, page_size_);
-    std::memcpy(plan->smaller_host.pages(), node->host + from / page_size_, page_bytes);
+    std::memcpy(plan->smaller_host.pages(), Ex(node).host + from / page_size_, page_bytes);
   }
   plan->prefix_children.Reserve(children);
 }
@@ -326,31 +349,37 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   Node* prefix;
   if (pos <= rest) {
     // The suffix keeps the blocks: its tokens and slots move to the front.
-    prefix = TakeNode(parent, std::move(plan->smaller), pos, node->ns);
+    prefix = TakeNode(parent, std::move(plan->smaller), pos, NsOf(node));
     std::memmove(node->data, node->data + pos, rest * sizeof(int32_t));
     std::memmove(node->data + rest, node->data + len + pos_pages, rest_pages * sizeof(int32_t));
     if (host) {
-      plan->smaller_host.MoveToHost(prefix);
-      std::memmove(node->host, node->host + pos_pages, rest_pages * sizeof(int32_t));
+      plan->smaller_host.MoveToHost(prefix, &MutEx(prefix));
+      int32_t* slots = MutEx(node).host;
+      std::memmove(slots, slots + pos_pages, rest_pages * sizeof(int32_t));
     }
     node->length = rest;
   } else {
     // The prefix takes the blocks: its tokens stay, its slots move down.
     NodeBlock suffix = std::move(plan->smaller);
-    prefix = TakeNode(parent, NodeBlock::Adopt(&arena_, node, false, page_size_), pos, node->ns);
+    prefix =
+        TakeNode(parent, NodeBlock::Adopt(&arena_, node, nullptr, page_size_), pos, NsOf(node));
     std::memmove(prefix->data + pos, prefix->data + len, pos_pages * sizeof(int32_t));
     suffix.MoveTo(node, rest);
     if (host) {
-      NodeBlock::Adopt(&arena_, node, true, page_size_).MoveToHost(prefix);
-      plan->smaller_host.MoveToHost(node);
+      NodeBlock::Adopt(&arena_, node, &MutEx(node), page_size_).MoveToHost(prefix, &MutEx(prefix));
+      plan->smaller_host.MoveToHost(node, &MutEx(node));
     }
   }
   // The prefix holds what the node held, tier state included.
   prefix->ref_count = node->ref_count;
-  prefix->claims = node->claims;
-  prefix->host_claims = node->host_claims;
+  if (!extras_.empty()) {
+    NodeExtra& to = extras_[prefix->id];
+    const NodeExtra& from = extras_[node->id];
+    to.claims = from.claims;
+    to.host_claims = from.host_claims;
+    to.created = from.created;
+  }
   prefix->timestamp = node->timestamp;
-  prefix->created = node->created;
   prefix->priority = node->priority;
   prefix->hits = node->hits;
   prefix->on_device = node->on_device;
@@ -364,7 +393,7 @@ Node* RadixTree::CommitSplit(SplitPlan* plan) noexcept {
   parent->children.Replace(node->child_key, node, prefix);
 
   node->depth = prefix->depth + rest;
-  node->child_key = ChildKey(prefix, node->key(), node->ns);
+  node->child_key = ChildKey(prefix, node->key(), NsOf(node));
   node->parent = prefix;
   prefix->children.Insert(node->child_key, node);  // room reserved
   Refresh(prefix);
@@ -376,7 +405,7 @@ void RadixTree::Rekey(Node* x) noexcept {
   const uint64_t key = Key(x);
   if (heap_.Contains(x->id)) heap_.Update(x->id, key);
   if (host_heap_.Contains(x->id)) host_heap_.Update(x->id, key);
-  if (Quota* q = QuotaOf(x->ns)) {
+  if (Quota* q = QuotaOf(NsOf(x))) {
     if (q->heap.Contains(x->id)) q->heap.Update(x->id, key);
     if (q->host_heap.Contains(x->id)) q->host_heap.Update(x->id, key);
   }
@@ -514,6 +543,7 @@ int64_t RadixTree::InsertPrefix(const int32_t* tokens, SlotSource in, int64_t n,
   SplitPlan split;
   NodeBlock leaf_data;
   try {
+    if (ns != 0) NeedExtras();  // the new nodes' namespace
     ReserveNodes((partial != nullptr) + (pos < n));
     if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + (pos < n), &split);
     if (pos < n) {
@@ -556,7 +586,7 @@ Node* RadixTree::Resolve(const Handle& handle, const char* what) const {
   RADIXKV_CHECK(handle.tree_id == id_, kInvalid, what, " belongs to another cache manager");
   RADIXKV_CHECK(IsValid(handle), kInvalid, what,
                 " is stale: its node was evicted or the cache was reset");
-  return nodes_[handle.node_id].get();
+  return nodes_[handle.node_id];
 }
 
 bool RadixTree::IsValid(const Handle& handle) const noexcept {
@@ -646,7 +676,7 @@ void RadixTree::Unlock(Handle* handle) {
 
 void RadixTree::Reset() {
   for (size_t i = 1; i < nodes_.size(); ++i) {
-    if (nodes_[i]->parent != nullptr) FreeNode(nodes_[i].get());
+    if (nodes_[i]->parent != nullptr) FreeNode(nodes_[i]);
   }
   root_->children.Clear();
   root_->device_children = root_->host_children = 0;

@@ -42,13 +42,14 @@ void RadixTree::CheckIntegrity() const {
       RADIXKV_CHECK(child->parent == x, kBroken, "node ", child->id, " has a wrong parent link");
       RADIXKV_CHECK(child->length > 0 && child->data != nullptr, kBroken, "node ", child->id,
                     " is empty");
-      RADIXKV_CHECK(x == root_ || child->ns == x->ns, kBroken, "node ", child->id,
+      RADIXKV_CHECK(x == root_ || NsOf(child) == NsOf(x), kBroken, "node ", child->id,
                     " is in another namespace than its parent");
-      RADIXKV_CHECK(ChildKey(x, child->key(), child->ns) == key && child->child_key == key, kBroken,
-                    "node ", child->id, " is filed under a key that is not its first page");
+      RADIXKV_CHECK(ChildKey(x, child->key(), NsOf(child)) == key && child->child_key == key,
+                    kBroken, "node ", child->id,
+                    " is filed under a key that is not its first page");
       child_refs += child->ref_count;
-      child_claims += child->claims;
-      child_host_claims += child->host_claims;
+      child_claims += Ex(child).claims;
+      child_host_claims += Ex(child).host_claims;
       device_children += child->on_device;
       host_children += child->has_host() || child->backing_up;
       stack.push_back(child);
@@ -59,29 +60,32 @@ void RadixTree::CheckIntegrity() const {
                   host_children);
     if (x == root_) continue;
     ++nodes;
-    RADIXKV_CHECK(x->id < nodes_.size() && nodes_[x->id].get() == x, kBroken, "node ", x->id,
+    RADIXKV_CHECK(x->id < nodes_.size() && nodes_[x->id] == x, kBroken, "node ", x->id,
                   " is not in the node table");
     RADIXKV_CHECK(x->length % page_size_ == 0, kBroken, "node ", x->id, " has length ", x->length,
                   ", not a multiple of page_size ", page_size_);
-    RADIXKV_CHECK(x->length <= x->capacity && (!x->has_host() || x->length <= x->host_capacity),
+    const NodeExtra& e = Ex(x);
+    RADIXKV_CHECK(x->has_host() == (e.host != nullptr), kBroken, "node ", x->id,
+                  " has host slots that do not match its host flag");
+    RADIXKV_CHECK(x->length <= x->capacity && (!x->has_host() || x->length <= e.host_capacity),
                   kBroken, "node ", x->id, " is longer than its storage");
     RADIXKV_CHECK(x->depth == x->parent->depth + x->length, kBroken, "node ", x->id,
                   " has a wrong depth");
     RADIXKV_CHECK(x->ref_count >= child_refs, kBroken, "node ", x->id, " has ref_count ",
                   x->ref_count, " below its children's total ", child_refs);
-    RADIXKV_CHECK(x->claims >= child_claims && x->host_claims >= child_host_claims, kBroken,
+    RADIXKV_CHECK(e.claims >= child_claims && e.host_claims >= child_host_claims, kBroken,
                   "node ", x->id, " holds fewer claims than its children");
-    RADIXKV_CHECK(0 <= x->host_claims && x->host_claims <= x->claims &&
-                      x->ref_count >= x->claims - x->host_claims,
-                  kBroken, "node ", x->id, " has ", x->claims, " claims, ", x->host_claims,
+    RADIXKV_CHECK(0 <= e.host_claims && e.host_claims <= e.claims &&
+                      x->ref_count >= e.claims - e.host_claims,
+                  kBroken, "node ", x->id, " has ", e.claims, " claims, ", e.host_claims,
                   " of them for host, and ", x->ref_count, " locks");
-    RADIXKV_CHECK(0 <= x->host_claim_locks && x->host_claim_locks <= x->host_claims &&
-                      (x->host_claim_locks == 0 || !x->has_host()),
-                  kBroken, "node ", x->id, " has ", x->host_claim_locks, " host claim locks with ",
-                  x->host_claims, " host claims");
-    RADIXKV_CHECK(x->host_claims == 0 || x->has_host() || x->ref_count > 0, kBroken, "node ", x->id,
+    RADIXKV_CHECK(0 <= e.host_claim_locks && e.host_claim_locks <= e.host_claims &&
+                      (e.host_claim_locks == 0 || !x->has_host()),
+                  kBroken, "node ", x->id, " has ", e.host_claim_locks, " host claim locks with ",
+                  e.host_claims, " host claims");
+    RADIXKV_CHECK(e.host_claims == 0 || x->has_host() || x->ref_count > 0, kBroken, "node ", x->id,
                   " is held by a host claim without a host copy but is not locked");
-    claimed += x->claims > 0 ? x->length : 0;
+    claimed += e.claims > 0 ? x->length : 0;
     RADIXKV_CHECK(x->parent == root_ || x->timestamp <= x->parent->timestamp, kBroken, "node ",
                   x->id, " was used later than its parent");
     // The tiers: every node is somewhere, and each tier is closed toward the root.
@@ -117,10 +121,10 @@ void RadixTree::CheckIntegrity() const {
                     "node ", x->id, " has a wrong host heap position or key");
       ++host_members;
     }
-    if (const Quota* q = QuotaOf(x->ns)) {
+    if (const Quota* q = QuotaOf(NsOf(x))) {
       RADIXKV_CHECK(
           q->heap.Contains(x->id) == device_leaf && q->host_heap.Contains(x->id) == host_leaf,
-          kBroken, "node ", x->id, " of namespace ", x->ns,
+          kBroken, "node ", x->id, " of namespace ", NsOf(x),
           " is not in its quota's heaps as it is in the tree's");
       for (const LruHeap* h : {&q->heap, &q->host_heap}) {
         if (!h->Contains(x->id)) continue;
@@ -128,7 +132,7 @@ void RadixTree::CheckIntegrity() const {
         RADIXKV_CHECK(h->IdAt(pos) == x->id && h->KeyAt(pos) <= Key(x), kBroken, "node ", x->id,
                       " has a wrong position or key in its namespace quota's heaps");
       }
-      QuotaCount& c = quota_counts[x->ns];
+      QuotaCount& c = quota_counts[NsOf(x)];
       c.device += x->on_device ? x->length : 0;
       c.host += x->has_host() ? x->length : 0;
       c.heap += device_leaf;
@@ -150,7 +154,7 @@ void RadixTree::CheckIntegrity() const {
     if (x->has_host()) {
       host_tokens += x->length;
       host_only += x->on_device ? 0 : x->length;
-      const std::vector<int32_t> slots = slots_of(x->host, x->length);
+      const std::vector<int32_t> slots = slots_of(Ex(x).host, x->length);
       const int64_t bad = FindOutOfRange(slots.data(), x->length);
       RADIXKV_CHECK(bad < 0, kBroken, "node ", x->id, " stores a negative host slot");
       for (int32_t slot : slots) {
@@ -164,8 +168,8 @@ void RadixTree::CheckIntegrity() const {
     backing_up += x->backing_up ? x->length : 0;
     loading += x->loading ? x->length : 0;
     storage_writing += x->storage_writing ? x->length : 0;
-    pins += x->host_pins;
-    RADIXKV_CHECK(x->host_pins >= 0 && (x->host_pins == 0 || x->has_host()), kBroken, "node ",
+    pins += Ex(x).host_pins;
+    RADIXKV_CHECK(Ex(x).host_pins >= 0 && (Ex(x).host_pins == 0 || x->has_host()), kBroken, "node ",
                   x->id, " is pinned for a read from storage but has no host copy");
     RADIXKV_CHECK(!x->from_storage || (!x->on_device && x->has_host()), kBroken, "node ", x->id,
                   " is marked read from storage but is on the device or has no host copy");
@@ -202,8 +206,12 @@ void RadixTree::CheckIntegrity() const {
   RADIXKV_CHECK(host_members == static_cast<int64_t>(host_heap_.size()) && host_heap_.IsValid(),
                 kBroken, "host LRU heap is out of order or holds dead nodes");
   RADIXKV_CHECK(heap_.room() >= nodes_.size() && host_heap_.room() >= nodes_.size() &&
-                    free_ids_.capacity() >= nodes_.size(),
-                kBroken, "room reserved for heap members or free ids is below the node count");
+                    free_ids_.capacity() >= nodes_.size() && victims_.capacity() >= nodes_.size(),
+                kBroken, "room reserved for heap members, free ids or victims is below the node ",
+                "count");
+  RADIXKV_CHECK(extras_.empty() || extras_.size() == nodes_.size(), kBroken,
+                "the nodes' extras column has ", extras_.size(), " rows for ", nodes_.size(),
+                " nodes");
   for (const auto& [ns, q] : quotas_) {
     const QuotaCount c = quota_counts[ns];
     RADIXKV_CHECK(c.device == q->device && c.host == q->host, kBroken, "namespace ", ns,
@@ -228,14 +236,14 @@ std::vector<NodeInfo> RadixTree::Dump() const {
     x->children.ForEach([&](uint64_t, const Node* c) { children.push_back(c); });
     // Siblings in ascending key order (under the root, equal keys of
     // different namespaces in ascending namespace order).
-    std::sort(children.begin(), children.end(), [](const Node* a, const Node* b) {
+    std::sort(children.begin(), children.end(), [this](const Node* a, const Node* b) {
       if (std::lexicographical_compare(a->key(), a->key() + a->length, b->key(),
                                        b->key() + b->length)) {
         return true;
       }
       return !std::lexicographical_compare(b->key(), b->key() + b->length, a->key(),
                                            a->key() + a->length) &&
-             a->ns < b->ns;
+             NsOf(a) < NsOf(b);
     });
     const size_t first = out.size();
     for (const Node* c : children) {
@@ -248,11 +256,11 @@ std::vector<NodeInfo> RadixTree::Dump() const {
       }
       if (c->has_host()) {
         info.host_value.resize(static_cast<size_t>(c->length));
-        ExpandSlots(c->host, c, info.host_value.data());
+        ExpandSlots(Ex(c).host, c, info.host_value.data());
       }
       info.ref_count = c->ref_count;
       info.timestamp = c->timestamp;
-      info.ns = c->ns;
+      info.ns = NsOf(c);
       out.push_back(std::move(info));
     }
     // Pushed in reverse, so the smallest child's subtree is listed first.

@@ -16,7 +16,7 @@ using tree_errors::kInvalid;
 Node* RadixTree::MatchedEnd(const Handle& handle, bool host) const {
   Node* end = Resolve(handle, "handle");
   if (host && handle.host_hit_len > 0 && handle.host_node_id < nodes_.size()) {
-    Node* deeper = nodes_[handle.host_node_id].get();
+    Node* deeper = nodes_[handle.host_node_id];
     // A host part evicted since the match leaves the device part.
     if (deeper->generation == handle.host_generation) end = deeper;
   }
@@ -25,7 +25,7 @@ Node* RadixTree::MatchedEnd(const Handle& handle, bool host) const {
 
 int64_t RadixTree::ClaimCost(const Handle& handle, bool host) const {
   int64_t cost = 0;
-  for (const Node* x = MatchedEnd(handle, host); x != root_ && x->claims == 0; x = x->parent) {
+  for (const Node* x = MatchedEnd(handle, host); x != root_ && Ex(x).claims == 0; x = x->parent) {
     cost += x->length;  // a claimed node's ancestors are all claimed
   }
   return cost;
@@ -44,33 +44,34 @@ int64_t RadixTree::PrefixClaimCost(const int32_t* tokens, int64_t n, uint64_t ns
   int64_t cost = 0;
   const Node* x = host ? node : DeviceEnd(node);
   if (partial != nullptr && (host || partial->on_device)) {
-    if (partial->claims > 0) return 0;  // a claimed node's ancestors are all claimed
+    if (Ex(partial).claims > 0) return 0;  // a claimed node's ancestors are all claimed
     cost = partial_len;
     x = node;
   }
-  for (; x != root_ && x->claims == 0; x = x->parent) cost += x->length;
+  for (; x != root_ && Ex(x).claims == 0; x = x->parent) cost += x->length;
   return cost;
 }
 
 TierCopy RadixTree::AddClaim(const Handle& handle, bool host, int32_t priority, int64_t* added) {
   Node* end = MatchedEnd(handle, host);
   for (const Node* x = end; x != root_; x = x->parent) {
-    RADIXKV_CHECK(x->claims < INT32_MAX, kInvalid, "node ", x->id, " has too many claims");
+    RADIXKV_CHECK(Ex(x).claims < INT32_MAX, kInvalid, "node ", x->id, " has too many claims");
   }
+  NeedExtras();
   // Nothing below allocates or throws.
   ++clock_;
   int64_t claimed = 0;
   for (Node* x = end; x != root_; x = x->parent) {
-    if (x->claims++ == 0) claimed += x->length;
+    if (MutEx(x).claims++ == 0) claimed += x->length;
     x->priority = std::max(x->priority, priority);  // a key only rises: a heap may lag
-    if (host && x->host_claims++ == 0) Refresh(x);
+    if (host && MutEx(x).host_claims++ == 0) Refresh(x);
   }
   // A device claim locks its path; a host claim too while its end has no
   // host copy (FinishBackup gives that lock back), since until then the path
   // may not leave the device.
   if (end != root_ && (!host || !end->has_host())) {
     LockPath(end, +1);
-    if (host) ++end->host_claim_locks;
+    if (host) ++MutEx(end).host_claim_locks;
   }
   claimed_size_ += claimed;
   if (added != nullptr) *added = claimed;
@@ -83,20 +84,21 @@ int64_t RadixTree::ReleaseClaim(const TierCopy& claim) {
   const bool host = claim.start == kHostClaim;
   Node* end = ResolveCopy(claim);
   if (end == nullptr) return 0;  // the root's claim, or its node is gone (Reset)
-  const bool locked = !host || end->host_claim_locks > 0;
+  const bool locked = !host || Ex(end).host_claim_locks > 0;
   for (const Node* x = end; x != root_; x = x->parent) {
-    RADIXKV_CHECK(x->claims > 0 && (!host || x->host_claims > 0) && (!locked || x->ref_count > 0),
+    const NodeExtra& e = Ex(x);
+    RADIXKV_CHECK(e.claims > 0 && (!host || e.host_claims > 0) && (!locked || x->ref_count > 0),
                   kInvalid, "claim is not held: it was released already, or was never made");
   }
   ++clock_;
   if (locked) {
-    if (host) --end->host_claim_locks;
+    if (host) --MutEx(end).host_claim_locks;
     LockPath(end, -1);
   }
   int64_t freed = 0;
   for (Node* x = end; x != root_; x = x->parent) {
-    if (--x->claims == 0) freed += x->length;
-    if (host && --x->host_claims == 0) Refresh(x);
+    if (--MutEx(x).claims == 0) freed += x->length;
+    if (host && --MutEx(x).host_claims == 0) Refresh(x);
   }
   claimed_size_ -= freed;
   return freed;
@@ -105,7 +107,7 @@ int64_t RadixTree::ReleaseClaim(const TierCopy& claim) {
 std::vector<uint32_t> RadixTree::ClaimedPath(const Handle& handle) const {
   std::vector<uint32_t> ids;
   const Node* x = MatchedEnd(handle, true);
-  while (x != root_ && x->claims == 0) x = x->parent;
+  while (x != root_ && Ex(x).claims == 0) x = x->parent;
   for (; x != root_; x = x->parent) ids.push_back(x->id);
   return ids;
 }
@@ -126,9 +128,9 @@ int64_t RadixTree::LockedBeyondClaims() const {
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     const Node* x = *it;
     if (x == root_) continue;
-    host_locks[x->id] += x->host_claim_locks;
+    host_locks[x->id] += Ex(x).host_claim_locks;
     host_locks[x->parent->id] += host_locks[x->id];
-    const int64_t by_claims = x->claims - x->host_claims + host_locks[x->id];
+    const int64_t by_claims = Ex(x).claims - Ex(x).host_claims + host_locks[x->id];
     if (x->on_device && x->ref_count > by_claims) locked += x->length;
   }
   return locked;

@@ -17,7 +17,7 @@ using tree_errors::kInvalid;
 
 Node* RadixTree::ResolveCopy(const TierCopy& copy) const noexcept {
   if (copy.node_id >= nodes_.size()) return nullptr;
-  Node* node = nodes_[copy.node_id].get();
+  Node* node = nodes_[copy.node_id];
   if (node->incarnation != copy.incarnation || node->parent == nullptr || node->depth != copy.end) {
     return nullptr;
   }
@@ -27,7 +27,7 @@ Node* RadixTree::ResolveCopy(const TierCopy& copy) const noexcept {
 bool RadixTree::CopyNamespace(const TierCopy& copy, uint64_t* ns) const noexcept {
   const Node* node = ResolveCopy(copy);
   if (node == nullptr) return false;
-  *ns = node->ns;
+  *ns = NsOf(node);
   return true;
 }
 
@@ -74,6 +74,7 @@ void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
   Node* above = top->parent;
   RADIXKV_CHECK(above == root_ || above->has_host() || above->backing_up, kInvalid,
                 "backup must start where the path's host copy ends (its parent has none)");
+  NeedExtras();  // the copy's range, then the host copy
   const bool pages = out.pages();
   int32_t* slots = out(Units(pages, copy.length()));
   // Nothing below allocates or throws.
@@ -85,7 +86,7 @@ void RadixTree::BeginBackup(const TierCopy& copy, SlotSink out) {
     backing_up_size_ += x->length;
     Refresh(x->parent);
   });
-  end->copy_start = copy.start;
+  MutEx(end).copy_start = copy.start;
   LockPath(end, +1);  // its device pages are being read: a pin, like a lock
 }
 
@@ -102,7 +103,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, SlotSource in, bool ok,
     std::memcpy(out, host, k * sizeof(int32_t));
     return copy.length();
   }
-  RADIXKV_CHECK(end->backing_up && end->copy_start == copy.start, kInvalid,
+  RADIXKV_CHECK(end->backing_up && Ex(end).copy_start == copy.start, kInvalid,
                 "copy is not a backup in flight: it was finished already, or its range is "
                 "not the one begun");
   if (!host_checked) {
@@ -172,11 +173,11 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, SlotSource in, bool ok,
     x->backing_up = false;
     backing_up_size_ -= x->length;
     if (take[k]) {
-      blocks[k].MoveToHost(x);  // the parent already counts it (backing up)
+      blocks[k].MoveToHost(x, &MutEx(x));  // the parent already counts it (backing up)
       CountHost(x, +1);
-      if (x->host_claim_locks > 0) {  // its host claims need the device no more
-        LockPath(x, -x->host_claim_locks);
-        x->host_claim_locks = 0;
+      if (Ex(x).host_claim_locks > 0) {  // its host claims need the device no more
+        LockPath(x, -Ex(x).host_claim_locks);
+        MutEx(x).host_claim_locks = 0;
       }
     } else {
       --x->parent->host_children;
@@ -186,7 +187,7 @@ int64_t RadixTree::FinishBackup(const TierCopy& copy, SlotSource in, bool ok,
       written += k;
     }
   }
-  end->copy_start = -1;
+  MutEx(end).copy_start = -1;
   LockPath(end, -1);
   for (Node* x : nodes) {
     Refresh(x);
@@ -204,7 +205,7 @@ TierCopy RadixTree::FindLoad(const Handle& handle) const {
     // The host part was evicted since the match: nothing is left to load.
     return TierCopy{device_end->id, device_end->incarnation, device_end->depth, device_end->depth};
   }
-  Node* end = nodes_[handle.host_node_id].get();
+  Node* end = nodes_[handle.host_node_id];
   device_end = DeviceEnd(end);
   for (Node* x = end; x != device_end; x = x->parent) {
     RADIXKV_CHECK(!x->loading, kInvalid,
@@ -236,13 +237,13 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, 
   // Nothing below allocates or throws.
   ++clock_;
   ForEachInCopy(end, copy, [&](Node* x, int64_t offset) {
-    Emit(x->host, x, slots + Units(host.pages(), offset), host.pages());
+    Emit(Ex(x).host, x, slots + Units(host.pages(), offset), host.pages());
     x->loading = true;
     loading_size_ += x->length;
     Refresh(x);
   });
   Touch(end);
-  if (copy.length() > 0) end->copy_start = copy.start;
+  if (copy.length() > 0) MutEx(end).copy_start = copy.start;
   // One lock for the handle and, when there is something to copy, one pin
   // for the copy: the path above stays on the device until the load lands,
   // even if the request lets go first.
@@ -256,7 +257,7 @@ void RadixTree::BeginLoad(const TierCopy& copy, SlotSink host, SlotSink prefix, 
   h.host_generation = end->generation;
   h.host_node_id = end->id;
   h.host_hit_len = 0;
-  h.ns = end->ns;
+  h.ns = NsOf(end);
   *loaded = h;
 }
 
@@ -265,7 +266,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, SlotSource in, bool ok) {
   const int32_t* device = in.data;
   Node* end = ResolveCopy(copy);
   if (end == nullptr) return false;
-  RADIXKV_CHECK(end->loading && end->copy_start == copy.start, kInvalid,
+  RADIXKV_CHECK(end->loading && Ex(end).copy_start == copy.start, kInvalid,
                 "copy is not a load in flight: it was finished already, or its range is not "
                 "the one begun");
   if (ok && in.pages) {
@@ -316,7 +317,7 @@ bool RadixTree::FinishLoad(const TierCopy& copy, SlotSource in, bool ok) {
     Refresh(x);
     Refresh(x->parent);
   }
-  end->copy_start = -1;
+  MutEx(end).copy_start = -1;
   LockPath(end, -1);  // the copy's pin
   return true;
 }

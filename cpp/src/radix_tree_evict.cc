@@ -18,7 +18,7 @@ using tree_errors::kInvalid;
 
 Node* RadixTree::PopOldest(LruHeap* heap) noexcept {
   while (!heap->empty()) {
-    Node* x = nodes_[heap->top()].get();
+    Node* x = nodes_[heap->top()];
     const uint64_t key = Key(x);
     if (heap->KeyAt(0) == key) {
       heap->Pop();
@@ -41,21 +41,18 @@ namespace {
 // place in that room, oldest victim last in the room. If too few can be
 // taken (`short_of(freed)` is the error; with `partial`, what was taken is
 // evicted instead) or `out` throws, `undo` puts every victim back, newest
-// first, and nothing has changed. Returns the tokens freed.
+// first, and nothing has changed. Returns the tokens freed. `victims` is
+// scratch with room for every node of the tree (empty between calls).
 template <typename Pop, typename Take, typename Undo, typename Commit, typename ShortOf>
 inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, int64_t page_size,
                                                            const SlotSink& out,
+                                                           std::vector<Node*>* victims,
                                                            bool partial, Pop pop, Take take,
                                                            Undo undo, Commit commit,
                                                            ShortOf short_of) {
-  Node* victims = nullptr;  // newest first
   auto put_back = [&]() noexcept {
-    for (Node* x = victims; x != nullptr;) {
-      Node* next = x->next;
-      undo(x);
-      x->next = nullptr;
-      x = next;
-    }
+    for (auto it = victims->rbegin(); it != victims->rend(); ++it) undo(*it);
+    victims->clear();
   };
   int64_t freed = 0;
   while (freed < size) {
@@ -66,8 +63,7 @@ inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, int64_t
       throw short_of(freed);
     }
     take(x);
-    x->next = victims;
-    victims = x;
+    victims->push_back(x);  // room reserved (ReserveNodes)
     freed += x->length;
   }
   // Slots, or with a page sink page ids (`unit` tokens an entry).
@@ -79,15 +75,13 @@ inline __attribute__((always_inline)) int64_t EvictVictims(int64_t size, int64_t
     put_back();
     throw;
   }
-  // The slots in eviction order (the list is newest first).
+  // The slots in eviction order, newest victim first from the room's end.
   int64_t end = freed;
-  for (Node* x = victims; x != nullptr;) {
-    Node* next = x->next;
-    x->next = nullptr;
-    end -= x->length;
-    commit(x, slots + end / unit);
-    x = next;
+  for (auto it = victims->rbegin(); it != victims->rend(); ++it) {
+    end -= (*it)->length;
+    commit(*it, slots + end / unit);
   }
+  victims->clear();
   return freed;
 }
 
@@ -109,7 +103,7 @@ int64_t RadixTree::EvictDevice(LruHeap* heap, int64_t size, SlotSink out, bool p
     Node* x = PopOldest(heap);
     if (x != nullptr && !heap->empty()) {
       // Overlap the next victim's cache misses with the work on this one.
-      const Node* next = nodes_[heap->top()].get();
+      const Node* next = nodes_[heap->top()];
       __builtin_prefetch(next);
       __builtin_prefetch(next->data);
     }
@@ -147,14 +141,15 @@ int64_t RadixTree::EvictDevice(LruHeap* heap, int64_t size, SlotSink out, bool p
     return Error(kBroken, StrCat("no evictable leaf left with ", size - freed,
                                  " evictable tokens still counted"));
   };
-  const int64_t freed = EvictVictims(size, page_size_, out, partial, pop, take, undo, commit, short_of);
+  const int64_t freed =
+      EvictVictims(size, page_size_, out, &victims_, partial, pop, take, undo, commit, short_of);
   ++clock_;
   return freed;
 }
 
 void RadixTree::LeaveHostHeaps(Node* x) noexcept {
   if (host_heap_.Contains(x->id)) host_heap_.Erase(x->id);
-  Quota* q = QuotaOf(x->ns);
+  Quota* q = QuotaOf(NsOf(x));
   if (q != nullptr && q->host_heap.Contains(x->id)) q->host_heap.Erase(x->id);
 }
 
@@ -187,8 +182,8 @@ int64_t RadixTree::EvictHostCopies(LruHeap* heap, int64_t size, SlotSink out, bo
   };
   auto commit = [&](Node* x, int32_t* slots) {
     const int64_t pages = Pages(x);
-    Emit(x->host, x, slots, out.pages());
-    stored_host_.RemovePages(x->host, pages, page_size_);
+    Emit(Ex(x).host, x, slots, out.pages());
+    stored_host_.RemovePages(Ex(x).host, pages, page_size_);
     FreeHost(x);
     if (x->on_device) {
       Refresh(x);
@@ -205,7 +200,8 @@ int64_t RadixTree::EvictHostCopies(LruHeap* heap, int64_t size, SlotSink out, bo
                         " with a host copy, the rest are being loaded, or ancestors of host "
                         "copies that stay)"));
   };
-  const int64_t freed = EvictVictims(size, page_size_, out, partial, pop, take, undo, commit, short_of);
+  const int64_t freed =
+      EvictVictims(size, page_size_, out, &victims_, partial, pop, take, undo, commit, short_of);
   ++clock_;
   return freed;
 }
@@ -229,7 +225,7 @@ std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size, con
     Node* top = x;
     auto covered_already = [&](const Node* n) {
       for (const TierCopy& c : out) {
-        for (Node* y = nodes_[c.node_id].get(); y != root_ && y->depth > c.start; y = y->parent) {
+        for (Node* y = nodes_[c.node_id]; y != root_ && y->depth > c.start; y = y->parent) {
           if (y == n) return true;
         }
       }
@@ -241,7 +237,7 @@ std::vector<TierCopy> RadixTree::EvictionCandidatesWithoutHost(int64_t size, con
     }
     out.push_back(TierCopy{x->id, x->incarnation, top->depth - top->length, x->depth});
   }
-  for (uint32_t id : popped) heap->Push(id, Key(nodes_[id].get()));
+  for (uint32_t id : popped) heap->Push(id, Key(nodes_[id]));
   return out;
 }
 

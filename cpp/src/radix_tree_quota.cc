@@ -56,8 +56,8 @@ void RadixTree::SetQuota(uint64_t ns, int64_t device, int64_t host) {
   q->device_limit = device;
   q->host_limit = host;
   for (size_t i = 1; i < nodes_.size(); ++i) {
-    Node* x = nodes_[i].get();
-    if (x->parent == nullptr || x->ns != ns) continue;
+    Node* x = nodes_[i];
+    if (x->parent == nullptr || NsOf(x) != ns) continue;
     if (x->on_device) q->device += x->length;
     if (x->has_host()) q->host += x->length;
     RefreshQuota(x, q);

@@ -41,22 +41,22 @@ bool RadixTree::BeginStorageWrite(const TierCopy& from, SlotSink host, SlotSink 
     std::memcpy(path + (y->depth - y->length), y->key(), y->length * sizeof(int32_t));
   }
   for (Node* y = end;; y = y->parent) {
-    ExpandSlots(y->host, y, slots + (y->depth - y->length - from.start));
+    ExpandSlots(Ex(y).host, y, slots + (y->depth - y->length - from.start));
     y->storage_writing = true;
     storage_writing_size_ += y->length;
     Refresh(y);
     if (y == top) break;
   }
-  end->storage_write_start = from.start;
+  MutEx(end).storage_write_start = from.start;
   *copy = TierCopy{end->id, end->incarnation, from.start, end->depth};
-  if (ns != nullptr) *ns = end->ns;
+  if (ns != nullptr) *ns = NsOf(end);
   return true;
 }
 
 void RadixTree::FinishStorageWrite(const TierCopy& copy) {
   Node* end = ResolveCopy(copy);
   if (end == nullptr) return;  // only Reset frees a node being written
-  RADIXKV_CHECK(end->storage_writing && end->storage_write_start == copy.start, kInvalid,
+  RADIXKV_CHECK(end->storage_writing && Ex(end).storage_write_start == copy.start, kInvalid,
                 "copy is not a write to storage in flight: it was finished already, or its "
                 "range is not the one begun");
   std::vector<Node*> nodes;
@@ -72,7 +72,7 @@ void RadixTree::FinishStorageWrite(const TierCopy& copy) {
     storage_writing_size_ -= x->length;
     Refresh(x);
   }
-  end->storage_write_start = -1;
+  MutEx(end).storage_write_start = -1;
 }
 
 Node* RadixTree::MatchEnd(const int32_t* tokens, int64_t n, uint64_t ns, int64_t* pos) const {
@@ -97,8 +97,9 @@ bool RadixTree::PinHost(const int32_t* tokens, int64_t n, TierCopy* pin, uint64_
   int64_t pos;
   Node* attach = MatchEnd(tokens, n, ns, &pos);
   if (attach == root_ || !attach->has_host()) return false;
-  RADIXKV_CHECK(attach->host_pins < INT32_MAX, kInvalid, "node ", attach->id, " has too many pins");
-  ++attach->host_pins;
+  RADIXKV_CHECK(Ex(attach).host_pins < INT32_MAX, kInvalid, "node ", attach->id,
+                " has too many pins");
+  ++MutEx(attach).host_pins;
   ++host_pins_;
   Refresh(attach);
   *pin = TierCopy{attach->id, attach->incarnation, pos, attach->depth};
@@ -108,9 +109,9 @@ bool RadixTree::PinHost(const int32_t* tokens, int64_t n, TierCopy* pin, uint64_
 void RadixTree::UnpinHost(const TierCopy& pin) {
   Node* x = ResolveCopy(pin);
   if (x == nullptr) return;  // only Reset frees a pinned node
-  RADIXKV_CHECK(x->host_pins > 0 && pin.start <= x->depth, kInvalid,
+  RADIXKV_CHECK(Ex(x).host_pins > 0 && pin.start <= x->depth, kInvalid,
                 "pin is not held: it was released already, or was never taken");
-  --x->host_pins;
+  --MutEx(x).host_pins;
   --host_pins_;
   Refresh(x);
 }
@@ -141,6 +142,7 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start, c
                     "host_slots repeats a slot, or has one the cache "
                     "already stores");
       marked = true;
+      NeedExtras();  // its host copy
       ReserveNodes((partial != nullptr) + 1);
       if (partial != nullptr) PrepareSplit(partial, partial_len, 1 + 1, &split);
       // Device slots: none until a load puts the node on the device.
@@ -162,7 +164,7 @@ int64_t RadixTree::InsertHost(const int32_t* tokens, int64_t n, int64_t start, c
   if (partial != nullptr) node = CommitSplit(&split);
   Node* leaf = TakeNode(node, std::move(data), take, ns);
   node->children.Insert(leaf->child_key, leaf);
-  block.MoveToHost(leaf);
+  block.MoveToHost(leaf, &MutEx(leaf));
   leaf->from_storage = true;
   CountHost(leaf, +1);
   ++node->host_children;

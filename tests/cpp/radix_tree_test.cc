@@ -1232,6 +1232,74 @@ TEST(RadixTreeTest, NamespacesNeverShareAPrefix) {
   }
 }
 
+// A node's rarely used fields (its namespace, claims, host copy) live in a
+// column the tree makes the first time a call needs one: the nodes made
+// before it read the defaults, and keep them across splits and reuse.
+TEST(RadixTreeTest, TheRareFieldsColumnIsMadeWhenFirstNeeded) {
+  for (int64_t page : {1, 4}) {
+    RadixTree tree(page);
+    const Ints a = Iota(0, 16), b = Concat(Iota(0, 8), Iota(50, 8));
+    EXPECT_EQ(tree.InsertPrefix(a.data(), Iota(0, 16).data(), 16), 0);
+    EXPECT_EQ(tree.InsertPrefix(b.data(), Concat(Iota(0, 8), Iota(100, 8)).data(), 16), 8);
+    EXPECT_EQ(Evict(&tree, 8), Iota(8, 8));  // a free id, made before the column
+    tree.CheckIntegrity();
+    // The first namespace other than the default makes the column.
+    EXPECT_EQ(tree.InsertPrefix(a.data(), Iota(200, 16).data(), 16, 0, 5), 0);
+    EXPECT_EQ(tree.InsertPrefix(b.data(), Concat(Iota(200, 8), Iota(300, 8)).data(), 16, 0, 5), 8);
+    tree.CheckIntegrity();
+    std::vector<int32_t> got;
+    EXPECT_EQ(tree.MatchPrefix(b.data(), 16, &got).cached_len, 16);
+    EXPECT_EQ(got, Concat(Iota(0, 8), Iota(100, 8)));
+    EXPECT_EQ(tree.MatchPrefix(a.data(), 16, &got, 5).cached_len, 16);
+    EXPECT_EQ(got, Iota(200, 16));
+    // Splits on both sides of the root keep each part in its namespace.
+    EXPECT_EQ(tree.MatchPrefix(a.data(), 4, &got).cached_len, 4);
+    EXPECT_EQ(tree.MatchPrefix(a.data(), 4, &got, 5).cached_len, 4);
+    int64_t in_default = 0, in_five = 0;
+    for (const NodeInfo& n : tree.Dump()) {
+      EXPECT_TRUE(n.ns == 0 || n.ns == 5) << n.ns;
+      (n.ns == 0 ? in_default : in_five) += static_cast<int64_t>(n.key.size());
+    }
+    EXPECT_EQ(in_default, 16);
+    EXPECT_EQ(in_five, 24);
+    tree.CheckIntegrity();
+    // A claim on a path of the default namespace, held and released.
+    Handle h = tree.MatchPrefix(b.data(), 16, &got);
+    int64_t added = 0;
+    const TierCopy claim = tree.AddClaim(h, false, 0, &added);
+    EXPECT_EQ(added, 16);
+    EXPECT_EQ(tree.claimed_size(), 16);
+    tree.CheckIntegrity();
+    EXPECT_EQ(tree.ReleaseClaim(claim), 16);
+    // Freed ids are reused with the defaults: everything evicted, then cached
+    // again in the default namespace.
+    Evict(&tree, tree.evictable_size());
+    EXPECT_EQ(tree.num_nodes(), 0);
+    EXPECT_EQ(tree.InsertPrefix(a.data(), Iota(0, 16).data(), 16), 0);
+    EXPECT_EQ(tree.MatchPrefix(a.data(), 16, &got, 5).cached_len, 0);
+    for (const NodeInfo& n : tree.Dump()) EXPECT_EQ(n.ns, 0u);
+    tree.CheckIntegrity();
+  }
+}
+
+TEST(RadixTreeTest, AClaimMakesTheColumnOnATreeWithoutIt) {
+  RadixTree tree(2);
+  const Ints ids = Iota(0, 8);
+  tree.InsertPrefix(ids.data(), Iota(0, 8).data(), 8);
+  std::vector<int32_t> got;
+  Handle h = tree.MatchPrefix(ids.data(), 8, &got);
+  EXPECT_EQ(tree.ClaimCost(h, false), 8);
+  int64_t added = 0;
+  const TierCopy claim = tree.AddClaim(h, false, 3, &added);
+  EXPECT_EQ(added, 8);
+  EXPECT_EQ(tree.ClaimCost(h, false), 0);
+  EXPECT_EQ(tree.evictable_size(), 0);  // a device claim locks its path
+  tree.CheckIntegrity();
+  EXPECT_EQ(tree.ReleaseClaim(claim), 8);
+  EXPECT_EQ(tree.evictable_size(), 8);
+  tree.CheckIntegrity();
+}
+
 TEST(RadixTreeTest, NamespacesOfManyIdsKeepTheRootConsistent) {
   RadixTree tree(1);
   int32_t slot = 0;

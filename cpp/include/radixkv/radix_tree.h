@@ -12,6 +12,7 @@
 #include "radixkv/eviction_policy.h"
 #include "radixkv/lru_heap.h"
 #include "radixkv/node_arena.h"
+#include "radixkv/node_table.h"
 #include "radixkv/slot_set.h"
 #include "radixkv/slot_sink.h"
 
@@ -19,6 +20,7 @@ namespace radixkv {
 
 /// One edge of the tree (private to the tree's sources: cpp/src/radix_node.h).
 struct Node;
+struct NodeExtra;
 
 /// A reference to the node that ends a matched prefix. Plain data: copying a
 /// handle copies its lock count, so bindings keep one handle object per match.
@@ -469,7 +471,8 @@ class RadixTree {
   void ReserveNodes(size_t k);
   // A node from the free ids holding `data` (`length` tokens, then slots),
   // linked to `parent` by its parent pointer only, in namespace `ns` (its
-  // parent's, unless the parent is the root). Needs a reserved id.
+  // parent's, unless the parent is the root; one other than 0 needs the
+  // NodeExtra column). Needs a reserved id.
   Node* TakeNode(Node* parent, NodeBlock data, int64_t length, uint64_t ns) noexcept;
   void FreeNode(Node* node) noexcept;
   void FreeStorage(Node* node) noexcept;
@@ -478,13 +481,22 @@ class RadixTree {
   // Splits as planned (needs one reserved id) and returns the prefix node.
   Node* CommitSplit(SplitPlan* plan) noexcept;
   void Touch(Node* node) noexcept;
+  // The rarely used fields of `x` (NodeExtra): its own while the tree keeps
+  // the column, else the defaults. MutEx needs the column (NeedExtras).
+  const NodeExtra& Ex(const Node* x) const noexcept;
+  NodeExtra& MutEx(const Node* x) noexcept;
+  uint64_t NsOf(const Node* x) const noexcept;
+  // Makes the column of NodeExtra, for every node id, unless it is there.
+  // Throws std::bad_alloc, changing nothing. Called before a call changes
+  // anything, by every call that may set a field of NodeExtra.
+  void NeedExtras();
   // The node's order in the eviction heaps under the policy (EvictionKey).
   uint64_t Key(const Node* x) const noexcept;
   // Adds `delta` locks on every node from `node` to the root.
   void LockPath(Node* node, int64_t delta) noexcept;
   // Puts `x` into, or takes it out of, each tier's heap to match its state.
   void Refresh(Node* x) noexcept;
-  static bool DeviceEvictable(const Node* x) noexcept;
+  bool DeviceEvictable(const Node* x) const noexcept;
   // Whether `x`'s device tokens count as protected, not evictable: it is
   // locked (by a request, a copy, or a claim; a host claim on a path without
   // a host copy locks it until it has one).
@@ -492,7 +504,7 @@ class RadixTree {
   // Moves `x`'s device tokens between evictable and protected when
   // Protected(x) is no longer `was`.
   void Reprotect(Node* x, bool was) noexcept;
-  static bool HostEvictable(const Node* x) noexcept;
+  bool HostEvictable(const Node* x) const noexcept;
   // The oldest member of `heap` under the policy, popped (re-keying the
   // lagging keys it meets on top; see Evict); null when it is empty.
   Node* PopOldest(LruHeap* heap) noexcept;
@@ -575,7 +587,9 @@ class RadixTree {
   const uint64_t id_;
   uint64_t clock_ = 0;
   NodeArena arena_;  // node storage; declared first so it outlives the nodes
-  std::vector<std::unique_ptr<Node>> nodes_;  // by id; id 0 is the root
+  NodeTable<Node> nodes_;           // by id; id 0 is the root
+  std::vector<NodeExtra> extras_;  // by id, once a call needs one (NeedExtras)
+  std::vector<Node*> victims_;     // an eviction's victims; room for every node
   Node* root_ = nullptr;
   std::vector<uint32_t> free_ids_;
   LruHeap heap_;         // device leaves that may be evicted, oldest first
