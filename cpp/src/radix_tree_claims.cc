@@ -86,8 +86,11 @@ int64_t RadixTree::ReleaseClaim(const TierCopy& claim) {
   if (end == nullptr) return 0;  // the root's claim, or its node is gone (Reset)
   const bool locked = !host || Ex(end).host_claim_locks > 0;
   for (const Node* x = end; x != root_; x = x->parent) {
+    // Each node holds a claim of the released one's kind (the device claims
+    // are those that are not host claims).
     const NodeExtra& e = Ex(x);
-    RADIXKV_CHECK(e.claims > 0 && (!host || e.host_claims > 0) && (!locked || x->ref_count > 0),
+    RADIXKV_CHECK((host ? e.host_claims > 0 : e.claims > e.host_claims) &&
+                      (!locked || x->ref_count > 0),
                   kInvalid, "claim is not held: it was released already, or was never made");
   }
   ++clock_;

@@ -1300,6 +1300,28 @@ TEST(RadixTreeTest, AClaimMakesTheColumnOnATreeWithoutIt) {
   tree.CheckIntegrity();
 }
 
+// A device claim released twice, while a host claim holds the same path,
+// is refused: the path holds no device claim any more (the host claim's
+// count and lock are not the device claim's to give back).
+TEST(RadixTreeTest, AClaimIsReleasedOnlyAgainstAClaimOfItsKind) {
+  RadixTree tree(1);
+  const Ints ids = Iota(1, 4);
+  tree.InsertPrefix(ids.data(), Iota(10, 4).data(), 4);
+  std::vector<int32_t> got;
+  Handle h = tree.MatchPrefix(ids.data(), 4, &got);
+  int64_t added = 0;
+  const TierCopy host_claim = tree.AddClaim(h, true, 0, &added);
+  const TierCopy device_claim = tree.AddClaim(h, false, 0, &added);
+  EXPECT_EQ(tree.ReleaseClaim(device_claim), 0);  // the host claim still holds the tokens
+  EXPECT_INVALID(tree.ReleaseClaim(device_claim));
+  tree.CheckIntegrity();
+  EXPECT_EQ(tree.claimed_size(), 4);
+  EXPECT_EQ(tree.ReleaseClaim(host_claim), 4);
+  EXPECT_INVALID(tree.ReleaseClaim(host_claim));
+  EXPECT_EQ(tree.claimed_size(), 0);
+  tree.CheckIntegrity();
+}
+
 TEST(RadixTreeTest, NamespacesOfManyIdsKeepTheRootConsistent) {
   RadixTree tree(1);
   int32_t slot = 0;

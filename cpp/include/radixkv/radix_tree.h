@@ -380,7 +380,10 @@ class RadixTree {
   /// Ends a claim of AddClaim; returns the tokens no claim holds any more. A
   /// claim whose node is gone (Reset) is ignored and returns 0. Throws
   /// kInvalidArgument, changing nothing, for a claim not held (or not a
-  /// claim).
+  /// claim): one whose path holds no claim of its kind (device or host).
+  /// Claims are counted, not named: a claim released twice while another of
+  /// its kind holds the same node releases that one (the manager's claims,
+  /// retention.py, are named: a second release of one returns False).
   int64_t ReleaseClaim(const TierCopy& claim);
   /// The ids of the nodes on the path of `handle`'s whole match (host part
   /// included) that a claim holds, deepest first: a claim whose node is among
