@@ -74,12 +74,13 @@ int NodeArena::ClassOf(size_t bytes) noexcept {
   if (bytes <= size_t{1} << kFirstOctave) {
     return bytes == 0 ? 0 : static_cast<int>((bytes - 1) / 32);
   }
+  if (bytes > ClassSize(kClasses - 1)) return -1;
   int octave = kFirstOctave;
   while ((size_t{2} << octave) < bytes) ++octave;
   const size_t step = size_t{1} << (octave - kStepShift);
   const int c = kSmallClasses + (octave - kFirstOctave) * kStepsPerOctave +
                 static_cast<int>((bytes - (size_t{1} << octave) + step - 1) / step) - 1;
-  return c < kClasses ? c : -1;
+  return c;
 }
 
 NodeArena::~NodeArena() {

@@ -38,6 +38,9 @@ TEST(NodeArenaTest, ClassesCoverEverySizeWithLittleRounding) {
   // with little or no rounding.
   EXPECT_EQ(NodeArena::ClassSize(NodeArena::ClassOf(4352)), 4352u);
   EXPECT_EQ(NodeArena::ClassSize(NodeArena::ClassOf(4104)), 4224u);
+  // Sizes past the largest class, to the largest size_t: none.
+  EXPECT_EQ(NodeArena::ClassOf(SIZE_MAX), -1);
+  EXPECT_EQ(NodeArena::ClassOf((SIZE_MAX >> 1) + 2), -1);
 }
 
 TEST(NodeArenaTest, BlocksAreAlignedDisjointAndReused) {
