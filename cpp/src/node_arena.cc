@@ -21,7 +21,7 @@ struct NodeArena::Slab {
   uint32_t bumped = 0;  // blocks handed out from the untouched end so far
   void* free_list = nullptr;
   Slab* prev = nullptr;
-  Slab* next = nullptr;
+  Slab* next = nullptr;  // (in the spare list: the next spare slab)
   bool kept_empty = false;  // empty, and counted in empty_kept_
 };
 
@@ -30,7 +30,8 @@ namespace {
 constexpr size_t kAlign = 32;
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kMinSlab = size_t{64} << 10;
-// Empty slabs kept for reuse, at most this many bytes in all.
+// Empty slabs kept for reuse: at most this many bytes in all, or for spare
+// huge slabs an eighth of the bytes in use where that is more.
 constexpr size_t kKeepEmpty = size_t{16} << 20;
 
 size_t RoundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
@@ -96,6 +97,16 @@ NodeArena::~NodeArena() {
       s = next;
     }
   }
+  while (spare_ != nullptr) {
+    Slab* next = spare_->next;
+    SystemFree(spare_->base, spare_->bytes);
+    delete spare_;
+    spare_ = next;
+  }
+}
+
+bool NodeArena::MayKeep(size_t bytes) const noexcept {
+  return empty_kept_ + bytes <= std::max(kKeepEmpty, (reserved_ - empty_kept_) / 8);
 }
 
 void NodeArena::Link(Class* cls, Slab* slab) noexcept {
@@ -119,17 +130,27 @@ NodeArena::Slab* NodeArena::NewSlab(int c) {
     cls.next_slab = std::clamp(PowerOfTwoAtLeast(8 * block), kMinSlab, kHugePage);
   }
   const size_t bytes = std::max(cls.next_slab, block);
-  auto slab = std::make_unique<Slab>();
-  slab->base = static_cast<char*>(SystemAlloc(bytes));  // on failure `slab` is freed
-  slab->bytes = SystemBytes(bytes);
+  Slab* slab;
+  if (bytes == kHugePage && spare_ != nullptr) {
+    // A spare huge slab, emptied by any class: its memory is touched already.
+    slab = spare_;
+    spare_ = slab->next;
+    empty_kept_ -= slab->bytes;
+    *slab = Slab{slab->base, slab->bytes, 0, 0, 0};
+  } else {
+    auto fresh = std::make_unique<Slab>();
+    fresh->base = static_cast<char*>(SystemAlloc(bytes));  // on failure `fresh` is freed
+    fresh->bytes = SystemBytes(bytes);
+    slab = fresh.release();
+    reserved_ += slab->bytes;
+  }
+  // Nothing can fail from here on.
   slab->block = block;
   slab->cls = c;
   slab->capacity = static_cast<uint32_t>(slab->bytes / block);
-  // Nothing can fail from here on.
-  reserved_ += slab->bytes;
   cls.next_slab = std::min(bytes * 2, std::max(kHugePage, 4 * block));
-  Link(&cls, slab.get());
-  return slab.release();
+  Link(&cls, slab);
+  return slab;
 }
 
 void NodeArena::ReleaseSlab(Slab* slab) noexcept {
@@ -176,16 +197,32 @@ void NodeArena::Free(Block block, size_t bytes) noexcept {
   const bool was_full = slab->live == slab->capacity;
   --slab->live;
   if (was_full) Link(&cls, slab);
-  // An empty slab goes back to the system, unless it is its class's only one
-  // with room and the kept ones are few: then it stays for the class's next
-  // block, so a class that frees and allocates in turn does not thrash.
+  // An empty slab goes back to the system unless the kept ones are few: a
+  // huge one then becomes a spare for any class's next slab, and a smaller
+  // one stays with its class if it is the class's only one with room, so a
+  // class that frees and allocates in turn does not thrash, nor do the
+  // classes a workload moves between (the kernel clears each huge page it
+  // gives anew: 2 MiB a fault).
   if (slab->live == 0) {
-    if (cls.partial == slab && slab->next == nullptr && empty_kept_ + slab->bytes <= kKeepEmpty) {
+    if (slab->bytes == kHugePage && MayKeep(slab->bytes)) {
+      Unlink(&cls, slab);
+      slab->next = spare_;
+      spare_ = slab;
+      empty_kept_ += slab->bytes;
+    } else if (cls.partial == slab && slab->next == nullptr &&
+               empty_kept_ + slab->bytes <= kKeepEmpty) {
       empty_kept_ += slab->bytes;
       slab->kept_empty = true;
     } else {
       Unlink(&cls, slab);
       ReleaseSlab(slab);
+    }
+    // Fewer bytes in use: spares past the budget go back.
+    while (spare_ != nullptr && !MayKeep(0)) {
+      Slab* spare = spare_;
+      spare_ = spare->next;
+      empty_kept_ -= spare->bytes;
+      ReleaseSlab(spare);
     }
   }
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <random>
@@ -92,13 +93,43 @@ TEST(NodeArenaTest, EmptySlabsGoBackToTheSystem) {
   const size_t full = arena.reserved_bytes();
   EXPECT_GE(full, size_t{4000} * 4096);
   for (NodeArena::Block b : blocks) arena.Free(b, 4096);
-  EXPECT_LE(arena.reserved_bytes(), size_t{2} << 20);  // one 2 MiB slab kept at most
+  EXPECT_LE(arena.reserved_bytes(), size_t{16} << 20);  // the empty slabs kept at most
   // Large blocks come from the system and go straight back.
   NodeArena::Block big = arena.Allocate(size_t{8} << 20);
   EXPECT_EQ(big.slab, nullptr);
   const size_t with_big = arena.reserved_bytes();
   arena.Free(big, size_t{8} << 20);
   EXPECT_EQ(arena.reserved_bytes(), with_big - (size_t{8} << 20));
+}
+
+TEST(NodeArenaTest, AnEmptyHugeSlabServesAnotherClass) {
+  // Node sizes move: one class fills 2 MiB slabs and empties them, then
+  // another class takes the same memory instead of asking the system.
+  NodeArena arena;
+  constexpr size_t kA = 300000, kB = 200000;  // two classes, 2 MiB slabs both
+  ASSERT_NE(NodeArena::ClassOf(kA), NodeArena::ClassOf(kB));
+  std::vector<NodeArena::Block> a;
+  for (int i = 0; i < 40; ++i) a.push_back(arena.Allocate(kA));
+  for (NodeArena::Block b : a) std::memset(b.data, 1, kA);
+  const size_t full = arena.reserved_bytes();
+  for (NodeArena::Block b : a) arena.Free(b, kA);
+  const size_t kept = arena.reserved_bytes();
+  EXPECT_GE(kept, size_t{2} << 20);  // spare slabs kept
+  EXPECT_LE(kept, std::max(size_t{16} << 20, full / 8));
+  std::vector<NodeArena::Block> b;
+  // As many blocks of the other class as the spare slabs hold: no new memory.
+  const size_t fit = kept / (size_t{2} << 20) * ((size_t{2} << 20) / NodeArena::ClassSize(
+                                                     NodeArena::ClassOf(kB)));
+  for (size_t i = 0; i < fit; ++i) {
+    b.push_back(arena.Allocate(kB));
+    std::memset(b.back().data, 2, kB);
+  }
+  EXPECT_EQ(arena.reserved_bytes(), kept);
+  std::set<uintptr_t> starts;
+  for (NodeArena::Block x : b) starts.insert(reinterpret_cast<uintptr_t>(x.data));
+  EXPECT_EQ(starts.size(), b.size());
+  for (NodeArena::Block x : b) arena.Free(x, kB);
+  EXPECT_EQ(arena.reserved_bytes(), kept);
 }
 
 }  // namespace

@@ -14,9 +14,12 @@ namespace radixkv {
 /// pages where the kernel allows (madvise). A tree that grows by a node per
 /// request therefore takes one page fault per 2 MiB instead of one per 4 KiB,
 /// and a freed block is reused by the next node of its class. A slab whose
-/// blocks are all free goes back to the system (up to 16 MiB of empty slabs,
-/// one per class, are kept, so a class that frees and allocates in turn does
-/// not thrash).
+/// blocks are all free goes back to the system, except for a few kept for
+/// reuse: an empty 2 MiB slab is a spare for any class's next slab (up to
+/// 16 MiB, or an eighth of the bytes in use where that is more), a smaller
+/// one stays with its class if it is the class's only one with room (up to
+/// 16 MiB in all), so neither a class that frees and allocates in turn nor a
+/// workload whose node sizes move thrashes.
 /// Blocks larger than the largest class come from the system directly.
 ///
 /// Not thread-safe (the tree's mutex covers it).
@@ -63,12 +66,14 @@ class NodeArena {
   };
   Slab* NewSlab(int c);
   void ReleaseSlab(Slab* slab) noexcept;
+  bool MayKeep(size_t bytes) const noexcept;
   static void Unlink(Class* cls, Slab* slab) noexcept;
   static void Link(Class* cls, Slab* slab) noexcept;
 
   Class classes_[kClasses];
   size_t reserved_ = 0;
   size_t empty_kept_ = 0;  // bytes of empty slabs kept for reuse
+  Slab* spare_ = nullptr;  // empty 2 MiB slabs kept for any class
 };
 
 }  // namespace radixkv
