@@ -222,8 +222,9 @@ void Pool::CheckUnchanged(const char* name) const {
 
 namespace {
 
-// Slots, or with `page_size` > 1 page ids expanded to their slots (page p:
-// p * page_size + [0, page_size)).
+// Slots, or with `page_size` > 1 page ids (page p: slots p * page_size +
+// [0, page_size)), each checked to name slots an int32 holds; copied as they
+// are (the engine expands pages where it copies by slot).
 std::vector<int32_t> Slots(py::handle obj, const char* name, int64_t page_size = 1) {
   Int32View v(obj, name);
   FinishViews(v);
@@ -241,9 +242,12 @@ std::vector<int32_t> Slots(py::handle obj, const char* name, int64_t page_size =
     CHECK_VALUE(ids[i] >= 0 && ids[i] < limit, name, "[", i, "] = ", ids[i],
                 " is not a page id of page_size ", page_size);
   }
-  std::vector<int32_t> out(v.size() * page_size);
-  radixkv::ExpandPageIds(ids, v.size(), page_size, out.data());
-  return out;
+  return std::vector<int32_t>(ids, ids + v.size());
+}
+
+void CheckPageSize(int64_t page_size) {
+  CHECK_VALUE(page_size >= 1 && page_size <= INT32_MAX, "page_size must be in [1, 2^31), got ",
+              page_size);
 }
 
 py::list Acks(const std::vector<CopyAck>& acks) {
@@ -289,20 +293,20 @@ class PyController {
 
   // With `page_size` > 1 the two are page ids (device_pages, host_pages).
   uint64_t Backup(py::handle device, py::handle host, int64_t page_size) {
-    CHECK_VALUE(page_size >= 1, "page_size must be >= 1, got ", page_size);
+    CheckPageSize(page_size);
     std::vector<int32_t> d = Slots(device, "device_slots", page_size),
                          h = Slots(host, "host_slots", page_size);
     CheckedStream();
     CHECK_VALUE(d.size() == h.size(), "device_slots and host_slots differ in length");
-    return c_->Backup(std::move(d), std::move(h));
+    return c_->Backup(std::move(d), std::move(h), static_cast<int32_t>(page_size));
   }
   uint64_t Load(py::handle host, py::handle device, int64_t page_size) {
-    CHECK_VALUE(page_size >= 1, "page_size must be >= 1, got ", page_size);
+    CheckPageSize(page_size);
     std::vector<int32_t> h = Slots(host, "host_slots", page_size),
                          d = Slots(device, "device_slots", page_size);
     CHECK_VALUE(d.size() == h.size(), "device_slots and host_slots differ in length");
     CheckedStream();
-    return c_->Load(std::move(h), std::move(d));
+    return c_->Load(std::move(h), std::move(d), static_cast<int32_t>(page_size));
   }
   void StartLoading() {
     Stream();

@@ -119,6 +119,7 @@ class CudaCopyEngine final : public CopyEngine {
     if (state == nullptr || state->failed) return false;
     OnDevice on(device_);
     const bool backup = job->kind == CopyJob::Kind::kBackup;
+    if (!job->ExpandToSlots()) return state->Fail();
     const int64_t n = static_cast<int64_t>(job->src.size());
     if (!state->staged) {
       state->stream = backup ? backup_stream_ : load_stream_;

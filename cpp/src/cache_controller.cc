@@ -1,10 +1,12 @@
 #include "radixkv/cache_controller.h"
 
 #include <algorithm>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
+#include "radixkv/slot_set.h"
 #include "radixkv/transfer.h"
 
 namespace radixkv {
@@ -18,6 +20,7 @@ class CpuCopyEngine final : public CopyEngine {
   int64_t num_layers() const override { return layers_; }
   bool CopyLayers(CopyJob* job, int64_t begin, int64_t end) override {
     const bool backup = job->kind == CopyJob::Kind::kBackup;
+    if (!job->ExpandToSlots()) return false;
     for (const CopyPlane& plane : planes_) {
       TransferParams p{backup ? plane.device : plane.host,
                        backup ? plane.host : plane.device,
@@ -54,6 +57,21 @@ class NullCopyEngine final : public CopyEngine {
 
 }  // namespace
 
+bool CopyJob::ExpandToSlots() noexcept {
+  if (unit == 1) return true;
+  try {
+    std::vector<int32_t> s(src.size() * unit), d(dst.size() * unit);
+    ExpandPageIds(src.data(), static_cast<int64_t>(src.size()), unit, s.data());
+    ExpandPageIds(dst.data(), static_cast<int64_t>(dst.size()), unit, d.data());
+    src = std::move(s);
+    dst = std::move(d);
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
+  unit = 1;
+  return true;
+}
+
 std::unique_ptr<CopyEngine> MakeCpuCopyEngine(std::vector<CopyPlane> planes, int64_t layers) {
   return std::make_unique<CpuCopyEngine>(std::move(planes), layers);
 }
@@ -76,9 +94,11 @@ CacheController::~CacheController() {
   if (thread_.joinable()) thread_.join();
 }
 
-uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_t> host) {
+uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_t> host,
+                                 int32_t unit) {
   auto job = std::make_unique<CopyJob>();
   job->kind = CopyJob::Kind::kBackup;
+  job->unit = unit;
   job->src = std::move(device);
   job->dst = std::move(host);
   engine_->Fence(job.get());
@@ -92,9 +112,11 @@ uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_
   return id;
 }
 
-uint64_t CacheController::Load(std::vector<int32_t> host, std::vector<int32_t> device) {
+uint64_t CacheController::Load(std::vector<int32_t> host, std::vector<int32_t> device,
+                               int32_t unit) {
   auto job = std::make_unique<CopyJob>();
   job->kind = CopyJob::Kind::kLoad;
+  job->unit = unit;
   job->src = std::move(host);
   job->dst = std::move(device);
   std::lock_guard<std::mutex> lock(mu_);
@@ -108,8 +130,19 @@ void CacheController::StartLoadingLocked() {
   // One job for the whole batch, fenced here on the scheduler's thread:
   // layer i of every load, then layer i + 1.
   Batch batch;
-  batch.seq = ++last_batch_;
   batch.merged.kind = CopyJob::Kind::kLoad;
+  // Loads of one unit stay in it; mixed ones are merged as slots.
+  const int32_t unit = pending_loads_.front()->unit;
+  for (const auto& job : pending_loads_) {
+    if (job->unit != unit) {
+      for (const auto& each : pending_loads_) {
+        if (!each->ExpandToSlots()) throw std::bad_alloc();
+      }
+      break;
+    }
+  }
+  batch.merged.unit = pending_loads_.front()->unit;
+  batch.seq = ++last_batch_;
   for (const auto& job : pending_loads_) {
     batch.merged.src.insert(batch.merged.src.end(), job->src.begin(), job->src.end());
     batch.merged.dst.insert(batch.merged.dst.end(), job->dst.begin(), job->dst.end());

@@ -91,6 +91,54 @@ TEST(CacheControllerTest, LoadsRunAsOneBatchAndAckEach) {
   EXPECT_THROW(c.WaitLayer(Pools::L), std::out_of_range);
 }
 
+TEST(CacheControllerTest, PageIdsCopyTheRowsOfTheirSlots) {
+  // Copies handed over as page ids (unit S) move what the same copies as
+  // slots move; loads of both kinds in one batch too.
+  for (bool manual : {false, true}) {
+    Pools pools;
+    for (size_t i = 0; i < pools.host.size(); ++i) pools.host[i] = static_cast<uint8_t>(i * 3 + 2);
+    CacheController c(MakeCpuCopyEngine(pools.d, pools.h, Pools::R, Pools::L), manual);
+    const int32_t unit = static_cast<int32_t>(Pools::S);
+    c.Backup({1, 2}, {5, 0}, unit);
+    c.Load({3}, {6}, unit);
+    c.Load(Page(4), Page(7));  // slots: the batch is merged as slots
+    c.Drain();
+    std::vector<CopyAck> backups = c.TakeBackupAcks(), loads = c.TakeLoadAcks();
+    ASSERT_EQ(backups.size(), 1u);
+    ASSERT_EQ(loads.size(), 2u);
+    EXPECT_TRUE(backups[0].ok && loads[0].ok && loads[1].ok);
+    for (int32_t i = 0; i < Pools::S; ++i) {
+      EXPECT_TRUE(pools.SameRows(1 * Pools::S + i, 5 * Pools::S + i)) << manual << i;
+      EXPECT_TRUE(pools.SameRows(2 * Pools::S + i, 0 * Pools::S + i)) << manual << i;
+      EXPECT_TRUE(pools.SameRows(6 * Pools::S + i, 3 * Pools::S + i)) << manual << i;
+      EXPECT_TRUE(pools.SameRows(7 * Pools::S + i, 4 * Pools::S + i)) << manual << i;
+    }
+    // Loads of one unit stay pages in their batch.
+    ASSERT_FALSE(pools.SameRows(0, 6 * Pools::S));
+    c.Load({6}, {0}, unit);
+    c.Load({7}, {1}, unit);
+    c.WaitLoads();
+    ASSERT_EQ(c.TakeLoadAcks().size(), 2u);
+    for (int32_t i = 0; i < Pools::S; ++i) {
+      EXPECT_TRUE(pools.SameRows(0 * Pools::S + i, 6 * Pools::S + i)) << manual << i;
+      EXPECT_TRUE(pools.SameRows(1 * Pools::S + i, 7 * Pools::S + i)) << manual << i;
+    }
+  }
+}
+
+TEST(CacheControllerTest, AJobExpandsItsPagesOnce) {
+  CopyJob job;
+  job.unit = 3;
+  job.src = {2, 0};
+  job.dst = {1, 4};
+  ASSERT_TRUE(job.ExpandToSlots());
+  EXPECT_EQ(job.unit, 1);
+  EXPECT_EQ(job.src, (std::vector<int32_t>{6, 7, 8, 0, 1, 2}));
+  EXPECT_EQ(job.dst, (std::vector<int32_t>{3, 4, 5, 12, 13, 14}));
+  ASSERT_TRUE(job.ExpandToSlots());  // slots already: unchanged
+  EXPECT_EQ(job.src.size(), 6u);
+}
+
 TEST(CacheControllerTest, WaitLoadsLeavesEveryLoadAcknowledgedAndBackupsAlone) {
   Pools pools;
   for (bool manual : {false, true}) {

@@ -17,16 +17,24 @@
 namespace radixkv {
 
 /// One copy between the tiers: the rows of `src` slots to `dst` slots, in
-/// every layer (a backup) or layer by layer (a load). The controller owns
-/// the slot lists.
+/// every layer (a backup) or layer by layer (a load). With `unit` > 1 the
+/// lists name pages of `unit` slots (page p: slots p * unit + [0, unit)), as
+/// the scheduler hands them over; an engine that copies by slot expands them
+/// first (ExpandToSlots), on its own thread, and one that copies nothing
+/// never does. The controller owns the lists.
 struct CopyJob {
   enum class Kind : uint8_t { kBackup, kLoad };
   uint64_t id = 0;
   Kind kind = Kind::kBackup;
+  int32_t unit = 1;
   std::vector<int32_t> src;
   std::vector<int32_t> dst;
   /// Engine-defined state, e.g. the CUDA events the copy waits for.
   std::shared_ptr<void> fence;
+
+  /// Makes `src` and `dst` name slots (`unit` 1). False, changing nothing,
+  /// if the memory for them cannot be had.
+  bool ExpandToSlots() noexcept;
 };
 
 /// A finished copy: its id and whether it succeeded.
@@ -115,11 +123,13 @@ class CacheController {
   CacheController& operator=(const CacheController&) = delete;
 
   /// Queues a backup of the rows of device slots `device` to host slots
-  /// `host` (every layer). Returns its id.
-  uint64_t Backup(std::vector<int32_t> device, std::vector<int32_t> host);
-  /// Queues a load of host slots `host` to device slots `device`. It runs
-  /// with the next batch (`StartLoading`). Returns its id.
-  uint64_t Load(std::vector<int32_t> host, std::vector<int32_t> device);
+  /// `host` (every layer); with `unit` > 1 both name pages of `unit` slots
+  /// (CopyJob). Returns its id.
+  uint64_t Backup(std::vector<int32_t> device, std::vector<int32_t> host, int32_t unit = 1);
+  /// Queues a load of host slots `host` to device slots `device` (pages
+  /// with `unit` > 1). It runs with the next batch (`StartLoading`).
+  /// Returns its id.
+  uint64_t Load(std::vector<int32_t> host, std::vector<int32_t> device, int32_t unit = 1);
   /// Makes the loads queued so far one batch and hands it to the thread.
   void StartLoading();
   /// Blocks until layer `layer` of every load queued before the call is in
