@@ -81,8 +81,9 @@ def to_host(values, name: str, device: torch.device):
     """Inputs are read on the host. A manager on an accelerator takes tensors
     on any real device (they are copied to the host); a CPU manager takes CPU
     tensors only. Meta tensors have no data and are refused everywhere."""
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        if device.type == "cpu" or values.device.type == "meta":
+    # (is_cpu: reading .device makes a torch.device, a microsecond a call)
+    if isinstance(values, torch.Tensor) and not values.is_cpu:
+        if device.type == "cpu" or values.is_meta:
             where = "a CPU tensor" if device.type == "cpu" else f"a CPU or {device.type} tensor"
             raise TypeError(f"{name} must be {where}, got a tensor on {values.device}")
         return values.cpu()
