@@ -876,11 +876,14 @@ py::object RadixTree_FindLoad(PyRadixTree& t, PyObject* const* a) {
   return CopyTuple(Locked(t, false, [&] { return t.tree.FindLoad(h); }));
 }
 
+template <bool P>
 py::object RadixTree_BeginLoad(PyRadixTree& t, PyObject* const* a) {
   const radixkv::TierCopy c = AsCopy(a[0]);
   py::object handle = NewBoxed<Handle>(g_handle_type);
   TensorSink host, prefix;
-  Locked(t, false, [&] { t.tree.BeginLoad(c, host, prefix, &Unbox<Handle>(handle.ptr())); });
+  Locked(t, false, [&] {
+    t.tree.BeginLoad(c, Out<P>(host), Out<P>(prefix), &Unbox<Handle>(handle.ptr()));
+  });
   return py::make_tuple(std::move(handle), host.take(), prefix.take());
 }
 
@@ -1676,6 +1679,7 @@ constexpr Params kFinishRequestsFlatPages{
     6, 4};
 constexpr Params kStartLoadPages{"start_load_pages", {"handle", "device_pages"}, 2, 2};
 constexpr Params kFinishLoadPages{"finish_load_pages", {"copy", "device_page_ids", "ok"}, 3, 2};
+constexpr Params kBeginLoadPages{"begin_load_pages", {"copy"}, 1, 1};
 
 template <py::object (*Impl)(PyRadixTree&, PyObject* const*), const Params& P>
 constexpr PyCFunction Fast() {
@@ -1777,7 +1781,7 @@ PyMethodDef kTreeMethods[] = {
      "begin_load, changing nothing."},
     {"find_load", Fast<RadixTree_FindLoad, kFindLoad>(), kFastCall,
      "find_load(handle) -> TierCopy: the host-only part of the handle's match."},
-    {"begin_load", Fast<RadixTree_BeginLoad, kBeginLoad>(), kFastCall,
+    {"begin_load", Fast<RadixTree_BeginLoad<false>, kBeginLoad>(), kFastCall,
      "begin_load(copy) -> (locked handle for the whole match, host slots, device slots of\n"
      "the path above the copy)."},
     {"finish_load", Fast<RadixTree_FinishLoad<false>, kFinishLoad>(), kFastCall,
@@ -1851,6 +1855,8 @@ PyMethodDef kTreeMethods[] = {
      "match_prefix, returning the device pages of the match (cached_len / page_size)."},
     {"handle_pages", Fast<RadixTree_HandleSlots<true>, kHandlePages>(), kFastCall,
      "The page ids of the handle's prefix."},
+    {"begin_load_pages", Fast<RadixTree_BeginLoad<true>, kBeginLoadPages>(), kFastCall,
+     "begin_load_pages(copy) -> begin_load, with host and device page ids for slots."},
     {"evict_pages", Fast<RadixTree_Evict<true>, kEvictPages>(), kFastCall,
      "evict_pages(size) -> page_ids: evict, returning the freed pages."},
     {"evict_host_pages", Fast<RadixTree_EvictHost<true>, kEvictHostPages>(), kFastCall,

@@ -301,8 +301,7 @@ class CacheManager(PagePath):
 
     def _load_back(self, handle: BaseCacheHandle):
         """load_back's work: (the locked handle, its pages, None), or (handle,
-        None, its slots) where the path gave slots (the naive cache; a load
-        that had to make room first)."""
+        None, its slots) where the path gave slots (the naive cache)."""
         check_handle(self.manager, handle, "handle")
         started = self._tiers.start_load(handle) if handle.host_hit_len else None
         if started is None:  # no host part, or nothing left on the host beyond the device part
@@ -316,8 +315,8 @@ class CacheManager(PagePath):
             return handle, None, slots
         copy, loaded, host_pages, pages = started
         if loaded is None or host_pages is None or pages is None:
-            loaded, slots = self._upkeep.load_making_room(handle, copy)
-            return loaded, None, slots
+            loaded, pages = self._upkeep.load_making_room(handle, copy)
+            return loaded, pages, None
         if copy.end == copy.start:  # another request's load landed the whole part meanwhile
             return loaded, pages, None
         # The load's own pages: the caller may reuse the ones it gets.

@@ -284,7 +284,7 @@ class HostTier:
     def _free_evicted(self, freed: torch.Tensor, pages: bool = False) -> None:
         """Host slots (or with `pages` page ids) the tree evicted go back."""
         (self.pages.free_pages if pages else self.pages.free)(freed, self.tree, True)
-        self.host_evicted += len(freed) * (self.page_size if pages else 1)
+        self.host_evicted += freed.shape[0] * (self.page_size if pages else 1)
         self.events.host_evicted(freed, pages)
 
     def drop_all(self) -> None:
@@ -350,7 +350,7 @@ class HostTier:
             else:
                 rejected = self.tree.finish_backup(copy, host, ok, self.pages)
             unit = ps if pages else 1
-            n, refused = len(host) * unit, len(rejected) * unit
+            n, refused = host.shape[0] * unit, rejected.shape[0] * unit
             if refused < n:
                 events.host_backed_up(device, host, rejected, pages)
             self._backup_tokens -= n
@@ -373,7 +373,7 @@ class HostTier:
         """Hands a begun load to the controller; with `pages` the two are page ids."""
         op = self.controller.load(host_slots, device_slots, self.page_size if pages else 1)
         self._loads[op] = (copy, device_slots, handle, host_slots, pages)
-        self._load_tokens += len(device_slots) * (self.page_size if pages else 1)
+        self._load_tokens += device_slots.shape[0] * (self.page_size if pages else 1)
 
     @_core.shielded
     def loading_check(self, free_device) -> None:
@@ -386,7 +386,7 @@ class HostTier:
         while acks:
             op, ok = acks.popleft()
             copy, device, handle, host, pages = self._loads.pop(op)
-            n = len(device) * (ps if pages else 1)
+            n = device.shape[0] * (ps if pages else 1)
             self._load_tokens -= n
             if pages:
                 taken = self.tree.finish_load_pages(copy, device, ok)
@@ -442,8 +442,9 @@ class HostTier:
 
     def begin_load(self, copy) -> Tuple[BaseCacheHandle, torch.Tensor, torch.Tensor]:
         """Begins the load of `copy` (its host part pinned) before device
-        pages are found for it: (locked handle, host slots, device prefix)."""
-        return self.tree.begin_load(copy)
+        pages are found for it: (locked handle, host page ids, the device
+        prefix's page ids)."""
+        return self.tree.begin_load_pages(copy)
 
     def abandon_load(self, copy, loaded: BaseCacheHandle) -> None:
         """Undoes a begun load: its node stays host only, `loaded` unlocks."""

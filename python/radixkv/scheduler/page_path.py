@@ -21,7 +21,7 @@ from radixkv import _core
 from radixkv._core import shielded
 from radixkv._checks import as_count, as_flag, int32_tensor, to_host
 from radixkv.kvcache.base import BaseCacheHandle
-from radixkv.kvcache.page_ids import pages_of_slots, slots_of_pages
+from radixkv.kvcache.page_ids import slots_of_pages
 from radixkv.kvcache.request_inputs import host_batch, host_flat, length
 from radixkv.scheduler.namespaces import Namespaces
 
@@ -87,9 +87,7 @@ class PagePath:
         """`load_back`, returning the whole match's pages (the device part's,
         then the new pages the host part loads into)."""
         self._page_tree("load_back_pages")
-        loaded, pages, slots = self._load_back(handle)
-        if pages is None:  # (a load that had to make room first gives slots)
-            pages = pages_of_slots(cast(torch.Tensor, slots), self.page_size)
+        loaded, pages, _ = self._load_back(handle)  # (the radix cache: pages)
         return loaded, pages
 
     @shielded

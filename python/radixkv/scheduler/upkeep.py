@@ -159,23 +159,24 @@ class Upkeep:
         """CacheManager.load_back when device pages must be evicted first:
         the load is begun (its host part pinned) before the eviction, so a
         write_back backup of the victims cannot take the host room the load
-        reads. Returns the loaded handle and its indices (on the host)."""
+        reads. Returns the loaded handle and its pages (on the host; a host
+        tier has the radix tree, whose pages are aligned)."""
         n = copy.end - copy.start
         what = f"load {n} tokens back from host"
         self.manager.lock_handle(handle)  # the device part stays while room is made
         try:
             self.require_room(n, what)
-            loaded, host_slots, prefix = self.tiers.begin_load(copy)
+            loaded, host_pages, prefix = self.tiers.begin_load(copy)
         finally:
             self.manager.lock_handle(handle, unlock=True)  # (quotas wait for the load)
         try:
             self.make_room(n, handle.namespace, what)
-            device_slots = self.pages.allocate(n)
+            device_pages = self.pages.allocate_pages(n)
         except BaseException:
             self.tiers.abandon_load(copy, loaded)
             raise
-        self.tiers.queue_load(copy, host_slots, device_slots, loaded)
-        return loaded, torch.cat([prefix, device_slots])
+        self.tiers.queue_load(copy, host_pages, device_pages, loaded, pages=True)
+        return loaded, torch.cat([prefix, device_pages])
 
     def evict_namespace(self, ns: int, size: int) -> torch.Tensor:
         """Evicts namespace `ns`'s least recently used device pages (its quota)."""

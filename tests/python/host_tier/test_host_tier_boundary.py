@@ -261,6 +261,49 @@ def test_start_backup_finds_takes_pages_and_begins_in_one_call():
     t.check_integrity()
 
 
+def test_begin_load_pages_is_begin_load_in_page_ids():
+    """begin_load_pages begins the same load as begin_load and returns the
+    host and device-prefix page ids of the slots begin_load returns; a tree
+    whose pages are not aligned refuses it, changing nothing."""
+    ps, ids = 4, list(range(16))
+    results = {}
+    for pages in (False, True):
+        t = _core.RadixTree(ps, max_slots=64, aligned_pages=True)
+        device, host = _core.PageAllocator(16, ps), _core.PageAllocator(16, ps)
+        t.insert_prefix(ids, device.allocate(16))
+        copy, _, hs = t.start_backup(ids, host)
+        t.finish_backup(copy, hs, True, host)
+        t.lock_handle(t.match_prefix(ids[:8])[0])
+        device.free(t.evict(8))
+        load = t.find_load(t.match_prefix(ids)[0])
+        begin = t.begin_load_pages if pages else t.begin_load
+        loaded, host_ids, prefix = begin(load)
+        assert (loaded.cached_len, loaded.lock_count) == (16, 1)
+        results[pages] = (host_ids.tolist(), prefix.tolist(), t.dump(tiers=True))
+        t.check_integrity()
+    (host_slots, prefix_slots, dump), (host_pages, prefix_pages, dump_pages) = (
+        results[False],
+        results[True],
+    )
+    assert dump == dump_pages
+    assert len(host_pages) == 2 and len(prefix_pages) == 2
+    assert host_slots == [p * ps + i for p in host_pages for i in range(ps)]
+    assert prefix_slots == [p * ps + i for p in prefix_pages for i in range(ps)]
+
+    t = _core.RadixTree(ps, max_slots=64)  # pages not aligned: slots only
+    t.insert_prefix(ids, list(range(16)))
+    copy = t.find_backup(ids)
+    t.begin_backup(copy)
+    t.finish_backup(copy, list(range(16)))
+    t.lock_handle(t.match_prefix(ids[:8])[0])
+    t.evict(8)
+    load = t.find_load(t.match_prefix(ids)[0])
+    before = t.dump(tiers=True)
+    with pytest.raises(ValueError, match="aligned"):
+        t.begin_load_pages(load)
+    assert t.dump(tiers=True) == before
+
+
 def test_start_load_finds_begins_and_takes_device_pages_in_one_call():
     """start_load is find_load, begin_load and the device pages at once: None
     when nothing is left on the host, the copy alone (nothing changed) when
