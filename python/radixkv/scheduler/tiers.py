@@ -199,14 +199,20 @@ class Tiers:
     def loading_check(self) -> List[BaseCacheHandle]:
         """Applies the loads that finished; returns the handles of those that
         failed since the last call (their pages were freed)."""
-        self.host.loading_check(self.free_loaded)
+        self._apply_loads()
         return self.host.take_failed_loads()
+
+    def _apply_loads(self) -> None:
+        """The host tier's loading check, when a load is in flight (none: no
+        ack can be waiting, and the round's check costs no shielded call)."""
+        if self.host.loads_in_flight:
+            self.host.loading_check(self.free_loaded)
 
     def settle_loads(self) -> None:
         """Waits for every load queued so far and applies them (failed ones
         wait for the next `loading_check`)."""
         self.host.wait_loads()
-        self.host.loading_check(self.free_loaded)
+        self._apply_loads()
 
     def start_loading(self) -> None:
         self.host.start_loading()
@@ -224,7 +230,7 @@ class Tiers:
         next `loading_check`), then storage's writes and reads (at most the
         fault policy's wait limit, or with `close_bound` its close timeout)."""
         self.settle_backups()
-        self.host.loading_check(self.free_loaded)
+        self._apply_loads()
         self.storage.drain(self.storage.close_timeout_s if close_bound else None)
 
     def drain(self) -> List[BaseCacheHandle]:

@@ -71,7 +71,7 @@ class Upkeep:
             self.retention.expire()
             self._claims_ended_seen = self.retention.ended
             quotas.enforce(self.evict_namespace, self.tiers.evict_host_namespace)
-        if publish:
+        if publish and self.events.on:  # (events off: nothing to publish, no shielded call)
             self.publish()
 
     @_core.shielded
