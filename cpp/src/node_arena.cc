@@ -189,6 +189,7 @@ void NodeArena::Free(Block block, size_t bytes) noexcept {
   if (slab == nullptr) {
     SystemFree(block.data, bytes);
     reserved_ -= SystemBytes(bytes);
+    TrimSpares();
     return;
   }
   Class& cls = classes_[slab->cls];
@@ -217,13 +218,17 @@ void NodeArena::Free(Block block, size_t bytes) noexcept {
       Unlink(&cls, slab);
       ReleaseSlab(slab);
     }
-    // Fewer bytes in use: spares past the budget go back.
-    while (spare_ != nullptr && !MayKeep(0)) {
-      Slab* spare = spare_;
-      spare_ = spare->next;
-      empty_kept_ -= spare->bytes;
-      ReleaseSlab(spare);
-    }
+    TrimSpares();
+  }
+}
+
+void NodeArena::TrimSpares() noexcept {
+  // Fewer bytes in use: spares past the budget go back.
+  while (spare_ != nullptr && !MayKeep(0)) {
+    Slab* spare = spare_;
+    spare_ = spare->next;
+    empty_kept_ -= spare->bytes;
+    ReleaseSlab(spare);
   }
 }
 

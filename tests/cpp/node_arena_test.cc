@@ -132,5 +132,18 @@ TEST(NodeArenaTest, AnEmptyHugeSlabServesAnotherClass) {
   EXPECT_EQ(arena.reserved_bytes(), kept);
 }
 
+TEST(NodeArenaTest, SparesShrinkWhenLargeBlocksGo) {
+  // Large blocks in use raise the spares' budget; once they go, so do the
+  // spares past 16 MiB.
+  NodeArena arena;
+  std::vector<NodeArena::Block> big, small;
+  for (int i = 0; i < 64; ++i) big.push_back(arena.Allocate(size_t{8} << 20));
+  for (int i = 0; i < 120; ++i) small.push_back(arena.Allocate(300000));
+  for (NodeArena::Block x : small) arena.Free(x, 300000);
+  EXPECT_GT(arena.reserved_bytes(), (size_t{64} * 8 + 16) << 20);  // spares past 16 MiB kept
+  for (NodeArena::Block x : big) arena.Free(x, size_t{8} << 20);
+  EXPECT_LE(arena.reserved_bytes(), size_t{16} << 20);
+}
+
 }  // namespace
 }  // namespace radixkv

@@ -67,6 +67,7 @@ class NodeArena {
   Slab* NewSlab(int c);
   void ReleaseSlab(Slab* slab) noexcept;
   bool MayKeep(size_t bytes) const noexcept;
+  void TrimSpares() noexcept;
   static void Unlink(Class* cls, Slab* slab) noexcept;
   static void Link(Class* cls, Slab* slab) noexcept;
 
