@@ -291,13 +291,17 @@ class PyController {
     c_ = std::make_unique<CacheController>(std::move(box->engine), manual);
   }
 
-  // With `page_size` > 1 the two are page ids (device_pages, host_pages).
+  // With `page_size` > 1 the two are page ids (device_pages, host_pages),
+  // each inside its pool where the pools are known (a page past the pool
+  // would only fail the copy, after its slots were made on the thread).
   uint64_t Backup(py::handle device, py::handle host, int64_t page_size) {
     CheckPageSize(page_size);
     std::vector<int32_t> d = Slots(device, "device_slots", page_size),
                          h = Slots(host, "host_slots", page_size);
     CheckedStream();
     CHECK_VALUE(d.size() == h.size(), "device_slots and host_slots differ in length");
+    InPool(d, page_size, device_, "device_slots");
+    InPool(h, page_size, host_, "host_slots");
     return c_->Backup(std::move(d), std::move(h), static_cast<int32_t>(page_size));
   }
   uint64_t Load(py::handle host, py::handle device, int64_t page_size) {
@@ -305,6 +309,8 @@ class PyController {
     std::vector<int32_t> h = Slots(host, "host_slots", page_size),
                          d = Slots(device, "device_slots", page_size);
     CHECK_VALUE(d.size() == h.size(), "device_slots and host_slots differ in length");
+    InPool(h, page_size, host_, "host_slots");
+    InPool(d, page_size, device_, "device_slots");
     CheckedStream();
     return c_->Load(std::move(h), std::move(d), static_cast<int32_t>(page_size));
   }
@@ -378,6 +384,16 @@ class PyController {
       return false;
     }
     return true;
+  }
+
+  static void InPool(const std::vector<int32_t>& pages, int64_t page_size, const Pool& pool,
+                     const char* name) {
+    const int64_t slots = pool.layout.num_slots;
+    if (page_size == 1 || slots <= 0) return;
+    for (size_t i = 0; i < pages.size(); ++i) {
+      CHECK_VALUE((int64_t{pages[i]} + 1) * page_size <= slots, name, "[", i, "] = ", pages[i],
+                  " is a page past the pool's ", slots, " slots");
+    }
   }
 
   // The memory the pools had when the controller was made (the tensors

@@ -1,7 +1,6 @@
 #include "radixkv/cache_controller.h"
 
 #include <algorithm>
-#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -55,17 +54,22 @@ class NullCopyEngine final : public CopyEngine {
   int64_t layers_;
 };
 
+void CheckUnit(int32_t unit) {
+  if (unit < 1) throw std::invalid_argument("unit must be >= 1, got " + std::to_string(unit));
+}
+
 }  // namespace
 
 bool CopyJob::ExpandToSlots() noexcept {
   if (unit == 1) return true;
+  if (unit < 1) return false;
   try {
     std::vector<int32_t> s(src.size() * unit), d(dst.size() * unit);
     ExpandPageIds(src.data(), static_cast<int64_t>(src.size()), unit, s.data());
     ExpandPageIds(dst.data(), static_cast<int64_t>(dst.size()), unit, d.data());
     src = std::move(s);
     dst = std::move(d);
-  } catch (const std::bad_alloc&) {
+  } catch (const std::exception&) {  // (bad_alloc, or length_error past the largest vector)
     return false;
   }
   unit = 1;
@@ -96,6 +100,7 @@ CacheController::~CacheController() {
 
 uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_t> host,
                                  int32_t unit) {
+  CheckUnit(unit);
   auto job = std::make_unique<CopyJob>();
   job->kind = CopyJob::Kind::kBackup;
   job->unit = unit;
@@ -114,6 +119,7 @@ uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_
 
 uint64_t CacheController::Load(std::vector<int32_t> host, std::vector<int32_t> device,
                                int32_t unit) {
+  CheckUnit(unit);
   auto job = std::make_unique<CopyJob>();
   job->kind = CopyJob::Kind::kLoad;
   job->unit = unit;
@@ -131,23 +137,31 @@ void CacheController::StartLoadingLocked() {
   // layer i of every load, then layer i + 1.
   Batch batch;
   batch.merged.kind = CopyJob::Kind::kLoad;
-  // Loads of one unit stay in it; mixed ones are merged as slots.
+  // Loads of one unit stay in it; mixed ones (only callers of the
+  // controller's own API mix them) are merged as slots, expanded here: a load
+  // whose slots cannot be had fails alone, acknowledged at once.
   const int32_t unit = pending_loads_.front()->unit;
-  for (const auto& job : pending_loads_) {
-    if (job->unit != unit) {
-      for (const auto& each : pending_loads_) {
-        if (!each->ExpandToSlots()) throw std::bad_alloc();
+  const bool mixed = std::any_of(pending_loads_.begin(), pending_loads_.end(),
+                                 [&](const auto& job) { return job->unit != unit; });
+  if (mixed) {
+    for (auto it = pending_loads_.begin(); it != pending_loads_.end();) {
+      if ((*it)->ExpandToSlots()) {
+        ++it;
+        continue;
       }
-      break;
+      load_acks_.push_back(CopyAck{(*it)->id, false});
+      it = pending_loads_.erase(it);
     }
+    done_.notify_all();
+    if (pending_loads_.empty()) return;
   }
-  batch.merged.unit = pending_loads_.front()->unit;
-  batch.seq = ++last_batch_;
+  batch.merged.unit = mixed ? 1 : unit;
   for (const auto& job : pending_loads_) {
     batch.merged.src.insert(batch.merged.src.end(), job->src.begin(), job->src.end());
     batch.merged.dst.insert(batch.merged.dst.end(), job->dst.begin(), job->dst.end());
     batch.ids.push_back(job->id);
   }
+  batch.seq = ++last_batch_;
   pending_loads_.clear();
   engine_->Fence(&batch.merged);
   batches_.push_back(std::move(batch));

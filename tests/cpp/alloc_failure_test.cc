@@ -11,9 +11,11 @@
 #include <new>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "radixkv/cache_controller.h"
 #include "radixkv/child_map.h"
 #include "radixkv/node_arena.h"
 #include "radixkv/page_allocator.h"
@@ -259,6 +261,36 @@ TEST(AllocFailureTest, PageAllocatorTakesNothingWhenTheOutputFails) {
   FailEachAllocation([&] { pages.Allocate(10, &out); },
                      [&](int64_t) { ASSERT_EQ(pages.num_free_pages(), 8); });
   EXPECT_EQ(pages.num_free_pages(), 5);
+}
+
+TEST(AllocFailureTest, AMixedLoadBatchAcksEachLoadOnce) {
+  // Loads of mixed units are merged as slots when the batch starts; the Nth
+  // allocation there failing, for every N, fails one load (acknowledged at
+  // once, false) or the start (retried by the next call), and never loses or
+  // repeats an acknowledgement.
+  int failed_loads = 0, failed_starts = 0;
+  for (int64_t n = 0;; ++n) {
+    CacheController c(MakeNullCopyEngine(1), true);
+    const uint64_t a = c.Load({0, 1, 2, 3}, {4, 5, 6, 7});
+    const uint64_t b = c.Load({2}, {3}, 4);
+    g_fail_in = n;
+    try {
+      c.StartLoading();
+    } catch (const std::bad_alloc&) {
+      ++failed_starts;
+    }
+    const bool injected = g_fail_in < 0;
+    g_fail_in = -1;
+    c.Drain();
+    std::vector<CopyAck> acks = c.TakeLoadAcks();
+    ASSERT_EQ(acks.size(), 2u) << n;
+    ASSERT_EQ(std::set<uint64_t>({acks[0].id, acks[1].id}), std::set<uint64_t>({a, b})) << n;
+    for (const CopyAck& ack : acks) failed_loads += ack.ok ? 0 : 1;
+    EXPECT_EQ(c.in_flight(), 0) << n;
+    if (!injected) break;
+  }
+  EXPECT_GT(failed_loads, 0);
+  EXPECT_GT(failed_starts, 0);
 }
 
 }  // namespace

@@ -126,6 +126,18 @@ TEST(CacheControllerTest, PageIdsCopyTheRowsOfTheirSlots) {
   }
 }
 
+TEST(CacheControllerTest, AUnitBelowOneIsRefused) {
+  CacheController c(MakeNullCopyEngine(1), true);
+  EXPECT_THROW(c.Backup({0}, {0}, 0), std::invalid_argument);
+  EXPECT_THROW(c.Load({0}, {0}, -1), std::invalid_argument);
+  EXPECT_EQ(c.in_flight(), 0);
+  CopyJob job;
+  job.unit = 0;
+  job.src = job.dst = {1};
+  EXPECT_FALSE(job.ExpandToSlots());
+  EXPECT_EQ(job.src, std::vector<int32_t>{1});
+}
+
 TEST(CacheControllerTest, AJobExpandsItsPagesOnce) {
   CopyJob job;
   job.unit = 3;

@@ -33,7 +33,7 @@ struct CopyJob {
   std::shared_ptr<void> fence;
 
   /// Makes `src` and `dst` name slots (`unit` 1). False, changing nothing,
-  /// if the memory for them cannot be had.
+  /// if the memory for them cannot be had (or `unit` < 1).
   bool ExpandToSlots() noexcept;
 };
 
@@ -124,11 +124,12 @@ class CacheController {
 
   /// Queues a backup of the rows of device slots `device` to host slots
   /// `host` (every layer); with `unit` > 1 both name pages of `unit` slots
-  /// (CopyJob). Returns its id.
+  /// (CopyJob). Returns its id. Throws std::invalid_argument for a unit < 1.
   uint64_t Backup(std::vector<int32_t> device, std::vector<int32_t> host, int32_t unit = 1);
   /// Queues a load of host slots `host` to device slots `device` (pages
-  /// with `unit` > 1). It runs with the next batch (`StartLoading`).
-  /// Returns its id.
+  /// with `unit` > 1). It runs with the next batch (`StartLoading`), which
+  /// merges loads of mixed units as slots (a load whose slots cannot be had
+  /// then fails alone). Returns its id; std::invalid_argument for a unit < 1.
   uint64_t Load(std::vector<int32_t> host, std::vector<int32_t> device, int32_t unit = 1);
   /// Makes the loads queued so far one batch and hands it to the thread.
   void StartLoading();

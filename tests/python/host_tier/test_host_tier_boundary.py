@@ -261,6 +261,28 @@ def test_start_backup_finds_takes_pages_and_begins_in_one_call():
     t.check_integrity()
 
 
+def test_copies_by_page_must_name_pages_inside_their_pools():
+    """A copy handed over as page ids names pages inside both pools, or is
+    refused at once (its slots are made only where it is copied: a page far
+    past the pool would have cost its slots first); nothing is queued."""
+    dev = torch.zeros(64, dtype=torch.uint8)
+    host = torch.zeros(64, dtype=torch.uint8)
+    layout = [0, 0, 8, 8, 4, 8]  # 8 slots of 8 bytes, pages of 4: pages 0 and 1
+    c = _core.CacheController(dev, layout, host, layout, 8, 1, manual=True)
+    ids = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    for queued, (call, first, second) in enumerate(
+        [(c.backup, "device_slots", "host_slots"), (c.load, "host_slots", "device_slots")]
+    ):
+        with pytest.raises(ValueError, match=rf"{first}\[1\] = 2 is a page past the pool's 8"):
+            call(ids(0, 2), ids(0, 1), 4)
+        with pytest.raises(ValueError, match=rf"{second}\[0\] = 536870910 is a page past"):
+            call(ids(1), ids(2**29 - 2), 4)
+        assert c.in_flight == queued  # (the refused ones queued nothing)
+        call(ids(0, 1), ids(1, 0), 4)
+    c.drain()
+    assert [ok for _, ok in c.take_backup_acks() + c.take_load_acks()] == [True, True]
+
+
 def test_begin_load_pages_is_begin_load_in_page_ids():
     """begin_load_pages begins the same load as begin_load and returns the
     host and device-prefix page ids of the slots begin_load returns; a tree
