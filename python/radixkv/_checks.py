@@ -81,7 +81,7 @@ def to_host(values, name: str, device: torch.device):
     """Inputs are read on the host. A manager on an accelerator takes tensors
     on any real device (they are copied to the host); a CPU manager takes CPU
     tensors only. Meta tensors have no data and are refused everywhere."""
-    # (is_cpu: reading .device makes a torch.device, a microsecond a call)
+    # (is_cpu: reading .device makes a torch.device, half a microsecond a call)
     if isinstance(values, torch.Tensor) and not values.is_cpu:
         if device.type == "cpu" or values.is_meta:
             where = "a CPU tensor" if device.type == "cpu" else f"a CPU or {device.type} tensor"
