@@ -26,7 +26,7 @@ fresh keys for writes, and reads back the batch written last.
 Then the prefetch as a request sees it: one instance writes a prompt's pages,
 a second one (empty device and host) calls `prefetch` and `wait_prefetch`
 (`wait_complete`), both on the file backend: microseconds per 1k tokens.
-Then keys: `page_keys` (C++, libcrypto) against hashlib over the same pages,
+Then keys: `page_keys` (C++, radixkv's SHA-256) against hashlib over the same pages,
 one `update` per token as SGLang's get_hash_str does, and one per page.
 
 python bench/python/bench_storage.py [--reps N] [--dir DIR] [--no-mooncake]

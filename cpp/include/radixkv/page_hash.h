@@ -17,7 +17,8 @@ inline constexpr int64_t kPageKeyBytes = 32;
 /// hash, so a store it wrote can be read). The seed is a fingerprint of what
 /// changes the bytes (model, dtype, layout, page size, shard, namespace), so
 /// two configurations never share a key. Throws std::invalid_argument for
-/// `n < 0` or `page_size < 1`, std::runtime_error if libcrypto fails.
+/// `n < 0` or `page_size < 1`. SHA-256 is radixkv's own (cpp/src/sha256.h):
+/// the CPU's SHA instructions where it has them.
 void PageKeys(const int32_t* tokens, int64_t n, int64_t page_size, const uint8_t* seed,
               uint8_t* out);
 
@@ -28,8 +29,7 @@ struct ByteSpan {
 };
 
 /// HMAC-SHA-256 (RFC 2104) under `key[0, key_len)` of the concatenation of
-/// `parts[0, n_parts)`; writes 32 bytes to `out`. Throws std::runtime_error
-/// if libcrypto fails.
+/// `parts[0, n_parts)`; writes 32 bytes to `out`.
 void HmacSha256(const uint8_t* key, size_t key_len, const ByteSpan* parts, size_t n_parts,
                 uint8_t* out);
 

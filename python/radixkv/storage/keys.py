@@ -130,5 +130,6 @@ def page_keys(
     (`get_hash_str`), so a store SGLang wrote can be read. With `key` (32
     bytes, a backend's `name_key` from its deployment secret) each key is
     then HMAC-SHA-256(key, key i): a name nobody without the secret can
-    compute. Computed in C++ with OpenSSL's libcrypto."""
+    compute. Computed in C++ (cpp/src/sha256.h: the CPU's SHA
+    instructions where it has them)."""
     return _core.page_keys(input_ids, page_size, seed, key=key)

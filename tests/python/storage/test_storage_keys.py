@@ -3,6 +3,7 @@ SGLang's own page hash where SGLang is installed, and configurations that must
 never share a key."""
 
 import hashlib
+import hmac
 import importlib.util
 import struct
 
@@ -35,6 +36,31 @@ def test_keys_are_the_sha256_chain(page, n_extra):
     assert page_keys(tokens, page) == chain(tokens.tolist(), page)
     assert page_keys(tokens, page, seed) == chain(tokens.tolist(), page, seed)
     assert len(page_keys(tokens, page)) == len(tokens) // page
+
+
+def test_every_message_length_around_the_blocks_is_sha256():
+    """radixkv's own SHA-256 (the CPU's SHA instructions where it has them):
+    pages of 1 to 40 tokens, with and without the 32-byte prior key, are
+    messages of 4 to 192 bytes, across every padding case of one to four
+    blocks."""
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(-(1 << 31), (1 << 31) - 1, (120,), generator=g, dtype=torch.int32)
+    seed = hashlib.sha256(b"another seed").digest()
+    for page in range(1, 41):
+        assert page_keys(tokens, page) == chain(tokens.tolist(), page), page
+        assert page_keys(tokens, page, seed) == chain(tokens.tolist(), page, seed), page
+
+
+def test_keyed_keys_are_hmac_sha256_of_the_keys():
+    from radixkv import _core
+
+    raw = _core.page_keys(torch.arange(64, dtype=torch.int32).numpy(), 4, None, True)
+    for secret in (bytes(32), bytes(range(32)), b"\xff" * 32):
+        want = [
+            hmac.new(secret, raw[i : i + 32], hashlib.sha256).hexdigest()
+            for i in range(0, len(raw), 32)
+        ]
+        assert _core.keyed_page_keys(raw, secret) == want
 
 
 def test_fixed_vectors():
