@@ -100,8 +100,12 @@ CompressFn PickCompress() {
   return Sha256CompressPortable;
 }
 
-// Chosen once, when the library loads.
-const CompressFn kCompress = PickCompress();
+// Chosen on first use (a static in a function: a hash from another file's
+// static initialiser still finds it set).
+void Compress(uint32_t* state, const uint8_t* blocks, size_t n) {
+  static const CompressFn chosen = PickCompress();
+  chosen(state, blocks, n);
+}
 
 }  // namespace
 
@@ -142,7 +146,13 @@ void Sha256CompressPortable(uint32_t state[8], const uint8_t* blocks, size_t n) 
 
 Sha256::Sha256() { std::memcpy(state_, kInitial, sizeof(state_)); }
 
-bool Sha256::Accelerated() { return kCompress != Sha256CompressPortable; }
+bool Sha256::Accelerated() {
+#ifdef RADIXKV_SHA_X86
+  return CpuHasSha();
+#else
+  return false;
+#endif
+}
 
 void Sha256::Update(const void* data, size_t n) {
   if (n == 0) return;  // (data may be null)
@@ -155,10 +165,10 @@ void Sha256::Update(const void* data, size_t n) {
     in += take;
     n -= take;
     if (used + take < 64) return;
-    kCompress(state_, block_, 1);
+    Compress(state_, block_, 1);
   }
   if (n >= 64) {
-    kCompress(state_, in, n / 64);
+    Compress(state_, in, n / 64);
     in += n / 64 * 64;
     n %= 64;
   }
@@ -171,12 +181,12 @@ void Sha256::Final(uint8_t* out) {
   block_[used++] = 0x80;
   if (used > 56) {  // no room for the length: one more block
     std::memset(block_ + used, 0, 64 - used);
-    kCompress(state_, block_, 1);
+    Compress(state_, block_, 1);
     used = 0;
   }
   std::memset(block_ + used, 0, 56 - used);
   StoreBig(block_ + 56, bits, 8);
-  kCompress(state_, block_, 1);
+  Compress(state_, block_, 1);
   for (int i = 0; i < 8; ++i) StoreBig(out + 4 * i, state_[i], 4);
 }
 

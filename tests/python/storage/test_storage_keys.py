@@ -51,6 +51,19 @@ def test_every_message_length_around_the_blocks_is_sha256():
         assert page_keys(tokens, page, seed) == chain(tokens.tolist(), page, seed), page
 
 
+def test_every_message_length_is_sha256_inside_hmac():
+    """Messages of 0 to 160 bytes (every padding case: the 0x80 byte at
+    each offset of a block) and keys of 0 to 100 bytes (a key past 64 is
+    hashed first), against Python's hmac."""
+    from radixkv import _core
+
+    data = bytes((i * 37 + 11) % 256 for i in range(160))
+    for n in range(161):
+        key = data[: n % 101]
+        parts = [data[: n // 3], data[n // 3 : n]]
+        assert _core.hmac_sha256(key, parts) == hmac.new(key, data[:n], hashlib.sha256).digest()
+
+
 def test_keyed_keys_are_hmac_sha256_of_the_keys():
     from radixkv import _core
 
