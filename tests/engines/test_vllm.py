@@ -389,16 +389,25 @@ def test_mooncake_store_through_the_connector_serves_after_a_reset_and_a_second_
             "listen_on_all_interfaces": True,
             "query_timeout_s": 5.0,
         }
+        # Two servers at once: vLLM's CPU backend binds each one's worker to
+        # the same core (its automatic binding assumes it has the machine), and
+        # Mooncake keeps the first server's pages in memory its worker serves.
+        # The second server's store read then waits for a worker that gets no
+        # time on that core while the reader's own worker spins there, past the
+        # scheduler's 10 s wait (a miss: cached 0). Neither is bound here.
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         # The connector's first module path still builds it.
         old_path = "radixkv.compat.vllm_connector:RadixkvConnector"
-        a = start(python, model, str(tmp_path / "mooncake-a.log"), store, connector=old_path)
+        a = start(
+            python, model, str(tmp_path / "mooncake-a.log"), store, connector=old_path, env=env
+        )
         b = None
         try:
             out, cached = complete(a, prompt, {})
             assert cached == 0
             a.post("/reset_prefix_cache", {})
             assert complete(a, prompt, {}) == (out, usable(len(prompt)))
-            b = start(python, model, str(tmp_path / "mooncake-b.log"), store=store)
+            b = start(python, model, str(tmp_path / "mooncake-b.log"), store=store, env=env)
             assert complete(b, prompt, {}) == (out, usable(len(prompt)))
         finally:
             logs = [stop(s) for s in (a, b) if s is not None]
