@@ -27,15 +27,17 @@ Then the prefetch as a request sees it: one instance writes a prompt's pages,
 a second one (empty device and host) calls `prefetch` and `wait_prefetch`
 (`wait_complete`), both on the file backend: microseconds per 1k tokens.
 Then keys: `page_keys` (C++, radixkv's SHA-256) against hashlib over the same pages,
-one `update` per token as SGLang's get_hash_str does, and one per page.
+one `update` per token as SGLang's get_hash_str does, and one per page; and
+keyed names (HMAC-SHA-256 of each page key under a secret) against Python's hmac.
 
-python bench/python/bench_storage.py [--reps N] [--dir DIR] [--no-mooncake]
+python bench/python/bench_storage.py [--reps N] [--dir DIR] [--no-mooncake] [--keys-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -46,6 +48,7 @@ from typing import Optional
 
 import torch
 
+from radixkv import _core
 from radixkv.kvcache import MHAKVCache
 from radixkv.kvcache.host_pool import HostKVCache
 from radixkv.scheduler import CacheManager
@@ -341,6 +344,28 @@ def bench_keys(reps: int) -> list:
         row_["vs per token"] = round(s["hashlib per token"] / s["radixkv"], 1)
         row_["vs per page"] = round(s["hashlib per page"] / s["radixkv"], 1)
         rows.append(row_)
+    # Keyed names (a deployment secret): HMAC-SHA-256 of each page key.
+    raw_keys = _core.page_keys(ids.numpy(), 16, None, True)
+    secret = bytes(range(32))
+
+    def python_hmac(_):
+        return [
+            hmac.new(secret, raw_keys[i : i + 32], hashlib.sha256).hexdigest()
+            for i in range(0, len(raw_keys), 32)
+        ]
+
+    assert _core.keyed_page_keys(raw_keys, secret) == python_hmac(0)
+    n = len(raw_keys) // 32
+    ours = timed(lambda _: _core.keyed_page_keys(raw_keys, secret), reps)
+    theirs = timed(python_hmac, reps)
+    rows.append(
+        {
+            "keyed keys": n,
+            "radixkv ns a key": round(ours / n * 1e9),
+            "hmac ns a key": round(theirs / n * 1e9),
+            "vs hmac": round(theirs / ours, 1),
+        }
+    )
     return rows
 
 
@@ -349,8 +374,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dir", help="directory for the file backend (default: a temporary one)")
     ap.add_argument("--no-mooncake", action="store_true")
+    ap.add_argument("--keys-only", action="store_true", help="only the page keys' part")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.keys_only:
+        for r in bench_keys(args.reps):
+            print(json.dumps(r))
+        return
     directory = tempfile.mkdtemp(prefix="bench_storage.", dir=args.dir)
     out = []
     try:
