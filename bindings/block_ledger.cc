@@ -40,6 +40,26 @@ void DeviceInserted(BlockLedger& l, py::handle tokens, py::handle slots, int64_t
   l.DeviceInserted(t.data(), s.data(), start, end, known, SeedArg(seed_bytes), page_ids);
 }
 
+}  // namespace
+
+InsertAnnouncer::InsertAnnouncer(PyObject* ledger, PyObject* seed) {
+  if (ledger == nullptr || ledger == Py_None) return;
+  const py::handle l(ledger);
+  CHECK_TYPE(py::isinstance<BlockLedger>(l), "ledger must be a BlockLedger or None, got ",
+             Py_TYPE(ledger)->tp_name);
+  seed_ = Bytes32(seed == nullptr ? py::handle(Py_None) : py::handle(seed), "seed");
+  ledger_ = &l.cast<BlockLedger&>();
+}
+
+void InsertAnnouncer::Inserted(const int32_t* tokens, const int32_t* pages, int64_t start,
+                               int64_t end, int64_t known) const {
+  if (ledger_ != nullptr && start < end) {
+    ledger_->DeviceInserted(tokens, pages, start, end, known, SeedArg(seed_), true);
+  }
+}
+
+namespace {
+
 void DeviceEvicted(BlockLedger& l, py::handle slots, bool page_ids) {
   Int32View s(slots, "slots");
   FinishViews(s);

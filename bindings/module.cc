@@ -640,8 +640,14 @@ struct RequestArgs {
 template <bool P>
 py::object RadixTree_FinishRequest(PyRadixTree& t, PyObject* const* a) {
   RequestArgs r(t, a, P);
-  return py::int_(LockedWithGil(
-      t, [&] { return radixkv::FinishRequest(&t.tree, r.pages, r.request()); }, [&] { r.Own(); }));
+  // The page form's BlockStored for what it caches, from this call.
+  const radixkv::bindings::InsertAnnouncer announce(P ? a[5] : nullptr, P ? a[6] : nullptr);
+  const int64_t known = r.handle.cached_len;
+  const int64_t in_cache = LockedWithGil(
+      t, [&] { return radixkv::FinishRequest(&t.tree, r.pages, r.request()); }, [&] { r.Own(); });
+  const int64_t whole = r.ids.size() - r.ids.size() % t.tree.page_size();
+  announce.Inserted(r.ids.data(), r.slots.data(), in_cache, whole, known);
+  return py::int_(in_cache);
 }
 
 template <bool P>
@@ -1669,7 +1675,10 @@ constexpr Params kStartBackupPages{
 constexpr Params kFinishBackupPages{
     "finish_backup_pages", {"copy", "host_page_ids", "ok", "host_pages"}, 4, 2};
 constexpr Params kFinishRequestPages{
-    "finish_request_pages", {"old_handle", "input_ids", "page_ids", "pages", "priority"}, 5, 4};
+    "finish_request_pages",
+    {"old_handle", "input_ids", "page_ids", "pages", "priority", "ledger", "seed"},
+    7,
+    4};
 constexpr Params kCacheRequestPages{
     "cache_request_pages", {"old_handle", "input_ids", "page_ids", "pages", "priority"}, 5, 4};
 constexpr Params kFinishRequestsPages{
@@ -1869,9 +1878,11 @@ PyMethodDef kTreeMethods[] = {
      "finish_backup in pages."},
     {"finish_request_pages", Fast<RadixTree_FinishRequest<true>, kFinishRequestPages>(),
      kFastCall,
-     "finish_request_pages(old_handle, input_ids, page_ids, pages, priority=0) -> int\n\n"
+     "finish_request_pages(old_handle, input_ids, page_ids, pages, priority=0, ledger=None,\n"
+     "seed=None) -> int\n\n"
      "finish_request with the request's pages: its match's, then its own (ceil(len(input_ids)\n"
-     "/ page_size) in all)."},
+     "/ page_size) in all). With `ledger` (a BlockLedger of the device pool), the BlockStored\n"
+     "of the whole pages it cached, the chain seeded with `seed` (32 bytes or None)."},
     {"cache_request_pages", Fast<RadixTree_CacheRequest<true>, kCacheRequestPages>(), kFastCall,
      "cache_request_pages(old_handle, input_ids, page_ids, pages, priority=0)\n"
      "-> (handle, page_ids, in_cache): cache_request in pages."},

@@ -404,6 +404,8 @@ class RadixTree:
         page_ids: _Ids,
         pages: PageAllocator,
         priority: int = 0,
+        ledger: Optional[BlockLedger] = None,
+        seed: Optional[bytes] = None,
     ) -> int: ...
     def cache_request_pages(
         self,

@@ -32,7 +32,7 @@ blocks are never announced removed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -215,6 +215,19 @@ class BlockEvents:
         self.ledger.device_inserted(tokens, slots, start, end, known, seed, pages)
         self._bound()
 
+    def announcer(self, ns: int) -> Tuple[Optional[_core.BlockLedger], Optional[bytes]]:
+        """(ledger, seed) for a tree call that announces the BlockStored of
+        what it caches itself (`finish_request_pages`), in namespace `ns`;
+        (None, None) for a namespace forgotten since the match (see
+        `device_inserted`). Then `announced()`."""
+        if not self.namespaces.known(ns):
+            return None, None
+        return self.ledger, self.seed if ns == 0 else self.namespaces.seed(ns, self.seed)
+
+    def announced(self) -> None:
+        """A tree call announced its BlockStored (with `announcer`'s)."""
+        self._bound()
+
     def request_cached(
         self, ids, indices, in_cache: int, handle, page_size: int, pages: bool = False
     ) -> None:
@@ -323,6 +336,12 @@ class NoEvents:
     def request_cached(
         self, ids, indices, in_cache: int, handle, page_size: int, pages: bool = False
     ) -> None:
+        pass
+
+    def announcer(self, ns: int) -> Tuple[None, None]:
+        return None, None
+
+    def announced(self) -> None:
         pass
 
     def device_loaded(self, host_slots, device_slots, pages: bool = False) -> None:

@@ -579,16 +579,26 @@ class CacheManager(PagePath):
             self._finished(handle, ids, part, k, pages=pages)
 
     def _finished(
-        self, handle, ids, indices, in_cache: int, held: Optional[int] = None, pages: bool = False
+        self,
+        handle,
+        ids,
+        indices,
+        in_cache: int,
+        held: Optional[int] = None,
+        pages: bool = False,
+        announced: bool = False,
     ) -> None:
         """The manager's side of a request that a request step ended (its inputs were
         checked there; `indices` are page ids with `pages`): the pages it held (`held`
-        slots; None: all but its cached part), its KV events, its write_through backup,
-        then the post-step hook."""
+        slots; None: all but its cached part), its KV events (`announced`: the step's
+        native call told them), its write_through backup, then the post-step hook."""
         if held is None:
             held = length(indices) * (self.page_size if pages else 1) - handle.cached_len
         self._held_pages -= held // self.page_size
-        self._events.request_cached(ids, indices, in_cache, handle, self.page_size, pages)
+        if announced:
+            self._events.announced()
+        else:
+            self._events.request_cached(ids, indices, in_cache, handle, self.page_size, pages)
         if self._tiers.backs_up_on_insert:
             self._tiers.back_up(ids, handle.namespace)
         self._upkeep.after_step()

@@ -13,7 +13,7 @@ pages are slots. The radix cache only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Optional, Tuple, Union, cast
 
 import torch
 
@@ -26,6 +26,7 @@ from radixkv.kvcache.request_inputs import host_batch, host_flat, length
 from radixkv.scheduler.namespaces import Namespaces
 
 if TYPE_CHECKING:
+    from radixkv.scheduler.block_events import BlockEvents, NoEvents
     from radixkv.scheduler.tiers import Tiers
     from radixkv.scheduler.upkeep import Upkeep
 
@@ -42,6 +43,7 @@ class PagePath:
         _tiers: Tiers
         _upkeep: Upkeep
         _namespaces: Namespaces
+        _events: Union[BlockEvents, NoEvents]
         _held_pages: int
 
         def _matched(self, tokens: int, handles) -> None: ...
@@ -54,6 +56,7 @@ class PagePath:
             in_cache: int,
             held: Optional[int] = None,
             pages: bool = False,
+            announced: bool = False,
         ) -> None: ...
         def _flat_finished(
             self, handles, input_ids, indices, own, in_cache, pages: bool = False
@@ -121,8 +124,14 @@ class PagePath:
         tree = self._page_tree("free_and_cache_finished_req_pages")
         ids, pages = self._request_inputs(input_ids, page_ids)
         handle = cast(_core.RadixCacheHandle, old_handle)  # (the native call checks it)
-        in_cache = tree.finish_request_pages(handle, ids, pages, self._pages, priority)
-        self._finished(old_handle, ids, pages, in_cache, pages=True)
+        events = self._events
+        if events.on:  # the call announces its BlockStored itself
+            ledger, seed = events.announcer(handle.namespace)
+            finish = tree.finish_request_pages
+            in_cache = finish(handle, ids, pages, self._pages, priority, ledger, seed)
+        else:
+            in_cache = tree.finish_request_pages(handle, ids, pages, self._pages, priority)
+        self._finished(old_handle, ids, pages, in_cache, pages=True, announced=True)
 
     @shielded
     def free_and_cache_finished_reqs_pages(self, batch, priority=0) -> None:

@@ -183,6 +183,60 @@ def test_the_tree_page_forms_read_as_the_slot_forms():
     assert tree.match_prefix(ids)[1].tolist() == []
 
 
+def test_the_page_finish_announces_its_block_stored_itself():
+    """`finish_request_pages(..., ledger, seed)`: the BlockStored of the
+    whole pages it cached come from the finish itself, the same events as
+    the ledger's own `device_inserted` after it (the chain going on from
+    the cached page before them); a bad ledger or seed is refused before
+    the finish, naming it, with nothing changed."""
+    seed = bytes(range(32))
+    ids = torch.arange(40, dtype=torch.int32)  # 2 whole pages of 16 and 8 tokens more
+    ids2 = torch.cat([ids[:16], torch.arange(100, 140, dtype=torch.int32)])
+
+    def serve(announce: bool):
+        tree, pool = _core.RadixTree(16, aligned_pages=True), _core.PageAllocator(16, 16)
+        ledger, events = _core.BlockLedger(16, 0, 16), []
+        for tokens in (ids, ids2):
+            h, cached = tree.match_pages(tokens)
+            tree.lock_handle(h)
+            pages = torch.cat([cached, pool.allocate_pages(tokens.shape[0] - h.cached_len)])
+            if announce:
+                k = tree.finish_request_pages(h, tokens, pages, pool, 0, ledger, seed)
+            else:
+                k = tree.finish_request_pages(h, tokens, pages, pool)
+                ledger.device_inserted(
+                    tokens, pages, k, tokens.shape[0] // 16 * 16, h.cached_len, seed, True
+                )
+            events.append(ledger.take_events())
+        return events, tree.dump()
+
+    announced, dump = serve(True)
+    assert (announced, dump) == serve(False)
+    stored = [msgpack.unpackb(e) for batch in announced for e in batch]
+    assert [(e[0], len(e[1]), len(e[3])) for e in stored] == [
+        ("BlockStored", 2, 32),
+        ("BlockStored", 2, 32),  # ids2: its pages 1 and 2, after the cached page 0
+    ]
+    assert stored[1][2] == stored[0][1][0]  # parent: the cached page's block
+
+    tree, pool = _core.RadixTree(16, aligned_pages=True), _core.PageAllocator(16, 16)
+    ledger = _core.BlockLedger(16, 0, 16)
+    h, _ = tree.match_pages(ids)
+    tree.lock_handle(h)
+    pages = pool.allocate_pages(40)
+    for bad, error, message in (
+        ("ledger", TypeError, "ledger must be a BlockLedger or None, got str"),
+        (b"short", ValueError, "seed must be 32 bytes"),
+        (7, TypeError, "seed must be bytes"),
+    ):
+        args = ("ledger", seed) if isinstance(bad, str) else (ledger, bad)
+        with pytest.raises(error, match=message):
+            tree.finish_request_pages(h, ids, pages, pool, 0, *args)
+        assert tree.num_nodes == 0 and h.lock_count == 1 and ledger.pending == 0
+    tree.finish_request_pages(h, ids, pages, pool, 0, None, None)  # no ledger: no events
+    assert tree.match_pages(ids)[0].cached_len == 32 and ledger.pending == 0
+
+
 def test_the_naive_cache_has_no_page_path():
     cm = CacheManager(8, page_size=4, type="naive")
     with pytest.raises(TypeError, match="radix cache"):
