@@ -42,13 +42,18 @@ void DeviceInserted(BlockLedger& l, py::handle tokens, py::handle slots, int64_t
 
 }  // namespace
 
-InsertAnnouncer::InsertAnnouncer(PyObject* ledger, PyObject* seed) {
+InsertAnnouncer::InsertAnnouncer(PyObject* ledger, PyObject* seed, int64_t pool_pages,
+                                 int64_t page_size) {
+  seed_ = Bytes32(seed == nullptr ? py::handle(Py_None) : py::handle(seed), "seed");
   if (ledger == nullptr || ledger == Py_None) return;
   const py::handle l(ledger);
   CHECK_TYPE(py::isinstance<BlockLedger>(l), "ledger must be a BlockLedger or None, got ",
              Py_TYPE(ledger)->tp_name);
-  seed_ = Bytes32(seed == nullptr ? py::handle(Py_None) : py::handle(seed), "seed");
-  ledger_ = &l.cast<BlockLedger&>();
+  BlockLedger& led = l.cast<BlockLedger&>();
+  CHECK_VALUE(led.page_size() == page_size && led.device_pages() >= pool_pages,
+              "ledger holds ", led.device_pages(), " device pages of ", led.page_size(),
+              " tokens; the pool has ", pool_pages, " pages of ", page_size);
+  ledger_ = &led;
 }
 
 void InsertAnnouncer::Inserted(const int32_t* tokens, const int32_t* pages, int64_t start,

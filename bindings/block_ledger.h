@@ -18,10 +18,12 @@ void RegisterBlockLedger(pybind11::module_& m);
 /// Where a tree's request call announces what it cached, in the same call:
 /// built from the call's `ledger` (a `_core.BlockLedger`, or None/absent:
 /// nowhere) and `seed` (32 bytes, or None) before the call changes anything,
-/// raising TypeError or ValueError for bad ones.
+/// raising TypeError or ValueError for bad ones: the ledger must have at
+/// least the `pool_pages` device pages of the call's pool, of `page_size`
+/// tokens, so that every page the call accepts is one of its rows.
 class InsertAnnouncer {
  public:
-  InsertAnnouncer(PyObject* ledger, PyObject* seed);
+  InsertAnnouncer(PyObject* ledger, PyObject* seed, int64_t pool_pages, int64_t page_size);
   explicit operator bool() const { return ledger_ != nullptr; }
   /// `tokens[start, end)` joined the device with the page ids `pages`
   /// (BlockLedger::DeviceInserted; `known`: tokens before `start` the tree

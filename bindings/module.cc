@@ -641,7 +641,8 @@ template <bool P>
 py::object RadixTree_FinishRequest(PyRadixTree& t, PyObject* const* a) {
   RequestArgs r(t, a, P);
   // The page form's BlockStored for what it caches, from this call.
-  const radixkv::bindings::InsertAnnouncer announce(P ? a[5] : nullptr, P ? a[6] : nullptr);
+  const radixkv::bindings::InsertAnnouncer announce(
+      P ? a[5] : nullptr, P ? a[6] : nullptr, r.pages->num_pages(), t.tree.page_size());
   const int64_t known = r.handle.cached_len;
   const int64_t in_cache = LockedWithGil(
       t, [&] { return radixkv::FinishRequest(&t.tree, r.pages, r.request()); }, [&] { r.Own(); });

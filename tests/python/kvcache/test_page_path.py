@@ -228,11 +228,18 @@ def test_the_page_finish_announces_its_block_stored_itself():
         ("ledger", TypeError, "ledger must be a BlockLedger or None, got str"),
         (b"short", ValueError, "seed must be 32 bytes"),
         (7, TypeError, "seed must be bytes"),
+        (_core.BlockLedger(16, 0, 4), ValueError, "ledger holds 16 device pages of 4 tokens"),
+        (_core.BlockLedger(15, 0, 16), ValueError, "ledger holds 15 device pages of 16 tokens"),
     ):
-        args = ("ledger", seed) if isinstance(bad, str) else (ledger, bad)
+        if isinstance(bad, _core.BlockLedger):
+            args = (bad, seed)
+        else:
+            args = ("ledger", seed) if isinstance(bad, str) else (ledger, bad)
         with pytest.raises(error, match=message):
             tree.finish_request_pages(h, ids, pages, pool, 0, *args)
         assert tree.num_nodes == 0 and h.lock_count == 1 and ledger.pending == 0
+    with pytest.raises(ValueError, match="seed must be 32 bytes"):  # checked without a ledger too
+        tree.finish_request_pages(h, ids, pages, pool, 0, None, b"short")
     tree.finish_request_pages(h, ids, pages, pool, 0, None, None)  # no ledger: no events
     assert tree.match_pages(ids)[0].cached_len == 32 and ledger.pending == 0
 
