@@ -57,9 +57,9 @@ InsertAnnouncer::InsertAnnouncer(PyObject* ledger, PyObject* seed, int64_t pool_
 }
 
 void InsertAnnouncer::Inserted(const int32_t* tokens, const int32_t* pages, int64_t start,
-                               int64_t end, int64_t known) const {
+                               int64_t end, int64_t known, bool page_ids) const {
   if (ledger_ != nullptr && start < end) {
-    ledger_->DeviceInserted(tokens, pages, start, end, known, SeedArg(seed_), true);
+    ledger_->DeviceInserted(tokens, pages, start, end, known, SeedArg(seed_), page_ids);
   }
 }
 

@@ -28,8 +28,9 @@ class InsertAnnouncer {
   /// `tokens[start, end)` joined the device with the page ids `pages`
   /// (BlockLedger::DeviceInserted; `known`: tokens before `start` the tree
   /// already held). The caller holds the GIL and keeps the ledger alive.
+  /// With `page_ids` false, `pages` holds token slots, one a token.
   void Inserted(const int32_t* tokens, const int32_t* pages, int64_t start, int64_t end,
-                int64_t known) const;
+                int64_t known, bool page_ids) const;
 
  private:
   BlockLedger* ledger_ = nullptr;

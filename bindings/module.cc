@@ -637,23 +637,35 @@ struct RequestArgs {
   bool page_ids;
 };
 
+// A request step's BlockStored for what it cached, from the step's own call
+// (its `ledger` and `seed` arguments, a[5] and a[6]), checked before it runs.
+struct StepAnnouncer {
+  StepAnnouncer(const PyRadixTree& t, const RequestArgs& r, PyObject* const* a)
+      : announce(a[5], a[6], r.pages->num_pages(), t.tree.page_size()),
+        known(r.handle.cached_len),
+        whole(r.ids.size() - r.ids.size() % t.tree.page_size()) {}
+  void Inserted(const RequestArgs& r, int64_t in_cache) const {
+    announce.Inserted(r.ids.data(), r.slots.data(), in_cache, whole, known, r.page_ids);
+  }
+
+  const radixkv::bindings::InsertAnnouncer announce;
+  const int64_t known, whole;
+};
+
 template <bool P>
 py::object RadixTree_FinishRequest(PyRadixTree& t, PyObject* const* a) {
   RequestArgs r(t, a, P);
-  // The page form's BlockStored for what it caches, from this call.
-  const radixkv::bindings::InsertAnnouncer announce(
-      P ? a[5] : nullptr, P ? a[6] : nullptr, r.pages->num_pages(), t.tree.page_size());
-  const int64_t known = r.handle.cached_len;
+  const StepAnnouncer announce(t, r, a);
   const int64_t in_cache = LockedWithGil(
       t, [&] { return radixkv::FinishRequest(&t.tree, r.pages, r.request()); }, [&] { r.Own(); });
-  const int64_t whole = r.ids.size() - r.ids.size() % t.tree.page_size();
-  announce.Inserted(r.ids.data(), r.slots.data(), in_cache, whole, known);
+  announce.Inserted(r, in_cache);
   return py::int_(in_cache);
 }
 
 template <bool P>
 py::object RadixTree_CacheRequest(PyRadixTree& t, PyObject* const* a) {
   RequestArgs r(t, a, P);
+  const StepAnnouncer announce(t, r, a);
   py::object handle = NewBoxed<Handle>(g_handle_type);
   TensorSink indices;
   const int64_t in_cache = LockedWithGil(
@@ -663,6 +675,7 @@ py::object RadixTree_CacheRequest(PyRadixTree& t, PyObject* const* a) {
                                      Out<P>(indices));
       },
       [&] { r.Own(); });
+  announce.Inserted(r, in_cache);
   return py::make_tuple(std::move(handle), indices.take(), in_cache);
 }
 
@@ -1630,9 +1643,15 @@ constexpr Params kStartBackup{
     "start_backup", {"input_ids", "host_pages", "min_hits", "through_partial", "namespace"}, 5, 2};
 constexpr Params kFinishBackup{"finish_backup", {"copy", "host_slots", "ok", "host_pages"}, 4, 2};
 constexpr Params kFinishRequest{
-    "finish_request", {"old_handle", "input_ids", "indices", "pages", "priority"}, 5, 4};
+    "finish_request",
+    {"old_handle", "input_ids", "indices", "pages", "priority", "ledger", "seed"},
+    7,
+    4};
 constexpr Params kCacheRequest{
-    "cache_request", {"old_handle", "input_ids", "indices", "pages", "priority"}, 5, 4};
+    "cache_request",
+    {"old_handle", "input_ids", "indices", "pages", "priority", "ledger", "seed"},
+    7,
+    4};
 constexpr Params kFinishRequests{"finish_requests", {"batch", "pages", "priority"}, 3, 2};
 constexpr Params kFinishRequestsFlat{
     "finish_requests_flat", {"handles", "input_ids", "indices", "pages", "priority", "own"}, 6, 4};
@@ -1681,7 +1700,10 @@ constexpr Params kFinishRequestPages{
     7,
     4};
 constexpr Params kCacheRequestPages{
-    "cache_request_pages", {"old_handle", "input_ids", "page_ids", "pages", "priority"}, 5, 4};
+    "cache_request_pages",
+    {"old_handle", "input_ids", "page_ids", "pages", "priority", "ledger", "seed"},
+    7,
+    4};
 constexpr Params kFinishRequestsPages{
     "finish_requests_pages", {"batch", "pages", "priority"}, 3, 2};
 constexpr Params kFinishRequestsFlatPages{
@@ -1747,22 +1769,26 @@ PyMethodDef kTreeMethods[] = {
      "(given host_pages, also freed there). With ok, ValueError unless each page of\n"
      "host_slots is page_size consecutive slots."},
     {"finish_request", Fast<RadixTree_FinishRequest<false>, kFinishRequest>(), kFastCall,
-     "finish_request(old_handle, input_ids, indices, pages, priority=0) -> int\n\n"
+     "finish_request(old_handle, input_ids, indices, pages, priority=0, ledger=None,\n"
+     "seed=None) -> int\n\n"
      "The end of a request in one call: checks that indices cover input_ids in whole pages,\n"
      "that old_handle is live and locked and indices[:cached_len] are its slots, and that\n"
      "the rest are pages `pages` (the device pool's PageAllocator) handed out, none cached;\n"
      "then caches the whole pages (insert_prefix in the handle's namespace), frees into\n"
      "`pages` the request's copies of tokens cached meanwhile and its partial last page,\n"
      "and unlocks old_handle. Returns insert_prefix's count. Raises ValueError or\n"
-     "TypeError naming the argument, changing nothing."},
+     "TypeError naming the argument, changing nothing. With `ledger` (a BlockLedger covering\n"
+     "the pool), the BlockStored of the whole pages it cached, the chain seeded with `seed`\n"
+     "(32 bytes or None)."},
     {"cache_request", Fast<RadixTree_CacheRequest<false>, kCacheRequest>(), kFastCall,
-     "cache_request(old_handle, input_ids, indices, pages, priority=0)\n"
-     "    -> (new_handle, indices, in_cache)\n\n"
+     "cache_request(old_handle, input_ids, indices, pages, priority=0, ledger=None,\n"
+     "seed=None) -> (new_handle, indices, in_cache)\n\n"
      "finish_request for a request that goes on (a chunk of a chunked prefill): the same\n"
      "checks and insert, then match_prefix of input_ids gives new_handle (locked;\n"
      "old_handle is unlocked), the request's copies of tokens it now covers go back to\n"
      "`pages`, and indices are the slots it goes on with: the cache's for the matched\n"
-     "part, then its own. Raises, changing nothing, on bad input."},
+     "part, then its own. Raises, changing nothing, on bad input. `ledger` and `seed`: as\n"
+     "finish_request's."},
     {"finish_requests", Fast<RadixTree_FinishRequests<false>, kFinishRequests>(), kFastCall,
      "finish_requests(batch, pages, priority=0) -> [int, ...]\n\n"
      "finish_request of each (old_handle, input_ids, indices) of batch, in order, in one\n"
@@ -1885,8 +1911,8 @@ PyMethodDef kTreeMethods[] = {
      "/ page_size) in all). With `ledger` (a BlockLedger of the device pool), the BlockStored\n"
      "of the whole pages it cached, the chain seeded with `seed` (32 bytes or None)."},
     {"cache_request_pages", Fast<RadixTree_CacheRequest<true>, kCacheRequestPages>(), kFastCall,
-     "cache_request_pages(old_handle, input_ids, page_ids, pages, priority=0)\n"
-     "-> (handle, page_ids, in_cache): cache_request in pages."},
+     "cache_request_pages(old_handle, input_ids, page_ids, pages, priority=0, ledger=None,\n"
+     "seed=None) -> (handle, page_ids, in_cache): cache_request in pages."},
     {"finish_requests_pages", Fast<RadixTree_FinishRequests<true>, kFinishRequestsPages>(),
      kFastCall,
      "finish_requests_pages(batch, pages, priority=0) -> [int, ...]\n\n"

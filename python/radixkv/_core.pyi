@@ -414,6 +414,8 @@ class RadixTree:
         page_ids: _Ids,
         pages: PageAllocator,
         priority: int = 0,
+        ledger: Optional[BlockLedger] = None,
+        seed: Optional[bytes] = None,
     ) -> Tuple[RadixCacheHandle, torch.Tensor, int]: ...
     def finish_requests_pages(
         self,
@@ -470,6 +472,8 @@ class RadixTree:
         indices: _Ids,
         pages: PageAllocator,
         priority: int = 0,
+        ledger: Optional[BlockLedger] = None,
+        seed: Optional[bytes] = None,
     ) -> int: ...
     def cache_request(
         self,
@@ -478,6 +482,8 @@ class RadixTree:
         indices: _Ids,
         pages: PageAllocator,
         priority: int = 0,
+        ledger: Optional[BlockLedger] = None,
+        seed: Optional[bytes] = None,
     ) -> Tuple[RadixCacheHandle, torch.Tensor, int]: ...
     def finish_requests(
         self,

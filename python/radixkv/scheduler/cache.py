@@ -513,8 +513,23 @@ class CacheManager(PagePath):
         namespace of `old_handle`'s match.
         """
         ids, indices = self._request_inputs(input_ids, indices)
-        in_cache = self.manager.finish_request(old_handle, ids, indices, self._pages, priority)
-        self._finished(old_handle, ids, indices, in_cache)
+        tree, announce = self._tree, self._announce_args(old_handle)
+        if tree is not None and announce is not None:  # (the call announces its BlockStored)
+            h = cast(_core.RadixCacheHandle, old_handle)
+            in_cache = tree.finish_request(h, ids, indices, self._pages, priority, *announce)
+        else:
+            in_cache = self.manager.finish_request(old_handle, ids, indices, self._pages, priority)
+        self._finished(old_handle, ids, indices, in_cache, announced=announce is not None)
+
+    def _announce_args(
+        self, handle
+    ) -> Optional[Tuple[Optional[_core.BlockLedger], Optional[bytes]]]:
+        """The (ledger, seed) a single request step's native call takes to
+        announce the BlockStored of what it caches itself (the radix tree,
+        KV events on); None where `_finished` announces them."""
+        if self._tree is None or not self._events.on:
+            return None
+        return self._events.announcer(handle.namespace)
 
     def _request_inputs(self, input_ids, indices):
         """A request's inputs on the host for a request step, once its loads
@@ -617,13 +632,17 @@ class CacheManager(PagePath):
         """
         ids, indices = self._request_inputs(input_ids, indices)
         # One call: the checks, the insert, the new match and its lock, the
-        # frees and the unlock; it raises, changing nothing.
-        handle, new_indices, in_cache = self.manager.cache_request(
-            old_handle, ids, indices, self._pages, priority
-        )
+        # frees and the unlock (and the BlockStored); it raises, changing nothing.
+        tree, announce = self._tree, self._announce_args(old_handle)
+        if tree is not None and announce is not None:
+            h = cast(_core.RadixCacheHandle, old_handle)
+            step = tree.cache_request(h, ids, indices, self._pages, priority, *announce)
+        else:
+            step = self.manager.cache_request(old_handle, ids, indices, self._pages, priority)
+        handle, new_indices, in_cache = step
         # (the request's locked pages stay)
         held = handle.cached_len - old_handle.cached_len
-        self._finished(old_handle, ids, indices, in_cache, held)
+        self._finished(old_handle, ids, indices, in_cache, held, announced=announce is not None)
         return handle, new_indices.to(self.device, non_blocking=True)
 
     # -- once a scheduling round --------------------------------------------------

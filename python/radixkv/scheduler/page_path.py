@@ -13,7 +13,7 @@ pages are slots. The radix cache only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple, Union, cast
+from typing import TYPE_CHECKING, Optional, Tuple, cast
 
 import torch
 
@@ -26,7 +26,6 @@ from radixkv.kvcache.request_inputs import host_batch, host_flat, length
 from radixkv.scheduler.namespaces import Namespaces
 
 if TYPE_CHECKING:
-    from radixkv.scheduler.block_events import BlockEvents, NoEvents
     from radixkv.scheduler.tiers import Tiers
     from radixkv.scheduler.upkeep import Upkeep
 
@@ -43,7 +42,6 @@ class PagePath:
         _tiers: Tiers
         _upkeep: Upkeep
         _namespaces: Namespaces
-        _events: Union[BlockEvents, NoEvents]
         _held_pages: int
 
         def _matched(self, tokens: int, handles) -> None: ...
@@ -62,6 +60,9 @@ class PagePath:
             self, handles, input_ids, indices, own, in_cache, pages: bool = False
         ) -> None: ...
         def _load_back(self, handle: BaseCacheHandle): ...
+        def _announce_args(
+            self, handle
+        ) -> Optional[Tuple[Optional[_core.BlockLedger], Optional[bytes]]]: ...
 
     def _page_tree(self, what: str) -> _core.RadixTree:
         tree = self._tree
@@ -124,13 +125,8 @@ class PagePath:
         tree = self._page_tree("free_and_cache_finished_req_pages")
         ids, pages = self._request_inputs(input_ids, page_ids)
         handle = cast(_core.RadixCacheHandle, old_handle)  # (the native call checks it)
-        events = self._events
-        if events.on:  # the call announces its BlockStored itself
-            ledger, seed = events.announcer(handle.namespace)
-            finish = tree.finish_request_pages
-            in_cache = finish(handle, ids, pages, self._pages, priority, ledger, seed)
-        else:
-            in_cache = tree.finish_request_pages(handle, ids, pages, self._pages, priority)
+        announce = self._announce_args(handle) or (None, None)  # (the call's own BlockStored)
+        in_cache = tree.finish_request_pages(handle, ids, pages, self._pages, priority, *announce)
         self._finished(old_handle, ids, pages, in_cache, pages=True, announced=True)
 
     @shielded
@@ -183,9 +179,10 @@ class PagePath:
         and the pages the request goes on with."""
         tree = self._page_tree("cache_unfinished_req_pages")
         ids, pages = self._request_inputs(input_ids, page_ids)
+        announce = self._announce_args(old_handle) or (None, None)  # (the call's own BlockStored)
         handle, new_pages, in_cache = tree.cache_request_pages(
-            cast(_core.RadixCacheHandle, old_handle), ids, pages, self._pages, priority
+            cast(_core.RadixCacheHandle, old_handle), ids, pages, self._pages, priority, *announce
         )
         held = handle.cached_len - old_handle.cached_len
-        self._finished(old_handle, ids, pages, in_cache, held, pages=True)
+        self._finished(old_handle, ids, pages, in_cache, held, pages=True, announced=True)
         return handle, new_pages

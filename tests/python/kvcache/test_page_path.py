@@ -183,12 +183,16 @@ def test_the_tree_page_forms_read_as_the_slot_forms():
     assert tree.match_prefix(ids)[1].tolist() == []
 
 
-def test_the_page_finish_announces_its_block_stored_itself():
-    """`finish_request_pages(..., ledger, seed)`: the BlockStored of the
-    whole pages it cached come from the finish itself, the same events as
-    the ledger's own `device_inserted` after it (the chain going on from
-    the cached page before them); a bad ledger or seed is refused before
-    the finish, naming it, with nothing changed."""
+@pytest.mark.parametrize("step", ["finish_request", "cache_request"])
+@pytest.mark.parametrize("form", ["pages", "slots"])
+def test_a_request_step_announces_its_block_stored_itself(step, form):
+    """`finish_request[_pages](..., ledger, seed)` and `cache_request[_pages]`:
+    the BlockStored of the whole pages the step cached come from the step
+    itself, the same events as the ledger's own `device_inserted` after it
+    (the chain going on from the cached page before them); a bad ledger or
+    seed is refused before the step, naming it, with nothing changed."""
+    by_pages = form == "pages"
+    call_name = step + ("_pages" if by_pages else "")
     seed = bytes(range(32))
     ids = torch.arange(40, dtype=torch.int32)  # 2 whole pages of 16 and 8 tokens more
     ids2 = torch.cat([ids[:16], torch.arange(100, 140, dtype=torch.int32)])
@@ -200,13 +204,18 @@ def test_the_page_finish_announces_its_block_stored_itself():
             h, cached = tree.match_pages(tokens)
             tree.lock_handle(h)
             pages = torch.cat([cached, pool.allocate_pages(tokens.shape[0] - h.cached_len)])
+            entries = pages if by_pages else slots_of_pages(pages, 16)
+            call = getattr(tree, call_name)
             if announce:
-                k = tree.finish_request_pages(h, tokens, pages, pool, 0, ledger, seed)
+                got = call(h, tokens, entries, pool, 0, ledger, seed)
             else:
-                k = tree.finish_request_pages(h, tokens, pages, pool)
-                ledger.device_inserted(
-                    tokens, pages, k, tokens.shape[0] // 16 * 16, h.cached_len, seed, True
-                )
+                got = call(h, tokens, entries, pool)
+            k = got if step == "finish_request" else got[2]
+            if not announce:
+                whole = tokens.shape[0] // 16 * 16
+                ledger.device_inserted(tokens, entries, k, whole, h.cached_len, seed, by_pages)
+            if step == "cache_request":  # the request goes on (its pages stay: 7 of 16)
+                tree.lock_handle(got[0], unlock=True)
             events.append(ledger.take_events())
         return events, tree.dump()
 
@@ -224,6 +233,9 @@ def test_the_page_finish_announces_its_block_stored_itself():
     h, _ = tree.match_pages(ids)
     tree.lock_handle(h)
     pages = pool.allocate_pages(40)
+    if not by_pages:
+        pages = slots_of_pages(pages, 16)
+    call = getattr(tree, call_name)
     for bad, error, message in (
         ("ledger", TypeError, "ledger must be a BlockLedger or None, got str"),
         (b"short", ValueError, "seed must be 32 bytes"),
@@ -236,11 +248,11 @@ def test_the_page_finish_announces_its_block_stored_itself():
         else:
             args = ("ledger", seed) if isinstance(bad, str) else (ledger, bad)
         with pytest.raises(error, match=message):
-            tree.finish_request_pages(h, ids, pages, pool, 0, *args)
+            call(h, ids, pages, pool, 0, *args)
         assert tree.num_nodes == 0 and h.lock_count == 1 and ledger.pending == 0
     with pytest.raises(ValueError, match="seed must be 32 bytes"):  # checked without a ledger too
-        tree.finish_request_pages(h, ids, pages, pool, 0, None, b"short")
-    tree.finish_request_pages(h, ids, pages, pool, 0, None, None)  # no ledger: no events
+        call(h, ids, pages, pool, 0, None, b"short")
+    call(h, ids, pages, pool, 0, None, None)  # no ledger: no events
     assert tree.match_pages(ids)[0].cached_len == 32 and ledger.pending == 0
 
 
