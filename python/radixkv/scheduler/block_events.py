@@ -217,7 +217,7 @@ class BlockEvents:
 
     def announcer(self, ns: int) -> Tuple[Optional[_core.BlockLedger], Optional[bytes]]:
         """(ledger, seed) for a tree call that announces the BlockStored of
-        what it caches itself (`finish_request_pages`), in namespace `ns`;
+        what it caches itself (a single request's step), in namespace `ns`;
         (None, None) for a namespace forgotten since the match (see
         `device_inserted`). Then `announced()`."""
         if not self.namespaces.known(ns):

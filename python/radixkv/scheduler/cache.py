@@ -529,7 +529,8 @@ class CacheManager(PagePath):
         KV events on); None where `_finished` announces them."""
         if self._tree is None or not self._events.on:
             return None
-        return self._events.announcer(handle.namespace)
+        # (not a handle: the step's own call refuses it, naming old_handle)
+        return self._events.announcer(getattr(handle, "namespace", 0))
 
     def _request_inputs(self, input_ids, indices):
         """A request's inputs on the host for a request step, once its loads

@@ -256,6 +256,23 @@ def test_a_request_step_announces_its_block_stored_itself(step, form):
     assert tree.match_pages(ids)[0].cached_len == 32 and ledger.pending == 0
 
 
+@pytest.mark.parametrize("events", [False, True], ids=["events-off", "events-on"])
+def test_a_step_given_no_handle_names_old_handle(events):
+    """With KV events on the step's call also takes the ledger: something
+    that is not a handle is still refused by that call, naming old_handle."""
+    cm = CacheManager(8, page_size=2, kv_events=Recorder() if events else None)
+    ids = torch.arange(6, dtype=torch.int32)
+    for call in (
+        lambda: cm.free_and_cache_finished_req(None, ids, torch.arange(6, dtype=torch.int32)),
+        lambda: cm.free_and_cache_finished_req_pages(None, ids, torch.arange(3, dtype=torch.int32)),
+        lambda: cm.cache_unfinished_req(None, ids, torch.arange(6, dtype=torch.int32)),
+        lambda: cm.cache_unfinished_req_pages(None, ids, torch.arange(3, dtype=torch.int32)),
+    ):
+        with pytest.raises(TypeError, match="old_handle must be a RadixCacheHandle"):
+            call()
+    assert cm.free_pages == 8 and cm.manager.tree.num_nodes == 0
+
+
 def test_the_naive_cache_has_no_page_path():
     cm = CacheManager(8, page_size=4, type="naive")
     with pytest.raises(TypeError, match="radix cache"):
