@@ -1,0 +1,56 @@
+// Jobs run one after another, in the order given, on a thread of their own.
+//
+// For work a caller hands off and reads back later: the caller posts a job
+// (which owns everything it reads), goes on, and waits only when it needs
+// the jobs' results. The thread starts with the first job. Once idle it
+// polls for a while before it sleeps, so a caller that posts every few
+// microseconds (a scheduler's step) does not pay a wake-up each time.
+//
+// One caller thread at a time: Post and Wait are not for concurrent callers.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace radixkv {
+
+class JobThread {
+ public:
+  JobThread() = default;
+  /// Runs the jobs still queued, then stops the thread.
+  ~JobThread();
+  JobThread(const JobThread&) = delete;
+  JobThread& operator=(const JobThread&) = delete;
+
+  /// Queues `job` after the others (starting the thread on the first).
+  void Post(std::function<void()> job);
+  /// Returns once every job posted has run. A job that threw does not stop
+  /// the others; the first exception is rethrown here, once.
+  void Wait();
+  /// Jobs posted and not finished yet.
+  int64_t queued() const noexcept { return queued_.load(std::memory_order_acquire); }
+
+ private:
+  void Run();
+
+  std::mutex mu_;
+  std::condition_variable work_;  // the thread sleeps for jobs
+  std::condition_variable idle_;  // Wait sleeps for the thread
+  std::deque<std::function<void()>> jobs_;
+  std::atomic<int64_t> queued_{0};
+  bool sleeping_ = false;  // the thread waits on work_
+  bool running_ = false;   // the thread runs jobs taken off jobs_
+  int waiters_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+}  // namespace radixkv

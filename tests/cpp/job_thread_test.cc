@@ -1,0 +1,90 @@
+#include "radixkv/job_thread.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace radixkv {
+namespace {
+
+TEST(JobThreadTest, RunsJobsInOrderOffTheCallersThread) {
+  JobThread jobs;
+  std::vector<int> order;
+  std::thread::id ran_on;
+  for (int i = 0; i < 1000; ++i) {
+    jobs.Post([&, i] {
+      order.push_back(i);
+      ran_on = std::this_thread::get_id();
+    });
+  }
+  jobs.Wait();
+  ASSERT_EQ(order.size(), 1000u);
+  for (int i = 0; i < 1000; ++i) EXPECT_EQ(order[static_cast<size_t>(i)], i);
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(jobs.queued(), 0);
+}
+
+TEST(JobThreadTest, WaitReturnsOnlyOnceTheJobsRan) {
+  JobThread jobs;
+  std::atomic<bool> go{false};
+  int done = 0;
+  jobs.Post([&] {
+    while (!go.load()) std::this_thread::yield();
+    done = 1;
+  });
+  jobs.Post([&] { done = 2; });
+  EXPECT_EQ(jobs.queued(), 2);
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    go = true;
+  });
+  jobs.Wait();
+  EXPECT_EQ(done, 2);
+  release.join();
+}
+
+TEST(JobThreadTest, AThrowingJobStopsNothingAndWaitRethrowsItOnce) {
+  JobThread jobs;
+  int ran = 0;
+  jobs.Post([&] { ++ran; });
+  jobs.Post([] { throw std::runtime_error("first"); });
+  jobs.Post([] { throw std::runtime_error("second"); });
+  jobs.Post([&] { ++ran; });
+  try {
+    jobs.Wait();
+    ADD_FAILURE() << "Wait did not rethrow";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "first");
+  }
+  EXPECT_EQ(ran, 2);
+  jobs.Wait();  // once
+}
+
+TEST(JobThreadTest, JobsAfterTheThreadSleptWakeIt) {
+  JobThread jobs;
+  int ran = 0;
+  for (int i = 0; i < 5; ++i) {
+    jobs.Post([&] { ++ran; });
+    jobs.Wait();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // past the polling
+  }
+  EXPECT_EQ(ran, 5);
+}
+
+TEST(JobThreadTest, TheDestructorRunsWhatIsQueued) {
+  int ran = 0;
+  {
+    JobThread jobs;
+    for (int i = 0; i < 100; ++i) jobs.Post([&] { ++ran; });
+  }
+  EXPECT_EQ(ran, 100);
+  JobThread never_used;  // no thread started, none joined
+  EXPECT_EQ(never_used.queued(), 0);
+}
+
+}  // namespace
+}  // namespace radixkv
