@@ -122,9 +122,10 @@ void RegisterBlockLedger(py::module_& m) {
   py::class_<BlockLedger>(m, "BlockLedger",
                           "The blocks each tier holds (a row per pool page) and the KV events\n"
                           "their changes make, packed as msgpack as they happen.")
-      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("device_pages"), py::arg("host_pages"),
-           py::arg("page_size"))
+      .def(py::init<int64_t, int64_t, int64_t, bool>(), py::arg("device_pages"),
+           py::arg("host_pages"), py::arg("page_size"), py::arg("threaded") = false)
       .def_property_readonly("page_size", &BlockLedger::page_size)
+      .def_property_readonly("threaded", &BlockLedger::threaded)
       .def_property_readonly("pending", &BlockLedger::pending)
       .def_property_readonly("device_blocks", &BlockLedger::device_blocks)
       .def_property_readonly("host_blocks", &BlockLedger::host_blocks)

@@ -40,8 +40,9 @@ int64_t BlockLedger::Tier::Count() const noexcept {
   return n;
 }
 
-BlockLedger::BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_size)
-    : page_size_(page_size) {
+BlockLedger::BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_size,
+                         bool threaded)
+    : page_size_(page_size), threaded_(threaded) {
   RADIXKV_CHECK(page_size >= 1, ErrorCode::kInvalidArgument, "page_size must be >= 1, got ",
                 page_size);
   RADIXKV_CHECK(device_pages >= 0, ErrorCode::kInvalidArgument, "device_pages must be >= 0, got ",
@@ -159,6 +160,11 @@ void BlockLedger::Put(Tier* tier, int64_t page, const Block& b, const int32_t* t
               static_cast<size_t>(page_size_) * sizeof(int32_t));
 }
 
+void BlockLedger::Emit(std::string event) {
+  pending_.push_back(std::move(event));
+  packed_.fetch_add(1, std::memory_order_release);
+}
+
 void BlockLedger::Remove(Tier* tier, const std::vector<int64_t>& pages, const char* medium) {
   hashes_.clear();
   for (int64_t page : pages) {
@@ -171,11 +177,10 @@ void BlockLedger::Remove(Tier* tier, const std::vector<int64_t>& pages, const ch
   if (hashes_.empty()) return;
   std::string event;
   PackBlockRemoved(&event, Run(hashes_.data(), static_cast<int64_t>(hashes_.size())), medium);
-  pending_.push_back(std::move(event));
+  Emit(std::move(event));
 }
 
 void BlockLedger::PackStoredChains(const char* medium, std::vector<std::string>* out) {
-  if (out == nullptr) out = &pending_;
   const int64_t n = static_cast<int64_t>(blocks_.size()), ps = page_size_;
   hashes_.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) hashes_[static_cast<size_t>(i)] = blocks_[i].hash;
@@ -187,10 +192,35 @@ void BlockLedger::PackStoredChains(const char* medium, std::vector<std::string>*
     if (first.has_parent) parent = first.parent;
     std::string event;
     PackBlockStored(&event, Run(hashes_.data() + a, b - a), parent,
-                    Run(tokens_.data() + a * ps, (b - a) * ps), ps, lora_id_, medium);
-    out->push_back(std::move(event));
+                    Run(tokens_.data() + a * ps, (b - a) * ps), ps, packing_lora_id_, medium);
+    if (out != nullptr) {
+      out->push_back(std::move(event));
+    } else {
+      Emit(std::move(event));
+    }
     a = b;
   }
+}
+
+void BlockLedger::Submit(void (BlockLedger::*apply)(const Change&), Change change) {
+  if (!threaded_) {
+    (this->*apply)(change);
+    return;
+  }
+  jobs_.Post([this, apply, c = std::move(change)] { (this->*apply)(c); });
+}
+
+void BlockLedger::Settle() {
+  if (threaded_) jobs_.Wait();
+}
+
+void BlockLedger::set_lora_id(std::optional<int64_t> id) {
+  lora_id_ = id;
+  if (!threaded_) {
+    packing_lora_id_ = id;
+    return;
+  }
+  jobs_.Post([this, id] { packing_lora_id_ = id; });
 }
 
 void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, int64_t start,
@@ -201,32 +231,49 @@ void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, in
   if (start >= end) return;
   // The entry of the token at `pos`: its slot, or its page's id.
   auto at = [&](int64_t pos) { return slots + (ids ? pos / ps : pos); };
-  PagesOf(device_, at(start), end - start, "slots", &pages_, start, ids);
-  const Block* from = nullptr;
+  Change c;
+  PagesOf(device_, at(start), end - start, "slots", &c.pages, start, ids);
   if (start > 0 && start <= known) {
-    PagesOf(device_, at(start - ps), 1, "slots", &other_pages_, start - ps, ids);
-    const Block& parent = device_.blocks[other_pages_[0]];
-    if (parent.present) from = &parent;
+    PagesOf(device_, at(start - ps), 1, "slots", &c.other, start - ps, ids);
+    c.parent = c.other[0];
   }
-  Chain(tokens, start / ps, end / ps, from, seed);
-  for (size_t i = 0; i < pages_.size(); ++i) {
-    Put(&device_, pages_[i], blocks_[i], tokens_.data() + static_cast<int64_t>(i) * ps);
+  c.start = start / ps;
+  c.end = end / ps;
+  c.tokens.assign(tokens, tokens + end);  // all of them: the parent may be gone by then
+  c.seeded = seed != nullptr;
+  if (c.seeded) std::memcpy(c.seed, seed, sizeof(c.seed));
+  Submit(&BlockLedger::ApplyDeviceInserted, std::move(c));
+}
+
+void BlockLedger::ApplyDeviceInserted(const Change& c) {
+  const int64_t ps = page_size_;
+  const Block* from = nullptr;
+  if (c.parent >= 0 && device_.blocks[c.parent].present) from = &device_.blocks[c.parent];
+  Chain(c.tokens.data(), c.start, c.end, from, c.seeded ? c.seed : nullptr);
+  for (size_t i = 0; i < c.pages.size(); ++i) {
+    Put(&device_, c.pages[i], blocks_[i], tokens_.data() + static_cast<int64_t>(i) * ps);
   }
   std::optional<uint64_t> parent;
   if (blocks_[0].has_parent) parent = blocks_[0].parent;
   std::string event;
   PackBlockStored(&event, Run(hashes_.data(), static_cast<int64_t>(hashes_.size())), parent,
-                  Run(tokens + start, end - start), ps, lora_id_, kMediumGpu);
-  pending_.push_back(std::move(event));
+                  Run(tokens_.data(), static_cast<int64_t>(tokens_.size())), ps,
+                  packing_lora_id_, kMediumGpu);
+  Emit(std::move(event));
 }
 
 void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n, bool ids) {
-  PagesOf(device_, slots, n, "slots", &pages_, 0, ids);
+  Change c;
+  PagesOf(device_, slots, n, "slots", &c.pages, 0, ids);
+  Submit(&BlockLedger::ApplyDeviceEvicted, std::move(c));
+}
+
+void BlockLedger::ApplyDeviceEvicted(const Change& c) {
   // The blocks the host still holds move there: gathered before they go.
   const int64_t ps = page_size_;
   blocks_.clear();
   tokens_.clear();
-  for (int64_t page : pages_) {
+  for (int64_t page : c.pages) {
     const Block& b = device_.blocks[page];
     const int64_t host = b.present ? host_index_.Find(b.hash) : -1;
     if (host < 0) continue;
@@ -234,22 +281,26 @@ void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n, bool ids) {
     const int32_t* t = &host_.tokens[host * ps];
     tokens_.insert(tokens_.end(), t, t + ps);
   }
-  Remove(&device_, pages_, kMediumGpu);
+  Remove(&device_, c.pages, kMediumGpu);
   if (!blocks_.empty()) PackStoredChains(kMediumCpuPinned);
 }
 
 void BlockLedger::HostEvicted(const int32_t* slots, int64_t n, bool ids) {
-  PagesOf(host_, slots, n, "slots", &pages_, 0, ids);
-  Remove(&host_, pages_, kMediumCpuPinned);
+  Change c;
+  PagesOf(host_, slots, n, "slots", &c.pages, 0, ids);
+  Submit(&BlockLedger::ApplyHostEvicted, std::move(c));
 }
 
-void BlockLedger::CopyBlocks(const Tier& from, Tier* to, const std::vector<int64_t>& skip) {
+void BlockLedger::ApplyHostEvicted(const Change& c) { Remove(&host_, c.pages, kMediumCpuPinned); }
+
+void BlockLedger::CopyBlocks(const Tier& from, Tier* to, const Change& c) {
   const int64_t ps = page_size_;
   blocks_.clear();
   tokens_.clear();
-  for (size_t i = 0; i < pages_.size(); ++i) {
-    const int64_t page = pages_[i], to_page = other_pages_[i];
-    if (!from.blocks[page].present || std::binary_search(skip.begin(), skip.end(), to_page)) {
+  for (size_t i = 0; i < c.pages.size(); ++i) {
+    const int64_t page = c.pages[i], to_page = c.other[i];
+    if (!from.blocks[page].present ||
+        std::binary_search(c.rejected.begin(), c.rejected.end(), to_page)) {
       continue;
     }
     blocks_.push_back(from.blocks[page]);
@@ -261,20 +312,29 @@ void BlockLedger::CopyBlocks(const Tier& from, Tier* to, const std::vector<int64
 
 void BlockLedger::DeviceLoaded(const int32_t* host_slots, const int32_t* device_slots, int64_t n,
                                bool ids) {
-  PagesOf(host_, host_slots, n, "host_slots", &pages_, 0, ids);
-  PagesOf(device_, device_slots, n, "device_slots", &other_pages_, 0, ids);
-  rejected_.clear();
-  CopyBlocks(host_, &device_, rejected_);
+  Change c;
+  PagesOf(host_, host_slots, n, "host_slots", &c.pages, 0, ids);
+  PagesOf(device_, device_slots, n, "device_slots", &c.other, 0, ids);
+  Submit(&BlockLedger::ApplyDeviceLoaded, std::move(c));
+}
+
+void BlockLedger::ApplyDeviceLoaded(const Change& c) {
+  CopyBlocks(host_, &device_, c);
   PackStoredChains(kMediumGpu);
 }
 
 void BlockLedger::HostBackedUp(const int32_t* device_slots, const int32_t* host_slots, int64_t n,
                                const int32_t* rejected, int64_t n_rejected, bool ids) {
-  PagesOf(device_, device_slots, n, "device_slots", &pages_, 0, ids);
-  PagesOf(host_, host_slots, n, "host_slots", &other_pages_, 0, ids);
-  PagesOf(host_, rejected, n_rejected, "rejected", &rejected_, 0, ids);
-  std::sort(rejected_.begin(), rejected_.end());
-  CopyBlocks(device_, &host_, rejected_);
+  Change c;
+  PagesOf(device_, device_slots, n, "device_slots", &c.pages, 0, ids);
+  PagesOf(host_, host_slots, n, "host_slots", &c.other, 0, ids);
+  PagesOf(host_, rejected, n_rejected, "rejected", &c.rejected, 0, ids);
+  std::sort(c.rejected.begin(), c.rejected.end());
+  Submit(&BlockLedger::ApplyHostBackedUp, std::move(c));
+}
+
+void BlockLedger::ApplyHostBackedUp(const Change& c) {
+  CopyBlocks(device_, &host_, c);
   PackStoredChains(kMediumCpuPinned);
 }
 
@@ -284,24 +344,34 @@ void BlockLedger::HostInserted(const int32_t* tokens, int64_t n, int64_t start,
   const int64_t ps = page_size_;
   RADIXKV_CHECK(start >= 0 && start <= n, ErrorCode::kInvalidArgument, "start (", start,
                 ") must be in [0, ", n, "]");
-  const int64_t first = start / ps, last = n / ps;
-  PagesOf(host_, host_slots, n_host, "host_slots", &pages_);
-  RADIXKV_CHECK(static_cast<int64_t>(pages_.size()) == last - first, ErrorCode::kInvalidArgument,
-                "host_slots name ", pages_.size(), " pages, the tokens after start hold ",
-                last - first);
-  PagesOf(host_, rejected, n_rejected, "rejected", &rejected_);
-  std::sort(rejected_.begin(), rejected_.end());
-  if (last <= first) return;
-  Chain(tokens, first, last, nullptr, seed);
+  Change c;
+  c.start = start / ps;
+  c.end = n / ps;
+  PagesOf(host_, host_slots, n_host, "host_slots", &c.pages);
+  RADIXKV_CHECK(static_cast<int64_t>(c.pages.size()) == c.end - c.start,
+                ErrorCode::kInvalidArgument, "host_slots name ", c.pages.size(),
+                " pages, the tokens after start hold ", c.end - c.start);
+  PagesOf(host_, rejected, n_rejected, "rejected", &c.rejected);
+  std::sort(c.rejected.begin(), c.rejected.end());
+  if (c.end <= c.start) return;
+  c.tokens.assign(tokens, tokens + c.end * ps);
+  c.seeded = seed != nullptr;
+  if (c.seeded) std::memcpy(c.seed, seed, sizeof(c.seed));
+  Submit(&BlockLedger::ApplyHostInserted, std::move(c));
+}
+
+void BlockLedger::ApplyHostInserted(const Change& c) {
+  const int64_t ps = page_size_;
+  Chain(c.tokens.data(), c.start, c.end, nullptr, c.seeded ? c.seed : nullptr);
   // Keep the taken blocks (and their tokens) in place, in order.
   size_t kept = 0;
-  for (size_t i = 0; i < pages_.size(); ++i) {
-    if (std::binary_search(rejected_.begin(), rejected_.end(), pages_[i])) continue;
+  for (size_t i = 0; i < c.pages.size(); ++i) {
+    if (std::binary_search(c.rejected.begin(), c.rejected.end(), c.pages[i])) continue;
     if (kept != i) {
       blocks_[kept] = blocks_[i];
       std::memcpy(&tokens_[kept * ps], &tokens_[i * ps], static_cast<size_t>(ps) * sizeof(int32_t));
     }
-    Put(&host_, pages_[i], blocks_[kept], &tokens_[kept * ps]);
+    Put(&host_, c.pages[i], blocks_[kept], &tokens_[kept * ps]);
     ++kept;
   }
   blocks_.resize(kept);
@@ -309,7 +379,9 @@ void BlockLedger::HostInserted(const int32_t* tokens, int64_t n, int64_t start,
   PackStoredChains(kMediumCpuPinned);
 }
 
-void BlockLedger::Reset() {
+void BlockLedger::Reset() { Submit(&BlockLedger::ApplyReset, Change{}); }
+
+void BlockLedger::ApplyReset(const Change&) {
   hashes_.clear();
   for (int64_t p = 0; p < host_.pages; ++p) {
     if (host_.blocks[p].present) hashes_.push_back(host_.blocks[p].hash);
@@ -321,8 +393,8 @@ void BlockLedger::Reset() {
   }
   PackAllBlocksCleared(&cleared);
   pending_.reserve(pending_.size() + 2);
-  if (!removed.empty()) pending_.push_back(std::move(removed));
-  pending_.push_back(std::move(cleared));
+  if (!removed.empty()) Emit(std::move(removed));
+  Emit(std::move(cleared));
   for (Tier* tier : {&device_, &host_}) {
     for (int64_t p = 0; p < tier->pages; ++p) tier->blocks[p].present = false;
   }
@@ -359,6 +431,7 @@ void BlockLedger::GatherParentsFirst(const Tier& tier) {
 }
 
 std::vector<std::string> BlockLedger::Snapshot() {
+  Settle();
   std::vector<std::string> out;
   GatherParentsFirst(device_);
   PackStoredChains(kMediumGpu, &out);
@@ -368,9 +441,21 @@ std::vector<std::string> BlockLedger::Snapshot() {
 }
 
 std::vector<std::string> BlockLedger::TakeEvents() {
+  Settle();
   std::vector<std::string> out;
   out.swap(pending_);
+  packed_.store(0, std::memory_order_release);
   return out;
+}
+
+int64_t BlockLedger::device_blocks() {
+  Settle();
+  return device_.Count();
+}
+
+int64_t BlockLedger::host_blocks() {
+  Settle();
+  return host_.Count();
 }
 
 }  // namespace radixkv

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -60,8 +62,13 @@ std::vector<int32_t> Iota(int32_t n, int32_t from = 0) {
   return v;
 }
 
-TEST(BlockLedgerTest, AnInsertIsOneBlockStoredChainedBelowWhatTheDeviceHolds) {
-  BlockLedger ledger(8, 8, kPage);
+// Every test runs on a ledger without and with a thread of its own.
+class BlockLedgerTest : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(Threads, BlockLedgerTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Threaded" : "Inline"; });
+
+TEST_P(BlockLedgerTest, AnInsertIsOneBlockStoredChainedBelowWhatTheDeviceHolds) {
+  BlockLedger ledger(8, 8, kPage, GetParam());
   const std::vector<int32_t> tokens = Iota(16, 100);  // 4 pages
   const std::vector<int32_t> slots = Iota(16, 8);     // pages 2..5
   const std::vector<uint64_t> h = Hashes(tokens);
@@ -76,8 +83,8 @@ TEST(BlockLedgerTest, AnInsertIsOneBlockStoredChainedBelowWhatTheDeviceHolds) {
   EXPECT_EQ(ledger.pending(), 0);
 }
 
-TEST(BlockLedgerTest, WithoutTheParentOnTheDeviceTheChainIsHashedFromTheSeed) {
-  BlockLedger ledger(8, 0, kPage);
+TEST_P(BlockLedgerTest, WithoutTheParentOnTheDeviceTheChainIsHashedFromTheSeed) {
+  BlockLedger ledger(8, 0, kPage, GetParam());
   std::vector<uint8_t> seed(32, 7);
   const std::vector<int32_t> tokens = Iota(12, 5);
   const std::vector<int32_t> slots = Iota(12, 0);
@@ -89,8 +96,8 @@ TEST(BlockLedgerTest, WithoutTheParentOnTheDeviceTheChainIsHashedFromTheSeed) {
   EXPECT_EQ(events[0], Stored(h, 2, 1, h[1], tokens, kMediumGpu));
 }
 
-TEST(BlockLedgerTest, AnEvictionRemovesWhatWasStoredOnce) {
-  BlockLedger ledger(8, 0, kPage);
+TEST_P(BlockLedgerTest, AnEvictionRemovesWhatWasStoredOnce) {
+  BlockLedger ledger(8, 0, kPage, GetParam());
   const std::vector<int32_t> tokens = Iota(8);
   const std::vector<int32_t> slots = {12, 13, 14, 15, 4, 5, 6, 7};  // pages 3 and 1
   const std::vector<uint64_t> h = Hashes(tokens);
@@ -106,8 +113,8 @@ TEST(BlockLedgerTest, AnEvictionRemovesWhatWasStoredOnce) {
   EXPECT_EQ(ledger.device_blocks(), 0);
 }
 
-TEST(BlockLedgerTest, CopiesMoveBlocksBetweenTiersAndSplitIntoChains) {
-  BlockLedger ledger(8, 8, kPage);
+TEST_P(BlockLedgerTest, CopiesMoveBlocksBetweenTiersAndSplitIntoChains) {
+  BlockLedger ledger(8, 8, kPage, GetParam());
   const std::vector<int32_t> tokens = Iota(12, 40);
   const std::vector<int32_t> slots = Iota(12, 0);  // device pages 0..2
   const std::vector<uint64_t> h = Hashes(tokens);
@@ -154,8 +161,8 @@ TEST(BlockLedgerTest, CopiesMoveBlocksBetweenTiersAndSplitIntoChains) {
   EXPECT_EQ(ledger.device_blocks() + ledger.host_blocks(), 0);
 }
 
-TEST(BlockLedgerTest, SnapshotStoresEveryBlockParentsFirstAndRecordsNothing) {
-  BlockLedger ledger(8, 8, kPage);
+TEST_P(BlockLedgerTest, SnapshotStoresEveryBlockParentsFirstAndRecordsNothing) {
+  BlockLedger ledger(8, 8, kPage, GetParam());
   const std::vector<int32_t> tokens = Iota(16, 40);
   const std::vector<uint64_t> h = Hashes(tokens);
   // Device pages out of order: page 5 holds the first block, page 1 the second, ...
@@ -173,9 +180,9 @@ TEST(BlockLedgerTest, SnapshotStoresEveryBlockParentsFirstAndRecordsNothing) {
   EXPECT_EQ(ledger.device_blocks(), 4);
 }
 
-TEST(BlockLedgerTest, TheHostIndexFollowsEveryHostChange) {
+TEST_P(BlockLedgerTest, TheHostIndexFollowsEveryHostChange) {
   // Many host blocks in a small table: collisions, erasures and reuse.
-  BlockLedger ledger(64, 64, 1);
+  BlockLedger ledger(64, 64, 1, GetParam());
   const std::vector<int32_t> tokens = Iota(64, 7);
   const std::vector<uint64_t> h = Hashes(tokens, nullptr, 1);
   const std::vector<int32_t> slots = Iota(64, 0);
@@ -197,8 +204,8 @@ TEST(BlockLedgerTest, TheHostIndexFollowsEveryHostChange) {
   }
 }
 
-TEST(BlockLedgerTest, PagesFromStorageAreStoredOnTheHostButTheRejected) {
-  BlockLedger ledger(0, 8, kPage);
+TEST_P(BlockLedgerTest, PagesFromStorageAreStoredOnTheHostButTheRejected) {
+  BlockLedger ledger(0, 8, kPage, GetParam());
   std::vector<uint8_t> seed(32, 1);
   const std::vector<int32_t> tokens = Iota(14, 9);  // 3 whole pages and 2 tokens
   const std::vector<uint64_t> h = Hashes(tokens, seed.data());
@@ -211,8 +218,8 @@ TEST(BlockLedgerTest, PagesFromStorageAreStoredOnTheHostButTheRejected) {
   EXPECT_EQ(ledger.host_blocks(), 1);
 }
 
-TEST(BlockLedgerTest, BadSlotsThrowAndChangeNothing) {
-  BlockLedger ledger(4, 2, kPage);
+TEST_P(BlockLedgerTest, BadSlotsThrowAndChangeNothing) {
+  BlockLedger ledger(4, 2, kPage, GetParam());
   const std::vector<int32_t> tokens = Iota(8);
   const std::vector<int32_t> out_of_pool = {0, 1, 2, 3, 16, 17, 18, 19};  // page 4 of 4
   EXPECT_THROW(ledger.DeviceInserted(tokens.data(), out_of_pool.data(), 0, 8, 0, nullptr), Error);
@@ -231,6 +238,111 @@ TEST(BlockLedgerTest, BadSlotsThrowAndChangeNothing) {
   EXPECT_EQ(ledger.host_blocks(), 0);
   EXPECT_THROW(BlockLedger(4, 4, 0), Error);
   EXPECT_THROW(BlockLedger(-1, 4, 1), Error);
+}
+
+// The same random changes through an inline and a threaded ledger: the same
+// events, snapshots and rows at every read, though the threaded one's calls
+// return before their changes are applied.
+TEST(BlockLedgerThreadTest, AppliesWhatAnInlineLedgerDoesInTheSameOrder) {
+  constexpr int64_t kPages = 12;
+  BlockLedger inline_ledger(kPages, kPages, kPage), threaded(kPages, kPages, kPage, true);
+  BlockLedger* both[] = {&inline_ledger, &threaded};
+  std::mt19937 rng(7);
+  auto pick = [&](int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint32_t>(n)); };
+  // Distinct pages, as page ids (a call's pages never repeat).
+  auto pages = [&](int64_t n) {
+    std::vector<int32_t> all = Iota(kPages);
+    std::shuffle(all.begin(), all.end(), rng);
+    return std::vector<int32_t>(all.begin(), all.begin() + n);
+  };
+  std::vector<uint8_t> seed(32, 3);
+  int64_t reads = 0;
+  for (int step = 0; step < 3000; ++step) {
+    const int64_t n = 1 + pick(4);
+    std::vector<int32_t> tokens(static_cast<size_t>(n * kPage));
+    for (int32_t& t : tokens) t = static_cast<int32_t>(pick(3));  // shared prefixes are common
+    const std::vector<int32_t> a = pages(n), b = pages(n), none;
+    switch (pick(9)) {
+      case 0:
+      case 1: {
+        const int64_t start = pick(n) * kPage, known = pick(2) ? start : 0;
+        const uint8_t* s = pick(2) ? seed.data() : nullptr;
+        for (BlockLedger* l : both) {
+          l->DeviceInserted(tokens.data(), a.data(), start, n * kPage, known, s, true);
+        }
+        break;
+      }
+      case 2:
+        for (BlockLedger* l : both) l->DeviceEvicted(a.data(), n * kPage, true);
+        break;
+      case 3: {
+        const std::vector<int32_t> rejected(b.begin(), b.begin() + pick(n));
+        for (BlockLedger* l : both) {
+          l->HostBackedUp(a.data(), b.data(), n * kPage, rejected.data(),
+                          static_cast<int64_t>(rejected.size()) * kPage, true);
+        }
+        break;
+      }
+      case 4:
+        for (BlockLedger* l : both) {
+          l->DeviceLoaded(a.data(), b.data(), n * kPage, true);
+        }
+        break;
+      case 5:
+        for (BlockLedger* l : both) l->HostEvicted(a.data(), n * kPage, true);
+        break;
+      case 6: {
+        std::vector<int32_t> slots;  // host slots of the pages after the first
+        for (int64_t i = 1; i < n; ++i) {
+          for (int64_t k = 0; k < kPage; ++k) slots.push_back(b[i] * kPage + k);
+        }
+        for (BlockLedger* l : both) {
+          l->HostInserted(tokens.data(), n * kPage, kPage, slots.data(),
+                          static_cast<int64_t>(slots.size()), none.data(), 0, seed.data());
+        }
+        break;
+      }
+      case 7: {
+        const std::optional<int64_t> id =
+            pick(2) ? std::optional<int64_t>(pick(5)) : std::optional<int64_t>();
+        for (BlockLedger* l : both) l->set_lora_id(id);
+        break;
+      }
+      default:
+        if (pick(40) == 0) {
+          for (BlockLedger* l : both) l->Reset();
+        }
+    }
+    if (pick(10) == 0) {
+      ++reads;
+      ASSERT_EQ(threaded.TakeEvents(), inline_ledger.TakeEvents()) << "step " << step;
+      ASSERT_EQ(threaded.pending(), 0);
+    }
+    if (pick(200) == 0) {
+      ASSERT_EQ(threaded.Snapshot(), inline_ledger.Snapshot()) << "step " << step;
+      ASSERT_EQ(threaded.device_blocks(), inline_ledger.device_blocks());
+      ASSERT_EQ(threaded.host_blocks(), inline_ledger.host_blocks());
+    }
+  }
+  EXPECT_GT(reads, 100);
+  EXPECT_EQ(threaded.TakeEvents(), inline_ledger.TakeEvents());
+  EXPECT_EQ(threaded.Snapshot(), inline_ledger.Snapshot());
+  EXPECT_GT(threaded.device_blocks() + threaded.host_blocks(), 0);
+}
+
+// A threaded ledger checks each call before it returns: a bad one throws on
+// the caller's thread and queues nothing.
+TEST(BlockLedgerThreadTest, BadCallsThrowOnTheCallersThread) {
+  BlockLedger ledger(4, 2, kPage, true);
+  const std::vector<int32_t> tokens = Iota(8), slots = Iota(8);
+  ledger.DeviceInserted(tokens.data(), slots.data(), 0, 8, 0, nullptr);
+  const std::vector<int32_t> out_of_pool = {0, 1, 2, 3, 16, 17, 18, 19};
+  EXPECT_THROW(ledger.DeviceEvicted(out_of_pool.data(), 8), Error);
+  EXPECT_THROW(ledger.DeviceInserted(tokens.data(), slots.data(), 1, 8, 0, nullptr), Error);
+  EXPECT_EQ(ledger.TakeEvents().size(), 1u);
+  EXPECT_EQ(ledger.device_blocks(), 2);
+  ledger.DeviceEvicted(slots.data(), 8);
+  // Destroyed with a change queued: it is applied first, nothing is read after.
 }
 
 }  // namespace

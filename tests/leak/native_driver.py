@@ -147,4 +147,22 @@ for bad in (("x",), (b"x", -1)):
         _core.crc32c(*bad)
     except (TypeError, ValueError, OverflowError):
         pass
+# The KV-event ledger, inline and on its own thread (destroyed with changes
+# still queued, and after a refused one).
+for threaded in (False, True):
+    ledger = _core.BlockLedger(8, 8, 4, threaded)
+    tokens, pages = torch.arange(32, dtype=torch.int32), torch.arange(8, dtype=torch.int32)
+    for _ in range(3):
+        ledger.device_inserted(tokens, pages, 0, 32, 0, bytes(32), True)
+        ledger.host_backed_up(pages, pages, pages[:2], True)
+        ledger.device_evicted(pages, True)
+        ledger.device_loaded(pages, pages, True)
+        ledger.take_events()
+    ledger.snapshot()
+    try:
+        ledger.device_evicted(torch.tensor([99], dtype=torch.int32), True)
+    except ValueError:
+        pass
+    ledger.device_inserted(tokens, pages, 0, 32, 0, None, True)
+    del ledger
 print("ok")

@@ -17,14 +17,23 @@
 // hash is the key's last 8 bytes, big-endian. An insert below a page the
 // device holds continues the chain from that page's key instead of hashing the
 // prefix again.
+//
+// A threaded ledger does that work on a thread of its own (radixkv/job_thread.h):
+// each call checks its arguments and copies what it reads (the page ids, the
+// tokens), then returns; the calls that read the ledger wait for its thread
+// first. Then the thread that changes the cache pays a copy per change rather
+// than the hashing and the packing.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "radixkv/job_thread.h"
 
 namespace radixkv {
 
@@ -38,14 +47,17 @@ class BlockLedger {
   /// `host_pages` pages of `page_size` tokens. The rows are allocated zeroed
   /// (the memory is touched only as pages are used): per page 56 bytes and 4
   /// a token. Throws kInvalidArgument for a negative count or page_size < 1.
-  BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_size);
+  /// `threaded`: the changes are applied on the ledger's own thread, in
+  /// order (see above); one thread at a time calls the ledger either way.
+  BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_size, bool threaded = false);
 
   int64_t page_size() const noexcept { return page_size_; }
   int64_t device_pages() const noexcept { return device_.pages; }
   int64_t host_pages() const noexcept { return host_.pages; }
-  /// The lora_id every BlockStored carries (none: nil).
+  bool threaded() const noexcept { return threaded_; }
+  /// The lora_id every BlockStored carries from now on (none: nil).
   std::optional<int64_t> lora_id() const noexcept { return lora_id_; }
-  void set_lora_id(std::optional<int64_t> id) noexcept { lora_id_ = id; }
+  void set_lora_id(std::optional<int64_t> id);
 
   /// Where a call takes slots it also takes page ids (`ids`: each page named
   /// by its id, page p holding slots p * page_size + [0, page_size), one
@@ -97,15 +109,19 @@ class BlockLedger {
 
   /// The events packed since the last take, oldest first.
   std::vector<std::string> TakeEvents();
-  int64_t pending() const noexcept { return static_cast<int64_t>(pending_.size()); }
+  /// Events packed and not taken, plus (threaded) changes not applied yet.
+  int64_t pending() const noexcept {
+    return packed_.load(std::memory_order_acquire) + (threaded_ ? jobs_.queued() : 0);
+  }
 
   /// Pages holding a block, per tier (a linear scan: for tests and checks).
-  int64_t device_blocks() const noexcept { return device_.Count(); }
-  int64_t host_blocks() const noexcept { return host_.Count(); }
+  int64_t device_blocks();
+  int64_t host_blocks();
 
   // Every call above throws kInvalidArgument, changing nothing, for a slot
   // outside its pool or ranges that are not whole pages of the input; then
-  // nothing was recorded or packed.
+  // nothing was recorded or packed. A threaded ledger's thread can fail only
+  // to allocate: the next call that reads the ledger rethrows that.
 
  private:
   struct Block {
@@ -114,6 +130,15 @@ class BlockLedger {
     uint8_t key[32];
     bool has_parent;
     bool present;
+  };
+  // A change as the ledger's thread applies it: what the call read, copied.
+  struct Change {
+    std::vector<int64_t> pages, other, rejected;  // rejected: sorted
+    std::vector<int32_t> tokens;
+    int64_t start = 0, end = 0;  // pages of `tokens`
+    int64_t parent = -1;         // the device page before `start`, if known
+    bool seeded = false;
+    uint8_t seed[32] = {};
   };
   struct FreeDeleter {
     void operator()(void* p) const noexcept { std::free(p); }
@@ -139,10 +164,22 @@ class BlockLedger {
   void Put(Tier* tier, int64_t page, const Block& b, const int32_t* tokens);
   // A BlockRemoved of the blocks of `pages` that `tier` holds, which it drops.
   void Remove(Tier* tier, const std::vector<int64_t>& pages, const char* medium);
-  // Copies the blocks `from` holds in pages `pages_` to the pages at the same
-  // positions of `other_pages_` in `to`, but those in `skip` (sorted), and
+  // Copies the blocks `from` holds in pages `c.pages` to the pages at the
+  // same positions of `c.other` in `to`, but those in `c.rejected`, and
   // gathers them into `blocks_`/`tokens_`.
-  void CopyBlocks(const Tier& from, Tier* to, const std::vector<int64_t>& skip);
+  void CopyBlocks(const Tier& from, Tier* to, const Change& c);
+  // Applies `change` now, or queues it for the ledger's thread.
+  void Submit(void (BlockLedger::*apply)(const Change&), Change change);
+  void ApplyDeviceInserted(const Change& c);
+  void ApplyDeviceEvicted(const Change& c);
+  void ApplyDeviceLoaded(const Change& c);
+  void ApplyHostBackedUp(const Change& c);
+  void ApplyHostEvicted(const Change& c);
+  void ApplyHostInserted(const Change& c);
+  void ApplyReset(const Change& c);
+  void Emit(std::string event);
+  // Waits for the ledger's thread (threaded) to apply every change.
+  void Settle();
   // A BlockStored per chain of the gathered blocks (`blocks_`, `tokens_`),
   // into `out` (the pending events unless given).
   void PackStoredChains(const char* medium, std::vector<std::string>* out = nullptr);
@@ -168,16 +205,20 @@ class BlockLedger {
   };
 
   int64_t page_size_;
+  bool threaded_;
   Tier device_, host_;
   HostIndex host_index_;
-  std::optional<int64_t> lora_id_;
+  std::optional<int64_t> lora_id_;          // the caller's
+  std::optional<int64_t> packing_lora_id_;  // the one the changes applied carry
   std::vector<std::string> pending_;
-  // Scratch reused across calls (no allocation once warm).
-  std::vector<int64_t> pages_, other_pages_, rejected_;
+  std::atomic<int64_t> packed_{0};  // pending_.size(), read from any thread
+  // Scratch of the changes applied (no allocation once warm).
   std::vector<Block> blocks_;
   std::vector<int32_t> tokens_;
   std::vector<uint8_t> keys_;
   std::vector<uint64_t> hashes_;
+  // Last: it stops (after the changes queued) before the rows go.
+  JobThread jobs_;
 };
 
 }  // namespace radixkv

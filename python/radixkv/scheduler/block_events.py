@@ -14,10 +14,11 @@ exists only when the manager was given a publisher
 The device and host tiers' blocks live natively (`_core.BlockLedger`,
 cpp/include/radixkv/block_ledger.h): a row per pool page with the block
 hash, its parent's hash, its 32-byte page key and its tokens. Each change the
-manager applies is one native call that hashes the new pages, records them
-and packs the event as msgpack; a backup or a load copies rows from one
-tier to the other, an eviction reads the hashes of the freed pages and
-clears them. An insert below cached pages continues the key chain from its
+manager applies is one native call that checks it and copies what it reads;
+the ledger's own thread then hashes the new pages, records them and packs
+the event as msgpack, in order (a flush waits for it). A backup or a load
+copies rows from one tier to the other, an eviction reads the hashes of the
+freed pages and clears them. An insert below cached pages continues the key chain from its
 parent's stored key instead of hashing the prefix again. The rows are
 allocated zeroed (the memory is touched only as pages are used): per page,
 56 bytes and 4 bytes a token.
@@ -88,7 +89,7 @@ class BlockEvents:
         # storage keys): equal tokens of two namespaces are two blocks.
         self.namespaces = namespaces if namespaces is not None else Namespaces()
         self.dtype = block_dtype(page_size)
-        self.ledger = _core.BlockLedger(num_pages, host_num_pages, page_size)
+        self.ledger = _core.BlockLedger(num_pages, host_num_pages, page_size, threaded=True)
         # Hashes announced on DISK, the most recent DISK_MEMORY of them (one
         # older than that may be announced again: a duplicate, never a loss).
         self.disk: "OrderedDict[int, None]" = OrderedDict()

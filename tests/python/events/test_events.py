@@ -240,6 +240,7 @@ def test_a_request_is_one_block_stored_encoded_as_vllm_does(publisher, subscribe
     ps = 4
     cm = CacheManager(num_pages=16, page_size=ps, kv_events=publisher)
     assert cm.kv_events is publisher
+    assert cm._tiers.events.ledger.threaded  # hashed and packed off the scheduler's thread
     ids = torch.arange(100, 114)  # 3 whole pages and 2 tokens
     h, cached = cm.match_req(ids)
     cm.lock(h)
@@ -777,8 +778,12 @@ def test_namespaced_pages_have_one_hash_on_every_medium(tmp_path, publisher, sub
     cm.close()
 
 
-def test_the_native_ledger_refuses_bad_input_naming_it_and_changes_nothing():
-    ledger = _core.BlockLedger(4, 2, 2)
+@pytest.mark.parametrize("threaded", [False, True])
+def test_the_native_ledger_refuses_bad_input_naming_it_and_changes_nothing(threaded):
+    """A threaded ledger too: its calls check their input on the caller's
+    thread before anything is queued."""
+    ledger = _core.BlockLedger(4, 2, 2, threaded)
+    assert ledger.threaded is threaded
     tokens, slots = torch.arange(4, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
     ledger.device_inserted(tokens, slots, 0, 4, 0)
     ledger.take_events()

@@ -199,7 +199,8 @@ def test_a_request_step_announces_its_block_stored_itself(step, form):
 
     def serve(announce: bool):
         tree, pool = _core.RadixTree(16, aligned_pages=True), _core.PageAllocator(16, 16)
-        ledger, events = _core.BlockLedger(16, 0, 16), []
+        # (announced through a threaded ledger, as CacheManager's is)
+        ledger, events = _core.BlockLedger(16, 0, 16, threaded=announce), []
         for tokens in (ids, ids2):
             h, cached = tree.match_pages(tokens)
             tree.lock_handle(h)
