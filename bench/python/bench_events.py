@@ -15,7 +15,9 @@ that publishes the round's batch). Cases:
 "on" publishes to a PUB socket on 127.0.0.1 (encoded on the scheduler's
 thread, sent by ZeroMQ's) with a subscriber reading it in another process;
 "ledger" is the same with a publisher that sends nothing, which separates
-the manager's bookkeeping from the encoding and sending.
+the manager's bookkeeping from the encoding and sending. The ledger hashes
+and packs on its own thread: the process CPU per request (every thread's,
+the ledger's and ZeroMQ's too) is printed below the wall figures.
 "snapshot": cm.kv_snapshot() of the host case's manager once the pools are
 full (every block of both tiers as one batch, what a router that lost track
 asks for), its median over 20 calls against a request cycle's.
@@ -110,22 +112,24 @@ class Ledger(EventPublisher):
 
 
 def run(case: str, publisher, requests, batch: int = 25):
-    """Median wall and main-thread CPU microseconds per request."""
+    """Wall, main-thread CPU and process CPU microseconds per request, per
+    batch (the process's: the ledger's thread and ZeroMQ's too)."""
     cm = manager(case, publisher)
     warm = POOL_REQUESTS * 2  # fill the pool (and host), so every timed request evicts
     for ids in requests[:warm]:
         cycle(cm, ids)
-    wall, cpu = [], []
+    wall, cpu, proc = [], [], []
     timed = requests[warm:]
     batch = STEP if STEP > 1 else batch
     for b in range(0, len(timed) - batch + 1, batch):
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        t0, c0, p0 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
         for i, ids in enumerate(timed[b : b + batch]):
             cycle(cm, ids, STEP == 1 or i == batch - 1)
         wall.append((time.perf_counter_ns() - t0) / batch / 1e3)
         cpu.append((time.thread_time_ns() - c0) / batch / 1e3)
+        proc.append((time.process_time_ns() - p0) / batch / 1e3)
     cm.check_integrity()
-    return wall, cpu
+    return wall, cpu, proc
 
 
 def snapshot_cost(requests):
@@ -182,16 +186,16 @@ def main() -> None:
     results = []
     try:
         for case in ("device", "host"):
-            got = {"off": ([], []), "ledger": ([], []), "on": ([], [])}
+            got = {"off": ([], [], []), "ledger": ([], [], []), "on": ([], [], [])}
             for _ in range(args.rounds):
                 for name, pub in (("off", None), ("ledger", Ledger()), ("on", publisher)):
-                    wall, cpu = run(case, pub, requests)
-                    got[name][0].extend(wall)
-                    got[name][1].extend(cpu)
+                    for kept, new in zip(got[name], run(case, pub, requests)):
+                        kept.extend(new)
             r = {"case": case}
-            for name, (wall, cpu) in got.items():
+            for name, (wall, cpu, proc) in got.items():
                 r[f"{name}_us"] = statistics.median(wall)
                 r[f"{name}_cpu_us"] = statistics.median(cpu)
+                r[f"{name}_process_cpu_us"] = statistics.median(proc)
             results.append(r)
         published = publisher.next_seq
         publisher._pub.send_multipart((b"", b"\0" * 8, b"stop"))
@@ -212,6 +216,9 @@ def main() -> None:
             f"{r[n + '_us']:>8.1f} ({r[n + '_cpu_us']:>5.1f})" for n in ("off", "ledger", "on")
         )
         print(f"{r['case']:<8}{cells}{r['ledger_ratio']:>11.2f}x{r['ratio']:>7.2f}x")
+    for r in results:
+        cells = "".join(f"{r[n + '_process_cpu_us']:>16.1f}" for n in ("off", "ledger", "on"))
+        print(f"{r['case']:<8}{cells}   process CPU (every thread)")
     print(
         f"batches published {published}, received {received}, "
         f"{nbytes / max(received, 1) / 1024:.1f} KiB a batch"
