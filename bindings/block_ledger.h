@@ -24,7 +24,6 @@ void RegisterBlockLedger(pybind11::module_& m);
 class InsertAnnouncer {
  public:
   InsertAnnouncer(PyObject* ledger, PyObject* seed, int64_t pool_pages, int64_t page_size);
-  explicit operator bool() const { return ledger_ != nullptr; }
   /// `tokens[start, end)` joined the device with the page ids `pages`
   /// (BlockLedger::DeviceInserted; `known`: tokens before `start` the tree
   /// already held). The caller holds the GIL and keeps the ledger alive.
