@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <new>
+#include <system_error>
 #include <unordered_map>
 
 #include "radixkv/event_pack.h"
@@ -57,6 +59,7 @@ BlockLedger::BlockLedger(int64_t device_pages, int64_t host_pages, int64_t page_
     tier->tokens.reset(Zeroed<int32_t>(pages * page_size));
   }
   host_index_.Init(host_pages);
+  if (threaded_) device_held_.assign(static_cast<size_t>(device_pages), 0);
 }
 
 // --- the host index ------------------------------------------------------------------
@@ -203,11 +206,21 @@ void BlockLedger::PackStoredChains(const char* medium, std::vector<std::string>*
 }
 
 void BlockLedger::Submit(void (BlockLedger::*apply)(const Change&), Change change) {
-  if (!threaded_) {
-    (this->*apply)(change);
-    return;
+  if (threaded_) {
+    change.tokens.assign(change.given, change.given + change.n_tokens);
+    change.given = nullptr;
+    std::function<void()> job = [this, apply, c = std::move(change)] { (this->*apply)(c); };
+    try {
+      jobs_.Post(std::move(job));
+      return;
+    } catch (const std::system_error&) {
+      // No thread: nothing is queued (a thread starts with the first job), so
+      // applying it here keeps the order.
+      job();
+      return;
+    }
   }
-  jobs_.Post([this, apply, c = std::move(change)] { (this->*apply)(c); });
+  (this->*apply)(change);
 }
 
 void BlockLedger::Settle() {
@@ -239,17 +252,31 @@ void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, in
   }
   c.start = start / ps;
   c.end = end / ps;
-  c.tokens.assign(tokens, tokens + end);  // all of them: the parent may be gone by then
+  // The tokens before `start` only where the chain may start from the seed:
+  // a threaded ledger whose parent page holds a block copies its own alone.
+  const bool held = threaded_ && c.parent >= 0 && device_held_[c.parent];
+  c.token_base = held ? start : 0;
+  c.given = tokens + c.token_base;
+  c.n_tokens = end - c.token_base;
   c.seeded = seed != nullptr;
   if (c.seeded) std::memcpy(c.seed, seed, sizeof(c.seed));
+  std::vector<int64_t> pages = threaded_ ? c.pages : std::vector<int64_t>();
   Submit(&BlockLedger::ApplyDeviceInserted, std::move(c));
+  for (int64_t page : pages) device_held_[page] = 1;
 }
 
 void BlockLedger::ApplyDeviceInserted(const Change& c) {
   const int64_t ps = page_size_;
   const Block* from = nullptr;
   if (c.parent >= 0 && device_.blocks[c.parent].present) from = &device_.blocks[c.parent];
-  Chain(c.tokens.data(), c.start, c.end, from, c.seeded ? c.seed : nullptr);
+  if (c.token_base > 0) {
+    // Only the new pages' tokens: the caller saw the parent's block held.
+    RADIXKV_CHECK(from != nullptr, ErrorCode::kIntegrity, "the ledger lost the block of page ",
+                  c.parent, " before an insert below it was applied");
+    Chain(c.Tokens(), 0, c.end - c.start, from, nullptr);
+  } else {
+    Chain(c.Tokens(), c.start, c.end, from, c.seeded ? c.seed : nullptr);
+  }
   for (size_t i = 0; i < c.pages.size(); ++i) {
     Put(&device_, c.pages[i], blocks_[i], tokens_.data() + static_cast<int64_t>(i) * ps);
   }
@@ -265,7 +292,9 @@ void BlockLedger::ApplyDeviceInserted(const Change& c) {
 void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n, bool ids) {
   Change c;
   PagesOf(device_, slots, n, "slots", &c.pages, 0, ids);
+  std::vector<int64_t> pages = threaded_ ? c.pages : std::vector<int64_t>();
   Submit(&BlockLedger::ApplyDeviceEvicted, std::move(c));
+  for (int64_t page : pages) device_held_[page] = 0;
 }
 
 void BlockLedger::ApplyDeviceEvicted(const Change& c) {
@@ -354,7 +383,8 @@ void BlockLedger::HostInserted(const int32_t* tokens, int64_t n, int64_t start,
   PagesOf(host_, rejected, n_rejected, "rejected", &c.rejected);
   std::sort(c.rejected.begin(), c.rejected.end());
   if (c.end <= c.start) return;
-  c.tokens.assign(tokens, tokens + c.end * ps);
+  c.given = tokens;
+  c.n_tokens = c.end * ps;
   c.seeded = seed != nullptr;
   if (c.seeded) std::memcpy(c.seed, seed, sizeof(c.seed));
   Submit(&BlockLedger::ApplyHostInserted, std::move(c));
@@ -362,7 +392,7 @@ void BlockLedger::HostInserted(const int32_t* tokens, int64_t n, int64_t start,
 
 void BlockLedger::ApplyHostInserted(const Change& c) {
   const int64_t ps = page_size_;
-  Chain(c.tokens.data(), c.start, c.end, nullptr, c.seeded ? c.seed : nullptr);
+  Chain(c.Tokens(), c.start, c.end, nullptr, c.seeded ? c.seed : nullptr);
   // Keep the taken blocks (and their tokens) in place, in order.
   size_t kept = 0;
   for (size_t i = 0; i < c.pages.size(); ++i) {
@@ -379,7 +409,10 @@ void BlockLedger::ApplyHostInserted(const Change& c) {
   PackStoredChains(kMediumCpuPinned);
 }
 
-void BlockLedger::Reset() { Submit(&BlockLedger::ApplyReset, Change{}); }
+void BlockLedger::Reset() {
+  Submit(&BlockLedger::ApplyReset, Change{});
+  std::fill(device_held_.begin(), device_held_.end(), 0);
+}
 
 void BlockLedger::ApplyReset(const Change&) {
   hashes_.clear();

@@ -1,6 +1,10 @@
 #include "radixkv/job_thread.h"
 
+#include <pthread.h>
+
+#include <algorithm>
 #include <chrono>
+#include <new>
 #include <utility>
 
 namespace radixkv {
@@ -28,7 +32,43 @@ inline void CpuRelax() {
 
 }  // namespace
 
+// The JobThreads that have a thread, for the fork handlers.
+struct JobThreadForks {
+  static std::mutex& Mutex() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::vector<JobThread*>& Live() {
+    static std::vector<JobThread*> live;
+    return live;
+  }
+  static void Add(JobThread* t) {
+    static std::once_flag handlers;
+    std::call_once(handlers, [] { pthread_atfork(Prepare, Parent, Child); });
+    std::lock_guard<std::mutex> lock(Mutex());
+    Live().push_back(t);
+  }
+  static void Remove(JobThread* t) {
+    std::lock_guard<std::mutex> lock(Mutex());
+    Live().erase(std::remove(Live().begin(), Live().end(), t), Live().end());
+  }
+  // The list stays locked across the fork, so none is made or destroyed meanwhile.
+  static void Prepare() {
+    Mutex().lock();
+    for (JobThread* t : Live()) t->BeforeFork();
+  }
+  static void Parent() {
+    for (JobThread* t : Live()) t->AfterForkInParent();
+    Mutex().unlock();
+  }
+  static void Child() {
+    for (JobThread* t : Live()) t->AfterForkInChild();
+    Mutex().unlock();
+  }
+};
+
 JobThread::~JobThread() {
+  if (registered_) JobThreadForks::Remove(this);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -37,7 +77,33 @@ JobThread::~JobThread() {
   if (thread_.joinable()) thread_.join();
 }
 
-void JobThread::Post(std::function<void()> job) {
+void JobThread::BeforeFork() {
+  std::unique_lock<std::mutex> lock(mu_);
+  ++waiters_;
+  idle_.wait(lock, [&] { return jobs_.empty() && !running_; });
+  --waiters_;
+  lock.release();  // (held across the fork)
+}
+
+void JobThread::AfterForkInParent() { mu_.unlock(); }
+
+void JobThread::AfterForkInChild() {
+  // This thread is the child's only one: the job thread, and whoever waited
+  // on the condition variables, stayed in the parent. Their objects are
+  // made anew over the old ones (whose destructors would join or wake them).
+  new (&thread_) std::thread();
+  new (&work_) std::condition_variable();
+  new (&idle_) std::condition_variable();
+  sleeping_ = running_ = false;
+  waiters_ = 0;
+  mu_.unlock();
+}
+
+void JobThread::Post(std::function<void()>&& job) {
+  if (!registered_) {  // (before any thread, and not under mu_: Prepare takes the list, then mu_)
+    JobThreadForks::Add(this);
+    registered_ = true;
+  }
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);

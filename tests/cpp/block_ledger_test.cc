@@ -1,6 +1,8 @@
 #include "radixkv/block_ledger.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <algorithm>
@@ -343,6 +345,34 @@ TEST(BlockLedgerThreadTest, BadCallsThrowOnTheCallersThread) {
   EXPECT_EQ(ledger.device_blocks(), 2);
   ledger.DeviceEvicted(slots.data(), 8);
   // Destroyed with a change queued: it is applied first, nothing is read after.
+}
+
+// A threaded ledger copies an insert's own tokens alone where it saw the
+// parent page's block stored: the prefix is never read (here it lies in
+// memory that cannot be read), and the events are the inline ledger's.
+TEST(BlockLedgerThreadTest, AnInsertBelowAHeldPageCopiesItsOwnTokensAlone) {
+  const int64_t os_page = sysconf(_SC_PAGESIZE), page = os_page / 4 / 4;  // 4 pages a 1st OS page
+  void* map = mmap(nullptr, 2 * os_page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                   0);
+  ASSERT_NE(map, MAP_FAILED);
+  auto* all = static_cast<int32_t*>(map);
+  const int64_t start = os_page / 4;  // the tokens of the first OS page: 4 ledger pages
+  for (int64_t i = 0; i < start + 2 * page; ++i) all[i] = static_cast<int32_t>(i % 97);
+  std::vector<int32_t> tokens(all, all + start + 2 * page);
+  std::vector<int32_t> ids = Iota(6);
+  BlockLedger inline_ledger(8, 0, page), threaded(8, 0, page, true);
+  for (BlockLedger* l : {&inline_ledger, &threaded}) {
+    l->DeviceInserted(tokens.data(), ids.data(), 0, start, 0, nullptr, true);
+  }
+  threaded.TakeEvents();  // applied; the second insert goes through the queue as well
+  ASSERT_EQ(mprotect(map, static_cast<size_t>(os_page), PROT_NONE), 0);
+  threaded.DeviceInserted(all, ids.data(), start, start + 2 * page, start, nullptr, true);
+  inline_ledger.DeviceInserted(tokens.data(), ids.data(), start, start + 2 * page, start, nullptr,
+                               true);
+  const auto got = threaded.TakeEvents(), want = inline_ledger.TakeEvents();
+  munmap(map, 2 * os_page);
+  ASSERT_EQ(want.size(), 2u);
+  EXPECT_EQ(got, std::vector<std::string>(want.begin() + 1, want.end()));
 }
 
 }  // namespace

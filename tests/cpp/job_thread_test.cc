@@ -1,9 +1,12 @@
 #include "radixkv/job_thread.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -84,6 +87,43 @@ TEST(JobThreadTest, TheDestructorRunsWhatIsQueued) {
   EXPECT_EQ(ran, 100);
   JobThread never_used;  // no thread started, none joined
   EXPECT_EQ(never_used.queued(), 0);
+}
+
+// A fork waits for the jobs queued, and the child, which has no job thread,
+// starts its own on its first job; destroying one never waits for the
+// parent's. (Before, the child's Wait and destructor hung on a thread it did
+// not have.)
+TEST(JobThreadTest, AForkedChildGetsTheJobsDoneAndAThreadOfItsOwn) {
+  auto jobs = std::make_unique<JobThread>();
+  std::atomic<int> ran{0};
+  for (int i = 0; i < 200; ++i) {
+    jobs->Post([&] {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      ++ran;
+    });
+  }
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(20);  // a hang fails the test instead of stalling it
+    bool ok = ran.load() == 200;  // every job ran before the fork
+    std::thread::id on;
+    jobs->Post([&] {
+      ++ran;
+      on = std::this_thread::get_id();
+    });
+    jobs->Wait();
+    ok = ok && ran.load() == 201 && on != std::this_thread::get_id();
+    jobs.reset();
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status)) << "the child was killed (signal " << WTERMSIG(status) << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  jobs->Post([&] { ++ran; });  // the parent's thread goes on
+  jobs->Wait();
+  EXPECT_EQ(ran.load(), 201);
 }
 
 }  // namespace

@@ -109,7 +109,8 @@ class BlockLedger {
 
   /// The events packed since the last take, oldest first.
   std::vector<std::string> TakeEvents();
-  /// Events packed and not taken, plus (threaded) changes not applied yet.
+  /// Events packed and not taken, plus (threaded) changes not applied yet
+  /// (a lora_id set counts as one).
   int64_t pending() const noexcept {
     return packed_.load(std::memory_order_acquire) + (threaded_ ? jobs_.queued() : 0);
   }
@@ -131,14 +132,20 @@ class BlockLedger {
     bool has_parent;
     bool present;
   };
-  // A change as the ledger's thread applies it: what the call read, copied.
+  // A change as it is applied: what the call read. Its tokens are the
+  // caller's (`given`, n_tokens of them) while the call runs; a threaded
+  // ledger copies them into `tokens` for its thread.
   struct Change {
     std::vector<int64_t> pages, other, rejected;  // rejected: sorted
+    const int32_t* given = nullptr;
+    int64_t n_tokens = 0;
     std::vector<int32_t> tokens;
-    int64_t start = 0, end = 0;  // pages of `tokens`
+    int64_t token_base = 0;      // the position of the first token held
+    int64_t start = 0, end = 0;  // pages of the request's tokens
     int64_t parent = -1;         // the device page before `start`, if known
     bool seeded = false;
     uint8_t seed[32] = {};
+    const int32_t* Tokens() const { return given != nullptr ? given : tokens.data(); }
   };
   struct FreeDeleter {
     void operator()(void* p) const noexcept { std::free(p); }
@@ -168,7 +175,8 @@ class BlockLedger {
   // same positions of `c.other` in `to`, but those in `c.rejected`, and
   // gathers them into `blocks_`/`tokens_`.
   void CopyBlocks(const Tier& from, Tier* to, const Change& c);
-  // Applies `change` now, or queues it for the ledger's thread.
+  // Applies `change` now, or queues it for the ledger's thread (its tokens
+  // copied), or applies it now where no thread can start.
   void Submit(void (BlockLedger::*apply)(const Change&), Change change);
   void ApplyDeviceInserted(const Change& c);
   void ApplyDeviceEvicted(const Change& c);
@@ -212,6 +220,11 @@ class BlockLedger {
   std::optional<int64_t> packing_lora_id_;  // the one the changes applied carry
   std::vector<std::string> pending_;
   std::atomic<int64_t> packed_{0};  // pending_.size(), read from any thread
+  // (threaded) The caller's view of which device pages hold a block: set by
+  // an insert, cleared by an eviction or a reset; a load may set pages it
+  // leaves clear. Where it is set, the page holds a block when the changes
+  // before are applied, so an insert below it copies only its own tokens.
+  std::vector<uint8_t> device_held_;
   // Scratch of the changes applied (no allocation once warm).
   std::vector<Block> blocks_;
   std::vector<int32_t> tokens_;

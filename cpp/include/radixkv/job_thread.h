@@ -7,6 +7,10 @@
 // microseconds (a scheduler's step) does not pay a wake-up each time.
 //
 // One caller thread at a time: Post and Wait are not for concurrent callers.
+//
+// A fork() waits for every JobThread's queued jobs first, so the child gets
+// the results whole; in the child the thread is gone, and the next Post
+// starts one of its own there.
 #pragma once
 
 #include <atomic>
@@ -30,7 +34,9 @@ class JobThread {
   JobThread& operator=(const JobThread&) = delete;
 
   /// Queues `job` after the others (starting the thread on the first).
-  void Post(std::function<void()> job);
+  /// Throws std::system_error where no thread can start, leaving `job` as
+  /// it was and nothing queued.
+  void Post(std::function<void()>&& job);
   /// Returns once every job posted has run. A job that threw does not stop
   /// the others; the first exception is rethrown here, once.
   void Wait();
@@ -39,6 +45,13 @@ class JobThread {
 
  private:
   void Run();
+  // Around a fork() (pthread_atfork, for every JobThread posted to):
+  // before it, waits for the jobs and keeps `mu_` locked across the fork; the
+  // parent unlocks it, the child forgets the thread, which it does not have.
+  void BeforeFork();
+  void AfterForkInParent();
+  void AfterForkInChild();
+  friend struct JobThreadForks;
 
   std::mutex mu_;
   std::condition_variable work_;  // the thread sleeps for jobs
@@ -49,6 +62,7 @@ class JobThread {
   bool running_ = false;   // the thread runs jobs taken off jobs_
   int waiters_ = 0;
   bool stop_ = false;
+  bool registered_ = false;  // in the fork handlers' list (from the first Post)
   std::exception_ptr error_;
   std::thread thread_;
 };

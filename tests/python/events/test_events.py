@@ -687,6 +687,46 @@ def test_events_off_make_no_publisher_and_import_no_zmq(monkeypatch):
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
+FORKED = """
+import os, sys, torch
+from radixkv.events import EventPublisher
+from radixkv.scheduler import CacheManager
+
+def serve(cm, base):
+    ids = torch.arange(base, base + 14)
+    h, cached = cm.match_req(ids)
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids, torch.cat([cached, cm.allocate(14 - h.cached_len)]))
+
+cm = CacheManager(num_pages=16, page_size=4, kv_events=EventPublisher("tcp://127.0.0.1:*"))
+serve(cm, 0)
+assert cm.flush_events() == 1
+serve(cm, 100)  # its BlockStored queued on the ledger's thread when the fork comes
+child = os.fork()
+if child == 0:
+    if sys.argv[1] == "use":
+        serve(cm, 200)
+        assert cm.flush_events() == 2, "the child's flush"
+        assert cm._tiers.events.ledger.device_blocks == 9
+    sys.exit(0)  # the manager goes at the interpreter's exit
+_, status = os.waitpid(child, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+serve(cm, 300)
+assert cm.flush_events() == 2, "the parent's flush"
+assert cm._tiers.events.ledger.device_blocks == 9
+cm.kv_events.close()
+"""
+
+
+@pytest.mark.parametrize("child", ["use", "exit"])
+def test_a_forked_child_serves_and_exits_with_the_ledger_thread_left_behind(child):
+    """The ledger's thread stays in the parent at a fork(): the fork waits
+    for the changes queued, and a child that serves starts a thread of its
+    own; one that only exits does not wait for the parent's."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", FORKED, child], check=True, env=env, timeout=120)
+
+
 def test_namespaces_are_distinct_blocks(publisher, subscriber):
     """Equal tokens of two namespaces are two blocks to a router: each
     namespace's hashes are its storage keys' (seeded by its name)."""
