@@ -224,7 +224,15 @@ void BlockLedger::Submit(void (BlockLedger::*apply)(const Change&), Change chang
 }
 
 void BlockLedger::Settle() {
-  if (threaded_) jobs_.Wait();
+  if (!threaded_) return;
+  try {
+    jobs_.Wait();
+  } catch (...) {
+    // A change failed (to allocate) part way: which pages hold a block is
+    // no longer known here, so every insert copies its prefix again.
+    std::fill(device_held_.begin(), device_held_.end(), 0);
+    throw;
+  }
 }
 
 void BlockLedger::set_lora_id(std::optional<int64_t> id) {
@@ -233,7 +241,11 @@ void BlockLedger::set_lora_id(std::optional<int64_t> id) {
     packing_lora_id_ = id;
     return;
   }
-  jobs_.Post([this, id] { packing_lora_id_ = id; });
+  try {
+    jobs_.Post([this, id] { packing_lora_id_ = id; });
+  } catch (const std::system_error&) {
+    packing_lora_id_ = id;  // (no thread: nothing queued, as in Submit)
+  }
 }
 
 void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, int64_t start,
@@ -292,9 +304,12 @@ void BlockLedger::ApplyDeviceInserted(const Change& c) {
 void BlockLedger::DeviceEvicted(const int32_t* slots, int64_t n, bool ids) {
   Change c;
   PagesOf(device_, slots, n, "slots", &c.pages, 0, ids);
-  std::vector<int64_t> pages = threaded_ ? c.pages : std::vector<int64_t>();
+  // Cleared first (clear is the safe side): a fork from another thread
+  // meanwhile gives its child the eviction applied.
+  if (threaded_) {
+    for (int64_t page : c.pages) device_held_[page] = 0;
+  }
   Submit(&BlockLedger::ApplyDeviceEvicted, std::move(c));
-  for (int64_t page : pages) device_held_[page] = 0;
 }
 
 void BlockLedger::ApplyDeviceEvicted(const Change& c) {
@@ -410,8 +425,8 @@ void BlockLedger::ApplyHostInserted(const Change& c) {
 }
 
 void BlockLedger::Reset() {
-  Submit(&BlockLedger::ApplyReset, Change{});
   std::fill(device_held_.begin(), device_held_.end(), 0);
+  Submit(&BlockLedger::ApplyReset, Change{});
 }
 
 void BlockLedger::ApplyReset(const Change&) {

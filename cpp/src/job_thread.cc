@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <new>
+#include <system_error>
 #include <utility>
 
 namespace radixkv {
@@ -34,17 +35,24 @@ inline void CpuRelax() {
 
 // The JobThreads that have a thread, for the fork handlers.
 struct JobThreadForks {
+  // Never destroyed: a JobThread of static lifetime made before them may
+  // outlive them at exit.
   static std::mutex& Mutex() {
-    static std::mutex mu;
-    return mu;
+    static auto* mu = new std::mutex;
+    return *mu;
   }
   static std::vector<JobThread*>& Live() {
-    static std::vector<JobThread*> live;
-    return live;
+    static auto* live = new std::vector<JobThread*>;
+    return *live;
   }
+  // Throws std::system_error where the handlers cannot be installed: then
+  // no thread starts (a fork would leave the child hanging on it).
   static void Add(JobThread* t) {
     static std::once_flag handlers;
-    std::call_once(handlers, [] { pthread_atfork(Prepare, Parent, Child); });
+    std::call_once(handlers, [] {
+      const int rc = pthread_atfork(Prepare, Parent, Child);
+      if (rc != 0) throw std::system_error(rc, std::generic_category(), "pthread_atfork");
+    });
     std::lock_guard<std::mutex> lock(Mutex());
     Live().push_back(t);
   }
