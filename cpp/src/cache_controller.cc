@@ -87,9 +87,14 @@ std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers) {
 
 CacheController::CacheController(std::unique_ptr<CopyEngine> engine, bool manual)
     : engine_(std::move(engine)), manual_(manual) {
+  WatchForks();  // (manual too: a copy the caller's thread runs is waited for)
   if (manual_) return;
-  WatchForks();
-  thread_ = std::thread([this] { Run(); });
+  try {
+    thread_ = std::thread([this] { Run(); });
+  } catch (...) {
+    UnwatchForks();
+    throw;
+  }
 }
 
 CacheController::~CacheController() {
@@ -288,20 +293,24 @@ void CacheController::EnsureThreadLocked() {
 }
 
 void CacheController::BeforeFork() {
+  // The copy under way finishes; the thread takes no other until the fork
+  // is done (the queued ones go to the child as they are, and run there).
   std::unique_lock<std::mutex> lock(mu_);
-  if (!manual_) {
-    EnsureThreadLocked();
-    work_.notify_one();
-    done_.wait(lock, [&] { return batches_.empty() && backups_.empty() && running_ == 0; });
-  }
+  forking_ = true;
+  done_.wait(lock, [&] { return running_ == 0; });
   lock.release();  // (held across the fork)
 }
 
-void CacheController::AfterForkInParent() { mu_.unlock(); }
+void CacheController::AfterForkInParent() {
+  forking_ = false;
+  mu_.unlock();
+  work_.notify_one();
+}
 
 void CacheController::AfterForkInChild() {
   // The thread and whoever waited stayed in the parent: their objects are
   // made anew over the old ones (whose destructors would join or wake them).
+  forking_ = false;
   new (&thread_) std::thread();
   new (&work_) std::condition_variable();
   new (&done_) std::condition_variable();
@@ -311,7 +320,9 @@ void CacheController::AfterForkInChild() {
 void CacheController::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    work_.wait(lock, [&] { return stop_ || !batches_.empty() || !backups_.empty(); });
+    work_.wait(lock, [&] {
+      return stop_ || (!forking_ && (!batches_.empty() || !backups_.empty()));
+    });
     if (stop_) return;
     // Loads first: a forward pass waits for them, layer by layer.
     if (!batches_.empty()) {
