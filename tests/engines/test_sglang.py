@@ -152,7 +152,7 @@ def stored_pages(python, model, tmp_path, backend):
         system = [rng.randrange(3, 1000) for _ in range(40)]
         for k in range(3):
             generate(server, system + [rng.randrange(3, 1000) for _ in range(9)], {})
-        server.post("/flush_cache", {})
+        server.post("/flush_cache?timeout=60", {})
         generate(server, system, {})
         pages, kinds, stores = [], [], []
         deadline = time.monotonic() + 10
@@ -351,7 +351,7 @@ def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(
         out, cached = generate(a, ids, {}, 4)
         assert cached == 0
         wait_for_pages(store, 599)
-        a.post("/flush_cache", {})
+        a.post("/flush_cache?timeout=60", {})
         again, cached = generate(a, ids, {}, 4)
         assert (again, cached) == (out, 599)  # every page but the last token's from L3
         assert "radixkv.compat.sglang.hicache_storage" in a.log()
@@ -385,7 +385,7 @@ def test_radixkv_store_as_hicache_l3_serves_after_a_flush_and_across_servers(
     try:
         theirs, cached = generate(c, ids, {}, 4)
         wait_for_pages(theirs_dir, 599)
-        c.post("/flush_cache", {})
+        c.post("/flush_cache?timeout=60", {})
         theirs_again, their_cached = generate(c, ids, {}, 4)
     finally:
         c.stop()
@@ -426,7 +426,7 @@ def test_mooncake_store_through_radixkv_as_hicache_l3_is_shared_by_two_servers(
             out, cached = generate(a, ids, {}, 4)
             assert cached == 0
             time.sleep(8)  # the write-through backup reaches L3
-            a.post("/flush_cache", {})
+            a.post("/flush_cache?timeout=60", {})
             assert generate(a, ids, {}, 4) == (out, 399)
             b = serve(python, model, str(tmp_path / "mooncake-b.log"), 1, extra_args=args)
             assert generate(b, ids, {}, 4) == (out, 399)

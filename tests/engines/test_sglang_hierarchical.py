@@ -164,7 +164,7 @@ def runs(python, model, tmp_path_factory, trace_requests, sglang_own_chat):
             metrics = server.get_text("/metrics") if name == "radixkv" else ""
             view = events.close() if events is not None else None
             events = None
-            server.post("/flush_cache", {})
+            server.post("/flush_cache?timeout=60", {})
             trace = replay_trace(server, requests)
             code = idle_then_stop(server)
         finally:
@@ -369,7 +369,7 @@ def test_radixkvs_config_quota_and_float8_host_pages(python, model, tmp_path):
         try:
             if name != "float8":
                 results[f"{name} victim"] = _flood(server)
-                server.post("/flush_cache", {})
+                server.post("/flush_cache?timeout=60", {})
             if name != "quota":
                 results[f"{name} host"] = _random_revisits(server)
             results[f"{name} code"] = idle_then_stop(server)
