@@ -87,14 +87,9 @@ std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers) {
 
 CacheController::CacheController(std::unique_ptr<CopyEngine> engine, bool manual)
     : engine_(std::move(engine)), manual_(manual) {
-  WatchForks();  // (manual too: a copy the caller's thread runs is waited for)
   if (manual_) return;
-  try {
-    thread_ = std::thread([this] { Run(); });
-  } catch (...) {
-    UnwatchForks();
-    throw;
-  }
+  WatchForks();
+  thread_ = std::thread([this] { Run(); });
 }
 
 CacheController::~CacheController() {
@@ -293,24 +288,20 @@ void CacheController::EnsureThreadLocked() {
 }
 
 void CacheController::BeforeFork() {
-  // The copy under way finishes; the thread takes no other until the fork
-  // is done (the queued ones go to the child as they are, and run there).
   std::unique_lock<std::mutex> lock(mu_);
-  forking_ = true;
-  done_.wait(lock, [&] { return running_ == 0; });
+  if (!manual_) {
+    EnsureThreadLocked();
+    work_.notify_one();
+    done_.wait(lock, [&] { return batches_.empty() && backups_.empty() && running_ == 0; });
+  }
   lock.release();  // (held across the fork)
 }
 
-void CacheController::AfterForkInParent() {
-  forking_ = false;
-  mu_.unlock();
-  work_.notify_one();
-}
+void CacheController::AfterForkInParent() { mu_.unlock(); }
 
 void CacheController::AfterForkInChild() {
   // The thread and whoever waited stayed in the parent: their objects are
   // made anew over the old ones (whose destructors would join or wake them).
-  forking_ = false;
   new (&thread_) std::thread();
   new (&work_) std::condition_variable();
   new (&done_) std::condition_variable();
@@ -320,9 +311,7 @@ void CacheController::AfterForkInChild() {
 void CacheController::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    work_.wait(lock, [&] {
-      return stop_ || (!forking_ && (!batches_.empty() || !backups_.empty()));
-    });
+    work_.wait(lock, [&] { return stop_ || !batches_.empty() || !backups_.empty(); });
     if (stop_) return;
     // Loads first: a forward pass waits for them, layer by layer.
     if (!batches_.empty()) {

@@ -40,21 +40,14 @@ JobThread::~JobThread() {
 }
 
 void JobThread::BeforeFork() {
-  // The batch under way finishes; the thread takes no other until the fork
-  // is done (the queued jobs go to the child as they are, and run there).
   std::unique_lock<std::mutex> lock(mu_);
-  forking_ = true;
   ++waiters_;
-  idle_.wait(lock, [&] { return !running_; });
+  idle_.wait(lock, [&] { return jobs_.empty() && !running_; });
   --waiters_;
   lock.release();  // (held across the fork)
 }
 
-void JobThread::AfterForkInParent() {
-  forking_ = false;
-  mu_.unlock();
-  work_.notify_one();
-}
+void JobThread::AfterForkInParent() { mu_.unlock(); }
 
 void JobThread::AfterForkInChild() {
   // This thread is the child's only one: the job thread, and whoever waited
@@ -63,7 +56,7 @@ void JobThread::AfterForkInChild() {
   new (&thread_) std::thread();
   new (&work_) std::condition_variable();
   new (&idle_) std::condition_variable();
-  forking_ = sleeping_ = running_ = false;
+  sleeping_ = running_ = false;
   waiters_ = 0;
   mu_.unlock();
 }
@@ -88,8 +81,6 @@ void JobThread::Wait() {
     CpuRelax();
   }
   std::unique_lock<std::mutex> lock(mu_);
-  // (a fork's child: the jobs it inherited run on a thread of its own)
-  if (!thread_.joinable() && !jobs_.empty()) thread_ = std::thread([this] { Run(); });
   ++waiters_;
   idle_.wait(lock, [&] { return jobs_.empty() && !running_; });
   --waiters_;
@@ -100,20 +91,18 @@ void JobThread::Run() {
   std::vector<std::function<void()>> batch;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    if (jobs_.empty() || forking_) {
-      if (stop_ && jobs_.empty()) return;
-      if (!forking_) {
-        // Poll a while without the lock, then sleep until a job comes.
-        lock.unlock();
-        const auto until = std::chrono::steady_clock::now() + kIdlePoll;
-        while (queued_.load(std::memory_order_acquire) == 0 &&
-               std::chrono::steady_clock::now() < until) {
-          CpuRelax();
-        }
-        lock.lock();
+    if (jobs_.empty()) {
+      if (stop_) return;
+      // Poll a while without the lock, then sleep until a job comes.
+      lock.unlock();
+      const auto until = std::chrono::steady_clock::now() + kIdlePoll;
+      while (queued_.load(std::memory_order_acquire) == 0 &&
+             std::chrono::steady_clock::now() < until) {
+        CpuRelax();
       }
+      lock.lock();
       sleeping_ = true;
-      work_.wait(lock, [&] { return stop_ || (!forking_ && !jobs_.empty()); });
+      work_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
       sleeping_ = false;
       continue;
     }

@@ -113,9 +113,9 @@ std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers);
 /// FinishBackup, FinishLoad).
 ///
 /// Thread-safe: the queue functions may be called from any thread, the
-/// controller's own thread runs the copies. A fork() waits for the copy
-/// under way (radixkv/fork_safe.h); the child inherits the queued ones and
-/// starts a thread of its own when it next queues or waits.
+/// controller's own thread runs the copies. A fork() waits for the copies
+/// queued (radixkv/fork_safe.h); a child starts a thread of its own when it
+/// next queues or waits for one.
 class CacheController : private ForkSafe {
  public:
   /// `manual`: no thread; copies run only through `Complete` (a test decides
@@ -180,7 +180,7 @@ class CacheController : private ForkSafe {
   void RunBatchesLocked(uint64_t upto, std::unique_lock<std::mutex>* lock);
   // Starts the thread where a fork's child has none (not in manual mode).
   void EnsureThreadLocked();
-  // ForkSafe: the copy under way done before a fork, `mu_` held across it.
+  // ForkSafe: every copy queued done before a fork, `mu_` held across it.
   void BeforeFork() override;
   void AfterForkInParent() override;
   void AfterForkInChild() override;
@@ -201,7 +201,6 @@ class CacheController : private ForkSafe {
   int64_t running_ = 0;          // copies taken off the queues, not acknowledged yet
   std::vector<CopyAck> backup_acks_, load_acks_;
   bool stop_ = false;
-  bool forking_ = false;  // a fork waits: the thread starts no copy
   std::thread thread_;
 };
 

@@ -3,11 +3,10 @@
 // A child made by fork() has one thread, the one that forked: an object's
 // thread stays in the parent, and a child that waited for it, or only joined
 // it when the object went at its exit, would hang. Before a fork each object
-// on the list is brought to rest (the work under way finished, none started)
-// and keeps its lock across the fork; after it, the parent releases the lock
-// and goes on, and the child forgets the thread and starts one of its own when
-// it next needs it, for what was queued too (pthread_atfork, installed with
-// the first object).
+// on the list is brought to rest (its thread idle, nothing half done) and
+// keeps its lock across the fork; after it, the parent releases the lock, and
+// the child forgets the thread and starts one of its own when it next needs
+// it (pthread_atfork, installed with the first object).
 #pragma once
 
 namespace radixkv {
@@ -19,7 +18,7 @@ class ForkSafe {
 
  protected:
   ForkSafe() = default;
-  ~ForkSafe() { UnwatchForks(); }  // (where a derived constructor threw)
+  ~ForkSafe() = default;
   /// Joins the list (once). Throws std::system_error where the fork handlers
   /// cannot be installed: then the object must not start a thread.
   void WatchForks();

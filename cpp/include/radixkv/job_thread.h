@@ -8,9 +8,9 @@
 //
 // One caller thread at a time: Post and Wait are not for concurrent callers.
 //
-// A fork() waits for the batch of jobs under way (radixkv/fork_safe.h): the
-// child inherits the jobs queued and runs them on a thread of its own,
-// started by its next Post or Wait.
+// A fork() waits for the queued jobs first (radixkv/fork_safe.h), so the
+// child gets the results whole; in the child the thread is gone, and the
+// next Post starts one of its own there.
 #pragma once
 
 #include <atomic>
@@ -47,8 +47,8 @@ class JobThread : private ForkSafe {
 
  private:
   void Run();
-  // ForkSafe: the batch under way done before a fork, `mu_` held across it;
-  // the child starts a thread on its next Post or Wait.
+  // ForkSafe: the jobs done before a fork, `mu_` held across it; the child
+  // starts a thread on its next job.
   void BeforeFork() override;
   void AfterForkInParent() override;
   void AfterForkInChild() override;
@@ -62,7 +62,6 @@ class JobThread : private ForkSafe {
   bool running_ = false;   // the thread runs jobs taken off jobs_
   int waiters_ = 0;
   bool stop_ = false;
-  bool forking_ = false;  // a fork waits: the thread takes no job
   std::exception_ptr error_;
   std::thread thread_;
 };
