@@ -1,7 +1,6 @@
 #include "radixkv/cache_controller.h"
 
 #include <algorithm>
-#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -87,13 +86,10 @@ std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers) {
 
 CacheController::CacheController(std::unique_ptr<CopyEngine> engine, bool manual)
     : engine_(std::move(engine)), manual_(manual) {
-  if (manual_) return;
-  WatchForks();
-  thread_ = std::thread([this] { Run(); });
+  if (!manual_) thread_ = std::thread([this] { Run(); });
 }
 
 CacheController::~CacheController() {
-  UnwatchForks();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -114,7 +110,6 @@ uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_
   uint64_t id;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    EnsureThreadLocked();
     id = job->id = next_id_++;
     backups_.push_back(std::move(job));
   }
@@ -175,7 +170,6 @@ void CacheController::StartLoadingLocked() {
 void CacheController::StartLoading() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    EnsureThreadLocked();
     StartLoadingLocked();
   }
   work_.notify_one();
@@ -191,7 +185,6 @@ void CacheController::WaitLayer(int64_t layer) {
                             std::to_string(engine_->num_layers()) + ")");
   }
   std::unique_lock<std::mutex> lock(mu_);
-  EnsureThreadLocked();
   StartLoadingLocked();
   const uint64_t target = last_batch_;
   if (manual_) {
@@ -214,7 +207,6 @@ void CacheController::RunBatchesLocked(uint64_t upto, std::unique_lock<std::mute
 
 void CacheController::WaitLoads() {
   std::unique_lock<std::mutex> lock(mu_);
-  EnsureThreadLocked();
   StartLoadingLocked();
   const uint64_t target = last_batch_;
   if (manual_) {
@@ -227,7 +219,6 @@ void CacheController::WaitLoads() {
 
 void CacheController::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
-  EnsureThreadLocked();
   StartLoadingLocked();
   if (manual_) {
     RunBatchesLocked(last_batch_, &lock);
@@ -281,31 +272,6 @@ void CacheController::RunBatch(Batch* batch, std::unique_lock<std::mutex>* lock)
   finished_batch_ = batch->seq;
   running_batch_ = 0;
   done_.notify_all();
-}
-
-void CacheController::EnsureThreadLocked() {
-  if (!manual_ && !thread_.joinable()) thread_ = std::thread([this] { Run(); });
-}
-
-void CacheController::BeforeFork() {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!manual_) {
-    EnsureThreadLocked();
-    work_.notify_one();
-    done_.wait(lock, [&] { return batches_.empty() && backups_.empty() && running_ == 0; });
-  }
-  lock.release();  // (held across the fork)
-}
-
-void CacheController::AfterForkInParent() { mu_.unlock(); }
-
-void CacheController::AfterForkInChild() {
-  // The thread and whoever waited stayed in the parent: their objects are
-  // made anew over the old ones (whose destructors would join or wake them).
-  new (&thread_) std::thread();
-  new (&work_) std::condition_variable();
-  new (&done_) std::condition_variable();
-  mu_.unlock();
 }
 
 void CacheController::Run() {

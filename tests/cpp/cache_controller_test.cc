@@ -4,8 +4,6 @@
 #include "radixkv/cache_controller.h"
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -281,36 +279,6 @@ TEST(CacheControllerTest, DestroyedWithCopiesQueued) {
     for (int i = 0; i < 50; ++i) c.Backup({i}, {i});
   }  // must not hang or crash
   SUCCEED();
-}
-
-// A fork waits for the copies queued; the child, which has no copy thread,
-// starts its own when it queues or waits, and destroying the controller
-// there never waits for the parent's. (Before, the child's Drain and its
-// destructor hung on a thread it did not have.)
-TEST(CacheControllerTest, AForkedChildCopiesOnAThreadOfItsOwn) {
-  Pools pools;
-  auto c = std::make_unique<CacheController>(
-      MakeCpuCopyEngine(pools.d, pools.h, Pools::R, Pools::L), false);
-  for (int32_t p = 0; p < 4; ++p) c->Backup(Page(p), Page(p));
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    alarm(20);  // a hang fails the test instead of stalling it
-    bool ok = c->in_flight() == 0 && c->TakeBackupAcks().size() == 4;  // done before the fork
-    const uint64_t id = c->Backup(Page(5), Page(6));
-    c->Drain();
-    const std::vector<CopyAck> acks = c->TakeBackupAcks();
-    ok = ok && acks.size() == 1 && acks[0].id == id && acks[0].ok && pools.SameRows(20, 24);
-    c.reset();
-    _exit(ok ? 0 : 1);
-  }
-  int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  EXPECT_TRUE(WIFEXITED(status)) << "the child was killed (signal " << WTERMSIG(status) << ")";
-  EXPECT_EQ(WEXITSTATUS(status), 0);
-  c->Drain();  // the parent's thread goes on
-  EXPECT_EQ(c->TakeBackupAcks().size(), 4u);
-  EXPECT_FALSE(pools.SameRows(20, 24));  // the child's copy was the child's memory
 }
 
 }  // namespace

@@ -12,7 +12,6 @@
 #include <thread>
 #include <vector>
 
-#include "radixkv/fork_safe.h"
 #include "radixkv/transfer_index.h"
 
 namespace radixkv {
@@ -113,10 +112,8 @@ std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers);
 /// FinishBackup, FinishLoad).
 ///
 /// Thread-safe: the queue functions may be called from any thread, the
-/// controller's own thread runs the copies. A fork() waits for the copies
-/// queued (radixkv/fork_safe.h); a child starts a thread of its own when it
-/// next queues or waits for one.
-class CacheController : private ForkSafe {
+/// controller's own thread runs the copies.
+class CacheController {
  public:
   /// `manual`: no thread; copies run only through `Complete` (a test decides
   /// when each finishes, and whether it fails) or `WaitLayer`/`Drain`.
@@ -178,12 +175,6 @@ class CacheController : private ForkSafe {
   void StartLoadingLocked();
   bool BatchHasLayer(uint64_t seq, int64_t layer) const;
   void RunBatchesLocked(uint64_t upto, std::unique_lock<std::mutex>* lock);
-  // Starts the thread where a fork's child has none (not in manual mode).
-  void EnsureThreadLocked();
-  // ForkSafe: every copy queued done before a fork, `mu_` held across it.
-  void BeforeFork() override;
-  void AfterForkInParent() override;
-  void AfterForkInChild() override;
 
   std::unique_ptr<CopyEngine> engine_;
   const bool manual_;

@@ -8,9 +8,9 @@
 //
 // One caller thread at a time: Post and Wait are not for concurrent callers.
 //
-// A fork() waits for the queued jobs first (radixkv/fork_safe.h), so the
-// child gets the results whole; in the child the thread is gone, and the
-// next Post starts one of its own there.
+// A fork() waits for every JobThread's queued jobs first, so the child gets
+// the results whole; in the child the thread is gone, and the next Post
+// starts one of its own there.
 #pragma once
 
 #include <atomic>
@@ -23,11 +23,9 @@
 #include <thread>
 #include <vector>
 
-#include "radixkv/fork_safe.h"
-
 namespace radixkv {
 
-class JobThread : private ForkSafe {
+class JobThread {
  public:
   JobThread() = default;
   /// Runs the jobs still queued, then stops the thread.
@@ -47,11 +45,13 @@ class JobThread : private ForkSafe {
 
  private:
   void Run();
-  // ForkSafe: the jobs done before a fork, `mu_` held across it; the child
-  // starts a thread on its next job.
-  void BeforeFork() override;
-  void AfterForkInParent() override;
-  void AfterForkInChild() override;
+  // Around a fork() (pthread_atfork, for every JobThread posted to):
+  // before it, waits for the jobs and keeps `mu_` locked across the fork; the
+  // parent unlocks it, the child forgets the thread, which it does not have.
+  void BeforeFork();
+  void AfterForkInParent();
+  void AfterForkInChild();
+  friend struct JobThreadForks;
 
   std::mutex mu_;
   std::condition_variable work_;  // the thread sleeps for jobs
@@ -62,6 +62,7 @@ class JobThread : private ForkSafe {
   bool running_ = false;   // the thread runs jobs taken off jobs_
   int waiters_ = 0;
   bool stop_ = false;
+  bool registered_ = false;  // in the fork handlers' list (from the first Post)
   std::exception_ptr error_;
   std::thread thread_;
 };
