@@ -166,13 +166,14 @@ void JobThread::Run() {
       } catch (...) {
         if (!error) error = std::current_exception();
       }
+      // One by one, so that queued() runs ahead of the jobs' effects by at
+      // most the job under way, not by the whole batch.
+      queued_.fetch_sub(1, std::memory_order_release);
     }
-    const auto done = static_cast<int64_t>(batch.size());
     batch.clear();  // the jobs' captures go here, off the caller's thread
     lock.lock();
     running_ = false;
     if (error && !error_) error_ = error;
-    queued_.fetch_sub(done, std::memory_order_release);
     if (waiters_ > 0) idle_.notify_all();
   }
 }

@@ -50,6 +50,36 @@ TEST(JobThreadTest, WaitReturnsOnlyOnceTheJobsRan) {
   release.join();
 }
 
+// queued() counts a job until it ran, one by one: a reader adding it to the
+// jobs' effects (the ledger's pending events) overcounts by the job under way
+// at most, not by the rest of a batch the thread took at once.
+TEST(JobThreadTest, QueuedDropsAsEachJobOfABatchRuns) {
+  JobThread jobs;
+  std::atomic<int> open{0};  // jobs 1..3 each wait for open >= their number
+  std::atomic<int> seen{-1};
+  auto gate = [&](int n) {
+    while (open.load() < n) std::this_thread::yield();
+  };
+  std::atomic<bool> started{false};
+  jobs.Post([&] {  // the thread takes this one alone
+    started = true;
+    gate(1);
+  });
+  while (!started.load()) std::this_thread::yield();
+  jobs.Post([&] { gate(2); });  // these two, together, once it returns
+  jobs.Post([&] {
+    seen = static_cast<int>(jobs.queued());
+    gate(3);
+  });
+  EXPECT_EQ(jobs.queued(), 3);
+  open = 2;  // the first two run; the third reads the count while it runs
+  while (seen.load() < 0) std::this_thread::yield();
+  EXPECT_EQ(seen.load(), 1);
+  open = 3;
+  jobs.Wait();
+  EXPECT_EQ(jobs.queued(), 0);
+}
+
 TEST(JobThreadTest, AThrowingJobStopsNothingAndWaitRethrowsItOnce) {
   JobThread jobs;
   int ran = 0;

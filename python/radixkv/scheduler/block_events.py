@@ -160,7 +160,12 @@ class BlockEvents:
         self._bound()
 
     def _bound(self) -> None:
-        if len(self.pending) + self.ledger.pending >= MAX_PENDING_EVENTS:
+        if len(self.pending) + self.ledger.pending < MAX_PENDING_EVENTS:
+            return
+        # A threaded ledger's count runs ahead of its events (by a change
+        # under way, or one that packs none): count the events themselves.
+        self.pending += self.ledger.take_events()
+        if len(self.pending) >= MAX_PENDING_EVENTS:
             self.flush()
 
     def flush(self) -> int:

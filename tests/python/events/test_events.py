@@ -582,6 +582,29 @@ def test_events_past_the_bound_are_published_without_waiting(publisher, subscrib
     assert [len(b) for b in sent.batches] == [3, 1]
     assert sent.batches[1] == [ALL_BLOCKS_CLEARED]
 
+    # A threaded ledger's count may run ahead of its events (by the change
+    # under way, or one that packs none): a batch goes out at the bound of
+    # events, never early on the count alone.
+    class Ahead:
+        def __init__(self, ledger):
+            self.ledger = ledger
+
+        @property
+        def pending(self):
+            return self.ledger.pending + 1
+
+        def __getattr__(self, name):
+            return getattr(self.ledger, name)
+
+    sent = Sent()
+    ledger = block_events.BlockEvents(sent, 2, None, num_pages=8, host_num_pages=0)
+    ledger.ledger = Ahead(ledger.ledger)
+    for page in range(5):
+        slots = torch.arange(2 * page, 2 * page + 2, dtype=torch.int32)
+        ledger.device_inserted(torch.arange(10 * page, 10 * page + 2), slots, 0, 2, 0)
+    assert [len(b) for b in sent.batches] == [3]
+    assert ledger.flush() == 2 and [len(b) for b in sent.batches] == [3, 2]
+
 
 def test_map_encoded_events_decode_too():
     """Newer vLLM writes events as maps tagged with "type"; decode_batch reads both."""
