@@ -31,6 +31,13 @@ inline void CpuRelax() {
 #endif
 }
 
+// Spins while `busy()` holds, for `limit` at most.
+template <typename Busy>
+void PollWhile(Busy busy, std::chrono::microseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (busy() && std::chrono::steady_clock::now() < until) CpuRelax();
+}
+
 }  // namespace
 
 // The JobThreads that have a thread, for the fork handlers.
@@ -124,11 +131,7 @@ void JobThread::Post(std::function<void()>&& job) {
 }
 
 void JobThread::Wait() {
-  const auto until = std::chrono::steady_clock::now() + kWaitPoll;
-  while (queued_.load(std::memory_order_acquire) != 0 &&
-         std::chrono::steady_clock::now() < until) {
-    CpuRelax();
-  }
+  PollWhile([&] { return queued_.load(std::memory_order_acquire) != 0; }, kWaitPoll);
   std::unique_lock<std::mutex> lock(mu_);
   ++waiters_;
   idle_.wait(lock, [&] { return jobs_.empty() && !running_; });
@@ -144,11 +147,7 @@ void JobThread::Run() {
       if (stop_) return;
       // Poll a while without the lock, then sleep until a job comes.
       lock.unlock();
-      const auto until = std::chrono::steady_clock::now() + kIdlePoll;
-      while (queued_.load(std::memory_order_acquire) == 0 &&
-             std::chrono::steady_clock::now() < until) {
-        CpuRelax();
-      }
+      PollWhile([&] { return queued_.load(std::memory_order_acquire) == 0; }, kIdlePoll);
       lock.lock();
       sleeping_ = true;
       work_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
