@@ -236,17 +236,13 @@ void BlockLedger::Settle() {
 }
 
 void BlockLedger::set_lora_id(std::optional<int64_t> id) {
+  Change c;
+  c.lora_id = id;
+  Submit(&BlockLedger::ApplyLoraId, std::move(c));
   lora_id_ = id;
-  if (!threaded_) {
-    packing_lora_id_ = id;
-    return;
-  }
-  try {
-    jobs_.Post([this, id] { packing_lora_id_ = id; });
-  } catch (const std::system_error&) {
-    packing_lora_id_ = id;  // (no thread: nothing queued, as in Submit)
-  }
 }
+
+void BlockLedger::ApplyLoraId(const Change& c) { packing_lora_id_ = c.lora_id; }
 
 void BlockLedger::DeviceInserted(const int32_t* tokens, const int32_t* slots, int64_t start,
                                  int64_t end, int64_t known, const uint8_t* seed, bool ids) {

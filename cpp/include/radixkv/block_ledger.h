@@ -145,6 +145,7 @@ class BlockLedger {
     int64_t parent = -1;         // the device page before `start`, if known
     bool seeded = false;
     uint8_t seed[32] = {};
+    std::optional<int64_t> lora_id;  // the one the changes after it carry
     const int32_t* Tokens() const { return given != nullptr ? given : tokens.data(); }
   };
   struct FreeDeleter {
@@ -185,6 +186,7 @@ class BlockLedger {
   void ApplyHostEvicted(const Change& c);
   void ApplyHostInserted(const Change& c);
   void ApplyReset(const Change& c);
+  void ApplyLoraId(const Change& c);
   void Emit(std::string event);
   // Waits for the ledger's thread (threaded) to apply every change.
   void Settle();
