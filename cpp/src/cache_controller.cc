@@ -1,6 +1,7 @@
 #include "radixkv/cache_controller.h"
 
 #include <algorithm>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -86,10 +87,19 @@ std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers) {
 
 CacheController::CacheController(std::unique_ptr<CopyEngine> engine, bool manual)
     : engine_(std::move(engine)), manual_(manual) {
-  if (!manual_) thread_ = std::thread([this] { Run(); });
+  // Manual ones too: a copy another thread runs (Complete) is under way.
+  AddToForkList(this);
+  if (manual_) return;
+  try {
+    thread_ = std::thread([this] { Run(); });
+  } catch (...) {
+    RemoveFromForkList(this);
+    throw;
+  }
 }
 
 CacheController::~CacheController() {
+  RemoveFromForkList(this);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -110,6 +120,7 @@ uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_
   uint64_t id;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    StartThreadLocked();
     id = job->id = next_id_++;
     backups_.push_back(std::move(job));
   }
@@ -170,6 +181,7 @@ void CacheController::StartLoadingLocked() {
 void CacheController::StartLoading() {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    StartThreadLocked();
     StartLoadingLocked();
   }
   work_.notify_one();
@@ -185,6 +197,7 @@ void CacheController::WaitLayer(int64_t layer) {
                             std::to_string(engine_->num_layers()) + ")");
   }
   std::unique_lock<std::mutex> lock(mu_);
+  StartThreadLocked();
   StartLoadingLocked();
   const uint64_t target = last_batch_;
   if (manual_) {
@@ -207,6 +220,7 @@ void CacheController::RunBatchesLocked(uint64_t upto, std::unique_lock<std::mute
 
 void CacheController::WaitLoads() {
   std::unique_lock<std::mutex> lock(mu_);
+  StartThreadLocked();
   StartLoadingLocked();
   const uint64_t target = last_batch_;
   if (manual_) {
@@ -219,6 +233,7 @@ void CacheController::WaitLoads() {
 
 void CacheController::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
+  StartThreadLocked();
   StartLoadingLocked();
   if (manual_) {
     RunBatchesLocked(last_batch_, &lock);
@@ -237,25 +252,40 @@ void CacheController::Drain() {
     for (const auto& job : backups_) {
       if (job->id <= last_id) return false;
     }
-    return running_ == 0;
+    return under_way_.empty();
   });
 }
 
 void CacheController::RunBackup(CopyJob* job, std::unique_lock<std::mutex>* lock) {
-  ++running_;
+  Begin(job->id, true);
   lock->unlock();
   bool ok = engine_->CopyLayers(job, 0, engine_->num_layers());
   ok = engine_->Finish(job) && ok;
   lock->lock();
-  --running_;
-  backup_acks_.push_back(CopyAck{job->id, ok});
+  End(&job->id, 1, ok, true);
   done_.notify_all();
+}
+
+void CacheController::Begin(uint64_t id, bool backup) {
+  under_way_.push_back(UnderWay{id, backup});
+}
+
+void CacheController::End(const uint64_t* ids, size_t n, bool ok, bool backup) {
+  // `ids` ascend (ids are given in order, and a batch keeps its loads').
+  under_way_.erase(std::remove_if(under_way_.begin(), under_way_.end(),
+                                  [&](const UnderWay& u) {
+                                    return u.backup == backup &&
+                                           std::binary_search(ids, ids + n, u.id);
+                                  }),
+                   under_way_.end());
+  auto& acks = backup ? backup_acks_ : load_acks_;
+  for (size_t i = 0; i < n; ++i) acks.push_back(CopyAck{ids[i], ok});
 }
 
 void CacheController::RunBatch(Batch* batch, std::unique_lock<std::mutex>* lock) {
   running_batch_ = batch->seq;
   running_layers_ = 0;
-  running_ += static_cast<int64_t>(batch->ids.size());
+  for (uint64_t id : batch->ids) Begin(id, false);
   lock->unlock();
   bool ok = true;
   for (int64_t layer = 0; layer < engine_->num_layers(); ++layer) {
@@ -267,8 +297,7 @@ void CacheController::RunBatch(Batch* batch, std::unique_lock<std::mutex>* lock)
   }
   ok = engine_->Finish(&batch->merged) && ok;
   lock->lock();
-  running_ -= static_cast<int64_t>(batch->ids.size());
-  for (uint64_t id : batch->ids) load_acks_.push_back(CopyAck{id, ok});
+  End(batch->ids.data(), batch->ids.size(), ok, false);
   finished_batch_ = batch->seq;
   running_batch_ = 0;
   done_.notify_all();
@@ -320,7 +349,8 @@ bool CacheController::Complete(uint64_t id, bool ok) {
     }
   }
   if (!job) return false;  // unknown, or in a started batch (it runs with the batch)
-  ++running_;
+  const bool backup = job->kind == CopyJob::Kind::kBackup;
+  Begin(id, backup);
   lock.unlock();
   bool copied = true;
   if (ok) {
@@ -329,16 +359,41 @@ bool CacheController::Complete(uint64_t id, bool ok) {
     copied = engine_->Finish(job.get()) && copied;
   }
   lock.lock();
-  --running_;
-  auto& acks = job->kind == CopyJob::Kind::kBackup ? backup_acks_ : load_acks_;
-  acks.push_back(CopyAck{id, ok && copied});
+  End(&id, 1, ok && copied, backup);
   done_.notify_all();
   return true;
 }
 
+void CacheController::StartThreadLocked() {
+  if (!manual_ && !thread_.joinable()) thread_ = std::thread([this] { Run(); });
+}
+
+void CacheController::BeforeFork() { mu_.lock(); }  // (held across the fork)
+
+void CacheController::AfterForkInParent() { mu_.unlock(); }
+
+void CacheController::AfterForkInChild() {
+  // This thread is the child's only one: the copy thread, and whoever waited
+  // on the condition variables, stayed in the parent. Their objects are made
+  // anew over the old ones (whose destructors would join or wait for them).
+  new (&thread_) std::thread();
+  new (&work_) std::condition_variable();
+  new (&done_) std::condition_variable();
+  // The copies under way are half done here, and nothing will end them.
+  for (const UnderWay& u : under_way_) {
+    (u.backup ? backup_acks_ : load_acks_).push_back(CopyAck{u.id, false});
+  }
+  under_way_.clear();
+  if (running_batch_ != 0) {  // (batches finish in order)
+    finished_batch_ = running_batch_;
+    running_batch_ = 0;
+  }
+  mu_.unlock();
+}
+
 int64_t CacheController::in_flight() const {
   std::lock_guard<std::mutex> lock(mu_);
-  int64_t n = static_cast<int64_t>(backups_.size() + pending_loads_.size()) + running_;
+  int64_t n = static_cast<int64_t>(backups_.size() + pending_loads_.size() + under_way_.size());
   for (const Batch& b : batches_) n += static_cast<int64_t>(b.ids.size());
   return n;
 }

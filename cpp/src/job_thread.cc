@@ -1,8 +1,5 @@
 #include "radixkv/job_thread.h"
 
-#include <pthread.h>
-
-#include <algorithm>
 #include <chrono>
 #include <new>
 #include <system_error>
@@ -40,50 +37,8 @@ void PollWhile(Busy busy, std::chrono::microseconds limit) {
 
 }  // namespace
 
-// The JobThreads that have a thread, for the fork handlers.
-struct JobThreadForks {
-  // Never destroyed: a JobThread of static lifetime made before them may
-  // outlive them at exit.
-  static std::mutex& Mutex() {
-    static auto* mu = new std::mutex;
-    return *mu;
-  }
-  static std::vector<JobThread*>& Live() {
-    static auto* live = new std::vector<JobThread*>;
-    return *live;
-  }
-  // Throws std::system_error where the handlers cannot be installed: then
-  // no thread starts (a fork would leave the child hanging on it).
-  static void Add(JobThread* t) {
-    static std::once_flag handlers;
-    std::call_once(handlers, [] {
-      const int rc = pthread_atfork(Prepare, Parent, Child);
-      if (rc != 0) throw std::system_error(rc, std::generic_category(), "pthread_atfork");
-    });
-    std::lock_guard<std::mutex> lock(Mutex());
-    Live().push_back(t);
-  }
-  static void Remove(JobThread* t) {
-    std::lock_guard<std::mutex> lock(Mutex());
-    Live().erase(std::remove(Live().begin(), Live().end(), t), Live().end());
-  }
-  // The list stays locked across the fork, so none is made or destroyed meanwhile.
-  static void Prepare() {
-    Mutex().lock();
-    for (JobThread* t : Live()) t->BeforeFork();
-  }
-  static void Parent() {
-    for (JobThread* t : Live()) t->AfterForkInParent();
-    Mutex().unlock();
-  }
-  static void Child() {
-    for (JobThread* t : Live()) t->AfterForkInChild();
-    Mutex().unlock();
-  }
-};
-
 JobThread::~JobThread() {
-  if (registered_) JobThreadForks::Remove(this);
+  if (registered_) RemoveFromForkList(this);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -115,8 +70,8 @@ void JobThread::AfterForkInChild() {
 }
 
 void JobThread::Post(std::function<void()>&& job) {
-  if (!registered_) {  // (before any thread, and not under mu_: Prepare takes the list, then mu_)
-    JobThreadForks::Add(this);
+  if (!registered_) {  // (before any thread, and not under mu_: a fork takes the list, then mu_)
+    AddToForkList(this);
     registered_ = true;
   }
   bool wake;

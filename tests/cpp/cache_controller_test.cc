@@ -4,6 +4,8 @@
 #include "radixkv/cache_controller.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -279,6 +281,47 @@ TEST(CacheControllerTest, DestroyedWithCopiesQueued) {
     for (int i = 0; i < 50; ++i) c.Backup({i}, {i});
   }  // must not hang or crash
   SUCCEED();
+}
+
+// A fork while a load is under way (held at layer 1), a backup is queued
+// behind it and another load waits for its batch. The child has no copy
+// thread: the load under way, half copied there, fails; what was queued runs
+// on a thread the child starts when it waits; destroying the controller does
+// not wait for the parent's thread. The parent's copies go on untouched.
+// (Before, the child's Drain and its destructor waited for ever.)
+TEST(CacheControllerTest, AForkedChildFailsTheCopyUnderWayAndRunsTheRest) {
+  auto engine = std::make_unique<GatedEngine>();
+  GatedEngine* e = engine.get();
+  auto c = std::make_unique<CacheController>(std::move(engine), false);
+  const uint64_t under_way = c->Load(Page(0), Page(1));
+  c->WaitLayer(0);  // the batch is under way, held before layer 1
+  const uint64_t backup = c->Backup(Page(2), Page(3));
+  const uint64_t queued = c->Load(Page(4), Page(5));
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(20);  // a hang fails the test instead of stalling it
+    e->open = true;
+    c->Drain();
+    const std::vector<CopyAck> loads = c->TakeLoadAcks(), backups = c->TakeBackupAcks();
+    bool ok = loads.size() == 2 && loads[0].id == under_way && !loads[0].ok &&
+              loads[1].id == queued && loads[1].ok;
+    ok = ok && backups.size() == 1 && backups[0].id == backup && backups[0].ok;
+    ok = ok && c->in_flight() == 0;
+    c.reset();
+    _exit(ok ? 0 : 1);
+  }
+  e->open = true;
+  c->Drain();
+  std::vector<CopyAck> loads = c->TakeLoadAcks();
+  ASSERT_EQ(loads.size(), 2u);
+  EXPECT_TRUE(loads[0].id == under_way && loads[0].ok);
+  EXPECT_TRUE(loads[1].id == queued && loads[1].ok);
+  ASSERT_EQ(c->TakeBackupAcks().size(), 1u);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed (signal " << WTERMSIG(status) << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 }  // namespace

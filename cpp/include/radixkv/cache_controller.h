@@ -4,6 +4,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -12,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "radixkv/fork_list.h"
 #include "radixkv/transfer_index.h"
 
 namespace radixkv {
@@ -113,7 +115,12 @@ std::unique_ptr<CopyEngine> MakeNullCopyEngine(int64_t layers);
 ///
 /// Thread-safe: the queue functions may be called from any thread, the
 /// controller's own thread runs the copies.
-class CacheController {
+///
+/// Across fork() (the fork list): the child's controller holds what was
+/// queued and acknowledged at the fork; the copies under way then stay the
+/// parent's, and fail in the child. It starts a thread of its own when it
+/// next queues or waits.
+class CacheController final : private ForkAware {
  public:
   /// `manual`: no thread; copies run only through `Complete` (a test decides
   /// when each finishes, and whether it fails) or `WaitLayer`/`Drain`.
@@ -175,6 +182,15 @@ class CacheController {
   void StartLoadingLocked();
   bool BatchHasLayer(uint64_t seq, int64_t layer) const;
   void RunBatchesLocked(uint64_t upto, std::unique_lock<std::mutex>* lock);
+  // A copy taken off the queues (under `mu_`), and the acknowledgements of
+  // copies `ids[0, n)` (ascending).
+  void Begin(uint64_t id, bool backup);
+  void End(const uint64_t* ids, size_t n, bool ok, bool backup);
+  // (not manual) Starts the thread where it has none: in a forked child.
+  void StartThreadLocked();
+  void BeforeFork() override;
+  void AfterForkInParent() override;
+  void AfterForkInChild() override;
 
   std::unique_ptr<CopyEngine> engine_;
   const bool manual_;
@@ -189,7 +205,13 @@ class CacheController {
   uint64_t running_batch_ = 0;   // the batch being copied (0: none)
   int64_t running_layers_ = 0;   // its layers in place
   uint64_t finished_batch_ = 0;  // batches fully done: 1 .. finished_batch_
-  int64_t running_ = 0;          // copies taken off the queues, not acknowledged yet
+  struct UnderWay {
+    uint64_t id;
+    bool backup;
+  };
+  // The copies taken off the queues, not acknowledged yet (a forked child
+  // fails them).
+  std::vector<UnderWay> under_way_;
   std::vector<CopyAck> backup_acks_, load_acks_;
   bool stop_ = false;
   std::thread thread_;

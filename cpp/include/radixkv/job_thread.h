@@ -23,9 +23,11 @@
 #include <thread>
 #include <vector>
 
+#include "radixkv/fork_list.h"
+
 namespace radixkv {
 
-class JobThread {
+class JobThread final : private ForkAware {
  public:
   JobThread() = default;
   /// Runs the jobs still queued, then stops the thread.
@@ -45,13 +47,12 @@ class JobThread {
 
  private:
   void Run();
-  // Around a fork() (pthread_atfork, for every JobThread posted to):
-  // before it, waits for the jobs and keeps `mu_` locked across the fork; the
+  // Around a fork() (the fork list, for every JobThread posted to): before
+  // it, waits for the jobs and keeps `mu_` locked across the fork; the
   // parent unlocks it, the child forgets the thread, which it does not have.
-  void BeforeFork();
-  void AfterForkInParent();
-  void AfterForkInChild();
-  friend struct JobThreadForks;
+  void BeforeFork() override;
+  void AfterForkInParent() override;
+  void AfterForkInChild() override;
 
   std::mutex mu_;
   std::condition_variable work_;  // the thread sleeps for jobs

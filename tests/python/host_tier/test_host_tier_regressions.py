@@ -18,7 +18,10 @@ controller thread.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -1566,3 +1569,49 @@ def run_end_to_end(policy, layout, seed, steps=250):
     assert c.backed_up > 0
     assert host_hits > 0 and c.loaded_back > 0, "no request was served from the host tier"
     assert c.failed_copies == 0
+
+
+FORKED = """
+import os, sys, torch
+from radixkv.kvcache import MHAKVCache
+from radixkv.scheduler import CacheManager
+
+pool = MHAKVCache(num_kv_heads=1, num_layers=2, head_dim=4, num_pages=16,
+                  dtype=torch.float32, page_size=4)
+cm = CacheManager(num_pages=16, page_size=4, kv_cache=pool, host_num_pages=32)
+
+def serve(base):
+    ids = torch.arange(base, base + 14)
+    h, cached = cm.match_req(ids)
+    cm.lock(h)
+    cm.free_and_cache_finished_req(h, ids, torch.cat([cached, cm.allocate(14 - h.cached_len)]))
+
+serve(0)
+cm.drain()
+serve(100)  # its backup queued, or under way, on the copy thread at the fork
+child = os.fork()
+if child == 0:
+    if sys.argv[1] == "use":
+        serve(200)
+        cm.drain()
+        # 12 tokens a request: the backup under way at the fork fails here.
+        assert cm.metrics.host_cached_tokens in (24, 36), cm.metrics
+        cm.check_integrity()
+    sys.exit(0)  # the manager goes at the interpreter's exit
+_, status = os.waitpid(child, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+serve(300)
+cm.drain()
+assert cm.metrics.host_cached_tokens == 36, cm.metrics
+cm.check_integrity()
+"""
+
+
+@pytest.mark.parametrize("child", ["use", "exit"])
+def test_a_forked_child_backs_up_and_exits_with_the_copy_thread_left_behind(child):
+    """The copy controller's thread stays in the parent at a fork(): a child
+    that serves starts a copy thread of its own (a copy under way at the fork
+    fails there), and one that only exits does not wait for the parent's
+    (before, both hung). The parent's copies go on untouched."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", FORKED, child], check=True, env=env, timeout=120)
