@@ -191,6 +191,9 @@ class CudaCopyEngine final : public CopyEngine {
     cudaStreamWaitEvent(compute_, layer_events_[layer], 0);
   }
 
+  void BeforeFork() override { mu_.lock(); }
+  void AfterFork() override { mu_.unlock(); }
+
  private:
   // A device copy of `l`'s plane table, freed with the engine.
   char* const* DeviceTable(const PoolLayout& l) {

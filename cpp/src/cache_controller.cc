@@ -59,6 +59,20 @@ void CheckUnit(int32_t unit) {
   if (unit < 1) throw std::invalid_argument("unit must be >= 1, got " + std::to_string(unit));
 }
 
+// At least `n` capacity, doubling: reserving one more each time would copy
+// the whole vector each time.
+template <typename T>
+void Grow(std::vector<T>* v, size_t n) {
+  if (v->capacity() < n) v->reserve(std::max(n, 2 * v->capacity()));
+}
+
+// The acknowledgements, leaving `acks` its room for those to come.
+std::vector<CopyAck> Take(std::vector<CopyAck>* acks) {
+  std::vector<CopyAck> out(acks->begin(), acks->end());
+  acks->clear();
+  return out;
+}
+
 }  // namespace
 
 bool CopyJob::ExpandToSlots() noexcept {
@@ -121,6 +135,7 @@ uint64_t CacheController::Backup(std::vector<int32_t> device, std::vector<int32_
   {
     std::lock_guard<std::mutex> lock(mu_);
     StartThreadLocked();
+    ReserveLocked(true);
     id = job->id = next_id_++;
     backups_.push_back(std::move(job));
   }
@@ -137,6 +152,7 @@ uint64_t CacheController::Load(std::vector<int32_t> host, std::vector<int32_t> d
   job->src = std::move(host);
   job->dst = std::move(device);
   std::lock_guard<std::mutex> lock(mu_);
+  ReserveLocked(false);
   const uint64_t id = job->id = next_id_++;
   pending_loads_.push_back(std::move(job));
   return id;
@@ -266,11 +282,11 @@ void CacheController::RunBackup(CopyJob* job, std::unique_lock<std::mutex>* lock
   done_.notify_all();
 }
 
-void CacheController::Begin(uint64_t id, bool backup) {
-  under_way_.push_back(UnderWay{id, backup});
+void CacheController::Begin(uint64_t id, bool backup) noexcept {
+  under_way_.push_back(UnderWay{id, backup});  // (room reserved when it was queued)
 }
 
-void CacheController::End(const uint64_t* ids, size_t n, bool ok, bool backup) {
+void CacheController::End(const uint64_t* ids, size_t n, bool ok, bool backup) noexcept {
   // `ids` ascend (ids are given in order, and a batch keeps its loads').
   under_way_.erase(std::remove_if(under_way_.begin(), under_way_.end(),
                                   [&](const UnderWay& u) {
@@ -321,14 +337,21 @@ void CacheController::Run() {
   }
 }
 
+void CacheController::ReserveLocked(bool backup) {
+  const size_t copies = static_cast<size_t>(InFlightLocked()) + 1;
+  Grow(&under_way_, copies);
+  std::vector<CopyAck>* acks = backup ? &backup_acks_ : &load_acks_;
+  Grow(acks, acks->size() + copies);
+}
+
 std::vector<CopyAck> CacheController::TakeBackupAcks() {
   std::lock_guard<std::mutex> lock(mu_);
-  return std::exchange(backup_acks_, {});
+  return Take(&backup_acks_);
 }
 
 std::vector<CopyAck> CacheController::TakeLoadAcks() {
   std::lock_guard<std::mutex> lock(mu_);
-  return std::exchange(load_acks_, {});
+  return Take(&load_acks_);
 }
 
 bool CacheController::Complete(uint64_t id, bool ok) {
@@ -368,9 +391,15 @@ void CacheController::StartThreadLocked() {
   if (!manual_ && !thread_.joinable()) thread_ = std::thread([this] { Run(); });
 }
 
-void CacheController::BeforeFork() { mu_.lock(); }  // (held across the fork)
+void CacheController::BeforeFork() {  // (both held across the fork)
+  mu_.lock();
+  engine_->BeforeFork();
+}
 
-void CacheController::AfterForkInParent() { mu_.unlock(); }
+void CacheController::AfterForkInParent() {
+  engine_->AfterFork();
+  mu_.unlock();
+}
 
 void CacheController::AfterForkInChild() {
   // This thread is the child's only one: the copy thread, and whoever waited
@@ -379,7 +408,9 @@ void CacheController::AfterForkInChild() {
   new (&thread_) std::thread();
   new (&work_) std::condition_variable();
   new (&done_) std::condition_variable();
+  engine_->AfterFork();
   // The copies under way are half done here, and nothing will end them.
+  // (Their acknowledgements have room: reserved when they were queued.)
   for (const UnderWay& u : under_way_) {
     (u.backup ? backup_acks_ : load_acks_).push_back(CopyAck{u.id, false});
   }
@@ -393,6 +424,10 @@ void CacheController::AfterForkInChild() {
 
 int64_t CacheController::in_flight() const {
   std::lock_guard<std::mutex> lock(mu_);
+  return InFlightLocked();
+}
+
+int64_t CacheController::InFlightLocked() const {
   int64_t n = static_cast<int64_t>(backups_.size() + pending_loads_.size() + under_way_.size());
   for (const Batch& b : batches_) n += static_cast<int64_t>(b.ids.size());
   return n;

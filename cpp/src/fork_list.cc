@@ -26,7 +26,11 @@ std::vector<ForkAware*>& List() {
 // meanwhile; the child has the forking thread's lock to release.
 void Prepare() {
   ListMutex().lock();
-  for (ForkAware* object : List()) object->BeforeFork();
+  for (bool waits : {true, false}) {
+    for (ForkAware* object : List()) {
+      if (object->WaitsAtFork() == waits) object->BeforeFork();
+    }
+  }
 }
 
 void Parent() {

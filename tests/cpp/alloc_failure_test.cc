@@ -293,5 +293,32 @@ TEST(AllocFailureTest, AMixedLoadBatchAcksEachLoadOnce) {
   EXPECT_GT(failed_starts, 0);
 }
 
+TEST(AllocFailureTest, ACopyHasItsRoomFromTheMomentItIsQueued) {
+  // Queuing a copy allocates what running and acknowledging it will need, so
+  // a failure there changes nothing, and running it (here Complete and a
+  // batch, on this thread; the copy thread cannot report a failure) never
+  // fails to allocate: no acknowledgement is ever lost.
+  CacheController c(MakeNullCopyEngine(1), true);
+  std::vector<uint64_t> ids;
+  ids.reserve(40);  // (the test's own, outside the injector's count)
+  for (int i = 0; i < 40; ++i) {
+    FailEachAllocation(
+        [&] {
+          ids.push_back(i % 2 ? c.Load({i}, {i}) : c.Backup({i}, {i}));
+        },
+        [&](int64_t n) {
+          ASSERT_EQ(c.Waiting(), ids) << "copy " << i << ", allocation " << n << " failed";
+        });
+  }
+  for (size_t i = 0; i < ids.size(); i += 2) {
+    EXPECT_EQ(FailEachAllocation([&] { ASSERT_TRUE(c.Complete(ids[i], true)); }, [](int64_t) {}),
+              0);
+  }
+  FailEachAllocation([&] { c.StartLoading(); }, [&](int64_t) { ASSERT_EQ(c.in_flight(), 20); });
+  EXPECT_EQ(FailEachAllocation([&] { c.WaitLoads(); }, [](int64_t) {}), 0);
+  EXPECT_EQ(c.in_flight(), 0);
+  EXPECT_EQ(c.TakeBackupAcks().size() + c.TakeLoadAcks().size(), 40u);
+}
+
 }  // namespace
 }  // namespace radixkv

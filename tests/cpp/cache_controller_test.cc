@@ -171,19 +171,23 @@ TEST(CacheControllerTest, WaitLoadsLeavesEveryLoadAcknowledgedAndBackupsAlone) {
   }
 }
 
-// An engine whose layers after the first wait for the test to let them go.
+// An engine whose layers after the first (and with `gate_backups`, whose
+// backups) wait for the test to let them go; `held` counts the copies that
+// waited.
 class GatedEngine final : public CopyEngine {
  public:
   int64_t num_layers() const override { return 4; }
-  bool CopyLayers(CopyJob*, int64_t begin, int64_t) override {
-    if (begin > 0) {
+  bool CopyLayers(CopyJob* job, int64_t begin, int64_t) override {
+    if (begin > 0 || (gate_backups && job->kind == CopyJob::Kind::kBackup)) {
+      held.fetch_add(1);
       while (!open.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     done.fetch_add(1);
     return !fail.load();
   }
   std::atomic<bool> open{false}, fail{false};
-  std::atomic<int> done{0};
+  bool gate_backups = false;
+  std::atomic<int> done{0}, held{0};
 };
 
 TEST(CacheControllerTest, LayerZeroIsReadyWhileTheLastLayerStillLoads) {
@@ -322,6 +326,84 @@ TEST(CacheControllerTest, AForkedChildFailsTheCopyUnderWayAndRunsTheRest) {
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status)) << "the child was killed (signal " << WTERMSIG(status) << ")";
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// Forks from a thread while `under_way` is held in the engine; the child runs
+// `child_check` (under alarm: a hang fails the test) and exits with its
+// answer. Then lets the copy go in the parent and returns the child's status.
+template <typename ChildCheck>
+int ForkWhileHeld(CacheController* c, GatedEngine* e, ChildCheck child_check) {
+  while (e->held.load() == 0) std::this_thread::yield();
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(20);
+    e->open = true;
+    _exit(child_check() ? 0 : 1);
+  }
+  e->open = true;
+  c->Drain();
+  int status = -1;
+  if (child < 0 || waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+// The batch under way is the last: the child's WaitLayer for it returns, its
+// load failed (it counts as finished there).
+TEST(CacheControllerTest, AForkedChildsWaitForTheBatchUnderWayReturns) {
+  auto engine = std::make_unique<GatedEngine>();
+  GatedEngine* e = engine.get();
+  CacheController c(std::move(engine), false);
+  const uint64_t id = c.Load(Page(0), Page(1));
+  c.StartLoading();
+  const int status = ForkWhileHeld(&c, e, [&] {
+    c.WaitLayer(3);
+    const std::vector<CopyAck> acks = c.TakeLoadAcks();
+    return acks.size() == 1 && acks[0].id == id && !acks[0].ok && c.in_flight() == 0;
+  });
+  EXPECT_EQ(status, 0);
+  const std::vector<CopyAck> acks = c.TakeLoadAcks();
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_TRUE(acks[0].ok);
+}
+
+// A backup under way fails in the child alone; the next one runs there.
+TEST(CacheControllerTest, AForkedChildFailsTheBackupUnderWay) {
+  auto engine = std::make_unique<GatedEngine>();
+  GatedEngine* e = engine.get();
+  e->gate_backups = true;
+  CacheController c(std::move(engine), false);
+  const uint64_t first = c.Backup(Page(0), Page(1));
+  const int status = ForkWhileHeld(&c, e, [&] {
+    const uint64_t second = c.Backup(Page(2), Page(3));
+    c.Drain();
+    const std::vector<CopyAck> acks = c.TakeBackupAcks();
+    return acks.size() == 2 && acks[0].id == first && !acks[0].ok && acks[1].id == second &&
+           acks[1].ok && c.in_flight() == 0;
+  });
+  EXPECT_EQ(status, 0);
+  const std::vector<CopyAck> acks = c.TakeBackupAcks();
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_TRUE(acks[0].id == first && acks[0].ok);
+}
+
+// Manual mode: a copy another thread runs (Complete) is under way too.
+TEST(CacheControllerTest, AForkedChildFailsTheCopyAnotherThreadCompletes) {
+  auto engine = std::make_unique<GatedEngine>();
+  GatedEngine* e = engine.get();
+  e->gate_backups = true;
+  CacheController c(std::move(engine), true);
+  const uint64_t first = c.Backup(Page(0), Page(1));
+  const uint64_t second = c.Backup(Page(2), Page(3));
+  std::thread completing([&] { c.Complete(first, true); });
+  const int status = ForkWhileHeld(&c, e, [&] {
+    c.Drain();  // (manual: runs the second)
+    const std::vector<CopyAck> acks = c.TakeBackupAcks();
+    return acks.size() == 2 && acks[0].id == first && !acks[0].ok && acks[1].id == second &&
+           acks[1].ok && c.in_flight() == 0;
+  });
+  completing.join();
+  EXPECT_EQ(status, 0);
+  EXPECT_EQ(c.TakeBackupAcks().size(), 2u);
 }
 
 }  // namespace

@@ -75,6 +75,12 @@ class CopyEngine {
   /// forward pass runs on (CUDA; fences are recorded on it and AfterLayer
   /// makes it wait). Nothing on the CPU.
   virtual void SetComputeStream(void* stream) { (void)stream; }
+  /// Around a fork() (from the controller's, which holds its own lock
+  /// first): takes whatever lock the engine's calls take, and releases it
+  /// after, in the parent and in the child, so that the child never finds it
+  /// held by a thread it does not have. Nothing on the CPU.
+  virtual void BeforeFork() {}
+  virtual void AfterFork() {}
 };
 
 /// One pair of buffers a copy moves, slot for slot: rows of `row_bytes`
@@ -183,9 +189,15 @@ class CacheController final : private ForkAware {
   bool BatchHasLayer(uint64_t seq, int64_t layer) const;
   void RunBatchesLocked(uint64_t upto, std::unique_lock<std::mutex>* lock);
   // A copy taken off the queues (under `mu_`), and the acknowledgements of
-  // copies `ids[0, n)` (ascending).
-  void Begin(uint64_t id, bool backup);
-  void End(const uint64_t* ids, size_t n, bool ok, bool backup);
+  // copies `ids[0, n)` (ascending). Neither allocates: see ReserveLocked.
+  void Begin(uint64_t id, bool backup) noexcept;
+  void End(const uint64_t* ids, size_t n, bool ok, bool backup) noexcept;
+  // Before a copy is queued: room for it in `under_way_` and for its
+  // acknowledgement, so that running and acknowledging it never allocates
+  // (the copy thread could not report the failure, and an acknowledgement
+  // must not be lost). Throws std::bad_alloc, changing nothing.
+  void ReserveLocked(bool backup);
+  int64_t InFlightLocked() const;
   // (not manual) Starts the thread where it has none: in a forked child.
   void StartThreadLocked();
   void BeforeFork() override;

@@ -7,7 +7,9 @@
 // around every fork() (pthread_atfork) the list calls each one:
 // BeforeFork brings it to rest and locks it, AfterForkInParent unlocks it,
 // and AfterForkInChild makes it whole without the thread (which the object
-// may start anew when it next needs one).
+// may start anew when it next needs one). Those that wait for their
+// thread's work before a fork (WaitsAtFork) go first, so that those that
+// only lock (a copy controller) are not held while they wait.
 #pragma once
 
 namespace radixkv {
@@ -17,6 +19,8 @@ class ForkAware {
   virtual void BeforeFork() = 0;
   virtual void AfterForkInParent() = 0;
   virtual void AfterForkInChild() = 0;
+  /// Whether BeforeFork waits for work (then it goes before those that only lock).
+  virtual bool WaitsAtFork() const { return false; }
 
  protected:
   ~ForkAware() = default;

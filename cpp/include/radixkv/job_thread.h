@@ -53,6 +53,7 @@ class JobThread final : private ForkAware {
   void BeforeFork() override;
   void AfterForkInParent() override;
   void AfterForkInChild() override;
+  bool WaitsAtFork() const override { return true; }
 
   std::mutex mu_;
   std::condition_variable work_;  // the thread sleeps for jobs
