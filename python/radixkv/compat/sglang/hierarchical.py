@@ -141,6 +141,23 @@ class HostPoolView:
         return info.free if info is not None else 0
 
 
+def evict_tokens(cm: CacheManager, want: int) -> int:
+    """SGLang's `evict(num_tokens)`: evicts at least `want` device tokens
+    where the tree can, else all it can; returns the tokens evicted.
+    `make_room` first waits for the backups in flight where they pin what is
+    missing, so the cap is what is evictable after them, not before: under
+    write_through_selective a match starts a backup (its path pinned)
+    between SGLang's admission of a request, which counted that path
+    evictable, and the request's allocation."""
+    if want <= 0:
+        return 0
+    try:
+        return cm.make_room(want)
+    except _core.OutOfCapacityError:  # (the backups in flight have landed by now)
+        n = min(want, cm.manager.size_info.evictable_size)
+        return cm.make_room(n) if n > 0 else 0
+
+
 def check_device_pool(device_pool, page_size: int) -> None:
     """Refuses, by name, a device pool the host tier cannot copy."""
     kind = type(device_pool).__name__
@@ -514,13 +531,7 @@ class HierarchicalCache:
         want = params.num_tokens if hasattr(params, "num_tokens") else int(params)
         evicted = 0
         if want > 0:
-            cm = self.cm
-            n = min(want, cm.manager.size_info.evictable_size)
-            if n > 0:
-                try:
-                    evicted = cm.make_room(n)
-                except _core.OutOfCapacityError:
-                    evicted = 0
+            evicted = evict_tokens(self.cm, want)
             self._give_back()
         if self.metrics_collector is not None:
             self.update_eviction_metrics(evicted, start)
