@@ -103,9 +103,9 @@ CacheController::CacheController(std::unique_ptr<CopyEngine> engine, bool manual
     : engine_(std::move(engine)), manual_(manual) {
   // Manual ones too: a copy another thread runs (Complete) is under way.
   AddToForkList(this);
-  if (manual_) return;
   try {
-    thread_ = std::thread([this] { Run(); });
+    std::lock_guard<std::mutex> lock(mu_);  // (a fork's handlers may see it already)
+    StartThreadLocked();
   } catch (...) {
     RemoveFromForkList(this);
     throw;

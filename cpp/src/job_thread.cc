@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <new>
-#include <system_error>
 #include <utility>
 
 namespace radixkv {
