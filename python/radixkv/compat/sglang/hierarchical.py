@@ -154,8 +154,7 @@ def evict_tokens(cm: CacheManager, want: int) -> int:
     try:
         return cm.make_room(want)
     except _core.OutOfCapacityError:  # (the backups in flight have landed by now)
-        n = min(want, cm.manager.size_info.evictable_size)
-        return cm.make_room(n) if n > 0 else 0
+        return cm.make_room(min(want, cm.manager.size_info.evictable_size))
 
 
 def check_device_pool(device_pool, page_size: int) -> None:
