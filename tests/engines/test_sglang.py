@@ -288,6 +288,10 @@ def test_priority_scheduling_with_radixkv(python, model, tmp_path):
 
 # -- radixkv's store as HiCache's L3 ------------------------------------------------------
 
+# Stock HiCache with an L3. A prefetch waits until it completes: under the
+# default policy (a deadline of about a second) a server's first read of a
+# store it has just connected to may miss it on a loaded machine, and these
+# tests count the tokens L3 serves.
 HICACHE = [
     "--enable-hierarchical-cache",
     "--hicache-size",
@@ -296,6 +300,8 @@ HICACHE = [
     "direct",
     "--hicache-mem-layout",
     "layer_first",
+    "--hicache-storage-prefetch-policy",
+    "wait_complete",
 ]
 
 
