@@ -86,6 +86,7 @@ class Server:
             start_new_session=True,
         )
         self.exit_code: Optional[int] = None
+        self.stuck_after_s: Optional[float] = None
         deadline = time.monotonic() + ready_s
         while True:
             log = self.log()
@@ -139,10 +140,18 @@ class Server:
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM to the server, as a supervisor stops it; its exit code
-        (the whole process group is killed if it does not end in time)."""
+        (the whole process group is killed if it does not end in time).
+        A server with `stuck_after_s` that has not ended by then gets its
+        other processes aborted: each, under PYTHONFAULTHANDLER, writes
+        every thread's Python stack to the log before it dies."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
+                if self.stuck_after_s is not None:
+                    try:
+                        self.proc.wait(self.stuck_after_s)
+                    except subprocess.TimeoutExpired:
+                        self._abort_children()
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
@@ -151,6 +160,19 @@ class Server:
         self._kill_group()
         self._log.close()
         return self.exit_code
+
+    def _abort_children(self) -> None:
+        """SIGABRT to every process of the server's group but its first."""
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == self.proc.pid:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.proc.pid:  # its process group
+                    os.kill(int(entry), signal.SIGABRT)
+            except (OSError, IndexError, ValueError):
+                pass
 
     def _kill_group(self) -> None:
         try:
@@ -366,10 +388,14 @@ def vllm_server(
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # Stacks in the log of a stop that hangs (Server.stop).
+        "PYTHONFAULTHANDLER": "1",
         **(env or {}),
     }
     server = Server.start(lambda port: cmd + ["--port", str(port)], log_path, env)
     server.model = model
+    # A stop takes about 5 s here; vLLM kills its engine 30 s after SIGTERM.
+    server.stuck_after_s = 25.0
     return server
 
 
@@ -391,6 +417,13 @@ def complete(server: Server, ids: List[int], extras: dict, max_new_tokens: int =
     out = server.post("/v1/completions", body)
     details = out["usage"].get("prompt_tokens_details") or {}
     return list(out["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
+
+
+def stuck_stacks(log: str, limit: int = 12000) -> str:
+    """The Python stacks a stop that hung had its processes write to the log
+    (Server.stop), or an empty string."""
+    start = log.find("Fatal Python error: Aborted")
+    return "" if start < 0 else log[start : start + limit]
 
 
 def server_problems(log: str) -> List[str]:

@@ -25,6 +25,7 @@ from engine_env import (
     complete,
     free_port,
     server_problems,
+    stuck_stacks,
     venv_python,
     vllm_server as start,
 )
@@ -80,7 +81,7 @@ HOST_BYTES = 16 * BLOCK_BYTES
 def moved(log):
     """The connector's count of blocks per move, from its line at shutdown."""
     line = re.findall(r"radixkv connector: blocks (.*)", log)
-    assert line, "the connector logged no moves"
+    assert line, "the connector logged no moves\n" + stuck_stacks(log)
     return {what: int(n) for what, n in re.findall(r"([a-z ]+?) (\d+)(?:, |$)", line[-1])}
 
 
@@ -134,7 +135,7 @@ def runs(python, model, tmp_path_factory):
 
 def test_radixkv_serves_what_vllm_serves_with_its_own_cache(runs):
     want, got = runs["want"], runs["got"]
-    assert runs["codes"] == (0, 0)
+    assert runs["codes"] == (0, 0), stuck_stacks(runs["logs"][0] + runs["logs"][1])
     for log in runs["logs"]:
         assert not problems(log), problems(log)[:5]
     assert "Creating v1 connector with name: RadixkvConnector" in runs["logs"][1]
