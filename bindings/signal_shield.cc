@@ -4,8 +4,11 @@
 #include <pthread.h>
 #include <pythread.h>
 #include <structmember.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <cstring>
 #include <ctime>
@@ -33,6 +36,9 @@ std::atomic<Handler> g_next[NSIG];       // the handler each front handler passe
 // one (SIGINT, SIGTERM): the ones rechecked. Main thread only, after start.
 bool g_watched[NSIG];
 unsigned long g_main_thread = 0;
+// The main thread's kernel id, where radixkv was imported on it (0: not
+// known, and a signal is handled on whichever thread the kernel gave it).
+std::atomic<pid_t> g_main_tid{0};
 // Python's own C handler (what signal.signal() installs for a Python
 // callable): the only handler the front is ever placed before, so a handler
 // that chains to the one it replaced can never lead back to ours.
@@ -61,6 +67,22 @@ bool Holdable(int sig) {
   }
 }
 
+pid_t ThreadId() { return static_cast<pid_t>(syscall(SYS_gettid)); }
+
+// Sends `sig` on to the main thread when it came to another one. Python runs
+// signal handlers on its main thread only, and a main thread asleep on a
+// lock (a server's scheduler waiting for work) wakes only for a signal the
+// kernel gives it: one handled on another thread would wait, unseen, until
+// the main thread next runs. Async-signal-safe; errno is kept.
+bool SentToMainThread(int sig) {
+  const pid_t main_tid = g_main_tid.load(std::memory_order_relaxed);
+  if (main_tid == 0) return false;
+  const int saved = errno;
+  const bool sent = ThreadId() != main_tid && syscall(SYS_tgkill, getpid(), main_tid, sig) == 0;
+  errno = saved;
+  return sent;
+}
+
 extern "C" void FrontHandler(int sig) {
   const Handler next = g_next[sig].load(std::memory_order_acquire);
   if (g_depth.load(std::memory_order_acquire) > 0) {
@@ -73,6 +95,7 @@ extern "C" void FrontHandler(int sig) {
       return;
     }
   }
+  if (SentToMainThread(sig)) return;
   if (next != nullptr) next(sig);
 }
 
@@ -125,6 +148,7 @@ void AfterForkInChild() {
   for (int sig = 1; sig < NSIG; ++sig) g_pending[sig].store(0);
   g_any_pending.store(false);
   g_main_thread = PyThread_get_thread_ident();
+  g_main_tid.store(ThreadId());
 }
 
 // _signal.signal as radixkv wraps it: the original, then, for a signal whose
@@ -324,6 +348,7 @@ PyType_Spec kShieldedSpec{"radixkv._core.shielded", sizeof(Shielded), 0,
 void RegisterSignalShield(py::module_& m) {
   g_main_thread =
       py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  if (PyThread_get_thread_ident() == g_main_thread) g_main_tid.store(ThreadId());
   g_python_handler = FindPythonHandler();
   if (g_python_handler != nullptr) {
     // The Python handlers installed before radixkv was imported.

@@ -23,7 +23,12 @@
 //    came after a handler raised is handled by the interpreter after it).
 //
 // Outside shielded calls the front handler passes each signal straight on,
-// so nothing else changes. It is only ever placed before Python's own C
+// but one the kernel gave a thread other than the main one goes on to the
+// main thread (where radixkv was imported on it): Python runs its handlers
+// there, and a main thread asleep on a lock, as a server's is while it waits
+// for work, wakes only for a signal sent to it, so a SIGTERM handled on
+// another thread would wait unseen. (A main thread that blocks the signal
+// gets it when it unblocks it.) It is only ever placed before Python's own C
 // handler, never before another's (a C library's handler that chains to the
 // one it replaced can then never lead back to it). `signal.signal()`
 // installs Python's handler in front again; radixkv wraps `_signal.signal`,

@@ -1403,6 +1403,33 @@ SHIELD_SCRIPTS = {
         want = ["SIGFPE", "SIGUSR1", "SIGUSR1", "SIGUSR2", "SIGALRM"]
         print("ok" if inside == ["SIGFPE"] and ran == want else (inside, ran))
     """,
+    # A signal the kernel gives another thread wakes the main thread asleep
+    # on a lock (a server waiting for work), whose handlers Python runs:
+    # SIGTERM's installed before radixkv was imported, SIGUSR1's after.
+    "thread": """
+        import signal, threading, time
+        waited = []
+        def stop(sig, frame):  # how long the main thread slept with the signal come
+            waited.append(round(time.monotonic() - sent[0], 1))
+            raise InterruptedError
+        signal.signal(signal.SIGTERM, stop)
+        from radixkv import _core
+        signal.signal(signal.SIGUSR1, stop)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            sent = []
+            def other():
+                time.sleep(0.2)
+                sent.append(time.monotonic())
+                signal.pthread_kill(threading.get_ident(), sig)
+            lock = threading.Lock()
+            lock.acquire()
+            threading.Thread(target=other).start()
+            try:
+                lock.acquire(timeout=20)  # unwoken, its handler runs after the 20 s
+            except InterruptedError:
+                pass
+        print("ok" if len(waited) == 2 and max(waited) < 10 else waited)
+    """,
     # SIGINT and SIGTERM both held: SIGTERM's handler still runs after.
     "both": """
         import signal
