@@ -36,9 +36,10 @@ std::atomic<Handler> g_next[NSIG];       // the handler each front handler passe
 // one (SIGINT, SIGTERM): the ones rechecked. Main thread only, after start.
 bool g_watched[NSIG];
 unsigned long g_main_thread = 0;
-// The main thread's kernel id, where radixkv was imported on it (0: not
-// known, and a signal is handled on whichever thread the kernel gave it).
-std::atomic<pid_t> g_main_tid{0};
+// Whether Python's main thread is the process's first thread (its kernel id
+// is the process id), as it is where radixkv was imported on it and in a
+// fork's child: only then are signals sent on to it (SentToMainThread).
+std::atomic<bool> g_main_is_first{false};
 // Python's own C handler (what signal.signal() installs for a Python
 // callable): the only handler the front is ever placed before, so a handler
 // that chains to the one it replaced can never lead back to ours.
@@ -67,18 +68,25 @@ bool Holdable(int sig) {
   }
 }
 
+extern "C" void FrontHandler(int sig);
+
 pid_t ThreadId() { return static_cast<pid_t>(syscall(SYS_gettid)); }
 
 // Sends `sig` on to the main thread when it came to another one. Python runs
 // signal handlers on its main thread only, and a main thread asleep on a
 // lock (a server's scheduler waiting for work) wakes only for a signal the
 // kernel gives it: one handled on another thread would wait, unseen, until
-// the main thread next runs. Async-signal-safe; errno is kept.
+// the main thread next runs. Not where a handler placed in front of ours
+// chained to it (faulthandler's): that one would run again on the main
+// thread. Async-signal-safe; errno is kept.
 bool SentToMainThread(int sig) {
-  const pid_t main_tid = g_main_tid.load(std::memory_order_relaxed);
-  if (main_tid == 0) return false;
+  if (!g_main_is_first.load(std::memory_order_relaxed)) return false;
   const int saved = errno;
-  const bool sent = ThreadId() != main_tid && syscall(SYS_tgkill, getpid(), main_tid, sig) == 0;
+  const pid_t main_tid = getpid();
+  struct sigaction now;
+  const bool sent = ThreadId() != main_tid && sigaction(sig, nullptr, &now) == 0 &&
+                    !(now.sa_flags & SA_SIGINFO) && now.sa_handler == FrontHandler &&
+                    syscall(SYS_tgkill, main_tid, main_tid, sig) == 0;
   errno = saved;
   return sent;
 }
@@ -148,7 +156,7 @@ void AfterForkInChild() {
   for (int sig = 1; sig < NSIG; ++sig) g_pending[sig].store(0);
   g_any_pending.store(false);
   g_main_thread = PyThread_get_thread_ident();
-  g_main_tid.store(ThreadId());
+  g_main_is_first.store(true);  // (the child's one thread is its first)
 }
 
 // _signal.signal as radixkv wraps it: the original, then, for a signal whose
@@ -348,7 +356,7 @@ PyType_Spec kShieldedSpec{"radixkv._core.shielded", sizeof(Shielded), 0,
 void RegisterSignalShield(py::module_& m) {
   g_main_thread =
       py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
-  if (PyThread_get_thread_ident() == g_main_thread) g_main_tid.store(ThreadId());
+  g_main_is_first.store(PyThread_get_thread_ident() == g_main_thread && ThreadId() == getpid());
   g_python_handler = FindPythonHandler();
   if (g_python_handler != nullptr) {
     // The Python handlers installed before radixkv was imported.

@@ -1423,12 +1423,31 @@ SHIELD_SCRIPTS = {
                 signal.pthread_kill(threading.get_ident(), sig)
             lock = threading.Lock()
             lock.acquire()
-            threading.Thread(target=other).start()
             try:
+                threading.Thread(target=other).start()
                 lock.acquire(timeout=20)  # unwoken, its handler runs after the 20 s
             except InterruptedError:
                 pass
         print("ok" if len(waited) == 2 and max(waited) < 10 else waited)
+    """,
+    # A C handler placed in front of radixkv's that chains to it (faulthandler)
+    # runs once for a signal another thread takes: it is not sent on then.
+    "chained thread": """
+        import faulthandler, signal, tempfile, threading
+        from radixkv import _core
+        ran = []
+        signal.signal(signal.SIGUSR1, lambda *a: ran.append(1))
+        out = tempfile.TemporaryFile("w+")
+        faulthandler.register(signal.SIGUSR1, file=out, all_threads=False, chain=True)
+        t = threading.Thread(target=lambda: signal.pthread_kill(threading.get_ident(),
+                                                                signal.SIGUSR1))
+        t.start()
+        t.join()
+        for _ in range(1000):  # (the main thread runs the handler at a bytecode)
+            pass
+        out.seek(0)
+        dumps = out.read().count("most recent call first")
+        print("ok" if (dumps, ran) == (1, [1]) else (dumps, ran))
     """,
     # SIGINT and SIGTERM both held: SIGTERM's handler still runs after.
     "both": """
