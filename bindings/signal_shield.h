@@ -24,16 +24,19 @@
 //
 // Outside shielded calls the front handler passes each signal straight on,
 // but one the kernel gave a thread other than the main one goes on to the
-// main thread (where radixkv was imported on it): Python runs its handlers
-// there, and a main thread asleep on a lock, as a server's is while it waits
-// for work, wakes only for a signal sent to it, so a SIGTERM handled on
-// another thread would wait unseen. (A main thread that blocks the signal
-// gets it when it unblocks it.) It is only ever placed before Python's own C
-// handler, never before another's (a C library's handler that chains to the
-// one it replaced can then never lead back to it). `signal.signal()`
-// installs Python's handler in front again; radixkv wraps `_signal.signal`,
-// which `signal.signal()` calls, so that ours is put back in front the moment
-// a Python handler is installed (no check costs a call anything for it).
+// main thread (where radixkv was imported on it and it is the process's
+// first thread): Python runs its handlers there, and a main thread asleep on
+// a lock, as a server's is while it waits for work, wakes only for a signal
+// sent to it, so a SIGTERM handled on another thread would wait unseen. (A
+// main thread that blocks the signal gets it when it unblocks it; a C
+// handler placed in front of ours that chains to it keeps the signal where
+// the kernel put it, or it would run twice.) The front is only ever placed
+// before Python's own C handler, never before another's (a C library's
+// handler that chains to the one it replaced can then never lead back to
+// it). `signal.signal()` installs Python's handler in front again; radixkv
+// wraps `_signal.signal`, which `signal.signal()` calls, so that ours is put
+// back in front the moment a Python handler is installed (no check costs a
+// call anything for it).
 // A handler put back by C code (sigaction) is found on the next outermost
 // call for SIGINT (the kernel is asked on every one), within 10 ms for the
 // others. In a child made by fork() nothing is held back until its first
