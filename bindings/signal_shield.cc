@@ -77,8 +77,10 @@ pid_t ThreadId() { return static_cast<pid_t>(syscall(SYS_gettid)); }
 // lock (a server's scheduler waiting for work) wakes only for a signal the
 // kernel gives it: one handled on another thread would wait, unseen, until
 // the main thread next runs. Not where a handler placed in front of ours
-// chained to it (faulthandler's): that one would run again on the main
-// thread. Async-signal-safe; errno is kept.
+// calls it (it would run again on the main thread); one that chains by
+// putting ours back and raising the signal again (faulthandler's) cannot be
+// told from the kernel's own delivery, and runs again there. Async-signal-
+// safe; errno is kept.
 bool SentToMainThread(int sig) {
   if (!g_main_is_first.load(std::memory_order_relaxed)) return false;
   const int saved = errno;

@@ -29,8 +29,10 @@
 // a lock, as a server's is while it waits for work, wakes only for a signal
 // sent to it, so a SIGTERM handled on another thread would wait unseen. (A
 // main thread that blocks the signal gets it when it unblocks it; a C
-// handler placed in front of ours that chains to it keeps the signal where
-// the kernel put it, or it would run twice.) The front is only ever placed
+// handler placed in front of ours that calls ours keeps the signal where the
+// kernel put it, or it would run twice, but one that chains by putting ours
+// back and raising the signal again, as faulthandler does, runs again on the
+// main thread.) The front is only ever placed
 // before Python's own C handler, never before another's (a C library's
 // handler that chains to the one it replaced can then never lead back to
 // it). `signal.signal()` installs Python's handler in front again; radixkv

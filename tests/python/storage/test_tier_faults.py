@@ -1430,8 +1430,11 @@ SHIELD_SCRIPTS = {
                 pass
         print("ok" if len(waited) == 2 and max(waited) < 10 else waited)
     """,
-    # A C handler placed in front of radixkv's that chains to it (faulthandler)
-    # runs once for a signal another thread takes: it is not sent on then.
+    # A C handler placed in front of radixkv's that chains to it by raising
+    # the signal again (faulthandler's way) for a signal another thread takes:
+    # the Python handler still runs once, on the main thread. (The front
+    # handler, installed again for the raise, sends it on, so faulthandler may
+    # dump a second time there: its stack.)
     "chained thread": """
         import faulthandler, signal, tempfile, threading
         from radixkv import _core
@@ -1447,7 +1450,7 @@ SHIELD_SCRIPTS = {
             pass
         out.seek(0)
         dumps = out.read().count("most recent call first")
-        print("ok" if (dumps, ran) == (1, [1]) else (dumps, ran))
+        print("ok" if dumps in (1, 2) and ran == [1] else (dumps, ran))
     """,
     # SIGINT and SIGTERM both held: SIGTERM's handler still runs after.
     "both": """
