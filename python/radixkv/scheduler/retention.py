@@ -285,6 +285,11 @@ class Retention:
     def refreshing(self) -> bool:
         return bool(self._refreshing)
 
+    @property
+    def timed(self) -> bool:
+        """Whether a claim has a deadline (else `expire` has nothing to end)."""
+        return bool(self._deadlines)
+
     # -- whole-manager ----------------------------------------------------------
 
     def release_all(self) -> None:
@@ -324,7 +329,7 @@ class NoRetention:
     TypeError naming it."""
 
     claims = ended = 0
-    refreshing = False
+    refreshing = timed = False
 
     def __init__(self, cache) -> None:
         self._cache = cache

@@ -135,6 +135,15 @@ class Upkeep:
         `ns` whose quota the new pages would exceed gives up its own least
         recently used pages first."""
         ps = self.page_size
+        retention = self.retention
+        if (
+            -(-n // ps) <= self.pages.num_free_pages
+            and not retention.timed
+            and (retention.ended == self._claims_ended_seen or not self.quotas.active)
+        ):
+            # What require_room would find, without its calls: the free pages
+            # suffice, no claim's time can be up, no ended claim awaits a quota.
+            return 0
         missing = self.require_room(n, what)
         if missing <= 0:
             return 0

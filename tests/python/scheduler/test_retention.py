@@ -78,6 +78,25 @@ def test_expiry_is_exact_on_the_managers_clock():
     cm.check_integrity()
 
 
+@pytest.mark.parametrize("pages", [False, True])
+def test_an_allocation_with_free_pages_to_spare_still_ends_a_claim_whose_time_is_up(pages):
+    clock = Clock()
+    cm = CacheManager(8, 4, clock=clock, retain_budget_tokens=16)
+    prompt = list(range(100, 116))
+    serve(cm, prompt)
+    claim = cm.retain(prompt, ttl_s=10.0)
+    allocate = cm.allocate_pages if pages else cm.allocate
+    clock.now = 9.999
+    held = allocate(4)  # one of the 4 free pages: no eviction needed
+    assert claim.active
+    clock.now = 10.0
+    held = torch.cat([held, allocate(4)])  # still no eviction: the claim ends anyway
+    assert not claim.active and cm.retained_tokens == 0
+    assert cm.metrics.retain_claims_expired == 1
+    (cm.release_pages if pages else cm.free)(held)
+    cm.check_integrity()
+
+
 def test_refresh_on_hit_needs_a_match_of_the_whole_prefix():
     clock = Clock()
     cm = CacheManager(32, 4, clock=clock)
