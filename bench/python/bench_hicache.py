@@ -37,7 +37,10 @@ holds them). A round replays the requests through a fresh cache; systems
 alternate round by round. Per request = a round's time in the calls over its
 requests; the figure is the median of the rounds, with min..max. Per-op
 medians pool every round's calls (evict: the calls that evicted). torch runs
-one intra-op thread, as the replay does.
+one intra-op thread, as the replay does. What is built before the rounds
+(the trace, the imports, the warm-up's leftovers) is frozen out of Python's
+garbage collector (`gc.freeze()`, as engines do after start-up); each
+round's cache and its objects are not.
 
 SGLang on a CPU: its device module is torch.cpu, whose streams and events
 stand in for CUDA's (an event is complete once recorded, so every ack is
@@ -576,6 +579,9 @@ def main() -> None:
     names = list(systems)
     for name in names:  # warm-up, not counted
         replay(systems[name], requests[:WARMUP], max_hash)
+    # (the trace out of the collector's walks: see the docstring)
+    gc.collect()
+    gc.freeze()
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
