@@ -32,13 +32,12 @@
 // handler placed in front of ours that calls ours keeps the signal where the
 // kernel put it, or it would run twice, but one that chains by putting ours
 // back and raising the signal again, as faulthandler does, runs again on the
-// main thread.) The front is only ever placed
-// before Python's own C handler, never before another's (a C library's
-// handler that chains to the one it replaced can then never lead back to
-// it). `signal.signal()` installs Python's handler in front again; radixkv
-// wraps `_signal.signal`, which `signal.signal()` calls, so that ours is put
-// back in front the moment a Python handler is installed (no check costs a
-// call anything for it).
+// main thread.) The front is only ever placed before Python's own C handler,
+// never before another's (a C library's handler that chains to the one it
+// replaced can then never lead back to it). `signal.signal()` installs
+// Python's handler in front again; radixkv wraps `_signal.signal`, which
+// `signal.signal()` calls, so that ours is put back in front the moment a
+// Python handler is installed (no check costs a call anything for it).
 // A handler put back by C code (sigaction) is found on the next outermost
 // call for SIGINT (the kernel is asked on every one), within 10 ms for the
 // others. In a child made by fork() nothing is held back until its first
