@@ -39,8 +39,8 @@ requests; the figure is the median of the rounds, with min..max. Per-op
 medians pool every round's calls (evict: the calls that evicted). torch runs
 one intra-op thread, as the replay does. What is built before the rounds
 (the trace, the imports, the warm-up's leftovers) is frozen out of Python's
-garbage collector (`gc.freeze()`, as engines do after start-up); each
-round's cache and its objects are not.
+garbage collector (`gc.freeze()`, as vLLM's engine does after start-up and
+SGLang's on `/freeze_gc`); each round's cache and its objects are not.
 
 SGLang on a CPU: its device module is torch.cpu, whose streams and events
 stand in for CUDA's (an event is complete once recorded, so every ack is
