@@ -63,11 +63,14 @@ device-only (same pool, no host tier), and the output says why.
 
     RADIXKV_SGLANG_VENV=<venv> python bench/python/bench_hicache.py TRACE \\
         [--rounds 3] [--requests N] [--sglang-io kernel|direct] [--json] \\
-        [--pages | --both] [--page-size 16]
+        [--pages | --both] [--page-size 16] [--native-calls]
 
 `--pages` runs radixkv through its page path, `--both` through both paths
 (and SGLang); `--page-size` changes both caches' page size, their pools
-keeping the same tokens.
+keeping the same tokens; `--native-calls` then replays radixkv (with its
+host tier; the page path when it ran) once more under cProfile and prints
+its native calls' time, per call and per request: the floor under its
+Python.
 
 <venv> is the SGLang venv .ci/engines builds (it prints its path); the
 script runs itself again with that venv's python, which holds SGLang 0.5.23
@@ -536,6 +539,12 @@ def main() -> None:
         help="the caches' page size; the pools keep their tokens (default 512)",
     )
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    ap.add_argument(
+        "--native-calls",
+        action="store_true",
+        help="then one more round of radixkv (the page path when it ran) under cProfile: its "
+        "native calls, us a call and a request",
+    )
     args = ap.parse_args()
     global PAGE, DEVICE_PAGES, HOST_PAGES
     scale = BLOCK // args.page_size
@@ -644,6 +653,33 @@ def main() -> None:
         print(f"  {op:<34}" + "".join(f"{c:>20}" for c in cells))
     if args.json:
         print(json.dumps({"rows": rows, "ratio": ratio, "sglang": why or settings}))
+    if args.native_calls:
+        name = "radixkv-pages" if "radixkv-pages" in systems else "radixkv"
+        native_calls(name, systems[name], requests, max_hash)
+
+
+def native_calls(name: str, make, requests: List[Request], max_hash: int) -> None:
+    """One round of `make` under cProfile: radixkv's native calls, the time
+    inside each (cProfile adds a little to every call) per call and per
+    request, and their sum: what a request costs before any Python."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    f = replay(make, requests, max_hash)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = []  # (us a request, calls a request, us a call, the call)
+    for (file, _, fn), (_, calls, inside, _, _) in stats.items():
+        if file == "~" and "radixkv._core" in fn and "check_integrity" not in fn:
+            rows.append((inside * 1e6 / f.requests, calls / f.requests, inside * 1e6 / calls, fn))
+    print(f"\nnative calls of {name} under cProfile, {f.requests:,} requests:")
+    print(f"  {'us a request':>12}{'calls a request':>17}{'us a call':>11}  call")
+    for row in sorted(rows, reverse=True):
+        if row[0] >= 0.01:
+            print(f"  {row[0]:>12.2f}{row[1]:>17.2f}{row[2]:>11.2f}  {row[3]}")
+    print(f"  {sum(r[0] for r in rows):>12.2f}  in all (the end's check_integrity left out)")
 
 
 if __name__ == "__main__":
