@@ -84,10 +84,20 @@ class Upkeep:
         since the quotas were last enforced (here, or wherever their end was
         first seen), the pages they kept past a quota go now, before the
         device evicts anyone else's."""
+        if self.expiry_idle():
+            return
         retention = self.retention
         retention.expire()
         if retention.ended != self._claims_ended_seen:
             self.after_step()
+
+    def expiry_idle(self) -> bool:
+        """Whether `expire` would change nothing: no claim has a deadline, and
+        no claim that ended since awaits a quota's enforcement."""
+        retention = self.retention
+        return not retention.timed and (
+            retention.ended == self._claims_ended_seen or not self.quotas.active
+        )
 
     def refresh_claims(self, handles: Iterable[BaseCacheHandle]) -> None:
         """Claims that refresh on a hit see the paths of `handles` matched."""
@@ -135,15 +145,8 @@ class Upkeep:
         `ns` whose quota the new pages would exceed gives up its own least
         recently used pages first."""
         ps = self.page_size
-        retention = self.retention
-        if (
-            -(-n // ps) <= self.pages.num_free_pages
-            and not retention.timed
-            and (retention.ended == self._claims_ended_seen or not self.quotas.active)
-        ):
-            # What require_room would find, without its calls: the free pages
-            # suffice, no claim's time can be up, no ended claim awaits a quota.
-            return 0
+        if -(-n // ps) <= self.pages.num_free_pages and self.expiry_idle():
+            return 0  # (what require_room finds then, without its calls)
         missing = self.require_room(n, what)
         if missing <= 0:
             return 0
